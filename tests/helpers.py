@@ -1,0 +1,80 @@
+"""Shared builders for the unit tests (no vLLM, no CRIU, no network)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import blake3
+
+from vllm_snapshot import manifest
+from vllm_snapshot.oracle import Oracle, TopLogprob
+
+
+def b3(data: bytes) -> str:
+    return blake3.blake3(data).hexdigest()
+
+
+def make_oracle(**over) -> Oracle:
+    base = dict(
+        prompt="Once upon a time",
+        token_id=11,
+        text=",",
+        logprob=-1.25,
+        top_logprobs=(
+            TopLogprob(token_id=11, logprob=-1.25),
+            TopLogprob(token_id=13, logprob=-1.5),
+            TopLogprob(token_id=290, logprob=-2.0),
+            TopLogprob(token_id=6, logprob=-3.0),
+            TopLogprob(token_id=1, logprob=-4.5),
+        ),
+    )
+    base.update(over)
+    return Oracle(**base)
+
+
+def manifest_fields(**over) -> dict:
+    """Keyword arguments for a plausible, valid :class:`manifest.Manifest` (unsealed)."""
+    pages = b"\x01" * 8192
+    inv = b"inventory"
+    fields = dict(
+        schema_version=1,
+        tool_version="0.1.0",
+        created_at="2025-01-01T00:00:00+00:00",
+        host={"vllm": "0.32.0", "torch": "2.13.0+cpu", "kernel": "6.18.0", "machine_id": "abc"},
+        engine=manifest.EngineInfo(
+            kind="cpu", sleep_level=0, engine_args=("--max-model-len", "512"),
+            env_hashes={"VLLM_CPU_KVCACHE_SPACE": "0123456789abcdef"}, full_state_captured=True),
+        model=manifest.ModelIdentity(
+            requested="/models/tiny", path="/models/tiny", served_name="tiny",
+            files=(manifest.ModelFile(path="model.safetensors", size=100, blake3=b3(b"m"),
+                                      mtime_ns=1, ctime_ns=2, inode=3, device=4),),
+            total_bytes=100),
+        oracle=make_oracle(),
+        criu=manifest.CriuInfo(
+            version="4.2.1", flags=("shell-job", "ext-unix-sk"), inherit={"control": "pipe:[123]"},
+            pid_namespace=True, root_pid=4242, tree_pids=(4242, 4243), tree_commands=("python", "python"),
+            dump_argv=("dump", "-t", "4242")),
+        images=(
+            manifest.ImageFile(name="inventory.img", raw_bytes=len(inv), stored_bytes=len(inv), blake3=b3(inv)),
+            manifest.ImageFile(name="pages-1.img", raw_bytes=len(pages), stored_bytes=len(pages), blake3=b3(pages)),
+        ),
+        sizes={"raw": len(pages) + len(inv), "stored": len(pages) + len(inv), "model": 100},
+        timings={"dump": 1.5, "pack": 0.25},
+    )
+    fields.update(over)
+    return fields
+
+
+def make_manifest(**over) -> manifest.Manifest:
+    """A sealed, valid manifest."""
+    return manifest.seal(manifest.Manifest(**manifest_fields(**over)))
+
+
+def write_snapshot_dir(path: Path, m: manifest.Manifest | None = None) -> manifest.Manifest:
+    """A private (0700) directory holding ``manifest.json`` of ``m`` (default: make_manifest())."""
+    m = m or make_manifest()
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    manifest.write_atomic(m, path)
+    return m

@@ -1,0 +1,171 @@
+"""criu: pure option building (argv, pycriu flags), version gate, log excerpt. No CRIU is run."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_snapshot import criu
+from vllm_snapshot.criu import DumpOptions, RestoreOptions
+
+
+def _after(argv: list[str], flag: str) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv) if a == flag]
+
+
+def test_shared_flags_are_the_measured_set():
+    assert criu.SHARED_FLAGS == ("shell-job", "ext-unix-sk", "tcp-established", "link-remap", "file-locks")
+
+
+def test_dump_argv_content():
+    argv = criu.dump_argv(DumpOptions(pid=4242), "/snap/images")
+    assert argv[0] == "dump"
+    assert _after(argv, "-t") == ["4242"]
+    assert _after(argv, "-D") == ["/snap/images"]
+    assert _after(argv, "-o") == [criu.DUMP_LOG]
+    assert "-v4" in argv
+    for f in criu.SHARED_FLAGS:
+        assert argv.count(f"--{f}") == 1
+    assert "--leave-running" not in argv
+    assert "-L" not in argv and "--external" not in argv
+    assert "--root" not in argv  # restore-only
+
+
+def test_dump_argv_optional_parts():
+    opts = DumpOptions(pid=7, leave_running=True, plugin_dir="/usr/lib/criu", external=("mnt[/a]:a", "dev[1/2]:d"))
+    argv = criu.dump_argv(opts, "/x", log="d.log")
+    assert "--leave-running" in argv
+    assert _after(argv, "-L") == ["/usr/lib/criu"]
+    assert _after(argv, "--external") == ["mnt[/a]:a", "dev[1/2]:d"]
+    assert _after(argv, "-o") == ["d.log"]
+
+
+def test_dump_argv_uses_given_flags_only():
+    argv = criu.dump_argv(DumpOptions(pid=1, flags=("shell-job",)), "/x")
+    assert [a for a in argv if a.startswith("--")] == ["--shell-job"]
+
+
+def test_restore_argv_content():
+    opts = RestoreOptions(inherit_fds=(("pipe:[123]", 5), ("pipe:[456]", 7)))
+    argv = criu.restore_argv(opts, "/stage")
+    assert argv[0] == "restore"
+    assert _after(argv, "-D") == ["/stage"]
+    assert _after(argv, "-o") == [criu.RESTORE_LOG]
+    assert "--restore-detached" in argv and "--restore-sibling" in argv
+    for f in criu.SHARED_FLAGS:
+        assert argv.count(f"--{f}") == 1
+    assert _after(argv, "--root") == ["/"]
+    assert _after(argv, "--inherit-fd") == ["fd[5]:pipe:[123]", "fd[7]:pipe:[456]"]
+    assert "-L" not in argv
+
+
+def test_restore_argv_plugin_external_and_root():
+    opts = RestoreOptions(root="/newroot", plugin_dir="/plug", external=("mnt[x]:y",))
+    argv = criu.restore_argv(opts, "/stage")
+    assert _after(argv, "--root") == ["/newroot"]
+    assert _after(argv, "-L") == ["/plug"]
+    assert _after(argv, "--external") == ["mnt[x]:y"]
+    assert "--inherit-fd" not in argv
+
+
+class _FakeOpts:
+    """Stands in for pycriu's criu_opts: records attribute assignments."""
+
+    def __init__(self):
+        self.__dict__["set"] = {}
+
+    def __setattr__(self, name, value):
+        self.set[name] = value
+
+
+def test_apply_flags_sets_pycriu_booleans():
+    o = _FakeOpts()
+    criu.apply_flags(o, criu.SHARED_FLAGS)
+    assert o.set == {"shell_job": True, "ext_unix_sk": True, "tcp_established": True,
+                     "link_remap": True, "file_locks": True}
+
+
+def test_apply_flags_subset():
+    o = _FakeOpts()
+    criu.apply_flags(o, ("link-remap",))
+    assert o.set == {"link_remap": True}
+
+
+def test_apply_flags_refuses_unknown_flag():
+    o = _FakeOpts()
+    with pytest.raises(ValueError, match="tcp-close"):
+        criu.apply_flags(o, ("shell-job", "tcp-close"))
+
+
+def test_every_shared_flag_maps_to_an_rpc_option():
+    # a flag added to SHARED_FLAGS without an RPC mapping would make every dump fail
+    criu.apply_flags(_FakeOpts(), criu.SHARED_FLAGS)
+
+
+@pytest.mark.parametrize("version,ok", [
+    ("4.2", True), ("4.2.1", True), ("4.10", True), ("4.10.0", True), ("5.0", True),
+    ("4.1.1", False), ("4.1", False), ("3.19", False), ("3.99.9", False),
+])
+def test_version_ok(version, ok):
+    assert criu.version_ok(version) is ok
+
+
+def test_log_excerpt_picks_error_lines_with_context(tmp_path):
+    lines = [f"(00.{i:06d}) info line {i}" for i in range(20)]
+    lines[3] = "(00.000003) Error (criu/cr-restore.c:1): RLIMIT_NOFILE noise we always see"
+    lines[12] = "(00.000012) Error (criu/files.c:42): cannot open pipe:[99]"
+    lines[15] = "(00.000015) info after"
+    log = tmp_path / "criu-restore.log"
+    log.write_text("\n".join(lines) + "\n")
+    out = criu.log_excerpt(log, context=2).splitlines()
+    assert out == lines[10:13]
+    assert not any("RLIMIT_NOFILE" in x for x in out)
+
+
+def test_log_excerpt_merges_overlapping_context_and_limits(tmp_path):
+    lines = [f"l{i}" for i in range(100)]
+    for i in (10, 11, 50, 90):
+        lines[i] = f"Error at {i}"
+    log = tmp_path / "l.log"
+    log.write_text("\n".join(lines))
+    out = criu.log_excerpt(log, context=3, limit=30).splitlines()
+    want = lines[7:12] + lines[47:51] + lines[87:91]
+    assert out == want  # sorted, no duplicates
+    short = criu.log_excerpt(log, context=3, limit=5).splitlines()
+    assert short == want[-5:]
+
+
+def test_log_excerpt_without_errors_returns_the_tail(tmp_path):
+    lines = [f"l{i}" for i in range(30)]
+    log = tmp_path / "l.log"
+    log.write_text("\n".join(lines))
+    assert criu.log_excerpt(log, context=4).splitlines() == lines[-8:]
+
+
+def test_log_excerpt_missing_log_is_empty(tmp_path):
+    assert criu.log_excerpt(tmp_path / "nope.log") == ""
+
+
+def test_find_criu_prefers_env_and_refuses_when_absent(tmp_path, monkeypatch):
+    fake = tmp_path / "criu"
+    fake.write_text("#!/bin/sh\necho 'Version: 4.2.1'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("VLLM_SNAPSHOT_CRIU", str(fake))
+    assert criu.find_criu() == str(fake.resolve())
+    assert criu.criu_version(str(fake)) == "4.2.1"
+    monkeypatch.setenv("VLLM_SNAPSHOT_CRIU", str(tmp_path / "missing"))
+    monkeypatch.setenv("VLLM_SNAPSHOT_CACHE", str(tmp_path / "nocache"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    from vllm_snapshot.errors import EnvironmentProblem
+
+    with pytest.raises(EnvironmentProblem):
+        criu.find_criu()
+
+
+def test_criu_version_unparsable_output(tmp_path):
+    from vllm_snapshot.errors import EnvironmentProblem
+
+    fake = tmp_path / "criu"
+    fake.write_text("#!/bin/sh\necho hello\n")
+    fake.chmod(0o755)
+    with pytest.raises(EnvironmentProblem, match="cannot parse"):
+        criu.criu_version(str(fake))

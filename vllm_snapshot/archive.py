@@ -1,0 +1,203 @@
+"""Image payload: per-file BLAKE3 checksums, zstd pack at create, verified unpack at restore.
+
+Pack reads each CRIU image once, hashing the raw bytes and (with zstd) compressing them in the
+same pass, files in parallel. Unpack writes raw images into a staging directory (tmpfs when
+memory allows) and verifies each checksum on the way; with ``none`` the staged entries are
+symlinks to the snapshot's files after their checksum was verified, so nothing is copied and the
+snapshot is never written to (CRIU writes its log and stats into the staging dir instead).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import blake3
+import zstandard
+
+from .errors import CorruptSnapshotError, UsageError
+from .manifest import ImageFile
+
+CHUNK = 4 << 20  # bytes per read
+DEFAULT_LEVEL = 3
+
+
+@dataclass(frozen=True)
+class Compression:
+    """``kind`` is ``none`` or ``zstd``; ``level`` 1..19 for zstd."""
+
+    kind: str = "zstd"
+    level: int = DEFAULT_LEVEL
+
+    @classmethod
+    def parse(cls, text: str) -> "Compression":
+        """Parse ``none``, ``zstd`` or ``zstd:LEVEL``. Raises UsageError."""
+        kind, _, lvl = text.partition(":")
+        if kind == "none" and not lvl:
+            return cls("none", 0)
+        if kind == "zstd":
+            try:
+                level = int(lvl) if lvl else DEFAULT_LEVEL
+            except ValueError:
+                level = -1
+            if 1 <= level <= 19:
+                return cls("zstd", level)
+        raise UsageError(f"--compress {text!r}: expected none, zstd or zstd:LEVEL (1..19)")
+
+    def __str__(self) -> str:
+        return "none" if self.kind == "none" else f"zstd:{self.level}"
+
+
+def _workers() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def _pack_one(src: Path, comp: Compression) -> ImageFile:
+    h = blake3.blake3()
+    raw = 0
+    if comp.kind == "none":
+        with open(src, "rb") as f:
+            while chunk := f.read(CHUNK):
+                h.update(chunk)
+                raw += len(chunk)
+        os.chmod(src, 0o600)
+        return ImageFile(name=src.name, raw_bytes=raw, stored_bytes=raw, blake3=h.hexdigest())
+    dst = src.with_name(src.name + ".zst")
+    cctx = zstandard.ZstdCompressor(level=comp.level, threads=_workers(), write_checksum=True)
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with open(src, "rb") as f, os.fdopen(fd, "wb") as out:
+        with cctx.stream_writer(out, closefd=False) as w:
+            while chunk := f.read(CHUNK):
+                h.update(chunk)
+                raw += len(chunk)
+                w.write(chunk)
+        out.flush()
+        os.fsync(out.fileno())
+    os.unlink(src)
+    return ImageFile(
+        name=src.name, raw_bytes=raw, stored_bytes=dst.stat().st_size, blake3=h.hexdigest(), compression="zstd"
+    )
+
+
+def pack(images_dir: Path, comp: Compression, exclude: frozenset[str] = frozenset()) -> tuple[ImageFile, ...]:
+    """Checksum (and compress, in place) every regular file in ``images_dir`` except
+    ``exclude``. Returns entries sorted by name. Raises OSError (e.g. ENOSPC)."""
+    files = sorted(p for p in images_dir.iterdir() if p.is_file() and p.name not in exclude)
+    # largest first so the big pages image starts at once
+    files.sort(key=lambda p: -p.stat().st_size)
+    with ThreadPoolExecutor(_workers()) as ex:
+        out = list(ex.map(lambda p: _pack_one(p, comp), files))
+    return tuple(sorted(out, key=lambda i: i.name))
+
+
+def stored_name(img: ImageFile) -> str:
+    """File name of ``img`` inside the snapshot's images dir."""
+    return img.name + (".zst" if img.compression == "zstd" else "")
+
+
+def check_layout(images_dir: Path, images: tuple[ImageFile, ...]) -> None:
+    """Refuse missing, extra or wrongly sized stored files (cheap: stat only).
+
+    Raises CorruptSnapshotError naming the file.
+    """
+    if not images_dir.is_dir():
+        raise CorruptSnapshotError(f"{images_dir} is missing")
+    want = {stored_name(i): i for i in images}
+    have = {p.name for p in images_dir.iterdir()}
+    for name in sorted(set(want) - have):
+        raise CorruptSnapshotError(f"image file {images_dir / name} is missing")
+    for name in sorted(have - set(want)):
+        raise CorruptSnapshotError(
+            f"unexpected file {images_dir / name} in the images directory",
+            hint="a snapshot's images directory holds only the files its manifest lists",
+        )
+    for name, img in want.items():
+        p = images_dir / name
+        if p.is_symlink() or not p.is_file():
+            raise CorruptSnapshotError(f"image {p} is not a regular file")
+        size = p.stat().st_size
+        if size != img.stored_bytes:
+            raise CorruptSnapshotError(
+                f"image {p} has {size} bytes, the manifest records {img.stored_bytes} (truncated or replaced)"
+            )
+
+
+def _unpack_one(src_dir: Path, dst_dir: Path, img: ImageFile) -> None:
+    src = src_dir / stored_name(img)
+    h = blake3.blake3()
+    raw = 0
+    try:
+        if img.compression == "none":
+            with open(src, "rb") as f:
+                while chunk := f.read(CHUNK):
+                    h.update(chunk)
+                    raw += len(chunk)
+            os.symlink(src, dst_dir / img.name)
+        else:
+            dctx = zstandard.ZstdDecompressor()
+            fd = os.open(dst_dir / img.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with open(src, "rb") as f, os.fdopen(fd, "wb") as out:
+                reader = dctx.stream_reader(f, read_size=CHUNK)
+                while chunk := reader.read(CHUNK):
+                    h.update(chunk)
+                    raw += len(chunk)
+                    out.write(chunk)
+    except zstandard.ZstdError as e:
+        raise CorruptSnapshotError(f"image {src} cannot be decompressed: {e}") from e
+    if raw != img.raw_bytes or h.hexdigest() != img.blake3:
+        raise CorruptSnapshotError(f"image {src} fails its checksum (BLAKE3 of {raw} raw bytes differs)")
+
+
+def verify(src_dir: Path, images: tuple[ImageFile, ...]) -> None:
+    """Check every image's checksum without writing anything. Raises CorruptSnapshotError."""
+    def one(img: ImageFile) -> None:
+        src = src_dir / stored_name(img)
+        h = blake3.blake3()
+        raw = 0
+        try:
+            with open(src, "rb") as f:
+                reader = f if img.compression == "none" else zstandard.ZstdDecompressor().stream_reader(f, read_size=CHUNK)
+                while chunk := reader.read(CHUNK):
+                    h.update(chunk)
+                    raw += len(chunk)
+        except zstandard.ZstdError as e:
+            raise CorruptSnapshotError(f"image {src} cannot be decompressed: {e}") from e
+        if raw != img.raw_bytes or h.hexdigest() != img.blake3:
+            raise CorruptSnapshotError(f"image {src} fails its checksum (BLAKE3 of {raw} raw bytes differs)")
+
+    with ThreadPoolExecutor(_workers()) as ex:
+        list(ex.map(one, sorted(images, key=lambda i: -i.raw_bytes)))
+
+
+def staging_parent(raw_bytes: int, fallback: Path) -> Path:
+    """/dev/shm when its free space exceeds ``raw_bytes`` by 25% plus 1 GiB, else ``fallback``."""
+    try:
+        st = os.statvfs("/dev/shm")
+        if st.f_bavail * st.f_frsize > raw_bytes * 1.25 + (1 << 30):
+            return Path("/dev/shm")
+    except OSError:
+        pass
+    return fallback
+
+
+def unpack(src_dir: Path, images: tuple[ImageFile, ...], parent: Path) -> Path:
+    """Stage raw images into a new private dir under ``parent``, verifying checksums on the
+    way (files in parallel). Returns the staging dir; the caller removes it with
+    :func:`remove_staging`. Raises CorruptSnapshotError (staging already removed)."""
+    stage = Path(tempfile.mkdtemp(prefix="vllm-snapshot-stage-", dir=parent))
+    try:
+        with ThreadPoolExecutor(_workers()) as ex:
+            list(ex.map(lambda i: _unpack_one(src_dir, stage, i), sorted(images, key=lambda i: -i.raw_bytes)))
+    except BaseException:
+        remove_staging(stage)
+        raise
+    return stage
+
+
+def remove_staging(stage: Path) -> None:
+    """Remove a staging dir made by :func:`unpack` (never follows its symlinks)."""
+    shutil.rmtree(stage, ignore_errors=True)

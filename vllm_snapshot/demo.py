@@ -1,0 +1,128 @@
+"""``vllm-snapshot demo``: the main job end to end on the embedded tiny model.
+
+Creates a snapshot if none exists (or the existing one no longer validates), measures a cold
+start of ``python -m vllm.entrypoints.openai.api_server`` to its first completion, restores
+the snapshot to its first validated completion, sends one completion, prints the phase timings
+and the cold-vs-restore ratio measured in this run, then stops the engine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+from pathlib import Path
+
+from . import manifest, ops, render, tiny_model
+from .errors import EngineError, SnapshotError
+from .progress import make_reporter
+from .supervisor import scrubbed_env
+
+DEFAULT_SNAPSHOT = Path("/var/lib/vllm-snapshot/demo-tiny-llama")
+#: Engine args for the tiny model on CPU (float32: the CPU kernels here have no bf16 need).
+ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--served-model-name", tiny_model.SERVED_NAME]
+COLD_TIMEOUT_S = 600.0
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cold_start(model: Path, port: int) -> float:
+    """Seconds from launching ``vllm.entrypoints.openai.api_server`` (same engine args) to its
+    first successful completion; the server is stopped afterwards. Raises EngineError."""
+    env = scrubbed_env(dict(os.environ))
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS]
+    t0 = time.monotonic()
+    p = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        while True:
+            if p.poll() is not None:
+                raise EngineError(f"cold-start server exited with {p.returncode}")
+            if time.monotonic() - t0 > COLD_TIMEOUT_S:
+                raise EngineError("cold-start server did not answer in time")
+            try:
+                status, _ = ops._http_json(f"http://127.0.0.1:{port}/v1/completions", {
+                    "model": tiny_model.SERVED_NAME, "prompt": "Hello", "max_tokens": 1}, timeout=5)
+                if status == 200:
+                    return time.monotonic() - t0
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.25)
+    finally:
+        try:
+            os.killpg(p.pid, 15)
+            p.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(p.pid, 9)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def run(snapshot_dir: Path | None, port: int, skip_cold: bool, as_json: bool) -> None:
+    """Run the demo (see module doc). Raises SnapshotError subclasses on failure."""
+    ops.require_root()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the tiny model needs little
+    rep = make_reporter(as_json)
+    snap = (snapshot_dir or DEFAULT_SNAPSHOT).absolute()
+    with rep.phase("model", "tiny model"):
+        model = tiny_model.generate(tiny_model.default_model_dir())
+    m = None
+    if (snap / manifest.MANIFEST_NAME).exists():
+        try:
+            m, _ = ops.validate(snap)
+            rep.info(f"using existing snapshot {snap}")
+        except SnapshotError as e:
+            rep.info(f"existing snapshot {snap} does not validate ({e.code}); re-creating it")
+            shutil.rmtree(snap)
+    elif snap.exists() and not any(snap.iterdir()):
+        snap.rmdir()
+    if m is None:
+        snap.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        m = ops.create(ops.CreateRequest(model=str(model), target=snap, engine_args=list(ENGINE_ARGS)), make_reporter(as_json))
+    cold = None
+    if not skip_cold:
+        with rep.phase("cold_start", "cold start → first completion (for comparison)"):
+            cold = cold_start(model, free_port())
+    port = port or free_port()
+    t0 = time.monotonic()
+    r = ops.restore(ops.RestoreRequest(snapshot=snap, port=port), make_reporter(as_json))
+    restore_s = time.monotonic() - t0
+    try:
+        status, body = ops._http_json(f"{r.url}/v1/completions", {
+            "model": m.model.served_name, "prompt": "Hello world", "max_tokens": 8, "temperature": 0.0})
+        if status != 200:
+            raise EngineError(f"completion failed: HTTP {status}: {body}")
+        text = body["choices"][0]["text"]
+    finally:
+        r.handle.kill(grace=15)
+        r.handle.close()
+    result = {
+        "snapshot": str(snap), "url": r.url, "completion": text,
+        "create_timings": m.timings, "create_s": round(sum(m.timings.values()), 3),
+        "restore_timings": r.timings, "restore_to_validated_completion_s": round(restore_s, 3),
+        "cold_start_to_first_completion_s": round(cold, 3) if cold else None,
+        "speedup": round(cold / restore_s, 1) if cold else None,
+        "raw_image_bytes": m.sizes["raw"], "stored_image_bytes": m.sizes["stored"],
+    }
+    if as_json:
+        render.emit_json(result)
+        return
+    render.timings_table("create phases (seconds, from the manifest)", m.timings)
+    render.timings_table("restore phases (seconds, this run)", r.timings)
+    print(f"completion from the restored engine: {text!r}")
+    print(f"images: {render.human_bytes(m.sizes['raw'])} raw, {render.human_bytes(m.sizes['stored'])} stored")
+    print(f"restore → first validated completion: {restore_s:.2f} s")
+    if cold:
+        print(f"cold start → first completion:        {cold:.2f} s   (restore is {cold / restore_s:.1f}× faster)")
+    print("engine stopped.")

@@ -1,0 +1,213 @@
+"""The engine root: runs INSIDE the snapshotted tree, as PID 1 of its own PID namespace.
+
+``python -m vllm_snapshot.engine.main SPEC_JSON``; SPEC is ``{"model", "engine_args",
+"oracle_prompt", "sleep_level"}``. It builds a vLLM engine client (AsyncLLM: this process is the
+API process, EngineCore and workers are its children), records the oracle, then obeys commands
+on fd 0 and reports events on fd 3 (see :mod:`vllm_snapshot.engine.protocol`). The HTTP port is
+bound only on ``serve``, which the supervisor sends after a restored oracle matched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import traceback
+
+from .protocol import EVENTS_FD
+
+_events = None
+
+
+def emit(event: str, **kw) -> None:
+    """Write one event line to fd 3; ignore a vanished reader (``--detach``)."""
+    global _events
+    try:
+        if _events is None:
+            _events = os.fdopen(EVENTS_FD, "w", buffering=1)
+        _events.write(json.dumps({"event": event, **kw}) + "\n")
+        _events.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def _commands(loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> None:
+    for line in sys.stdin.buffer:
+        try:
+            cmd = json.loads(line)
+        except ValueError:
+            continue
+        loop.call_soon_threadsafe(q.put_nowait, cmd)
+    loop.call_soon_threadsafe(q.put_nowait, None)  # EOF: the supervisor closed the pipe
+
+
+def parse_engine_args(model: str, engine_args: list[str]):
+    """Parse ``vllm serve`` engine args with vLLM's own parser. Raises SystemExit(2) on bad
+    args (argparse prints the reason to stderr, which is the engine log)."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm-snapshot create MODEL"))
+    args = parser.parse_args(["--model", model, *engine_args])
+    if getattr(args, "model_tag", None) is not None:
+        args.model = args.model_tag
+    if getattr(args, "headless", False) or getattr(args, "grpc", False):
+        raise ValueError("vllm-snapshot needs the HTTP frontend (no --headless/--grpc)")
+    if getattr(args, "api_server_count", None) not in (None, 1):
+        raise ValueError("vllm-snapshot supports one API server (--api-server-count 1)")
+    args.api_server_count = None
+    tp = getattr(args, "tensor_parallel_size", 1) or 1
+    pp = getattr(args, "pipeline_parallel_size", 1) or 1
+    dp = getattr(args, "data_parallel_size", 1) or 1
+    if tp * pp * dp != 1:
+        raise ValueError("vllm-snapshot supports single-device (TP1) engines only")
+    validate_parsed_serve_args(args)
+    return args
+
+
+async def run_oracle(engine, prompt: str) -> dict:
+    """Greedy one-token generation of ``prompt`` with top-5 logprobs, as an oracle dict."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, min_tokens=1, logprobs=5, seed=0)
+    final = None
+    async for out in engine.generate(prompt, params, request_id=f"vllm-snapshot-oracle-{os.urandom(4).hex()}"):
+        final = out
+    if final is None:
+        raise RuntimeError("oracle generation returned no output")
+    cand = final.outputs[0]
+    (tok,) = tuple(cand.token_ids)
+    lps = cand.logprobs[0]
+    lp = float(lps[tok].logprob)
+    if not math.isfinite(lp):
+        raise RuntimeError(f"oracle logprob is not finite: {lp}")
+    top = sorted(lps.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30, -kv[1].logprob))[:5]
+    return {
+        "prompt": prompt,
+        "token_id": int(tok),
+        "text": cand.text,
+        "logprob": lp,
+        "top_logprobs": [{"token_id": int(t), "logprob": float(v.logprob)} for t, v in top],
+    }
+
+
+def _device_kind() -> str:
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else "cuda"
+
+
+async def serve(engine, args, host: str | None, port: int) -> None:
+    """Bind ``host:port`` and serve the OpenAI API until SIGINT/SIGTERM."""
+    from vllm.entrypoints.launchers.api_server.entry import build_and_serve
+    from vllm.entrypoints.launchers.launcher import setup_server
+
+    args.host = host
+    args.port = port
+    listen_address, sock = setup_server(args, reuse_port=False)
+    emit("binding", address=listen_address)
+    try:
+        shutdown = await build_and_serve(engine, listen_address, sock, args)
+        await shutdown
+    finally:
+        sock.close()
+
+
+async def run(spec: dict) -> int:
+    loop = asyncio.get_running_loop()
+    try:
+        args = parse_engine_args(spec["model"], list(spec.get("engine_args", [])))
+    except SystemExit as e:
+        emit("error", kind="usage", message="invalid engine arguments (vLLM's parser said why, above)")
+        return int(e.code or 2)
+    except ValueError as e:
+        emit("error", kind="usage", message=str(e))
+        return 2
+    kind = _device_kind()
+    sleep_level = int(spec.get("sleep_level", 0)) if kind == "cuda" else 0
+    if sleep_level:
+        args.enable_sleep_mode = True
+
+    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+
+    q: asyncio.Queue = asyncio.Queue()
+    async with build_async_engine_client(args) as engine:
+        oracle = await run_oracle(engine, spec["oracle_prompt"])
+        import torch
+        import vllm
+
+        emit("initialized", oracle=oracle, info={
+            "kind": kind, "vllm": vllm.__version__, "torch": torch.__version__,
+            "served_model_name": (args.served_model_name or [args.model])[0],
+        })
+        threading.Thread(target=_commands, args=(loop, q), daemon=True, name="control").start()
+        while True:
+            cmd = await q.get()
+            if cmd is None or cmd.get("cmd") == "exit":
+                return 0
+            name = cmd.get("cmd")
+            try:
+                if name == "oracle":
+                    emit("oracle", oracle=await run_oracle(engine, spec["oracle_prompt"]))
+                elif name == "sleep":
+                    await engine.reset_prefix_cache()
+                    await engine.sleep(level=int(cmd.get("level", sleep_level)))
+                    emit("slept")
+                elif name == "wake":
+                    # Level 2 discards weights: wake the weights, reload them from the model
+                    # path, then the KV cache, and drop prefix-cache entries computed before.
+                    await engine.wake_up(tags=["weights"])
+                    if sleep_level >= 2:
+                        await engine.collective_rpc("reload_weights")
+                    await engine.wake_up(tags=["kv_cache"])
+                    await engine.reset_prefix_cache()
+                    emit("woken")
+                elif name == "prepare-dump":
+                    import gc
+
+                    gc.collect()
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    emit("dump-ready")
+                elif name == "serve":
+                    await serve(engine, args, cmd.get("host"), int(cmd["port"]))
+                    return 0
+                else:
+                    emit("error", kind="protocol", message=f"unknown command {name!r}")
+            except Exception as e:  # noqa: BLE001 - report, the supervisor decides
+                traceback.print_exc()
+                emit("error", kind=name or "engine", message=f"{type(e).__name__}: {e}")
+                if name == "serve":
+                    return 1
+
+
+def main() -> int:
+    # CRIU refuses a tree whose session leader lives outside its PID namespace.
+    try:
+        os.setsid()
+    except OSError:
+        pass
+
+    def _term(signum, frame):  # PID 1 of a namespace ignores SIGTERM unless handled
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _term)
+    spec = json.loads(sys.argv[1])
+    try:
+        # Plain asyncio, not uvloop: libuv >= 1.45 opens io_uring instances, which CRIU
+        # cannot dump ("Unknown shit 600 (anon_inode:[io_uring])").
+        return asyncio.run(run(spec))
+    except KeyboardInterrupt:
+        return 0
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        emit("error", kind="engine", message=f"{type(e).__name__}: {e}")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

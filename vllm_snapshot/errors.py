@@ -1,0 +1,106 @@
+"""Errors with stable codes and exit codes.
+
+Every failure the CLI reports is a :class:`SnapshotError`; ``cli.py`` is the only place that
+turns one into an exit code. The table (also in README.md):
+
+==== ======================== ====================================================
+exit code                     meaning
+==== ======================== ====================================================
+0    -                        success
+1    ``internal``             unexpected failure (a bug: run with ``--debug``)
+2    ``usage``                bad command line, bad engine args, target exists
+3    ``incompatible-host``    host identity differs from the snapshot's
+4    ``model-changed``        model files differ from those the snapshot was made from
+5    ``corrupt-snapshot``     missing/extra/corrupt files, bad manifest, unsafe permissions
+6    ``oracle-mismatch``      the restored engine's oracle differs from the recorded one
+7    ``criu-failed``          CRIU dump/restore failed (its log excerpt is in the message)
+8    ``engine-failed``        the engine failed to start, died, or timed out
+9    ``busy``                 a port, PID, or lock needed is held by someone else
+10   ``unsnapshottable``      the engine tree holds something CRIU cannot restore safely
+11   ``environment``          this host lacks something required (root, CRIU, vLLM)
+==== ======================== ====================================================
+"""
+
+from __future__ import annotations
+
+
+class SnapshotError(Exception):
+    """Base error. ``code`` is a stable string for ``--json``; ``exit_code`` an int.
+
+    ``hint`` is one line telling the operator what to do; ``details`` is JSON-able context
+    (e.g. the list of differing fields).
+    """
+
+    code = "internal"
+    exit_code = 1
+
+    def __init__(self, message: str, *, hint: str | None = None, details: object = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        self.details = details
+
+    def to_json(self) -> dict:
+        """JSON form: ``{"code", "exit_code", "message", "hint", "details"}``."""
+        return {
+            "code": self.code,
+            "exit_code": self.exit_code,
+            "message": self.message,
+            "hint": self.hint,
+            "details": self.details,
+        }
+
+
+class UsageError(SnapshotError):
+    code, exit_code = "usage", 2
+
+
+class IncompatibleHostError(SnapshotError):
+    code, exit_code = "incompatible-host", 3
+
+
+class ModelChangedError(SnapshotError):
+    code, exit_code = "model-changed", 4
+
+
+class CorruptSnapshotError(SnapshotError):
+    code, exit_code = "corrupt-snapshot", 5
+
+
+class OracleMismatchError(SnapshotError):
+    code, exit_code = "oracle-mismatch", 6
+
+
+class CriuError(SnapshotError):
+    code, exit_code = "criu-failed", 7
+
+
+class EngineError(SnapshotError):
+    code, exit_code = "engine-failed", 8
+
+
+class BusyError(SnapshotError):
+    code, exit_code = "busy", 9
+
+
+class UnsnapshottableError(SnapshotError):
+    code, exit_code = "unsnapshottable", 10
+
+
+class EnvironmentProblem(SnapshotError):
+    code, exit_code = "environment", 11
+
+
+ALL_ERRORS: tuple[type[SnapshotError], ...] = (
+    SnapshotError,
+    UsageError,
+    IncompatibleHostError,
+    ModelChangedError,
+    CorruptSnapshotError,
+    OracleMismatchError,
+    CriuError,
+    EngineError,
+    BusyError,
+    UnsnapshottableError,
+    EnvironmentProblem,
+)

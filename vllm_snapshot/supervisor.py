@@ -33,13 +33,20 @@ ENV_ALLOW_EXACT = frozenset({"PATH", "LANG", "LC_ALL", "TZ", "HOME", "TMPDIR", "
                              "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "CUDA_VISIBLE_DEVICES",
                              "VLLM_SNAPSHOT_CACHE"})
 ENV_ALLOW_PREFIX = ("VLLM_", "OMP_", "MKL_", "KMP_", "TORCH_", "PYTORCH_", "NCCL_", "CUDA_", "LC_")
-SECRET_MARKERS = ("TOKEN", "SECRET", "PASSWORD", "API_KEY", "APIKEY", "CREDENTIAL", "PRIVATE")
+SECRET_MARKERS = ("SECRET", "PASSWORD", "API_KEY", "APIKEY", "CREDENTIAL", "PRIVATE")
 
 
 def is_secret_name(name: str) -> bool:
-    """True for variable/flag names that look like they hold a secret."""
+    """True for variable/flag names that look like they hold a secret.
+
+    ``TOKEN`` counts only in the last word (``HF_TOKEN``, ``--hf-token``, ``GITHUB_TOKEN``): token
+    counts and tokenizer settings (``VLLM_MAX_TOKENS_PER_EXPERT_FP4_MOE``,
+    ``VLLM_MULTI_STREAM_GEMM_TOKEN_THRESHOLD``, ``--tokenizer``, ``--max-num-batched-tokens``) are
+    not secrets and must reach the engine / the manifest unchanged."""
     up = name.upper().replace("-", "_")
-    return any(m in up for m in SECRET_MARKERS)
+    if any(m in up for m in SECRET_MARKERS):
+        return True
+    return up.rstrip("_").rsplit("_", 1)[-1].endswith("TOKEN")
 
 
 def scrubbed_env(base: dict[str, str], keep: tuple[str, ...] = ()) -> dict[str, str]:

@@ -210,4 +210,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # The engine is shut down at this point. Skip interpreter finalization: with vLLM's and
+    # torch's native threads still around, finalization of a restored engine was seen to
+    # segfault (exit 139) after a clean shutdown, which would misreport the exit status.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

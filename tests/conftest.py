@@ -1,0 +1,98 @@
+"""Shared fixtures. Integration tests (marker ``integration``) run a real vLLM CPU engine and
+real CRIU; they need root, CRIU >= 4.2, and the venv + tiny model from scripts/setup.sh. They
+are skipped with a reason when those are missing -- except under CI (``CI=true``), where a
+missing prerequisite is an error, never a silent skip."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("VLLM_SNAPSHOT_CACHE", "/var/cache/vllm-snapshot"))
+TINY = CACHE / "models" / "tiny-llama"
+ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--served-model-name", "tiny-llama"]
+
+
+def _missing() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (CRIU)"
+    try:
+        from vllm_snapshot import criu
+
+        b = criu.find_criu()
+        if not criu.version_ok(criu.criu_version(b)):
+            return f"CRIU at {b} is older than 4.2"
+    except Exception as e:  # noqa: BLE001
+        return f"CRIU unavailable: {e}"
+    try:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            return "vLLM is not installed in this interpreter"
+        if importlib.util.find_spec("pycriu") is None:
+            return "pycriu is not importable"
+    except Exception as e:  # noqa: BLE001
+        return str(e)
+    if not (TINY / "config.json").is_file():
+        return f"tiny model missing at {TINY} (run scripts/setup.sh)"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = _missing()
+    if reason is None:
+        return
+    if os.environ.get("CI", "").lower() == "true":
+        raise pytest.UsageError(f"integration prerequisites missing in CI: {reason}")
+    mark = pytest.mark.skip(reason=f"integration: {reason}")
+    for item in items:
+        if "integration" in item.keywords:
+            item.add_marker(mark)
+
+
+def engine_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def cli(*args: str, timeout: float = 900, check: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m vllm_snapshot ARGS`` and capture its output (text)."""
+    p = subprocess.run([sys.executable, "-m", "vllm_snapshot", *args], capture_output=True, text=True,
+                       timeout=timeout, env=env or engine_env(), cwd=ROOT)
+    if check and p.returncode != 0:
+        raise AssertionError(f"vllm-snapshot {' '.join(args)} exited {p.returncode}\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+@pytest.fixture(scope="session")
+def snap_root(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("snapshots")
+    os.chmod(d, 0o700)
+    return d
+
+
+@pytest.fixture(scope="session")
+def snapshot(snap_root) -> Path:
+    """One real snapshot of the tiny model, created once per test session (~1 min)."""
+    target = snap_root / "tiny"
+    cli("create", str(TINY), "--snapshot-dir", str(target), "--", *ENGINE_ARGS, check=True)
+    return target
+
+
+@pytest.fixture()
+def clone_snapshot(snapshot, tmp_path):
+    """A hard-linked copy of the session snapshot (images shared, manifest private)."""
+    def make(name: str = "clone") -> Path:
+        d = tmp_path / name
+        subprocess.run(["cp", "-al", str(snapshot), str(d)], check=True)
+        os.chmod(tmp_path, 0o700)
+        return d
+    return make

@@ -1,0 +1,257 @@
+"""archive: compression spec, pack/unpack round trip, and the corruption matrix (fail closed)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import blake3
+import pytest
+
+from vllm_snapshot import archive
+from vllm_snapshot.archive import Compression
+from vllm_snapshot.errors import CorruptSnapshotError, UsageError
+
+PAGES = "pages-1.img"
+
+
+# ----------------------------------------------------------------------------- Compression
+
+@pytest.mark.parametrize("text,kind,level", [
+    ("none", "none", 0), ("zstd", "zstd", archive.DEFAULT_LEVEL), ("zstd:5", "zstd", 5),
+    ("zstd:1", "zstd", 1), ("zstd:19", "zstd", 19),
+])
+def test_compression_parse(text, kind, level):
+    c = Compression.parse(text)
+    assert (c.kind, c.level) == (kind, level)
+    assert Compression.parse(str(c)) == c
+
+
+@pytest.mark.parametrize("text", ["", "gzip", "zstd:0", "zstd:20", "zstd:-3", "zstd:x", "none:3", "ZSTD", "zstd:5:1",
+                                  "lz4:3"])
+def test_compression_parse_refuses(text):
+    with pytest.raises(UsageError) as ei:
+        Compression.parse(text)
+    assert ei.value.exit_code == 2 and repr(text) in ei.value.message
+
+
+def test_compression_str():
+    assert str(Compression("none", 0)) == "none"
+    assert str(Compression("zstd", 7)) == "zstd:7"
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _make_images(d: Path) -> dict[str, bytes]:
+    """A CRIU-like images dir: a large, partly random pages image and small ones."""
+    d.mkdir(parents=True, exist_ok=True)
+    files = {
+        PAGES: os.urandom(48 * 1024) + b"\x00" * (64 * 1024) + os.urandom(16 * 1024),
+        "pagemap-1.img": os.urandom(512),
+        "inventory.img": b"\x01\x02inventory",
+        "core-1.img": b"core" * 100,
+        "empty.img": b"",
+    }
+    for n, data in files.items():
+        (d / n).write_bytes(data)
+        os.chmod(d / n, 0o644)  # CRIU writes some files 0644
+    return files
+
+
+def _packed(tmp_path: Path, kind: str):
+    snap = tmp_path / "snap" / "images"
+    files = _make_images(snap)
+    comp = Compression.parse(kind)
+    images = archive.pack(snap, comp)
+    return snap, files, images
+
+
+def _stage_parent(tmp_path: Path) -> Path:
+    p = tmp_path / "stage-parent"
+    p.mkdir(exist_ok=True)
+    return p
+
+
+def _raw_of(img_dir: Path, name: str) -> bytes:
+    return (img_dir / name).read_bytes()
+
+
+# ----------------------------------------------------------------------------- round trip
+
+@pytest.mark.parametrize("kind", ["none", "zstd", "zstd:9"])
+def test_pack_then_unpack_round_trip(tmp_path, kind):
+    snap, files, images = _packed(tmp_path, kind)
+    zstd = kind.startswith("zstd")
+    assert [i.name for i in images] == sorted(files)
+    for img in images:
+        data = files[img.name]
+        assert img.raw_bytes == len(data)
+        assert img.blake3 == blake3.blake3(data).hexdigest()
+        assert img.compression == ("zstd" if zstd else "none")
+        stored = snap / archive.stored_name(img)
+        assert stored.stat().st_size == img.stored_bytes
+        assert stat.S_IMODE(stored.stat().st_mode) == 0o600
+        if zstd:
+            assert stored.name == img.name + ".zst"
+            assert not (snap / img.name).exists()  # original removed
+    if zstd:
+        pages = next(i for i in images if i.name == PAGES)
+        assert pages.stored_bytes < pages.raw_bytes  # the zero run compresses
+    archive.check_layout(snap, images)
+    archive.verify(snap, images)
+    parent = _stage_parent(tmp_path)
+    stage = archive.unpack(snap, images, parent)
+    try:
+        assert stage.parent == parent and stage.name.startswith("vllm-snapshot-stage-")
+        assert stat.S_IMODE(stage.stat().st_mode) == 0o700
+        assert sorted(os.listdir(stage)) == sorted(files)
+        for n, data in files.items():
+            assert (stage / n).read_bytes() == data
+            assert (stage / n).is_symlink() is (not zstd)  # none: nothing copied
+    finally:
+        archive.remove_staging(stage)
+    assert not stage.exists()
+    # removing the staging never follows its symlinks into the snapshot
+    for img in images:
+        assert (snap / archive.stored_name(img)).exists()
+
+
+def test_pack_excludes_names(tmp_path):
+    d = tmp_path / "images"
+    _make_images(d)
+    images = archive.pack(d, Compression("none", 0), exclude=frozenset({"inventory.img"}))
+    assert "inventory.img" not in [i.name for i in images]
+
+
+def test_unpack_none_with_a_relative_source_dir(tmp_path, monkeypatch):
+    snap, files, images = _packed(tmp_path, "none")
+    monkeypatch.chdir(tmp_path)
+    rel = snap.relative_to(tmp_path)
+    stage = archive.unpack(rel, images, _stage_parent(tmp_path))
+    try:
+        for n, data in files.items():
+            assert (stage / n).read_bytes() == data
+    finally:
+        archive.remove_staging(stage)
+
+
+# ----------------------------------------------------------------------------- corruption
+
+def _check_all(snap: Path, images, parent: Path) -> None:
+    """The restore order: cheap layout check, then verified unpack."""
+    archive.check_layout(snap, images)
+    stage = archive.unpack(snap, images, parent)
+    archive.remove_staging(stage)
+
+
+@pytest.mark.parametrize("kind", ["none", "zstd"])
+def test_truncated_pages_image_is_refused_by_layout(tmp_path, kind):
+    snap, _, images = _packed(tmp_path, kind)
+    img = next(i for i in images if i.name == PAGES)
+    p = snap / archive.stored_name(img)
+    assert img.stored_bytes > 4096
+    os.truncate(p, img.stored_bytes - 4096)
+    with pytest.raises(CorruptSnapshotError, match=str(p)) as ei:
+        archive.check_layout(snap, images)
+    assert "bytes" in ei.value.message
+    # and the checksum pass refuses it too, leaving no staging behind
+    parent = _stage_parent(tmp_path)
+    with pytest.raises(CorruptSnapshotError, match=PAGES):
+        archive.unpack(snap, images, parent)
+    assert os.listdir(parent) == []
+
+
+@pytest.mark.parametrize("kind", ["none", "zstd"])
+@pytest.mark.parametrize("where", [0.1, 0.5, 0.97])
+def test_one_flipped_byte_in_pages_image_is_refused(tmp_path, kind, where):
+    snap, _, images = _packed(tmp_path, kind)
+    img = next(i for i in images if i.name == PAGES)
+    p = snap / archive.stored_name(img)
+    off = int(img.stored_bytes * where)
+    with open(p, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0x40]))
+    assert p.stat().st_size == img.stored_bytes
+    archive.check_layout(snap, images)  # same size: the cheap check cannot see it
+    with pytest.raises(CorruptSnapshotError, match=str(p)):
+        archive.verify(snap, images)
+    parent = _stage_parent(tmp_path)
+    with pytest.raises(CorruptSnapshotError, match=str(p)):
+        archive.unpack(snap, images, parent)
+    assert os.listdir(parent) == []  # no staging dir left behind
+
+
+@pytest.mark.parametrize("kind", ["none", "zstd"])
+def test_missing_inventory_is_refused(tmp_path, kind):
+    snap, _, images = _packed(tmp_path, kind)
+    img = next(i for i in images if i.name == "inventory.img")
+    (snap / archive.stored_name(img)).unlink()
+    with pytest.raises(CorruptSnapshotError, match="inventory.img") as ei:
+        archive.check_layout(snap, images)
+    assert "missing" in ei.value.message
+    parent = _stage_parent(tmp_path)
+    with pytest.raises(CorruptSnapshotError, match="inventory.img"):
+        archive.unpack(snap, images, parent)
+    assert os.listdir(parent) == []
+    with pytest.raises(CorruptSnapshotError, match="inventory.img"):
+        archive.verify(snap, images)
+
+
+@pytest.mark.parametrize("kind", ["none", "zstd"])
+def test_unexpected_extra_file_is_refused(tmp_path, kind):
+    snap, _, images = _packed(tmp_path, kind)
+    (snap / "pages-2.img").write_bytes(b"\x00" * 4096)
+    with pytest.raises(CorruptSnapshotError, match="pages-2.img") as ei:
+        _check_all(snap, images, _stage_parent(tmp_path))
+    assert "unexpected" in ei.value.message
+
+
+def test_uncompressed_image_where_zstd_is_recorded_is_refused(tmp_path):
+    snap, files, images = _packed(tmp_path, "zstd")
+    img = next(i for i in images if i.name == "core-1.img")
+    (snap / archive.stored_name(img)).unlink()
+    (snap / img.name).write_bytes(files[img.name])
+    with pytest.raises(CorruptSnapshotError, match="core-1.img"):
+        archive.check_layout(snap, images)
+
+
+def test_image_replaced_by_symlink_is_refused(tmp_path):
+    snap, _, images = _packed(tmp_path, "none")
+    img = next(i for i in images if i.name == "core-1.img")
+    p = snap / img.name
+    real = tmp_path / "elsewhere.img"
+    real.write_bytes(p.read_bytes())
+    p.unlink()
+    p.symlink_to(real)
+    with pytest.raises(CorruptSnapshotError, match="not a regular file"):
+        archive.check_layout(snap, images)
+
+
+def test_same_size_replacement_of_a_zstd_frame_is_refused(tmp_path):
+    # a valid zstd frame of other content with the recorded size must fail the checksum
+    snap, files, images = _packed(tmp_path, "zstd")
+    img = next(i for i in images if i.name == "core-1.img")
+    other_dir = tmp_path / "other"
+    other_dir.mkdir()
+    (other_dir / img.name).write_bytes(b"eroc" * 100)
+    (other,) = archive.pack(other_dir, Compression("zstd", 3))
+    assert other.stored_bytes == img.stored_bytes and other.blake3 != img.blake3
+    os.replace(other_dir / archive.stored_name(other), snap / archive.stored_name(img))
+    archive.check_layout(snap, images)
+    with pytest.raises(CorruptSnapshotError, match="core-1.img"):
+        archive.verify(snap, images)
+    with pytest.raises(CorruptSnapshotError, match="core-1.img"):
+        archive.unpack(snap, images, _stage_parent(tmp_path))
+
+
+def test_missing_images_dir_is_refused(tmp_path):
+    snap, _, images = _packed(tmp_path, "none")
+    with pytest.raises(CorruptSnapshotError, match="missing"):
+        archive.check_layout(snap.parent / "nope", images)
+
+
+def test_staging_parent_falls_back_when_too_big(tmp_path):
+    assert archive.staging_parent(1 << 60, tmp_path) == tmp_path

@@ -1,0 +1,205 @@
+"""CLI without engines: fast --help (no torch/vLLM import), inspect, exit codes, error shape."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import make_manifest, write_snapshot_dir
+
+from vllm_snapshot import cli, errors, manifest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _py(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def _run_main(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+HEAVY = "[m for m in ('torch', 'vllm', 'pycriu', 'transformers') if m in sys.modules]"
+
+
+def test_help_imports_neither_torch_nor_vllm():
+    p = _py("import sys, io, contextlib\n"
+            "from vllm_snapshot.cli import main\n"
+            "buf = io.StringIO()\n"
+            "with contextlib.redirect_stdout(buf):\n"
+            "    rc = main(['--help'])\n"
+            f"print(rc, {HEAVY}, 'inspect' in buf.getvalue() and 'restore' in buf.getvalue())")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "0 [] True"
+
+
+def test_python_dash_m_help_works():
+    p = subprocess.run([sys.executable, "-m", "vllm_snapshot", "--help"], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    for cmd in ("create", "inspect", "verify", "restore", "demo"):
+        assert cmd in p.stdout
+
+
+def test_subcommand_help_is_light():
+    # one interpreter for all four: each help must exit 0 and none may pull in torch/vLLM
+    p = _py("import sys, io, contextlib\nfrom vllm_snapshot.cli import main\n"
+            "for cmd in ('create', 'restore', 'inspect', 'verify'):\n"
+            "    buf = io.StringIO()\n"
+            "    with contextlib.redirect_stdout(buf):\n"
+            "        rc = main([cmd, '--help'])\n"
+            f"    print('RESULT', cmd, rc, 'Usage' in buf.getvalue(), {HEAVY})")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().splitlines() == [
+        f"RESULT {c} 0 True []" for c in ("create", "restore", "inspect", "verify")]
+
+
+def test_inspect_of_a_missing_dir_exits_5_with_one_line(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "vllm_snapshot", "inspect", str(tmp_path / "nope")],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert p.returncode == 5
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith("error [corrupt-snapshot]:") and "nope" in lines[0]
+    assert "Traceback" not in p.stderr and p.stdout == ""
+
+
+def test_inspect_json_of_a_valid_snapshot(tmp_path, capsys):
+    m = write_snapshot_dir(tmp_path / "snap")
+    code, out, err = _run_main(capsys, "inspect", str(tmp_path / "snap"), "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["schema_version"] == 1
+    assert doc["snapshot"] == str((tmp_path / "snap").absolute())
+    assert doc["manifest"]["schema_version"] == manifest.SCHEMA_VERSION
+    assert doc["manifest"]["digest"] == m.digest
+    assert doc["manifest"]["oracle"]["text"] == m.oracle.text
+    # what inspect prints is a manifest that parses and verifies again
+    assert manifest.parse(json.dumps(doc["manifest"])) == m
+
+
+def test_inspect_table_of_a_valid_snapshot(tmp_path, capsys):
+    m = write_snapshot_dir(tmp_path / "snap")
+    code, out, err = _run_main(capsys, "inspect", str(tmp_path / "snap"))
+    assert code == 0, err
+    assert m.criu.version in out and m.model.served_name in out and repr(m.oracle.prompt) in out
+
+
+def test_inspect_of_a_hand_edited_manifest_exits_5(tmp_path, capsys):
+    write_snapshot_dir(tmp_path / "snap")
+    path = tmp_path / "snap" / manifest.MANIFEST_NAME
+    doc = json.loads(path.read_text())
+    doc["oracle"]["token_id"] += 1
+    path.write_text(json.dumps(doc))
+    code, out, err = _run_main(capsys, "inspect", str(tmp_path / "snap"))
+    assert code == 5
+    assert "$.digest" in err and "hint:" in err
+
+
+def test_inspect_json_error_is_json(tmp_path, capsys):
+    code, out, err = _run_main(capsys, "inspect", str(tmp_path / "nope"), "--json")
+    assert code == 5
+    doc = json.loads(out)
+    assert doc["schema_version"] == 1
+    assert doc["error"]["code"] == "corrupt-snapshot" and doc["error"]["exit_code"] == 5
+
+
+def test_inspect_does_not_import_heavy_modules(tmp_path):
+    write_snapshot_dir(tmp_path / "snap", make_manifest())
+    p = _py("import sys, io, contextlib\nfrom vllm_snapshot.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    rc = main(['inspect', sys.argv[1], '--json'])\n"
+            f"print(rc, {HEAVY})", str(tmp_path / "snap"))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "0 []"
+
+
+def test_restore_with_a_bogus_verify_model_exits_2(tmp_path, capsys):
+    code, out, err = _run_main(capsys, "restore", str(tmp_path / "snap"), "--verify-model", "bogus")
+    assert code == 2
+    assert "--verify-model must be quick or full" in err
+    assert "Traceback" not in err
+
+
+def test_create_with_a_bad_compression_exits_2(tmp_path, capsys, monkeypatch):
+    # parsing --compress happens before anything touches the system
+    code, out, err = _run_main(capsys, "create", str(tmp_path), "--snapshot-dir", str(tmp_path / "s"),
+                               "--compress", "gzip")
+    assert code == 2
+    assert "--compress 'gzip'" in err
+    assert not (tmp_path / "s").exists()
+
+
+# typer >= 0.2x vendors click as ``typer._click``; cli.main catches ``click.ClickException`` from
+# the separate click package, so typer's usage errors fall through to "error [internal]", exit 1.
+# Bug in cli.py (reported to the lead); these turn into XPASS (a failure) once it is fixed.
+CLICK_USAGE_BUG = pytest.mark.xfail(
+    strict=True, reason="cli.main does not catch typer._click usage errors: exit 1 'internal' instead of 2")
+
+
+@CLICK_USAGE_BUG
+@pytest.mark.parametrize("argv", [
+    ["frobnicate"],
+    ["inspect"],  # missing argument
+    ["restore", "/nonexistent", "--port", "99999"],  # out of range
+    ["inspect", "/x", "--no-such-option"],
+])
+def test_usage_errors_exit_2(capsys, argv):
+    code, out, err = _run_main(capsys, *argv)
+    assert code == 2, err
+    assert "internal" not in err
+
+
+@CLICK_USAGE_BUG
+def test_no_arguments_shows_help_without_an_internal_error(capsys):
+    code, out, err = _run_main(capsys)
+    assert "inspect" in out + err
+    assert "internal" not in err and code in (0, 2)
+
+
+def test_internal_errors_are_one_line_without_debug(tmp_path, capsys, monkeypatch):
+    from vllm_snapshot import manifest as mmod
+
+    def boom(_):
+        raise RuntimeError("kaboom")
+
+    monkeypatch.setattr(mmod, "read", boom)
+    code, out, err = _run_main(capsys, "inspect", str(tmp_path))
+    assert code == 1
+    assert "error [internal]: RuntimeError: kaboom" in err and "Traceback" not in err
+    with pytest.raises(RuntimeError):
+        cli.main(["--debug", "inspect", str(tmp_path)])
+
+
+def test_error_classes_have_distinct_codes_and_exit_codes():
+    codes = [e.code for e in errors.ALL_ERRORS]
+    exits = [e.exit_code for e in errors.ALL_ERRORS]
+    assert len(set(codes)) == len(codes) and len(set(exits)) == len(exits)
+    assert all(issubclass(e, errors.SnapshotError) for e in errors.ALL_ERRORS)
+    assert errors.SnapshotError.exit_code == 1
+    assert 0 not in exits and all(0 < x < 126 for x in exits)
+    e = errors.BusyError("port 80 is not free", hint="pick another", details={"port": 80})
+    assert e.to_json() == {"code": "busy", "exit_code": 9, "message": "port 80 is not free",
+                           "hint": "pick another", "details": {"port": 80}}
+
+
+def test_error_table_in_errors_docstring_matches_the_classes():
+    doc = errors.__doc__
+    for e in errors.ALL_ERRORS[1:]:
+        assert f"{e.exit_code:<4} ``{e.code}``" in doc, e.__name__
+
+
+def test_console_script_entry_point_is_main():
+    import tomllib
+
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert data["project"]["scripts"]["vllm-snapshot"] == "vllm_snapshot.cli:main"
+    assert os.path.isfile(ROOT / "vllm_snapshot" / "__main__.py")

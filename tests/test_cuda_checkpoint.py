@@ -1,0 +1,357 @@
+"""cuda_checkpoint: the `cuda-checkpoint` contract of CRIU 4.2.1's CUDA plugin, against a fake
+driver; the helper_dir wrapper as a real program; and CudaDriver over the real cuda-bindings
+against a stub libcuda (compiled here when a C compiler and cuda-bindings are present)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from vllm_snapshot import cuda_checkpoint as cc
+from vllm_snapshot.errors import EnvironmentProblem
+
+PID, TID, OTHER = 4242, 4250, 5000  # a CUDA process, its restore thread, a process without CUDA
+
+
+class FakeDriver:
+    """The driver's state machine (cuda-bindings docstrings): lock needs RUNNING, checkpoint
+    needs LOCKED, restore needs CHECKPOINTED (-> LOCKED), unlock needs LOCKED (-> RUNNING)."""
+
+    def __init__(self, states: dict[int, str] | None = None):
+        self.states = dict(states or {PID: "running"})
+        self.calls: list[tuple] = []
+
+    def _need(self, call: str, pid: int, state: str) -> None:
+        if pid not in self.states:
+            raise cc.DriverError(call, "CUDA_ERROR_INVALID_VALUE", "invalid argument")
+        if self.states[pid] != state:
+            raise cc.DriverError(call, "CUDA_ERROR_ILLEGAL_STATE", "operation not permitted")
+
+    def get_state(self, pid):
+        self.calls.append(("get_state", pid))
+        if pid not in self.states:
+            raise cc.DriverError("cuCheckpointProcessGetState", "CUDA_ERROR_INVALID_VALUE")
+        return self.states[pid]
+
+    def get_restore_tid(self, pid):
+        self.calls.append(("get_restore_tid", pid))
+        if pid not in self.states:
+            raise cc.DriverError("cuCheckpointProcessGetRestoreThreadId", "CUDA_ERROR_INVALID_VALUE")
+        return TID
+
+    def lock(self, pid, timeout_ms):
+        self.calls.append(("lock", pid, timeout_ms))
+        self._need("cuCheckpointProcessLock", pid, "running")
+        self.states[pid] = "locked"
+
+    def checkpoint(self, pid):
+        self.calls.append(("checkpoint", pid))
+        self._need("cuCheckpointProcessCheckpoint", pid, "locked")
+        self.states[pid] = "checkpointed"
+
+    def restore(self, pid):
+        self.calls.append(("restore", pid))
+        self._need("cuCheckpointProcessRestore", pid, "checkpointed")
+        self.states[pid] = "locked"
+
+    def unlock(self, pid):
+        self.calls.append(("unlock", pid))
+        self._need("cuCheckpointProcessUnlock", pid, "locked")
+        self.states[pid] = "running"
+
+
+@pytest.fixture
+def proc(tmp_path) -> Path:
+    """A fake /proc: PID (with thread TID) and OTHER."""
+    root = tmp_path / "proc"
+    for n, tgid in ((PID, PID), (TID, PID), (OTHER, OTHER)):
+        (root / str(n)).mkdir(parents=True)
+        (root / str(n) / "status").write_text(f"Name:\tpython\nTgid:\t{tgid}\nPid:\t{n}\n")
+    return root
+
+
+def run(args, drv, proc, capsys):
+    code = cc.main(args, driver=drv, proc_root=proc)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_help_names_action_within_criu_buffer_and_exits_zero(capsys):
+    for flag in ("-h", "--help"):
+        code = cc.main([flag], driver=FakeDriver())
+        out, _ = capsys.readouterr()
+        assert code == 0
+        # cuda_checkpoint_supports_flag: strstr(buf, "--action") on a 2048-byte buffer.
+        assert "--action" in out.encode()[:2047].decode()
+
+
+def test_help_never_touches_cuda(monkeypatch, capsys):
+    def boom():
+        raise AssertionError("CudaDriver must not be built for -h")
+
+    monkeypatch.setattr(cc, "CudaDriver", boom)
+    assert cc.main(["-h"]) == 0
+    assert "--action" in capsys.readouterr().out
+
+
+def test_full_cycle_state_transitions(proc, capsys):
+    drv = FakeDriver()
+
+    def state() -> str:
+        code, out, err = run(["--get-state", "--pid", str(PID)], drv, proc, capsys)
+        assert (code, err) == (0, "")
+        return out
+
+    assert state() == "running\n"
+    for action, after in (("lock", "locked\n"), ("checkpoint", "checkpointed\n"),
+                          ("restore", "locked\n"), ("unlock", "running\n")):
+        code, out, err = run(["--action", action, "--pid", str(PID)], drv, proc, capsys)
+        assert (code, out, err) == (0, "", "")
+        assert state() == after
+    assert [c[0] for c in drv.calls if c[0] != "get_state"] == ["lock", "checkpoint", "restore", "unlock"]
+
+
+def test_get_state_of_restore_thread_asks_about_its_process(proc, capsys):
+    # cuda_plugin_pause_devices calls get_cuda_state(restore_tid), not the PID.
+    drv = FakeDriver({PID: "locked"})
+    code, out, _ = run(["--get-state", "--pid", str(TID)], drv, proc, capsys)
+    assert (code, out) == (0, "locked\n")
+    assert drv.calls == [("get_state", PID)]
+
+
+def test_get_restore_tid_prints_only_the_number(proc, capsys):
+    code, out, err = run(["--get-restore-tid", "--pid", str(PID)], FakeDriver(), proc, capsys)
+    assert (code, out, err) == (0, f"{TID}\n", "")
+    assert int(out) == TID  # the plugin uses atoi()
+
+
+def test_failed_state_is_printed_transient_states_fail(proc, capsys):
+    code, out, _ = run(["--get-state", "--pid", str(PID)], FakeDriver({PID: "failed"}), proc, capsys)
+    assert (code, out) == (0, "failed\n")
+    for transient in ("checkpointing", "restoring"):
+        code, out, err = run(["--get-state", "--pid", str(PID)], FakeDriver({PID: transient}), proc, capsys)
+        assert code == 1 and out == ""
+        assert transient in err
+
+
+def test_lock_timeout_is_passed_through_in_milliseconds(proc, capsys):
+    drv = FakeDriver()
+    assert run(["--action", "lock", "--pid", str(PID), "--timeout", "10000"], drv, proc, capsys)[0] == 0
+    assert drv.calls == [("lock", PID, 10000)]
+    drv = FakeDriver()
+    assert run(["--action", "lock", "--pid", str(PID)], drv, proc, capsys)[0] == 0
+    assert drv.calls == [("lock", PID, 0)]  # CRIU omits --timeout when it is 0: no timeout
+
+
+def test_timeout_only_for_lock_and_in_range(proc, capsys):
+    for args in (["--action", "unlock", "--pid", str(PID), "--timeout", "5"],
+                 ["--action", "lock", "--pid", str(PID), "--timeout", "-1"],
+                 ["--action", "lock", "--pid", str(PID), "--timeout", str(2**32)]):
+        drv = FakeDriver()
+        code, out, err = run(args, drv, proc, capsys)
+        assert code == 2 and out == "" and "--timeout" in err
+        assert drv.calls == []
+
+
+def test_driver_error_exits_nonzero_with_message_on_stderr(proc, capsys):
+    drv = FakeDriver()  # running: checkpoint needs locked
+    code, out, err = run(["--action", "checkpoint", "--pid", str(PID)], drv, proc, capsys)
+    assert code == 1 and out == ""
+    assert err.startswith("cuda-checkpoint: --action checkpoint --pid 4242 failed: ")
+    assert "CUDA_ERROR_ILLEGAL_STATE" in err
+    assert len(err.splitlines()) == 1
+    assert drv.states[PID] == "running"
+
+
+def test_process_without_cuda_makes_get_restore_tid_fail(proc, capsys):
+    # The plugin reads a non-zero exit here as "no need to checkpoint devices on pid".
+    code, out, err = run(["--get-restore-tid", "--pid", str(OTHER)], FakeDriver(), proc, capsys)
+    assert code == 1 and out == ""
+    assert "CUDA_ERROR_INVALID_VALUE" in err
+
+
+def test_unknown_pid_is_an_error_without_calling_the_driver(proc, capsys):
+    for args in (["--get-state", "--pid", "99999"], ["--action", "lock", "--pid", "99999"]):
+        drv = FakeDriver()
+        code, out, err = run(args, drv, proc, capsys)
+        assert code == 1 and out == ""
+        assert "no such process: 99999" in err
+        assert drv.calls == []
+
+
+@pytest.mark.parametrize("args", [
+    [],
+    ["--pid", str(PID)],
+    ["--get-state"],
+    ["--action", "freeze", "--pid", str(PID)],
+    ["--action", "lock", "--get-state", "--pid", str(PID)],
+    ["--get-state", "--pid", "abc"],
+    ["--get-state", "--pid", "0"],
+    ["--get", "--pid", str(PID)],  # no abbreviations
+])
+def test_usage_errors_exit_2(args, proc, capsys):
+    drv = FakeDriver()
+    code, out, err = run(args, drv, proc, capsys)
+    assert code == 2 and out == "" and err
+    assert drv.calls == []
+
+
+def test_driver_construction_failure_is_reported(proc, monkeypatch, capsys):
+    def no_cuda():
+        raise cc.DriverError("cuInit", "DynamicLibNotFoundError", "libcuda not found")
+
+    monkeypatch.setattr(cc, "CudaDriver", no_cuda)
+    code = cc.main(["--get-state", "--pid", str(PID)], proc_root=proc)
+    out, err = capsys.readouterr()
+    assert code == 1 and out == ""
+    assert "cuInit: DynamicLibNotFoundError" in err
+
+
+def test_resolve_pid_uses_real_proc():
+    assert cc.resolve_pid(os.getpid()) == os.getpid()
+    with pytest.raises(LookupError):
+        cc.resolve_pid(2**31 - 1)
+
+
+def test_digest_is_sha256_of_the_module_file():
+    assert cc.digest() == hashlib.sha256(Path(cc.__file__).read_bytes()).hexdigest()
+
+
+# --- helper_dir: the wrapper CRIU finds on PATH ------------------------------------------------
+
+
+def _env_with(path_dir: Path, **extra) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PATH"] = f"{path_dir}:{env.get('PATH', '/usr/bin:/bin')}"
+    env.update(extra)
+    return env
+
+
+def test_helper_dir_is_private_and_holds_an_executable_wrapper(tmp_path):
+    d = cc.helper_dir(tmp_path / "cache")
+    assert d == tmp_path / "cache" / cc.HELPER_DIRNAME
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    script = d / "cuda-checkpoint"
+    assert stat.S_IMODE(script.stat().st_mode) == 0o700
+    text = script.read_text()
+    assert text.startswith("#!/bin/sh\n")
+    assert f"exec {sys.executable} -W ignore -m vllm_snapshot.cuda_checkpoint \"$@\"" in text
+    assert sorted(p.name for p in d.iterdir()) == ["cuda-checkpoint"]
+    # Idempotent, and repairs a loosened mode.
+    os.chmod(d, 0o755)
+    assert cc.helper_dir(tmp_path / "cache") == d
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+
+
+def test_helper_dir_refuses_a_symlink(tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / cc.HELPER_DIRNAME).symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(EnvironmentProblem):
+        cc.helper_dir(tmp_path / "cache")
+
+
+def test_wrapper_runs_from_path_like_criu_does(tmp_path):
+    d = cc.helper_dir(tmp_path / "cache")
+    # As launch_cuda_checkpoint does: execvp("cuda-checkpoint"), stdout+stderr in one pipe,
+    # from an unrelated working directory, without our package on PYTHONPATH.
+    cp = subprocess.run(["cuda-checkpoint", "-h"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        text=True, env=_env_with(d), cwd=tmp_path, timeout=60)
+    assert cp.returncode == 0, cp.stdout
+    assert "--action" in cp.stdout
+    cp = subprocess.run(["cuda-checkpoint", "--get-state", "--pid", str(2**31 - 1)], stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True, env=_env_with(d), cwd=tmp_path, timeout=60)
+    assert cp.returncode == 1
+    assert cp.stdout.startswith("cuda-checkpoint: --get-state --pid 2147483647: no such process")
+
+
+# --- CudaDriver over the real cuda-bindings, against a stub libcuda.so.1 ------------------------
+
+# Our stub of the seven driver entry points (plus the ones cuda-bindings needs to load it),
+# with the process state kept in $STUB_STATE across the helper's short-lived runs.
+STUB_C = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+typedef int CUresult;
+static int inited;
+static void logmsg(const char *m, long a) { FILE *f = fopen(getenv("STUB_LOG"), "a"); if (f) { fprintf(f, "%s %ld\n", m, a); fclose(f); } }
+static int get(void) { int s = 0; FILE *f = fopen(getenv("STUB_STATE"), "r"); if (f) { if (fscanf(f, "%d", &s) != 1) s = 0; fclose(f); } return s; }
+static void put(int s) { FILE *f = fopen(getenv("STUB_STATE"), "w"); if (f) { fprintf(f, "%d", s); fclose(f); } }
+static int ours(int pid) { return getenv("STUB_PID") && atoi(getenv("STUB_PID")) == pid; }
+static CUresult step(int pid, int from, int to) { if (!inited) return 3; if (!ours(pid)) return 1; if (get() != from) return 401; put(to); return 0; }
+CUresult cuInit(unsigned int flags) { inited = 1; logmsg("cuInit", flags); return 0; }
+CUresult cuDriverGetVersion(int *v) { *v = 13000; return 0; }
+CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid) { if (!inited) return 3; if (!ours(pid)) return 1; *tid = pid + 7; return 0; }
+CUresult cuCheckpointProcessGetState(int pid, int *st) { if (!inited) return 3; if (!ours(pid)) return 1; *st = get(); return 0; }
+CUresult cuCheckpointProcessLock(int pid, unsigned int *args) { logmsg("lock-timeoutMs", args ? (long)args[0] : -1); return step(pid, 0, 1); }
+CUresult cuCheckpointProcessCheckpoint(int pid, void *args) { logmsg("checkpoint-args", args != 0); return step(pid, 1, 2); }
+CUresult cuCheckpointProcessRestore(int pid, void *args) { logmsg("restore-args", args != 0); return step(pid, 2, 1); }
+CUresult cuCheckpointProcessUnlock(int pid, void *args) { logmsg("unlock-args", args != 0); return step(pid, 1, 0); }
+CUresult cuGetErrorName(CUresult e, const char **s) { *s = e == 401 ? "CUDA_ERROR_ILLEGAL_STATE" : e == 1 ? "CUDA_ERROR_INVALID_VALUE" : "CUDA_ERROR_UNKNOWN"; return 0; }
+CUresult cuGetErrorString(CUresult e, const char **s) { *s = "stub"; return 0; }
+CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int ver, unsigned long long flags, int *status) {
+  *pfn = dlsym(RTLD_DEFAULT, sym); if (status) *status = *pfn ? 0 : 1; return *pfn ? 0 : 500; }
+CUresult cuGetProcAddress(const char *sym, void **pfn, int ver, unsigned long long flags) {
+  return cuGetProcAddress_v2(sym, pfn, ver, flags, 0); }
+"""
+
+
+@pytest.fixture
+def stub_cuda(tmp_path):
+    cc_bin = shutil.which("cc") or shutil.which("gcc")
+    if not cc_bin:
+        pytest.skip("no C compiler for the stub libcuda")
+    pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed")
+    lib = tmp_path / "stublib"
+    lib.mkdir()
+    (lib / "stub.c").write_text(textwrap.dedent(STUB_C))
+    subprocess.run([cc_bin, "-shared", "-fPIC", "-o", str(lib / "libcuda.so.1"), str(lib / "stub.c"), "-ldl"],
+                   check=True, capture_output=True, timeout=120)
+    (lib / "libcuda.so").symlink_to("libcuda.so.1")
+    return lib
+
+
+def test_cuda_driver_over_cuda_bindings_with_stub_libcuda(tmp_path, stub_cuda):
+    target = subprocess.Popen(["sleep", "60"])  # a real PID for the /proc lookup
+    try:
+        d = cc.helper_dir(tmp_path / "cache")
+        log, state = tmp_path / "stub.log", tmp_path / "stub.state"
+        env = _env_with(d, LD_LIBRARY_PATH=str(stub_cuda), STUB_PID=str(target.pid),
+                        STUB_LOG=str(log), STUB_STATE=str(state))
+
+        def helper(*args: str) -> tuple[int, str]:
+            cp = subprocess.run(["cuda-checkpoint", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env, cwd=tmp_path, timeout=60)
+            return cp.returncode, cp.stdout
+
+        pid = str(target.pid)
+        assert helper("--get-restore-tid", "--pid", pid) == (0, f"{target.pid + 7}\n")
+        assert helper("--get-state", "--pid", pid) == (0, "running\n")
+        assert helper("--action", "lock", "--pid", pid, "--timeout", "10000") == (0, "")
+        assert helper("--get-state", "--pid", pid) == (0, "locked\n")
+        assert helper("--action", "checkpoint", "--pid", pid) == (0, "")
+        assert helper("--get-state", "--pid", pid) == (0, "checkpointed\n")
+        code, out = helper("--action", "unlock", "--pid", pid)
+        assert code == 1 and "cuCheckpointProcessUnlock: CUDA_ERROR_ILLEGAL_STATE" in out
+        assert helper("--action", "restore", "--pid", pid) == (0, "")
+        assert helper("--action", "unlock", "--pid", pid) == (0, "")
+        assert helper("--get-state", "--pid", pid) == (0, "running\n")
+        code, out = helper("--get-restore-tid", "--pid", str(os.getpid()))  # no CUDA here
+        assert code == 1 and "CUDA_ERROR_INVALID_VALUE" in out
+        calls = log.read_text().splitlines()
+        assert calls[0] == "cuInit 0"
+        assert "lock-timeoutMs 10000" in calls
+        assert "checkpoint-args 0" in calls and "restore-args 0" in calls
+    finally:
+        target.kill()
+        target.wait()

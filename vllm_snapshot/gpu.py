@@ -1,0 +1,175 @@
+"""GPU facts for the CUDA path: identity (for the manifest), free memory (for a capacity check
+before restore) and where CRIU's CUDA plugin lives.
+
+Identity and memory come from one ``nvidia-smi`` call::
+
+    nvidia-smi --query-gpu=driver_version,name,uuid,memory.used,memory.free \\
+               --format=csv,noheader,nounits
+
+one line per GPU, in nvidia-smi's index order; ``nounits`` makes the memory columns plain
+numbers in **MiB** (nvidia-smi ``--help-query-gpu``), converted here to bytes. A column the
+driver cannot report reads ``[N/A]`` (e.g. memory under MIG) and becomes ``None``.
+
+A host is a GPU host when ``/proc/driver/nvidia/gpus/`` is a directory -- the same test CRIU's
+CUDA plugin uses to enable itself (``is_cuda_device_available`` in CRIU 4.2.1
+``plugins/cuda/cuda_plugin.c``). On other hosts nothing is run and the answer is ``None``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import BusyError, EnvironmentProblem
+
+#: The query, its columns in order.
+QUERY_FIELDS: tuple[str, ...] = ("driver_version", "name", "uuid", "memory.used", "memory.free")
+QUERY_ARGS: tuple[str, ...] = (f"--query-gpu={','.join(QUERY_FIELDS)}", "--format=csv,noheader,nounits")
+#: Where the NVIDIA kernel driver lists GPUs (CRIU's CUDA plugin checks the same directory).
+PROC_GPUS = "/proc/driver/nvidia/gpus"
+MIB = 1024 * 1024
+#: Seconds nvidia-smi may take (it can be slow while the driver initializes GPUs).
+NVIDIA_SMI_TIMEOUT_S = 30.0
+
+#: Runs an argv and returns the finished process (text mode). Tests inject a fake.
+Runner = Callable[[Sequence[str]], "subprocess.CompletedProcess[str]"]
+
+
+def _run(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(argv), capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S)
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One GPU as nvidia-smi reports it; memory in bytes (``None`` when ``[N/A]``)."""
+
+    driver: str
+    name: str
+    uuid: str
+    memory_used_bytes: int | None
+    memory_free_bytes: int | None
+
+
+def _mib(value: str) -> int | None:
+    value = value.strip()
+    if not value or value.startswith("["):  # [N/A], [Not Supported]
+        return None
+    return int(float(value) * MIB)
+
+
+def parse_query(text: str) -> list[GpuInfo]:
+    """GPUs from the output of the :data:`QUERY_ARGS` query. Pure.
+
+    The name is everything between the first column and the last three, so a name holding a
+    comma still parses. Raises ValueError on a line with fewer than five columns or a memory
+    column that is not a number.
+    """
+    gpus = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < len(QUERY_FIELDS):
+            raise ValueError(f"nvidia-smi line has {len(parts)} columns, expected {len(QUERY_FIELDS)}: {line!r}")
+        try:
+            used, free = _mib(parts[-2]), _mib(parts[-1])
+        except ValueError:
+            raise ValueError(f"nvidia-smi memory columns are not numbers: {line!r}") from None
+        gpus.append(GpuInfo(driver=parts[0], name=", ".join(parts[1:-3]), uuid=parts[-3],
+                            memory_used_bytes=used, memory_free_bytes=free))
+    return gpus
+
+
+def query(runner: Runner | None = None, *, which: Callable[[str], str | None] = shutil.which,
+          proc_gpus: str | os.PathLike = PROC_GPUS) -> list[GpuInfo] | None:
+    """This host's GPUs, or ``None`` on a host without NVIDIA GPUs (no ``proc_gpus`` dir).
+
+    Raises EnvironmentProblem on a GPU host where nvidia-smi is missing, fails, times out,
+    lists no GPU or prints something unparsable.
+    """
+    if not os.path.isdir(proc_gpus):
+        return None
+    smi = which("nvidia-smi")
+    if not smi:
+        raise EnvironmentProblem(
+            f"this host has NVIDIA GPUs ({proc_gpus}) but nvidia-smi is not on PATH",
+            hint="install the NVIDIA utilities matching the driver (nvidia-smi)",
+        )
+    argv = [smi, *QUERY_ARGS]
+    try:
+        cp = (runner or _run)(argv)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise EnvironmentProblem(f"cannot run nvidia-smi: {e}") from e
+    if cp.returncode != 0:
+        msg = (cp.stderr or cp.stdout or "").strip()[-500:]
+        raise EnvironmentProblem(f"nvidia-smi failed (exit {cp.returncode}): {msg}",
+                                 hint="check the NVIDIA driver: `nvidia-smi` must work")
+    try:
+        gpus = parse_query(cp.stdout)
+    except ValueError as e:
+        raise EnvironmentProblem(f"cannot parse nvidia-smi output: {e}") from e
+    if not gpus:
+        raise EnvironmentProblem("nvidia-smi lists no GPU", hint="check the NVIDIA driver: `nvidia-smi -L`")
+    return gpus
+
+
+def identity_fields(gpus: Sequence[GpuInfo]) -> dict[str, str]:
+    """Host-identity fields for ``gpus`` (pure): ``gpu_driver`` (driver version, e.g.
+    ``580.95.05``), ``gpu_name`` and ``gpu_uuid`` (one entry per GPU in index order, joined
+    with ``;``). Memory is left out on purpose: it changes from minute to minute."""
+    drivers = sorted({g.driver for g in gpus})
+    return {
+        "gpu_driver": ";".join(drivers),
+        "gpu_name": ";".join(g.name for g in gpus),
+        "gpu_uuid": ";".join(g.uuid for g in gpus),
+    }
+
+
+def gpu_identity(runner: Runner | None = None, *, which: Callable[[str], str | None] = shutil.which,
+                 proc_gpus: str | os.PathLike = PROC_GPUS) -> dict[str, str] | None:
+    """:func:`identity_fields` of :func:`query`, or ``None`` on a CPU host (pass it to
+    ``identity.collect(..., gpu=...)``)."""
+    gpus = query(runner, which=which, proc_gpus=proc_gpus)
+    return None if gpus is None else identity_fields(gpus)
+
+
+def _fmt(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB ({n} bytes)"
+
+
+def check_free_memory(required_bytes: int, free_bytes: int, *, gpu: str = "the GPU") -> None:
+    """Raise BusyError unless ``free_bytes`` >= ``required_bytes`` (both bytes; pure).
+
+    ``gpu`` names the device in the message (e.g. its UUID). Raises ValueError on negative
+    sizes.
+    """
+    if required_bytes < 0 or free_bytes < 0:
+        raise ValueError(f"sizes must be >= 0 bytes, got required={required_bytes} free={free_bytes}")
+    if free_bytes < required_bytes:
+        raise BusyError(
+            f"restoring needs {_fmt(required_bytes)} of free memory on {gpu}, "
+            f"but only {_fmt(free_bytes)} is free",
+            hint="stop the processes using the GPU (`nvidia-smi` lists them) or restore on another GPU",
+            details={"gpu": gpu, "required_bytes": required_bytes, "free_bytes": free_bytes},
+        )
+
+
+def cuda_plugin_path(criu_src_dir: str | os.PathLike) -> Path:
+    """``<criu_src_dir>/plugins/cuda/cuda_plugin.so`` (built by ``make cuda_plugin`` in the
+    CRIU source tree, as scripts/setup.sh does). Raises EnvironmentProblem when it is missing.
+
+    CRIU's ``-L`` / ``CRIU_LIBS_DIR`` names a *directory* and loads every ``*.so`` in it
+    (``cr_plugin_init`` in CRIU 4.2.1 ``criu/plugin.c``): pass ``.parent`` of this path, which
+    after the build holds only this plugin.
+    """
+    p = Path(criu_src_dir) / "plugins" / "cuda" / "cuda_plugin.so"
+    if not p.is_file():
+        raise EnvironmentProblem(
+            f"CRIU's CUDA plugin is missing: {p}",
+            hint="run scripts/setup.sh (it runs `make cuda_plugin` in the CRIU source tree)",
+        )
+    return p

@@ -138,14 +138,6 @@ def test_create_with_a_bad_compression_exits_2(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "s").exists()
 
 
-# typer >= 0.2x vendors click as ``typer._click``; cli.main catches ``click.ClickException`` from
-# the separate click package, so typer's usage errors fall through to "error [internal]", exit 1.
-# Bug in cli.py (reported to the lead); these turn into XPASS (a failure) once it is fixed.
-CLICK_USAGE_BUG = pytest.mark.xfail(
-    strict=True, reason="cli.main does not catch typer._click usage errors: exit 1 'internal' instead of 2")
-
-
-@CLICK_USAGE_BUG
 @pytest.mark.parametrize("argv", [
     ["frobnicate"],
     ["inspect"],  # missing argument
@@ -158,7 +150,6 @@ def test_usage_errors_exit_2(capsys, argv):
     assert "internal" not in err
 
 
-@CLICK_USAGE_BUG
 def test_no_arguments_shows_help_without_an_internal_error(capsys):
     code, out, err = _run_main(capsys)
     assert "inspect" in out + err

@@ -74,16 +74,17 @@ def test_group_writable_parent_is_refused(base):
     assert str(mid) in ei.value.message
 
 
-def test_world_writable_sticky_parent_not_owned_by_root_is_refused(base):
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown")
+def test_sticky_parent_is_trusted_only_when_root_owned(base):
     mid = base / "tmpish"
     mid.mkdir()
     os.chmod(mid, 0o1777)
     d = _snapdir(mid)
-    if os.geteuid() == 0:
-        os.chown(mid, 1234, 1234)  # sticky but owned by someone else
-        with pytest.raises(CorruptSnapshotError, match=str(mid)):
-            store.check_dir_safety(d)
-    # root-owned and sticky (like /tmp) would be fine: our pytest tmp dirs live under /tmp
+    os.chown(mid, 0, 0)
+    store.check_dir_safety(d)  # like /tmp
+    os.chown(mid, 1234, 1234)  # sticky and world-writable, owned by someone else
+    with pytest.raises(CorruptSnapshotError, match=str(mid)):
+        store.check_dir_safety(d)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown")

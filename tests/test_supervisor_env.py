@@ -59,6 +59,12 @@ def test_scrubbed_env_forces_offline_and_no_io_uring():
     assert env["PYTHONUNBUFFERED"] == "1"
 
 
+def test_offline_cannot_be_turned_off_even_with_keep():
+    env = scrubbed_env({"HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0"},
+                       keep=("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    assert env["HF_HUB_OFFLINE"] == "1" and env["TRANSFORMERS_OFFLINE"] == "1"
+
+
 def test_scrubbed_env_keep_passes_a_named_secret_only():
     env = scrubbed_env(dict(BASE), keep=("HF_TOKEN",))
     assert env["HF_TOKEN"] == "hf_secret"

@@ -172,7 +172,10 @@ def demo(
 
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry: run the app, map errors to exit codes (see errors.py)."""
-    import click
+    try:  # typer >= 0.29 vendors its own click
+        from typer._click import exceptions as click_exc
+    except ImportError:  # pragma: no cover - older typer uses click itself
+        from click import exceptions as click_exc
 
     argv = sys.argv[1:] if argv is None else argv
     _STATE["json"] = "--json" in argv
@@ -180,13 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rv = cmd.main(args=argv, prog_name="vllm-snapshot", standalone_mode=False)
         return rv if isinstance(rv, int) else 0
-    except click.exceptions.Exit as e:
+    except typer.Exit as e:
         return e.exit_code
-    except click.exceptions.Abort:
+    except typer.Abort:
         return 130
-    except click.ClickException as e:
+    except click_exc.ClickException as e:
         e.show()
-        return 2
+        return e.exit_code
     except SnapshotError as e:
         if _STATE["debug"]:
             import traceback

@@ -56,10 +56,11 @@ def redact_args(args: list[str]) -> list[str]:
     out: list[str] = []
     hide_next = False
     for a in args:
-        if hide_next:
+        if hide_next and not a.startswith("-"):
             out.append("<redacted>")
             hide_next = False
             continue
+        hide_next = False
         if a.startswith("--") and is_secret_name(a[2:].split("=", 1)[0]):
             if "=" in a:
                 out.append(a.split("=", 1)[0] + "=<redacted>")

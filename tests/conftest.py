@@ -16,7 +16,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("VLLM_SNAPSHOT_CACHE", "/var/cache/vllm-snapshot"))
 TINY = CACHE / "models" / "tiny-llama"
-ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--served-model-name", "tiny-llama"]
+#: Random "secrets" in the environment of the session snapshot's create: they must not reach
+#: the engine (test_no_planted_secret_in_images searches every image for them).
+PLANTED_SECRETS = {"HF_TOKEN": "hf_" + os.urandom(12).hex(), "OPENAI_API_KEY": "sk-" + os.urandom(12).hex()}
+ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes", "64M",
+               "--served-model-name", "tiny-llama"]
 
 
 def _missing() -> str | None:
@@ -58,7 +62,7 @@ def pytest_collection_modifyitems(config, items):
 
 def engine_env() -> dict[str, str]:
     env = dict(os.environ)
-    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the KV cache size is an engine arg
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -83,7 +87,8 @@ def snap_root(tmp_path_factory) -> Path:
 def snapshot(snap_root) -> Path:
     """One real snapshot of the tiny model, created once per test session (~1 min)."""
     target = snap_root / "tiny"
-    cli("create", str(TINY), "--snapshot-dir", str(target), "--", *ENGINE_ARGS, check=True)
+    cli("create", str(TINY), "--snapshot-dir", str(target), "--", *ENGINE_ARGS, check=True,
+        env={**engine_env(), **PLANTED_SECRETS})
     return target
 
 

@@ -23,13 +23,25 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-_STATE = {"debug": False, "json": False}
+_STATE: dict = {"debug": False, "json": False, "root": None}
 PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
 @app.callback()
-def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors.")) -> None:
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
+    root: Optional[Path] = typer.Option(None, "--root", envvar="VLLM_SNAPSHOT_ROOT",
+                                        help="Where named snapshots live (default /var/lib/vllm-snapshot as root)."),
+) -> None:
     _STATE["debug"] = debug
+    _STATE["root"] = root
+
+
+def _resolve(ref: str) -> Path:
+    """A snapshot NAME (under the root) or PATH -> its directory."""
+    from . import store
+
+    return store.resolve(ref, _STATE["root"] or store.default_root())
 
 
 def _reporter(quiet: bool, as_json: bool):
@@ -50,7 +62,8 @@ def _stderr_sink(b: bytes) -> None:
 def create(
     ctx: typer.Context,
     model: str = typer.Argument(..., help="Local model directory (or a Hugging Face id already in the local cache)."),
-    snapshot_dir: Path = typer.Option(..., "--snapshot-dir", help="Where to publish the snapshot; must not exist."),
+    snapshot_dir: Optional[Path] = typer.Option(None, "--snapshot-dir", help="Where to publish the snapshot (a path); must not exist."),
+    name: Optional[str] = typer.Option(None, "--name", help="Store under the snapshot root with this name (default: the model directory's name)."),
     oracle_prompt: str = typer.Option(None, "--oracle-prompt", help="Prompt of the one-token oracle."),
     sleep_level: int = typer.Option(2, "--sleep-level", min=0, max=2, help="GPU: sleep level before the dump (CPU engines are captured whole)."),
     compress: str = typer.Option("zstd:3", "--compress", help="none | zstd | zstd:LEVEL"),
@@ -63,9 +76,18 @@ def create(
     arguments (optionally after --) are `vllm serve` engine args, checked by vLLM's parser."""
     from . import archive, ops, oracle, render
 
+    from . import store
+
     engine_args = [a for a in ctx.args]
     if engine_args and engine_args[0] == "--":
         engine_args = engine_args[1:]
+    if snapshot_dir is not None and name is not None:
+        raise UsageError("give --snapshot-dir PATH or --name NAME, not both")
+    if snapshot_dir is None:
+        name = name or Path(model.rstrip("/")).name.replace("/", "--")
+        if not store.valid_name(name):
+            raise UsageError(f"cannot derive a snapshot name from {model!r}; pass --name or --snapshot-dir")
+        snapshot_dir = store.ensure_root(_STATE["root"] or store.default_root()) / name
     req = ops.CreateRequest(
         model=model, target=snapshot_dir, engine_args=engine_args,
         oracle_prompt=oracle_prompt or oracle.DEFAULT_PROMPT, sleep_level=sleep_level,
@@ -84,12 +106,13 @@ def create(
 
 @app.command()
 def inspect(
-    snapshot_dir: Path = typer.Argument(..., help="Snapshot directory."),
+    snapshot: str = typer.Argument(..., help="Snapshot name (under the root) or directory."),
     as_json: bool = typer.Option(False, "--json", help="Stable JSON instead of tables."),
 ) -> None:
     """Show a snapshot's manifest: versions, model, engine args, oracle, sizes, timings."""
     from . import manifest, render
 
+    snapshot_dir = _resolve(snapshot)
     m = manifest.read(snapshot_dir)
     if as_json:
         render.emit_json({"snapshot": str(snapshot_dir.absolute()), "manifest": m.model_dump(mode="json")})
@@ -99,15 +122,17 @@ def inspect(
 
 @app.command()
 def verify(
-    snapshot_dir: Path = typer.Argument(..., help="Snapshot directory."),
+    snapshot: str = typer.Argument(..., help="Snapshot name (under the root) or directory."),
     allow_mismatch: List[str] = typer.Option([], "--allow-mismatch", help="Identity field to tolerate (machine_id, cpu_model)."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Every restore check without restoring: permissions, manifest, host identity, all
     image checksums, and a full re-hash of the model files."""
-    from . import ops, render
+    from . import locks, ops, render
 
-    m, warnings = ops.validate(snapshot_dir, "full", frozenset(allow_mismatch), check_images=True)
+    snapshot_dir = _resolve(snapshot)
+    with locks.snapshot_lock(snapshot_dir, shared=True):
+        m, warnings = ops.validate(snapshot_dir, "full", frozenset(allow_mismatch), check_images=True)
     if as_json:
         render.emit_json({"snapshot": str(snapshot_dir.absolute()), "ok": True, "warnings": warnings})
     else:
@@ -117,8 +142,137 @@ def verify(
 
 
 @app.command()
+def doctor(
+    as_json: bool = typer.Option(False, "--json", help="Stable JSON instead of a table."),
+) -> None:
+    """Check this host: root, CRIU >= 4.2 (`criu check`, kernel features), io_uring, kernel,
+    glibc, snapshot root and /dev/shm, unshare/mount/tar, vLLM, pycriu, and on GPU hosts the
+    driver, CRIU's CUDA plugin and the cuda-checkpoint helper. Exit 0 when create and restore
+    can work, 11 when a check of severity error failed."""
+    from . import doctor as doctor_mod
+    from . import render
+
+    checks = doctor_mod.run_checks()
+    if as_json:
+        render.emit_json(doctor_mod.to_json(checks))
+    else:
+        doctor_mod.print_table(checks)
+    raise typer.Exit(doctor_mod.exit_code(checks))
+
+
+@app.command("list")
+def list_cmd(as_json: bool = typer.Option(False, "--json")) -> None:
+    """Snapshots under the root: model, created, kind, sleep level, sizes, whether this host
+    can restore them (and why not), last restore."""
+    from . import ops, render, store
+
+    root = _STATE["root"] or store.default_root()
+    rows = [ops.describe(p) for p in store.list_snapshots(root)]
+    if as_json:
+        render.emit_json({"root": str(root), "snapshots": rows})
+    else:
+        render.snapshot_list(rows, str(root))
+
+
+@app.command()
+def delete(
+    snapshot: str = typer.Argument(..., help="Snapshot name (under the root) or directory."),
+    force: bool = typer.Option(False, "--force", help="Stop engines restored from it first."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Delete a snapshot. Refuses while an engine restored from it runs, unless --force."""
+    from . import ops, render
+
+    d = _resolve(snapshot)
+    stopped = ops.delete(d, force)
+    if as_json:
+        render.emit_json({"deleted": str(d), "stopped_pids": stopped})
+    else:
+        typer.echo(f"deleted {d}" + (f" (stopped engines {stopped})" if stopped else ""))
+
+
+@app.command()
+def prune(
+    keep: Optional[int] = typer.Option(None, "--keep", min=0, help="Keep the N newest snapshots per model."),
+    older_than: Optional[str] = typer.Option(None, "--older-than", help="Delete snapshots older than this (e.g. 7d, 12h, 30m)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Only print what would be deleted."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Delete old snapshots under the root (never ones with a running engine), and leftover
+    temp dirs of crashed creates."""
+    from . import ops, render, store
+
+    root = _STATE["root"] or store.default_root()
+    res = ops.prune(root, keep, ops.parse_duration(older_than) if older_than else None, dry_run)
+    if as_json:
+        render.emit_json(res)
+    else:
+        verb = "would delete" if dry_run else "deleted"
+        for p in res["deleted"]:
+            typer.echo(f"{verb} {p}")
+        for p in res["kept_running"]:
+            typer.echo(f"kept {p} (an engine restored from it is running)")
+        for p in res["temp_removed"]:
+            typer.echo(f"removed leftover {p}")
+        if not any(res.values()):
+            typer.echo("nothing to prune")
+
+
+@app.command()
+def status(as_json: bool = typer.Option(False, "--json")) -> None:
+    """Engines restored on this host: snapshot, PID, address, started, mode."""
+    from . import registry, render
+
+    rows = [{**e.__dict__, "url": e.url} for e in registry.entries()]
+    if as_json:
+        render.emit_json({"engines": rows})
+    else:
+        render.engine_list(rows)
+
+
+@app.command()
+def stop(
+    snapshot: Optional[str] = typer.Argument(None, help="Stop engines restored from this snapshot."),
+    port: Optional[int] = typer.Option(None, "--port", help="Stop the engine serving on this port."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Stop restored engines (by snapshot or --port) and wait until their memory is released."""
+    from . import ops, render
+
+    if (snapshot is None) == (port is None):
+        raise UsageError("give a snapshot or --port")
+    stopped = ops.stop_engines(_resolve(snapshot) if snapshot else None, port)
+    if as_json:
+        render.emit_json({"stopped": stopped})
+    else:
+        for s_ in stopped:
+            typer.echo(f"stopped engine {s_['pid']} ({s_['snapshot']} on port {s_['port']}) in {s_['seconds']:.2f} s")
+
+
+@app.command()
+def switch(
+    snapshot: str = typer.Argument(..., help="Snapshot to serve next."),
+    port: int = typer.Option(..., "--port", min=1, max=65535),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    log_file: Optional[Path] = typer.Option(None, "--log-file"),
+    as_json: bool = typer.Option(False, "--json"),
+    quiet: bool = typer.Option(False, "--quiet", "-q"),
+) -> None:
+    """Time-sharing: stop whatever serves on PORT, wait until its memory is released, restore
+    SNAPSHOT there (detached); report the measured switch time."""
+    from . import ops, render
+
+    res = ops.switch(_resolve(snapshot), host, port, log_file, _reporter(quiet, as_json))
+    if as_json:
+        render.emit_json(res)
+    elif not quiet:
+        typer.echo(f"switched port {port} to {res['snapshot']} (engine PID {res['pid']}): "
+                   f"stop {res['stop_s']:.2f} s + restore {res['restore_s']:.2f} s = {res['switch_s']:.2f} s")
+
+
+@app.command()
 def restore(
-    snapshot_dir: Path = typer.Argument(..., help="Snapshot directory."),
+    snapshot: str = typer.Argument(..., help="Snapshot name (under the root) or directory."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to serve on (bound only after the oracle matched)."),
     port: int = typer.Option(8000, "--port", min=1, max=65535),
     detach: bool = typer.Option(False, "--detach", help="Return once serving; print the engine PID."),
@@ -134,7 +288,15 @@ def restore(
 
     if verify_model not in ("quick", "full"):
         raise UsageError("--verify-model must be quick or full")
+    snapshot_dir = _resolve(snapshot)
     rep = _reporter(quiet, as_json)
+    # --- sd_notify (systemd Type=notify, see notify.py): STATUS=<phase> as each phase starts
+    sd_notify = bool(os.environ.get("NOTIFY_SOCKET"))
+    if sd_notify:
+        from .progress import NotifyingReporter
+
+        rep = NotifyingReporter(rep)
+    # --- end sd_notify
     req = ops.RestoreRequest(snapshot=snapshot_dir, host=host, port=port, detach=detach,
                              log_file=log_file, verify_model=verify_model,
                              allow=frozenset(allow_mismatch),
@@ -152,7 +314,22 @@ def restore(
             typer.echo(r.pid)
         r.handle.close()
         return
-    code = ops.serve_foreground(r, rep.info)
+    on_signal, stop_sent = rep.info, []
+    # --- sd_notify: READY only now (oracle matched, port bound, canary passed); STOPPING on shutdown
+    if sd_notify:
+        from . import notify
+
+        notify.ready(f"serving {r.manifest.model.served_name} on {r.url}", mainpid=os.getpid())
+
+        def _stopping_then_info(msg: str, _info=rep.info) -> None:
+            if not stop_sent:
+                stop_sent.append(notify.stopping())
+            _info(msg)
+        on_signal = _stopping_then_info
+    # --- end sd_notify
+    code = ops.serve_foreground(r, on_signal)
+    if sd_notify and not stop_sent:
+        notify.stopping()  # the engine exited on its own: we are going down
     raise typer.Exit(code)
 
 

@@ -72,6 +72,16 @@ class EngineInfo(_Strict):
     full_state_captured: bool
 
 
+class TreeFile(_Strict):
+    """A regular file the engine tree had open or mapped at dump (shared libraries, weights):
+    size (bytes), mtime_ns, BLAKE3 for files <= 1 MiB (else None: size+mtime pin it)."""
+
+    path: str
+    size: int = Field(ge=0)
+    mtime_ns: int
+    blake3: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+
+
 class CriuInfo(_Strict):
     """CRIU version, the flags shared by dump and restore, and the fd identities restore
     re-binds with ``--inherit-fd``: role (``control``, ``log``, ``events``) -> ``pipe:[ino]``."""
@@ -84,6 +94,8 @@ class CriuInfo(_Strict):
     tree_pids: tuple[int, ...]
     tree_commands: tuple[str, ...]
     dump_argv: tuple[str, ...]
+    listeners: tuple[tuple[str, int], ...] = ()
+    tree_files: tuple[TreeFile, ...] = ()
 
 
 class Manifest(_Strict):

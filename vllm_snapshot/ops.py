@@ -9,7 +9,6 @@ import os
 import shutil
 import signal
 import socket
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -19,10 +18,9 @@ from typing import Callable
 
 import psutil
 
-from . import __version__, archive, criu, identity, manifest, model_digest, oracle, store
-from .errors import (BusyError, CorruptSnapshotError, EngineError, EnvironmentProblem,
-                     IncompatibleHostError, OracleMismatchError, SnapshotError, UnsnapshottableError,
-                     UsageError)
+from . import __version__, archive, criu, identity, inventory, locks, manifest, model_digest, oracle, registry, store
+from .errors import (BusyError, EngineError, EnvironmentProblem, IncompatibleHostError,
+                     OracleMismatchError, UsageError)
 from .progress import Reporter
 from .supervisor import (EngineHandle, is_secret_name, launch, pipe_key, restored_handle,
                          scrubbed_env)
@@ -80,30 +78,6 @@ def _tree_of(pid: int) -> list[psutil.Process]:
         return []
 
 
-def find_io_uring(procs: list[psutil.Process]) -> list[str]:
-    """``"PID (command)"`` of each process holding an io_uring instance (fd or mapping):
-    CRIU 4.2 cannot dump io_uring."""
-    found = []
-    for p in procs:
-        hit = False
-        try:
-            for n in os.listdir(f"/proc/{p.pid}/fd"):
-                try:
-                    if "io_uring" in os.readlink(f"/proc/{p.pid}/fd/{n}"):
-                        hit = True
-                        break
-                except OSError:
-                    continue
-            if not hit:
-                with open(f"/proc/{p.pid}/maps") as f:
-                    hit = "io_uring" in f.read()
-        except OSError:
-            continue
-        if hit:
-            found.append(f"{p.pid} ({p.name()})")
-    return found
-
-
 def _deleted_open_files(procs: list[psutil.Process]) -> set[str]:
     """Paths of deleted-but-open files in the tree (CRIU link-remaps them into the same dir)."""
     out = set()
@@ -150,6 +124,12 @@ def create(req: CreateRequest, rep: Reporter) -> manifest.Manifest:
         raise UsageError("--sleep-level must be 0, 1 or 2")
     target = req.target.absolute()
     model_dir = model_digest.resolve_model(req.model)
+    with locks.snapshot_lock(target):
+        return _create_locked(req, rep, target, model_dir, criu_bin, criu_ver)
+
+
+def _create_locked(req: CreateRequest, rep: Reporter, target: Path, model_dir: Path,
+                   criu_bin: str, criu_ver: str) -> manifest.Manifest:
     tmp = store.prepare_target(target)
     (tmp / "owner.pid").write_text(str(os.getpid()))
     handle: EngineHandle | None = None
@@ -194,18 +174,15 @@ def create(req: CreateRequest, rep: Reporter) -> manifest.Manifest:
                        "events": pipe_key(handle.root_pid, 3)}
             tree_pids = tuple(p.pid for p in procs)
             tree_cmds = tuple(" ".join(p.cmdline())[:200] for p in procs)
-            uring = find_io_uring(procs)
-            if uring:
-                raise UnsnapshottableError(
-                    "the engine tree holds io_uring instances, which CRIU cannot dump: " + ", ".join(uring),
-                    hint="set UV_USE_IO_URING=0 for libuv, or sysctl kernel.io_uring_disabled=2")
             deleted = _deleted_open_files(procs)
             remap_dirs = {str(Path(d).parent) for d in deleted}
         handle.send("prepare-dump")
         handle.wait_event("dump-ready", 120)
+        with rep.phase("inventory_check", "checking the tree for what CRIU cannot restore"):
+            tree_inv = inventory.inspect_tree(handle.root_pid)
         dump_opts = criu.DumpOptions(pid=handle.root_pid)
         before = {d: set(os.listdir(d)) for d in remap_dirs if os.path.isdir(d)}
-        with rep.phase("dump", "CRIU dump"):
+        with rep.phase("dump", "CRIU dump"), locks.criu_lock():
             criu.Criu(criu_bin).dump(dump_opts, tmp / store.IMAGES, tmp)
             # the dump killed the tree; make sure every process is gone
             gone, alive = psutil.wait_procs(procs, timeout=30)
@@ -246,7 +223,9 @@ def create(req: CreateRequest, rep: Reporter) -> manifest.Manifest:
             criu=manifest.CriuInfo(
                 version=criu_ver, flags=criu.SHARED_FLAGS, inherit=inherit, pid_namespace=True,
                 root_pid=dump_opts.pid, tree_pids=tree_pids, tree_commands=tree_cmds,
-                dump_argv=tuple(criu.dump_argv(dump_opts, str(target / store.IMAGES)))),
+                dump_argv=tuple(criu.dump_argv(dump_opts, str(target / store.IMAGES))),
+                listeners=tuple(tree_inv.listeners),
+                tree_files=tuple(manifest.TreeFile(**f.to_json()) for f in tree_inv.files)),
             images=images,
             extra_files=extra,
             sizes={"raw": raw, "stored": stored, "model": sum(f.size for f in files)},
@@ -349,6 +328,11 @@ def validate(snapshot: Path, verify_model: str = "quick", allow: frozenset[str] 
     if check_images:
         archive.verify(snapshot / store.IMAGES, m.images)
         archive.verify(snapshot / store.FILES, m.extra_files)
+    problems = inventory.check_files([f.model_dump() for f in m.criu.tree_files])
+    if problems:
+        raise IncompatibleHostError(
+            "files the engine had open or mapped changed since the snapshot was created:\n  " + "\n  ".join(problems),
+            hint="restore with the same venv/libraries, or re-create the snapshot")
     mc = model_digest.verify(Path(m.model.path), m.model.files, "full" if verify_model == "full" else "quick")
     if mc.added:
         warnings.append("model dir has files the snapshot did not record: " + ", ".join(mc.added))
@@ -406,6 +390,20 @@ def restore(req: RestoreRequest, rep: Reporter) -> Restored:
     EngineError, OracleMismatchError."""
     require_root()
     snapshot = req.snapshot.absolute()
+    with locks.snapshot_lock(snapshot, shared=True):
+        r = _restore_locked(req, rep, snapshot)
+    try:
+        registry.register(registry.Entry(
+            snapshot=str(snapshot), pid=r.pid, supervisor_pid=0 if req.detach else os.getpid(),
+            host=req.host, port=req.port, started_at=time.time(),
+            mode="detached" if req.detach else "foreground"))
+        store.record_restore(snapshot)
+    except OSError as e:  # bookkeeping only: never fail a served restore for it
+        rep.info(f"could not record the engine in the registry: {e}")
+    return r
+
+
+def _restore_locked(req: RestoreRequest, rep: Reporter, snapshot: Path) -> Restored:
     with rep.phase("validate", "validating snapshot, host and model"):
         m, warnings = validate(snapshot, req.verify_model, req.allow)
         port_free(req.host, req.port)
@@ -438,8 +436,17 @@ def restore(req: RestoreRequest, rep: Reporter) -> Restored:
             os.set_inheritable(fd, True)
         inherit = ((m.criu.inherit["control"], ctl_r), (m.criu.inherit["log"], log_w),
                    (m.criu.inherit["events"], ev_w))
-        with rep.phase("criu_restore", "CRIU restore"):
-            pid = criu.Criu(criu_bin).restore(criu.RestoreOptions(inherit_fds=inherit), stage, stage)
+        with locks.criu_lock():
+            # Checked under the host-wide CRIU lock, so a concurrent restore of the same
+            # snapshot that just bound them is seen: refuse before CRIU would fail on them.
+            taken = inventory.check_listeners_free(m.criu.listeners)
+            if taken:
+                raise BusyError(
+                    "loopback ports the engine tree listened on at snapshot time are taken "
+                    "(another engine restored from this snapshot?):\n  " + "\n  ".join(taken),
+                    hint="stop the engine holding them (vllm-snapshot status / stop), or re-create the snapshot")
+            with rep.phase("criu_restore", "CRIU restore"):
+                pid = criu.Criu(criu_bin).restore(criu.RestoreOptions(inherit_fds=inherit), stage, stage)
         for fd in (ctl_r, ev_w, log_w):
             os.close(fd)
             fds.remove(fd)
@@ -462,7 +469,7 @@ def restore(req: RestoreRequest, rep: Reporter) -> Restored:
                                           details={"expected": m.oracle.model_dump(), "actual": got.model_dump()})
         base = f"http://{'[' + req.host + ']' if ':' in req.host else req.host}:{req.port}"
         with rep.phase("bind", f"binding {req.host}:{req.port} and serving"):
-            handle.send("serve", host=req.host, port=req.port)
+            handle.send("serve", host=req.host, port=req.port, die_with_parent=not req.detach)
             handle.wait_event("binding", BIND_TIMEOUT_S)
             deadline = time.monotonic() + BIND_TIMEOUT_S
             while True:
@@ -533,3 +540,128 @@ def serve_foreground(r: Restored, on_signal_msg: Callable[[str], None] | None = 
         for s, hnd in old.items():
             signal.signal(s, hnd)
         h.close()
+        registry.unregister(r.pid)
+
+
+# ----------------------------------------------------------------------------- store and runtime
+
+def describe(snapshot: Path) -> dict:
+    """One ``list`` row: name, model, created, kind, sleep level, raw/stored bytes, whether
+    this host can restore it (``compatible`` + ``why``), last restore (unix s or None)."""
+    row: dict = {"name": snapshot.name, "path": str(snapshot), "last_restore": store.last_restore(snapshot)}
+    try:
+        m = manifest.read(snapshot)
+    except Exception as e:  # noqa: BLE001 - a broken snapshot is still listed, as incompatible
+        return {**row, "model": None, "created": None, "kind": None, "sleep_level": None,
+                "raw_bytes": None, "stored_bytes": None, "compatible": False, "why": str(e).splitlines()[0]}
+    row.update(model=m.model.requested, created=m.created_at, kind=m.engine.kind, sleep_level=m.engine.sleep_level,
+               raw_bytes=m.sizes["raw"], stored_bytes=m.sizes["stored"])
+    try:
+        validate(snapshot)
+        row.update(compatible=True, why="")
+    except Exception as e:  # noqa: BLE001
+        row.update(compatible=False, why=(getattr(e, "message", None) or str(e)).splitlines()[0]
+                   + (" " + " ".join(str(e).splitlines()[1:2]).strip() if len(str(e).splitlines()) > 1 else ""))
+    return row
+
+
+def _engines_of(snapshot: Path) -> list[registry.Entry]:
+    return [e for e in registry.entries() if Path(e.snapshot) == snapshot.absolute()]
+
+
+def delete(snapshot: Path, force: bool = False) -> list[int]:
+    """Delete ``snapshot`` under its exclusive lock. Refuses (BusyError) while an engine
+    restored from it runs, unless ``force`` (then they are stopped first). Returns the PIDs
+    stopped. Raises CorruptSnapshotError for a directory that is not a snapshot."""
+    from .errors import CorruptSnapshotError
+
+    snapshot = snapshot.absolute()
+    if not (snapshot / manifest.MANIFEST_NAME).is_file():
+        if not snapshot.exists():
+            raise UsageError(f"{snapshot} does not exist")
+        raise CorruptSnapshotError(f"{snapshot} has no manifest.json; refusing to delete a directory that is not a snapshot")
+    running = _engines_of(snapshot)
+    if running and not force:
+        raise BusyError(f"engines restored from {snapshot} are running: PIDs {[e.pid for e in running]}",
+                        hint="stop them (vllm-snapshot stop), or pass --force")
+    for e in running:
+        registry.stop(e)
+    with locks.snapshot_lock(snapshot):
+        store.delete(snapshot)
+    return [e.pid for e in running]
+
+
+def parse_duration(text: str) -> float:
+    """``"7d"``, ``"12h"``, ``"30m"``, ``"45s"`` -> seconds. Raises UsageError."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", text or "")
+    if not m:
+        raise UsageError(f"--older-than {text!r}: expected a number with s, m, h, d or w (e.g. 7d)")
+    return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[m.group(2)]
+
+
+def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: bool) -> dict:
+    """Select snapshots under ``root`` beyond the ``keep`` newest per model and/or older than
+    ``older_than_s``; delete them unless ``dry_run``; skip those with running engines. Also
+    removes leftover temp dirs of crashed creates. Returns ``{"deleted", "kept_running",
+    "temp_removed"}`` (lists of paths)."""
+    if keep is None and older_than_s is None:
+        raise UsageError("give --keep N and/or --older-than DURATION")
+    rows = []
+    for p in store.list_snapshots(root):
+        try:
+            m = manifest.read(p)
+            created = _dt.datetime.fromisoformat(m.created_at).timestamp()
+            rows.append((m.model.path, created, p))
+        except Exception:  # noqa: BLE001 - unreadable snapshots are left to `delete`
+            continue
+    victims: set[Path] = set()
+    if keep is not None:
+        by_model: dict[str, list] = {}
+        for model, created, p in rows:
+            by_model.setdefault(model, []).append((created, p))
+        for items in by_model.values():
+            for _, p in sorted(items, reverse=True)[keep:]:
+                victims.add(p)
+    if older_than_s is not None:
+        now = time.time()
+        victims |= {p for _, created, p in rows if now - created > older_than_s}
+    deleted, kept = [], []
+    for p in sorted(victims):
+        if _engines_of(p):
+            kept.append(str(p))
+            continue
+        if not dry_run:
+            with locks.snapshot_lock(p):
+                store.delete(p)
+        deleted.append(str(p))
+    temps = [] if dry_run else [str(t) for t in store.clean_stale_temps(root)]
+    return {"deleted": deleted, "kept_running": kept, "temp_removed": temps}
+
+
+def stop_engines(snapshot: Path | None, port: int | None) -> list[dict]:
+    """Stop registered engines of ``snapshot`` or on ``port``; wait until their processes
+    are gone. Returns ``[{"pid", "snapshot", "port", "seconds"}]``. Raises UsageError when
+    none matches."""
+    match = [e for e in registry.entries()
+             if (snapshot is not None and Path(e.snapshot) == snapshot.absolute()) or (port is not None and e.port == port)]
+    if not match:
+        raise UsageError("no restored engine matches " + (f"snapshot {snapshot}" if snapshot else f"port {port}"))
+    return [{"pid": e.pid, "snapshot": e.snapshot, "port": e.port, "seconds": round(registry.stop(e), 3)} for e in match]
+
+
+def switch(snapshot: Path, host: str, port: int, log_file: Path | None, rep: Reporter) -> dict:
+    """Stop the engine on ``port`` (if any), restore ``snapshot`` there detached. Returns
+    ``{"snapshot", "pid", "url", "stop_s", "restore_s", "switch_s", "stopped"}`` (seconds)."""
+    t0 = time.monotonic()
+    stopped = [e.pid for e in registry.entries() if e.port == port]
+    if stopped:
+        with rep.phase("stop_previous", f"stopping the engine on port {port}"):
+            stop_engines(None, port)
+    t1 = time.monotonic()
+    r = restore(RestoreRequest(snapshot=snapshot, host=host, port=port, detach=True, log_file=log_file), rep)
+    r.handle.close()
+    t2 = time.monotonic()
+    return {"snapshot": str(snapshot), "pid": r.pid, "url": r.url, "stop_s": round(t1 - t0, 3),
+            "restore_s": round(t2 - t1, 3), "switch_s": round(t2 - t0, 3), "stopped": stopped}

@@ -85,6 +85,35 @@ class RichReporter(Reporter):
         self.console.print(f"[dim]{text}[/]")
 
 
+class NotifyingReporter(Reporter):
+    """Wraps another reporter: forwards start/end/info to ``inner`` and tells the service
+    manager the current phase as ``STATUS=<label>`` (sd_notify(3), via :mod:`.notify`) when a
+    phase starts, and ``STATUS=<label>: failed`` when one fails. Shares ``inner.timings``.
+
+    ``send`` is the STATUS sender (default :func:`notify.status`); tests inject a fake.
+    """
+
+    def __init__(self, inner: Reporter, send=None) -> None:
+        super().__init__()
+        from . import notify
+
+        self.inner = inner
+        self.timings = inner.timings
+        self._send = send or notify.status
+
+    def start(self, name: str, label: str) -> None:
+        self._send(label)
+        self.inner.start(name, label)
+
+    def end(self, name: str, label: str, seconds: float, ok: bool) -> None:
+        if not ok:
+            self._send(f"{label}: failed")
+        self.inner.end(name, label, seconds, ok)
+
+    def info(self, text: str) -> None:
+        self.inner.info(text)
+
+
 def make_reporter(quiet: bool = False) -> Reporter:
     """Silent with ``quiet``; rich on a terminal; plain lines otherwise."""
     if quiet:

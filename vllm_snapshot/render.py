@@ -72,3 +72,45 @@ def timings_table(title: str, timings: dict[str, float]) -> None:
         p.add_row(k, f"{v:.2f}")
     p.add_row("total", f"{sum(timings.values()):.2f}", style="bold")
     c.print(p)
+
+
+def _when(ts: float | None) -> str:
+    import datetime as dt
+
+    return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
+
+
+def snapshot_list(rows: list[dict], root: str) -> None:
+    """Print ``list`` rows as a table."""
+    c = Console()
+    if not rows:
+        c.print(f"no snapshots under {root}")
+        return
+    t = Table(title=f"snapshots under {root}", title_justify="left")
+    for col in ("name", "model", "created", "kind", "sleep", "raw", "stored", "here", "last restore"):
+        t.add_column(col)
+    for r in rows:
+        why = r["why"] if len(r["why"]) <= 70 else r["why"][:69] + "…"
+        here = "[green]✓[/]" if r["compatible"] else f"[red]✗[/] {why}"
+        model = (r["model"] or "-").rstrip("/").rsplit("/", 1)[-1]
+        created = (r["created"] or "-")[:16].replace("T", " ")
+        t.add_row(r["name"], model, created, str(r["kind"] or "-"),
+                  str(r["sleep_level"] if r["sleep_level"] is not None else "-"),
+                  human_bytes(r["raw_bytes"]) if r["raw_bytes"] is not None else "-",
+                  human_bytes(r["stored_bytes"]) if r["stored_bytes"] is not None else "-",
+                  here, _when(r["last_restore"]))
+    c.print(t)
+
+
+def engine_list(rows: list[dict]) -> None:
+    """Print ``status`` rows as a table."""
+    c = Console()
+    if not rows:
+        c.print("no restored engines running")
+        return
+    t = Table(title="restored engines", title_justify="left")
+    for col in ("snapshot", "pid", "url", "started", "mode"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["snapshot"], str(r["pid"]), r["url"], _when(r["started_at"]), r["mode"])
+    c.print(t)

@@ -141,3 +141,88 @@ def publish(tmp: Path, target: Path) -> None:
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+# ----------------------------------------------------------------------------- names, root
+
+def default_root() -> Path:
+    """Where named snapshots live: ``$VLLM_SNAPSHOT_ROOT``, else ``/var/lib/vllm-snapshot``
+    as root, else ``$XDG_DATA_HOME/vllm-snapshot`` (``~/.local/share/vllm-snapshot``)."""
+    env = os.environ.get("VLLM_SNAPSHOT_ROOT")
+    if env:
+        return Path(env).absolute()
+    if os.geteuid() == 0:
+        return Path("/var/lib/vllm-snapshot")
+    xdg = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(xdg) / "vllm-snapshot"
+
+
+def valid_name(name: str) -> bool:
+    """Names: letters, digits, ``.``, ``_``, ``-``; not starting with ``.``; <= 128 chars."""
+    import re
+
+    return bool(re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}", name))
+
+
+def resolve(ref: str | Path, root: Path | None = None) -> Path:
+    """A snapshot reference -> its directory: a bare valid name means ``ROOT/NAME``; anything
+    with a ``/`` (or ``.``/``..``) is a path. Raises UsageError for an invalid name."""
+    s = str(ref)
+    if "/" in s or s in (".", ".."):
+        return Path(s).absolute()
+    if not valid_name(s):
+        raise UsageError(f"{s!r} is neither a path nor a valid snapshot name (letters, digits, . _ -)")
+    return (root or default_root()) / s
+
+
+def ensure_root(root: Path) -> Path:
+    """Create the snapshot root (0700) if missing; return it."""
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return root
+
+
+def _state_file(snapshot: Path) -> Path:
+    import hashlib
+
+    from .locks import RUN_DIR
+
+    key = hashlib.sha256(str(snapshot.absolute()).encode()).hexdigest()[:24]
+    d = Path(os.environ.get("VLLM_SNAPSHOT_STATE_DIR", "/var/lib/vllm-snapshot/.state" if os.geteuid() == 0 else str(RUN_DIR / "state")))
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return d / f"{key}.json"
+
+
+def record_restore(snapshot: Path) -> None:
+    """Remember when ``snapshot`` was last restored (outside the snapshot: it stays unchanged)."""
+    import json
+
+    p = _state_file(snapshot)
+    p.write_text(json.dumps({"snapshot": str(snapshot.absolute()), "last_restore": time.time()}))
+    os.chmod(p, 0o600)
+
+
+def last_restore(snapshot: Path) -> float | None:
+    """Unix time of the last successful restore, or None."""
+    import json
+
+    try:
+        return float(json.loads(_state_file(snapshot).read_text())["last_restore"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def list_snapshots(root: Path) -> list[Path]:
+    """Published snapshots (dirs with a manifest) directly under ``root``, sorted by name.
+    Temp dirs of creates in progress (hidden) are not listed."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if not p.name.startswith(".") and p.is_dir()
+                  and (p / "manifest.json").is_file())
+
+
+def delete(snapshot: Path) -> None:
+    """Remove a snapshot: first renamed to a hidden temp name (so it vanishes from listings
+    atomically), then removed."""
+    tmp = snapshot.parent / f".{snapshot.name}{TMP_MARK}deleting-{os.getpid()}"
+    os.rename(snapshot, tmp)
+    shutil.rmtree(tmp)

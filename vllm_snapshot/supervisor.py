@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import select
 import signal
 import subprocess
@@ -19,7 +18,6 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO, Callable
 
 import psutil
@@ -62,6 +60,9 @@ def scrubbed_env(base: dict[str, str], keep: tuple[str, ...] = ()) -> dict[str, 
     env["TRANSFORMERS_OFFLINE"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     env["UV_USE_IO_URING"] = "0"  # libuv (uvloop/uvicorn): no io_uring, CRIU cannot dump it
+    # torch.distributed (gloo, world size 1) listens on the hostname's address; keep it on
+    # loopback so the dumped tree holds no non-loopback listener.
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     return env
 
 
@@ -221,11 +222,13 @@ class EngineHandle:
                 self.launcher.kill()
 
 
-def _set_subreaper() -> None:
+PR_SET_PDEATHSIG = 1
+
+
+def _prctl(option: int, arg: int) -> None:
     import ctypes
 
-    PR_SET_CHILD_SUBREAPER = 36
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0)
 
 
 def launch(spec: dict, env: dict[str, str], log_sinks: list[Callable[[bytes], None]], python: str = sys.executable) -> EngineHandle:
@@ -238,6 +241,11 @@ def launch(spec: dict, env: dict[str, str], log_sinks: list[Callable[[bytes], No
     ev_r, ev_w = os.pipe()
 
     def child_setup() -> None:
+        # unshare dies with us (kill -9 of `create` included), and --kill-child makes the
+        # engine root (PID 1 of the namespace, whose death ends the namespace) die with unshare.
+        # The engine clears its own death signal before the dump (CRIU would deliver it right
+        # after a restore).
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         os.dup2(ev_w, EVENTS_FD)
         if ev_w != EVENTS_FD:
             os.close(ev_w)
@@ -246,7 +254,7 @@ def launch(spec: dict, env: dict[str, str], log_sinks: list[Callable[[bytes], No
     # private, so nothing leaks to the host): POSIX semaphores, CRIU's link-remap files for
     # them, and ZMQ's ipc:// socket files live there and are dumped with the tree (CRIU dumps
     # tmpfs contents), so restores never collide with host files or with each other.
-    argv = ["unshare", "--pid", "--fork", "--mount-proc", "--propagation", "private", "--",
+    argv = ["unshare", "--pid", "--fork", "--mount-proc", "--propagation", "private", "--kill-child", "--",
             "sh", "-c", PRIVATE_MOUNTS + 'exec "$0" "$@"',
             python, "-m", "vllm_snapshot.engine.main", json.dumps(spec)]
     try:
@@ -289,4 +297,4 @@ def restored_handle(root_pid: int, ctl_w: int, ev_r: int, log_r: int, log_sinks:
     return EngineHandle(root_pid, os.fdopen(ctl_w, "w"), ev_r, pump, None)
 
 
-__all__ = ["EngineHandle", "launch", "restored_handle", "scrubbed_env", "pipe_key", "is_secret_name", "_set_subreaper"]
+__all__ = ["EngineHandle", "launch", "restored_handle", "scrubbed_env", "pipe_key", "is_secret_name"]

@@ -95,23 +95,54 @@ async def run_oracle(engine, prompt: str) -> dict:
     }
 
 
+def _set_parent_death_signal(sig: int) -> None:
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
 def _device_kind() -> str:
     from vllm.platforms import current_platform
 
     return "cpu" if current_platform.is_cpu() else "cuda"
 
 
-async def serve(engine, args, host: str | None, port: int) -> None:
-    """Bind ``host:port`` and serve the OpenAI API until SIGINT/SIGTERM."""
-    from vllm.entrypoints.launchers.api_server.entry import build_and_serve
-    from vllm.entrypoints.launchers.launcher import setup_server
+async def prepare_app(engine, args):
+    """Build the OpenAI FastAPI app and its state before the dump, so that a restore only has
+    to bind the socket and start uvicorn. Same calls as vLLM's ``build_and_serve``."""
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.app import build_app
+
+    supported_tasks = await engine.get_supported_tasks()
+    app = build_app(args, supported_tasks, engine.model_config)
+    await init_app_state(engine, app.state, args, supported_tasks)
+    return app
+
+
+async def serve(app, args, host: str | None, port: int) -> None:
+    """Bind ``host:port`` and serve ``app`` until SIGINT/SIGTERM (vLLM's serve_http with the
+    keyword arguments its ``build_and_serve`` passes)."""
+    import vllm.envs as envs
+    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+    from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
 
     args.host = host
     args.port = port
     listen_address, sock = setup_server(args, reuse_port=False)
     emit("binding", address=listen_address)
+    kwargs = {}
+    log_config = get_uvicorn_log_config(args)
+    if log_config is not None:
+        kwargs["log_config"] = log_config
     try:
-        shutdown = await build_and_serve(engine, listen_address, sock, args)
+        shutdown = await serve_http(
+            app, sock=sock, enable_ssl_refresh=args.enable_ssl_refresh, host=args.host, port=args.port,
+            log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
+            timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE, ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
+            ssl_ciphers=args.ssl_ciphers, h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+            h11_max_header_count=args.h11_max_header_count, **kwargs)
         await shutdown
     finally:
         sock.close()
@@ -135,6 +166,7 @@ async def run(spec: dict) -> int:
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
 
     q: asyncio.Queue = asyncio.Queue()
+    app = None
     async with build_async_engine_client(args) as engine:
         oracle = await run_oracle(engine, spec["oracle_prompt"])
         import torch
@@ -169,12 +201,22 @@ async def run(spec: dict) -> int:
                 elif name == "prepare-dump":
                     import gc
 
+                    _set_parent_death_signal(0)  # CRIU would deliver it right after restore
+
+                    if app is None:
+                        app = await prepare_app(engine, args)
+
                     gc.collect()
                     sys.stdout.flush()
                     sys.stderr.flush()
                     emit("dump-ready")
                 elif name == "serve":
-                    await serve(engine, args, cmd.get("host"), int(cmd["port"]))
+                    if cmd.get("die_with_parent"):
+                        # foreground restore: the engine must not outlive its supervisor
+                        _set_parent_death_signal(signal.SIGKILL)
+                    if app is None:
+                        app = await prepare_app(engine, args)
+                    await serve(app, args, cmd.get("host"), int(cmd["port"]))
                     return 0
                 else:
                     emit("error", kind="protocol", message=f"unknown command {name!r}")

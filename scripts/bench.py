@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""Benchmark: cold start vs restore, measured in one run, with phase breakdowns.
+
+Run with the project's venv as root:
+
+    /var/cache/vllm-snapshot/venv/bin/python scripts/bench.py [--model DIR] [--restores 3]
+        [--compress zstd:3 --compress none] [--quick] [--json-out F] [--md docs/benchmarks.md]
+        [--plot docs/bench.png] [-- ENGINE ARGS]
+
+Measures, on one model (default: the embedded tiny model with the demo's engine args):
+cold start -> first completion (``python -m vllm.entrypoints.openai.api_server``, same engine
+args); for each compression setting a create (with its phases) and N restores -> first
+validated completion (phases: validate, stage, CRIU restore, oracle, bind, canary); raw vs
+stored bytes; a bare ``criu restore`` of the same staged images (the overhead figure); the
+timings of ``vllm-snapshot --help`` and ``inspect``. Prints ratios; never asserts targets.
+``--quick`` (CI smoke test): one compression, one restore, no bare CRIU run, no plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from vllm_snapshot import archive, criu, demo, manifest, ops, store, tiny_model  # noqa: E402
+from vllm_snapshot.progress import Reporter  # noqa: E402
+
+
+def timed_cmd(argv: list[str], n: int = 5) -> float:
+    """Median wall seconds of running ``argv`` ``n`` times (output discarded)."""
+    ts = []
+    for _ in range(n):
+        t0 = time.monotonic()
+        subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+        ts.append(time.monotonic() - t0)
+    return sorted(ts)[len(ts) // 2]
+
+
+def bare_criu_restore(snap: Path) -> float:
+    """Seconds of a plain ``criu restore`` of the snapshot's images (staged raw first, not
+    timed), with only the flags CRIU needs; the restored tree is killed afterwards."""
+    m = manifest.read(snap)
+    stage = archive.unpack(snap / store.IMAGES, m.images, archive.staging_parent(m.sizes["raw"], snap.parent))
+    b = criu.find_criu()
+    try:
+        pidfile = stage / "bare.pid"
+        argv = [b, "restore", "-D", str(stage), "-o", "bare-restore.log", "--restore-detached",
+                "--pidfile", str(pidfile), "--root", "/", *[f"--{f}" for f in criu.SHARED_FLAGS]]
+        t0 = time.monotonic()
+        r = subprocess.run(argv, capture_output=True, text=True)
+        dt = time.monotonic() - t0
+        if r.returncode != 0:
+            raise RuntimeError(f"bare criu restore failed: {criu.log_excerpt(stage / 'bare-restore.log')}")
+        pid = int(pidfile.read_text())
+        os.kill(pid, 9)
+        for _ in range(100):
+            if not Path(f"/proc/{pid}").exists():
+                break
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            time.sleep(0.05)
+        return dt
+    finally:
+        archive.remove_staging(stage)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--restores", type=int, default=3)
+    ap.add_argument("--compress", action="append", default=None)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json-out", type=Path)
+    ap.add_argument("--md", type=Path)
+    ap.add_argument("--plot", type=Path)
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("engine_args", nargs="*")
+    a = ap.parse_args()
+    ops.require_root()
+    model = a.model or tiny_model.generate(tiny_model.default_model_dir())
+    engine_args = a.engine_args or list(demo.ENGINE_ARGS)
+    comps = a.compress or (["zstd:3"] if a.quick else ["zstd:3", "none"])
+    restores = 1 if a.quick else a.restores
+    work = Path(tempfile.mkdtemp(prefix="vllm-snapshot-bench-", dir=a.workdir or "/var/tmp"))
+    os.chmod(work, 0o700)
+    res: dict = {"host": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
+                 "model": str(model), "engine_args": engine_args, "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+                 "quick": a.quick, "runs": {}}
+    try:
+        print("cold start -> first completion ...", file=sys.stderr)
+        res["cold_start_s"] = round(demo.cold_start(Path(model), demo.free_port()), 3)
+        print(f"  {res['cold_start_s']:.2f} s", file=sys.stderr)
+        for comp in comps:
+            snap = work / f"snap-{comp.replace(':', '-')}"
+            rep = Reporter()
+            t0 = time.monotonic()
+            m = ops.create(ops.CreateRequest(model=str(model), target=snap, engine_args=engine_args,
+                                             compression=archive.Compression.parse(comp)), rep)
+            run = {"create_s": round(time.monotonic() - t0, 3), "create_phases": m.timings,
+                   "raw_bytes": m.sizes["raw"], "stored_bytes": m.sizes["stored"], "restores": []}
+            print(f"{comp}: create {run['create_s']:.2f} s, raw {m.sizes['raw']} B, stored {m.sizes['stored']} B",
+                  file=sys.stderr)
+            for i in range(restores):
+                rep = Reporter()
+                t0 = time.monotonic()
+                r = ops.restore(ops.RestoreRequest(snapshot=snap, port=demo.free_port()), rep)
+                total = time.monotonic() - t0
+                r.handle.kill(grace=15)
+                r.handle.close()
+                run["restores"].append({"to_validated_completion_s": round(total, 3), "phases": r.timings})
+                print(f"  restore {i + 1}: {total:.2f} s {r.timings}", file=sys.stderr)
+                time.sleep(1)
+            if not a.quick:
+                run["bare_criu_restore_s"] = round(bare_criu_restore(snap), 3)
+            res["runs"][comp] = run
+        cli = [sys.executable, "-m", "vllm_snapshot"]
+        res["help_s"] = round(timed_cmd(cli + ["--help"]), 3)
+        res["inspect_s"] = round(timed_cmd(cli + ["inspect", str(work / f"snap-{comps[0].replace(':', '-')}")]), 3)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    # ratios
+    for comp, run in res["runs"].items():
+        med = sorted(x["to_validated_completion_s"] for x in run["restores"])[len(run["restores"]) // 2]
+        run["restore_median_s"] = med
+        run["speedup_vs_cold"] = round(res["cold_start_s"] / med, 2)
+        run["stored_ratio"] = round(run["stored_bytes"] / max(1, run["raw_bytes"]), 4)
+        if "bare_criu_restore_s" in run:
+            crit = sorted(x["phases"].get("criu_restore", 0) for x in run["restores"])[len(run["restores"]) // 2]
+            run["overhead_vs_bare_criu_s"] = round(med - run["bare_criu_restore_s"], 3)
+            run["criu_phase_vs_bare_s"] = round(crit - run["bare_criu_restore_s"], 3)
+    text = json.dumps(res, indent=2)
+    print(text)
+    if a.json_out:
+        a.json_out.write_text(text)
+    if a.md:
+        lines = [f"\n### Run {res['when']} ({'quick' if a.quick else 'full'}; {res['host']['cpus']} CPUs, kernel {res['host']['kernel']})\n",
+                 f"Model `{res['model']}`, engine args `{' '.join(engine_args)}`. "
+                 f"Cold start -> first completion: **{res['cold_start_s']:.2f} s**. "
+                 f"`--help` {res['help_s']:.2f} s, `inspect` {res['inspect_s']:.2f} s (medians of 5).\n",
+                 "| compression | create s | raw MiB | stored MiB | stored % | restore -> validated completion s (median) | speed-up vs cold | bare criu restore s | overhead s |",
+                 "|---|---|---|---|---|---|---|---|---|"]
+        for comp, run in res["runs"].items():
+            lines.append(f"| {comp} | {run['create_s']:.1f} | {run['raw_bytes'] / 2**20:.0f} | {run['stored_bytes'] / 2**20:.0f} | "
+                         f"{100 * run['stored_ratio']:.1f} | {run['restore_median_s']:.2f} | {run['speedup_vs_cold']:.1f}× | "
+                         f"{run.get('bare_criu_restore_s', float('nan')):.2f} | {run.get('overhead_vs_bare_criu_s', float('nan')):.2f} |")
+        lines.append("")
+        lines.append("Restore phases (seconds, each restore): " + "; ".join(
+            f"{comp}: " + ", ".join(json.dumps(x["phases"]) for x in run["restores"]) for comp, run in res["runs"].items()))
+        lines.append("")
+        with open(a.md, "a") as f:
+            f.write("\n".join(lines) + "\n")
+    if a.plot and not a.quick:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("matplotlib not installed: no plot", file=sys.stderr)
+        else:
+            fig, ax = plt.subplots(figsize=(8, 3 + len(res["runs"])))
+            labels, lefts = [], []
+            phases = ["validate", "stage", "criu_restore", "wake", "oracle", "bind", "canary"]
+            rows = [("cold start", {"cold start": res["cold_start_s"]})]
+            for comp, run in res["runs"].items():
+                rows.append((f"restore ({comp})", run["restores"][len(run["restores"]) // 2]["phases"]))
+            for y, (label, ph) in enumerate(rows):
+                left = 0.0
+                for name in (["cold start"] if label == "cold start" else phases):
+                    v = ph.get(name, 0.0)
+                    if v:
+                        ax.barh(y, v, left=left, label=name if name not in labels else None)
+                        labels.append(name)
+                        left += v
+                lefts.append(left)
+            ax.set_yticks(range(len(rows)), [r[0] for r in rows])
+            ax.set_xscale("log")
+            ax.set_xlabel("seconds (log scale)")
+            ax.legend(loc="lower right", fontsize=8)
+            ax.set_title("vllm-snapshot: cold start vs restore phases")
+            fig.tight_layout()
+            fig.savefig(a.plot, dpi=110)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

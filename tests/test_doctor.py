@@ -1,0 +1,420 @@
+"""doctor: every check against fake probes (hosts this machine is not), the exit-code rule, and
+the real probes / the real `vllm-snapshot doctor --json` on this machine."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import stat
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from vllm_snapshot import cli, doctor
+from vllm_snapshot.doctor import Check
+from vllm_snapshot.errors import EnvironmentProblem
+from vllm_snapshot.gpu import GpuInfo
+
+ROOT = Path(__file__).resolve().parent.parent
+CRIU = "/opt/criu/criu/criu"
+ALL_CAPS = (1 << 41) - 1
+
+
+def _st(mode: int, uid: int = 0) -> os.stat_result:
+    return os.stat_result((mode, 1, 1, 1, uid, 0, 4096, 0, 0, 0))
+
+
+DIR_0700 = _st(stat.S_IFDIR | 0o700)
+DIR_0755 = _st(stat.S_IFDIR | 0o755)
+SHM = _st(stat.S_IFDIR | stat.S_ISVTX | 0o777)
+
+
+@dataclass
+class FakeProbes:
+    """A healthy CPU host by default; tests change one field."""
+
+    uid: int = 0
+    cap_eff: int | None = ALL_CAPS
+    cap_last: int | None = 40
+    criu: str | None = CRIU
+    criu_version: str = "4.2.1"
+    criu_check: tuple[int, str] = (0, "Looks good.\n")
+    features: dict = field(default_factory=dict)  # name -> (rc, out); default supported
+    io_uring: str | None = "0\n"
+    kernel: str = "6.18.0"
+    libc: str = "glibc 2.36"
+    stats: dict = field(default_factory=lambda: {"/var/lib/vllm-snapshot": DIR_0700, "/var/lib": DIR_0755,
+                                                 "/var": DIR_0755, "/": DIR_0755, "/dev/shm": SHM})
+    free: dict = field(default_factory=lambda: {"/var/lib/vllm-snapshot": 100 << 30, "/dev/shm": 8 << 30})
+    path: dict = field(default_factory=lambda: {"unshare": "/usr/bin/unshare", "mount": "/usr/bin/mount",
+                                                "tar": "/usr/bin/tar"})
+    vllm: str = "0.32.0"
+    import_errors: dict = field(default_factory=dict)
+    gpu_host: bool = False
+    gpu_list: list | None = None
+    gpu_error: str | None = None
+    files: set = field(default_factory=set)
+    helper: tuple[int, str] = (0, "usage: cuda-checkpoint --action {lock,checkpoint,restore,unlock} --pid PID\n")
+    ran: list = field(default_factory=list)
+
+    def euid(self):
+        return self.uid
+
+    def read_text(self, path):
+        if path == "/proc/self/status":
+            return None if self.cap_eff is None else f"Name:\tx\nCapEff:\t{self.cap_eff:016x}\n"
+        if path == "/proc/sys/kernel/cap_last_cap":
+            return None if self.cap_last is None else f"{self.cap_last}\n"
+        if path == doctor.IO_URING_SYSCTL:
+            return self.io_uring
+        return None
+
+    def find_criu(self):
+        return self.criu
+
+    def run(self, argv, timeout):
+        self.ran.append(list(argv))
+        if argv[0] == self.criu:
+            if argv[1:] == ["--version"]:
+                return 0, f"Version: {self.criu_version}\n"
+            if argv[1:] == ["check"]:
+                return self.criu_check
+            if argv[1:3] == ["check", "--feature"]:
+                return self.features.get(argv[3], (0, f"{argv[3]} is supported\n"))
+        if "vllm_snapshot.cuda_checkpoint" in argv:
+            return self.helper
+        return 127, f"unexpected {argv}"
+
+    def kernel_release(self):
+        return self.kernel
+
+    def glibc(self):
+        return self.libc
+
+    def lstat(self, path):
+        return self.stats.get(path)
+
+    def stat(self, path):
+        return self.stats.get(path)
+
+    def free_bytes(self, path):
+        return self.free.get(path)
+
+    def writable(self, path):
+        return True
+
+    def which(self, name):
+        return self.path.get(name)
+
+    def vllm_version(self):
+        return self.vllm
+
+    def import_error(self, module):
+        return self.import_errors.get(module)
+
+    def is_dir(self, path):
+        return self.gpu_host and path == doctor.PROC_GPUS
+
+    def is_file(self, path):
+        return path in self.files
+
+    def gpus(self):
+        if self.gpu_error:
+            raise EnvironmentProblem(self.gpu_error, hint="check the NVIDIA driver")
+        return self.gpu_list or []
+
+    def env(self, name):
+        return None
+
+
+def _by_name(checks) -> dict[str, Check]:
+    names = [c.name for c in checks]
+    assert len(names) == len(set(names)), names
+    return {c.name: c for c in checks}
+
+
+def _failed_errors(checks) -> list[str]:
+    return [c.name for c in checks if not c.ok and c.severity == "error"]
+
+
+def test_healthy_cpu_host():
+    p = FakeProbes()
+    checks = doctor.run_checks(p)
+    by = _by_name(checks)
+    assert _failed_errors(checks) == []
+    assert doctor.exit_code(checks) == 0
+    for name in ("root", "criu", "criu-check", "criu-feature:ns_pid", "criu-feature:fdinfo_lock", "io_uring",
+                 "kernel", "glibc", "snapshot-root", "snapshot-root-space", "dev-shm", "program:unshare",
+                 "program:mount", "program:tar", "vllm", "pycriu", "gpu"):
+        assert name in by and by[name].ok, (name, by.get(name))
+    assert "4.2.1" in by["criu"].detail
+    assert "0.32.0" in by["vllm"].detail
+    assert by["gpu"].severity == "info"
+    assert "capabilities" not in by  # nothing recommended is missing
+    # the exact feature names CRIU 4.2.1 accepts
+    asked = [a[3] for a in p.ran if a[1:3] == ["check", "--feature"]]
+    assert set(asked) == {"ns_pid", "clone3_set_tid", "move_mount_set_group", "fdinfo_lock", "kcmp_epoll"}
+
+
+def test_not_root():
+    checks = doctor.run_checks(FakeProbes(uid=1000, cap_eff=0))
+    root = _by_name(checks)["root"]
+    assert not root.ok and root.severity == "error"
+    assert "uid 1000" in root.detail and "sudo" in root.remedy
+    assert doctor.exit_code(checks) == 11
+
+
+def test_root_without_required_capability_names_it():
+    eff = ALL_CAPS & ~(1 << 21)  # no CAP_SYS_ADMIN
+    root = _by_name(doctor.run_checks(FakeProbes(cap_eff=eff)))["root"]
+    assert not root.ok and "CAP_SYS_ADMIN" in root.detail
+
+
+def test_checkpoint_restore_not_required_on_kernels_without_it():
+    eff = ALL_CAPS & ~(1 << 40)
+    assert _by_name(doctor.run_checks(FakeProbes(cap_eff=eff, cap_last=39)))["root"].ok
+    root = _by_name(doctor.run_checks(FakeProbes(cap_eff=eff, cap_last=40)))["root"]
+    assert not root.ok and "CAP_CHECKPOINT_RESTORE" in root.detail
+
+
+def test_missing_recommended_capability_is_a_warning():
+    checks = doctor.run_checks(FakeProbes(cap_eff=ALL_CAPS & ~(1 << 24)))  # no CAP_SYS_RESOURCE
+    caps = _by_name(checks)["capabilities"]
+    assert not caps.ok and caps.severity == "warning" and "CAP_SYS_RESOURCE" in caps.detail
+    assert doctor.exit_code(checks) == 0
+
+
+def test_criu_missing():
+    checks = doctor.run_checks(FakeProbes(criu=None))
+    by = _by_name(checks)
+    assert not by["criu"].ok and by["criu"].severity == "error" and "not found" in by["criu"].detail
+    assert not any(n.startswith("criu-check") or n.startswith("criu-feature") for n in by)
+    assert doctor.exit_code(checks) == 11
+
+
+def test_criu_too_old():
+    checks = doctor.run_checks(FakeProbes(criu_version="4.1.1"))
+    c = _by_name(checks)["criu"]
+    assert not c.ok and "4.1.1" in c.detail and "4.2" in c.detail
+    assert doctor.exit_code(checks) == 11
+
+
+def test_criu_check_failing():
+    checks = doctor.run_checks(FakeProbes(criu_check=(1, "Error (criu/cr-check.c:1): bad\nLooks bad.\n")))
+    c = _by_name(checks)["criu-check"]
+    assert not c.ok and c.severity == "error" and "exited 1" in c.detail and "Looks bad." in c.detail
+    assert _failed_errors(checks) == ["criu-check"]
+    assert doctor.exit_code(checks) == 11
+
+
+def test_missing_features_by_severity():
+    checks = doctor.run_checks(FakeProbes(features={"clone3_set_tid": (1, "")}))
+    c = _by_name(checks)["criu-feature:clone3_set_tid"]
+    assert not c.ok and c.severity == "warning"
+    assert doctor.exit_code(checks) == 0
+    checks = doctor.run_checks(FakeProbes(features={"ns_pid": (1, "")}))
+    assert _failed_errors(checks) == ["criu-feature:ns_pid"]
+    assert doctor.exit_code(checks) == 11
+
+
+@pytest.mark.parametrize("value, expect, remedy", [
+    ("0\n", "allowed for all", True),
+    ("1\n", "CAP_SYS_ADMIN", True),
+    ("2\n", "disabled for all", False),
+    (None, "absent", False),  # no sysctl to set on kernels < 6.6
+])
+def test_io_uring_setting_is_informational(value, expect, remedy):
+    checks = doctor.run_checks(FakeProbes(io_uring=value))
+    c = _by_name(checks)["io_uring"]
+    assert c.ok and c.severity == "info"
+    assert expect in c.detail and "UV_USE_IO_URING=0" in c.detail
+    assert bool(c.remedy) is remedy
+    assert doctor.exit_code(checks) == 0
+
+
+def test_old_kernel_warns():
+    c = _by_name(doctor.run_checks(FakeProbes(kernel="5.4.0-150-generic")))["kernel"]
+    assert not c.ok and c.severity == "warning"
+
+
+def test_snapshot_root_missing_is_a_warning():
+    p = FakeProbes()
+    del p.stats["/var/lib/vllm-snapshot"]
+    p.free["/var/lib"] = 50 << 30
+    checks = doctor.run_checks(p)
+    by = _by_name(checks)
+    assert not by["snapshot-root"].ok and by["snapshot-root"].severity == "warning"
+    assert "install -d -m 0700" in by["snapshot-root"].remedy
+    assert by["snapshot-root-space"].ok and "/var/lib" in by["snapshot-root-space"].detail
+    assert doctor.exit_code(checks) == 0
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"/var/lib/vllm-snapshot": _st(stat.S_IFDIR | 0o777)}, "0777"),
+    ({"/var/lib/vllm-snapshot": _st(stat.S_IFDIR | 0o700, uid=1234)}, "uid 1234"),
+    ({"/var/lib/vllm-snapshot": _st(stat.S_IFLNK | 0o777)}, "symlink"),
+    ({"/var/lib": _st(stat.S_IFDIR | 0o777)}, "writable by group/others"),
+])
+def test_unsafe_snapshot_root_is_an_error(change, words):
+    p = FakeProbes()
+    p.stats.update(change)
+    checks = doctor.run_checks(p)
+    c = _by_name(checks)["snapshot-root"]
+    assert not c.ok and c.severity == "error" and words in c.detail
+    assert doctor.exit_code(checks) == 11
+
+
+def test_sticky_root_parent_is_fine():
+    p = FakeProbes()
+    p.stats["/var/lib"] = _st(stat.S_IFDIR | stat.S_ISVTX | 0o777)
+    assert _by_name(doctor.run_checks(p))["snapshot-root"].ok
+
+
+def test_low_space_warns():
+    p = FakeProbes()
+    p.free.update({"/var/lib/vllm-snapshot": 1 << 20, "/dev/shm": 1 << 20})
+    checks = doctor.run_checks(p)
+    by = _by_name(checks)
+    assert not by["snapshot-root-space"].ok and by["snapshot-root-space"].severity == "warning"
+    assert not by["dev-shm"].ok and by["dev-shm"].severity == "warning"
+    assert doctor.exit_code(checks) == 0
+
+
+def test_dev_shm_missing_is_an_error():
+    p = FakeProbes()
+    del p.stats["/dev/shm"]
+    c = _by_name(doctor.run_checks(p))["dev-shm"]
+    assert not c.ok and c.severity == "error"
+
+
+def test_missing_program():
+    p = FakeProbes()
+    del p.path["tar"]
+    checks = doctor.run_checks(p)
+    assert _failed_errors(checks) == ["program:tar"]
+
+
+def test_vllm_and_pycriu():
+    checks = doctor.run_checks(FakeProbes(vllm="absent", import_errors={"pycriu": "ModuleNotFoundError: x"}))
+    assert _failed_errors(checks) == ["vllm", "pycriu"]
+    c = _by_name(doctor.run_checks(FakeProbes(vllm="unknown")))["vllm"]
+    assert not c.ok and c.severity == "warning"
+
+
+GPU = GpuInfo(driver="580.95.05", name="NVIDIA H200", uuid="GPU-1234", memory_used_bytes=0,
+              memory_free_bytes=140 << 30)
+PLUGIN = "/opt/criu/plugins/cuda/cuda_plugin.so"  # next to the source-built CRIU binary
+
+
+def test_gpu_host_with_plugin_and_helper():
+    p = FakeProbes(gpu_host=True, gpu_list=[GPU], files={PLUGIN})
+    checks = doctor.run_checks(p)
+    by = _by_name(checks)
+    for name in ("gpu", "gpu-driver", "criu-cuda-plugin", "cuda-checkpoint"):
+        assert by[name].ok and by[name].severity == "error", by[name]
+    assert "NVIDIA H200" in by["gpu"].detail and "580.95.05" in by["gpu-driver"].detail
+    assert PLUGIN in by["criu-cuda-plugin"].detail
+    assert doctor.exit_code(checks) == 0
+    helper_runs = [a for a in p.ran if "vllm_snapshot.cuda_checkpoint" in a]
+    assert helper_runs and helper_runs[0][-1] == "-h"
+
+
+def test_gpu_host_plugin_from_distro_path():
+    p = FakeProbes(gpu_host=True, gpu_list=[GPU], files={"/usr/lib/criu/cuda_plugin.so"})
+    assert _by_name(doctor.run_checks(p))["criu-cuda-plugin"].ok
+
+
+def test_gpu_host_without_plugin():
+    checks = doctor.run_checks(FakeProbes(gpu_host=True, gpu_list=[GPU]))
+    c = _by_name(checks)["criu-cuda-plugin"]
+    assert not c.ok and c.severity == "error" and PLUGIN in c.detail and "setup.sh" in c.remedy
+    assert doctor.exit_code(checks) == 11
+
+
+def test_gpu_host_old_driver():
+    old = dataclasses.replace(GPU, driver="550.54.15")
+    c = _by_name(doctor.run_checks(FakeProbes(gpu_host=True, gpu_list=[old], files={PLUGIN})))["gpu-driver"]
+    assert not c.ok and "555" in c.detail
+
+
+def test_gpu_host_nvidia_smi_broken():
+    checks = doctor.run_checks(FakeProbes(gpu_host=True, gpu_error="nvidia-smi failed (exit 9)", files={PLUGIN}))
+    c = _by_name(checks)["gpu"]
+    assert not c.ok and "nvidia-smi failed" in c.detail
+    assert doctor.exit_code(checks) == 11
+
+
+def test_gpu_host_without_cuda_bindings_or_broken_helper():
+    p = FakeProbes(gpu_host=True, gpu_list=[GPU], files={PLUGIN},
+                   import_errors={"cuda.bindings.driver": "ModuleNotFoundError: No module named 'cuda'"})
+    c = _by_name(doctor.run_checks(p))["cuda-checkpoint"]
+    assert not c.ok and "cuda-bindings" in c.detail
+    p = FakeProbes(gpu_host=True, gpu_list=[GPU], files={PLUGIN}, helper=(1, "Traceback ...\nImportError: x"))
+    c = _by_name(doctor.run_checks(p))["cuda-checkpoint"]
+    assert not c.ok and "exited 1" in c.detail
+
+
+# --- exit code, data shape, rendering ---------------------------------------------------------
+
+@pytest.mark.parametrize("checks, code", [
+    ([], 0),
+    ([Check("a", True, "error", "")], 0),
+    ([Check("a", False, "warning", ""), Check("b", False, "info", "")], 0),
+    ([Check("a", True, "error", ""), Check("b", False, "error", "")], 11),
+])
+def test_exit_code(checks, code):
+    assert doctor.exit_code(checks) == code
+
+
+def test_exit_code_is_environment_problems():
+    assert doctor.exit_code([Check("x", False, "error", "")]) == EnvironmentProblem.exit_code
+
+
+def test_check_is_frozen_and_serializable():
+    c = Check("a", False, "error", "d", "r")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.ok = True  # type: ignore[misc]
+    j = doctor.to_json([c])
+    assert j == {"ok": False, "exit_code": 11,
+                 "checks": [{"name": "a", "ok": False, "severity": "error", "detail": "d", "remedy": "r"}]}
+
+
+def test_doctor_command_table_and_exit_code(monkeypatch, capsys):
+    fake = [Check("root", True, "error", "root"), Check("criu", False, "error", "CRIU not found", "install it"),
+            Check("snapshot-root", False, "warning", "missing", "mkdir")]
+    monkeypatch.setattr(doctor, "run_checks", lambda probes=None: fake)
+    assert cli.main(["doctor"]) == 11
+    out = capsys.readouterr().out
+    assert "✗" in out and "✓" in out and "!" in out and "CRIU not found" in out and "install it" in out
+    assert cli.main(["doctor", "--json"]) == 11
+    j = json.loads(capsys.readouterr().out)
+    assert j["schema_version"] == 1 and j["exit_code"] == 11 and len(j["checks"]) == 3
+
+
+# --- this machine ----------------------------------------------------------------------------
+
+def test_real_probes_run_without_crashing():
+    checks = doctor.run_checks()
+    _by_name(checks)
+    assert checks and all(isinstance(c, Check) and c.severity in ("error", "warning", "info") for c in checks)
+    assert doctor.exit_code(checks) in (0, 11)
+
+
+def test_doctor_json_subprocess():
+    from conftest import _missing
+
+    p = subprocess.run([sys.executable, "-m", "vllm_snapshot", "doctor", "--json"], capture_output=True,
+                       text=True, timeout=120, cwd=ROOT)
+    j = json.loads(p.stdout)
+    assert j["schema_version"] == 1
+    assert j["exit_code"] == p.returncode
+    assert {"name", "ok", "severity", "detail", "remedy"} == set(j["checks"][0])
+    if _missing() is None:  # root, CRIU >= 4.2, vLLM, pycriu: this host can create/restore
+        failed = [c for c in j["checks"] if not c["ok"] and c["severity"] == "error"]
+        assert p.returncode == 0, failed
+    else:
+        assert p.returncode in (0, 11), p.stderr

@@ -1,0 +1,267 @@
+"""More end-to-end checks on a real engine + CRIU: refusals before CRIU (identity, model,
+corrupt images), secrets, occupied PIDs, concurrent restores, store and runtime commands,
+crash safety of create."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import zstandard
+
+from vllm_snapshot import manifest as mf
+
+from conftest import ENGINE_ARGS, PLANTED_SECRETS, ROOT, TINY, cli, engine_env
+from test_integration import engine_pids, free_port, port_accepts, post, stop, wait_gone
+
+pytestmark = pytest.mark.integration
+
+
+def reseal(snap: Path, **update) -> None:
+    m = mf.read(snap)
+    mf.write_atomic(mf.seal(m.model_copy(update=update)), snap)
+
+
+def refused_before_criu(p: subprocess.CompletedProcess, code: int, before: set[int]) -> None:
+    assert p.returncode == code, f"exit {p.returncode}\n{p.stderr[-3000:]}"
+    assert "CRIU restore" not in p.stderr, "CRIU ran although validation should have refused"
+    assert "Traceback" not in p.stderr
+    assert engine_pids() - before == set()
+
+
+def test_identity_mismatch_refused(clone_snapshot):
+    snap = clone_snapshot("ident")
+    m = mf.read(snap)
+    reseal(snap, host={**m.host, "kernel": "0.0.0-other", "torch": "9.9.9"})
+    before = engine_pids()
+    p = cli("restore", str(snap), "--port", str(free_port()), timeout=120)
+    refused_before_criu(p, 3, before)
+    assert "kernel: snapshot has '0.0.0-other'" in p.stderr and "torch: snapshot has '9.9.9'" in p.stderr
+
+
+def test_identity_override_only_for_safe_fields(clone_snapshot):
+    snap = clone_snapshot("override")
+    p = cli("restore", str(snap), "--port", str(free_port()), "--allow-mismatch", "kernel", timeout=120)
+    assert p.returncode == 2 and "cannot override" in p.stderr
+
+
+def test_changed_model_byte_refused(clone_snapshot, tmp_path):
+    snap = clone_snapshot("model")
+    model = tmp_path / "model-copy"
+    shutil.copytree(TINY, model)
+    from vllm_snapshot import model_digest
+
+    m = mf.read(snap)
+    files = model_digest.digest_dir(model)
+    reseal(snap, model=m.model.model_copy(update={"path": str(model), "files": files}))
+    before = engine_pids()
+    # a touch alone is accepted by validation (verify does every check without restoring)
+    os.utime(model / "config.json")
+    ok = cli("verify", str(snap), timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    w = model / "model.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-5] ^= 0x01  # one element near the end
+    w.write_bytes(bytes(data))
+    p = cli("restore", str(snap), "--port", str(free_port()), timeout=120)
+    refused_before_criu(p, 4, before)
+    assert "model.safetensors" in p.stderr
+
+
+def _break_link(p: Path) -> None:
+    data = p.read_bytes()
+    p.unlink()
+    p.write_bytes(data)
+    os.chmod(p, 0o600)
+
+
+def test_flipped_byte_in_pages_refused(clone_snapshot):
+    snap = clone_snapshot("flip")
+    pages = max((snap / "images").glob("pages-*"), key=lambda x: x.stat().st_size)
+    _break_link(pages)
+    before_manifest = (snap / "manifest.json").read_bytes()
+    raw = bytearray(zstandard.ZstdDecompressor().decompressobj().decompress(pages.read_bytes())) \
+        if pages.suffix == ".zst" else bytearray(pages.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data = zstandard.ZstdCompressor(level=1).compress(bytes(raw)) if pages.suffix == ".zst" else bytes(raw)
+    # keep the stored size so only the checksum can catch it
+    m = mf.read(snap)
+    img = next(i for i in m.images if pages.name.startswith(i.name))
+    if len(data) != img.stored_bytes:
+        data = (data + b"\0" * img.stored_bytes)[: img.stored_bytes] if pages.suffix != ".zst" else data
+        if len(data) != img.stored_bytes:
+            reseal(snap, images=tuple(i.model_copy(update={"stored_bytes": len(data)}) if i is img else i for i in m.images))
+            before_manifest = (snap / "manifest.json").read_bytes()
+    pages.write_bytes(data)
+    before = engine_pids()
+    p = cli("restore", str(snap), "--port", str(free_port()), timeout=300)
+    refused_before_criu(p, 5, before)
+    assert pages.name in p.stderr and "checksum" in p.stderr
+    assert (snap / "manifest.json").read_bytes() == before_manifest
+    assert not list(Path("/dev/shm").glob("vllm-snapshot-stage-*"))
+
+
+def test_hand_edited_manifest_refused(clone_snapshot):
+    snap = clone_snapshot("edited")
+    p = snap / "manifest.json"
+    data = json.loads(p.read_text())
+    data["oracle"]["logprob"] += 0.5
+    _break_link(p)
+    p.write_text(json.dumps(data))
+    os.chmod(p, 0o600)
+    before = engine_pids()
+    r = cli("restore", str(snap), "--port", str(free_port()), timeout=60)
+    refused_before_criu(r, 5, before)
+    assert "digest" in r.stderr
+
+
+def test_no_planted_secret_in_images(snapshot):
+    """The session snapshot was created with HF_TOKEN / OPENAI_API_KEY set to random values:
+    none of them may appear in any image (the engine env is allow-listed)."""
+    needles = [v.encode() for v in PLANTED_SECRETS.values()]
+    dctx = zstandard.ZstdDecompressor()
+    scanned = 0
+    for f in sorted((snapshot / "images").iterdir()):
+        with open(f, "rb") as fh:
+            reader = dctx.stream_reader(fh) if f.suffix == ".zst" else fh
+            tail = b""
+            while chunk := reader.read(8 << 20):
+                buf = tail + chunk
+                for n in needles:
+                    assert n not in buf, f"secret found in {f.name}"
+                tail = buf[-64:]
+                scanned += len(chunk)
+    assert scanned > 100 << 20  # really scanned the memory images
+    # and the tree's own environment (pstree/core images) never had them: the manifest's env hashes
+    m = mf.read(snapshot)
+    assert not any(k in m.engine.env_hashes for k in PLANTED_SECRETS)
+
+
+def _occupy(pid: int) -> subprocess.Popen | None:
+    """Start a placeholder process with exactly host PID ``pid`` (via ns_last_pid)."""
+    for _ in range(20):
+        if psutil.pid_exists(pid):
+            return None
+        Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+        p = subprocess.Popen(["sleep", "600"])
+        if p.pid == pid:
+            return p
+        p.kill()
+        p.wait()
+    return None
+
+
+def test_restore_with_every_recorded_pid_occupied(snapshot):
+    m = mf.read(snapshot)
+    holders = []
+    try:
+        for pid in m.criu.tree_pids:
+            h = _occupy(pid)
+            if h:
+                holders.append(h)
+        assert all(psutil.pid_exists(pid) for pid in m.criu.tree_pids)
+        port = free_port()
+        p = cli("restore", str(snapshot), "--port", str(port), "--detach", "--json", timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        res = json.loads(p.stdout)
+        assert res["oracle"] == "match" and res["pid"] not in m.criu.tree_pids
+        out = post(f"http://127.0.0.1:{port}/v1/completions", {"model": "tiny-llama", "prompt": "Hi", "max_tokens": 2})
+        assert out["usage"]["completion_tokens"] == 2
+        stop(res["pid"])
+    finally:
+        for h in holders:
+            h.kill()
+            h.wait()
+
+
+def test_second_concurrent_restore_refused_cleanly(snapshot):
+    """The tree's own loopback listeners (torch.distributed/gloo) exist once per host network
+    namespace: a second engine from the same snapshot at the same time is refused before CRIU,
+    naming the taken port and its holder."""
+    before = engine_pids()
+    port1, port2 = free_port(), free_port()
+    cmd = [sys.executable, "-m", "vllm_snapshot", "restore", str(snapshot), "--detach", "--json", "--port"]
+    a = subprocess.Popen(cmd + [str(port1)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=engine_env(), cwd=ROOT)
+    b = subprocess.Popen(cmd + [str(port2)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=engine_env(), cwd=ROOT)
+    (ao, ae), (bo, be) = a.communicate(timeout=300), b.communicate(timeout=300)
+    results = sorted([(a.returncode, ao, ae, port1), (b.returncode, bo, be, port2)], key=lambda r: r[0])
+    (ok_rc, ok_out, ok_err, ok_port), (no_rc, _no_out, no_err, no_port) = results
+    try:
+        assert ok_rc == 0, ok_err[-2000:]
+        assert no_rc == 9, no_err[-3000:]
+        assert "loopback ports the engine tree listened on" in no_err and "taken by PID" in no_err
+        assert "CRIU restore" not in no_err
+        assert not port_accepts(no_port)
+    finally:
+        if ok_rc == 0:
+            stop(json.loads(ok_out)["pid"])
+    time.sleep(1)
+    assert engine_pids() - before == set()
+
+
+def test_names_list_status_stop_switch_delete(snapshot, snap_root, tmp_path):
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    os.chmod(tmp_path, 0o700)
+    subprocess.run(["cp", "-al", str(snapshot), str(root / "tiny-a")], check=True)
+    subprocess.run(["cp", "-al", str(snapshot), str(root / "tiny-b")], check=True)
+    env = {**engine_env(), "VLLM_SNAPSHOT_ROOT": str(root)}
+    lst = json.loads(cli("list", "--json", env=env, check=True).stdout)
+    names = {r["name"]: r for r in lst["snapshots"]}
+    assert set(names) == {"tiny-a", "tiny-b"} and all(r["compatible"] for r in names.values())
+    port = free_port()
+    sw = json.loads(cli("switch", "tiny-a", "--port", str(port), "--json", env=env, timeout=300, check=True).stdout)
+    assert sw["stopped"] == [] and port_accepts(port)
+    st = json.loads(cli("status", "--json", env=env, check=True).stdout)
+    assert [e["pid"] for e in st["engines"] if e["port"] == port] == [sw["pid"]]
+    # delete refuses while an engine restored from it runs
+    d = cli("delete", "tiny-a", env=env, timeout=60)
+    assert d.returncode == 9 and str(sw["pid"]) in d.stderr
+    # switching the port to the other snapshot stops the first engine (memory released)
+    sw2 = json.loads(cli("switch", "tiny-b", "--port", str(port), "--json", env=env, timeout=300, check=True).stdout)
+    assert sw2["stopped"] == [sw["pid"]] and wait_gone(sw["pid"], 5)
+    assert post(f"http://127.0.0.1:{port}/v1/completions", {"model": "tiny-llama", "prompt": "Hi", "max_tokens": 1})
+    cli("stop", "--port", str(port), env=env, timeout=120, check=True)
+    assert wait_gone(sw2["pid"], 5) and not port_accepts(port)
+    assert json.loads(cli("status", "--json", env=env, check=True).stdout)["engines"] == [
+        e for e in json.loads(cli("status", "--json", env=env, check=True).stdout)["engines"] if e["port"] != port]
+    cli("delete", "tiny-a", env=env, check=True)
+    assert not (root / "tiny-a").exists() and (root / "tiny-b").exists()
+    lst = json.loads(cli("list", "--json", env=env, check=True).stdout)
+    assert [r["name"] for r in lst["snapshots"]] == ["tiny-b"]
+    assert lst["snapshots"][0]["last_restore"] is not None
+
+
+def test_kill_9_create_leaves_nothing(snap_root):
+    """kill -9 of `create` during engine start-up: no published snapshot, no engine left;
+    the leftover temp dir is removed by the next prune."""
+    before = engine_pids()
+    target = snap_root / "killed"
+    p = subprocess.Popen([sys.executable, "-m", "vllm_snapshot", "create", str(TINY), "--snapshot-dir", str(target),
+                          "--", *ENGINE_ARGS], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=engine_env(), cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (engine_pids() - before):
+        time.sleep(0.2)
+    assert engine_pids() - before, "the engine never started"
+    time.sleep(3)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and engine_pids() - before:
+        time.sleep(0.2)
+    assert engine_pids() - before == set(), "engine processes outlived the killed create"
+    assert not target.exists()
+    leftovers = list(snap_root.glob(".killed.tmp-*"))
+    assert leftovers, "expected the crashed create's temp dir"
+    env = {**engine_env(), "VLLM_SNAPSHOT_ROOT": str(snap_root)}
+    pr = json.loads(cli("prune", "--older-than", "999d", "--json", env=env, check=True).stdout)
+    assert sorted(pr["temp_removed"]) == sorted(str(x) for x in leftovers)
+    assert not list(snap_root.glob(".killed.tmp-*"))

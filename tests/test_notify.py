@@ -1,0 +1,277 @@
+"""sd_notify client against a real AF_UNIX datagram socket; the NotifyingReporter; the restore
+command's notifications (ops faked: no engine, no CRIU); the systemd unit files."""
+
+from __future__ import annotations
+
+import configparser
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_snapshot import cli, notify, ops
+from vllm_snapshot.progress import NotifyingReporter, Reporter
+
+ROOT = Path(__file__).resolve().parent.parent
+UNITS = ROOT / "scripts" / "systemd"
+
+
+class Listener:
+    """A bound AF_UNIX datagram socket standing in for systemd's notify socket."""
+
+    def __init__(self, addr):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(addr)
+        self.sock.settimeout(2)
+
+    def recv(self) -> bytes:
+        return self.sock.recv(4096)
+
+    def pending(self) -> list[bytes]:
+        out = []
+        self.sock.settimeout(0.05)
+        try:
+            while True:
+                out.append(self.sock.recv(4096))
+        except (socket.timeout, BlockingIOError):
+            return out
+        finally:
+            self.sock.settimeout(2)
+
+    def close(self):
+        self.sock.close()
+
+
+@pytest.fixture
+def path_socket(monkeypatch):
+    # A short directory: AF_UNIX paths are limited to 107 bytes.
+    d = tempfile.mkdtemp(prefix="ntf-")
+    path = os.path.join(d, "notify")
+    lis = Listener(path)
+    monkeypatch.setenv("NOTIFY_SOCKET", path)
+    yield lis
+    lis.close()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def abstract_socket(monkeypatch):
+    name = f"vllm-snapshot-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    lis = Listener(b"\0" + name.encode())
+    monkeypatch.setenv("NOTIFY_SOCKET", "@" + name)
+    yield lis
+    lis.close()
+
+
+def test_notify_sends_the_exact_bytes(path_socket):
+    assert notify.notify("READY=1\nSTATUS=hello") is True
+    assert path_socket.recv() == b"READY=1\nSTATUS=hello"
+
+
+def test_helpers(path_socket):
+    assert notify.ready("serving tiny on http://127.0.0.1:8000", mainpid=4242)
+    assert path_socket.recv() == b"READY=1\nSTATUS=serving tiny on http://127.0.0.1:8000\nMAINPID=4242"
+    assert notify.ready()
+    assert path_socket.recv() == b"READY=1"
+    assert notify.status("CRIU restore")
+    assert path_socket.recv() == b"STATUS=CRIU restore"
+    assert notify.stopping()
+    assert path_socket.recv() == b"STOPPING=1"
+    assert notify.mainpid(17)
+    assert path_socket.recv() == b"MAINPID=17"
+
+
+def test_status_is_one_line(path_socket):
+    notify.status("two\nlines")
+    assert path_socket.recv() == b"STATUS=two lines"
+
+
+def test_abstract_socket(abstract_socket):
+    assert notify.status("abstract works") is True
+    assert abstract_socket.recv() == b"STATUS=abstract works"
+
+
+def test_unset_or_unusable_socket_returns_false(monkeypatch, tmp_path):
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    assert notify.notify("READY=1") is False
+    assert notify.ready("x") is False
+    monkeypatch.setenv("NOTIFY_SOCKET", "")
+    assert notify.stopping() is False
+    monkeypatch.setenv("NOTIFY_SOCKET", "relative/path")  # neither a path nor '@'
+    assert notify.status("x") is False
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "nobody-listens"))
+    assert notify.status("x") is False  # ENOENT is swallowed, never raised
+
+
+# --- NotifyingReporter ------------------------------------------------------------------------
+
+class Recording(Reporter):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def start(self, name, label):
+        self.calls.append(("start", name, label))
+
+    def end(self, name, label, seconds, ok):
+        self.calls.append(("end", name, label, ok))
+
+    def info(self, text):
+        self.calls.append(("info", text))
+
+
+def test_notifying_reporter_sends_status_per_phase(path_socket):
+    inner = Recording()
+    rep = NotifyingReporter(inner)
+    with rep.phase("validate", "validating snapshot, host and model"):
+        pass
+    with rep.phase("criu_restore", "CRIU restore"):
+        pass
+    rep.info("hello")
+    assert path_socket.pending() == [b"STATUS=validating snapshot, host and model", b"STATUS=CRIU restore"]
+    assert inner.calls[0] == ("start", "validate", "validating snapshot, host and model")
+    assert inner.calls[1][:4] == ("end", "validate", "validating snapshot, host and model", True)
+    assert inner.calls[-1] == ("info", "hello")
+    # one timings dict: what ops reads from the wrapper is the inner reporter's
+    assert set(rep.timings) == {"validate", "criu_restore"} and rep.timings is inner.timings
+
+
+def test_notifying_reporter_reports_a_failed_phase(path_socket):
+    rep = NotifyingReporter(Recording())
+    with pytest.raises(RuntimeError):
+        with rep.phase("oracle", "replaying the oracle"):
+            raise RuntimeError("boom")
+    assert path_socket.pending() == [b"STATUS=replaying the oracle", b"STATUS=replaying the oracle: failed"]
+
+
+def test_notifying_reporter_without_socket_is_silent(monkeypatch):
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    inner = Recording()
+    with NotifyingReporter(inner).phase("stage"):
+        pass
+    assert [c[0] for c in inner.calls] == ["start", "end"]
+
+
+# --- the restore command's notifications (ops faked) ------------------------------------------
+
+def _fake_restored():
+    return SimpleNamespace(pid=999, url="http://127.0.0.1:8123", timings={"validate": 0.1}, warnings=[],
+                           manifest=SimpleNamespace(model=SimpleNamespace(served_name="tiny")),
+                           handle=SimpleNamespace(close=lambda: None))
+
+
+def test_restore_command_notifies_phases_ready_and_stopping(path_socket, monkeypatch, tmp_path, capsys):
+    seen = {}
+
+    def fake_restore(req, rep):
+        seen["wrapped"] = isinstance(rep, NotifyingReporter)
+        with rep.phase("validate", "validating snapshot, host and model"):
+            pass
+        # READY must not have been sent before restore returns
+        seen["before_return"] = path_socket.pending()
+        return _fake_restored()
+
+    def fake_serve(r, on_msg):
+        seen["at_serve"] = path_socket.pending()
+        on_msg("received signal 15; stopping the engine")
+        on_msg("received signal 15; stopping the engine")
+        return 0
+
+    monkeypatch.setattr(ops, "restore", fake_restore)
+    monkeypatch.setattr(ops, "serve_foreground", fake_serve)
+    code = cli.main(["restore", str(tmp_path), "--port", "8123", "-q"])
+    assert code == 0
+    assert seen["wrapped"] is True
+    assert seen["before_return"] == [b"STATUS=validating snapshot, host and model"]
+    assert seen["at_serve"] == [f"READY=1\nSTATUS=serving tiny on http://127.0.0.1:8123\nMAINPID={os.getpid()}".encode()]
+    assert path_socket.pending() == [b"STOPPING=1"]  # once, on the first signal
+
+
+def test_restore_command_stopping_when_engine_exits_on_its_own(path_socket, monkeypatch, tmp_path):
+    monkeypatch.setattr(ops, "restore", lambda req, rep: _fake_restored())
+    monkeypatch.setattr(ops, "serve_foreground", lambda r, on_msg: 3)
+    assert cli.main(["restore", str(tmp_path), "--port", "8123", "-q"]) == 3
+    assert path_socket.pending() == [f"READY=1\nSTATUS=serving tiny on http://127.0.0.1:8123\nMAINPID={os.getpid()}".encode(),
+                                     b"STOPPING=1"]
+
+
+def test_restore_command_without_notify_socket_is_unchanged(monkeypatch, tmp_path):
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    seen = {}
+
+    def fake_restore(req, rep):
+        seen["wrapped"] = isinstance(rep, NotifyingReporter)
+        return _fake_restored()
+
+    def fake_serve(r, on_msg):
+        seen["on_msg"] = on_msg
+        return 0
+
+    monkeypatch.setattr(ops, "restore", fake_restore)
+    monkeypatch.setattr(ops, "serve_foreground", fake_serve)
+    assert cli.main(["restore", str(tmp_path), "--port", "8123", "-q"]) == 0
+    assert seen["wrapped"] is False
+    assert getattr(seen["on_msg"], "__name__", "") == "info"  # the reporter's info, as before
+
+
+# --- systemd units ----------------------------------------------------------------------------
+
+def _unit(name: str) -> configparser.ConfigParser:
+    cp = configparser.ConfigParser(strict=False, interpolation=None)
+    cp.optionxform = str  # keys are case-sensitive in systemd
+    cp.read(UNITS / name)
+    return cp
+
+
+def test_restore_unit_keys():
+    u = _unit("vllm-snapshot@.service")
+    s = u["Service"]
+    assert s["Type"] == "notify"
+    assert s["NotifyAccess"] == "main"
+    argv = s["ExecStart"].split()
+    assert argv[0] == "/var/cache/vllm-snapshot/venv/bin/vllm-snapshot"
+    assert argv[1:3] == ["restore", "/var/lib/vllm-snapshot/%i"]
+    assert "--detach" not in argv  # READY is sent in the foreground only
+    assert argv[argv.index("--host") + 1] == "${VLLM_SNAPSHOT_HOST}"
+    assert argv[argv.index("--port") + 1] == "${VLLM_SNAPSHOT_PORT}"
+    assert s["EnvironmentFile"] == "-/etc/vllm-snapshot/%i.env"
+    prevent = set(s["RestartPreventExitStatus"].split())
+    assert {"3", "4", "5", "6"} <= prevent
+    assert s["Restart"] == "on-failure"
+    assert s["KillMode"] == "mixed" and s["KillSignal"] == "SIGTERM"
+    # the supervisor waits 30 s for the engine before SIGKILL; systemd must wait longer
+    assert int(s["TimeoutStopSec"]) > 30
+    assert int(s["TimeoutStartSec"]) >= 300
+    assert s["StandardOutput"] == "journal"
+
+
+def test_cold_unit_keys():
+    u = _unit("vllm-snapshot-cold@.service")
+    assert "vllm-snapshot@%i.service" in u["Unit"]["Conflicts"]
+    s = u["Service"]
+    assert "-m vllm.entrypoints.openai.api_server" in s["ExecStart"]
+    assert s["EnvironmentFile"] == "/etc/vllm-snapshot/%i.env"
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_units_pass_systemd_analyze_verify(tmp_path):
+    paths = []
+    for tmpl, inst in (("vllm-snapshot@.service", "vllm-snapshot@demo.service"),
+                       ("vllm-snapshot-cold@.service", "vllm-snapshot-cold@demo.service")):
+        shutil.copy(UNITS / tmpl, tmp_path / tmpl)
+        (tmp_path / inst).symlink_to(tmpl)
+        paths.append(str(tmp_path / inst))
+    p = subprocess.run(["systemd-analyze", "verify", "--man=no", *paths], capture_output=True, text=True, timeout=60)
+    ours = [ln for ln in (p.stdout + p.stderr).splitlines() if "vllm-snapshot" in ln]
+    bad = [ln for ln in ours if any(w in ln for w in ("Unknown", "Failed", "Invalid", "nvalid", "not valid",
+                                                        "Ignoring", "ignoring"))]
+    assert not bad, "\n".join(ours)
+    if p.returncode != 0:
+        # Only acceptable failure: the venv is not installed at its documented path here.
+        assert ours and all("is not executable" in ln for ln in ours), p.stdout + p.stderr

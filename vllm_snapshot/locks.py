@@ -1,0 +1,94 @@
+"""Advisory locks (flock): per snapshot, and host-wide around CRIU runs.
+
+flock locks vanish with their holder, so a lock left by a dead process is taken over safely
+without any stale-file logic. When a lock is busy, the holders are found through
+/proc/locks (inode match) and named in the error.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from .errors import BusyError
+
+RUN_DIR = Path(os.environ.get("VLLM_SNAPSHOT_RUN_DIR", "/run/vllm-snapshot"))
+
+
+def snapshot_lock_path(snapshot: Path) -> Path:
+    """``DIR/../.NAME.lock``: a sibling, so it exists before and after the snapshot."""
+    snapshot = snapshot.absolute()
+    return snapshot.parent / f".{snapshot.name}.lock"
+
+
+def holders(path: Path) -> list[str]:
+    """``"PID (command)"`` of the processes holding a lock on ``path`` (from /proc/locks)."""
+    try:
+        ino = os.stat(path).st_ino
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        parts = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 fd:00:5678 0 EOF"
+        try:
+            idx = 4 if parts[1] != "->" else 5
+            pid = int(parts[idx])
+            if int(parts[idx + 1].rsplit(":", 1)[1]) != ino:
+                continue
+        except (IndexError, ValueError):
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            cmd = "?"
+        out.append(f"{pid} ({cmd[:120]})")
+    return sorted(set(out))
+
+
+@contextmanager
+def lock(path: Path, what: str, shared: bool = False, wait_s: float = 0.0) -> Iterator[None]:
+    """Hold a flock on ``path`` (created 0600). Refuses at once (``wait_s`` 0) or after
+    ``wait_s`` seconds with BusyError naming the holders' PIDs and commands."""
+    if path.parent == RUN_DIR:
+        RUN_DIR.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    mode = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB
+    deadline = time.monotonic() + wait_s
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, mode)
+                break
+            except OSError as e:
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise
+                if time.monotonic() >= deadline:
+                    who = ", ".join(holders(path)) or "another process"
+                    raise BusyError(f"{what} is in use by {who}",
+                                    hint="wait for that command to finish, or stop it") from e
+                time.sleep(0.1)
+        yield
+    finally:
+        os.close(fd)
+
+
+def snapshot_lock(snapshot: Path, shared: bool = False):
+    """The per-snapshot lock: exclusive for create/delete, shared for restore/verify.
+    Raises UsageError when the snapshot's parent directory does not exist."""
+    from .errors import UsageError
+
+    if not snapshot.absolute().parent.is_dir():
+        raise UsageError(f"{snapshot.absolute().parent} does not exist")
+    return lock(snapshot_lock_path(snapshot), f"snapshot {snapshot}", shared=shared)
+
+
+def criu_lock(wait_s: float = 300.0):
+    """Host-wide lock around one CRIU dump/restore (they serialize; a waiter waits)."""
+    return lock(RUN_DIR / "criu.lock", "CRIU", shared=False, wait_s=wait_s)

@@ -1,0 +1,115 @@
+"""Runtime registry of engines restored on this host (for status/stop/switch/delete).
+
+One JSON file per engine in ``/run/vllm-snapshot/engines/PID.json`` (tmpfs: gone at reboot,
+like the engines). Entries whose engine PID is dead are removed whenever the registry is read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+from .locks import RUN_DIR
+
+
+def _dir() -> Path:
+    d = RUN_DIR / "engines"
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return d
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A restored engine: snapshot path, engine root PID, supervisor PID (0 when detached),
+    host, port, start time (unix seconds), mode (``foreground``/``detached``)."""
+
+    snapshot: str
+    pid: int
+    supervisor_pid: int
+    host: str
+    port: int
+    started_at: float
+    mode: str
+    create_time: float = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def register(e: Entry) -> Path:
+    """Write ``e`` atomically; returns its file."""
+    try:
+        ct = psutil.Process(e.pid).create_time()
+    except psutil.Error:
+        ct = 0.0
+    e = Entry(**{**asdict(e), "create_time": ct})
+    p = _dir() / f"{e.pid}.json"
+    tmp = p.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(e)))
+    os.chmod(tmp, 0o600)
+    os.rename(tmp, p)
+    return p
+
+
+def unregister(pid: int) -> None:
+    (_dir() / f"{pid}.json").unlink(missing_ok=True)
+
+
+def _alive(e: Entry) -> bool:
+    try:
+        p = psutil.Process(e.pid)
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return not e.create_time or abs(p.create_time() - e.create_time) < 1.0
+    except psutil.Error:
+        return False
+
+
+def entries() -> list[Entry]:
+    """Live entries, sorted by port; stale files (dead PIDs, reused PIDs) are removed."""
+    out = []
+    for f in _dir().glob("*.json"):
+        try:
+            e = Entry(**json.loads(f.read_text()))
+        except (OSError, ValueError, TypeError):
+            f.unlink(missing_ok=True)
+            continue
+        if _alive(e):
+            out.append(e)
+        else:
+            f.unlink(missing_ok=True)
+    return sorted(out, key=lambda e: (e.port, e.pid))
+
+
+def stop(e: Entry, grace_s: float = 30.0) -> float:
+    """Stop an engine: SIGTERM to its supervisor (foreground) or its root (detached), SIGKILL
+    after ``grace_s``; wait until every process of the tree is gone (memory released).
+    Returns seconds taken."""
+    t0 = time.monotonic()
+    try:
+        root = psutil.Process(e.pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        unregister(e.pid)
+        return 0.0
+    target = e.supervisor_pid if e.supervisor_pid and psutil.pid_exists(e.supervisor_pid) else e.pid
+    try:
+        os.kill(target, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    gone, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=10)
+    unregister(e.pid)
+    return time.monotonic() - t0

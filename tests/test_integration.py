@@ -121,9 +121,10 @@ def test_restore_detached_serves_openai_api(snapshot):
     assert engine_pids() - before == set()
 
 
-def test_three_restores_in_a_row_foreground(snapshot):
-    """Foreground restores, each stopped with SIGTERM to the supervisor; exit code 0."""
-    for i in range(3):
+def test_ten_restores_in_a_row_foreground(snapshot):
+    """Ten foreground restores of one snapshot, each serving after a matching oracle and
+    stopped with SIGTERM to the supervisor; exit code 0 each time."""
+    for i in range(10):
         port = free_port()
         proc = subprocess.Popen([sys.executable, "-m", "vllm_snapshot", "restore", str(snapshot), "--port", str(port)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=engine_env(), cwd=ROOT)

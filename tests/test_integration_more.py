@@ -265,3 +265,22 @@ def test_kill_9_create_leaves_nothing(snap_root):
     pr = json.loads(cli("prune", "--older-than", "999d", "--json", env=env, check=True).stdout)
     assert sorted(pr["temp_removed"]) == sorted(str(x) for x in leftovers)
     assert not list(snap_root.glob(".killed.tmp-*"))
+
+
+def test_enospc_during_create_is_clear_and_leaves_nothing(tmp_path):
+    """A snapshot dir on a 64 MiB tmpfs: the dump runs out of space; the error says so, no
+    partial directory is left, no engine process remains."""
+    mnt = tmp_path / "small"
+    mnt.mkdir(mode=0o700)
+    os.chmod(tmp_path, 0o700)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,mode=0700", "tmpfs", str(mnt)], check=True)
+    try:
+        before = engine_pids()
+        p = cli("create", str(TINY), "--snapshot-dir", str(mnt / "snap"), "--", *ENGINE_ARGS, timeout=600)
+        assert p.returncode == 11, p.stderr[-3000:]
+        assert "no space left" in p.stderr and "partial snapshot was removed" in p.stderr
+        assert list(mnt.iterdir()) == [mnt / ".snap.lock"] or list(mnt.iterdir()) == []
+        time.sleep(1)
+        assert engine_pids() - before == set()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -150,6 +150,49 @@ def log_excerpt(log_path: Path, context: int = 4, limit: int = 30) -> str:
     return "\n".join(seen[-limit:])
 
 
+def _cache_dir() -> Path:
+    return Path(os.environ.get("VLLM_SNAPSHOT_CACHE", "/var/cache/vllm-snapshot"))
+
+
+def cuda_env(criu_binary: str) -> dict[str, str]:
+    """Environment for a CRIU run on a CUDA engine: ``CRIU_LIBS_DIR`` = the directory of the
+    CUDA plugin built with CRIU (CRIU 4.2.1 criu/plugin.c reads it when no ``-L`` is given),
+    and ``PATH`` with our ``cuda-checkpoint`` helper first (the plugin execs it from PATH),
+    unless ``VLLM_SNAPSHOT_CUDA_CHECKPOINT`` names NVIDIA's binary. Raises EnvironmentProblem
+    when the plugin is missing."""
+    from . import cuda_checkpoint, gpu
+
+    src = Path(os.path.realpath(criu_binary)).parent.parent  # <src>/criu/criu -> <src>
+    try:
+        plugin = gpu.cuda_plugin_path(src)
+    except EnvironmentProblem:
+        plugin = gpu.cuda_plugin_path(_cache_dir() / "criu-4.2.1")
+    own = os.environ.get("VLLM_SNAPSHOT_CUDA_CHECKPOINT")
+    helper = Path(own).parent if own else cuda_checkpoint.helper_dir(_cache_dir())
+    return {"CRIU_LIBS_DIR": str(plugin.parent), "PATH": f"{helper}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
+
+
+class _env:
+    """Set environment variables for the duration of a CRIU RPC call (criu swrk is forked
+    from this process and inherits them)."""
+
+    def __init__(self, extra: dict[str, str] | None):
+        self.extra = extra or {}
+        self.saved: dict[str, str | None] = {}
+
+    def __enter__(self):
+        for k, v in self.extra.items():
+            self.saved[k] = os.environ.get(k)
+            os.environ[k] = v
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 @dataclass
 class Criu:
     """Runs CRIU over RPC (pycriu, ``criu swrk``) with a given binary.
@@ -158,7 +201,7 @@ class Criu:
     """
 
     binary: str
-    _extra: dict = field(default_factory=dict)
+    env: dict = field(default_factory=dict)
 
     def _client(self):
         try:
@@ -189,10 +232,9 @@ class Criu:
             apply_flags(c.opts, opts.flags)
             for e in opts.external:
                 c.opts.external.append(e)
-            if opts.plugin_dir:
-                os.environ["CRIU_LIBS_DIR"] = opts.plugin_dir
             try:
-                c.dump()
+                with _env(self.env):
+                    c.dump()
             except pycriu.CRIUException as e:
                 raise CriuError(
                     f"CRIU dump failed; log excerpt:\n{log_excerpt(work_dir / DUMP_LOG)}",
@@ -221,7 +263,8 @@ class Criu:
             for e in opts.external:
                 c.opts.external.append(e)
             try:
-                resp = c.restore()
+                with _env(self.env):
+                    resp = c.restore()
             except pycriu.CRIUException as e:
                 raise CriuError(
                     f"CRIU restore failed; log excerpt:\n{log_excerpt(work_dir / RESTORE_LOG)}",

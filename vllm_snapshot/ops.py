@@ -18,8 +18,8 @@ from typing import Callable
 
 import psutil
 
-from . import __version__, archive, criu, identity, inventory, locks, manifest, model_digest, oracle, registry, store
-from .errors import (BusyError, EngineError, EnvironmentProblem, IncompatibleHostError,
+from . import __version__, archive, criu, gpu, identity, inventory, locks, manifest, model_digest, oracle, registry, store
+from .errors import (BusyError, CriuError, EngineError, EnvironmentProblem, IncompatibleHostError,
                      OracleMismatchError, UsageError)
 from .progress import Reporter
 from .supervisor import (EngineHandle, is_secret_name, launch, pipe_key, restored_handle,
@@ -76,6 +76,15 @@ def _tree_of(pid: int) -> list[psutil.Process]:
         return [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return []
+
+
+def _is_enospc(e: BaseException) -> bool:
+    """True for ENOSPC from our own writes or from CRIU (its log says so)."""
+    import errno
+
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return True
+    return isinstance(e, CriuError) and "No space left on device" in str(e)
 
 
 def _deleted_open_files(procs: list[psutil.Process]) -> set[str]:
@@ -182,8 +191,9 @@ def _create_locked(req: CreateRequest, rep: Reporter, target: Path, model_dir: P
             tree_inv = inventory.inspect_tree(handle.root_pid)
         dump_opts = criu.DumpOptions(pid=handle.root_pid)
         before = {d: set(os.listdir(d)) for d in remap_dirs if os.path.isdir(d)}
+        criu_env = criu.cuda_env(criu_bin) if kind == "cuda" else {}
         with rep.phase("dump", "CRIU dump"), locks.criu_lock():
-            criu.Criu(criu_bin).dump(dump_opts, tmp / store.IMAGES, tmp)
+            criu.Criu(criu_bin, criu_env).dump(dump_opts, tmp / store.IMAGES, tmp)
             # the dump killed the tree; make sure every process is gone
             gone, alive = psutil.wait_procs(procs, timeout=30)
             if alive:
@@ -207,7 +217,11 @@ def _create_locked(req: CreateRequest, rep: Reporter, target: Path, model_dir: P
             src.unlink(missing_ok=True)
         raw = sum(i.raw_bytes for i in images)
         stored = sum(i.stored_bytes for i in images)
-        host = identity.collect(criu_ver)
+        host = identity.collect(criu_ver, gpu.gpu_identity())
+        if kind == "cuda":
+            from . import cuda_checkpoint
+
+            host["cuda_checkpoint_helper"] = os.environ.get("VLLM_SNAPSHOT_CUDA_CHECKPOINT") or f"vllm-snapshot:{cuda_checkpoint.digest()[:16]}"
         m = manifest.Manifest(
             schema_version=manifest.SCHEMA_VERSION,
             tool_version=__version__,
@@ -239,11 +253,17 @@ def _create_locked(req: CreateRequest, rep: Reporter, target: Path, model_dir: P
             manifest.write_atomic(m, tmp)
             store.publish(tmp, target)
         return m
-    except BaseException:
+    except BaseException as e:
         if handle is not None:
             handle.kill()
             handle.close()
         shutil.rmtree(tmp, ignore_errors=True)
+        if _is_enospc(e):
+            raise EnvironmentProblem(
+                f"no space left on the filesystem of {target.parent} while writing the snapshot; "
+                "the partial snapshot was removed",
+                hint="free space there or choose another --snapshot-dir/--root "
+                     "(a CPU engine's image is about its resident memory; see `inspect` of an earlier snapshot)") from e
         raise
     finally:
         os.close(log_fd)
@@ -313,7 +333,11 @@ def validate(snapshot: Path, verify_model: str = "quick", allow: frozenset[str] 
     archive.check_layout(snapshot / store.IMAGES, m.images)
     archive.check_layout(snapshot / store.FILES, m.extra_files)
     criu_bin, criu_ver = criu_binary()
-    here = identity.collect(criu_ver)
+    here = identity.collect(criu_ver, gpu.gpu_identity())
+    if m.engine.kind == "cuda":
+        from . import cuda_checkpoint
+
+        here["cuda_checkpoint_helper"] = os.environ.get("VLLM_SNAPSHOT_CUDA_CHECKPOINT") or f"vllm-snapshot:{cuda_checkpoint.digest()[:16]}"
     try:
         diffs = identity.compare(m.host, here, allow)
     except ValueError as e:
@@ -446,7 +470,8 @@ def _restore_locked(req: RestoreRequest, rep: Reporter, snapshot: Path) -> Resto
                     "(another engine restored from this snapshot?):\n  " + "\n  ".join(taken),
                     hint="stop the engine holding them (vllm-snapshot status / stop), or re-create the snapshot")
             with rep.phase("criu_restore", "CRIU restore"):
-                pid = criu.Criu(criu_bin).restore(criu.RestoreOptions(inherit_fds=inherit), stage, stage)
+                criu_env = criu.cuda_env(criu_bin) if m.engine.kind == "cuda" else {}
+                pid = criu.Criu(criu_bin, criu_env).restore(criu.RestoreOptions(inherit_fds=inherit), stage, stage)
         for fd in (ctl_r, ev_w, log_w):
             os.close(fd)
             fds.remove(fd)

@@ -62,14 +62,29 @@ def test_subcommand_help_is_light():
         f"RESULT {c} 0 True []" for c in ("create", "restore", "inspect", "verify")]
 
 
-def test_inspect_of_a_missing_dir_exits_5_with_one_line(tmp_path):
+def test_inspect_of_a_missing_dir_exits_2_with_one_line(tmp_path):
     p = subprocess.run([sys.executable, "-m", "vllm_snapshot", "inspect", str(tmp_path / "nope")],
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert p.returncode == 5
+    assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1, p.stderr
-    assert lines[0].startswith("error [corrupt-snapshot]:") and "nope" in lines[0]
+    assert lines[0].startswith("error [usage]:") and "nope" in lines[0] and "does not exist" in lines[0]
     assert "Traceback" not in p.stderr and p.stdout == ""
+
+
+def test_inspect_of_a_dir_without_manifest_exits_5(tmp_path):
+    (tmp_path / "empty").mkdir()
+    p = subprocess.run([sys.executable, "-m", "vllm_snapshot", "inspect", str(tmp_path / "empty")],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert p.returncode == 5
+    assert p.stderr.startswith("error [corrupt-snapshot]:") and "manifest.json not found" in p.stderr
+
+
+def test_restore_of_a_missing_snapshot_leaves_no_lock_file(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "vllm_snapshot", "restore", str(tmp_path / "nope"), "--port", "1"],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert p.returncode in (2, 11), p.stderr  # 11 when not root
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_inspect_json_of_a_valid_snapshot(tmp_path, capsys):
@@ -106,10 +121,10 @@ def test_inspect_of_a_hand_edited_manifest_exits_5(tmp_path, capsys):
 
 def test_inspect_json_error_is_json(tmp_path, capsys):
     code, out, err = _run_main(capsys, "inspect", str(tmp_path / "nope"), "--json")
-    assert code == 5
+    assert code == 2
     doc = json.loads(out)
     assert doc["schema_version"] == 1
-    assert doc["error"]["code"] == "corrupt-snapshot" and doc["error"]["exit_code"] == 5
+    assert doc["error"]["code"] == "usage" and doc["error"]["exit_code"] == 2
 
 
 def test_inspect_does_not_import_heavy_modules(tmp_path):

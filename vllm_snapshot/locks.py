@@ -79,13 +79,16 @@ def lock(path: Path, what: str, shared: bool = False, wait_s: float = 0.0) -> It
         os.close(fd)
 
 
-def snapshot_lock(snapshot: Path, shared: bool = False):
+def snapshot_lock(snapshot: Path, shared: bool = False, must_exist: bool = True):
     """The per-snapshot lock: exclusive for create/delete, shared for restore/verify.
-    Raises UsageError when the snapshot's parent directory does not exist."""
+    Raises UsageError when the snapshot (with ``must_exist``; create passes False) or its
+    parent directory does not exist, so no lock file is left beside a non-snapshot."""
     from .errors import UsageError
 
     if not snapshot.absolute().parent.is_dir():
         raise UsageError(f"{snapshot.absolute().parent} does not exist")
+    if must_exist and not os.path.lexists(snapshot):
+        raise UsageError(f"snapshot {snapshot} does not exist")
     return lock(snapshot_lock_path(snapshot), f"snapshot {snapshot}", shared=shared)
 
 

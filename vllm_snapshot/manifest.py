@@ -198,8 +198,13 @@ def parse(text: str, source: str = MANIFEST_NAME) -> Manifest:
 def read(directory: Path) -> Manifest:
     """Read and verify ``directory/manifest.json``; see :func:`parse` for the errors raised.
 
-    A missing manifest raises CorruptSnapshotError (an incomplete or foreign directory)."""
+    A missing directory raises UsageError; a directory without a manifest raises
+    CorruptSnapshotError (an incomplete or foreign directory)."""
     path = directory / MANIFEST_NAME
+    if not os.path.lexists(directory):
+        from .errors import UsageError
+
+        raise UsageError(f"snapshot {directory} does not exist")
     try:
         text = path.read_text()
     except FileNotFoundError as e:

@@ -133,7 +133,7 @@ def create(req: CreateRequest, rep: Reporter) -> manifest.Manifest:
         raise UsageError("--sleep-level must be 0, 1 or 2")
     target = req.target.absolute()
     model_dir = model_digest.resolve_model(req.model)
-    with locks.snapshot_lock(target):
+    with locks.snapshot_lock(target, must_exist=False):
         return _create_locked(req, rep, target, model_dir, criu_bin, criu_ver)
 
 

@@ -63,11 +63,10 @@ def scrubbed_env(base: dict[str, str], keep: tuple[str, ...] = ()) -> dict[str, 
     # torch.distributed (gloo, world size 1) listens on the hostname's address; keep it on
     # loopback so the dumped tree holds no non-loopback listener.
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # torch inductor's cache defaults to /tmp, which is the namespace's private tmpfs: its
+    # ~150 MB precompiled header would be re-made at every create and tarred into every image.
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(env.get("HOME", "/root"), ".cache", "vllm-snapshot", "torchinductor"))
     return env
-
-
-PRIVATE_MOUNTS = ("mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /dev/shm && "
-                  "mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /tmp && ")
 
 
 def pipe_key(pid: int, fd: int) -> str:
@@ -250,12 +249,9 @@ def launch(spec: dict, env: dict[str, str], log_sinks: list[Callable[[bytes], No
         if ev_w != EVENTS_FD:
             os.close(ev_w)
 
-    # Private tmpfs on /dev/shm and /tmp inside the new mount namespace (propagation is
-    # private, so nothing leaks to the host): POSIX semaphores, CRIU's link-remap files for
-    # them, and ZMQ's ipc:// socket files live there and are dumped with the tree (CRIU dumps
-    # tmpfs contents), so restores never collide with host files or with each other.
+    # The engine root makes its mount namespace private first (engine/mounts.py): host tmpfs
+    # mounts are detached and fresh tmpfs are mounted on /dev/shm and /tmp.
     argv = ["unshare", "--pid", "--fork", "--mount-proc", "--propagation", "private", "--kill-child", "--",
-            "sh", "-c", PRIVATE_MOUNTS + 'exec "$0" "$@"',
             python, "-m", "vllm_snapshot.engine.main", json.dumps(spec)]
     try:
         launcher = subprocess.Popen(

@@ -239,6 +239,14 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, _term)
     spec = json.loads(sys.argv[1])
+    if os.getpid() == 1:  # our own PID + mount namespace (always, when launched by create)
+        from .mounts import make_private
+
+        try:
+            make_private()
+        except OSError as e:
+            emit("error", kind="engine", message=str(e))
+            return 1
     try:
         # Plain asyncio, not uvloop: libuv >= 1.45 opens io_uring instances, which CRIU
         # cannot dump ("Unknown shit 600 (anon_inode:[io_uring])").

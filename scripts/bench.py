@@ -49,7 +49,7 @@ def bare_criu_restore(snap: Path) -> float:
     """Seconds of a plain ``criu restore`` of the snapshot's images (staged raw first, not
     timed), with only the flags CRIU needs; the restored tree is killed afterwards."""
     m = manifest.read(snap)
-    stage = archive.unpack(snap / store.IMAGES, m.images, archive.staging_parent(m.sizes["raw"], snap.parent))
+    stage = archive.unpack(snap / store.IMAGES, m.images, archive.staging_parent(m.sizes["raw"], snap.parent, m.images))
     b = criu.find_criu()
     try:
         pidfile = stage / "bare.pid"

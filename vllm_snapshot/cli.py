@@ -66,7 +66,7 @@ def create(
     name: Optional[str] = typer.Option(None, "--name", help="Store under the snapshot root with this name (default: the model directory's name)."),
     oracle_prompt: str = typer.Option(None, "--oracle-prompt", help="Prompt of the one-token oracle."),
     sleep_level: int = typer.Option(2, "--sleep-level", min=0, max=2, help="GPU: sleep level before the dump (CPU engines are captured whole)."),
-    compress: str = typer.Option("zstd:3", "--compress", help="none | zstd | zstd:LEVEL"),
+    compress: str = typer.Option("none", "--compress", help="none (default: fastest restore) | zstd | zstd:LEVEL (~5x smaller, restore decompresses)"),
     keep_env: List[str] = typer.Option([], "--keep-env", help="Pass this (otherwise scrubbed) variable to the engine."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Stream the engine log to stderr."),
     as_json: bool = typer.Option(False, "--json", help="Print the manifest as JSON."),

@@ -115,7 +115,7 @@ class CreateRequest:
     engine_args: list[str] = field(default_factory=list)
     oracle_prompt: str = oracle.DEFAULT_PROMPT
     sleep_level: int = 2
-    compression: archive.Compression = field(default_factory=archive.Compression)
+    compression: archive.Compression = field(default_factory=lambda: archive.Compression.parse(archive.DEFAULT_COMPRESSION))
     keep_env: tuple[str, ...] = ()
     engine_log: Callable[[bytes], None] | None = None
 
@@ -442,7 +442,7 @@ def _restore_locked(req: RestoreRequest, rep: Reporter, snapshot: Path) -> Resto
     try:
         with rep.phase("stage", "verifying checksums and staging images"):
             stage = archive.unpack(snapshot / store.IMAGES, m.images,
-                                   archive.staging_parent(raw, snapshot.parent))
+                                   archive.staging_parent(raw, snapshot.parent, m.images))
             archive.verify(snapshot / store.FILES, m.extra_files)
             placed = _put_back_files(snapshot, m)
         ctl_r, ctl_w = os.pipe()
@@ -493,9 +493,10 @@ def _restore_locked(req: RestoreRequest, rep: Reporter, snapshot: Path) -> Resto
                 raise OracleMismatchError("the restored engine's oracle differs; refusing to serve:\n  " + "\n  ".join(diffs),
                                           details={"expected": m.oracle.model_dump(), "actual": got.model_dump()})
         base = f"http://{'[' + req.host + ']' if ':' in req.host else req.host}:{req.port}"
-        with rep.phase("bind", f"binding {req.host}:{req.port} and serving"):
+        with rep.phase("bind", f"binding {req.host}:{req.port}"):
             handle.send("serve", host=req.host, port=req.port, die_with_parent=not req.detach)
             handle.wait_event("binding", BIND_TIMEOUT_S)
+        with rep.phase("http_ready", "waiting for the HTTP server (/health)"):
             deadline = time.monotonic() + BIND_TIMEOUT_S
             while True:
                 try:

@@ -117,6 +117,11 @@ async def prepare_app(engine, args):
     supported_tasks = await engine.get_supported_tasks()
     app = build_app(args, supported_tasks, engine.model_config)
     await init_app_state(engine, app.state, args, supported_tasks)
+    # Import uvicorn's protocol, lifespan and loop modules now (Config.load() does), so they
+    # are in the image and not imported after a restore.
+    import uvicorn
+
+    uvicorn.Config(app, log_level=args.uvicorn_log_level, log_config=None).load()
     return app
 
 

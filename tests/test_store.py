@@ -221,3 +221,24 @@ def test_publish_refuses_when_target_appeared(base):
     with pytest.raises(UsageError, match="appeared"):
         store.publish(tmp, target)
     assert tmp.exists()
+
+
+def test_check_file_modes_refuses_a_file_owned_by_another_user(tmp_path):
+    import os
+
+    import pytest
+
+    from vllm_snapshot import store
+    from vllm_snapshot.errors import CorruptSnapshotError
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to chown")
+    d = tmp_path / "snap"
+    (d / "images").mkdir(parents=True, mode=0o700)
+    f = d / "images" / "pages-1.img"
+    f.write_bytes(b"x")
+    os.chmod(f, 0o600)
+    store.check_file_modes(d)
+    os.chown(f, 12345, 12345)
+    with pytest.raises(CorruptSnapshotError, match="owned by uid 12345"):
+        store.check_file_modes(d)

@@ -65,13 +65,18 @@ def check_dir_safety(path: Path) -> None:
 
 
 def check_file_modes(path: Path) -> None:
-    """Refuse files/dirs inside a snapshot that are symlinks or readable by group/others."""
+    """Refuse files/dirs inside a snapshot that are symlinks, owned by another user, or
+    readable by group/others."""
+    uid = os.geteuid()
     for dirpath, dirnames, filenames in os.walk(path):
         for n in dirnames + filenames:
             p = Path(dirpath) / n
             st = os.lstat(p)
             if stat.S_ISLNK(st.st_mode):
                 raise CorruptSnapshotError(f"{p} is a symlink; snapshots hold none")
+            if st.st_uid != uid:
+                raise CorruptSnapshotError(f"{p} is owned by uid {st.st_uid}, not by us (uid {uid}); refusing to trust it",
+                                           hint=f"chown -R {uid} {path} if you trust its origin")
             if stat.S_IMODE(st.st_mode) & 0o077:
                 raise CorruptSnapshotError(
                     f"{p} has mode {stat.S_IMODE(st.st_mode):04o}; snapshot files must be private (0600/0700)",

@@ -28,17 +28,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def engine_pids() -> set[int]:
-    """PIDs of every engine root (ours) and vLLM engine process on this host."""
-    out = set()
-    for p in psutil.process_iter(["cmdline", "name"]):
-        try:
-            cmd = " ".join(p.info["cmdline"] or [])
-            if "vllm_snapshot.engine.main" in cmd or (p.info["name"] or "").startswith("VLLM::"):
-                out.add(p.pid)
-        except psutil.Error:
-            continue
-    return out
+def engine_pids(settle_s: float = 0.0, baseline: set[int] | None = None) -> set[int]:
+    """PIDs of every engine root (ours) and vLLM engine process on this host that is still
+    running (zombies waiting for their reaper are not running). With ``baseline``, waits up to
+    ``settle_s`` seconds for the processes not in it to disappear."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        out = set()
+        for p in psutil.process_iter(["cmdline", "name", "status"]):
+            try:
+                if p.info["status"] == psutil.STATUS_ZOMBIE:
+                    continue
+                cmd = " ".join(p.info["cmdline"] or [])
+                if "vllm_snapshot.engine.main" in cmd or (p.info["name"] or "").startswith("VLLM::"):
+                    out.add(p.pid)
+            except psutil.Error:
+                continue
+        if baseline is None or not (out - baseline) or time.monotonic() >= deadline:
+            return out
+        time.sleep(0.2)
 
 
 def post(url: str, body: dict, timeout: float = 30) -> dict:
@@ -118,7 +126,7 @@ def test_restore_detached_serves_openai_api(snapshot):
     finally:
         stop(pid)
     assert not port_accepts(port)
-    assert engine_pids() - before == set()
+    assert engine_pids(10, before) - before == set()
 
 
 def test_ten_restores_in_a_row_foreground(snapshot):
@@ -182,7 +190,7 @@ def test_oracle_mismatch_fails_closed(clone_snapshot):
     assert "CRIU restore: done" in p.stderr  # the mismatch was found in a really restored engine
     assert not seen_listening.is_set(), "the port was bound although the oracle did not match"
     time.sleep(1)
-    assert engine_pids() - before == set(), "restored processes were left running"
+    assert engine_pids(10, before) - before == set(), "restored processes were left running"
     assert (snap / "manifest.json").read_bytes() == before_manifest
     assert not list((snap.parent).glob("vllm-snapshot-stage-*"))
 
@@ -200,7 +208,7 @@ def test_port_in_use_refused_before_criu(snapshot):
     assert f"port 127.0.0.1:{port} is not free" in p.stderr
     assert f"PID {os.getpid()}" in p.stderr  # names the holder
     assert "CRIU restore" not in p.stderr
-    assert engine_pids() - before == set()
+    assert engine_pids(10, before) - before == set()
     assert elapsed < 60
 
 
@@ -218,4 +226,4 @@ def test_create_bad_engine_args_publishes_nothing(snap_root):
     assert "invalid" in p.stderr.lower()
     assert not target.exists()
     assert not list(snap_root.glob(".bad-args.tmp-*"))
-    assert engine_pids() - before == set()
+    assert engine_pids(10, before) - before == set()

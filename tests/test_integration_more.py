@@ -34,7 +34,7 @@ def refused_before_criu(p: subprocess.CompletedProcess, code: int, before: set[i
     assert p.returncode == code, f"exit {p.returncode}\n{p.stderr[-3000:]}"
     assert "CRIU restore" not in p.stderr, "CRIU ran although validation should have refused"
     assert "Traceback" not in p.stderr
-    assert engine_pids() - before == set()
+    assert engine_pids(10, before) - before == set()
 
 
 def test_identity_mismatch_refused(clone_snapshot):
@@ -204,7 +204,7 @@ def test_second_concurrent_restore_refused_cleanly(snapshot):
         if ok_rc == 0:
             stop(json.loads(ok_out)["pid"])
     time.sleep(1)
-    assert engine_pids() - before == set()
+    assert engine_pids(10, before) - before == set()
 
 
 def test_names_list_status_stop_switch_delete(snapshot, snap_root, tmp_path):
@@ -257,7 +257,7 @@ def test_kill_9_create_leaves_nothing(snap_root):
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and engine_pids() - before:
         time.sleep(0.2)
-    assert engine_pids() - before == set(), "engine processes outlived the killed create"
+    assert engine_pids(10, before) - before == set(), "engine processes outlived the killed create"
     assert not target.exists()
     leftovers = list(snap_root.glob(".killed.tmp-*"))
     assert leftovers, "expected the crashed create's temp dir"
@@ -281,6 +281,6 @@ def test_enospc_during_create_is_clear_and_leaves_nothing(tmp_path):
         assert "no space left" in p.stderr and "partial snapshot was removed" in p.stderr
         assert list(mnt.iterdir()) == [mnt / ".snap.lock"] or list(mnt.iterdir()) == []
         time.sleep(1)
-        assert engine_pids() - before == set()
+        assert engine_pids(10, before) - before == set()
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -22,7 +22,7 @@ from . import __version__, archive, criu, gpu, identity, inventory, locks, manif
 from .errors import (BusyError, CriuError, EngineError, EnvironmentProblem, IncompatibleHostError,
                      OracleMismatchError, UsageError)
 from .progress import Reporter
-from .supervisor import (EngineHandle, is_secret_name, launch, pipe_key, restored_handle,
+from .supervisor import (ENGINE_MODULE, EngineHandle, is_secret_name, launch, pipe_key, restored_handle,
                          scrubbed_env)
 
 ENGINE_START_TIMEOUT_S = 900.0
@@ -153,7 +153,7 @@ def _create_locked(req: CreateRequest, rep: Reporter, target: Path, model_dir: P
         if req.engine_log:
             sinks.append(req.engine_log)
         with rep.phase("engine_start", "starting engine (load, compile, warm-up)"):
-            handle = launch(spec, env, sinks)
+            handle = launch(spec, env, sinks, module=os.environ.get("VLLM_SNAPSHOT_ENGINE_MODULE", ENGINE_MODULE))
             try:
                 init = handle.wait_event("initialized", ENGINE_START_TIMEOUT_S)
             except EngineError as e:

@@ -230,8 +230,15 @@ def _prctl(option: int, arg: int) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0)
 
 
-def launch(spec: dict, env: dict[str, str], log_sinks: list[Callable[[bytes], None]], python: str = sys.executable) -> EngineHandle:
-    """Start the engine root in a new PID + mount namespace; return its handle.
+#: The module run as the engine root. Tests substitute a protocol-speaking fake engine through
+#: ``VLLM_SNAPSHOT_ENGINE_MODULE`` to exercise the GPU sequencing without a GPU.
+ENGINE_MODULE = "vllm_snapshot.engine.main"
+
+
+def launch(spec: dict, env: dict[str, str], log_sinks: list[Callable[[bytes], None]], python: str = sys.executable,
+           module: str = ENGINE_MODULE) -> EngineHandle:
+    """Start the engine root (``python -m module SPEC``) in a new PID + mount namespace;
+    return its handle.
 
     Raises EngineError when it cannot be started.
     """
@@ -252,7 +259,7 @@ def launch(spec: dict, env: dict[str, str], log_sinks: list[Callable[[bytes], No
     # The engine root makes its mount namespace private first (engine/mounts.py): host tmpfs
     # mounts are detached and fresh tmpfs are mounted on /dev/shm and /tmp.
     argv = ["unshare", "--pid", "--fork", "--mount-proc", "--propagation", "private", "--kill-child", "--",
-            python, "-m", "vllm_snapshot.engine.main", json.dumps(spec)]
+            python, "-m", module, json.dumps(spec)]
     try:
         launcher = subprocess.Popen(
             argv, stdin=ctl_r, stdout=log_w, stderr=log_w, env=env, close_fds=True,

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Time-share one port between two snapshots: switch N times, print each switch time.
+#   scripts/timeshare.sh SNAPSHOT_A SNAPSHOT_B [PORT] [N]
+# Each switch stops whatever serves on PORT (waiting until its memory is released) and
+# restores the other snapshot there (oracle checked before the port is bound), then sends one
+# completion. Prints one line per switch and a summary (median, min, max seconds); stops the
+# last engine at the end. Needs root and the venv from scripts/setup.sh.
+set -euo pipefail
+A=${1:?usage: timeshare.sh SNAPSHOT_A SNAPSHOT_B [PORT] [N]}
+B=${2:?usage: timeshare.sh SNAPSHOT_A SNAPSHOT_B [PORT] [N]}
+PORT=${3:-8000}
+N=${4:-6}
+VS=${VLLM_SNAPSHOT:-${VLLM_SNAPSHOT_CACHE:-/var/cache/vllm-snapshot}/venv/bin/vllm-snapshot}
+PY=$(dirname "$VS")/python
+times=()
+trap '"$VS" stop --port "$PORT" >/dev/null 2>&1 || true' EXIT
+for i in $(seq 1 "$N"); do
+  if (( i % 2 )); then snap=$A; else snap=$B; fi
+  out=$("$VS" switch "$snap" --port "$PORT" --json -q)
+  s=$(printf '%s' "$out" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["switch_s"])')
+  model=$("$VS" inspect "$snap" --json | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["manifest"]["model"]["served_name"])')
+  curl -fsS "http://127.0.0.1:$PORT/v1/completions" -H 'Content-Type: application/json' \
+       -d "{\"model\":\"$model\",\"prompt\":\"Hello\",\"max_tokens\":1}" >/dev/null
+  printf 'switch %d -> %s: %s s\n' "$i" "$snap" "$s"
+  times+=("$s")
+done
+printf '%s\n' "${times[@]}" | "$PY" -c '
+import statistics, sys
+t = [float(x) for x in sys.stdin.read().split()]
+print(f"{len(t)} switches: median {statistics.median(t):.2f} s, min {min(t):.2f} s, max {max(t):.2f} s")'

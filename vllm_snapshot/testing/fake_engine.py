@@ -1,0 +1,99 @@
+"""A fake engine root that speaks vllm-snapshot's engine protocol and claims to be a CUDA
+engine, so the GPU create/restore sequencing (sleep rehearsal, wake before the oracle) runs
+through real CRIU on a machine without a GPU. It prints ``CALL <cmd>`` for every command and
+serves ``/health``, ``/calls`` (commands seen since the last restore-visible reset) and
+``/v1/completions`` (the oracle) after ``serve``. ``VLLM_FAKE_ORACLE_SHIFT`` (env) changes the logprob at every wake (a reload that produced
+other weights).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+from vllm_snapshot.engine.main import emit
+from vllm_snapshot.engine.mounts import make_private
+
+CALLS: list[str] = []
+STATE = {"logprob": -1.25, "awake": True}
+
+
+def oracle(prompt: str) -> dict:
+    return {"prompt": prompt, "token_id": 42, "text": " fake", "logprob": STATE["logprob"],
+            "top_logprobs": [{"token_id": 42, "logprob": STATE["logprob"]}, {"token_id": 7, "logprob": -3.5}]}
+
+
+def serve(spec: dict, host: str, port: int) -> None:
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def _send(self, code: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path == "/health":
+                self._send(200, {})
+            elif self.path == "/calls":
+                self._send(200, {"calls": CALLS})
+            else:
+                self._send(404, {})
+
+        def do_POST(self):
+            n = int(self.headers.get("Content-Length", 0))
+            req = json.loads(self.rfile.read(n) or b"{}")
+            o = oracle(req.get("prompt", ""))
+            self._send(200, {"choices": [{"text": o["text"], "logprobs": {"token_logprobs": [o["logprob"]]}}]})
+
+    srv = HTTPServer((host, port), H)
+    emit("binding", address=f"http://{host}:{port}")
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    srv.shutdown()
+
+
+def main() -> int:
+    os.setsid()
+    spec = json.loads(sys.argv[1])
+    make_private()
+    prompt = spec["oracle_prompt"]
+    emit("initialized", oracle=oracle(prompt), info={"kind": "cuda", "vllm": "fake", "torch": "fake",
+                                                      "served_model_name": "fake"})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        name = cmd["cmd"]
+        CALLS.append(name)
+        print(f"CALL {name}", flush=True)
+        if name == "oracle":
+            emit("oracle", oracle=oracle(prompt))
+        elif name == "sleep":
+            STATE["awake"] = False
+            emit("slept")
+        elif name == "wake":
+            STATE["awake"] = True
+            STATE["logprob"] += float(os.environ.get("VLLM_FAKE_ORACLE_SHIFT", "0"))
+            emit("woken")
+        elif name == "prepare-dump":
+            CALLS.clear()  # what the test reads after a restore starts here
+            emit("dump-ready")
+        elif name == "serve":
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+            serve(spec, cmd["host"], int(cmd["port"]))
+            return 0
+        elif name == "exit":
+            return 0
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    os._exit(code)

@@ -15,7 +15,7 @@ import sys
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
-from vllm_snapshot.engine.main import emit
+from vllm_snapshot.engine.main import _set_parent_death_signal, emit
 from vllm_snapshot.engine.mounts import make_private
 
 CALLS: list[str] = []
@@ -83,6 +83,7 @@ def main() -> int:
             STATE["logprob"] += float(os.environ.get("VLLM_FAKE_ORACLE_SHIFT", "0"))
             emit("woken")
         elif name == "prepare-dump":
+            _set_parent_death_signal(0)  # as the real engine: CRIU would deliver it after restore
             CALLS.clear()  # what the test reads after a restore starts here
             emit("dump-ready")
         elif name == "serve":

@@ -16,7 +16,8 @@ from conftest import TINY, cli, engine_env
 from test_integration import engine_pids, free_port, stop
 
 pytestmark = pytest.mark.integration
-FAKE = {"VLLM_SNAPSHOT_ENGINE_MODULE": "vllm_snapshot.testing.fake_engine"}
+# the fake engine ignores engine args; the KV-cache size only satisfies create's CPU check
+FAKE = {"VLLM_SNAPSHOT_ENGINE_MODULE": "vllm_snapshot.testing.fake_engine", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 def calls_in_log(snap) -> list[str]:

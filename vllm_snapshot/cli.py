@@ -363,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     except typer.Exit as e:
         return e.exit_code
     except typer.Abort:
+        print("interrupted", file=sys.stderr)
         return 130
     except click_exc.ClickException as e:
         e.show()

@@ -94,7 +94,7 @@ def run(snapshot_dir: Path | None, port: int, skip_cold: bool, as_json: bool) ->
         m = ops.create(ops.CreateRequest(model=str(model), target=snap, engine_args=list(ENGINE_ARGS)), make_reporter(as_json))
     cold = None
     if not skip_cold:
-        with rep.phase("cold_start", "cold start → first completion (for comparison)"):
+        with rep.phase("cold_start", "measuring a cold start for comparison (start, first completion, stop)"):
             cold = cold_start(model, free_port())
     port = port or free_port()
     t0 = time.monotonic()

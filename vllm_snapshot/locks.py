@@ -21,9 +21,13 @@ RUN_DIR = Path(os.environ.get("VLLM_SNAPSHOT_RUN_DIR", "/run/vllm-snapshot"))
 
 
 def snapshot_lock_path(snapshot: Path) -> Path:
-    """``DIR/../.NAME.lock``: a sibling, so it exists before and after the snapshot."""
-    snapshot = snapshot.absolute()
-    return snapshot.parent / f".{snapshot.name}.lock"
+    """``/run/vllm-snapshot/locks/<sha256 of the absolute path>.lock``: outside the snapshot
+    and its parent, so locking works on read-only filesystems and leaves nothing beside the
+    snapshot."""
+    import hashlib
+
+    key = hashlib.sha256(str(snapshot.absolute()).encode()).hexdigest()[:32]
+    return RUN_DIR / "locks" / f"{key}.lock"
 
 
 def holders(path: Path) -> list[str]:
@@ -56,8 +60,8 @@ def holders(path: Path) -> list[str]:
 def lock(path: Path, what: str, shared: bool = False, wait_s: float = 0.0) -> Iterator[None]:
     """Hold a flock on ``path`` (created 0600). Refuses at once (``wait_s`` 0) or after
     ``wait_s`` seconds with BusyError naming the holders' PIDs and commands."""
-    if path.parent == RUN_DIR:
-        RUN_DIR.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if path.parent == RUN_DIR or path.parent.parent == RUN_DIR:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     mode = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB
     deadline = time.monotonic() + wait_s

@@ -187,7 +187,9 @@ def parse(text: str, source: str = MANIFEST_NAME) -> Manifest:
     except ValidationError as e:
         probs = [f"{_loc(x)}: {x['msg']}" for x in e.errors()[:5]]
         raise CorruptSnapshotError(f"{source} is invalid: " + "; ".join(probs)) from e
-    if m.digest != compute_digest(m):
+    # The digest covers the manifest as stored (not the parsed model with defaults filled in),
+    # so fields added later with defaults do not invalidate older snapshots.
+    if m.digest != blake3.blake3(_canonical(raw)).hexdigest():
         raise CorruptSnapshotError(
             f"{source}: $.digest does not match the manifest's content (edited after create?)",
             hint="re-create the snapshot; never edit manifest.json by hand",
@@ -201,12 +203,16 @@ def read(directory: Path) -> Manifest:
     A missing directory raises UsageError; a directory without a manifest raises
     CorruptSnapshotError (an incomplete or foreign directory)."""
     path = directory / MANIFEST_NAME
-    if not os.path.lexists(directory):
-        from .errors import UsageError
+    from .errors import UsageError
 
+    if not os.path.lexists(directory):
         raise UsageError(f"snapshot {directory} does not exist")
+    if not os.path.isdir(directory):
+        raise UsageError(f"{directory} is not a directory (a snapshot is a directory)")
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CorruptSnapshotError(f"{path} is not UTF-8 text: {e}") from e
     except FileNotFoundError as e:
         raise CorruptSnapshotError(
             f"{path} not found: not a snapshot, or an incomplete one",

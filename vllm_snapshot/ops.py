@@ -78,6 +78,24 @@ def _tree_of(pid: int) -> list[psutil.Process]:
         return []
 
 
+def check_cpu_kv_cache(engine_args: list[str], env: dict[str, str], gpu_present: bool | None = None) -> None:
+    """On a host without an NVIDIA GPU, refuse an engine whose KV cache is not sized
+    explicitly: vLLM's CPU backend then reserves ``--gpu-memory-utilization`` (default 0.9) of
+    host RAM for it, and a CPU snapshot captures all of it (22 GiB for a 1.4 MiB model seen
+    here). Raises UsageError with the remedy."""
+    if gpu_present is None:
+        gpu_present = os.path.isdir("/proc/driver/nvidia/gpus")
+    if gpu_present:
+        return
+    sized = any(a == "--kv-cache-memory-bytes" or a.startswith("--kv-cache-memory-bytes=") for a in engine_args)
+    if sized or env.get("VLLM_CPU_KVCACHE_SPACE"):
+        return
+    raise UsageError(
+        "on CPU the whole engine memory is captured, KV cache included, and vLLM reserves 90% of "
+        "host RAM for it unless told otherwise; size it explicitly",
+        hint="add an engine arg like --kv-cache-memory-bytes 1G (or set VLLM_CPU_KVCACHE_SPACE=GiB)")
+
+
 def _is_enospc(e: BaseException) -> bool:
     """True for ENOSPC from our own writes or from CRIU (its log says so)."""
     import errno
@@ -133,6 +151,14 @@ def create(req: CreateRequest, rep: Reporter) -> manifest.Manifest:
         raise UsageError("--sleep-level must be 0, 1 or 2")
     target = req.target.absolute()
     model_dir = model_digest.resolve_model(req.model)
+    for private in ("/tmp", "/dev/shm"):
+        if model_dir == Path(private) or Path(private) in model_dir.parents:
+            raise UsageError(f"model {model_dir} is under {private}, which the engine does not see "
+                             f"(it runs with a private {private})", hint="move the model to another directory")
+    if os.path.lexists(target):
+        raise UsageError(f"{target} already exists; refusing to overwrite a snapshot",
+                         hint="choose another --snapshot-dir/--name, or delete the old one first")
+    check_cpu_kv_cache(req.engine_args, dict(os.environ))
     with locks.snapshot_lock(target, must_exist=False):
         return _create_locked(req, rep, target, model_dir, criu_bin, criu_ver)
 
@@ -158,7 +184,7 @@ def _create_locked(req: CreateRequest, rep: Reporter, target: Path, model_dir: P
                 init = handle.wait_event("initialized", ENGINE_START_TIMEOUT_S)
             except EngineError as e:
                 if isinstance(e.details, dict) and e.details.get("kind") == "usage":
-                    raise UsageError(f"{e.message}\n{handle.log.tail_text()}") from e
+                    raise UsageError(e.message, hint="the engine args are those of `vllm serve`") from e
                 raise
         info = init["info"]
         recorded = oracle.Oracle.model_validate(init["oracle"])
@@ -300,12 +326,19 @@ class Restored:
 
 def port_free(host: str, port: int) -> None:
     """Refuse when ``host:port`` cannot be bound now. Raises BusyError naming the owner."""
-    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    except socket.gaierror as e:
+        raise UsageError(f"--host {host!r} is not a numeric IPv4/IPv6 address ({e.strerror})",
+                         hint="use e.g. 127.0.0.1, 0.0.0.0 or ::1") from e
+    fam = infos[0][0]
     s = socket.socket(fam, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         s.bind((host, port))
     except OSError as e:
+        if e.errno == 99:  # EADDRNOTAVAIL: not an address of this host
+            raise UsageError(f"--host {host} is not an address of this host: {e.strerror}") from e
         owner = ""
         try:
             for c in psutil.net_connections("inet"):
@@ -431,6 +464,10 @@ def _restore_locked(req: RestoreRequest, rep: Reporter, snapshot: Path) -> Resto
     with rep.phase("validate", "validating snapshot, host and model"):
         m, warnings = validate(snapshot, req.verify_model, req.allow)
         port_free(req.host, req.port)
+        if req.detach and req.log_file is not None:
+            lf = req.log_file
+            if lf.is_dir() or not lf.parent.is_dir():
+                raise UsageError(f"--log-file {lf}: " + ("is a directory" if lf.is_dir() else f"{lf.parent} does not exist"))
     criu_bin, _ = criu_binary()
     for w in warnings:
         rep.info(w)
@@ -450,7 +487,8 @@ def _restore_locked(req: RestoreRequest, rep: Reporter, snapshot: Path) -> Resto
         fds += [ctl_r, ctl_w, ev_r, ev_w]
         if req.detach:
             log_path = req.log_file or Path(f"/var/log/vllm-snapshot/{snapshot.name}-{req.port}.log")
-            log_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if req.log_file is None:
+                log_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             log_w = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             log_r = os.open("/dev/null", os.O_RDONLY)
         else:

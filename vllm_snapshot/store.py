@@ -54,6 +54,14 @@ def check_dir_safety(path: Path) -> None:
             f"{path} has mode {stat.S_IMODE(st.st_mode):04o}; a snapshot holds process memory and must be 0700",
             hint=f"chmod -R go-rwx {path}",
         )
+    # every component of the path as given: a symlink is trusted only when root owns it
+    # (system layout such as /var/run -> /run); anyone else could redirect us
+    probe = Path(path.absolute().anchor)
+    for part in path.absolute().parts[1:-1]:
+        probe = probe / part
+        lst = os.lstat(probe)
+        if stat.S_ISLNK(lst.st_mode) and lst.st_uid != 0:
+            raise CorruptSnapshotError(f"parent {probe} is a symlink owned by uid {lst.st_uid}; refusing to follow it")
     for parent in path.resolve().parents:
         pst = os.stat(parent)
         if pst.st_uid not in (0, uid):
@@ -91,10 +99,15 @@ def prepare_target(target: Path) -> Path:
         raise UsageError(f"{target} already exists; refusing to overwrite a snapshot",
                          hint="choose another --snapshot-dir, or delete the old one first")
     parent = target.parent
-    if not parent.is_dir():
+    if not parent.exists():
         raise UsageError(f"parent directory {parent} does not exist")
-    clean_stale_temps(parent, target.name)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}{TMP_MARK}", dir=parent))
+    if not parent.is_dir():
+        raise UsageError(f"{parent} is not a directory")
+    clean_stale_temps(parent)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}{TMP_MARK}", dir=parent))
+    except OSError as e:
+        raise UsageError(f"cannot create the snapshot in {parent}: {e.strerror}") from e
     os.chmod(tmp, 0o700)
     (tmp / "owner.pid").write_text(str(os.getpid()))
     (tmp / IMAGES).mkdir(mode=0o700)
@@ -177,7 +190,14 @@ def resolve(ref: str | Path, root: Path | None = None) -> Path:
         return Path(s).absolute()
     if not valid_name(s):
         raise UsageError(f"{s!r} is neither a path nor a valid snapshot name (letters, digits, . _ -)")
-    return (root or default_root()) / s
+    named = (root or default_root()) / s
+    local = Path(s).absolute()
+    if local.is_dir() and local != named:
+        if named.exists():
+            raise UsageError(f"{s!r} is ambiguous: both ./{s} and {named} exist",
+                             hint=f"write ./{s} for the directory here, or {named}")
+        return local  # e.g. made by `create --snapshot-dir NAME` in this directory
+    return named
 
 
 def ensure_root(root: Path) -> Path:

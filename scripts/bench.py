@@ -51,13 +51,25 @@ def bare_criu_restore(snap: Path) -> float:
     m = manifest.read(snap)
     stage = archive.unpack(snap / store.IMAGES, m.images, archive.staging_parent(m.sizes["raw"], snap.parent, m.images))
     b = criu.find_criu()
+    # the same fresh pipes the real restore hands in (an engine whose control pipe is gone
+    # exits at once, which fails CRIU's final detach)
+    ctl_r, ctl_w = os.pipe()
+    ev_r, ev_w = os.pipe()
+    log_r, log_w = os.pipe()
+    keep = (ctl_r, ev_w, log_w)
+    inherit = []
+    for fd, role in ((ctl_r, "control"), (log_w, "log"), (ev_w, "events")):
+        os.set_inheritable(fd, True)
+        inherit += ["--inherit-fd", f"fd[{fd}]:{m.criu.inherit[role]}"]
     try:
         pidfile = stage / "bare.pid"
         argv = [b, "restore", "-D", str(stage), "-o", "bare-restore.log", "--restore-detached",
-                "--pidfile", str(pidfile), "--root", "/", *[f"--{f}" for f in criu.SHARED_FLAGS]]
+                "--pidfile", str(pidfile), "--root", "/", *[f"--{f}" for f in criu.SHARED_FLAGS], *inherit]
         t0 = time.monotonic()
-        r = subprocess.run(argv, capture_output=True, text=True)
+        r = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=keep, timeout=120)
         dt = time.monotonic() - t0
+        for fd in keep:
+            os.close(fd)
         if r.returncode != 0:
             raise RuntimeError(f"bare criu restore failed: {criu.log_excerpt(stage / 'bare-restore.log')}")
         pid = int(pidfile.read_text())
@@ -72,6 +84,8 @@ def bare_criu_restore(snap: Path) -> float:
             time.sleep(0.05)
         return dt
     finally:
+        for fd in (ctl_w, ev_r, log_r):
+            os.close(fd)
         archive.remove_staging(stage)
 
 

@@ -302,3 +302,28 @@ def test_bench_quick_smoke(snapshot, tmp_path):
     assert run["speedup_vs_cold"] == round(res["cold_start_s"] / run["restore_median_s"], 2)
     assert set(run["restores"][0]["phases"]) >= {"validate", "stage", "criu_restore", "oracle", "bind", "canary"}
     assert res["help_s"] > 0 and res["inspect_s"] > 0
+
+
+def test_changed_mapped_library_refused_before_criu(clone_snapshot, tmp_path):
+    """A file the engine had mapped at dump (here: the recorded libpython entry pointed at a
+    copy that then changes) differs at restore: refused before CRIU, naming the file."""
+    snap = clone_snapshot("libchange")
+    m = mf.read(snap)
+    lib = next(f for f in m.criu.tree_files if "libpython" in f.path or f.path.endswith(".so"))
+    copy = tmp_path / Path(lib.path).name
+    shutil.copyfile(lib.path, copy)
+    st = copy.stat()
+    from vllm_snapshot.inventory import file_record
+
+    rec = file_record(str(copy))
+    files = tuple(f if f is not lib else f.model_copy(update={"path": str(copy), "size": st.st_size,
+                                                               "mtime_ns": st.st_mtime_ns, "blake3": rec.blake3})
+                  for f in m.criu.tree_files)
+    reseal(snap, criu=m.criu.model_copy(update={"tree_files": files}))
+    assert cli("verify", str(snap), timeout=120).returncode == 0  # unchanged: accepted
+    with open(copy, "ab") as f:
+        f.write(b"\0" * 16)  # "upgraded"
+    before = engine_pids()
+    p = cli("restore", str(snap), "--port", str(free_port()), timeout=120)
+    refused_before_criu(p, 3, before)
+    assert copy.name in p.stderr and "changed" in p.stderr

@@ -89,6 +89,45 @@ def bare_criu_restore(snap: Path) -> float:
         archive.remove_staging(stage)
 
 
+PHASES = ["validate", "stage", "criu_restore", "wake", "oracle", "bind", "http_ready", "canary"]
+
+
+def plot(res: dict, path: Path) -> None:
+    """Horizontal stacked bars (linear seconds): the cold start, and per compression the
+    phases of the median restore. Needs matplotlib (the ``dev`` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return
+    colors = dict(zip(["cold start", *PHASES], plt.get_cmap("tab10").colors))
+    rows = [("cold start", {"cold start": res["cold_start_s"]})]
+    for comp, run in res["runs"].items():
+        med = sorted(run["restores"], key=lambda x: x["to_validated_completion_s"])[len(run["restores"]) // 2]
+        rows.append((f"restore ({comp})\n{med['to_validated_completion_s']:.2f} s", med["phases"]))
+    fig, (ax, zoom) = plt.subplots(2, 1, figsize=(9, 5.5), gridspec_kw={"height_ratios": [1, 1.3]})
+    for axis, subset in ((ax, rows), (zoom, rows[1:])):
+        seen = set()
+        for y, (label, ph) in enumerate(subset):
+            left = 0.0
+            for name in ["cold start", *PHASES]:
+                v = ph.get(name, 0.0)
+                if v:
+                    axis.barh(y, v, left=left, color=colors[name], label=None if name in seen else name)
+                    seen.add(name)
+                    left += v
+        axis.set_yticks(range(len(subset)), [r[0] for r in subset])
+        axis.set_xlabel("seconds")
+    ax.set_title(f"cold start -> first completion vs restore -> first validated completion ({res['when']})")
+    zoom.set_title("restore phases (median restore)")
+    zoom.legend(loc="lower right", fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None)
@@ -102,7 +141,11 @@ def main() -> int:
     ap.add_argument("--snapshot", type=Path, default=None,
                     help="with --quick: restore this existing snapshot instead of creating one")
     ap.add_argument("engine_args", nargs="*")
+    ap.add_argument("--replot", type=Path, default=None, help="only draw --plot from a saved --json-out file")
     a = ap.parse_args()
+    if a.replot:
+        plot(json.loads(a.replot.read_text()), a.plot or Path("bench.png"))
+        return 0
     ops.require_root()
     model = a.model or tiny_model.generate(tiny_model.default_model_dir())
     engine_args = a.engine_args or list(demo.ENGINE_ARGS)
@@ -185,36 +228,7 @@ def main() -> int:
         with open(a.md, "a") as f:
             f.write("\n".join(lines) + "\n")
     if a.plot and not a.quick:
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("matplotlib not installed: no plot", file=sys.stderr)
-        else:
-            fig, ax = plt.subplots(figsize=(8, 3 + len(res["runs"])))
-            labels, lefts = [], []
-            phases = ["validate", "stage", "criu_restore", "wake", "oracle", "bind", "canary"]
-            rows = [("cold start", {"cold start": res["cold_start_s"]})]
-            for comp, run in res["runs"].items():
-                rows.append((f"restore ({comp})", run["restores"][len(run["restores"]) // 2]["phases"]))
-            for y, (label, ph) in enumerate(rows):
-                left = 0.0
-                for name in (["cold start"] if label == "cold start" else phases):
-                    v = ph.get(name, 0.0)
-                    if v:
-                        ax.barh(y, v, left=left, label=name if name not in labels else None)
-                        labels.append(name)
-                        left += v
-                lefts.append(left)
-            ax.set_yticks(range(len(rows)), [r[0] for r in rows])
-            ax.set_xscale("log")
-            ax.set_xlabel("seconds (log scale)")
-            ax.legend(loc="lower right", fontsize=8)
-            ax.set_title("vllm-snapshot: cold start vs restore phases")
-            fig.tight_layout()
-            fig.savefig(a.plot, dpi=110)
+        plot(res, a.plot)
     return 0
 
 

@@ -21,6 +21,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # plain click help: the rich help renderer imports markdown-it and costs ~0.2 s per call
+    rich_markup_mode=None,
 )
 
 _STATE: dict = {"debug": False, "json": False, "root": None}

@@ -57,6 +57,8 @@ def spawn_grandchild(code, *args):
 
 libc = ctypes.CDLL(None, use_errno=True)
 IPC_PRIVATE, IPC_CREAT, IPC_RMID = 0, 0o1000, 0
+#: the tests model an engine namespace whose private mounts are /tmp and /dev/shm
+TEST_PRIVATE = ("/tmp", "/dev/shm")
 
 
 class Child:
@@ -219,7 +221,7 @@ def test_flock_on_host_file_refused_but_private_tmp_allowed(spawn, data_dir, tmp
     assert f"FLOCK ADVISORY WRITE lock on {host_file} (fd {c.info['fd']})" in err.message
     # /tmp is private tmpfs inside the engine's namespace: a lock there is dumped with the tree
     c2 = spawn(code, tmp_path / "locked")
-    inv.inspect_tree(c2.pid)
+    inv.inspect_tree(c2.pid, private_prefixes=TEST_PRIVATE)
 
 
 def test_listener_on_all_addresses_refused(spawn):
@@ -233,7 +235,7 @@ def test_listener_on_all_addresses_refused(spawn):
 def test_loopback_listener_recorded_and_port_check(spawn):
     c = spawn("s = socket.create_server(('127.0.0.1', 0)); ready(port=s.getsockname()[1]); hold()")
     port = c.info["port"]
-    got = inv.inspect_tree(c.pid)
+    got = inv.inspect_tree(c.pid, private_prefixes=TEST_PRIVATE)
     assert got.listeners == (("127.0.0.1", port),)
     problems = inv.check_listeners_free(got.listeners)
     assert len(problems) == 1
@@ -280,7 +282,7 @@ def test_tree_with_internal_channels_accepted_and_files_checked(spawn, data_dir,
     private.write_text("private")
     c = spawn(ACCEPTED_CHILD, data, private, grandchildren=True,
               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    got = inv.inspect_tree(c.pid)
+    got = inv.inspect_tree(c.pid, private_prefixes=TEST_PRIVATE)
     assert got.root_pid == c.pid and got.pids[0] == c.pid and c.info["gpid"] in got.pids
     assert len(got.commands) == len(got.pids)
     assert got.listeners == (("127.0.0.1", c.info["port"]),)

@@ -39,13 +39,17 @@ def test_make_private_in_a_new_mount_namespace():
     import tempfile
 
     inductor = tempfile.mkdtemp(prefix="vllm-snapshot-inductor-", dir="/var/tmp")  # not under /tmp
+    from vllm_snapshot.engine.mounts import ENGINE_TMPDIR
+
+    os.makedirs(ENGINE_TMPDIR, mode=0o700, exist_ok=True)
     host_marker = "/dev/shm/vllm-snapshot-test-marker"
     with open(host_marker, "w") as f:
         f.write("host")
     try:
         code = ("import os; from vllm_snapshot.engine.mounts import make_private, tmpfs_mounts;"
-                "make_private(); print(sorted(os.listdir('/dev/shm')), sorted(os.listdir('/tmp')),"
-                "os.path.islink('/tmp/torchinductor_root'))")
+                "from vllm_snapshot.engine.mounts import ENGINE_TMPDIR;"
+                "make_private(); print(sorted(os.listdir('/dev/shm')), sorted(os.listdir(ENGINE_TMPDIR)),"
+                "os.path.islink(ENGINE_TMPDIR + '/torchinductor_root'))")
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": inductor}
         p = subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable, "-c", code],
                            capture_output=True, text=True, env=env, timeout=60)

@@ -13,7 +13,7 @@ could only restore wrongly because it is shared with the world outside the tree:
 - a SysV shared memory segment also used by processes outside the tree (creator, last
   attacher or attach count), or a SysV semaphore set the tree and an outsider both operate on;
 - an open RDMA/InfiniBand device (``/dev/infiniband/*``);
-- a file lock on a file outside the private ``/tmp`` and ``/dev/shm`` of the engine's mount
+- a file lock on a file outside the private TMPDIR and ``/dev/shm`` of the engine's mount
   namespace;
 - a TCP socket listening on a non-loopback address (the HTTP port is bound only after restore).
 
@@ -48,7 +48,9 @@ from .errors import EngineError, EnvironmentProblem, UnsnapshottableError
 HASH_LIMIT_BYTES = 1 << 20
 #: Mount points that are private tmpfs inside the engine's mount namespace (dumped by CRIU
 #: with the tree); files under them are not recorded and locks on them are fine.
-PRIVATE_PREFIXES: tuple[str, ...] = ("/tmp", "/dev/shm")
+#: Mount points private to the engine's namespace (see engine/mounts.py): the tmpfs on /dev/shm
+#: and the engine's TMPDIR. Files there are dumped with the tree, not recorded as host files.
+PRIVATE_PREFIXES: tuple[str, ...] = ("/dev/shm", "/var/tmp/.vllm-snapshot-engine")
 #: Pseudo file systems: never recorded as files.
 PSEUDO_PREFIXES: tuple[str, ...] = ("/proc", "/sys", "/dev")
 #: JIT caches that are rotated or cleaned between runs: (path marker, name, remedy).
@@ -75,7 +77,7 @@ HINT_SYSV = ("SysV IPC shared with processes outside the tree cannot be restored
 HINT_RDMA = ("CRIU cannot checkpoint RDMA/InfiniBand verbs; run the engine without RDMA "
              "(e.g. NCCL_IB_DISABLE=1, UCX_NET_DEVICES without mlx devices)")
 HINT_LOCK = ("a lock on a host file would be re-taken at restore and may conflict with other "
-             "processes; release it before the dump or keep the file under /tmp or /dev/shm")
+             "processes; release it before the dump or keep the file under $TMPDIR or /dev/shm")
 HINT_LISTEN = ("the engine must not listen on a non-loopback address before the dump (the HTTP "
                "port is bound only after restore); bind 127.0.0.1, or for gloo set "
                "GLOO_SOCKET_IFNAME=lo")
@@ -478,7 +480,7 @@ def inspect_tree(root_pid: int, private_prefixes: tuple[str, ...] = PRIVATE_PREF
     """Inspect the process tree rooted at host PID ``root_pid`` (root + all descendants).
 
     ``private_prefixes`` are mount points private to the tree's mount namespace (default
-    ``/tmp`` and ``/dev/shm``): files under them are not recorded and locks on them are
+    :data:`PRIVATE_PREFIXES`): files under them are not recorded and locks on them are
     allowed. Returns a frozen :class:`Inventory` (loopback listeners, regular files with
     size/mtime/BLAKE3). Raises :class:`UnsnapshottableError` listing every offending object
     (``details``: list of ``{"pid", "command", "kind", "object"}``), EngineError when the root

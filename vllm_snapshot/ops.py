@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -151,10 +152,17 @@ def create(req: CreateRequest, rep: Reporter) -> manifest.Manifest:
         raise UsageError("--sleep-level must be 0, 1 or 2")
     target = req.target.absolute()
     model_dir = model_digest.resolve_model(req.model)
-    for private in ("/tmp", "/dev/shm"):
-        if model_dir == Path(private) or Path(private) in model_dir.parents:
-            raise UsageError(f"model {model_dir} is under {private}, which the engine does not see "
-                             f"(it runs with a private {private})", hint="move the model to another directory")
+    from .engine.mounts import hidden_prefixes
+
+    with open("/proc/self/mountinfo") as f:
+        hidden = [Path(h) for h in hidden_prefixes(f.read())]
+    for what, path in (("model", model_dir), ("Python environment", Path(sys.prefix).resolve()),
+                       ("vllm_snapshot package", Path(__file__).resolve().parent)):
+        for h in hidden:
+            if path == h or h in path.parents:
+                raise UsageError(f"the {what} at {path} is under {h}, which the engine does not see (its "
+                                 "mount namespace has a private /dev/shm and detaches the host's tmpfs mounts)",
+                                 hint=f"move the {what} to a directory on a disk filesystem")
     if os.path.lexists(target):
         raise UsageError(f"{target} already exists; refusing to overwrite a snapshot",
                          hint="choose another --snapshot-dir/--name, or delete the old one first")

@@ -59,6 +59,9 @@ def scrubbed_env(base: dict[str, str], keep: tuple[str, ...] = ()) -> dict[str, 
     env["HF_HUB_OFFLINE"] = "1"
     env["TRANSFORMERS_OFFLINE"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
+    from .engine.mounts import ENGINE_TMPDIR
+
+    env["TMPDIR"] = ENGINE_TMPDIR  # a private tmpfs inside the engine's namespace
     env["UV_USE_IO_URING"] = "0"  # libuv (uvloop/uvicorn): no io_uring, CRIU cannot dump it
     # torch.distributed (gloo, world size 1) listens on the hostname's address; keep it on
     # loopback so the dumped tree holds no non-loopback listener.
@@ -148,8 +151,9 @@ class EngineHandle:
                 except ValueError:
                     continue
                 if ev.get("event") == "error":
+                    tail = "" if ev.get("kind") == "usage" else "\n" + self.log.tail_text()
                     raise EngineError(
-                        f"engine error ({ev.get('kind', 'error')}): {ev.get('message')}",
+                        f"engine error ({ev.get('kind', 'error')}): {ev.get('message')}{tail}",
                         details=ev,
                     )
                 if ev.get("event") == name:
@@ -242,6 +246,9 @@ def launch(spec: dict, env: dict[str, str], log_sinks: list[Callable[[bytes], No
 
     Raises EngineError when it cannot be started.
     """
+    from .engine.mounts import ENGINE_TMPDIR
+
+    os.makedirs(ENGINE_TMPDIR, mode=0o700, exist_ok=True)  # the mount point, on the host's disk
     ctl_r, ctl_w = os.pipe()
     log_r, log_w = os.pipe()
     ev_r, ev_w = os.pipe()

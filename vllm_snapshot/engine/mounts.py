@@ -8,10 +8,12 @@ tar at dump and restore. So, with mount propagation already private (unshare's d
 
 * every tmpfs mount except ``/dev`` and those under ``/sys`` is lazily detached
   (``umount2(MNT_DETACH)``; deepest first);
-* fresh tmpfs are mounted on ``/dev/shm`` and ``/tmp`` (mode 1777): POSIX semaphores, vLLM's
-  shared-memory queues, ZMQ ipc sockets and CRIU's link-remap files live there, are dumped with
-  the tree, and never collide with the host or with another engine;
-* ``/tmp/torchinductor_$USER`` is a symlink to ``$TORCHINDUCTOR_CACHE_DIR`` on disk: torch
+* fresh tmpfs are mounted on ``/dev/shm`` and on :data:`ENGINE_TMPDIR` (the engine's TMPDIR;
+  mode 1777): POSIX semaphores, vLLM's shared-memory queues, ZMQ ipc sockets and CRIU's
+  link-remap files live there, are dumped with the tree, and never collide with the host or with
+  another engine. The host's /tmp stays visible unless it is itself a tmpfs (then it is detached
+  like the others: keep code, venv and models elsewhere on such hosts);
+* ``$TMPDIR/torchinductor_$USER`` is a symlink to ``$TORCHINDUCTOR_CACHE_DIR`` on disk: torch
   inductor writes its ~150 MB precompiled header under ``default_cache_dir()`` (tempdir-based,
   ignoring the variable; torch/_inductor/codecache.py ``_HEADER_DIR``), which would otherwise
   be re-made at every create and tarred into every image.
@@ -26,7 +28,11 @@ MNT_DETACH = 2
 MS_NOSUID = 2
 MS_NODEV = 4
 KEEP = ("/dev",)
-PRIVATE = ("/dev/shm", "/tmp")
+#: The engine's private temp dir (TMPDIR): a tmpfs mounted inside the namespace on this
+#: directory of the host's root filesystem (so the host's /tmp, where code or models may live,
+#: stays visible). vLLM's ZMQ ipc sockets and torch's temp files go there.
+ENGINE_TMPDIR = "/var/tmp/.vllm-snapshot-engine"
+PRIVATE = ("/dev/shm", ENGINE_TMPDIR)
 
 
 def _unescape(path: str) -> str:
@@ -63,9 +69,15 @@ def to_detach(mounts: list[str]) -> list[str]:
     return out
 
 
+def hidden_prefixes(mountinfo: str) -> list[str]:
+    """Host paths the engine will not see (detached tmpfs mounts and the private mounts)."""
+    return sorted(set(to_detach(tmpfs_mounts(mountinfo))) | set(PRIVATE))
+
+
 def make_private() -> list[str]:
-    """Detach host tmpfs mounts and mount private tmpfs on /dev/shm and /tmp. Returns what was
-    detached. Raises OSError when a private tmpfs cannot be mounted."""
+    """Detach host tmpfs mounts and mount private tmpfs on /dev/shm and ENGINE_TMPDIR (which
+    must exist: the supervisor creates it). Returns what was detached. Raises OSError when a
+    private tmpfs cannot be mounted."""
     libc = ctypes.CDLL(None, use_errno=True)
     detached: list[str] = []
     for _ in range(16):  # stacked mounts on one path come off one per pass
@@ -85,5 +97,5 @@ def make_private() -> list[str]:
         import getpass
 
         os.makedirs(inductor, mode=0o700, exist_ok=True)
-        os.symlink(inductor, f"/tmp/torchinductor_{getpass.getuser()}")
+        os.symlink(inductor, os.path.join(ENGINE_TMPDIR, f"torchinductor_{getpass.getuser()}"))
     return detached

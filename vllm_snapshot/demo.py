@@ -83,7 +83,12 @@ def run(snapshot_dir: Path | None, port: int, skip_cold: bool, as_json: bool) ->
     if (snap / manifest.MANIFEST_NAME).exists():
         try:
             m, _ = ops.validate(snap)
-            rep.info(f"using existing snapshot {snap}")
+            if list(m.engine.engine_args) != ENGINE_ARGS:
+                rep.info(f"existing snapshot {snap} was made with other engine args; re-creating it")
+                shutil.rmtree(snap)
+                m = None
+            else:
+                rep.info(f"using existing snapshot {snap}")
         except SnapshotError as e:
             rep.info(f"existing snapshot {snap} does not validate ({e.code}); re-creating it")
             shutil.rmtree(snap)

@@ -327,3 +327,29 @@ def test_changed_mapped_library_refused_before_criu(clone_snapshot, tmp_path):
     p = cli("restore", str(snap), "--port", str(free_port()), timeout=120)
     refused_before_criu(p, 3, before)
     assert copy.name in p.stderr and "changed" in p.stderr
+
+
+@pytest.mark.parametrize("phase", ["CRIU dump", "checksums + compression"])
+def test_kill_9_create_in_late_phases_leaves_nothing(snap_root, phase):
+    """kill -9 of `create` as soon as it enters the dump or the packing phase: no published
+    snapshot, and no engine process once CRIU (left running) has finished with the tree."""
+    before = engine_pids()
+    name = "k9-" + phase.split()[0].lower()
+    target = snap_root / name
+    p = subprocess.Popen([sys.executable, "-m", "vllm_snapshot", "create", str(TINY), "--snapshot-dir", str(target),
+                          "--", *ENGINE_ARGS], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         env=engine_env(), cwd=ROOT)
+    seen = False
+    for line in p.stderr:
+        if line.startswith(f"[vllm-snapshot] {phase}") and line.rstrip().endswith("..."):
+            p.send_signal(signal.SIGKILL)
+            seen = True
+            break
+    p.wait()
+    assert seen, f"create never reached the {phase!r} phase"
+    assert engine_pids(60, before) - before == set(), "engine processes outlived the killed create"
+    assert not target.exists()
+    env = {**engine_env(), "VLLM_SNAPSHOT_ROOT": str(snap_root)}
+    assert name not in [r["name"] for r in json.loads(cli("list", "--json", env=env, check=True).stdout)["snapshots"]]
+    cli("prune", "--older-than", "999d", env=env, check=True)
+    assert not list(snap_root.glob(f".{name}.tmp-*"))

@@ -15,7 +15,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-#: Fields an operator may override at restore, and why it is safe:
+#: Fields an operator may override at restore (``--allow-mismatch``), and why it is safe. An
+#: override is printed, returned in ``--json`` warnings and recorded with the restore time in
+#: the state file (``/var/lib/vllm-snapshot/.state``):
 #: machine_id — CRIU restores onto any machine whose kernel/CPU/libraries match; the id only
 #:   pins the snapshot to one host by default (copying snapshots between identical hosts).
 #: cpu_model — CRIU itself checks the CPU features the images need at restore (cpuinfo), and

@@ -462,7 +462,7 @@ def restore(req: RestoreRequest, rep: Reporter) -> Restored:
             snapshot=str(snapshot), pid=r.pid, supervisor_pid=0 if req.detach else os.getpid(),
             host=req.host, port=req.port, started_at=time.time(),
             mode="detached" if req.detach else "foreground"))
-        store.record_restore(snapshot)
+        store.record_restore(snapshot, [w for w in r.warnings if w.startswith("identity override")])
     except OSError as e:  # bookkeeping only: never fail a served restore for it
         rep.info(f"could not record the engine in the registry: {e}")
     return r

@@ -217,12 +217,14 @@ def _state_file(snapshot: Path) -> Path:
     return d / f"{key}.json"
 
 
-def record_restore(snapshot: Path) -> None:
-    """Remember when ``snapshot`` was last restored (outside the snapshot: it stays unchanged)."""
+def record_restore(snapshot: Path, overrides: list[str] | None = None) -> None:
+    """Remember when ``snapshot`` was last restored and which identity overrides that restore
+    used (outside the snapshot: it stays unchanged)."""
     import json
 
     p = _state_file(snapshot)
-    p.write_text(json.dumps({"snapshot": str(snapshot.absolute()), "last_restore": time.time()}))
+    p.write_text(json.dumps({"snapshot": str(snapshot.absolute()), "last_restore": time.time(),
+                             "overrides": list(overrides or [])}))
     os.chmod(p, 0o600)
 
 

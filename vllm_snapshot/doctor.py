@@ -555,7 +555,7 @@ def print_table(checks: Sequence[Check]) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    c = Console()
+    c = Console() if sys.stdout.isatty() else Console(width=140)
     t = Table(title="vllm-snapshot doctor", title_justify="left")
     t.add_column("", no_wrap=True)
     t.add_column("check", style="bold", no_wrap=True)

@@ -13,6 +13,12 @@ from .manifest import Manifest
 JSON_SCHEMA_VERSION = 1
 
 
+def _console() -> Console:
+    """A terminal-width console; 140 columns when stdout is not a terminal (piped into a log or
+    `less`), where rich's 80-column default wraps every table cell."""
+    return Console() if sys.stdout.isatty() else Console(width=140)
+
+
 def human_bytes(n: float) -> str:
     """``1536`` -> ``"1.5 KiB"``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -29,7 +35,7 @@ def emit_json(obj: dict) -> None:
 
 def manifest_table(m: Manifest, path: str) -> None:
     """Print the manifest of the snapshot at ``path`` as tables."""
-    c = Console()
+    c = _console()
     t = Table(title=f"snapshot {path}", show_header=False, title_justify="left")
     t.add_column(style="bold")
     t.add_column()
@@ -64,7 +70,7 @@ def manifest_table(m: Manifest, path: str) -> None:
 
 def timings_table(title: str, timings: dict[str, float]) -> None:
     """Print ``{phase: seconds}`` as a table with a total."""
-    c = Console()
+    c = _console()
     p = Table(title=title, title_justify="left")
     p.add_column("phase", style="bold")
     p.add_column("seconds", justify="right")
@@ -82,7 +88,7 @@ def _when(ts: float | None) -> str:
 
 def snapshot_list(rows: list[dict], root: str) -> None:
     """Print ``list`` rows as a table."""
-    c = Console()
+    c = _console()
     if not rows:
         c.print(f"no snapshots under {root}")
         return
@@ -104,7 +110,7 @@ def snapshot_list(rows: list[dict], root: str) -> None:
 
 def engine_list(rows: list[dict]) -> None:
     """Print ``status`` rows as a table."""
-    c = Console()
+    c = _console()
     if not rows:
         c.print("no restored engines running")
         return

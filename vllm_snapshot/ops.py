@@ -49,6 +49,19 @@ def criu_binary() -> tuple[str, str]:
     return b, v
 
 
+def host_identity(criu_version: str, kind: str) -> dict[str, str]:
+    """This host's identity (identity.collect, GPU fields on GPU hosts) plus, for CUDA
+    engines, which cuda-checkpoint helper CRIU's plugin will run (ours by digest, or NVIDIA's
+    binary named by ``VLLM_SNAPSHOT_CUDA_CHECKPOINT``)."""
+    ident = identity.collect(criu_version, gpu.gpu_identity())
+    if kind == "cuda":
+        from . import cuda_checkpoint
+
+        ident["cuda_checkpoint_helper"] = (os.environ.get("VLLM_SNAPSHOT_CUDA_CHECKPOINT")
+                                           or f"vllm-snapshot:{cuda_checkpoint.digest()[:16]}")
+    return ident
+
+
 def redact_args(args: list[str]) -> list[str]:
     """Engine args with values of secret-looking flags (``--api-key X``, ``--hf-token=X``)
     replaced by ``<redacted>``."""
@@ -215,8 +228,6 @@ def _create_locked(req: CreateRequest, rep: Reporter, target: Path, model_dir: P
             procs = _tree_of(handle.root_pid)
             inherit = {"control": pipe_key(handle.root_pid, 0), "log": pipe_key(handle.root_pid, 1),
                        "events": pipe_key(handle.root_pid, 3)}
-            tree_pids = tuple(p.pid for p in procs)
-            tree_cmds = tuple(" ".join(p.cmdline())[:200] for p in procs)
             deleted = _deleted_open_files(procs)
             remap_dirs = {str(Path(d).parent) for d in deleted}
         handle.send("prepare-dump")
@@ -251,11 +262,7 @@ def _create_locked(req: CreateRequest, rep: Reporter, target: Path, model_dir: P
             src.unlink(missing_ok=True)
         raw = sum(i.raw_bytes for i in images)
         stored = sum(i.stored_bytes for i in images)
-        host = identity.collect(criu_ver, gpu.gpu_identity())
-        if kind == "cuda":
-            from . import cuda_checkpoint
-
-            host["cuda_checkpoint_helper"] = os.environ.get("VLLM_SNAPSHOT_CUDA_CHECKPOINT") or f"vllm-snapshot:{cuda_checkpoint.digest()[:16]}"
+        host = host_identity(criu_ver, kind)
         m = manifest.Manifest(
             schema_version=manifest.SCHEMA_VERSION,
             tool_version=__version__,
@@ -270,7 +277,7 @@ def _create_locked(req: CreateRequest, rep: Reporter, target: Path, model_dir: P
             oracle=recorded,
             criu=manifest.CriuInfo(
                 version=criu_ver, flags=criu.SHARED_FLAGS, inherit=inherit, pid_namespace=True,
-                root_pid=dump_opts.pid, tree_pids=tree_pids, tree_commands=tree_cmds,
+                root_pid=dump_opts.pid, tree_pids=tree_inv.pids, tree_commands=tree_inv.commands,
                 dump_argv=tuple(criu.dump_argv(dump_opts, str(target / store.IMAGES))),
                 listeners=tuple(tree_inv.listeners),
                 tree_files=tuple(manifest.TreeFile(**f.to_json()) for f in tree_inv.files)),
@@ -374,11 +381,7 @@ def validate(snapshot: Path, verify_model: str = "quick", allow: frozenset[str] 
     archive.check_layout(snapshot / store.IMAGES, m.images)
     archive.check_layout(snapshot / store.FILES, m.extra_files)
     criu_bin, criu_ver = criu_binary()
-    here = identity.collect(criu_ver, gpu.gpu_identity())
-    if m.engine.kind == "cuda":
-        from . import cuda_checkpoint
-
-        here["cuda_checkpoint_helper"] = os.environ.get("VLLM_SNAPSHOT_CUDA_CHECKPOINT") or f"vllm-snapshot:{cuda_checkpoint.digest()[:16]}"
+    here = host_identity(criu_ver, m.engine.kind)
     try:
         diffs = identity.compare(m.host, here, allow)
     except ValueError as e:

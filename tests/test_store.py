@@ -223,16 +223,11 @@ def test_publish_refuses_when_target_appeared(base):
     assert tmp.exists()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown")
 def test_check_file_modes_refuses_a_file_owned_by_another_user(tmp_path):
-    import os
-
-    import pytest
-
     from vllm_snapshot import store
     from vllm_snapshot.errors import CorruptSnapshotError
 
-    if os.geteuid() != 0:
-        pytest.skip("needs root to chown")
     d = tmp_path / "snap"
     (d / "images").mkdir(parents=True, mode=0o700)
     f = d / "images" / "pages-1.img"

@@ -31,7 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vllm_snapshot import archive, criu, demo, manifest, ops, store, tiny_model  # noqa: E402
+from vllm_snapshot import archive, criu, demo, layout, manifest, ops, tiny_model  # noqa
+from vllm_snapshot.tools import LocalTools  # noqa: E402
 from vllm_snapshot.progress import Reporter  # noqa: E402
 
 
@@ -49,7 +50,7 @@ def bare_criu_restore(snap: Path) -> float:
     """Seconds of a plain ``criu restore`` of the snapshot's images (staged raw first, not
     timed), with only the flags CRIU needs; the restored tree is killed afterwards."""
     m = manifest.read(snap)
-    stage = archive.unpack(snap / store.IMAGES, m.images, archive.staging_parent(m.sizes["raw"], snap.parent, m.images))
+    stage = archive.unpack(snap / layout.IMAGES, m.images, archive.staging_parent(m.sizes["raw"], snap.parent, m.images))
     b = criu.find_criu()
     # the same fresh pipes the real restore hands in (an engine whose control pipe is gone
     # exits at once, which fails CRIU's final detach)
@@ -146,7 +147,7 @@ def main() -> int:
     if a.replot:
         plot(json.loads(a.replot.read_text()), a.plot or Path("bench.png"))
         return 0
-    ops.require_root()
+    LocalTools().require_root()
     model = a.model or tiny_model.generate(tiny_model.default_model_dir())
     engine_args = a.engine_args or list(demo.ENGINE_ARGS)
     comps = a.compress or (["zstd:3"] if a.quick else ["zstd:3", "none"])
@@ -173,7 +174,7 @@ def main() -> int:
                 rep = Reporter()
                 t0 = time.monotonic()
                 m = ops.create(ops.CreateRequest(model=str(model), target=snap, engine_args=engine_args,
-                                                 compression=archive.Compression.parse(comp)), rep)
+                                                 compression=archive.Compression.parse(comp)), rep).manifest
                 run = {"create_s": round(time.monotonic() - t0, 3), "create_phases": m.timings,
                        "raw_bytes": m.sizes["raw"], "stored_bytes": m.sizes["stored"], "restores": []}
             print(f"{comp}: create {run['create_s']:.2f} s, raw {m.sizes['raw']} B, stored {m.sizes['stored']} B",
@@ -181,10 +182,11 @@ def main() -> int:
             for i in range(restores):
                 rep = Reporter()
                 t0 = time.monotonic()
-                r = ops.restore(ops.RestoreRequest(snapshot=snap, port=demo.free_port()), rep)
+                r, engine = ops.restore(ops.RestoreRequest(snapshot=snap, port=demo.free_port()), rep)
                 total = time.monotonic() - t0
-                r.handle.kill(grace=15)
-                r.handle.close()
+                engine.kill(grace=15)
+                engine.close()
+                LocalTools().unregister(r.pid)
                 run["restores"].append({"to_validated_completion_s": round(total, 3), "phases": r.timings})
                 print(f"  restore {i + 1}: {total:.2f} s {r.timings}", file=sys.stderr)
                 time.sleep(1)

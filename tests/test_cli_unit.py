@@ -189,7 +189,8 @@ def test_error_classes_have_distinct_codes_and_exit_codes():
     codes = [e.code for e in errors.ALL_ERRORS]
     exits = [e.exit_code for e in errors.ALL_ERRORS]
     assert len(set(codes)) == len(codes) and len(set(exits)) == len(exits)
-    assert all(issubclass(e, errors.SnapshotError) for e in errors.ALL_ERRORS)
+    declared = {c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.SnapshotError)}
+    assert declared == set(errors.ALL_ERRORS)  # a new error class must be in the table
     assert errors.SnapshotError.exit_code == 1
     assert 0 not in exits and all(0 < x < 126 for x in exits)
     e = errors.BusyError("port 80 is not free", hint="pick another", details={"port": 80})
@@ -208,4 +209,5 @@ def test_console_script_entry_point_is_main():
 
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert data["project"]["scripts"]["vllm-snapshot"] == "vllm_snapshot.cli:main"
-    assert os.path.isfile(ROOT / "vllm_snapshot" / "__main__.py")
+    p = subprocess.run([sys.executable, "-m", "vllm_snapshot", "--help"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "restore" in p.stdout

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from vllm_snapshot import criu
@@ -30,11 +32,9 @@ def test_dump_argv_content():
     assert "--root" not in argv  # restore-only
 
 
-def test_dump_argv_optional_parts():
-    opts = DumpOptions(pid=7, leave_running=True, plugin_dir="/usr/lib/criu", external=("mnt[/a]:a", "dev[1/2]:d"))
+def test_dump_argv_external():
+    opts = DumpOptions(pid=7, external=("mnt[/a]:a", "dev[1/2]:d"))
     argv = criu.dump_argv(opts, "/x", log="d.log")
-    assert "--leave-running" in argv
-    assert _after(argv, "-L") == ["/usr/lib/criu"]
     assert _after(argv, "--external") == ["mnt[/a]:a", "dev[1/2]:d"]
     assert _after(argv, "-o") == ["d.log"]
 
@@ -44,27 +44,76 @@ def test_dump_argv_uses_given_flags_only():
     assert [a for a in argv if a.startswith("--")] == ["--shell-job"]
 
 
-def test_restore_argv_content():
-    opts = RestoreOptions(inherit_fds=(("pipe:[123]", 5), ("pipe:[456]", 7)))
-    argv = criu.restore_argv(opts, "/stage")
-    assert argv[0] == "restore"
-    assert _after(argv, "-D") == ["/stage"]
-    assert _after(argv, "-o") == [criu.RESTORE_LOG]
-    assert "--restore-detached" in argv and "--restore-sibling" in argv
-    for f in criu.SHARED_FLAGS:
-        assert argv.count(f"--{f}") == 1
-    assert _after(argv, "--root") == ["/"]
-    assert _after(argv, "--inherit-fd") == ["fd[5]:pipe:[123]", "fd[7]:pipe:[456]"]
-    assert "-L" not in argv
+class _Repeated(list):
+    def add(self, **kw):
+        self.append(kw)
 
 
-def test_restore_argv_plugin_external_and_root():
-    opts = RestoreOptions(root="/newroot", plugin_dir="/plug", external=("mnt[x]:y",))
-    argv = criu.restore_argv(opts, "/stage")
-    assert _after(argv, "--root") == ["/newroot"]
-    assert _after(argv, "-L") == ["/plug"]
-    assert _after(argv, "--external") == ["mnt[x]:y"]
-    assert "--inherit-fd" not in argv
+class _Rpc:
+    """Stands in for pycriu's criu_opts message: plain attributes + repeated fields."""
+
+    def __init__(self):
+        self.external = _Repeated()
+        self.inherit_fd = _Repeated()
+
+
+def test_restore_rpc_uses_the_given_flags_inherit_fds_and_root():
+    rpc = _Rpc()
+    criu.restore_rpc(RestoreOptions(flags=("shell-job", "link-remap"), inherit_fds=(("pipe:[123]", 5), ("pipe:[456]", 7)),
+                                    external=("mnt[m0]:/data",)), rpc)
+    assert rpc.shell_job is True and rpc.link_remap is True and not hasattr(rpc, "tcp_established")
+    assert rpc.root == "/" and rpc.rst_sibling is True and rpc.log_file == criu.RESTORE_LOG
+    assert rpc.inherit_fd == [{"key": "pipe:[123]", "fd": 5}, {"key": "pipe:[456]", "fd": 7}]
+    assert rpc.external == ["mnt[m0]:/data"]
+
+
+def test_dump_rpc_sets_pid_log_and_flags():
+    rpc = _Rpc()
+    criu.dump_rpc(DumpOptions(pid=42), rpc)
+    assert rpc.pid == 42 and rpc.log_file == criu.DUMP_LOG and rpc.log_level == criu.LOG_LEVEL
+    assert all(getattr(rpc, criu._FLAG_TO_OPT[f]) is True for f in criu.SHARED_FLAGS)
+    assert rpc.external == []
+
+
+def test_check_flags_refuses_unknown():
+    criu.check_flags(criu.SHARED_FLAGS)
+    with pytest.raises(ValueError, match="tcp-close"):
+        criu.check_flags(("shell-job", "tcp-close"))
+
+
+def test_parse_version():
+    assert criu.parse_version("Version: 4.2.1\nGitID: v4.2\n") == "4.2.1"
+    assert criu.parse_version("hello") is None
+
+
+def test_plugin_candidates_one_list_for_doctor_and_runs(tmp_path):
+    c = criu.plugin_candidates("/opt/criu-src/criu/criu", tmp_path)
+    assert c[0] == Path("/opt/criu-src/plugins/cuda/cuda_plugin.so")
+    assert c[1] == tmp_path / "criu-4.2.1" / "plugins" / "cuda" / "cuda_plugin.so"
+    assert Path("/usr/lib/criu/cuda_plugin.so") in c  # a distro CRIU's plugin dir
+
+
+def test_find_cuda_plugin_refuses_naming_where_it_looked(tmp_path):
+    from vllm_snapshot.errors import EnvironmentProblem
+
+    with pytest.raises(EnvironmentProblem, match="looked in") as ei:
+        criu.find_cuda_plugin(str(tmp_path / "criu" / "criu"), is_file=lambda p: False)
+    assert "/usr/lib/criu/cuda_plugin.so" in ei.value.message
+    so = tmp_path / "plugins" / "cuda" / "cuda_plugin.so"
+    assert criu.find_cuda_plugin(str(tmp_path / "criu" / "criu"), is_file=lambda p: p == str(so)) == so
+
+
+def test_failed_criu_run_keeps_its_log_and_names_it(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / criu.DUMP_LOG).write_text("(00.1) info\n(00.2) Error (criu/mount.c:1): FS mnt ./mnt/x unsupported\n")
+    runner = criu.Criu("/nonexistent/criu", keep_log_dir=tmp_path / "logs")
+    err = runner._failed("dump", work, criu.DUMP_LOG)
+    kept = Path(err.details["log"])
+    assert kept.parent == tmp_path / "logs" and kept.is_file() and "unsupported" in kept.read_text()
+    assert str(kept) in err.hint and "FS mnt" in err.message
+    (work / criu.DUMP_LOG).unlink()  # the work dir is removed after a failed create
+    assert kept.is_file()
 
 
 class _FakeOpts:

@@ -21,7 +21,7 @@ from vllm_snapshot.errors import EnvironmentProblem
 PID, TID, OTHER = 4242, 4250, 5000  # a CUDA process, its restore thread, a process without CUDA
 
 
-class FakeDriver:
+class FakeDriver(cc.Driver):
     """The driver's state machine (cuda-bindings docstrings): lock needs RUNNING, checkpoint
     needs LOCKED, restore needs CHECKPOINTED (-> LOCKED), unlock needs LOCKED (-> RUNNING)."""
 
@@ -35,34 +35,34 @@ class FakeDriver:
         if self.states[pid] != state:
             raise cc.DriverError(call, "CUDA_ERROR_ILLEGAL_STATE", "operation not permitted")
 
-    def get_state(self, pid):
+    def get_state(self, pid: int) -> str:
         self.calls.append(("get_state", pid))
         if pid not in self.states:
             raise cc.DriverError("cuCheckpointProcessGetState", "CUDA_ERROR_INVALID_VALUE")
         return self.states[pid]
 
-    def get_restore_tid(self, pid):
+    def get_restore_tid(self, pid: int) -> int:
         self.calls.append(("get_restore_tid", pid))
         if pid not in self.states:
             raise cc.DriverError("cuCheckpointProcessGetRestoreThreadId", "CUDA_ERROR_INVALID_VALUE")
         return TID
 
-    def lock(self, pid, timeout_ms):
+    def lock(self, pid: int, timeout_ms: int) -> None:
         self.calls.append(("lock", pid, timeout_ms))
         self._need("cuCheckpointProcessLock", pid, "running")
         self.states[pid] = "locked"
 
-    def checkpoint(self, pid):
+    def checkpoint(self, pid: int) -> None:
         self.calls.append(("checkpoint", pid))
         self._need("cuCheckpointProcessCheckpoint", pid, "locked")
         self.states[pid] = "checkpointed"
 
-    def restore(self, pid):
+    def restore(self, pid: int) -> None:
         self.calls.append(("restore", pid))
         self._need("cuCheckpointProcessRestore", pid, "checkpointed")
         self.states[pid] = "locked"
 
-    def unlock(self, pid):
+    def unlock(self, pid: int) -> None:
         self.calls.append(("unlock", pid))
         self._need("cuCheckpointProcessUnlock", pid, "locked")
         self.states[pid] = "running"

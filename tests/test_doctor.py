@@ -34,7 +34,7 @@ SHM = _st(stat.S_IFDIR | stat.S_ISVTX | 0o777)
 
 
 @dataclass
-class FakeProbes:
+class FakeProbes(doctor.Probes):
     """A healthy CPU host by default; tests change one field."""
 
     uid: int = 0
@@ -61,10 +61,10 @@ class FakeProbes:
     helper: tuple[int, str] = (0, "usage: cuda-checkpoint --action {lock,checkpoint,restore,unlock} --pid PID\n")
     ran: list = field(default_factory=list)
 
-    def euid(self):
+    def euid(self) -> int:
         return self.uid
 
-    def read_text(self, path):
+    def read_text(self, path: str) -> str | None:
         if path == "/proc/self/status":
             return None if self.cap_eff is None else f"Name:\tx\nCapEff:\t{self.cap_eff:016x}\n"
         if path == "/proc/sys/kernel/cap_last_cap":
@@ -73,10 +73,10 @@ class FakeProbes:
             return self.io_uring
         return None
 
-    def find_criu(self):
+    def find_criu(self) -> str | None:
         return self.criu
 
-    def run(self, argv, timeout):
+    def run(self, argv: Sequence[str], timeout: float) -> tuple[int, str]:
         self.ran.append(list(argv))
         if argv[0] == self.criu:
             if argv[1:] == ["--version"]:
@@ -89,45 +89,45 @@ class FakeProbes:
             return self.helper
         return 127, f"unexpected {argv}"
 
-    def kernel_release(self):
+    def kernel_release(self) -> str:
         return self.kernel
 
-    def glibc(self):
+    def glibc(self) -> str:
         return self.libc
 
-    def lstat(self, path):
+    def lstat(self, path: str) -> os.stat_result | None:
         return self.stats.get(path)
 
-    def stat(self, path):
+    def stat(self, path: str) -> os.stat_result | None:
         return self.stats.get(path)
 
-    def free_bytes(self, path):
+    def free_bytes(self, path: str) -> int | None:
         return self.free.get(path)
 
-    def writable(self, path):
+    def writable(self, path: str) -> bool:
         return True
 
-    def which(self, name):
+    def which(self, name: str) -> str | None:
         return self.path.get(name)
 
-    def vllm_version(self):
+    def vllm_version(self) -> str:
         return self.vllm
 
-    def import_error(self, module):
+    def import_error(self, module: str) -> str | None:
         return self.import_errors.get(module)
 
-    def is_dir(self, path):
+    def is_dir(self, path: str) -> bool:
         return self.gpu_host and path == doctor.PROC_GPUS
 
-    def is_file(self, path):
+    def is_file(self, path: str) -> bool:
         return path in self.files
 
-    def gpus(self):
+    def gpus(self) -> list:
         if self.gpu_error:
             raise EnvironmentProblem(self.gpu_error, hint="check the NVIDIA driver")
         return self.gpu_list or []
 
-    def env(self, name):
+    def env(self, name: str) -> str | None:
         return None
 
 
@@ -378,7 +378,9 @@ def test_check_is_frozen_and_serializable():
     c = Check("a", False, "error", "d", "r")
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.ok = True  # type: ignore[misc]
-    j = doctor.to_json([c])
+    from vllm_snapshot.results import DoctorReport
+
+    j = DoctorReport([c], doctor.exit_code([c])).to_json()
     assert j == {"ok": False, "exit_code": 11,
                  "checks": [{"name": "a", "ok": False, "severity": "error", "detail": "d", "remedy": "r"}]}
 
@@ -386,7 +388,7 @@ def test_check_is_frozen_and_serializable():
 def test_doctor_command_table_and_exit_code(monkeypatch, capsys):
     fake = [Check("root", True, "error", "root"), Check("criu", False, "error", "CRIU not found", "install it"),
             Check("snapshot-root", False, "warning", "missing", "mkdir")]
-    monkeypatch.setattr(doctor, "run_checks", lambda probes=None: fake)
+    monkeypatch.setattr(doctor, "run_checks", lambda probes=None, snapshot_root=None: fake)
     assert cli.main(["doctor"]) == 11
     out = capsys.readouterr().out
     assert "✗" in out and "✓" in out and "!" in out and "CRIU not found" in out and "install it" in out

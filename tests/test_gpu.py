@@ -124,18 +124,11 @@ def test_check_free_memory():
         gpu.check_free_memory(-1, 5)
 
 
-def test_cuda_plugin_path(tmp_path):
-    with pytest.raises(EnvironmentProblem, match="cuda_plugin.so"):
-        gpu.cuda_plugin_path(tmp_path)
-    so = tmp_path / "plugins" / "cuda" / "cuda_plugin.so"
-    so.parent.mkdir(parents=True)
-    so.write_bytes(b"\x7fELF")
-    assert gpu.cuda_plugin_path(tmp_path) == so
+def test_cuda_plugin_in_setup_cache():
+    from vllm_snapshot import criu
 
-
-def test_cuda_plugin_path_in_setup_cache():
     src = os.path.join(os.environ.get("VLLM_SNAPSHOT_CACHE", "/var/cache/vllm-snapshot"), "criu-4.2.1")
     if not os.path.isdir(src):
         pytest.skip("scripts/setup.sh has not built CRIU here")
-    p = gpu.cuda_plugin_path(src)
+    p = criu.find_cuda_plugin(os.path.join(src, "criu", "criu"))
     assert p.name == "cuda_plugin.so" and p.is_file()

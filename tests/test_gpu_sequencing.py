@@ -1,71 +1,78 @@
 """The GPU create/restore sequencing through real CRIU, without a GPU: a protocol-speaking
-fake engine (vllm_snapshot.testing.fake_engine) that claims to be a CUDA engine. CRIU runs with
-the CUDA plugin loaded and our cuda-checkpoint helper on its PATH (the plugin disables itself
-when it finds no GPU device)."""
+fake engine (tests/fake_engine.py, run through ``LocalTools(engine_argv=...)``) that claims to
+be a CUDA engine. CRIU runs with the CUDA plugin loaded and our cuda-checkpoint helper on its
+PATH (the plugin disables itself when it finds no GPU device)."""
 
 from __future__ import annotations
 
 import json
+import sys
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 from vllm_snapshot import manifest as mf
+from vllm_snapshot import ops
+from vllm_snapshot.errors import OracleMismatchError
+from vllm_snapshot.progress import Reporter
+from vllm_snapshot.tools import LocalTools
 
-from conftest import TINY, cli, engine_env
-from test_integration import engine_pids, free_port, stop
+from conftest import TINY
+from test_integration import engine_pids, free_port
 
 pytestmark = pytest.mark.integration
-# the fake engine ignores engine args; the KV-cache size only satisfies create's CPU check
-FAKE = {"VLLM_SNAPSHOT_ENGINE_MODULE": "vllm_snapshot.testing.fake_engine", "VLLM_CPU_KVCACHE_SPACE": "1"}
+FAKE_ENGINE = (sys.executable, str(Path(__file__).resolve().parent / "fake_engine.py"))
+
+
+@pytest.fixture()
+def fake_tools(monkeypatch):
+    # the fake engine ignores engine args; the KV-cache size only satisfies create's CPU check
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    return LocalTools(engine_argv=FAKE_ENGINE)
 
 
 def calls_in_log(snap) -> list[str]:
     return [line.split()[1] for line in (snap / "engine-create.log").read_text().splitlines() if line.startswith("CALL ")]
 
 
-def test_gpu_create_rehearses_then_sleeps_and_restore_wakes_before_oracle(tmp_path):
+def test_gpu_create_rehearses_then_sleeps_and_restore_wakes_before_oracle(tmp_path, fake_tools):
     snap = tmp_path / "gpu"
-    env = {**engine_env(), **FAKE}
-    p = cli("create", str(TINY), "--snapshot-dir", str(snap), "--sleep-level", "2", env=env, timeout=120)
-    assert p.returncode == 0, p.stderr
-    m = mf.read(snap)
+    m = ops.create(ops.CreateRequest(model=str(TINY), target=snap, sleep_level=2), Reporter(), tools=fake_tools).manifest
+    assert m == mf.read(snap)
     assert m.engine.kind == "cuda" and m.engine.sleep_level == 2 and not m.engine.full_state_captured
     # rehearsal: sleep -> wake (reload) -> oracle must match -> sleep again, then the dump
     assert calls_in_log(snap) == ["sleep", "wake", "oracle", "sleep", "prepare-dump"]
     assert m.host["cuda_checkpoint_helper"].startswith("vllm-snapshot:")
     assert "cuda_plugin" in (snap / "criu-dump.log").read_text()  # CRIU loaded the CUDA plugin
     port = free_port()
-    r = cli("restore", str(snap), "--port", str(port), "--detach", "--json", env=env, timeout=120)
-    assert r.returncode == 0, r.stderr
-    res = json.loads(r.stdout)
+    r, engine = ops.restore(ops.RestoreRequest(snapshot=snap, port=port, detach=True), Reporter(), tools=fake_tools)
     try:
-        assert {"wake", "oracle", "criu_restore"} <= set(res["timings"])
+        assert {"wake", "oracle", "criu_restore"} <= set(r.timings)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/calls", timeout=10) as resp:
             calls = json.loads(resp.read())["calls"]
         assert calls == ["wake", "oracle", "serve"]  # wake + reload before the oracle, bind last
     finally:
-        stop(res["pid"])
+        engine.kill(grace=5)
+        engine.close()
+        fake_tools.unregister(r.pid)
 
 
-def test_gpu_rehearsal_mismatch_refuses_create(tmp_path):
+def test_gpu_rehearsal_mismatch_refuses_create(tmp_path, fake_tools, monkeypatch):
     """A wake-up whose reload changes the oracle: create refuses, publishes nothing, leaves
     no process."""
+    monkeypatch.setenv("VLLM_FAKE_ORACLE_SHIFT", "0.5")
     before = engine_pids()
     snap = tmp_path / "bad"
-    env = {**engine_env(), **FAKE, "VLLM_FAKE_ORACLE_SHIFT": "0.5"}
-    p = cli("create", str(TINY), "--snapshot-dir", str(snap), env=env, timeout=120)
-    assert p.returncode == 6, p.stderr
-    assert "rehearsal changed the oracle" in p.stderr and "logprob" in p.stderr
+    with pytest.raises(OracleMismatchError, match="rehearsal changed the oracle") as ei:
+        ops.create(ops.CreateRequest(model=str(TINY), target=snap), Reporter(), tools=fake_tools)
+    assert "logprob" in ei.value.message
     assert not snap.exists() and not list(tmp_path.glob(".bad.tmp-*"))
     assert engine_pids(10, before) - before == set()
 
 
-def test_gpu_sleep_level_0_captures_everything(tmp_path):
+def test_gpu_sleep_level_0_captures_everything(tmp_path, fake_tools):
     snap = tmp_path / "lvl0"
-    p = cli("create", str(TINY), "--snapshot-dir", str(snap), "--sleep-level", "0",
-            env={**engine_env(), **FAKE}, timeout=120)
-    assert p.returncode == 0, p.stderr
-    m = mf.read(snap)
+    m = ops.create(ops.CreateRequest(model=str(TINY), target=snap, sleep_level=0), Reporter(), tools=fake_tools).manifest
     assert m.engine.sleep_level == 0 and m.engine.full_state_captured
     assert calls_in_log(snap) == ["prepare-dump"]

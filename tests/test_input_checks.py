@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_snapshot import ops, store
+from vllm_snapshot import layout, ops, ports, store
 from vllm_snapshot.errors import CorruptSnapshotError, UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,12 +32,12 @@ def test_cpu_engine_without_kv_cache_size_is_refused():
 @pytest.mark.parametrize("host", ["999.1.1.1", "not-a-host.invalid", "localhost"])
 def test_bad_host_is_a_usage_error(host):
     with pytest.raises(UsageError, match="--host"):
-        ops.port_free(host, 1)
+        ports.port_free(host, 1)
 
 
 def test_host_not_on_this_machine_is_a_usage_error():
     with pytest.raises(UsageError, match="not an address of this host"):
-        ops.port_free("192.0.2.77", 8000)  # TEST-NET-1: never assigned here
+        ports.port_free("192.0.2.77", 8000)  # TEST-NET-1: never assigned here
 
 
 def test_bare_name_prefers_a_directory_here_and_refuses_ambiguity(tmp_path, monkeypatch):
@@ -59,10 +59,10 @@ def test_symlinked_parent_owned_by_another_user_is_refused(tmp_path):
     (real / "snap").mkdir(parents=True, mode=0o700)
     link = tmp_path / "link"
     link.symlink_to(real)
-    store.check_dir_safety(link / "snap")  # a root-owned symlink is trusted
+    layout.check_dir_safety(link / "snap")  # a root-owned symlink is trusted
     os.lchown(link, 12345, 12345)
     with pytest.raises(CorruptSnapshotError, match="symlink owned by uid 12345"):
-        store.check_dir_safety(link / "snap")
+        layout.check_dir_safety(link / "snap")
 
 
 def test_non_utf8_manifest_is_corrupt(tmp_path):
@@ -90,3 +90,25 @@ def test_create_under_a_file_says_so(tmp_path):
 def test_create_in_a_proc_dir_is_a_usage_error():
     with pytest.raises(UsageError):
         store.prepare_target(Path("/proc/self/nope"))
+
+
+def test_urls_bracket_ipv6_literals():
+    from vllm_snapshot.registry import Entry
+
+    assert ports.url("::1", 8000) == "http://[::1]:8000"
+    assert ports.url("127.0.0.1", 8000) == "http://127.0.0.1:8000"
+    assert Entry("/s", 1, 0, "::1", 8000, 0.0, "detached").url == "http://[::1]:8000"
+
+
+def test_doctor_checks_the_root_the_command_uses(monkeypatch, tmp_path):
+    from vllm_snapshot import cli, doctor
+
+    seen = {}
+
+    def fake_run_checks(probes=None, snapshot_root=None):
+        seen["root"] = snapshot_root
+        return []
+
+    monkeypatch.setattr(doctor, "run_checks", fake_run_checks)
+    assert cli.main(["--root", str(tmp_path), "doctor", "--json"]) == 0
+    assert seen["root"] == str(tmp_path)

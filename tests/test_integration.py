@@ -40,7 +40,7 @@ def engine_pids(settle_s: float = 0.0, baseline: set[int] | None = None) -> set[
                 if p.info["status"] == psutil.STATUS_ZOMBIE:
                     continue
                 cmd = " ".join(p.info["cmdline"] or [])
-                if "vllm_snapshot.engine.main" in cmd or (p.info["name"] or "").startswith("VLLM::"):
+                if "vllm_snapshot.engine.main" in cmd or "fake_engine.py" in cmd or (p.info["name"] or "").startswith("VLLM::"):
                     out.add(p.pid)
             except psutil.Error:
                 continue

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from vllm_snapshot import inventory as inv
+from vllm_snapshot import ports
 from vllm_snapshot.errors import EngineError, UnsnapshottableError
 
 pytestmark = pytest.mark.timeout(60)
@@ -237,12 +238,12 @@ def test_loopback_listener_recorded_and_port_check(spawn):
     port = c.info["port"]
     got = inv.inspect_tree(c.pid, private_prefixes=TEST_PRIVATE)
     assert got.listeners == (("127.0.0.1", port),)
-    problems = inv.check_listeners_free(got.listeners)
+    problems = ports.listeners_taken(got.listeners)
     assert len(problems) == 1
     assert f"127.0.0.1:{port}" in problems[0] and f"PID {c.pid} (" in problems[0]
     os.killpg(c.pid, signal.SIGKILL)
     c.proc.wait(10)
-    assert inv.check_listeners_free(got.listeners) == []
+    assert ports.listeners_taken(got.listeners) == []
 
 
 def test_grandchild_is_part_of_the_tree(spawn):
@@ -295,7 +296,7 @@ def test_tree_with_internal_channels_accepted_and_files_checked(spawn, data_dir,
     assert not any(p.startswith(("/proc/", "/sys/", "/dev/")) for p in by_path)
     assert os.path.realpath(sys.executable) in by_path  # the interpreter binary is mapped
     assert inv.check_files(got.files) == []
-    assert inv.check_files([f.to_json() for f in got.files]) == []  # JSON round trip
+    assert inv.check_files([f.model_dump() for f in got.files]) == []  # JSON round trip
 
     os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touch alone: content decides
     assert inv.check_files([rec]) == []
@@ -342,4 +343,4 @@ def test_missing_root_and_free_port():
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    assert inv.check_listeners_free([("127.0.0.1", port)]) == []
+    assert ports.listeners_taken([("127.0.0.1", port)]) == []

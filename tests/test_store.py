@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_snapshot import store
+from vllm_snapshot import layout, store
 from vllm_snapshot.errors import CorruptSnapshotError, UsageError
 
 
@@ -32,12 +32,12 @@ def _snapdir(base: Path, name: str = "s", mode: int = 0o700) -> Path:
 
 
 def test_private_dir_is_trusted(base):
-    store.check_dir_safety(_snapdir(base))
+    layout.check_dir_safety(_snapdir(base))
 
 
 def test_missing_dir_is_a_usage_error(base):
     with pytest.raises(UsageError, match="does not exist"):
-        store.check_dir_safety(base / "nope")
+        layout.check_dir_safety(base / "nope")
 
 
 def test_symlink_is_refused(base):
@@ -45,7 +45,7 @@ def test_symlink_is_refused(base):
     link = base / "link"
     link.symlink_to(real)
     with pytest.raises(CorruptSnapshotError, match="symlink") as ei:
-        store.check_dir_safety(link)
+        layout.check_dir_safety(link)
     assert str(link) in ei.value.message
 
 
@@ -53,14 +53,14 @@ def test_regular_file_is_refused(base):
     f = base / "file"
     f.write_text("x")
     with pytest.raises(CorruptSnapshotError, match="not a directory"):
-        store.check_dir_safety(f)
+        layout.check_dir_safety(f)
 
 
 @pytest.mark.parametrize("mode", [0o755, 0o770, 0o750, 0o701, 0o707])
 def test_snapshot_dir_not_0700_is_refused(base, mode):
     d = _snapdir(base, mode=mode)
     with pytest.raises(CorruptSnapshotError) as ei:
-        store.check_dir_safety(d)
+        layout.check_dir_safety(d)
     assert f"{mode:04o}" in ei.value.message and str(d) in ei.value.message
 
 
@@ -70,7 +70,7 @@ def test_group_writable_parent_is_refused(base):
     os.chmod(mid, 0o775)
     d = _snapdir(mid)
     with pytest.raises(CorruptSnapshotError, match="writable by group/others") as ei:
-        store.check_dir_safety(d)
+        layout.check_dir_safety(d)
     assert str(mid) in ei.value.message
 
 
@@ -81,10 +81,10 @@ def test_sticky_parent_is_trusted_only_when_root_owned(base):
     os.chmod(mid, 0o1777)
     d = _snapdir(mid)
     os.chown(mid, 0, 0)
-    store.check_dir_safety(d)  # like /tmp
+    layout.check_dir_safety(d)  # like /tmp
     os.chown(mid, 1234, 1234)  # sticky and world-writable, owned by someone else
     with pytest.raises(CorruptSnapshotError, match=str(mid)):
-        store.check_dir_safety(d)
+        layout.check_dir_safety(d)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown")
@@ -92,7 +92,7 @@ def test_dir_owned_by_someone_else_is_refused(base):
     d = _snapdir(base)
     os.chown(d, 1234, 1234)
     with pytest.raises(CorruptSnapshotError, match="uid 1234"):
-        store.check_dir_safety(d)
+        layout.check_dir_safety(d)
 
 
 def test_check_file_modes(base):
@@ -101,14 +101,14 @@ def test_check_file_modes(base):
     f = d / "images" / "pages-1.img"
     f.write_bytes(b"x")
     os.chmod(f, 0o600)
-    store.check_file_modes(d)
+    layout.check_file_modes(d)
     os.chmod(f, 0o644)
     with pytest.raises(CorruptSnapshotError, match="pages-1.img"):
-        store.check_file_modes(d)
+        layout.check_file_modes(d)
     os.chmod(f, 0o600)
     (d / "images" / "evil.img").symlink_to("/etc/passwd")
     with pytest.raises(CorruptSnapshotError, match="evil.img"):
-        store.check_file_modes(d)
+        layout.check_file_modes(d)
 
 
 def test_prepare_target_refuses_an_existing_target(base):
@@ -211,7 +211,7 @@ def test_publish_renames_and_drops_owner_pid(base):
     assert (target / "manifest.json").read_text() == "{}"
     assert not (target / "owner.pid").exists()
     assert stat.S_IMODE(target.stat().st_mode) == 0o700
-    store.check_dir_safety(target)
+    layout.check_dir_safety(target)
 
 
 def test_publish_refuses_when_target_appeared(base):
@@ -225,7 +225,7 @@ def test_publish_refuses_when_target_appeared(base):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown")
 def test_check_file_modes_refuses_a_file_owned_by_another_user(tmp_path):
-    from vllm_snapshot import store
+    from vllm_snapshot import layout, store
     from vllm_snapshot.errors import CorruptSnapshotError
 
     d = tmp_path / "snap"
@@ -233,7 +233,7 @@ def test_check_file_modes_refuses_a_file_owned_by_another_user(tmp_path):
     f = d / "images" / "pages-1.img"
     f.write_bytes(b"x")
     os.chmod(f, 0o600)
-    store.check_file_modes(d)
+    layout.check_file_modes(d)
     os.chown(f, 12345, 12345)
     with pytest.raises(CorruptSnapshotError, match="owned by uid 12345"):
-        store.check_file_modes(d)
+        layout.check_file_modes(d)

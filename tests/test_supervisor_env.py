@@ -7,9 +7,9 @@ import socket
 
 import pytest
 
-from vllm_snapshot import ops
+from vllm_snapshot import ports
 from vllm_snapshot.errors import BusyError
-from vllm_snapshot.supervisor import is_secret_name, scrubbed_env
+from vllm_snapshot.supervisor import is_secret_name, redact_args, scrubbed_env
 
 BASE = {
     "PATH": "/opt/bin:/usr/bin",
@@ -114,39 +114,39 @@ def test_behaviour_vars_with_token_in_their_name_reach_the_engine():
         assert env[k] == v
 
 
-# ----------------------------------------------------------------------------- ops.redact_args
+# ----------------------------------------------------------------------------- redact_args
 
 def test_redact_args_separate_value():
-    assert ops.redact_args(["--api-key", "sk-123", "--max-model-len", "512"]) == [
+    assert redact_args(["--api-key", "sk-123", "--max-model-len", "512"]) == [
         "--api-key", "<redacted>", "--max-model-len", "512"]
 
 
 def test_redact_args_equals_value():
-    assert ops.redact_args(["--hf-token=hf_abc", "--dtype", "float32"]) == [
+    assert redact_args(["--hf-token=hf_abc", "--dtype", "float32"]) == [
         "--hf-token=<redacted>", "--dtype", "float32"]
 
 
 def test_redact_args_leaves_other_args_alone():
     args = ["--dtype", "float32", "--max-model-len", "512", "--served-model-name", "tiny",
             "--tokenizer", "/models/tok", "--max-num-batched-tokens", "2048", "--enforce-eager"]
-    assert ops.redact_args(args) == args
+    assert redact_args(args) == args
 
 
 def test_redact_args_does_not_modify_its_input_and_hides_every_secret():
     args = ["--api-key", "k1", "--hf-token", "t1", "--model-secret=s1"]
-    out = ops.redact_args(args)
+    out = redact_args(args)
     assert args == ["--api-key", "k1", "--hf-token", "t1", "--model-secret=s1"]
     assert not {"k1", "t1", "s1"} & set(out) and all("s1" not in a for a in out)
 
 
-# ----------------------------------------------------------------------------- ops.port_free
+# ----------------------------------------------------------------------------- ports.port_free
 
 def test_port_free_accepts_a_free_port():
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    ops.port_free("127.0.0.1", port)
+    ports.port_free("127.0.0.1", port)
 
 
 def test_port_free_refuses_a_listening_port_and_names_the_holder():
@@ -158,7 +158,7 @@ def test_port_free_refuses_a_listening_port_and_names_the_holder():
     port = s.getsockname()[1]
     try:
         with pytest.raises(BusyError) as ei:
-            ops.port_free("127.0.0.1", port)
+            ports.port_free("127.0.0.1", port)
         assert ei.value.exit_code == 9
         assert f"127.0.0.1:{port}" in ei.value.message
         if os.geteuid() == 0:  # psutil sees every socket's owner only as root

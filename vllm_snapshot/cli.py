@@ -39,11 +39,17 @@ def _root(
     _STATE["root"] = root
 
 
+def _root_dir() -> Path:
+    from . import paths
+
+    return paths.snapshot_root(_STATE["root"])
+
+
 def _resolve(ref: str) -> Path:
     """A snapshot NAME (under the root) or PATH -> its directory."""
     from . import store
 
-    return store.resolve(ref, _STATE["root"] or store.default_root())
+    return store.resolve(ref, _root_dir())
 
 
 def _reporter(quiet: bool, as_json: bool):
@@ -76,11 +82,9 @@ def create(
 ) -> None:
     """Start an engine on MODEL offline, record its oracle, dump it with CRIU. Extra
     arguments (optionally after --) are `vllm serve` engine args, checked by vLLM's parser."""
-    from . import archive, ops, oracle, render
+    from . import archive, oracle, ops, render, store
 
-    from . import store
-
-    engine_args = [a for a in ctx.args]
+    engine_args = list(ctx.args)
     if engine_args and engine_args[0] == "--":
         engine_args = engine_args[1:]
     if snapshot_dir is not None and name is not None:
@@ -89,21 +93,13 @@ def create(
         name = name or Path(model.rstrip("/")).name.replace("/", "--")
         if not store.valid_name(name):
             raise UsageError(f"cannot derive a snapshot name from {model!r}; pass --name or --snapshot-dir")
-        snapshot_dir = store.ensure_root(_STATE["root"] or store.default_root()) / name
+        snapshot_dir = store.ensure_root(_root_dir()) / name
     req = ops.CreateRequest(
         model=model, target=snapshot_dir, engine_args=engine_args,
         oracle_prompt=oracle_prompt or oracle.DEFAULT_PROMPT, sleep_level=sleep_level,
         compression=archive.Compression.parse(compress), keep_env=tuple(keep_env),
         engine_log=_stderr_sink if verbose else None)
-    rep = _reporter(quiet, as_json)
-    m = ops.create(req, rep)
-    if as_json:
-        render.emit_json({"snapshot": str(snapshot_dir.absolute()), "manifest": m.model_dump(mode="json")})
-    elif not quiet:
-        raw, stored = m.sizes["raw"], m.sizes["stored"]
-        typer.echo(f"snapshot {snapshot_dir} created: oracle {m.oracle.text!r} (token {m.oracle.token_id}), "
-                   f"images {render.human_bytes(raw)} raw, {render.human_bytes(stored)} stored, "
-                   f"{sum(m.timings.values()):.1f} s")
+    render.show(ops.create(req, _reporter(quiet, as_json)), as_json, quiet)
 
 
 @app.command()
@@ -113,13 +109,10 @@ def inspect(
 ) -> None:
     """Show a snapshot's manifest: versions, model, engine args, oracle, sizes, timings."""
     from . import manifest, render
+    from .results import Inspected
 
-    snapshot_dir = _resolve(snapshot)
-    m = manifest.read(snapshot_dir)
-    if as_json:
-        render.emit_json({"snapshot": str(snapshot_dir.absolute()), "manifest": m.model_dump(mode="json")})
-    else:
-        render.manifest_table(m, str(snapshot_dir))
+    snapshot_dir = _resolve(snapshot).absolute()
+    render.show(Inspected(str(snapshot_dir), manifest.read(snapshot_dir)), as_json)
 
 
 @app.command()
@@ -130,17 +123,9 @@ def verify(
 ) -> None:
     """Every restore check without restoring: permissions, manifest, host identity, all
     image checksums, and a full re-hash of the model files."""
-    from . import locks, ops, render
+    from . import ops, render
 
-    snapshot_dir = _resolve(snapshot)
-    with locks.snapshot_lock(snapshot_dir, shared=True):
-        m, warnings = ops.validate(snapshot_dir, "full", frozenset(allow_mismatch), check_images=True)
-    if as_json:
-        render.emit_json({"snapshot": str(snapshot_dir.absolute()), "ok": True, "warnings": warnings})
-    else:
-        for w in warnings:
-            typer.echo(f"warning: {w}", err=True)
-        typer.echo(f"{snapshot_dir}: OK ({len(m.images)} images, {len(m.model.files)} model files verified)")
+    render.show(ops.verify(_resolve(snapshot), frozenset(allow_mismatch)), as_json)
 
 
 @app.command()
@@ -148,32 +133,26 @@ def doctor(
     as_json: bool = typer.Option(False, "--json", help="Stable JSON instead of a table."),
 ) -> None:
     """Check this host: root, CRIU >= 4.2 (`criu check`, kernel features), io_uring, kernel,
-    glibc, snapshot root and /dev/shm, unshare/mount/tar, vLLM, pycriu, and on GPU hosts the
-    driver, CRIU's CUDA plugin and the cuda-checkpoint helper. Exit 0 when create and restore
-    can work, 11 when a check of severity error failed."""
+    glibc, snapshot root (--root) and /dev/shm, unshare/mount/tar, vLLM, pycriu, and on GPU hosts
+    the driver, CRIU's CUDA plugin and the cuda-checkpoint helper. Exit 0 when create and
+    restore can work, 11 when a check of severity error failed."""
     from . import doctor as doctor_mod
     from . import render
+    from .results import DoctorReport
 
-    checks = doctor_mod.run_checks()
-    if as_json:
-        render.emit_json(doctor_mod.to_json(checks))
-    else:
-        doctor_mod.print_table(checks)
-    raise typer.Exit(doctor_mod.exit_code(checks))
+    checks = doctor_mod.run_checks(snapshot_root=str(_root_dir()))
+    report = DoctorReport(checks, doctor_mod.exit_code(checks))
+    render.show(report, as_json)
+    raise typer.Exit(report.exit_code)
 
 
 @app.command("list")
 def list_cmd(as_json: bool = typer.Option(False, "--json")) -> None:
     """Snapshots under the root: model, created, kind, sleep level, sizes, whether this host
-    can restore them (and why not), last restore."""
-    from . import ops, render, store
+    can restore them (host identity and model files; `verify` checks everything), last restore."""
+    from . import ops, render
 
-    root = _STATE["root"] or store.default_root()
-    rows = [ops.describe(p) for p in store.list_snapshots(root)]
-    if as_json:
-        render.emit_json({"root": str(root), "snapshots": rows})
-    else:
-        render.snapshot_list(rows, str(root))
+    render.show(ops.list_snapshots(_root_dir()), as_json)
 
 
 @app.command()
@@ -185,12 +164,7 @@ def delete(
     """Delete a snapshot. Refuses while an engine restored from it runs, unless --force."""
     from . import ops, render
 
-    d = _resolve(snapshot)
-    stopped = ops.delete(d, force)
-    if as_json:
-        render.emit_json({"deleted": str(d), "stopped_pids": stopped})
-    else:
-        typer.echo(f"deleted {d}" + (f" (stopped engines {stopped})" if stopped else ""))
+    render.show(ops.delete(_resolve(snapshot), force), as_json)
 
 
 @app.command()
@@ -202,34 +176,18 @@ def prune(
 ) -> None:
     """Delete old snapshots under the root (never ones with a running engine), and leftover
     temp dirs of crashed creates."""
-    from . import ops, render, store
+    from . import ops, render
 
-    root = _STATE["root"] or store.default_root()
-    res = ops.prune(root, keep, ops.parse_duration(older_than) if older_than else None, dry_run)
-    if as_json:
-        render.emit_json(res)
-    else:
-        verb = "would delete" if dry_run else "deleted"
-        for p in res["deleted"]:
-            typer.echo(f"{verb} {p}")
-        for p in res["kept_running"]:
-            typer.echo(f"kept {p} (an engine restored from it is running)")
-        for p in res["temp_removed"]:
-            typer.echo(f"removed leftover {p}")
-        if not any(res.values()):
-            typer.echo("nothing to prune")
+    older = ops.parse_duration(older_than) if older_than else None
+    render.show(ops.prune(_root_dir(), keep, older, dry_run), as_json)
 
 
 @app.command()
 def status(as_json: bool = typer.Option(False, "--json")) -> None:
     """Engines restored on this host: snapshot, PID, address, started, mode."""
-    from . import registry, render
+    from . import ops, render
 
-    rows = [{**e.__dict__, "url": e.url} for e in registry.entries()]
-    if as_json:
-        render.emit_json({"engines": rows})
-    else:
-        render.engine_list(rows)
+    render.show(ops.status(), as_json)
 
 
 @app.command()
@@ -243,12 +201,7 @@ def stop(
 
     if (snapshot is None) == (port is None):
         raise UsageError("give a snapshot or --port")
-    stopped = ops.stop_engines(_resolve(snapshot) if snapshot else None, port)
-    if as_json:
-        render.emit_json({"stopped": stopped})
-    else:
-        for s_ in stopped:
-            typer.echo(f"stopped engine {s_['pid']} ({s_['snapshot']} on port {s_['port']}) in {s_['seconds']:.2f} s")
+    render.show(ops.stop_engines(_resolve(snapshot) if snapshot else None, port), as_json)
 
 
 @app.command()
@@ -264,12 +217,7 @@ def switch(
     SNAPSHOT there (detached); report the measured switch time."""
     from . import ops, render
 
-    res = ops.switch(_resolve(snapshot), host, port, log_file, _reporter(quiet, as_json))
-    if as_json:
-        render.emit_json(res)
-    elif not quiet:
-        typer.echo(f"switched port {port} to {res['snapshot']} (engine PID {res['pid']}): "
-                   f"stop {res['stop_s']:.2f} s + restore {res['restore_s']:.2f} s = {res['switch_s']:.2f} s")
+    render.show(ops.switch(_resolve(snapshot), host, port, log_file, _reporter(quiet, as_json)), as_json, quiet)
 
 
 @app.command()
@@ -286,58 +234,38 @@ def restore(
 ) -> None:
     """Validate, restore with CRIU, check the oracle inside the engine, then serve the OpenAI
     API on HOST:PORT. Fails closed: on any mismatch nothing serves and nothing is left."""
-    from . import ops, render
+    from . import notify, ops, render
+    from .progress import NotifyingReporter
 
     if verify_model not in ("quick", "full"):
         raise UsageError("--verify-model must be quick or full")
-    snapshot_dir = _resolve(snapshot)
     rep = _reporter(quiet, as_json)
-    # --- sd_notify (systemd Type=notify, see notify.py): STATUS=<phase> as each phase starts
-    sd_notify = bool(os.environ.get("NOTIFY_SOCKET"))
-    if sd_notify:
-        from .progress import NotifyingReporter
-
-        rep = NotifyingReporter(rep)
-    # --- end sd_notify
-    req = ops.RestoreRequest(snapshot=snapshot_dir, host=host, port=port, detach=detach,
+    lifecycle = notify.ServiceLifecycle.from_env()
+    if lifecycle.active:
+        rep = NotifyingReporter(rep)  # STATUS=<phase> as each phase starts
+    req = ops.RestoreRequest(snapshot=_resolve(snapshot), host=host, port=port, detach=detach,
                              log_file=log_file, verify_model=verify_model,
-                             allow=frozenset(allow_mismatch),
-                             engine_log=None if detach else _stderr_sink)
-    r = ops.restore(req, rep)
-    result = {"snapshot": str(snapshot_dir.absolute()), "pid": r.pid, "url": r.url,
-              "timings": r.timings, "warnings": r.warnings, "oracle": "match"}
-    if as_json:
-        render.emit_json(result)
-    elif not quiet:
-        rep.info(f"serving {r.manifest.model.served_name} at {r.url} (engine PID {r.pid}); "
-                 f"restore took {sum(r.timings.values()):.2f} s")
+                             allow=frozenset(allow_mismatch), engine_log=_stderr_sink)
+    r, engine = ops.restore(req, rep)
+    render.show(r, as_json, quiet)
     if detach:
-        if not as_json:
-            typer.echo(r.pid)
-        r.handle.close()
+        engine.close()
         return
-    on_signal, stop_sent = rep.info, []
-    # --- sd_notify: READY only now (oracle matched, port bound, canary passed); STOPPING on shutdown
-    if sd_notify:
-        from . import notify
+    # READY only now (oracle matched, port bound, canary passed); STOPPING on shutdown
+    lifecycle.ready(f"serving {r.served_name} on {r.url}")
 
-        notify.ready(f"serving {r.manifest.model.served_name} on {r.url}", mainpid=os.getpid())
+    def on_signal(msg: str) -> None:
+        lifecycle.stopping()
+        rep.info(msg)
 
-        def _stopping_then_info(msg: str, _info=rep.info) -> None:
-            if not stop_sent:
-                stop_sent.append(notify.stopping())
-            _info(msg)
-        on_signal = _stopping_then_info
-    # --- end sd_notify
-    code = ops.serve_foreground(r, on_signal)
-    if sd_notify and not stop_sent:
-        notify.stopping()  # the engine exited on its own: we are going down
+    code = ops.serve_foreground(r, engine, on_signal)
+    lifecycle.stopping()  # once: a no-op when a signal already said so
     raise typer.Exit(code)
 
 
 @app.command()
 def demo(
-    snapshot_dir: Optional[Path] = typer.Option(None, "--snapshot-dir", help="Default: /var/lib/vllm-snapshot/demo-tiny-llama"),
+    snapshot_dir: Optional[Path] = typer.Option(None, "--snapshot-dir", help="Default: ROOT/demo-tiny-llama"),
     port: int = typer.Option(0, "--port", help="0 = pick a free port."),
     skip_cold: bool = typer.Option(False, "--skip-cold", help="Do not measure a cold start for comparison."),
     as_json: bool = typer.Option(False, "--json"),
@@ -345,8 +273,9 @@ def demo(
     """On the embedded tiny model: create a snapshot if none exists, measure a cold start,
     restore, send one completion, print timings and the comparison, stop the engine."""
     from . import demo as demo_mod
+    from . import render
 
-    demo_mod.run(snapshot_dir, port, skip_cold, as_json)
+    render.show(demo_mod.run(snapshot_dir or _root_dir() / demo_mod.DEFAULT_NAME, port, skip_cold, as_json), as_json)
 
 
 def main(argv: list[str] | None = None) -> int:

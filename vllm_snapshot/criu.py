@@ -19,36 +19,35 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import paths
 from .errors import CriuError, EnvironmentProblem
 
 #: Flags for both dump and restore (CRIU option names without the leading dashes).
 SHARED_FLAGS: tuple[str, ...] = ("shell-job", "ext-unix-sk", "tcp-established", "link-remap", "file-locks")
 MIN_VERSION = (4, 2)
 LOG_LEVEL = 4
-DUMP_LOG = "criu-dump.log"
-RESTORE_LOG = "criu-restore.log"
+from .layout import DUMP_LOG, RESTORE_LOG  # noqa: E402 - names of the logs CRIU writes
 
 
 @dataclass(frozen=True)
 class DumpOptions:
-    """What a dump needs: root PID (host PID), and the CRIU plugin dir (GPU) if any."""
+    """What a dump needs: the tree's root (host PID), the flags, and ``external`` resources
+    (CRIU ``--external`` values, e.g. ``mnt[/data]:m0``)."""
 
     pid: int
     flags: tuple[str, ...] = SHARED_FLAGS
-    leave_running: bool = False
-    plugin_dir: str | None = None
     external: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class RestoreOptions:
-    """What a restore needs. ``inherit_fds`` maps a dump-time key (``pipe:[123]``) to an fd
-    number of this process (>= 3, not close-on-exec) that replaces it."""
+    """What a restore needs. ``flags`` are those recorded at dump (the manifest's
+    ``criu.flags``); ``inherit_fds`` maps a dump-time key (``pipe:[123]``) to an fd number of
+    this process (>= 3, not close-on-exec) that replaces it; ``external`` as for dump."""
 
     flags: tuple[str, ...] = SHARED_FLAGS
     root: str = "/"
     inherit_fds: tuple[tuple[str, int], ...] = ()
-    plugin_dir: str | None = None
     external: tuple[str, ...] = ()
 
 
@@ -62,37 +61,50 @@ _FLAG_TO_OPT = {
 
 
 def dump_argv(opts: DumpOptions, images_dir: str, log: str = DUMP_LOG) -> list[str]:
-    """The equivalent ``criu dump`` command line (for the manifest and for humans). Pure."""
+    """The equivalent ``criu dump`` command line (recorded in the manifest, for humans). Pure."""
     argv = ["dump", "-t", str(opts.pid), "-D", images_dir, "-v4", "-o", log]
     argv += [f"--{f}" for f in opts.flags]
-    if opts.leave_running:
-        argv.append("--leave-running")
-    if opts.plugin_dir:
-        argv += ["-L", opts.plugin_dir]
     for e in opts.external:
         argv += ["--external", e]
     return argv
 
 
-def restore_argv(opts: RestoreOptions, images_dir: str, log: str = RESTORE_LOG) -> list[str]:
-    """The equivalent ``criu restore`` command line. Pure."""
-    argv = ["restore", "-D", images_dir, "-v4", "-o", log, "--restore-detached", "--restore-sibling"]
-    argv += [f"--{f}" for f in opts.flags]
-    argv += ["--root", opts.root]
+def check_flags(flags: tuple[str, ...]) -> None:
+    """Raise ValueError naming the first flag this tool does not know (a manifest written by
+    another version, or edited)."""
+    for f in flags:
+        if f not in _FLAG_TO_OPT:
+            raise ValueError(f"unknown CRIU flag {f!r}")
+
+
+def dump_rpc(opts: DumpOptions, rpc) -> None:
+    """Fill pycriu's ``criu_opts`` message ``rpc`` for a dump from ``opts`` (no I/O)."""
+    rpc.pid = opts.pid
+    rpc.log_level = LOG_LEVEL
+    rpc.log_file = DUMP_LOG
+    apply_flags(rpc, opts.flags)
+    for e in opts.external:
+        rpc.external.append(e)
+
+
+def restore_rpc(opts: RestoreOptions, rpc) -> None:
+    """Fill pycriu's ``criu_opts`` message ``rpc`` for a restore from ``opts`` (no I/O): the
+    tree becomes our child (``rst_sibling``), ``--root`` for its mount namespace."""
+    rpc.log_level = LOG_LEVEL
+    rpc.log_file = RESTORE_LOG
+    rpc.root = opts.root
+    rpc.rst_sibling = True
+    apply_flags(rpc, opts.flags)
     for key, fd in opts.inherit_fds:
-        argv += ["--inherit-fd", f"fd[{fd}]:{key}"]
-    if opts.plugin_dir:
-        argv += ["-L", opts.plugin_dir]
+        rpc.inherit_fd.add(key=key, fd=fd)
     for e in opts.external:
-        argv += ["--external", e]
-    return argv
+        rpc.external.append(e)
 
 
 def apply_flags(rpc_opts, flags: tuple[str, ...]) -> None:
     """Set the pycriu ``criu_opts`` booleans for ``flags``. Raises ValueError on unknown ones."""
+    check_flags(flags)
     for f in flags:
-        if f not in _FLAG_TO_OPT:
-            raise ValueError(f"unknown CRIU flag {f!r}")
         setattr(rpc_opts, _FLAG_TO_OPT[f], True)
 
 
@@ -102,8 +114,7 @@ def find_criu() -> str:
     Raises EnvironmentProblem when none is found.
     """
     cands = [os.environ.get("VLLM_SNAPSHOT_CRIU")]
-    cache = os.environ.get("VLLM_SNAPSHOT_CACHE", "/var/cache/vllm-snapshot")
-    cands.append(os.path.join(cache, "bin", "criu"))
+    cands.append(str(paths.cache_dir() / "bin" / "criu"))
     cands.append(shutil.which("criu"))
     for c in cands:
         if c and os.path.isfile(c) and os.access(c, os.X_OK):
@@ -119,10 +130,16 @@ def criu_version(binary: str) -> str:
         out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
     except OSError as e:
         raise EnvironmentProblem(f"cannot run {binary}: {e}") from e
-    m = re.search(r"Version:\s*(\S+)", out)
-    if not m:
+    v = parse_version(out)
+    if v is None:
         raise EnvironmentProblem(f"cannot parse `{binary} --version` output: {out!r}")
-    return m.group(1)
+    return v
+
+
+def parse_version(text: str) -> str | None:
+    """The ``Version:`` value of ``criu --version`` output (``"4.2.1"``), or None. Pure."""
+    m = re.search(r"Version:\s*(\S+)", text)
+    return m.group(1) if m else None
 
 
 def version_ok(version: str) -> bool:
@@ -150,26 +167,68 @@ def log_excerpt(log_path: Path, context: int = 4, limit: int = 30) -> str:
     return "\n".join(seen[-limit:])
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("VLLM_SNAPSHOT_CACHE", "/var/cache/vllm-snapshot"))
+#: Where distributions install CRIU plugins (Debian/Ubuntu ``criu`` >= 4.0 ships
+#: ``cuda_plugin.so`` in the first; CRIU's ``make install`` uses the second).
+SYSTEM_PLUGIN_DIRS = ("/usr/lib/criu", "/usr/local/lib/criu", "/usr/lib/x86_64-linux-gnu/criu")
+CUDA_PLUGIN = "cuda_plugin.so"
+
+
+def plugin_candidates(criu_binary: str | None, cache: Path | None = None) -> list[Path]:
+    """Where CRIU's CUDA plugin may be, in the order used: beside a source-built binary
+    (``<src>/plugins/cuda``; pass the resolved binary path), the setup cache's build (``cache``,
+    default :func:`paths.cache_dir`), then the system plugin directories. Pure. Doctor and
+    CRIU runs both use this list."""
+    out = []
+    if criu_binary:
+        src = Path(criu_binary).parent.parent  # <src>/criu/criu -> <src>
+        out.append(src / "plugins" / "cuda" / CUDA_PLUGIN)
+    out.append((cache or paths.cache_dir()) / "criu-4.2.1" / "plugins" / "cuda" / CUDA_PLUGIN)
+    out += [Path(d) / CUDA_PLUGIN for d in SYSTEM_PLUGIN_DIRS]
+    return list(dict.fromkeys(out))
+
+
+def find_cuda_plugin(criu_binary: str | None, is_file=os.path.isfile) -> Path:
+    """The first existing :func:`plugin_candidates` entry. Raises EnvironmentProblem listing
+    where it looked."""
+    cands = plugin_candidates(os.path.realpath(criu_binary) if criu_binary else None)
+    for c in cands:
+        if is_file(str(c)):
+            return c
+    raise EnvironmentProblem(
+        "CRIU's CUDA plugin (cuda_plugin.so) is missing; looked in: " + ", ".join(map(str, cands)),
+        hint="run scripts/setup.sh (it builds the plugin with CRIU), or install your distribution's criu package")
 
 
 def cuda_env(criu_binary: str) -> dict[str, str]:
     """Environment for a CRIU run on a CUDA engine: ``CRIU_LIBS_DIR`` = the directory of the
-    CUDA plugin built with CRIU (CRIU 4.2.1 criu/plugin.c reads it when no ``-L`` is given),
-    and ``PATH`` with our ``cuda-checkpoint`` helper first (the plugin execs it from PATH),
-    unless ``VLLM_SNAPSHOT_CUDA_CHECKPOINT`` names NVIDIA's binary. Raises EnvironmentProblem
-    when the plugin is missing."""
-    from . import cuda_checkpoint, gpu
+    CUDA plugin (CRIU 4.2.1 criu/plugin.c reads it when no ``-L`` is given), and ``PATH`` with
+    our ``cuda-checkpoint`` helper first (the plugin execs it from PATH), unless
+    ``VLLM_SNAPSHOT_CUDA_CHECKPOINT`` names NVIDIA's binary. Raises EnvironmentProblem when
+    the plugin is missing."""
+    from . import cuda_checkpoint
 
-    src = Path(os.path.realpath(criu_binary)).parent.parent  # <src>/criu/criu -> <src>
-    try:
-        plugin = gpu.cuda_plugin_path(src)
-    except EnvironmentProblem:
-        plugin = gpu.cuda_plugin_path(_cache_dir() / "criu-4.2.1")
+    plugin = find_cuda_plugin(criu_binary)
     own = os.environ.get("VLLM_SNAPSHOT_CUDA_CHECKPOINT")
-    helper = Path(own).parent if own else cuda_checkpoint.helper_dir(_cache_dir())
+    helper = Path(own).parent if own else cuda_checkpoint.helper_dir(paths.cache_dir())
     return {"CRIU_LIBS_DIR": str(plugin.parent), "PATH": f"{helper}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
+
+
+def keep_log(log: Path, what: str, keep_dir: Path | None = None) -> Path | None:
+    """Copy a CRIU log to ``keep_dir`` (default :func:`paths.log_dir`) as
+    ``criu-WHAT-YYYYmmdd-HHMMSS-PID.log`` (0600); return the copy, or None when it could not
+    be kept."""
+    import shutil
+    import time
+
+    d = keep_dir or paths.log_dir()
+    try:
+        paths.ensure_private_dir(d)
+        dst = d / f"criu-{what}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+        shutil.copyfile(log, dst)
+        os.chmod(dst, 0o600)
+        return dst
+    except OSError:
+        return None
 
 
 class _env:
@@ -202,6 +261,7 @@ class Criu:
 
     binary: str
     env: dict = field(default_factory=dict)
+    keep_log_dir: Path | None = None
 
     def _client(self):
         try:
@@ -214,62 +274,49 @@ class Criu:
         c.use_binary(self.binary)
         return c, pycriu
 
+    def _failed(self, what: str, work_dir: Path, log_name: str) -> CriuError:
+        log = work_dir / log_name
+        kept = keep_log(log, what, self.keep_log_dir)
+        return CriuError(
+            f"CRIU {what} failed; log excerpt:\n{log_excerpt(log)}",
+            hint=f"full log: {kept}" if kept else f"the CRIU log could not be kept ({log})",
+            details={"log": str(kept) if kept else None})
+
     def dump(self, opts: DumpOptions, images_dir: Path, work_dir: Path) -> None:
         """Dump the tree rooted at ``opts.pid`` into ``images_dir``; log into ``work_dir``.
-
-        The tree is killed by CRIU after a successful dump unless ``leave_running``.
-        """
+        CRIU kills the tree after a successful dump. Raises CriuError (its log kept under
+        :func:`paths.log_dir`, the hint names the copy)."""
         c, pycriu = self._client()
         dfd = os.open(images_dir, os.O_DIRECTORY)
         wfd = os.open(work_dir, os.O_DIRECTORY)
         try:
             c.opts.images_dir_fd = dfd
             c.opts.work_dir_fd = wfd
-            c.opts.pid = opts.pid
-            c.opts.log_level = LOG_LEVEL
-            c.opts.log_file = DUMP_LOG
-            c.opts.leave_running = opts.leave_running
-            apply_flags(c.opts, opts.flags)
-            for e in opts.external:
-                c.opts.external.append(e)
+            dump_rpc(opts, c.opts)
             try:
                 with _env(self.env):
                     c.dump()
             except pycriu.CRIUException as e:
-                raise CriuError(
-                    f"CRIU dump failed; log excerpt:\n{log_excerpt(work_dir / DUMP_LOG)}",
-                    hint=f"full log: {work_dir / DUMP_LOG}",
-                ) from e
+                raise self._failed("dump", work_dir, DUMP_LOG) from e
         finally:
             os.close(dfd)
             os.close(wfd)
 
     def restore(self, opts: RestoreOptions, images_dir: Path, work_dir: Path) -> int:
         """Restore the tree from ``images_dir`` as a child of this process (restore-sibling,
-        detached); returns the restored root's host PID."""
+        detached); returns the restored root's host PID. Raises CriuError (log kept)."""
         c, pycriu = self._client()
         dfd = os.open(images_dir, os.O_DIRECTORY)
         wfd = os.open(work_dir, os.O_DIRECTORY)
         try:
             c.opts.images_dir_fd = dfd
             c.opts.work_dir_fd = wfd
-            c.opts.log_level = LOG_LEVEL
-            c.opts.log_file = RESTORE_LOG
-            c.opts.root = opts.root
-            c.opts.rst_sibling = True
-            apply_flags(c.opts, opts.flags)
-            for key, fd in opts.inherit_fds:
-                c.opts.inherit_fd.add(key=key, fd=fd)
-            for e in opts.external:
-                c.opts.external.append(e)
+            restore_rpc(opts, c.opts)
             try:
                 with _env(self.env):
                     resp = c.restore()
             except pycriu.CRIUException as e:
-                raise CriuError(
-                    f"CRIU restore failed; log excerpt:\n{log_excerpt(work_dir / RESTORE_LOG)}",
-                    hint=f"full log: {work_dir / RESTORE_LOG}",
-                ) from e
+                raise self._failed("restore", work_dir, RESTORE_LOG) from e
             return int(resp.pid)
         finally:
             os.close(dfd)

@@ -128,7 +128,7 @@ class Driver(Protocol):
     def unlock(self, pid: int) -> None: ...
 
 
-class CudaDriver:
+class CudaDriver(Driver):
     """:class:`Driver` over ``cuda.bindings.driver``; imports it and calls ``cuInit(0)`` on
     construction (raises :class:`DriverError` when either fails, e.g. no NVIDIA driver)."""
 

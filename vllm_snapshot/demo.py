@@ -9,7 +9,6 @@ and the cold-vs-restore ratio measured in this run, then stops the engine.
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -17,12 +16,15 @@ import time
 import urllib.error
 from pathlib import Path
 
-from . import manifest, ops, render, tiny_model
+from . import manifest, ops, tiny_model
 from .errors import EngineError, SnapshotError
 from .progress import make_reporter
+from .results import DemoReport
 from .supervisor import scrubbed_env
+from .tools import LocalTools, _http_json
 
-DEFAULT_SNAPSHOT = Path("/var/lib/vllm-snapshot/demo-tiny-llama")
+#: The demo's snapshot name under the snapshot root.
+DEFAULT_NAME = "demo-tiny-llama"
 #: Engine args for the tiny model on CPU: float32, a 64 MiB KV cache (without an explicit
 #: size vLLM's CPU backend reserves --gpu-memory-utilization of host RAM, and every byte of it
 #: lands in the snapshot), served as "tiny-llama".
@@ -53,7 +55,7 @@ def cold_start(model: Path, port: int) -> float:
             if time.monotonic() - t0 > COLD_TIMEOUT_S:
                 raise EngineError("cold-start server did not answer in time")
             try:
-                status, _ = ops._http_json(f"http://127.0.0.1:{port}/v1/completions", {
+                status, _ = _http_json(f"http://127.0.0.1:{port}/v1/completions", {
                     "model": tiny_model.SERVED_NAME, "prompt": "Hello", "max_tokens": 1}, timeout=5)
                 if status == 200:
                     return time.monotonic() - t0
@@ -72,64 +74,51 @@ def cold_start(model: Path, port: int) -> float:
             p.wait()
 
 
-def run(snapshot_dir: Path | None, port: int, skip_cold: bool, as_json: bool) -> None:
-    """Run the demo (see module doc). Raises SnapshotError subclasses on failure."""
-    ops.require_root()
+def run(snap: Path, port: int, skip_cold: bool, as_json: bool) -> DemoReport:
+    """Run the demo (see module doc) on the snapshot ``snap``; returns the report (rendered by
+    the caller). Raises SnapshotError subclasses on failure."""
+    t = LocalTools()
+    t.require_root()
     rep = make_reporter(as_json)
-    snap = (snapshot_dir or DEFAULT_SNAPSHOT).absolute()
+    snap = snap.absolute()
     with rep.phase("model", "tiny model"):
         model = tiny_model.generate(tiny_model.default_model_dir())
     m = None
     if (snap / manifest.MANIFEST_NAME).exists():
         try:
-            m, _ = ops.validate(snap)
+            m, _ = ops.validate(snap, tools=t)
             if list(m.engine.engine_args) != ENGINE_ARGS:
                 rep.info(f"existing snapshot {snap} was made with other engine args; re-creating it")
-                shutil.rmtree(snap)
                 m = None
             else:
                 rep.info(f"using existing snapshot {snap}")
         except SnapshotError as e:
             rep.info(f"existing snapshot {snap} does not validate ({e.code}); re-creating it")
-            shutil.rmtree(snap)
+        if m is None:
+            ops.delete(snap, tools=t)  # under its lock; refuses while an engine from it runs
     elif snap.exists() and not any(snap.iterdir()):
         snap.rmdir()
     if m is None:
         snap.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        m = ops.create(ops.CreateRequest(model=str(model), target=snap, engine_args=list(ENGINE_ARGS)), make_reporter(as_json))
+        m = ops.create(ops.CreateRequest(model=str(model), target=snap, engine_args=list(ENGINE_ARGS)),
+                       make_reporter(as_json), tools=t).manifest
     cold = None
     if not skip_cold:
         with rep.phase("cold_start", "measuring a cold start for comparison (start, first completion, stop)"):
             cold = cold_start(model, free_port())
     port = port or free_port()
     t0 = time.monotonic()
-    r = ops.restore(ops.RestoreRequest(snapshot=snap, port=port), make_reporter(as_json))
+    r, engine = ops.restore(ops.RestoreRequest(snapshot=snap, port=port), make_reporter(as_json), tools=t)
     restore_s = time.monotonic() - t0
     try:
-        status, body = ops._http_json(f"{r.url}/v1/completions", {
+        status, body = _http_json(f"{r.url}/v1/completions", {
             "model": m.model.served_name, "prompt": "Hello world", "max_tokens": 8, "temperature": 0.0})
         if status != 200:
             raise EngineError(f"completion failed: HTTP {status}: {body}")
         text = body["choices"][0]["text"]
     finally:
-        r.handle.kill(grace=15)
-        r.handle.close()
-    result = {
-        "snapshot": str(snap), "url": r.url, "completion": text,
-        "create_timings": m.timings, "create_s": round(sum(m.timings.values()), 3),
-        "restore_timings": r.timings, "restore_to_validated_completion_s": round(restore_s, 3),
-        "cold_start_to_first_completion_s": round(cold, 3) if cold else None,
-        "speedup": round(cold / restore_s, 1) if cold else None,
-        "raw_image_bytes": m.sizes["raw"], "stored_image_bytes": m.sizes["stored"],
-    }
-    if as_json:
-        render.emit_json(result)
-        return
-    render.timings_table("create phases (seconds, from the manifest)", m.timings)
-    render.timings_table("restore phases (seconds, this run)", r.timings)
-    print(f"completion from the restored engine: {text!r}")
-    print(f"images: {render.human_bytes(m.sizes['raw'])} raw, {render.human_bytes(m.sizes['stored'])} stored")
-    print(f"restore → first validated completion: {restore_s:.2f} s")
-    if cold:
-        print(f"cold start → first completion:        {cold:.2f} s   (restore is {cold / restore_s:.1f}× faster)")
-    print("engine stopped.")
+        engine.kill(grace=15)
+        engine.close()
+        t.unregister(r.pid)
+    return DemoReport(str(snap), r.url, text, dict(m.timings), dict(r.timings), restore_s, cold,
+                      m.sizes["raw"], m.sizes["stored"])

@@ -30,17 +30,18 @@ import stat
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
 from . import criu as criu_mod
+from . import paths
 from .errors import EnvironmentProblem
 
 Severity = Literal["error", "warning", "info"]
 
-#: Where snapshots live by default (the demo and the systemd unit use it).
-SNAPSHOT_ROOT = "/var/lib/vllm-snapshot"
+#: The default snapshot root (``run_checks`` is given the root the command uses).
+DEFAULT_SNAPSHOT_ROOT = str(paths.DEFAULT_ROOT)
 DEV_SHM = "/dev/shm"
 PROC_GPUS = "/proc/driver/nvidia/gpus"
 IO_URING_SYSCTL = "/proc/sys/kernel/io_uring_disabled"
@@ -131,7 +132,7 @@ class Probes(Protocol):
     def env(self, name: str) -> str | None: ...
 
 
-class RealProbes:
+class RealProbes(Probes):
     """:class:`Probes` for this host."""
 
     def euid(self) -> int:
@@ -285,11 +286,10 @@ def _check_criu(p: Probes) -> tuple[list[Check], str | None]:
                       "$VLLM_SNAPSHOT_CACHE/bin/criu, PATH)",
                       "install CRIU >= 4.2 (Ubuntu 24.04+/Debian 13+: apt install criu) or run scripts/setup.sh")], None
     rc, out = p.run([binary, "--version"], 10)
-    m = re.search(r"Version:\s*(\S+)", out)
-    if rc != 0 or not m:
+    v = criu_mod.parse_version(out)
+    if rc != 0 or v is None:
         return [Check("criu", False, "error", f"cannot read `{binary} --version`: {_last_line(out)}",
                       "reinstall CRIU (scripts/setup.sh)")], binary
-    v = m.group(1)
     if not criu_mod.version_ok(v):
         return [Check("criu", False, "error", f"CRIU {v} at {binary} is older than 4.2 (4.1 fails on kernels >= 6.16)",
                       "install CRIU >= 4.2, or run scripts/setup.sh (builds 4.2.1 into /var/cache/vllm-snapshot)")], binary
@@ -343,7 +343,7 @@ def _check_kernel(p: Probes) -> list[Check]:
 
 
 def _unsafe_parent(p: Probes, path: str, euid: int) -> str | None:
-    # The same rule restore applies (store.check_dir_safety): parents owned by us or root,
+    # The same rule restore applies (layout.check_dir_safety): parents owned by us or root,
     # not group/world-writable unless sticky and root-owned.
     for parent in Path(path).parents:
         st = p.stat(str(parent))
@@ -451,18 +451,9 @@ def _check_python(p: Probes) -> list[Check]:
 
 
 def _plugin_candidates(p: Probes, criu_binary: str | None) -> list[str]:
-    cands = []
-    if criu_binary:  # a source build: <src>/criu/criu -> <src>/plugins/cuda/cuda_plugin.so
-        src = Path(criu_binary).parent.parent
-        cands.append(str(src / "plugins" / "cuda" / "cuda_plugin.so"))
-    cache = p.env("VLLM_SNAPSHOT_CACHE") or "/var/cache/vllm-snapshot"
-    cands.append(os.path.join(cache, "criu-4.2.1", "plugins", "cuda", "cuda_plugin.so"))
-    cands += ["/usr/lib/criu/cuda_plugin.so", "/usr/local/lib/criu/cuda_plugin.so"]
-    seen: list[str] = []
-    for c in cands:
-        if c not in seen:
-            seen.append(c)
-    return seen
+    # the same list CRIU runs use (criu.plugin_candidates), with this probe's cache setting
+    cache = p.env("VLLM_SNAPSHOT_CACHE")
+    return [str(c) for c in criu_mod.plugin_candidates(criu_binary, Path(cache) if cache else None)]
 
 
 def _check_gpu(p: Probes, criu_binary: str | None) -> list[Check]:
@@ -513,7 +504,7 @@ def _check_gpu(p: Probes, criu_binary: str | None) -> list[Check]:
     return out
 
 
-def run_checks(probes: Probes | None = None, *, snapshot_root: str = SNAPSHOT_ROOT) -> list[Check]:
+def run_checks(probes: Probes | None = None, *, snapshot_root: str = DEFAULT_SNAPSHOT_ROOT) -> list[Check]:
     """Every check, in a fixed order: root/capabilities, CRIU (version, ``criu check``,
     features), io_uring, kernel, glibc, snapshot root (permissions, free space), /dev/shm,
     helper programs, vLLM, pycriu, and on GPU hosts the GPU, driver, CRIU CUDA plugin and
@@ -539,39 +530,3 @@ def exit_code(checks: Sequence[Check]) -> int:
     """0 when no ``error``-severity check failed (create and restore can work), else 11
     (:class:`EnvironmentProblem`'s exit code)."""
     return EnvironmentProblem.exit_code if any(not c.ok and c.severity == "error" for c in checks) else 0
-
-
-def to_json(checks: Sequence[Check]) -> dict:
-    """``{"ok", "exit_code", "checks": [{name, ok, severity, detail, remedy}, ...]}`` (pass it to
-    ``render.emit_json``, which adds ``schema_version``)."""
-    code = exit_code(checks)
-    return {"ok": code == 0, "exit_code": code, "checks": [asdict(c) for c in checks]}
-
-
-def print_table(checks: Sequence[Check]) -> None:
-    """A rich table: mark (✓ passed, ✗ failed error, ! failed warning, i failed info), name,
-    detail, remedy; then a one-line verdict."""
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
-    c = Console() if sys.stdout.isatty() else Console(width=140)
-    t = Table(title="vllm-snapshot doctor", title_justify="left")
-    t.add_column("", no_wrap=True)
-    t.add_column("check", style="bold", no_wrap=True)
-    t.add_column("detail")
-    t.add_column("remedy")
-    for ch in checks:
-        if ch.ok:
-            mark = "[green]✓[/]"
-        else:
-            mark = {"error": "[red]✗[/]", "warning": "[yellow]![/]"}.get(ch.severity, "[blue]i[/]")
-        t.add_row(mark, escape(ch.name), escape(ch.detail), "" if ch.ok and not ch.remedy else escape(ch.remedy))
-    c.print(t)
-    errors = [ch.name for ch in checks if not ch.ok and ch.severity == "error"]
-    warnings = [ch.name for ch in checks if not ch.ok and ch.severity == "warning"]
-    if errors:
-        c.print(f"[red]not ready[/]: {len(errors)} error(s): {escape(', '.join(errors))}")
-    else:
-        c.print("[green]ready[/]: create and restore can work on this host"
-                + (f" ({len(warnings)} warning(s): {escape(', '.join(warnings))})" if warnings else ""))

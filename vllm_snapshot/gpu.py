@@ -156,20 +156,3 @@ def check_free_memory(required_bytes: int, free_bytes: int, *, gpu: str = "the G
             hint="stop the processes using the GPU (`nvidia-smi` lists them) or restore on another GPU",
             details={"gpu": gpu, "required_bytes": required_bytes, "free_bytes": free_bytes},
         )
-
-
-def cuda_plugin_path(criu_src_dir: str | os.PathLike) -> Path:
-    """``<criu_src_dir>/plugins/cuda/cuda_plugin.so`` (built by ``make cuda_plugin`` in the
-    CRIU source tree, as scripts/setup.sh does). Raises EnvironmentProblem when it is missing.
-
-    CRIU's ``-L`` / ``CRIU_LIBS_DIR`` names a *directory* and loads every ``*.so`` in it
-    (``cr_plugin_init`` in CRIU 4.2.1 ``criu/plugin.c``): pass ``.parent`` of this path, which
-    after the build holds only this plugin.
-    """
-    p = Path(criu_src_dir) / "plugins" / "cuda" / "cuda_plugin.so"
-    if not p.is_file():
-        raise EnvironmentProblem(
-            f"CRIU's CUDA plugin is missing: {p}",
-            hint="run scripts/setup.sh (it runs `make cuda_plugin` in the CRIU source tree)",
-        )
-    return p

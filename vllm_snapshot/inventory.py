@@ -18,7 +18,7 @@ could only restore wrongly because it is shared with the world outside the tree:
 - a TCP socket listening on a non-loopback address (the HTTP port is bound only after restore).
 
 What is allowed is recorded in the returned :class:`Inventory`: loopback listeners (restore
-checks their ports are free with :func:`check_listeners_free`) and every regular file the tree
+checks their ports are free with :func:`vllm_snapshot.ports.listeners_taken`) and every regular file the tree
 has open or mapped (restore refuses changed or vanished ones with :func:`check_files`).
 
 Pipes (the supervisor's control/events/log channels) are not sockets and are always fine.
@@ -43,14 +43,15 @@ import blake3
 import psutil
 
 from .errors import EngineError, EnvironmentProblem, UnsnapshottableError
+from .engine.mounts import PRIVATE as PRIVATE_MOUNTS
+from .manifest import TreeFile
+from .procs import command, tree
 
 #: Files up to this many bytes get a BLAKE3 content digest in their record.
 HASH_LIMIT_BYTES = 1 << 20
-#: Mount points that are private tmpfs inside the engine's mount namespace (dumped by CRIU
-#: with the tree); files under them are not recorded and locks on them are fine.
 #: Mount points private to the engine's namespace (see engine/mounts.py): the tmpfs on /dev/shm
 #: and the engine's TMPDIR. Files there are dumped with the tree, not recorded as host files.
-PRIVATE_PREFIXES: tuple[str, ...] = ("/dev/shm", "/var/tmp/.vllm-snapshot-engine")
+PRIVATE_PREFIXES: tuple[str, ...] = PRIVATE_MOUNTS
 #: Pseudo file systems: never recorded as files.
 PSEUDO_PREFIXES: tuple[str, ...] = ("/proc", "/sys", "/dev")
 #: JIT caches that are rotated or cleaned between runs: (path marker, name, remedy).
@@ -99,31 +100,6 @@ _T = TypeVar("_T")
 # ----------------------------------------------------------------------------- results
 
 @dataclass(frozen=True)
-class FileRecord:
-    """A regular file the tree had open or mapped at inventory time.
-
-    ``path`` is absolute (host view, identical to the tree's view), ``size`` in bytes,
-    ``mtime_ns`` nanoseconds since the epoch, ``blake3`` the hex digest (64 chars) of the
-    whole content when ``size <= HASH_LIMIT_BYTES``, else ``None``.
-    """
-
-    path: str
-    size: int
-    mtime_ns: int
-    blake3: str | None
-
-    def to_json(self) -> dict:
-        """``{"path", "size", "mtime_ns", "blake3"}`` (JSON-able)."""
-        return {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns, "blake3": self.blake3}
-
-    @classmethod
-    def from_json(cls, d: Mapping) -> "FileRecord":
-        """Inverse of :meth:`to_json`. Raises KeyError/TypeError on a malformed dict."""
-        return cls(str(d["path"]), int(d["size"]), int(d["mtime_ns"]),
-                   None if d["blake3"] is None else str(d["blake3"]))
-
-
-@dataclass(frozen=True)
 class Inventory:
     """What :func:`inspect_tree` found in an acceptable tree.
 
@@ -131,23 +107,18 @@ class Inventory:
       ``commands``: their command lines (same order, truncated to 200 chars).
     - ``listeners``: ``(address, port)`` of each TCP socket of the tree listening on a
       loopback address (``"127.0.0.1"``, ``"::1"``, ...), sorted, without duplicates.
-    - ``files``: :class:`FileRecord` of every regular file open or mapped, sorted by path.
-    - ``private_paths``: paths the tree sees but the host does not (or sees as another file):
-      they live in the tree's own mount namespace and are not recorded.
+    - ``files``: :class:`~vllm_snapshot.manifest.TreeFile` of every regular file open or
+      mapped (host view), sorted by path; recorded in the manifest as they are.
+    - ``deleted_files``: absolute paths of deleted-but-open files (CRIU link-remaps them into
+      their directory at dump; :mod:`vllm_snapshot.remaps` keeps those).
     """
 
     root_pid: int
     pids: tuple[int, ...]
     commands: tuple[str, ...]
     listeners: tuple[tuple[str, int], ...]
-    files: tuple[FileRecord, ...]
-    private_paths: tuple[str, ...] = ()
-
-    def to_json(self) -> dict:
-        """JSON-able dict of every field (listeners as ``[address, port]`` lists)."""
-        return {"root_pid": self.root_pid, "pids": list(self.pids), "commands": list(self.commands),
-                "listeners": [list(x) for x in self.listeners],
-                "files": [f.to_json() for f in self.files], "private_paths": list(self.private_paths)}
+    files: tuple[TreeFile, ...]
+    deleted_files: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -184,19 +155,11 @@ class _Proc:
         return out
 
 
-def _command(p: psutil.Process) -> str:
-    try:
-        cmd = " ".join(" ".join(p.cmdline()).split()) or p.name()
-    except (psutil.Error, OSError):
-        cmd = "?"
-    return cmd[:200]
-
-
 def _read_proc(p: psutil.Process) -> _Proc | None:
     """fds and file mappings of one process; None when it exited meanwhile. Raises
     EnvironmentProblem when /proc is not readable (not root)."""
     pid = p.pid
-    out = _Proc(pid, _command(p))
+    out = _Proc(pid, command(p))
     try:
         names = os.listdir(f"/proc/{pid}/fd")
         for n in names:
@@ -215,14 +178,6 @@ def _read_proc(p: psutil.Process) -> _Proc | None:
         raise EnvironmentProblem(f"cannot inspect PID {pid} ({out.command}): {e}",
                                  hint="run vllm-snapshot as root") from e
     return out
-
-
-def _tree(root_pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(root_pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess as e:
-        raise EngineError(f"process {root_pid} does not exist (the engine exited?)") from e
 
 
 def _under(path: str, prefixes: Iterable[str]) -> bool:
@@ -396,7 +351,7 @@ def _socket_owners(inodes: set[int]) -> dict[int, tuple[int, str]]:
                 except OSError:
                     continue
                 if t.startswith("socket:[") and int(t[8:-1]) in inodes and int(t[8:-1]) not in found:
-                    found[int(t[8:-1])] = (p.pid, _command(p)[:120])
+                    found[int(t[8:-1])] = (p.pid, command(p, 120))
         except (OSError, psutil.Error):
             continue
         if len(found) == len(inodes):
@@ -452,8 +407,8 @@ def _hash_file(path: str) -> str:
     return h.hexdigest()
 
 
-def file_record(path: str) -> FileRecord:
-    """:class:`FileRecord` of the regular file at ``path`` now (size in bytes, mtime in ns,
+def file_record(path: str) -> TreeFile:
+    """:class:`TreeFile` of the regular file at ``path`` now (size in bytes, mtime in ns,
     BLAKE3 hex of the content when ``size <= HASH_LIMIT_BYTES``). Raises OSError (e.g.
     FileNotFoundError) when it cannot be read, ValueError when it is not a regular file."""
     for _ in range(3):
@@ -463,8 +418,9 @@ def file_record(path: str) -> FileRecord:
         digest = _hash_file(path) if st.st_size <= HASH_LIMIT_BYTES else None
         st2 = os.stat(path)
         if (st2.st_size, st2.st_mtime_ns, st2.st_ino) == (st.st_size, st.st_mtime_ns, st.st_ino):
-            return FileRecord(path, st.st_size, st.st_mtime_ns, digest)
-    return FileRecord(path, st2.st_size, st2.st_mtime_ns, None if st2.st_size > HASH_LIMIT_BYTES else _hash_file(path))
+            return TreeFile(path=path, size=st.st_size, mtime_ns=st.st_mtime_ns, blake3=digest)
+    return TreeFile(path=path, size=st2.st_size, mtime_ns=st2.st_mtime_ns,
+                    blake3=None if st2.st_size > HASH_LIMIT_BYTES else _hash_file(path))
 
 
 def _jit_cache(path: str) -> tuple[str, str] | None:
@@ -488,7 +444,7 @@ def inspect_tree(root_pid: int, private_prefixes: tuple[str, ...] = PRIVATE_PREF
     no ``unix_diag``). Takes well under a second for an engine tree (files > 1 MiB are only
     stat()-ed).
     """
-    procs = [x for x in (_read_proc(p) for p in _tree(root_pid)) if x is not None]
+    procs = [x for x in (_read_proc(p) for p in tree(root_pid)) if x is not None]
     if not procs:
         raise EngineError(f"process {root_pid} does not exist (the engine exited?)")
     findings: list[Finding] = []
@@ -502,7 +458,9 @@ def inspect_tree(root_pid: int, private_prefixes: tuple[str, ...] = PRIVATE_PREF
     _check_uring_rdma(procs, findings)
     _check_sysv(procs, tree_pids, findings)
     _check_locks(procs, tree_pids, private_prefixes, findings)
-    files, private = _collect_files(procs, private_prefixes)
+    files = _collect_files(procs, private_prefixes)
+    deleted = sorted({t[: -len(" (deleted)")] for p in procs for _fd, t in p.fds
+                      if t.startswith("/") and t.endswith(" (deleted)")})
 
     if findings:
         hints = list(dict.fromkeys(f.hint for f in findings))
@@ -513,7 +471,7 @@ def inspect_tree(root_pid: int, private_prefixes: tuple[str, ...] = PRIVATE_PREF
             details=[{"pid": f.pid, "command": f.command, "kind": f.kind, "object": f.obj} for f in findings])
     return Inventory(root_pid=procs[0].pid, pids=tuple(p.pid for p in procs),
                      commands=tuple(p.command for p in procs), listeners=tuple(sorted(listeners)),
-                     files=files, private_paths=private)
+                     files=files, deleted_files=tuple(deleted))
 
 
 def _check_sockets(procs: list[_Proc], tree_socks: dict[int, _Proc], findings: list[Finding]) -> set[tuple[str, int]]:
@@ -690,9 +648,8 @@ def _check_locks(procs: list[_Proc], tree_pids: set[int], private_prefixes: tupl
                                 f"{c[1]} {c[3]} lock on inode {c[5]} (no open fd of the tree shows it)", HINT_LOCK))
 
 
-def _collect_files(procs: list[_Proc], private_prefixes: tuple[str, ...]) -> tuple[tuple[FileRecord, ...], tuple[str, ...]]:
-    records: dict[str, FileRecord] = {}
-    private: set[str] = set()
+def _collect_files(procs: list[_Proc], private_prefixes: tuple[str, ...]) -> tuple[TreeFile, ...]:
+    records: dict[str, TreeFile] = {}
     done: set[tuple[str, str]] = set()  # (mount ns, path)
     for p in procs:
         try:
@@ -715,25 +672,22 @@ def _collect_files(procs: list[_Proc], private_prefixes: tuple[str, ...]) -> tup
             try:
                 host = os.stat(path)
             except FileNotFoundError:
-                private.add(path)
-                continue
+                continue  # private to the tree's mount namespace
             if (host.st_dev, host.st_ino) != (view.st_dev, view.st_ino):
-                private.add(path)
-                continue
+                continue  # the tree sees another file there (its own mount)
             if path in records:
                 continue
             try:
                 records[path] = file_record(path)
             except (OSError, ValueError):
                 continue
-    private -= set(records)
-    return tuple(records[k] for k in sorted(records)), tuple(sorted(private))
+    return tuple(records[k] for k in sorted(records))
 
 
 # ----------------------------------------------------------------------------- restore checks
 
-def check_files(records: Iterable[FileRecord | Mapping]) -> list[str]:
-    """Compare recorded files (:class:`FileRecord` or their JSON dicts) with the host now.
+def check_files(records: Iterable[TreeFile | Mapping]) -> list[str]:
+    """Compare recorded files (:class:`TreeFile` or their JSON dicts) with the host now.
 
     Returns one human-readable problem per file that vanished, is no longer a regular file,
     changed size, or changed content (BLAKE3, files <= ``HASH_LIMIT_BYTES``; a changed mtime
@@ -743,7 +697,7 @@ def check_files(records: Iterable[FileRecord | Mapping]) -> list[str]:
     """
     problems = []
     for r in records:
-        rec = r if isinstance(r, FileRecord) else FileRecord.from_json(r)
+        rec = r if isinstance(r, TreeFile) else TreeFile.model_validate(dict(r))
         problem = None
         try:
             st = os.stat(rec.path)
@@ -770,49 +724,5 @@ def check_files(records: Iterable[FileRecord | Mapping]) -> list[str]:
     return problems
 
 
-def _port_owner(port: int) -> tuple[int, str] | None:
-    try:
-        conns = psutil.net_connections("tcp")
-    except (psutil.Error, OSError):
-        return None
-    best = None
-    for c in conns:
-        if c.laddr and c.laddr.port == port and c.pid:
-            if c.status == psutil.CONN_LISTEN:
-                best = c.pid
-                break
-            best = best or c.pid
-    if best is None:
-        return None
-    try:
-        return best, _command(psutil.Process(best))[:120]
-    except psutil.Error:
-        return best, "?"
-
-
-def check_listeners_free(listeners: Iterable[tuple[str, int] | list]) -> list[str]:
-    """For each recorded loopback listener ``(address, port)``, try to bind it now (TCP,
-    SO_REUSEADDR, so TIME_WAIT leftovers do not count). Returns one message per address that
-    cannot be bound, naming the PID and command holding the port when known (as root).
-    Empty list = all free. Raises nothing."""
-    problems = []
-    for addr, port in listeners:
-        fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
-        s = socket.socket(fam, socket.SOCK_STREAM)
-        try:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((addr, int(port)))
-        except OSError as e:
-            owner = _port_owner(int(port))
-            who = f"taken by PID {owner[0]} ({owner[1]})" if owner else "taken (owner unknown)"
-            reason = _errno.errorcode.get(e.errno, str(e.errno)) if e.errno else str(e)
-            problems.append(f"{_fmt_addr((addr, int(port)))} is {who}: {reason}; the engine listened "
-                            f"there when the snapshot was made and must get it back")
-        finally:
-            s.close()
-    return problems
-
-
-__all__ = ["FileRecord", "Inventory", "Finding", "inspect_tree", "check_files", "check_listeners_free",
-           "file_record", "read_tcp_table", "read_unix_table", "HASH_LIMIT_BYTES", "PRIVATE_PREFIXES",
-           "JIT_CACHES"]
+__all__ = ["Inventory", "Finding", "inspect_tree", "check_files", "file_record", "read_tcp_table",
+           "read_unix_table", "HASH_LIMIT_BYTES", "PRIVATE_PREFIXES", "JIT_CACHES"]

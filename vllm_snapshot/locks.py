@@ -17,7 +17,7 @@ from typing import Iterator
 
 from .errors import BusyError
 
-RUN_DIR = Path(os.environ.get("VLLM_SNAPSHOT_RUN_DIR", "/run/vllm-snapshot"))
+from . import paths
 
 
 def snapshot_lock_path(snapshot: Path) -> Path:
@@ -27,7 +27,7 @@ def snapshot_lock_path(snapshot: Path) -> Path:
     import hashlib
 
     key = hashlib.sha256(str(snapshot.absolute()).encode()).hexdigest()[:32]
-    return RUN_DIR / "locks" / f"{key}.lock"
+    return paths.run_dir() / "locks" / f"{key}.lock"
 
 
 def holders(path: Path) -> list[str]:
@@ -60,8 +60,9 @@ def holders(path: Path) -> list[str]:
 def lock(path: Path, what: str, shared: bool = False, wait_s: float = 0.0) -> Iterator[None]:
     """Hold a flock on ``path`` (created 0600). Refuses at once (``wait_s`` 0) or after
     ``wait_s`` seconds with BusyError naming the holders' PIDs and commands."""
-    if path.parent == RUN_DIR or path.parent.parent == RUN_DIR:
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    run = paths.run_dir()
+    if path.parent == run or path.parent.parent == run:
+        paths.ensure_private_dir(path.parent)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     mode = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB
     deadline = time.monotonic() + wait_s
@@ -98,4 +99,4 @@ def snapshot_lock(snapshot: Path, shared: bool = False, must_exist: bool = True)
 
 def criu_lock(wait_s: float = 300.0):
     """Host-wide lock around one CRIU dump/restore (they serialize; a waiter waits)."""
-    return lock(RUN_DIR / "criu.lock", "CRIU", shared=False, wait_s=wait_s)
+    return lock(paths.run_dir() / "criu.lock", "CRIU", shared=False, wait_s=wait_s)

@@ -85,6 +85,24 @@ def stopping() -> bool:
     return notify("STOPPING=1")
 
 
-def mainpid(pid: int) -> bool:
-    """``MAINPID=pid``: the main process of the service is ``pid`` (sd_notify(3))."""
-    return notify(f"MAINPID={int(pid)}")
+class ServiceLifecycle:
+    """The fences of a ``Type=notify`` service around a foreground restore: ``READY=1`` (with
+    ``MAINPID`` = this process) only once the engine serves, ``STOPPING=1`` once when shutting
+    down. Inactive (every call a no-op) when ``$NOTIFY_SOCKET`` is unset."""
+
+    def __init__(self, active: bool) -> None:
+        self.active = active
+        self._stopping_sent = False
+
+    @classmethod
+    def from_env(cls) -> "ServiceLifecycle":
+        return cls(bool(os.environ.get(ENV)))
+
+    def ready(self, status_text: str) -> None:
+        if self.active:
+            ready(status_text, mainpid=os.getpid())
+
+    def stopping(self) -> None:
+        if self.active and not self._stopping_sent:
+            self._stopping_sent = True
+            stopping()

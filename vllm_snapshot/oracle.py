@@ -72,3 +72,19 @@ def compare(expected: Oracle, actual: Oracle, tol: float = LOGPROB_ABS_TOL) -> l
                         f" (tolerance {tol})"
                     )
     return diffs
+
+
+def compare_http(expected: Oracle, text: object, logprob: object, tol: float = LOGPROB_ABS_TOL) -> list[str]:
+    """The canary's rule: an HTTP completion (``text``, first ``token_logprobs`` value) must
+    carry the oracle's text and logprob (within ``tol``). A missing, non-numeric or
+    non-finite logprob is a difference, never an exception. Pure."""
+    diffs = []
+    if text != expected.text:
+        diffs.append(f"canary text: expected {expected.text!r}, got {text!r}")
+    try:
+        lp = float(logprob)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        lp = math.nan
+    if not math.isfinite(lp) or abs(lp - expected.logprob) > tol:
+        diffs.append(f"canary logprob: expected {expected.logprob!r}, got {logprob!r}")
+    return diffs

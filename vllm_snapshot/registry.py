@@ -1,6 +1,6 @@
 """Runtime registry of engines restored on this host (for status/stop/switch/delete).
 
-One JSON file per engine in ``/run/vllm-snapshot/engines/PID.json`` (tmpfs: gone at reboot,
+One JSON file per engine in ``RUN_DIR/engines/PID.json`` (``paths.run_dir()``, ``/run/vllm-snapshot``) (tmpfs: gone at reboot,
 like the engines). Entries whose engine PID is dead are removed whenever the registry is read.
 """
 
@@ -15,13 +15,12 @@ from pathlib import Path
 
 import psutil
 
-from .locks import RUN_DIR
+from . import paths, ports
+from .procs import tree
 
 
 def _dir() -> Path:
-    d = RUN_DIR / "engines"
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return d
+    return paths.ensure_private_dir(paths.run_dir() / "engines")
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,7 @@ class Entry:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return ports.url(self.host, self.port)
 
 
 def register(e: Entry) -> Path:
@@ -93,10 +92,8 @@ def stop(e: Entry, grace_s: float = 30.0) -> float:
     after ``grace_s``; wait until every process of the tree is gone (memory released).
     Returns seconds taken."""
     t0 = time.monotonic()
-    try:
-        root = psutil.Process(e.pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
+    procs = tree(e.pid)
+    if not procs:
         unregister(e.pid)
         return 0.0
     target = e.supervisor_pid if e.supervisor_pid and psutil.pid_exists(e.supervisor_pid) else e.pid

@@ -1,4 +1,6 @@
-"""Rendering: rich tables for humans, stable JSON for scripts. Nothing else prints results."""
+"""Rendering: rich tables and lines for humans, stable JSON for scripts. The one place that
+prints results (progress lines are :mod:`vllm_snapshot.progress`'s; error lines are
+``cli.main``'s). :func:`show` takes any :mod:`vllm_snapshot.results` object."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
+from . import results as R
 from .manifest import Manifest
 
 JSON_SCHEMA_VERSION = 1
@@ -26,6 +29,131 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+def show(result, as_json: bool = False, quiet: bool = False) -> None:
+    """Print a result: ``{"schema_version": 1, ...result.to_json()}`` with ``as_json``, else
+    its human form (nothing with ``quiet``, except for commands whose output is the point)."""
+    if as_json:
+        emit_json(result.to_json())
+        return
+    fn = _HUMAN.get(type(result))
+    if fn is None:  # pragma: no cover - every result type has a renderer (tested)
+        raise TypeError(f"no renderer for {type(result).__name__}")
+    fn(result, quiet)
+
+
+def _line(text: str) -> None:
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def _created(r: R.Created, quiet: bool) -> None:
+    if quiet:
+        return
+    m = r.manifest
+    _line(f"snapshot {r.snapshot} created: oracle {m.oracle.text!r} (token {m.oracle.token_id}), "
+          f"images {human_bytes(m.sizes['raw'])} raw, {human_bytes(m.sizes['stored'])} stored, "
+          f"{sum(m.timings.values()):.1f} s")
+
+
+def _inspected(r: R.Inspected, quiet: bool) -> None:
+    manifest_table(r.manifest, r.snapshot)
+
+
+def _verified(r: R.Verified, quiet: bool) -> None:
+    for w in r.warnings:
+        sys.stderr.write(f"warning: {w}\n")
+    _line(f"{r.snapshot}: OK ({r.images} images, {r.model_files} model files verified)")
+
+
+def _restored(r: R.Restored, quiet: bool) -> None:
+    if not quiet:
+        sys.stderr.write(f"[vllm-snapshot] serving {r.served_name} at {r.url} (engine PID {r.pid}); "
+                         f"restore took {sum(r.timings.values()):.2f} s\n")
+        sys.stderr.flush()
+    if r.detached:
+        _line(str(r.pid))  # scripts read the engine PID from stdout
+
+
+def _listed(r: R.Listed, quiet: bool) -> None:
+    snapshot_list(r.rows, r.root)
+
+
+def _deleted(r: R.Deleted, quiet: bool) -> None:
+    _line(f"deleted {r.snapshot}" + (f" (stopped engines {r.stopped_pids})" if r.stopped_pids else ""))
+
+
+def _pruned(r: R.Pruned, quiet: bool) -> None:
+    verb = "would delete" if r.dry_run else "deleted"
+    for p in r.deleted:
+        _line(f"{verb} {p}")
+    for p in r.kept_running:
+        _line(f"kept {p} (an engine restored from it is running)")
+    for p in r.temp_removed:
+        _line(f"removed leftover {p}")
+    if not (r.deleted or r.kept_running or r.temp_removed):
+        _line("nothing to prune")
+
+
+def _engines(r: R.Engines, quiet: bool) -> None:
+    engine_list(r.engines)
+
+
+def _stopped(r: R.Stopped, quiet: bool) -> None:
+    for s_ in r.stopped:
+        _line(f"stopped engine {s_['pid']} ({s_['snapshot']} on port {s_['port']}) in {s_['seconds']:.2f} s")
+
+
+def _switched(r: R.Switched, quiet: bool) -> None:
+    if not quiet:
+        _line(f"switched port {r.port} to {r.snapshot} (engine PID {r.pid}): "
+              f"stop {r.stop_s:.2f} s + restore {r.restore_s:.2f} s = {r.switch_s:.2f} s")
+
+
+def _doctor(r: R.DoctorReport, quiet: bool) -> None:
+    """A table: mark (✓ passed, ✗ failed error, ! failed warning, i failed info), name,
+    detail, remedy; then a one-line verdict."""
+    from rich.markup import escape
+
+    c = _console()
+    t = Table(title="vllm-snapshot doctor", title_justify="left")
+    t.add_column("", no_wrap=True)
+    t.add_column("check", style="bold", no_wrap=True)
+    t.add_column("detail")
+    t.add_column("remedy")
+    for ch in r.checks:
+        if ch.ok:
+            mark = "[green]✓[/]"
+        else:
+            mark = {"error": "[red]✗[/]", "warning": "[yellow]![/]"}.get(ch.severity, "[blue]i[/]")
+        t.add_row(mark, escape(ch.name), escape(ch.detail), "" if ch.ok and not ch.remedy else escape(ch.remedy))
+    c.print(t)
+    errors = [ch.name for ch in r.checks if not ch.ok and ch.severity == "error"]
+    warnings = [ch.name for ch in r.checks if not ch.ok and ch.severity == "warning"]
+    if errors:
+        c.print(f"[red]not ready[/]: {len(errors)} error(s): {escape(', '.join(errors))}")
+    else:
+        c.print("[green]ready[/]: create and restore can work on this host"
+                + (f" ({len(warnings)} warning(s): {escape(', '.join(warnings))})" if warnings else ""))
+
+
+def _demo(r: R.DemoReport, quiet: bool) -> None:
+    timings_table("create phases (seconds, from the manifest)", r.create_timings)
+    timings_table("restore phases (seconds, this run)", r.restore_timings)
+    _line(f"completion from the restored engine: {r.completion!r}")
+    _line(f"images: {human_bytes(r.raw_bytes)} raw, {human_bytes(r.stored_bytes)} stored")
+    _line(f"restore → first validated completion: {r.restore_s:.2f} s")
+    if r.cold_s:
+        _line(f"cold start → first completion:        {r.cold_s:.2f} s   (restore is {r.cold_s / r.restore_s:.1f}× faster)")
+    _line("engine stopped.")
+
+
+_HUMAN = {
+    R.Created: _created, R.Inspected: _inspected, R.Verified: _verified, R.Restored: _restored,
+    R.Listed: _listed, R.Deleted: _deleted, R.Pruned: _pruned, R.Engines: _engines, R.Stopped: _stopped,
+    R.Switched: _switched, R.DoctorReport: _doctor, R.DemoReport: _demo,
+}
 
 
 def emit_json(obj: dict) -> None:

@@ -1,13 +1,6 @@
-"""Snapshot layout, names, and the safety checks run before a snapshot is trusted.
-
-Layout of a published snapshot ``DIR`` (dir 0700, files 0600)::
-
-    DIR/manifest.json      written last; its absence means "incomplete"
-    DIR/images/            CRIU images (``NAME`` or ``NAME.zst``), exactly those in the manifest
-    DIR/files/             host files CRIU consumes at restore (link-remap files), put back
-                           before each restore
-    DIR/engine-create.log  the engine's log during create
-    DIR/criu-dump.log      CRIU's dump log
+"""The snapshot store: names under a root, temp dirs and atomic publish, listing, deletion,
+and per-snapshot bookkeeping kept outside snapshots (last restore). The layout of one snapshot
+directory and its trust checks live in :mod:`vllm_snapshot.layout`.
 
 A create writes into a hidden sibling ``.DIR.tmp-XXXX`` and publishes it with one rename.
 """
@@ -21,75 +14,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from .errors import CorruptSnapshotError, UsageError
+from .errors import UsageError
 
-IMAGES = "images"
-FILES = "files"
+from .layout import FILES, IMAGES, MANIFEST, OWNER_PID
+from . import paths
+
 TMP_MARK = ".tmp-"
 #: A temp dir without ``owner.pid`` younger than this may be a create that has not written it
 #: yet: never removed as stale.
 NO_PID_GRACE_S = 60.0
-
-
-def check_dir_safety(path: Path) -> None:
-    """Refuse a snapshot dir we should not trust.
-
-    ``path`` and each parent must not be a symlink (``path`` itself), must be owned by us or
-    root, and must not be group/world-writable unless sticky and root-owned (like /tmp).
-    ``path`` itself must be mode 0700. Raises CorruptSnapshotError naming the path.
-    """
-    uid = os.geteuid()
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError as e:
-        raise UsageError(f"{path} does not exist") from e
-    if stat.S_ISLNK(st.st_mode):
-        raise CorruptSnapshotError(f"{path} is a symlink; refusing to trust it")
-    if not stat.S_ISDIR(st.st_mode):
-        raise CorruptSnapshotError(f"{path} is not a directory")
-    if st.st_uid != uid:
-        raise CorruptSnapshotError(f"{path} is owned by uid {st.st_uid}, not by us (uid {uid})")
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        raise CorruptSnapshotError(
-            f"{path} has mode {stat.S_IMODE(st.st_mode):04o}; a snapshot holds process memory and must be 0700",
-            hint=f"chmod -R go-rwx {path}",
-        )
-    # every component of the path as given: a symlink is trusted only when root owns it
-    # (system layout such as /var/run -> /run); anyone else could redirect us
-    probe = Path(path.absolute().anchor)
-    for part in path.absolute().parts[1:-1]:
-        probe = probe / part
-        lst = os.lstat(probe)
-        if stat.S_ISLNK(lst.st_mode) and lst.st_uid != 0:
-            raise CorruptSnapshotError(f"parent {probe} is a symlink owned by uid {lst.st_uid}; refusing to follow it")
-    for parent in path.resolve().parents:
-        pst = os.stat(parent)
-        if pst.st_uid not in (0, uid):
-            raise CorruptSnapshotError(f"parent directory {parent} is owned by uid {pst.st_uid}")
-        writable = stat.S_IMODE(pst.st_mode) & 0o022
-        sticky_root = pst.st_mode & stat.S_ISVTX and pst.st_uid == 0
-        if writable and not sticky_root:
-            raise CorruptSnapshotError(f"parent directory {parent} is writable by group/others")
-
-
-def check_file_modes(path: Path) -> None:
-    """Refuse files/dirs inside a snapshot that are symlinks, owned by another user, or
-    readable by group/others."""
-    uid = os.geteuid()
-    for dirpath, dirnames, filenames in os.walk(path):
-        for n in dirnames + filenames:
-            p = Path(dirpath) / n
-            st = os.lstat(p)
-            if stat.S_ISLNK(st.st_mode):
-                raise CorruptSnapshotError(f"{p} is a symlink; snapshots hold none")
-            if st.st_uid != uid:
-                raise CorruptSnapshotError(f"{p} is owned by uid {st.st_uid}, not by us (uid {uid}); refusing to trust it",
-                                           hint=f"chown -R {uid} {path} if you trust its origin")
-            if stat.S_IMODE(st.st_mode) & 0o077:
-                raise CorruptSnapshotError(
-                    f"{p} has mode {stat.S_IMODE(st.st_mode):04o}; snapshot files must be private (0600/0700)",
-                    hint=f"chmod -R go-rwx {path}",
-                )
 
 
 def prepare_target(target: Path) -> Path:
@@ -109,7 +42,7 @@ def prepare_target(target: Path) -> Path:
     except OSError as e:
         raise UsageError(f"cannot create the snapshot in {parent}: {e.strerror}") from e
     os.chmod(tmp, 0o700)
-    (tmp / "owner.pid").write_text(str(os.getpid()))
+    (tmp / OWNER_PID).write_text(str(os.getpid()))
     (tmp / IMAGES).mkdir(mode=0o700)
     (tmp / FILES).mkdir(mode=0o700)
     return tmp
@@ -133,7 +66,7 @@ def clean_stale_temps(parent: Path, name: str | None = None, min_age_s: float = 
         if not p.is_dir() or p.is_symlink():
             continue
         try:
-            pid = int((p / "owner.pid").read_text())
+            pid = int((p / OWNER_PID).read_text())
         except (OSError, ValueError):
             pid = 0
         if pid and _pid_alive(pid):
@@ -150,7 +83,7 @@ def publish(tmp: Path, target: Path) -> None:
     """Atomically rename the finished temp dir to ``target`` and fsync the parent.
 
     Raises UsageError when ``target`` appeared meanwhile."""
-    (tmp / "owner.pid").unlink(missing_ok=True)
+    (tmp / OWNER_PID).unlink(missing_ok=True)
     if os.path.lexists(target):
         raise UsageError(f"{target} appeared while the snapshot was being created")
     os.rename(tmp, target)
@@ -164,15 +97,8 @@ def publish(tmp: Path, target: Path) -> None:
 # ----------------------------------------------------------------------------- names, root
 
 def default_root() -> Path:
-    """Where named snapshots live: ``$VLLM_SNAPSHOT_ROOT``, else ``/var/lib/vllm-snapshot``
-    as root, else ``$XDG_DATA_HOME/vllm-snapshot`` (``~/.local/share/vllm-snapshot``)."""
-    env = os.environ.get("VLLM_SNAPSHOT_ROOT")
-    if env:
-        return Path(env).absolute()
-    if os.geteuid() == 0:
-        return Path("/var/lib/vllm-snapshot")
-    xdg = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(xdg) / "vllm-snapshot"
+    """Where named snapshots live (see :func:`vllm_snapshot.paths.snapshot_root`)."""
+    return paths.snapshot_root()
 
 
 def valid_name(name: str) -> bool:
@@ -209,11 +135,8 @@ def ensure_root(root: Path) -> Path:
 def _state_file(snapshot: Path) -> Path:
     import hashlib
 
-    from .locks import RUN_DIR
-
     key = hashlib.sha256(str(snapshot.absolute()).encode()).hexdigest()[:24]
-    d = Path(os.environ.get("VLLM_SNAPSHOT_STATE_DIR", "/var/lib/vllm-snapshot/.state" if os.geteuid() == 0 else str(RUN_DIR / "state")))
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    d = paths.ensure_private_dir(paths.state_dir())
     return d / f"{key}.json"
 
 
@@ -244,7 +167,7 @@ def list_snapshots(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if not p.name.startswith(".") and p.is_dir()
-                  and (p / "manifest.json").is_file())
+                  and (p / MANIFEST).is_file())
 
 
 def delete(snapshot: Path) -> None:

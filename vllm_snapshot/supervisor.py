@@ -18,11 +18,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Callable
 
 import psutil
 
-from .engine.protocol import EVENTS_FD
+from .engine.protocol import FD_EVENTS, ROLES, decode, encode_command
+from .procs import set_parent_death_signal, tree
 from .errors import EngineError
 
 #: Environment variables passed to the engine (everything else is dropped: tokens, keys,
@@ -45,6 +47,28 @@ def is_secret_name(name: str) -> bool:
     if any(m in up for m in SECRET_MARKERS):
         return True
     return up.rstrip("_").rsplit("_", 1)[-1].endswith("TOKEN")
+
+
+def redact_args(args: list[str]) -> list[str]:
+    """Engine args with values of secret-looking flags (``--api-key X``, ``--hf-token=X``)
+    replaced by ``<redacted>`` (same rule as :func:`is_secret_name`)."""
+    out: list[str] = []
+    hide_next = False
+    for a in args:
+        if hide_next and not a.startswith("-"):
+            out.append("<redacted>")
+            hide_next = False
+            continue
+        hide_next = False
+        if a.startswith("--") and is_secret_name(a[2:].split("=", 1)[0]):
+            if "=" in a:
+                out.append(a.split("=", 1)[0] + "=<redacted>")
+            else:
+                out.append(a)
+                hide_next = True
+            continue
+        out.append(a)
+    return out
 
 
 def scrubbed_env(base: dict[str, str], keep: tuple[str, ...] = ()) -> dict[str, str]:
@@ -72,9 +96,68 @@ def scrubbed_env(base: dict[str, str], keep: tuple[str, ...] = ()) -> dict[str, 
     return env
 
 
-def pipe_key(pid: int, fd: int) -> str:
-    """``pipe:[inode]`` of ``pid``'s ``fd`` (what CRIU's ``--inherit-fd`` matches)."""
-    return os.readlink(f"/proc/{pid}/fd/{fd}")
+def channel_keys(root_pid: int) -> dict[str, str]:
+    """role -> ``pipe:[inode]`` of the engine root's channel fds (what CRIU's
+    ``--inherit-fd`` matches at restore; recorded in the manifest at dump)."""
+    return {role: os.readlink(f"/proc/{root_pid}/fd/{fd}") for role, fd in ROLES.items()}
+
+
+@dataclass
+class Channel:
+    """The three pipes of :mod:`vllm_snapshot.engine.protocol`: the engine's ends
+    (``ctl_r``, ``log_w``, ``ev_w``) and ours (``ctl_w``, ``log_r``, ``ev_r``). With a
+    ``log_file`` (detached engines) the engine's log end is that file and ours is /dev/null."""
+
+    ctl_r: int
+    ctl_w: int
+    log_r: int
+    log_w: int
+    ev_r: int
+    ev_w: int
+
+    @classmethod
+    def open(cls, log_file: Path | None = None) -> "Channel":
+        """Create the pipes (and open ``log_file`` for appending, mode 0600). Raises OSError."""
+        ctl_r, ctl_w = os.pipe()
+        ev_r, ev_w = os.pipe()
+        if log_file is not None:
+            log_w = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+            log_r = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+        else:
+            log_r, log_w = os.pipe()
+        return cls(ctl_r, ctl_w, log_r, log_w, ev_r, ev_w)
+
+    def engine_ends(self) -> dict[str, int]:
+        """role -> our fd of the engine's end."""
+        return {"control": self.ctl_r, "log": self.log_w, "events": self.ev_w}
+
+    def inherit_fds(self, keys: dict[str, str]) -> tuple[tuple[str, int], ...]:
+        """CRIU ``--inherit-fd`` pairs (recorded key, our fd) for a restore; makes those fds
+        inheritable (CRIU's swrk child must see them). Raises KeyError for a missing role."""
+        ends = self.engine_ends()
+        for fd in ends.values():
+            os.set_inheritable(fd, True)
+        return tuple((keys[role], ends[role]) for role in ROLES)
+
+    def close_engine_ends(self) -> None:
+        """Close the engine's ends here once the engine holds them."""
+        for fd in self.engine_ends().values():
+            _close(fd)
+        self.ctl_r = self.log_w = self.ev_w = -1
+
+    def close(self) -> None:
+        """Close every fd still open (on failure, before a handle owns ours)."""
+        for fd in (self.ctl_r, self.ctl_w, self.log_r, self.log_w, self.ev_r, self.ev_w):
+            _close(fd)
+        self.ctl_r = self.ctl_w = self.log_r = self.log_w = self.ev_r = self.ev_w = -1
+
+
+def _close(fd: int) -> None:
+    if fd >= 0:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 class LogPump(threading.Thread):
@@ -122,12 +205,13 @@ class EngineHandle:
     log: LogPump
     launcher: subprocess.Popen | None = None
     _buf: bytes = b""
-    _pending: list[dict] = field(default_factory=list)
+    #: called by :meth:`close` after the log pump had a moment to drain (e.g. a log file's close)
+    on_close: list[Callable[[], None]] = field(default_factory=list)
 
     def send(self, cmd: str, **kw) -> None:
         """Send one command. Raises EngineError when the engine is gone."""
         try:
-            self.control.write(json.dumps({"cmd": cmd, **kw}) + "\n")
+            self.control.write(encode_command(cmd, **kw))
             self.control.flush()
         except (BrokenPipeError, OSError) as e:
             raise EngineError(f"engine is gone (sending {cmd!r}: {e})\n{self.log.tail_text()}") from e
@@ -139,16 +223,15 @@ class EngineHandle:
         except psutil.NoSuchProcess:
             return False
 
-    def wait_event(self, name: str, timeout: float, on_tick: Callable[[], None] | None = None) -> dict:
+    def wait_event(self, name: str, timeout: float) -> dict:
         """Wait for event ``name``; return it. Raises EngineError on an ``error`` event, EOF,
         death of the engine, or after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         while True:
             while b"\n" in self._buf:
                 line, self._buf = self._buf.split(b"\n", 1)
-                try:
-                    ev = json.loads(line)
-                except ValueError:
+                ev = decode(line)
+                if ev is None:
                     continue
                 if ev.get("event") == "error":
                     tail = "" if ev.get("kind") == "usage" else "\n" + self.log.tail_text()
@@ -158,13 +241,10 @@ class EngineHandle:
                     )
                 if ev.get("event") == name:
                     return ev
-                self._pending.append(ev)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise EngineError(f"timed out after {timeout:.0f} s waiting for the engine ({name})\n{self.log.tail_text()}")
             r, _, _ = select.select([self.events_fd], [], [], min(left, 0.5))
-            if on_tick:
-                on_tick()
             if r:
                 data = os.read(self.events_fd, 65536)
                 if not data:
@@ -178,11 +258,15 @@ class EngineHandle:
 
     def tree(self) -> list[psutil.Process]:
         """The root and all its descendants (empty when gone)."""
-        try:
-            root = psutil.Process(self.root_pid)
-            return [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
+        return tree(self.root_pid)
+
+    def log_tail(self, n: int = 20) -> str:
+        """The last ``n`` lines of the engine log seen so far."""
+        return self.log.tail_text(n)
+
+    def drain_log(self, timeout_s: float = 5.0) -> None:
+        """Wait until the engine log reaches EOF (all writers gone) or ``timeout_s``."""
+        self.log.join(timeout=timeout_s)
 
     def kill(self, grace: float = 0.0) -> None:
         """Stop the tree: SIGTERM + ``grace`` seconds, then SIGKILL the namespace init (which
@@ -223,54 +307,53 @@ class EngineHandle:
                 self.launcher.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.launcher.kill()
+        if self.on_close:
+            self.log.join(timeout=2)
+            for fn in self.on_close:
+                try:
+                    fn()
+                except OSError:
+                    pass
+            self.on_close.clear()
 
 
-PR_SET_PDEATHSIG = 1
+#: The engine root's command (``SPEC`` JSON is appended). Tests pass another one (a
+#: protocol-speaking fake engine) through ``LocalTools(engine_argv=...)``.
+ENGINE_ARGV: tuple[str, ...] = (sys.executable, "-m", "vllm_snapshot.engine.main")
 
 
-def _prctl(option: int, arg: int) -> None:
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0)
-
-
-#: The module run as the engine root. Tests substitute a protocol-speaking fake engine through
-#: ``VLLM_SNAPSHOT_ENGINE_MODULE`` to exercise the GPU sequencing without a GPU.
-ENGINE_MODULE = "vllm_snapshot.engine.main"
-
-
-def launch(spec: dict, env: dict[str, str], log_sinks: list[Callable[[bytes], None]], python: str = sys.executable,
-           module: str = ENGINE_MODULE) -> EngineHandle:
-    """Start the engine root (``python -m module SPEC``) in a new PID + mount namespace;
-    return its handle.
+def launch(spec: dict, env: dict[str, str], log_sinks: list[Callable[[bytes], None]],
+           engine_argv: tuple[str, ...] = ENGINE_ARGV) -> EngineHandle:
+    """Start the engine root (``ENGINE_ARGV SPEC``) in a new PID + mount namespace; return
+    its handle.
 
     Raises EngineError when it cannot be started.
     """
     from .engine.mounts import ENGINE_TMPDIR
 
     os.makedirs(ENGINE_TMPDIR, mode=0o700, exist_ok=True)  # the mount point, on the host's disk
-    ctl_r, ctl_w = os.pipe()
-    log_r, log_w = os.pipe()
-    ev_r, ev_w = os.pipe()
+    ch = Channel.open()
+    ctl_r, ctl_w, log_r, log_w, ev_r, ev_w = ch.ctl_r, ch.ctl_w, ch.log_r, ch.log_w, ch.ev_r, ch.ev_w
 
     def child_setup() -> None:
         # unshare dies with us (kill -9 of `create` included), and --kill-child makes the
         # engine root (PID 1 of the namespace, whose death ends the namespace) die with unshare.
         # The engine clears its own death signal before the dump (CRIU would deliver it right
         # after a restore).
-        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        os.dup2(ev_w, EVENTS_FD)
-        if ev_w != EVENTS_FD:
+        set_parent_death_signal(signal.SIGKILL)
+        os.dup2(ev_w, FD_EVENTS)
+        if ev_w != FD_EVENTS:
             os.close(ev_w)
 
     # The engine root makes its mount namespace private first (engine/mounts.py): host tmpfs
     # mounts are detached and fresh tmpfs are mounted on /dev/shm and /tmp.
     argv = ["unshare", "--pid", "--fork", "--mount-proc", "--propagation", "private", "--kill-child", "--",
-            python, "-m", module, json.dumps(spec)]
+            *engine_argv, json.dumps(spec)]
+    # engine fd 0 = control, 1 and 2 = log, 3 = events (engine/protocol.py)
     try:
         launcher = subprocess.Popen(
             argv, stdin=ctl_r, stdout=log_w, stderr=log_w, env=env, close_fds=True,
-            pass_fds=(EVENTS_FD,), start_new_session=True, preexec_fn=child_setup, cwd="/",
+            pass_fds=(FD_EVENTS,), start_new_session=True, preexec_fn=child_setup, cwd="/",
         )
     except OSError as e:
         for fd in (ctl_r, ctl_w, log_r, log_w, ev_r, ev_w):
@@ -300,11 +383,16 @@ def launch(spec: dict, env: dict[str, str], log_sinks: list[Callable[[bytes], No
     return handle
 
 
-def restored_handle(root_pid: int, ctl_w: int, ev_r: int, log_r: int, log_sinks: list[Callable[[bytes], None]]) -> EngineHandle:
-    """Handle for a tree CRIU restored as our child, talking over the fresh pipes we passed in."""
-    pump = LogPump(log_r, log_sinks)
+def restored_handle(root_pid: int, ch: Channel, log_sinks: list[Callable[[bytes], None]]) -> EngineHandle:
+    """Handle for a tree CRIU restored as our child, talking over ``ch`` (whose engine ends
+    CRIU handed to the tree; they are closed here). The handle owns our ends from now on."""
+    ch.close_engine_ends()
+    pump = LogPump(ch.log_r, log_sinks)
     pump.start()
-    return EngineHandle(root_pid, os.fdopen(ctl_w, "w"), ev_r, pump, None)
+    h = EngineHandle(root_pid, os.fdopen(ch.ctl_w, "w"), ch.ev_r, pump, None)
+    ch.ctl_w = ch.log_r = ch.ev_r = -1
+    return h
 
 
-__all__ = ["EngineHandle", "launch", "restored_handle", "scrubbed_env", "pipe_key", "is_secret_name"]
+__all__ = ["Channel", "EngineHandle", "channel_keys", "launch", "restored_handle", "scrubbed_env",
+           "is_secret_name", "redact_args"]

@@ -37,7 +37,9 @@ def default_model_dir() -> Path:
 
     The cache defaults to ``/var/cache/vllm-snapshot`` (as in scripts/setup.sh).
     """
-    cache = Path(os.environ.get("VLLM_SNAPSHOT_CACHE", "/var/cache/vllm-snapshot"))
+    from .paths import cache_dir
+
+    cache = cache_dir()
     return cache / "models" / SERVED_NAME
 
 

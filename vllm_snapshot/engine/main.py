@@ -18,7 +18,8 @@ import sys
 import threading
 import traceback
 
-from .protocol import EVENTS_FD
+from ..procs import set_parent_death_signal
+from .protocol import FD_EVENTS, decode, encode_event
 
 _events = None
 
@@ -28,8 +29,8 @@ def emit(event: str, **kw) -> None:
     global _events
     try:
         if _events is None:
-            _events = os.fdopen(EVENTS_FD, "w", buffering=1)
-        _events.write(json.dumps({"event": event, **kw}) + "\n")
+            _events = os.fdopen(FD_EVENTS, "w", buffering=1)
+        _events.write(encode_event(event, **kw))
         _events.flush()
     except (OSError, ValueError):
         pass
@@ -37,9 +38,8 @@ def emit(event: str, **kw) -> None:
 
 def _commands(loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> None:
     for line in sys.stdin.buffer:
-        try:
-            cmd = json.loads(line)
-        except ValueError:
+        cmd = decode(line)
+        if cmd is None:
             continue
         loop.call_soon_threadsafe(q.put_nowait, cmd)
     loop.call_soon_threadsafe(q.put_nowait, None)  # EOF: the supervisor closed the pipe
@@ -93,13 +93,6 @@ async def run_oracle(engine, prompt: str) -> dict:
         "logprob": lp,
         "top_logprobs": [{"token_id": int(t), "logprob": float(v.logprob)} for t, v in top],
     }
-
-
-def _set_parent_death_signal(sig: int) -> None:
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
 
 
 def _device_kind() -> str:
@@ -215,7 +208,7 @@ async def run(spec: dict) -> int:
                 elif name == "prepare-dump":
                     import gc
 
-                    _set_parent_death_signal(0)  # CRIU would deliver it right after restore
+                    set_parent_death_signal(0)  # CRIU would deliver it right after restore
 
                     if app is None:
                         app = await prepare_app(engine, args)
@@ -227,7 +220,7 @@ async def run(spec: dict) -> int:
                 elif name == "serve":
                     if cmd.get("die_with_parent"):
                         # foreground restore: the engine must not outlive its supervisor
-                        _set_parent_death_signal(signal.SIGKILL)
+                        set_parent_death_signal(signal.SIGKILL)
                     if app is None:
                         app = await prepare_app(engine, args)
                     await serve(app, args, cmd.get("host"), int(cmd["port"]))

@@ -1,17 +1,66 @@
-"""The control protocol between the supervisor and the engine root process.
+"""The control channel between the supervisor and the engine root: the single source of its
+fd numbers, commands and events (the supervisor, the engine, and the test fake engine all
+import from here).
 
-Three pipes, all re-bound by CRIU ``--inherit-fd`` at restore (so they survive the dump):
+Three pipes, all re-bound by CRIU ``--inherit-fd`` at restore (so they survive the dump); at
+dump their identities (``pipe:[inode]``) are recorded per role in the manifest:
 
 * ``control`` (engine fd 0): supervisor -> engine, one JSON command per line.
-* ``events``  (engine fd 3): engine -> supervisor, one JSON event per line.
 * ``log``     (engine fds 1 and 2, inherited by EngineCore and workers): engine log text.
+* ``events``  (engine fd 3): engine -> supervisor, one JSON event per line.
 
-Commands (``{"cmd": ...}``): ``oracle`` (replay the oracle), ``sleep`` ``{level}``, ``wake``
-(wake up, reload weights, reset prefix cache), ``prepare-dump``, ``serve`` ``{host, port}``,
-``exit``. Events (``{"event": ...}``): ``initialized`` ``{oracle, info}``, ``oracle``
-``{oracle}``, ``slept``, ``woken``, ``dump-ready``, ``serving`` ``{host, port}``, ``error``
-``{kind, message}``. EOF on ``control`` before ``serve`` makes the engine exit (its
-supervisor died); after ``serve`` the engine keeps serving (``--detach``).
+Commands (``{"cmd": NAME, ...}``):
+
+* ``oracle`` -- replay the oracle; answered by ``oracle``.
+* ``sleep`` ``{level}`` -- reset the prefix cache and sleep; answered by ``slept``.
+* ``wake`` -- wake up, reload weights (level 2), reset the prefix cache; answered by ``woken``.
+* ``prepare-dump`` -- build the HTTP app, clear the parent-death signal; answered by ``dump-ready``.
+* ``serve`` ``{host, port, die_with_parent}`` -- bind and serve; answered by ``binding``.
+* ``exit`` -- exit cleanly.
+
+Events (``{"event": NAME, ...}``):
+
+* ``initialized`` ``{oracle, info}`` -- the engine is up; ``info``: kind, vllm, torch, served_model_name.
+* ``oracle`` ``{oracle}``, ``slept``, ``woken``, ``dump-ready``.
+* ``binding`` ``{address}`` -- the listening socket is bound; the HTTP server starts.
+* ``error`` ``{kind, message}`` -- the command failed (``kind`` ``usage``: bad engine args).
+
+EOF on ``control`` before ``serve`` makes the engine exit (its supervisor died); after
+``serve`` the engine keeps serving (``--detach``).
 """
 
-EVENTS_FD = 3
+from __future__ import annotations
+
+import json
+
+FD_CONTROL = 0
+FD_LOG = 1
+FD_EVENTS = 3
+#: role -> the engine's fd number for it (the manifest's ``criu.inherit`` keys are these roles).
+ROLES: dict[str, int] = {"control": FD_CONTROL, "log": FD_LOG, "events": FD_EVENTS}
+
+COMMANDS = ("oracle", "sleep", "wake", "prepare-dump", "serve", "exit")
+EVENTS = ("initialized", "oracle", "slept", "woken", "dump-ready", "binding", "error")
+
+
+def encode_command(name: str, **kw) -> str:
+    """One command line (with ``\\n``). Raises ValueError for a name not in :data:`COMMANDS`."""
+    if name not in COMMANDS:
+        raise ValueError(f"unknown engine command {name!r}")
+    return json.dumps({"cmd": name, **kw}) + "\n"
+
+
+def encode_event(name: str, **kw) -> str:
+    """One event line (with ``\\n``). Raises ValueError for a name not in :data:`EVENTS`."""
+    if name not in EVENTS:
+        raise ValueError(f"unknown engine event {name!r}")
+    return json.dumps({"event": name, **kw}) + "\n"
+
+
+def decode(line: bytes | str) -> dict | None:
+    """A command or event dict, or None for a line that is not a JSON object."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None

@@ -1,4 +1,4 @@
-"""A fake engine root that speaks vllm-snapshot's engine protocol and claims to be a CUDA
+"""A fake engine root (run as a script: ``LocalTools(engine_argv=(python, THIS_FILE))``) that speaks vllm-snapshot's engine protocol and claims to be a CUDA
 engine, so the GPU create/restore sequencing (sleep rehearsal, wake before the oracle) runs
 through real CRIU on a machine without a GPU. It prints ``CALL <cmd>`` for every command and
 serves ``/health``, ``/calls`` (commands seen since the last restore-visible reset) and
@@ -15,8 +15,10 @@ import sys
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
-from vllm_snapshot.engine.main import _set_parent_death_signal, emit
+from vllm_snapshot.engine.main import emit
 from vllm_snapshot.engine.mounts import make_private
+from vllm_snapshot.engine.protocol import decode
+from vllm_snapshot.procs import set_parent_death_signal
 
 CALLS: list[str] = []
 STATE = {"logprob": -1.25, "awake": True}
@@ -69,7 +71,9 @@ def main() -> int:
     emit("initialized", oracle=oracle(prompt), info={"kind": "cuda", "vllm": "fake", "torch": "fake",
                                                       "served_model_name": "fake"})
     for line in sys.stdin:
-        cmd = json.loads(line)
+        cmd = decode(line)
+        if cmd is None:
+            continue
         name = cmd["cmd"]
         CALLS.append(name)
         print(f"CALL {name}", flush=True)
@@ -83,7 +87,7 @@ def main() -> int:
             STATE["logprob"] += float(os.environ.get("VLLM_FAKE_ORACLE_SHIFT", "0"))
             emit("woken")
         elif name == "prepare-dump":
-            _set_parent_death_signal(0)  # as the real engine: CRIU would deliver it after restore
+            set_parent_death_signal(0)  # as the real engine: CRIU would deliver it after restore
             CALLS.clear()  # what the test reads after a restore starts here
             emit("dump-ready")
         elif name == "serve":

@@ -1,0 +1,330 @@
+"""Test doubles declared against the product's Protocols (``tests/test_protocols.py`` checks
+their methods and signatures against the Protocol and the real class).
+
+:class:`FakeTools` records every side-effect call in ``calls`` (method names, in order) and
+can be told to fail at any method (``fail={"dump": CriuError(...)}``); its engine is a
+:class:`FakeEngine` answering the engine protocol from a script.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Callable
+
+from vllm_snapshot import manifest as mf
+from vllm_snapshot.criu import DumpOptions, RestoreOptions
+from vllm_snapshot.inventory import Inventory
+from vllm_snapshot.manifest import ImageFile, Manifest, ModelFile
+from vllm_snapshot.model_digest import ModelCheck
+from vllm_snapshot.registry import Entry
+from vllm_snapshot.tools import Engine, EngineChannel, SnapshotTools
+
+from helpers import make_manifest, make_oracle
+
+HOST = {"vllm": "0.32.0", "torch": "2.13.0+cpu", "kernel": "6.18.0", "machine_id": "abc"}
+
+
+class FakeEngine(Engine):
+    """Answers commands with the events the real engine sends; ``oracle`` answers with
+    ``oracles`` in turn (the last repeats)."""
+
+    def __init__(self, calls: list[str], kind: str = "cpu", oracles: list | None = None, pid: int = 4242) -> None:
+        self.root_pid = pid
+        self.calls = calls
+        self.kind = kind
+        self.oracles = list(oracles or [make_oracle()])
+        self.sent: list[str] = []
+        self.killed = False
+        self.closed = False
+        self._alive = True
+
+    def _next_oracle(self) -> dict:
+        o = self.oracles.pop(0) if len(self.oracles) > 1 else self.oracles[0]
+        return o.model_dump()
+
+    def send(self, cmd: str, **kw) -> None:
+        self.sent.append(cmd)
+        self.calls.append(f"engine.{cmd}")
+
+    def wait_event(self, name: str, timeout: float) -> dict:
+        if name == "initialized":
+            return {"event": name, "oracle": self._next_oracle(),
+                    "info": {"kind": self.kind, "vllm": "x", "torch": "y", "served_model_name": "tiny"}}
+        if name == "oracle":
+            return {"event": name, "oracle": self._next_oracle()}
+        return {"event": name}
+
+    def alive(self) -> bool:
+        return self._alive
+
+    def kill(self, grace: float = 0.0) -> None:
+        self.calls.append("engine.kill")
+        self.killed = True
+        self._alive = False
+
+    def close(self) -> None:
+        self.calls.append("engine.close")
+        self.closed = True
+
+    def reap(self, block: bool = True) -> int | None:
+        return 0
+
+    def log_tail(self, n: int = 20) -> str:
+        return ""
+
+    def drain_log(self, timeout_s: float = 5.0) -> None:
+        return None
+
+
+class FakeChannel(EngineChannel):
+    def __init__(self) -> None:
+        self.closed = False
+
+    def inherit_fds(self, keys: dict[str, str]) -> tuple[tuple[str, int], ...]:
+        return tuple((k, 10 + i) for i, k in enumerate(sorted(keys.values())))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeTools(SnapshotTools):
+    """A recording :class:`SnapshotTools`. ``manifest`` is what ``open_snapshot`` returns;
+    ``host`` the identity; ``fail`` maps a method name to the exception it raises."""
+
+    def __init__(self, *, manifest: Manifest | None = None, host: dict | None = None, kind: str = "cpu",
+                 oracles: list | None = None, fail: dict[str, BaseException] | None = None,
+                 health_after: int = 0, canary_diffs: list[str] | None = None) -> None:
+        self.calls: list[str] = []
+        self.manifest = manifest or make_manifest(host=dict(HOST))
+        self.host = dict(host or HOST)
+        self.kind = kind
+        self.oracles = oracles
+        self.fail = dict(fail or {})
+        self.health_after = health_after
+        self.canary_diffs = list(canary_diffs or [])
+        self.engine: FakeEngine | None = None
+        self.channel: FakeChannel | None = None
+        self.restore_opts: RestoreOptions | None = None
+        self.dump_opts: DumpOptions | None = None
+        self.published: list[Path] = []
+        self.discarded: list[Path] = []
+        self.registered: list[Entry] = []
+        self.entries: list[Entry] = []
+        self._t = 0.0
+
+    def _call(self, name: str) -> None:
+        self.calls.append(name)
+        if name in self.fail:
+            raise self.fail[name]
+
+    # ---- host
+    def require_root(self) -> None:
+        self._call("require_root")
+
+    def criu_version(self) -> str:
+        self._call("criu_version")
+        return "4.2.1"
+
+    def host_identity(self, kind: str) -> dict[str, str]:
+        self._call("host_identity")
+        return dict(self.host)
+
+    def hidden_paths(self) -> list[Path]:
+        self._call("hidden_paths")
+        return [Path("/dev/shm")]
+
+    def code_paths(self) -> dict[str, Path]:
+        return {"Python environment": Path("/venv")}
+
+    def gpu_present(self) -> bool:
+        return False
+
+    def environ(self) -> dict[str, str]:
+        return {"PATH": "/usr/bin", "HF_TOKEN": "hf_secret"}
+
+    def path_exists(self, path: Path) -> bool:
+        return False
+
+    # ---- model
+    def resolve_model(self, model: str) -> Path:
+        self._call("resolve_model")
+        return Path(model)
+
+    def digest_model(self, model_dir: Path) -> tuple[ModelFile, ...]:
+        self._call("digest_model")
+        return self.manifest.model.files
+
+    def verify_model(self, model_dir: Path, files: tuple[ModelFile, ...], mode: str) -> ModelCheck:
+        self._call(f"verify_model:{mode}")
+        return ModelCheck(rehashed=(), added=())
+
+    # ---- snapshot directories
+    def prepare_target(self, target: Path) -> Path:
+        self._call("prepare_target")
+        return target.parent / f".{target.name}.tmp-x"
+
+    def discard(self, tmp: Path) -> None:
+        self._call("discard")
+        self.discarded.append(tmp)
+
+    def publish(self, m: Manifest, tmp: Path, target: Path) -> None:
+        self._call("publish")
+        self.published.append(target)
+
+    def open_snapshot(self, snapshot: Path) -> Manifest:
+        self._call("open_snapshot")
+        return self.manifest
+
+    def verify_images(self, snapshot: Path, m: Manifest) -> None:
+        self._call("verify_images")
+
+    def check_tree_files(self, m: Manifest) -> list[str]:
+        self._call("check_tree_files")
+        return []
+
+    # ---- engine (create)
+    def launch_engine(self, spec: dict, env: dict[str, str], log_path: Path,
+                      echo: Callable[[bytes], None] | None) -> Engine:
+        self._call("launch_engine")
+        self.launch_env = env
+        self.engine = FakeEngine(self.calls, self.kind, self.oracles)
+        return self.engine
+
+    def inspect_tree(self, root_pid: int) -> Inventory:
+        self._call("inspect_tree")
+        return Inventory(root_pid=root_pid, pids=(root_pid, root_pid + 1), commands=("python", "VLLM::EngineCore"),
+                         listeners=(), files=())
+
+    def channel_keys(self, root_pid: int) -> dict[str, str]:
+        self._call("channel_keys")
+        return {"control": "pipe:[1]", "log": "pipe:[2]", "events": "pipe:[3]"}
+
+    def watch_remaps(self, deleted: tuple[str, ...]) -> dict[str, set[str]]:
+        return {}
+
+    def collect_remaps(self, before: dict[str, set[str]], files_dir: Path) -> list[Path]:
+        self._call("collect_remaps")
+        return []
+
+    def cleanup_remaps(self, found: list[Path]) -> None:
+        self._call("cleanup_remaps")
+
+    def dump(self, kind: str, opts: DumpOptions, work_dir: Path) -> None:
+        self.dump_opts = opts
+        self._call("dump")
+
+    def wait_gone(self, pids: tuple[int, ...], timeout_s: float) -> list[int]:
+        self._call("wait_gone")
+        return []
+
+    def pack(self, directory: Path, compression: str) -> tuple[ImageFile, ...]:
+        self._call(f"pack:{directory.name}")
+        return self.manifest.images if directory.name == "images" else ()
+
+    # ---- engine (restore)
+    def port_free(self, host: str, port: int) -> None:
+        self._call("port_free")
+
+    def check_log_file(self, path: Path) -> None:
+        self._call("check_log_file")
+
+    def default_log_file(self, snapshot: Path, port: int) -> Path:
+        return Path(f"/var/log/vllm-snapshot/{snapshot.name}-{port}.log")
+
+    def stage(self, snapshot: Path, m: Manifest) -> Path:
+        self._call("stage")
+        return Path("/stage")
+
+    def unstage(self, stage: Path) -> None:
+        self._call("unstage")
+
+    def put_back_remaps(self, snapshot: Path, m: Manifest) -> list[Path]:
+        self._call("put_back_remaps")
+        return []
+
+    def new_channel(self, log_file: Path | None) -> EngineChannel:
+        self._call("new_channel")
+        self.channel = FakeChannel()
+        return self.channel
+
+    def criu_lock(self) -> AbstractContextManager:
+        self._call("criu_lock")
+        return nullcontext()
+
+    def listeners_taken(self, listeners: tuple[tuple[str, int], ...]) -> list[str]:
+        self._call("listeners_taken")
+        return []
+
+    def restore_tree(self, kind: str, opts: RestoreOptions, stage: Path) -> int:
+        self.restore_opts = opts
+        self._call("restore_tree")
+        return 5151
+
+    def adopt(self, pid: int, channel: EngineChannel, echo: Callable[[bytes], None] | None) -> Engine:
+        self._call("adopt")
+        self.engine = FakeEngine(self.calls, self.manifest.engine.kind, self.oracles, pid)
+        return self.engine
+
+    def http_health(self, url: str) -> bool:
+        self._call("http_health")
+        self.health_after -= 1
+        return self.health_after < 0
+
+    def http_canary(self, url: str, m: Manifest) -> list[str]:
+        self._call("http_canary")
+        return list(self.canary_diffs)
+
+    # ---- store and runtime
+    def snapshot_lock(self, snapshot: Path, shared: bool, must_exist: bool = True) -> AbstractContextManager:
+        self._call("snapshot_lock")
+        return nullcontext()
+
+    def list_snapshots(self, root: Path) -> list[Path]:
+        self._call("list_snapshots")
+        return [root / "a", root / "b"]
+
+    def delete_snapshot(self, snapshot: Path) -> None:
+        self._call("delete_snapshot")
+
+    def clean_stale_temps(self, root: Path) -> list[Path]:
+        return []
+
+    def last_restore(self, snapshot: Path) -> float | None:
+        return None
+
+    def record_restore(self, snapshot: Path, overrides: list[str]) -> None:
+        self._call("record_restore")
+
+    def engines(self) -> list[Entry]:
+        return list(self.entries)
+
+    def register(self, entry: Entry) -> None:
+        self._call("register")
+        self.registered.append(entry)
+
+    def unregister(self, pid: int) -> None:
+        self._call("unregister")
+
+    def stop_engine(self, entry: Entry) -> float:
+        self._call("stop_engine")
+        return 0.5
+
+    # ---- time
+    def clock(self) -> float:
+        self._t += 1.0
+        return self._t
+
+    def now(self) -> float:
+        return 1_700_000_000.0
+
+    def sleep(self, seconds: float) -> None:
+        return None
+
+
+def manifest_with(**over) -> Manifest:
+    """A sealed manifest with the fake host identity and ``over`` applied."""
+    return make_manifest(host=dict(HOST), **over)
+
+
+__all__ = ["FakeTools", "FakeEngine", "FakeChannel", "HOST", "manifest_with", "mf"]

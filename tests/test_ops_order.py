@@ -1,0 +1,235 @@
+"""Step order of create and restore, through the recording FakeTools: no root, no CRIU, no
+engine; the whole file runs in well under a second."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vllm_snapshot import ops
+from vllm_snapshot.errors import (BusyError, CriuError, IncompatibleHostError, OracleMismatchError,
+                                  UsageError)
+from vllm_snapshot.progress import Reporter
+
+from fakes import HOST, FakeTools, manifest_with
+from helpers import make_oracle
+
+SNAP = Path("/snaps/tiny")
+
+
+def _restore(t: FakeTools, **kw):
+    return ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8123, **kw), Reporter(), tools=t)
+
+
+def _create(t: FakeTools, **kw):
+    req = ops.CreateRequest(model="/models/tiny", target=SNAP, engine_args=["--kv-cache-memory-bytes", "64M"], **kw)
+    return ops.create(req, Reporter(), tools=t)
+
+
+def _before(calls: list[str], a: str, b: str) -> bool:
+    return a in calls and b in calls and calls.index(a) < calls.index(b)
+
+
+# ------------------------------------------------------------------ restore
+
+def test_restore_happy_path_order():
+    t = FakeTools()
+    r, engine = _restore(t)
+    c = t.calls
+    order = ["snapshot_lock", "open_snapshot", "host_identity", "port_free", "check_tree_files",
+             "verify_model:quick", "stage", "put_back_remaps", "new_channel", "criu_lock", "listeners_taken",
+             "restore_tree", "adopt", "unstage", "engine.oracle", "engine.serve", "http_health", "http_canary",
+             "register", "record_restore"]
+    assert [x for x in c if x in order] == order
+    assert r.pid == 5151 and r.url == "http://127.0.0.1:8123" and not engine.killed
+    assert t.registered[0].port == 8123
+
+
+def test_restore_uses_the_recorded_criu_flags():
+    m = manifest_with()
+    t = FakeTools(manifest=m)
+    _restore(t)
+    assert t.restore_opts.flags == m.criu.flags == ("shell-job", "ext-unix-sk")  # not today's defaults
+    assert t.restore_opts.inherit_fds == (("pipe:[123]", 10),)
+
+
+def test_restore_refuses_unknown_recorded_flag_before_criu():
+    from vllm_snapshot.errors import CorruptSnapshotError
+
+    t = FakeTools(manifest=manifest_with(criu=manifest_with().criu.model_copy(update={"flags": ("tcp-close",)})))
+    with pytest.raises(CorruptSnapshotError, match="tcp-close"):
+        _restore(t)
+    assert "restore_tree" not in t.calls and "stage" not in t.calls
+
+
+def test_identity_mismatch_never_calls_criu():
+    t = FakeTools(host={**HOST, "kernel": "6.1.0"})
+    with pytest.raises(IncompatibleHostError, match="kernel"):
+        _restore(t)
+    assert not {"stage", "criu_lock", "restore_tree", "port_free", "register"} & set(t.calls)
+
+
+def test_port_is_checked_before_the_model_is_rehashed():
+    t = FakeTools(fail={"port_free": BusyError("port 127.0.0.1:8123 is not free")})
+    with pytest.raises(BusyError):
+        ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8123, verify_model="full"), Reporter(), tools=t)
+    assert "port_free" in t.calls
+    assert not any(c.startswith("verify_model") for c in t.calls)
+    assert "check_tree_files" not in t.calls and "restore_tree" not in t.calls
+
+
+def test_oracle_mismatch_kills_the_tree_and_never_binds():
+    t = FakeTools(oracles=[make_oracle(logprob=-9.0)])
+    with pytest.raises(OracleMismatchError, match="logprob"):
+        _restore(t)
+    assert t.engine.killed and t.engine.closed
+    assert "engine.serve" not in t.engine.sent and "http_health" not in t.calls
+    assert "register" not in t.calls
+
+
+def test_canary_mismatch_kills_the_served_engine():
+    t = FakeTools(canary_diffs=["canary logprob: expected -1.25, got nan"])
+    with pytest.raises(OracleMismatchError, match="canary"):
+        _restore(t)
+    assert t.engine.killed and "register" not in t.calls
+
+
+def test_busy_recorded_listener_refused_before_criu():
+    t = FakeTools()
+    t.listeners_taken = lambda listeners: (t.calls.append("listeners_taken"), ["127.0.0.1:40000 is taken"])[1]
+    with pytest.raises(BusyError, match="40000"):
+        _restore(t)
+    assert "restore_tree" not in t.calls
+    assert "unstage" in t.calls and t.channel.closed  # staging removed, pipes closed
+
+
+def test_criu_restore_failure_removes_staging_and_names_the_kept_log():
+    err = CriuError("CRIU restore failed; log excerpt:\n...", hint="full log: /var/log/vllm-snapshot/criu-restore-x.log")
+    t = FakeTools(fail={"restore_tree": err})
+    with pytest.raises(CriuError) as ei:
+        _restore(t)
+    assert "unstage" in t.calls and t.channel.closed
+    assert ei.value.hint.endswith("criu-restore-x.log")
+
+
+def test_cleanup_failure_is_reported_with_the_failure_that_caused_it():
+    t = FakeTools(oracles=[make_oracle(token_id=99)], fail={"cleanup_remaps": OSError(30, "Read-only file system")})
+    with pytest.raises(OracleMismatchError) as ei:
+        _restore(t)
+    msg = ei.value.message
+    assert msg.startswith("the restored engine's oracle differs")
+    assert "cleanup after this failure also failed" in msg and "Read-only file system" in msg
+
+
+def test_detach_log_file_checked_during_validation():
+    t = FakeTools(fail={"check_log_file": UsageError("--log-file /nope/x.log: /nope does not exist")})
+    with pytest.raises(UsageError):
+        _restore(t, detach=True, log_file=Path("/nope/x.log"))
+    assert "stage" not in t.calls
+
+
+def test_cuda_restore_wakes_before_the_oracle():
+    m = manifest_with(engine=manifest_with().engine.model_copy(update={"kind": "cuda", "sleep_level": 2,
+                                                                      "full_state_captured": False}))
+    t = FakeTools(manifest=m)
+    _restore(t)
+    assert t.engine.sent == ["wake", "oracle", "serve"]
+
+
+# ------------------------------------------------------------------ create
+
+def test_create_happy_path_order_and_scrubbed_env():
+    t = FakeTools()
+    res = _create(t)
+    order = ["require_root", "criu_version", "resolve_model", "hidden_paths", "snapshot_lock", "prepare_target",
+             "digest_model", "launch_engine", "engine.prepare-dump", "inspect_tree", "channel_keys", "dump",
+             "wait_gone", "engine.close", "collect_remaps", "pack:images", "pack:files", "cleanup_remaps",
+             "host_identity", "publish"]
+    assert [x for x in t.calls if x in order] == order
+    assert "HF_TOKEN" not in t.launch_env and t.launch_env["HF_HUB_OFFLINE"] == "1"
+    assert res.manifest.criu.inherit == {"control": "pipe:[1]", "log": "pipe:[2]", "events": "pipe:[3]"}
+    assert res.manifest.criu.dump_argv[:3] == ("dump", "-t", "4242")
+    assert "discard" not in t.calls
+
+
+def test_create_refuses_unsized_cpu_kv_cache_before_the_engine_starts():
+    t = FakeTools()
+    with pytest.raises(UsageError, match="KV cache"):
+        ops.create(ops.CreateRequest(model="/m", target=SNAP), Reporter(), tools=t)
+    assert "launch_engine" not in t.calls and "prepare_target" not in t.calls
+
+
+def test_create_refuses_a_model_the_engine_cannot_see_before_it_starts():
+    t = FakeTools()
+    with pytest.raises(UsageError, match="/dev/shm"):
+        ops.create(ops.CreateRequest(model="/dev/shm/m", target=SNAP, engine_args=["--kv-cache-memory-bytes", "1M"]),
+                   Reporter(), tools=t)
+    assert "launch_engine" not in t.calls
+
+
+def test_rehearsal_mismatch_publishes_nothing_and_kills_the_engine():
+    t = FakeTools(kind="cuda", oracles=[make_oracle(), make_oracle(logprob=-2.0)])
+    with pytest.raises(OracleMismatchError, match="rehearsal"):
+        _create(t)
+    assert "publish" not in t.calls and "dump" not in t.calls
+    assert t.engine.killed and t.discarded == [SNAP.parent / ".tiny.tmp-x"]
+
+
+def test_failed_dump_removes_the_temp_dir_and_keeps_the_criu_log():
+    err = CriuError("CRIU dump failed; log excerpt:\nError (criu/mount.c): FS mnt ./mnt/x unsupported",
+                    hint="full log: /var/log/vllm-snapshot/criu-dump-x.log")
+    t = FakeTools(fail={"dump": err})
+    with pytest.raises(CriuError) as ei:
+        _create(t)
+    assert t.discarded and "publish" not in t.calls and t.engine.killed
+    assert ei.value.hint == "full log: /var/log/vllm-snapshot/criu-dump-x.log"
+
+
+def test_create_cleanup_failure_reported_with_its_cause():
+    t = FakeTools(fail={"dump": CriuError("CRIU dump failed"), "discard": OSError(16, "Device or resource busy")})
+    with pytest.raises(CriuError) as ei:
+        _create(t)
+    assert ei.value.message.startswith("CRIU dump failed")
+    assert "remove the temp dir" in ei.value.message and "Device or resource busy" in ei.value.message
+
+
+def test_survivors_of_the_dump_fail_the_create():
+    from vllm_snapshot.errors import EngineError
+
+    t = FakeTools()
+    t.wait_gone = lambda pids, timeout_s: [pids[1]]
+    with pytest.raises(EngineError, match="survived the dump"):
+        _create(t)
+    assert "publish" not in t.calls and t.discarded
+
+
+# ------------------------------------------------------------------ management
+
+def test_switch_stops_the_old_engine_then_restores_detached():
+    from vllm_snapshot.registry import Entry
+
+    t = FakeTools()
+    t.entries = [Entry("/snaps/old", 77, 0, "127.0.0.1", 8123, 0.0, "detached")]
+    res = ops.switch(SNAP, "127.0.0.1", 8123, None, Reporter(), tools=t)
+    assert _before(t.calls, "stop_engine", "restore_tree")
+    assert res.stopped == [77] and res.pid == 5151 and t.registered[0].mode == "detached"
+
+
+def test_delete_refuses_while_an_engine_runs():
+    from vllm_snapshot.registry import Entry
+
+    t = FakeTools()
+    t.path_exists = lambda p: True
+    t.entries = [Entry(str(SNAP), 77, 0, "127.0.0.1", 8123, 0.0, "detached")]
+    with pytest.raises(BusyError):
+        ops.delete(SNAP, tools=t)
+    assert "delete_snapshot" not in t.calls
+
+
+def test_list_probes_the_host_once_and_never_rehashes_images():
+    t = FakeTools()
+    rows = ops.list_snapshots(Path("/snaps"), tools=t).rows
+    assert [r["compatible"] for r in rows] == [True, True]
+    assert "verify_images" not in t.calls and "check_tree_files" not in t.calls
+    assert "criu_version" not in t.calls  # the identity (with CRIU's version) comes from host_identity

@@ -1,0 +1,140 @@
+"""The layout of one snapshot directory, and the trust checks run once before anything in it
+is read. The one owner of member names (the manifest is the member list *inside* ``images/``
+and ``files/``; :data:`MEMBERS` is the list at the top level).
+
+Layout of a published snapshot ``DIR`` (dir 0700, files 0600)::
+
+    DIR/manifest.json      written last; its absence means "incomplete"
+    DIR/images/            CRIU images (``NAME`` or ``NAME.zst``), exactly those in the manifest
+    DIR/files/             host files CRIU consumes at restore (link-remap files, see
+                           :mod:`vllm_snapshot.remaps`), put back before each restore
+    DIR/engine-create.log  the engine's log during create
+    DIR/criu-dump.log      CRIU's dump log
+    DIR/stats-dump         CRIU's dump statistics (protobuf)
+
+While a create runs, its temp dir also holds ``owner.pid`` (removed at publish).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import CorruptSnapshotError, UsageError
+
+MANIFEST = "manifest.json"
+IMAGES = "images"
+FILES = "files"
+CREATE_LOG = "engine-create.log"
+DUMP_LOG = "criu-dump.log"
+RESTORE_LOG = "criu-restore.log"
+STATS_DUMP = "stats-dump"
+OWNER_PID = "owner.pid"
+#: Every name a published snapshot may hold at its top level.
+MEMBERS = frozenset({MANIFEST, IMAGES, FILES, CREATE_LOG, DUMP_LOG, STATS_DUMP})
+
+
+@dataclass(frozen=True)
+class SnapshotDir:
+    """Paths of one snapshot's members. Pure: building one touches nothing."""
+
+    path: Path
+
+    @property
+    def manifest(self) -> Path:
+        return self.path / MANIFEST
+
+    @property
+    def images(self) -> Path:
+        return self.path / IMAGES
+
+    @property
+    def files(self) -> Path:
+        return self.path / FILES
+
+    @property
+    def create_log(self) -> Path:
+        return self.path / CREATE_LOG
+
+    @property
+    def dump_log(self) -> Path:
+        return self.path / DUMP_LOG
+
+
+def open_trusted(path: Path) -> SnapshotDir:
+    """Run the trust checks once -- :func:`check_dir_safety`, :func:`check_file_modes`, and
+    no unexpected top-level member -- and return the snapshot's :class:`SnapshotDir`.
+    Raises UsageError (missing), CorruptSnapshotError (untrusted or unexpected content)."""
+    path = path.absolute()
+    check_dir_safety(path)
+    check_file_modes(path)
+    extra = sorted(set(os.listdir(path)) - MEMBERS)
+    if extra:
+        raise CorruptSnapshotError(f"{path} holds unexpected members: {', '.join(extra)}",
+                                   hint="a snapshot holds only " + ", ".join(sorted(MEMBERS)))
+    return SnapshotDir(path)
+
+
+def check_dir_safety(path: Path) -> None:
+    """Refuse a snapshot dir we should not trust.
+
+    ``path`` and each parent must not be a symlink (``path`` itself), must be owned by us or
+    root, and must not be group/world-writable unless sticky and root-owned (like /tmp).
+    ``path`` itself must be mode 0700. Raises CorruptSnapshotError naming the path.
+    """
+    uid = os.geteuid()
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError as e:
+        raise UsageError(f"{path} does not exist") from e
+    if stat.S_ISLNK(st.st_mode):
+        raise CorruptSnapshotError(f"{path} is a symlink; refusing to trust it")
+    if not stat.S_ISDIR(st.st_mode):
+        raise CorruptSnapshotError(f"{path} is not a directory")
+    if st.st_uid != uid:
+        raise CorruptSnapshotError(f"{path} is owned by uid {st.st_uid}, not by us (uid {uid})")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise CorruptSnapshotError(
+            f"{path} has mode {stat.S_IMODE(st.st_mode):04o}; a snapshot holds process memory and must be 0700",
+            hint=f"chmod -R go-rwx {path}",
+        )
+    # every component of the path as given: a symlink is trusted only when root owns it
+    # (system layout such as /var/run -> /run); anyone else could redirect us
+    probe = Path(path.absolute().anchor)
+    for part in path.absolute().parts[1:-1]:
+        probe = probe / part
+        lst = os.lstat(probe)
+        if stat.S_ISLNK(lst.st_mode) and lst.st_uid != 0:
+            raise CorruptSnapshotError(f"parent {probe} is a symlink owned by uid {lst.st_uid}; refusing to follow it")
+    for parent in path.resolve().parents:
+        pst = os.stat(parent)
+        if pst.st_uid not in (0, uid):
+            raise CorruptSnapshotError(f"parent directory {parent} is owned by uid {pst.st_uid}")
+        writable = stat.S_IMODE(pst.st_mode) & 0o022
+        sticky_root = pst.st_mode & stat.S_ISVTX and pst.st_uid == 0
+        if writable and not sticky_root:
+            raise CorruptSnapshotError(f"parent directory {parent} is writable by group/others")
+
+
+def check_file_modes(path: Path) -> None:
+    """Refuse files/dirs inside a snapshot that are symlinks, owned by another user, or
+    readable by group/others."""
+    uid = os.geteuid()
+    for dirpath, dirnames, filenames in os.walk(path):
+        for n in dirnames + filenames:
+            p = Path(dirpath) / n
+            st = os.lstat(p)
+            if stat.S_ISLNK(st.st_mode):
+                raise CorruptSnapshotError(f"{p} is a symlink; snapshots hold none")
+            if st.st_uid != uid:
+                raise CorruptSnapshotError(f"{p} is owned by uid {st.st_uid}, not by us (uid {uid}); refusing to trust it",
+                                           hint=f"chown -R {uid} {path} if you trust its origin")
+            if stat.S_IMODE(st.st_mode) & 0o077:
+                raise CorruptSnapshotError(
+                    f"{p} has mode {stat.S_IMODE(st.st_mode):04o}; snapshot files must be private (0600/0700)",
+                    hint=f"chmod -R go-rwx {path}",
+                )
+
+

@@ -1,0 +1,18 @@
+"""Operations: sequencing only. Every side effect goes through
+:class:`vllm_snapshot.tools.SnapshotTools` (``tools=None`` means :class:`LocalTools`), so the
+step order is unit-tested with a fake (``tests/test_ops_order.py``).
+
+* :mod:`.create` -- create: start the engine, oracle, (sleep rehearsal), inventory, dump, publish.
+* :mod:`.restore` -- validate (every check before CRIU), restore, oracle, bind, canary; serve
+  in the foreground.
+* :mod:`.manage` -- describe (list rows), delete, prune, status, stop, switch.
+"""
+
+from .cleanup import run_cleanups
+from .create import CreateRequest, check_cpu_kv_cache, create
+from .manage import delete, describe, list_snapshots, parse_duration, prune, status, stop_engines, switch
+from .restore import RestoreRequest, restore, serve_foreground, validate, verify
+
+__all__ = ["CreateRequest", "RestoreRequest", "check_cpu_kv_cache", "create", "delete", "describe", "list_snapshots",
+           "parse_duration", "prune", "restore", "run_cleanups", "serve_foreground", "status",
+           "stop_engines", "switch", "validate", "verify"]

@@ -1,0 +1,234 @@
+"""``create``: the steps, in order (each side effect through :class:`SnapshotTools`).
+
+1. preconditions: root, CRIU >= 4.2, sleep level, model dir resolvable and visible to the
+   engine's mount namespace, target absent, CPU KV cache sized -- all before the engine starts;
+2. per-snapshot lock, private temp dir beside the target;
+3. model digest; scrubbed environment; engine start (PID + mount namespace) -> oracle;
+4. CUDA: sleep rehearsal (sleep, wake, reload, oracle must match, sleep again);
+5. prepare-dump (app prebuilt, parent-death signal cleared);
+6. inventory (refuse what CRIU cannot restore), channel keys, link-remap watch;
+7. CRIU dump (host-wide lock), tree gone, link-remap files saved;
+8. checksums / compression; host identity; manifest (pure :func:`build_manifest`); publish.
+
+On any failure: engine killed, temp dir removed, CRIU log kept (named in the error), and a
+failing cleanup is reported together with the failure that caused it.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import errno
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .. import __version__, criu, identity, layout, manifest, oracle
+from ..archive import DEFAULT_COMPRESSION, Compression
+from ..errors import CriuError, EngineError, EnvironmentProblem, OracleMismatchError, UsageError
+from ..inventory import Inventory
+from ..progress import Reporter
+from ..results import Created
+from ..supervisor import redact_args, scrubbed_env
+from ..tools import Engine, LocalTools, SnapshotTools
+from .cleanup import run_cleanups
+
+ENGINE_START_TIMEOUT_S = 900.0
+SLEEP_TIMEOUT_S = 300.0
+WAKE_TIMEOUT_S = 600.0
+DUMP_READY_TIMEOUT_S = 120.0
+#: After a successful dump CRIU has killed the tree; its processes must be gone by then.
+TREE_GONE_TIMEOUT_S = 30.0
+
+
+@dataclass
+class CreateRequest:
+    """Inputs of :func:`create`. ``engine_args`` are ``vllm serve`` args; ``engine_log``
+    receives the engine's log bytes as they come (``-v``)."""
+
+    model: str
+    target: Path
+    engine_args: list[str] = field(default_factory=list)
+    oracle_prompt: str = oracle.DEFAULT_PROMPT
+    sleep_level: int = 2
+    compression: Compression = field(default_factory=lambda: Compression.parse(DEFAULT_COMPRESSION))
+    keep_env: tuple[str, ...] = ()
+    engine_log: Callable[[bytes], None] | None = None
+
+
+def check_cpu_kv_cache(engine_args: list[str], env: dict[str, str], gpu_present: bool) -> None:
+    """On a host without an NVIDIA GPU, refuse an engine whose KV cache is not sized
+    explicitly: vLLM's CPU backend then reserves ``--gpu-memory-utilization`` (default 0.9) of
+    host RAM for it, and a CPU snapshot captures all of it (22 GiB for a 1.4 MiB model seen
+    here). Pure. Raises UsageError with the remedy."""
+    if gpu_present:
+        return
+    sized = any(a == "--kv-cache-memory-bytes" or a.startswith("--kv-cache-memory-bytes=") for a in engine_args)
+    if sized or env.get("VLLM_CPU_KVCACHE_SPACE"):
+        return
+    raise UsageError(
+        "on CPU the whole engine memory is captured, KV cache included, and vLLM reserves 90% of "
+        "host RAM for it unless told otherwise; size it explicitly",
+        hint="add an engine arg like --kv-cache-memory-bytes 1G (or set VLLM_CPU_KVCACHE_SPACE=GiB)")
+
+
+def check_visible(needed: dict[str, Path], hidden: list[Path]) -> None:
+    """Refuse when something the engine needs lies under a path its mount namespace hides.
+    Pure. Raises UsageError naming both."""
+    for what, path in needed.items():
+        for h in hidden:
+            if path == h or h in path.parents:
+                raise UsageError(f"the {what} at {path} is under {h}, which the engine does not see (its "
+                                 "mount namespace has a private /dev/shm and detaches the host's tmpfs mounts)",
+                                 hint=f"move the {what} to a directory on a disk filesystem")
+
+
+def _is_enospc(e: BaseException) -> bool:
+    """True for ENOSPC from our own writes or from CRIU (its log says so)."""
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return True
+    return isinstance(e, CriuError) and "No space left on device" in str(e)
+
+
+def create(req: CreateRequest, rep: Reporter, tools: SnapshotTools | None = None) -> Created:
+    """Launch the engine, record the oracle, dump it with CRIU, publish the snapshot.
+
+    Returns :class:`Created`. Raises UsageError (bad args, target exists),
+    EnvironmentProblem, EngineError, CriuError, UnsnapshottableError, OracleMismatchError. On
+    any failure no snapshot is published and no engine process is left.
+    """
+    t = tools or LocalTools()
+    t.require_root()
+    criu_ver = t.criu_version()
+    if req.sleep_level not in (0, 1, 2):
+        raise UsageError("--sleep-level must be 0, 1 or 2")
+    target = req.target.absolute()
+    model_dir = t.resolve_model(req.model)
+    check_visible({"model": model_dir, **t.code_paths()}, t.hidden_paths())
+    if t.path_exists(target):
+        raise UsageError(f"{target} already exists; refusing to overwrite a snapshot",
+                         hint="choose another --snapshot-dir/--name, or delete the old one first")
+    check_cpu_kv_cache(req.engine_args, t.environ(), t.gpu_present())
+    with t.snapshot_lock(target, shared=False, must_exist=False):
+        return _create_locked(t, req, rep, target, model_dir, criu_ver)
+
+
+def _start_engine(t: SnapshotTools, req: CreateRequest, spec: dict, env: dict[str, str], tmp: Path) -> tuple[Engine, dict]:
+    engine = t.launch_engine(spec, env, tmp / layout.CREATE_LOG, req.engine_log)
+    try:
+        return engine, engine.wait_event("initialized", ENGINE_START_TIMEOUT_S)
+    except EngineError as e:
+        engine.kill()
+        engine.close()
+        if isinstance(e.details, dict) and e.details.get("kind") == "usage":
+            raise UsageError(e.message, hint="the engine args are those of `vllm serve`") from e
+        raise
+
+
+def _rehearse_sleep(engine: Engine, level: int, recorded: oracle.Oracle) -> None:
+    """sleep -> wake (reload) -> oracle must match -> sleep again. Raises OracleMismatchError."""
+    engine.send("sleep", level=level)
+    engine.wait_event("slept", SLEEP_TIMEOUT_S)
+    engine.send("wake")
+    engine.wait_event("woken", WAKE_TIMEOUT_S)
+    engine.send("oracle")
+    again = oracle.Oracle.model_validate(engine.wait_event("oracle", SLEEP_TIMEOUT_S)["oracle"])
+    diffs = oracle.compare(recorded, again)
+    if diffs:
+        raise OracleMismatchError("sleep/wake rehearsal changed the oracle: " + "; ".join(diffs))
+    engine.send("sleep", level=level)
+    engine.wait_event("slept", SLEEP_TIMEOUT_S)
+
+
+def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, files: tuple, info: dict,
+                   recorded: oracle.Oracle, sleep_level: int, env: dict[str, str], criu_ver: str,
+                   host: dict[str, str], inv: Inventory, inherit: dict[str, str], dump_opts: criu.DumpOptions,
+                   images: tuple, extra: tuple, timings: dict[str, float], created_at: str) -> manifest.Manifest:
+    """The manifest of a finished dump (unsealed). Pure."""
+    return manifest.Manifest(
+        schema_version=manifest.SCHEMA_VERSION,
+        tool_version=__version__,
+        created_at=created_at,
+        host=host,
+        engine=manifest.EngineInfo(
+            kind=info["kind"], sleep_level=sleep_level, engine_args=tuple(redact_args(req.engine_args)),
+            env_hashes=identity.env_hashes(env), full_state_captured=(sleep_level == 0)),
+        model=manifest.ModelIdentity(
+            requested=req.model, path=str(model_dir), served_name=info["served_model_name"],
+            files=files, total_bytes=sum(f.size for f in files)),
+        oracle=recorded,
+        criu=manifest.CriuInfo(
+            version=criu_ver, flags=dump_opts.flags, inherit=inherit, pid_namespace=True,
+            root_pid=dump_opts.pid, tree_pids=inv.pids, tree_commands=inv.commands,
+            dump_argv=tuple(criu.dump_argv(dump_opts, str(target / layout.IMAGES))),
+            listeners=tuple(inv.listeners), tree_files=tuple(inv.files)),
+        images=images,
+        extra_files=extra,
+        sizes={"raw": sum(i.raw_bytes for i in images), "stored": sum(i.stored_bytes for i in images),
+               "model": sum(f.size for f in files)},
+        timings=dict(timings),
+    )
+
+
+def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: Path, model_dir: Path,
+                   criu_ver: str) -> Created:
+    tmp = t.prepare_target(target)
+    engine: Engine | None = None
+    remaps: list[Path] = []
+    try:
+        with rep.phase("model_digest", "hashing model files"):
+            files = t.digest_model(model_dir)
+        env = scrubbed_env(t.environ(), req.keep_env)
+        spec = {"model": str(model_dir), "engine_args": list(req.engine_args),
+                "oracle_prompt": req.oracle_prompt, "sleep_level": req.sleep_level}
+        with rep.phase("engine_start", "starting engine (load, compile, warm-up)"):
+            engine, init = _start_engine(t, req, spec, env, tmp)
+        info = init["info"]
+        recorded = oracle.Oracle.model_validate(init["oracle"])
+        sleep_level = req.sleep_level if info["kind"] == "cuda" else 0
+        if sleep_level:
+            with rep.phase("sleep", f"sleep level {sleep_level} (rehearsal: wake, reload, oracle)"):
+                _rehearse_sleep(engine, sleep_level, recorded)
+        engine.send("prepare-dump")
+        engine.wait_event("dump-ready", DUMP_READY_TIMEOUT_S)
+        with rep.phase("inventory", "checking the tree for what CRIU cannot restore"):
+            inv = t.inspect_tree(engine.root_pid)
+            inherit = t.channel_keys(engine.root_pid)
+            before = t.watch_remaps(inv.deleted_files)
+        dump_opts = criu.DumpOptions(pid=engine.root_pid)
+        with rep.phase("dump", "CRIU dump"):
+            t.dump(info["kind"], dump_opts, tmp)
+            alive = t.wait_gone(inv.pids, TREE_GONE_TIMEOUT_S)
+            if alive:
+                raise EngineError(f"processes of the tree survived the dump: PIDs {alive}")
+            engine.close()
+            engine = None
+        remaps = t.collect_remaps(before, tmp / layout.FILES)
+        with rep.phase("pack", f"checksums + compression ({req.compression})"):
+            images = t.pack(tmp / layout.IMAGES, str(req.compression))
+            extra = t.pack(tmp / layout.FILES, "none")
+        t.cleanup_remaps(remaps)  # the copies live in the snapshot now
+        remaps = []
+        m = build_manifest(
+            req=req, target=target, model_dir=model_dir, files=files, info=info, recorded=recorded,
+            sleep_level=sleep_level, env=env, criu_ver=criu_ver, host=t.host_identity(info["kind"]),
+            inv=inv, inherit=inherit, dump_opts=dump_opts, images=images, extra=extra, timings=rep.timings,
+            created_at=_dt.datetime.fromtimestamp(t.now(), _dt.timezone.utc).isoformat(timespec="seconds"))
+        with rep.phase("publish", "publishing"):
+            m = manifest.seal(m.model_copy(update={"timings": dict(rep.timings)}))
+            t.publish(m, tmp, target)
+        return Created(str(target), m)
+    except BaseException as e:
+        steps = []
+        if engine is not None:
+            eng = engine
+            steps += [("stop the engine", eng.kill), ("close the engine channel", eng.close)]
+        steps += [("remove link-remap files", lambda: t.cleanup_remaps(remaps)),
+                  (f"remove the temp dir {tmp}", lambda: t.discard(tmp))]
+        run_cleanups(e, steps)
+        if _is_enospc(e):
+            raise EnvironmentProblem(
+                f"no space left on the filesystem of {target.parent} while writing the snapshot; "
+                "the partial snapshot was removed",
+                hint="free space there or choose another --snapshot-dir/--root "
+                     "(a CPU engine's image is about its resident memory; see `inspect` of an earlier snapshot)") from e
+        raise

@@ -1,0 +1,246 @@
+"""``restore`` and ``verify``: the steps, in order (each side effect through
+:class:`SnapshotTools`).
+
+:func:`validate` -- every check before CRIU, metadata first (podman reads metadata before the
+payload): trust (owner, modes, members) -> manifest (schema, digest) -> layout (stat) ->
+recorded CRIU flags known -> host identity field by field -> the HTTP port free -> files the
+tree had open or mapped -> model files (re-hashing last: a taken port is found in
+milliseconds, not after every model byte was read).
+
+:func:`restore` -- validate -> stage (image checksums) -> put back link-remap files -> fresh
+channel -> recorded loopback listeners free (under the CRIU lock) -> CRIU restore with the
+recorded flags -> adopt the tree -> (CUDA: wake) -> oracle inside the engine -> only then bind
+-> /health -> HTTP canary -> registry. Any failure kills the tree, releases the port, removes
+staging; a failing cleanup is reported together with its cause.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .. import criu, identity, oracle, ports
+from ..errors import BusyError, CorruptSnapshotError, EngineError, IncompatibleHostError, OracleMismatchError, UsageError
+from ..manifest import Manifest
+from ..progress import Reporter
+from ..registry import Entry
+from ..results import Restored, Verified
+from ..tools import Engine, LocalTools, SnapshotTools
+from .cleanup import run_cleanups
+
+RESTORE_ORACLE_TIMEOUT_S = 300.0
+BIND_TIMEOUT_S = 120.0
+HEALTH_POLL_S = 0.05
+
+
+@dataclass
+class RestoreRequest:
+    """Inputs of :func:`restore`. ``engine_log`` receives the engine's log (foreground)."""
+
+    snapshot: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    verify_model: str = "quick"
+    allow: frozenset[str] = frozenset()
+    detach: bool = False
+    log_file: Path | None = None
+    engine_log: Callable[[bytes], None] | None = None
+
+
+def validate(snapshot: Path, verify_model: str = "quick", allow: frozenset[str] = frozenset(),
+             check_images: bool = False, port: tuple[str, int] | None = None,
+             tools: SnapshotTools | None = None) -> tuple[Manifest, list[str]]:
+    """Every check a restore makes before CRIU, in the order of the module doc; ``port``
+    (host, port) is probed before the model files are re-hashed; ``check_images`` adds every
+    image checksum (``verify``). Returns (manifest, warnings). Raises UsageError,
+    CorruptSnapshotError, IncompatibleHostError, ModelChangedError, BusyError,
+    EnvironmentProblem."""
+    t = tools or LocalTools()
+    snapshot = snapshot.absolute()
+    m = t.open_snapshot(snapshot)
+    try:
+        criu.check_flags(m.criu.flags)
+    except ValueError as e:
+        raise CorruptSnapshotError(f"{snapshot}: the manifest's CRIU flags are not restorable by this tool: {e}",
+                                   hint="re-create the snapshot with this version of vllm-snapshot") from e
+    here = t.host_identity(m.engine.kind)
+    try:
+        diffs = identity.compare(m.host, here, allow)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    warnings = [f"identity override: {d}" for d in diffs if d.overridden]
+    hard = [d for d in diffs if not d.overridden]
+    if hard:
+        raise IncompatibleHostError(
+            "this host differs from the one the snapshot was created on:\n  " + "\n  ".join(map(str, hard)),
+            hint="restore on a matching host, or re-create the snapshot here",
+            details=[d.__dict__ for d in hard])
+    if port is not None:
+        t.port_free(*port)
+    if check_images:
+        t.verify_images(snapshot, m)
+    problems = t.check_tree_files(m)
+    if problems:
+        raise IncompatibleHostError(
+            "files the engine had open or mapped changed since the snapshot was created:\n  " + "\n  ".join(problems),
+            hint="restore with the same venv/libraries, or re-create the snapshot")
+    mc = t.verify_model(Path(m.model.path), m.model.files, verify_model)
+    if mc.added:
+        warnings.append("model dir has files the snapshot did not record: " + ", ".join(mc.added))
+    return m, warnings
+
+
+def verify(snapshot: Path, allow: frozenset[str] = frozenset(), tools: SnapshotTools | None = None) -> Verified:
+    """``verify``: :func:`validate` with every image checksum and a full model re-hash, under
+    the snapshot's shared lock. Returns :class:`Verified`."""
+    t = tools or LocalTools()
+    snapshot = snapshot.absolute()
+    with t.snapshot_lock(snapshot, shared=True):
+        m, warnings = validate(snapshot, "full", allow, check_images=True, tools=t)
+    return Verified(str(snapshot), len(m.images), len(m.model.files), warnings)
+
+
+def restore(req: RestoreRequest, rep: Reporter, tools: SnapshotTools | None = None) -> tuple[Restored, Engine]:
+    """Validate, stage, CRIU-restore, replay the oracle inside the engine, and only then bind
+    ``host:port`` and serve; then a canary request over HTTP. Returns the result and the live
+    engine handle (foreground: :func:`serve_foreground`; detached: close it). Fails closed: on
+    any error the restored tree is killed, the port is released, staging is removed, the
+    snapshot is untouched. Raises the errors of :func:`validate`, BusyError, CriuError,
+    EngineError, OracleMismatchError."""
+    t = tools or LocalTools()
+    t.require_root()
+    snapshot = req.snapshot.absolute()
+    with t.snapshot_lock(snapshot, shared=True):
+        r, engine = _restore_locked(t, req, rep, snapshot)
+    try:
+        t.register(Entry(snapshot=str(snapshot), pid=r.pid, supervisor_pid=0 if req.detach else os.getpid(),
+                         host=req.host, port=req.port, started_at=t.now(),
+                         mode="detached" if req.detach else "foreground"))
+        t.record_restore(snapshot, [w for w in r.warnings if w.startswith("identity override")])
+    except OSError as e:  # bookkeeping only: never fail a served restore for it
+        rep.info(f"could not record the engine in the registry: {e}")
+    return r, engine
+
+
+def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapshot: Path) -> tuple[Restored, Engine]:
+    with rep.phase("validate", "validating snapshot, host and model"):
+        m, warnings = validate(snapshot, req.verify_model, req.allow, port=(req.host, req.port), tools=t)
+        log_file = None
+        if req.detach:
+            if req.log_file is not None:
+                t.check_log_file(req.log_file)
+            log_file = req.log_file or t.default_log_file(snapshot, req.port)
+    for w in warnings:
+        rep.info(w)
+    stage: Path | None = None
+    placed: list[Path] = []
+    channel = None
+    engine: Engine | None = None
+    try:
+        with rep.phase("stage", "verifying checksums and staging images"):
+            stage = t.stage(snapshot, m)
+            placed = t.put_back_remaps(snapshot, m)
+        channel = t.new_channel(log_file)
+        with t.criu_lock():
+            # Checked under the host-wide CRIU lock, so a concurrent restore of the same
+            # snapshot that just bound them is seen: refuse before CRIU would fail on them.
+            taken = t.listeners_taken(m.criu.listeners)
+            if taken:
+                raise BusyError(
+                    "loopback ports the engine tree listened on at snapshot time are taken "
+                    "(another engine restored from this snapshot?):\n  " + "\n  ".join(taken),
+                    hint="stop the engine holding them (vllm-snapshot status / stop), or re-create the snapshot")
+            opts = criu.RestoreOptions(flags=m.criu.flags, inherit_fds=channel.inherit_fds(m.criu.inherit))
+            with rep.phase("criu_restore", "CRIU restore"):
+                pid = t.restore_tree(m.engine.kind, opts, stage)
+        engine = t.adopt(pid, channel, None if req.detach else req.engine_log)
+        channel = None
+        t.unstage(stage)
+        stage = None
+        try:  # CRIU consumed them; never leave ours behind (a leftover is harmless: warn)
+            t.cleanup_remaps(placed)
+            placed = []
+        except OSError as e:
+            rep.info(f"could not remove link-remap files put back for CRIU: {e}")
+        if m.engine.sleep_level:
+            with rep.phase("wake", "waking engine (reload weights, reset prefix cache)"):
+                engine.send("wake")
+                engine.wait_event("woken", RESTORE_ORACLE_TIMEOUT_S)
+        with rep.phase("oracle", "replaying the oracle inside the engine"):
+            engine.send("oracle")
+            got = oracle.Oracle.model_validate(engine.wait_event("oracle", RESTORE_ORACLE_TIMEOUT_S)["oracle"])
+            diffs = oracle.compare(m.oracle, got)
+            if diffs:
+                raise OracleMismatchError("the restored engine's oracle differs; refusing to serve:\n  " + "\n  ".join(diffs),
+                                          details={"expected": m.oracle.model_dump(), "actual": got.model_dump()})
+        url = ports.url(req.host, req.port)
+        with rep.phase("bind", f"binding {ports.fmt_addr(req.host, req.port)}"):
+            engine.send("serve", host=req.host, port=req.port, die_with_parent=not req.detach)
+            engine.wait_event("binding", BIND_TIMEOUT_S)
+        with rep.phase("http_ready", "waiting for the HTTP server (/health)"):
+            deadline = t.clock() + BIND_TIMEOUT_S
+            while not t.http_health(url):
+                if not engine.alive():
+                    raise EngineError(f"engine exited while starting the server\n{engine.log_tail()}")
+                if t.clock() > deadline:
+                    raise EngineError(f"server did not become healthy within {BIND_TIMEOUT_S:.0f} s")
+                t.sleep(HEALTH_POLL_S)
+        with rep.phase("canary", "canary request over HTTP"):
+            diffs = t.http_canary(url, m)
+            if diffs:
+                raise OracleMismatchError("the HTTP canary differs from the oracle; stopped the engine:\n  " + "\n  ".join(diffs))
+        return Restored(str(snapshot), pid, url, m.model.served_name, dict(rep.timings), warnings, req.detach), engine
+    except BaseException as e:
+        steps = []
+        if engine is not None:
+            eng = engine
+            steps += [("stop the restored engine", eng.kill), ("close the engine channel", eng.close)]
+        if channel is not None:
+            steps.append(("close the channel", channel.close))
+        if stage is not None:
+            steps.append((f"remove the staging dir {stage}", lambda: t.unstage(stage)))
+        steps.append(("remove link-remap files put back", lambda: t.cleanup_remaps(placed)))
+        run_cleanups(e, steps)
+        raise
+
+
+def serve_foreground(r: Restored, engine: Engine, on_signal_msg: Callable[[str], None] | None = None,
+                     stop_grace_s: float = 30.0, tools: SnapshotTools | None = None) -> int:
+    """Block until the restored engine exits; SIGINT/SIGTERM are forwarded to it as SIGTERM
+    (clean shutdown), then SIGKILL after ``stop_grace_s`` seconds. Returns the engine's exit
+    code; unregisters it."""
+    t = tools or LocalTools()
+    stopping: dict[str, float | None] = {"at": None}
+
+    def _fwd(signum, frame):
+        if on_signal_msg:
+            on_signal_msg(f"received signal {signum}; stopping the engine")
+        stopping["at"] = stopping["at"] or time.monotonic()
+        try:
+            os.kill(engine.root_pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+    old = {s: signal.signal(s, _fwd) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            code = engine.reap(block=False)
+            if code is not None:
+                break
+            at = stopping["at"]
+            if at and time.monotonic() - at > stop_grace_s:
+                engine.kill()
+                code = 128 + signal.SIGKILL
+                break
+            time.sleep(0.2)
+        engine.drain_log(5.0)  # stragglers of the namespace die with its init
+        return code
+    finally:
+        for s, hnd in old.items():
+            signal.signal(s, hnd)
+        engine.close()
+        t.unregister(r.pid)

@@ -1,0 +1,71 @@
+"""Default paths, one function each, each with its environment override (the pipx
+``paths.py`` shape). Every other module asks here; none hard-codes a host path.
+
+=================  ==============================  =====================================
+function           default (as root)               override
+=================  ==============================  =====================================
+snapshot_root()    /var/lib/vllm-snapshot          ``--root`` / ``$VLLM_SNAPSHOT_ROOT``
+                   (non-root: $XDG_DATA_HOME/vllm-snapshot)
+cache_dir()        /var/cache/vllm-snapshot        ``$VLLM_SNAPSHOT_CACHE``
+run_dir()          /run/vllm-snapshot              ``$VLLM_SNAPSHOT_RUN_DIR``
+state_dir()        /var/lib/vllm-snapshot/.state   ``$VLLM_SNAPSHOT_STATE_DIR``
+                   (non-root: run_dir()/state)
+log_dir()          /var/log/vllm-snapshot          ``$VLLM_SNAPSHOT_LOG_DIR``
+=================  ==============================  =====================================
+
+``run_dir()`` holds locks (``locks/``) and the engine registry (``engines/``); ``log_dir()``
+holds detached engines' logs and the CRIU logs of failed dumps and restores.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DEFAULT_ROOT = Path("/var/lib/vllm-snapshot")
+DEFAULT_CACHE = Path("/var/cache/vllm-snapshot")
+DEFAULT_RUN = Path("/run/vllm-snapshot")
+DEFAULT_LOG = Path("/var/log/vllm-snapshot")
+
+
+def snapshot_root(cli_root: Path | None = None) -> Path:
+    """Where named snapshots live: ``cli_root`` (``--root``), ``$VLLM_SNAPSHOT_ROOT``,
+    ``/var/lib/vllm-snapshot`` as root, else ``$XDG_DATA_HOME/vllm-snapshot``."""
+    if cli_root is not None:
+        return Path(cli_root).absolute()
+    env = os.environ.get("VLLM_SNAPSHOT_ROOT")
+    if env:
+        return Path(env).absolute()
+    if os.geteuid() == 0:
+        return DEFAULT_ROOT
+    xdg = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(xdg) / "vllm-snapshot"
+
+
+def cache_dir() -> Path:
+    """Setup's cache (CRIU build, venv, tiny model, cuda-checkpoint helper)."""
+    return Path(os.environ.get("VLLM_SNAPSHOT_CACHE") or DEFAULT_CACHE)
+
+
+def run_dir() -> Path:
+    """Runtime state that ends with the boot: locks and the engine registry (tmpfs)."""
+    return Path(os.environ.get("VLLM_SNAPSHOT_RUN_DIR") or DEFAULT_RUN)
+
+
+def state_dir() -> Path:
+    """Per-snapshot bookkeeping kept outside the snapshot (last restore, overrides used)."""
+    env = os.environ.get("VLLM_SNAPSHOT_STATE_DIR")
+    if env:
+        return Path(env)
+    return DEFAULT_ROOT / ".state" if os.geteuid() == 0 else run_dir() / "state"
+
+
+def log_dir() -> Path:
+    """Detached engines' logs and kept CRIU logs of failed runs."""
+    return Path(os.environ.get("VLLM_SNAPSHOT_LOG_DIR") or DEFAULT_LOG)
+
+
+def ensure_private_dir(d: Path) -> Path:
+    """Create ``d`` (and parents) with mode 0700 if missing; return it. Raises OSError."""
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return d

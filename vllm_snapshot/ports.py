@@ -1,0 +1,93 @@
+"""TCP ports on this host: probing a bind, naming the owner of a port, the recorded loopback
+listeners of a snapshot, and URLs. The one owner of socket probing (create, restore and
+doctor ask here)."""
+
+from __future__ import annotations
+
+import errno as _errno
+import socket
+from typing import Iterable
+
+import psutil
+
+from .errors import BusyError, UsageError
+from .procs import command
+
+
+def url(host: str, port: int, scheme: str = "http") -> str:
+    """``http://HOST:PORT`` with IPv6 literals bracketed (``http://[::1]:8000``)."""
+    h = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"{scheme}://{h}:{port}"
+
+
+def fmt_addr(addr: str, port: int) -> str:
+    """``127.0.0.1:80`` / ``[::1]:80``."""
+    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+
+
+def port_owner(port: int) -> tuple[int, str] | None:
+    """(PID, command) of the process listening on TCP ``port`` (else any holding it), or None
+    when unknown (not root, or nobody)."""
+    try:
+        conns = psutil.net_connections("tcp")
+    except (psutil.Error, OSError):
+        return None
+    best = None
+    for c in conns:
+        if c.laddr and c.laddr.port == port and c.pid:
+            if c.status == psutil.CONN_LISTEN:
+                best = c.pid
+                break
+            best = best or c.pid
+    if best is None:
+        return None
+    try:
+        return best, command(psutil.Process(best), 120)
+    except psutil.Error:
+        return best, "?"
+
+
+def port_free(host: str, port: int) -> None:
+    """Refuse when ``host:port`` cannot be bound now (TCP, SO_REUSEADDR, so TIME_WAIT does not
+    count). Raises UsageError for a non-numeric host or an address this host does not have,
+    BusyError naming the owner when the port is taken."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    except socket.gaierror as e:
+        raise UsageError(f"--host {host!r} is not a numeric IPv4/IPv6 address ({e.strerror})",
+                         hint="use e.g. 127.0.0.1, 0.0.0.0 or ::1") from e
+    s = socket.socket(infos[0][0], socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((host, port))
+    except OSError as e:
+        if e.errno == _errno.EADDRNOTAVAIL:
+            raise UsageError(f"--host {host} is not an address of this host: {e.strerror}") from e
+        owner = port_owner(port)
+        who = f" (held by PID {owner[0]}: {owner[1]})" if owner else ""
+        raise BusyError(f"port {host}:{port} is not free{who}: {e.strerror}",
+                        hint="choose another --port or stop what listens there") from e
+    finally:
+        s.close()
+
+
+def listeners_taken(listeners: Iterable[tuple[str, int] | list]) -> list[str]:
+    """For each recorded loopback listener ``(address, port)``, try to bind it now. Returns
+    one message per address that cannot be bound, naming the holder when known. Empty list =
+    all free. Raises nothing."""
+    problems = []
+    for addr, port in listeners:
+        fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        s = socket.socket(fam, socket.SOCK_STREAM)
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((addr, int(port)))
+        except OSError as e:
+            owner = port_owner(int(port))
+            who = f"taken by PID {owner[0]} ({owner[1]})" if owner else "taken (owner unknown)"
+            reason = _errno.errorcode.get(e.errno, str(e.errno)) if e.errno else str(e)
+            problems.append(f"{fmt_addr(addr, int(port))} is {who}: {reason}; the engine listened "
+                            f"there when the snapshot was made and must get it back")
+        finally:
+            s.close()
+    return problems

@@ -1,1 +1,0 @@
-"""Test doubles shipped with the package (used by the test suite, never by the CLI)."""

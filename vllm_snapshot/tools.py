@@ -1,0 +1,571 @@
+"""Every side effect the operations (:mod:`vllm_snapshot.ops`) need, behind one Protocol.
+
+:class:`SnapshotTools` is the contract; :class:`LocalTools` is the real implementation over
+this host (CRIU, the supervisor, ``/proc``, sockets, HTTP, the store, the registry, locks, the
+clock); ``tests/fakes.py`` has a recording fake. ``tests/test_protocols.py`` checks that both
+have exactly the Protocol's methods and signatures (vLLM's own fake drifted from its real
+class without such a test).
+
+The operations only sequence calls to these methods; they never touch the host themselves.
+Heavy imports (pycriu, vLLM) happen inside the methods that need them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Callable, Protocol
+
+from . import paths
+from .criu import DumpOptions, RestoreOptions
+from .inventory import Inventory
+from .manifest import ImageFile, Manifest, ModelFile
+from .model_digest import ModelCheck
+from .registry import Entry
+
+
+class Engine(Protocol):
+    """A running engine tree we supervise (:class:`vllm_snapshot.supervisor.EngineHandle`)."""
+
+    root_pid: int
+
+    def send(self, cmd: str, **kw) -> None:
+        """Send one command (:mod:`vllm_snapshot.engine.protocol`). Raises EngineError."""
+
+    def wait_event(self, name: str, timeout: float) -> dict:
+        """The next event ``name``. Raises EngineError (error event, exit, timeout)."""
+
+    def alive(self) -> bool: ...
+
+    def kill(self, grace: float = 0.0) -> None:
+        """SIGTERM, ``grace`` seconds, SIGKILL; wait until every process is gone."""
+
+    def close(self) -> None:
+        """Close our ends of the channel."""
+
+    def reap(self, block: bool = True) -> int | None:
+        """The root's exit code when it is our child and has exited."""
+
+    def log_tail(self, n: int = 20) -> str: ...
+
+    def drain_log(self, timeout_s: float = 5.0) -> None: ...
+
+
+class EngineChannel(Protocol):
+    """Fresh pipes for a restored engine (:class:`vllm_snapshot.supervisor.Channel`)."""
+
+    def inherit_fds(self, keys: dict[str, str]) -> tuple[tuple[str, int], ...]: ...
+
+    def close(self) -> None: ...
+
+
+class SnapshotTools(Protocol):
+    """The side effects of create, restore and the management commands."""
+
+    # ---- host
+    def require_root(self) -> None:
+        """Raises EnvironmentProblem when not root."""
+
+    def criu_version(self) -> str:
+        """Version of the CRIU that will run (probed once). Raises EnvironmentProblem (< 4.2)."""
+
+    def host_identity(self, kind: str) -> dict[str, str]:
+        """This host's identity fields (identity.collect + GPU + CUDA helper for ``cuda``)."""
+
+    def hidden_paths(self) -> list[Path]:
+        """Host paths the engine's mount namespace will not show (detached/private mounts)."""
+
+    def code_paths(self) -> dict[str, Path]:
+        """What the engine must see besides the model: ``{what: path}``."""
+
+    def gpu_present(self) -> bool: ...
+
+    def environ(self) -> dict[str, str]: ...
+
+    def path_exists(self, path: Path) -> bool: ...
+
+    # ---- model
+    def resolve_model(self, model: str) -> Path:
+        """Local directory of ``model``. Raises UsageError."""
+
+    def digest_model(self, model_dir: Path) -> tuple[ModelFile, ...]: ...
+
+    def verify_model(self, model_dir: Path, files: tuple[ModelFile, ...], mode: str) -> ModelCheck:
+        """Raises ModelChangedError."""
+
+    # ---- snapshot directories
+    def prepare_target(self, target: Path) -> Path:
+        """A private temp dir beside ``target`` (``images/``, ``files/``). Raises UsageError."""
+
+    def discard(self, tmp: Path) -> None:
+        """Remove a temp dir of a failed create. Raises OSError."""
+
+    def publish(self, m: Manifest, tmp: Path, target: Path) -> None:
+        """chmod 0600, write the manifest last, rename ``tmp`` to ``target``."""
+
+    def open_snapshot(self, snapshot: Path) -> Manifest:
+        """Trust checks, manifest (schema, digest), member layout (stat). Raises
+        UsageError, CorruptSnapshotError."""
+
+    def verify_images(self, snapshot: Path, m: Manifest) -> None:
+        """Every image and saved file checksum. Raises CorruptSnapshotError."""
+
+    def check_tree_files(self, m: Manifest) -> list[str]:
+        """Problems with the files the tree had open or mapped (empty = unchanged)."""
+
+    # ---- engine (create)
+    def launch_engine(self, spec: dict, env: dict[str, str], log_path: Path,
+                      echo: Callable[[bytes], None] | None) -> Engine:
+        """Start the engine root in its own PID + mount namespace. Raises EngineError."""
+
+    def inspect_tree(self, root_pid: int) -> Inventory:
+        """Raises UnsnapshottableError, EngineError."""
+
+    def channel_keys(self, root_pid: int) -> dict[str, str]:
+        """role -> ``pipe:[inode]`` of the engine's channel fds."""
+
+    def watch_remaps(self, deleted: tuple[str, ...]) -> dict[str, set[str]]: ...
+
+    def collect_remaps(self, before: dict[str, set[str]], files_dir: Path) -> list[Path]:
+        """Copy link-remap files CRIU left into ``files_dir``; return the originals."""
+
+    def cleanup_remaps(self, found: list[Path]) -> None: ...
+
+    def dump(self, kind: str, opts: DumpOptions, work_dir: Path) -> None:
+        """CRIU dump into ``work_dir/images`` under the host-wide CRIU lock. Raises CriuError."""
+
+    def wait_gone(self, pids: tuple[int, ...], timeout_s: float) -> list[int]:
+        """PIDs still alive after ``timeout_s`` seconds."""
+
+    def pack(self, directory: Path, compression: str) -> tuple[ImageFile, ...]: ...
+
+    # ---- engine (restore)
+    def port_free(self, host: str, port: int) -> None:
+        """Raises BusyError/UsageError when ``host:port`` cannot be bound."""
+
+    def check_log_file(self, path: Path) -> None:
+        """Raises UsageError when ``path`` cannot be an engine log file."""
+
+    def default_log_file(self, snapshot: Path, port: int) -> Path: ...
+
+    def stage(self, snapshot: Path, m: Manifest) -> Path:
+        """Verified raw images in a staging dir. Raises CorruptSnapshotError."""
+
+    def unstage(self, stage: Path) -> None: ...
+
+    def put_back_remaps(self, snapshot: Path, m: Manifest) -> list[Path]: ...
+
+    def new_channel(self, log_file: Path | None) -> EngineChannel: ...
+
+    def criu_lock(self) -> AbstractContextManager:
+        """Host-wide lock around one CRIU run."""
+
+    def listeners_taken(self, listeners: tuple[tuple[str, int], ...]) -> list[str]: ...
+
+    def restore_tree(self, kind: str, opts: RestoreOptions, stage: Path) -> int:
+        """CRIU restore as our child; returns the root's host PID. Raises CriuError."""
+
+    def adopt(self, pid: int, channel: EngineChannel, echo: Callable[[bytes], None] | None) -> Engine: ...
+
+    def http_health(self, url: str) -> bool: ...
+
+    def http_canary(self, url: str, m: Manifest) -> list[str]:
+        """Differences between an HTTP completion of the oracle prompt and the oracle."""
+
+    # ---- store and runtime
+    def snapshot_lock(self, snapshot: Path, shared: bool, must_exist: bool = True) -> AbstractContextManager: ...
+
+    def list_snapshots(self, root: Path) -> list[Path]: ...
+
+    def delete_snapshot(self, snapshot: Path) -> None: ...
+
+    def clean_stale_temps(self, root: Path) -> list[Path]: ...
+
+    def last_restore(self, snapshot: Path) -> float | None: ...
+
+    def record_restore(self, snapshot: Path, overrides: list[str]) -> None: ...
+
+    def engines(self) -> list[Entry]: ...
+
+    def register(self, entry: Entry) -> None: ...
+
+    def unregister(self, pid: int) -> None: ...
+
+    def stop_engine(self, entry: Entry) -> float:
+        """Stop one registered engine; seconds taken."""
+
+    # ---- time
+    def clock(self) -> float:
+        """Monotonic seconds."""
+
+    def now(self) -> float:
+        """Unix time, seconds."""
+
+    def sleep(self, seconds: float) -> None: ...
+
+
+def _http_json(url: str, body: dict | None = None, timeout: float = 30.0) -> tuple[int, dict | str]:
+    """POST ``body`` (or GET) ``url``; (status, parsed JSON or text). Raises URLError/OSError."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read().decode()
+            try:
+                return r.status, json.loads(raw)
+            except ValueError:
+                return r.status, raw
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+class LocalTools(SnapshotTools):
+    """:class:`SnapshotTools` over this host. ``engine_argv`` replaces the engine root's command
+    (tests run a protocol-speaking fake engine through it)."""
+
+    def __init__(self, engine_argv: tuple[str, ...] | None = None) -> None:
+        from .supervisor import ENGINE_ARGV
+
+        self.engine_argv = tuple(engine_argv or ENGINE_ARGV)
+        self._criu: tuple[str, str] | None = None
+        self._identity: dict[str, dict[str, str]] = {}
+
+    # ---- host
+    def require_root(self) -> None:
+        from .errors import EnvironmentProblem
+
+        if os.geteuid() != 0:
+            raise EnvironmentProblem("vllm-snapshot create/restore must run as root (CRIU needs CAP_SYS_ADMIN and more)",
+                                     hint="run it with sudo")
+
+    def _criu_binary(self) -> tuple[str, str]:
+        from . import criu
+        from .errors import EnvironmentProblem
+
+        if self._criu is None:
+            b = criu.find_criu()
+            v = criu.criu_version(b)
+            if not criu.version_ok(v):
+                raise EnvironmentProblem(f"CRIU {v} at {b} is too old; vllm-snapshot needs >= 4.2",
+                                         hint="CRIU < 4.2 fails on kernels >= 6.16; run scripts/setup.sh")
+            self._criu = (b, v)
+        return self._criu
+
+    def criu_version(self) -> str:
+        return self._criu_binary()[1]
+
+    def host_identity(self, kind: str) -> dict[str, str]:
+        if kind not in self._identity:
+            from . import gpu, identity
+
+            ident = identity.collect(self.criu_version(), gpu.gpu_identity())
+            if kind == "cuda":
+                from . import cuda_checkpoint
+
+                ident["cuda_checkpoint_helper"] = (os.environ.get("VLLM_SNAPSHOT_CUDA_CHECKPOINT")
+                                                   or f"vllm-snapshot:{cuda_checkpoint.digest()[:16]}")
+            self._identity[kind] = ident
+        return dict(self._identity[kind])
+
+    def hidden_paths(self) -> list[Path]:
+        from .engine.mounts import hidden_prefixes
+
+        with open("/proc/self/mountinfo") as f:
+            return [Path(h) for h in hidden_prefixes(f.read())]
+
+    def code_paths(self) -> dict[str, Path]:
+        return {"Python environment": Path(sys.prefix).resolve(),
+                "vllm_snapshot package": Path(__file__).resolve().parent}
+
+    def gpu_present(self) -> bool:
+        return os.path.isdir("/proc/driver/nvidia/gpus")
+
+    def environ(self) -> dict[str, str]:
+        return dict(os.environ)
+
+    def path_exists(self, path: Path) -> bool:
+        return os.path.lexists(path)
+
+    # ---- model
+    def resolve_model(self, model: str) -> Path:
+        from . import model_digest
+
+        return model_digest.resolve_model(model)
+
+    def digest_model(self, model_dir: Path) -> tuple[ModelFile, ...]:
+        from . import model_digest
+
+        return model_digest.digest_dir(model_dir)
+
+    def verify_model(self, model_dir: Path, files: tuple[ModelFile, ...], mode: str) -> ModelCheck:
+        from . import model_digest
+
+        return model_digest.verify(model_dir, files, "full" if mode == "full" else "quick")
+
+    # ---- snapshot directories
+    def prepare_target(self, target: Path) -> Path:
+        from . import store
+
+        return store.prepare_target(target)
+
+    def discard(self, tmp: Path) -> None:
+        import shutil
+
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+    def publish(self, m: Manifest, tmp: Path, target: Path) -> None:
+        from . import manifest, store
+
+        for dirpath, _dirs, names in os.walk(tmp):  # CRIU writes stats-dump 0644
+            for n in names:
+                os.chmod(os.path.join(dirpath, n), 0o600)
+        manifest.write_atomic(m, tmp)
+        store.publish(tmp, target)
+
+    def open_snapshot(self, snapshot: Path) -> Manifest:
+        from . import archive, layout, manifest
+
+        sd = layout.open_trusted(snapshot)
+        m = manifest.read(sd.path)
+        archive.check_layout(sd.images, m.images)
+        archive.check_layout(sd.files, m.extra_files)
+        return m
+
+    def verify_images(self, snapshot: Path, m: Manifest) -> None:
+        from . import archive, layout
+
+        sd = layout.SnapshotDir(snapshot)
+        archive.verify(sd.images, m.images)
+        archive.verify(sd.files, m.extra_files)
+
+    def check_tree_files(self, m: Manifest) -> list[str]:
+        from . import inventory
+
+        return inventory.check_files(m.criu.tree_files)
+
+    # ---- engine (create)
+    def launch_engine(self, spec: dict, env: dict[str, str], log_path: Path,
+                      echo: Callable[[bytes], None] | None) -> Engine:
+        from .supervisor import launch
+
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        log = os.fdopen(fd, "ab", buffering=0)  # a write after close raises, never hits a reused fd
+        try:
+            h = launch(spec, env, [log.write] + ([echo] if echo else []), self.engine_argv)
+        except BaseException:
+            log.close()
+            raise
+        h.on_close.append(log.close)
+        return h
+
+    def inspect_tree(self, root_pid: int) -> Inventory:
+        from . import inventory
+
+        return inventory.inspect_tree(root_pid)
+
+    def channel_keys(self, root_pid: int) -> dict[str, str]:
+        from .supervisor import channel_keys
+
+        return channel_keys(root_pid)
+
+    def watch_remaps(self, deleted: tuple[str, ...]) -> dict[str, set[str]]:
+        from . import remaps
+
+        return remaps.watch_dirs(deleted)
+
+    def collect_remaps(self, before: dict[str, set[str]], files_dir: Path) -> list[Path]:
+        from . import remaps
+
+        found = remaps.collect(before)
+        remaps.save(found, files_dir)
+        return found
+
+    def cleanup_remaps(self, found: list[Path]) -> None:
+        from . import remaps
+
+        remaps.cleanup(found)
+
+    def _runner(self, kind: str):
+        from . import criu
+
+        binary = self._criu_binary()[0]
+        return criu.Criu(binary, criu.cuda_env(binary) if kind == "cuda" else {})
+
+    def dump(self, kind: str, opts: DumpOptions, work_dir: Path) -> None:
+        from . import layout, locks
+
+        runner = self._runner(kind)
+        with locks.criu_lock():
+            runner.dump(opts, work_dir / layout.IMAGES, work_dir)
+
+    def wait_gone(self, pids: tuple[int, ...], timeout_s: float) -> list[int]:
+        import psutil
+
+        from .procs import wait_gone
+
+        procs = []
+        for pid in pids:
+            try:
+                procs.append(psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                pass
+        return wait_gone(procs, timeout_s)
+
+    def pack(self, directory: Path, compression: str) -> tuple[ImageFile, ...]:
+        from . import archive
+
+        return archive.pack(directory, archive.Compression.parse(compression))
+
+    # ---- engine (restore)
+    def port_free(self, host: str, port: int) -> None:
+        from . import ports
+
+        ports.port_free(host, port)
+
+    def check_log_file(self, path: Path) -> None:
+        from .errors import UsageError
+
+        if path.is_dir() or not path.parent.is_dir():
+            raise UsageError(f"--log-file {path}: " + ("is a directory" if path.is_dir() else f"{path.parent} does not exist"))
+
+    def default_log_file(self, snapshot: Path, port: int) -> Path:
+        return paths.ensure_private_dir(paths.log_dir()) / f"{snapshot.name}-{port}.log"
+
+    def stage(self, snapshot: Path, m: Manifest) -> Path:
+        from . import archive, layout
+
+        sd = layout.SnapshotDir(snapshot)
+        raw = sum(i.raw_bytes for i in m.images)
+        stage = archive.unpack(sd.images, m.images, archive.staging_parent(raw, snapshot.parent, m.images))
+        try:
+            archive.verify(sd.files, m.extra_files)
+        except BaseException:
+            archive.remove_staging(stage)
+            raise
+        return stage
+
+    def unstage(self, stage: Path) -> None:
+        from . import archive
+
+        archive.remove_staging(stage)
+
+    def put_back_remaps(self, snapshot: Path, m: Manifest) -> list[Path]:
+        from . import layout, remaps
+
+        return remaps.put_back(layout.SnapshotDir(snapshot).files, [f.name for f in m.extra_files])
+
+    def new_channel(self, log_file: Path | None) -> EngineChannel:
+        from .supervisor import Channel
+
+        return Channel.open(log_file)
+
+    def criu_lock(self) -> AbstractContextManager:
+        from . import locks
+
+        return locks.criu_lock()
+
+    def listeners_taken(self, listeners: tuple[tuple[str, int], ...]) -> list[str]:
+        from . import ports
+
+        return ports.listeners_taken(listeners)
+
+    def restore_tree(self, kind: str, opts: RestoreOptions, stage: Path) -> int:
+        return self._runner(kind).restore(opts, stage, stage)
+
+    def adopt(self, pid: int, channel: EngineChannel, echo: Callable[[bytes], None] | None) -> Engine:
+        from .supervisor import restored_handle
+
+        return restored_handle(pid, channel, [echo] if echo else [])
+
+    def http_health(self, url: str) -> bool:
+        try:
+            status, _ = _http_json(f"{url}/health", timeout=2)
+            return status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def http_canary(self, url: str, m: Manifest) -> list[str]:
+        from . import oracle
+
+        try:
+            status, body = _http_json(f"{url}/v1/completions", {
+                "model": m.model.served_name, "prompt": m.oracle.prompt, "max_tokens": 1,
+                "temperature": 0.0, "logprobs": 5})
+        except (urllib.error.URLError, OSError) as e:
+            return [f"canary request failed: {e}"]
+        if status != 200 or not isinstance(body, dict):
+            return [f"canary request failed: HTTP {status}: {str(body)[:200]}"]
+        try:
+            choice = body["choices"][0]
+            lps = (choice.get("logprobs") or {}).get("token_logprobs") or [None]
+            return oracle.compare_http(m.oracle, choice.get("text"), lps[0])
+        except (KeyError, IndexError, TypeError, AttributeError) as e:
+            return [f"canary response is malformed ({type(e).__name__}: {e}): {str(body)[:200]}"]
+
+    # ---- store and runtime
+    def snapshot_lock(self, snapshot: Path, shared: bool, must_exist: bool = True) -> AbstractContextManager:
+        from . import locks
+
+        return locks.snapshot_lock(snapshot, shared=shared, must_exist=must_exist)
+
+    def list_snapshots(self, root: Path) -> list[Path]:
+        from . import store
+
+        return store.list_snapshots(root)
+
+    def delete_snapshot(self, snapshot: Path) -> None:
+        from . import store
+
+        store.delete(snapshot)
+
+    def clean_stale_temps(self, root: Path) -> list[Path]:
+        from . import store
+
+        return store.clean_stale_temps(root)
+
+    def last_restore(self, snapshot: Path) -> float | None:
+        from . import store
+
+        return store.last_restore(snapshot)
+
+    def record_restore(self, snapshot: Path, overrides: list[str]) -> None:
+        from . import store
+
+        store.record_restore(snapshot, overrides)
+
+    def engines(self) -> list[Entry]:
+        from . import registry
+
+        return registry.entries()
+
+    def register(self, entry: Entry) -> None:
+        from . import registry
+
+        registry.register(entry)
+
+    def unregister(self, pid: int) -> None:
+        from . import registry
+
+        registry.unregister(pid)
+
+    def stop_engine(self, entry: Entry) -> float:
+        from . import registry
+
+        return registry.stop(entry)
+
+    # ---- time
+    def clock(self) -> float:
+        return time.monotonic()
+
+    def now(self) -> float:
+        return time.time()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)

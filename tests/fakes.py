@@ -146,6 +146,9 @@ class FakeTools(SnapshotTools):
     def path_exists(self, path: Path) -> bool:
         return False
 
+    def canonical(self, path: Path) -> Path:
+        return Path(path).absolute()
+
     # ---- model
     def resolve_model(self, model: str) -> Path:
         self._call("resolve_model")

@@ -190,17 +190,42 @@ def verify(src_dir: Path, images: tuple[ImageFile, ...]) -> None:
 
 def staging_parent(raw_bytes: int, fallback: Path, images: tuple[ImageFile, ...] = ()) -> Path:
     """Where to stage: ``fallback`` (the snapshot's parent: same filesystem, so uncompressed
-    images are hard-linked, not copied) when no image is compressed; else /dev/shm when its
-    free space exceeds ``raw_bytes`` by 25% plus 1 GiB; else ``fallback``."""
-    if images and all(i.compression == "none" for i in images):
+    images are hard-linked, not copied) when no image is compressed and ``fallback`` is
+    writable; else /dev/shm when its free space exceeds ``raw_bytes`` by 25% plus 1 GiB; else
+    ``fallback`` when writable; else :func:`paths.staging_dir` (a read-only snapshot store:
+    images are copied there). Raises EnvironmentProblem when that has too little free space."""
+    from . import paths
+    from .errors import EnvironmentProblem
+
+    writable = os.access(fallback, os.W_OK | os.X_OK) and not _read_only(fallback)
+    if writable and images and all(i.compression == "none" for i in images):
         return fallback
+    if _free(Path("/dev/shm")) > raw_bytes * 1.25 + (1 << 30):
+        return Path("/dev/shm")
+    if writable:
+        return fallback
+    d = paths.ensure_private_dir(paths.staging_dir())
+    if _free(d) < raw_bytes * 1.1:
+        raise EnvironmentProblem(
+            f"the snapshot's directory {fallback} is read-only, and the staging directory {d} has "
+            f"{_free(d) >> 20} MiB free; staging needs {raw_bytes >> 20} MiB",
+            hint="free space there, or point VLLM_SNAPSHOT_STAGING_DIR at a filesystem with room")
+    return d
+
+
+def _free(p: Path) -> int:
     try:
-        st = os.statvfs("/dev/shm")
-        if st.f_bavail * st.f_frsize > raw_bytes * 1.25 + (1 << 30):
-            return Path("/dev/shm")
+        st = os.statvfs(p)
+        return st.f_bavail * st.f_frsize
     except OSError:
-        pass
-    return fallback
+        return 0
+
+
+def _read_only(p: Path) -> bool:
+    try:
+        return bool(os.statvfs(p).f_flag & os.ST_RDONLY)
+    except OSError:
+        return True
 
 
 def unpack(src_dir: Path, images: tuple[ImageFile, ...], parent: Path) -> Path:

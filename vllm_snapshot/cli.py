@@ -52,6 +52,16 @@ def _resolve(ref: str) -> Path:
     return store.resolve(ref, _root_dir())
 
 
+def _root_only(what: str) -> None:
+    """Commands that need root say so with the documented exit code (11), not with a
+    permission error halfway through or an empty answer."""
+    from .errors import EnvironmentProblem
+
+    if os.geteuid() != 0:
+        raise EnvironmentProblem(f"vllm-snapshot {what} must run as root (CRIU, the engine namespaces, "
+                                 "the snapshot store and the engine registry are root's)", hint="run it with sudo")
+
+
 def _reporter(quiet: bool, as_json: bool):
     from .progress import make_reporter
 
@@ -84,11 +94,15 @@ def create(
     arguments (optionally after --) are `vllm serve` engine args, checked by vLLM's parser."""
     from . import archive, oracle, ops, render, store
 
+    _root_only("create")
     engine_args = list(ctx.args)
     if engine_args and engine_args[0] == "--":
         engine_args = engine_args[1:]
     if snapshot_dir is not None and name is not None:
         raise UsageError("give --snapshot-dir PATH or --name NAME, not both")
+    if name is not None and not store.valid_name(name):
+        raise UsageError(f"--name {name!r} is not a valid snapshot name: use {store.NAME_RULE}",
+                         hint="or give a path with --snapshot-dir")
     if snapshot_dir is None:
         name = name or Path(model.rstrip("/")).name.replace("/", "--")
         if not store.valid_name(name):
@@ -125,6 +139,7 @@ def verify(
     image checksums, and a full re-hash of the model files."""
     from . import ops, render
 
+    _root_only("verify")
     render.show(ops.verify(_resolve(snapshot), frozenset(allow_mismatch)), as_json)
 
 
@@ -164,6 +179,7 @@ def delete(
     """Delete a snapshot. Refuses while an engine restored from it runs, unless --force."""
     from . import ops, render
 
+    _root_only("delete")
     render.show(ops.delete(_resolve(snapshot), force), as_json)
 
 
@@ -178,6 +194,7 @@ def prune(
     temp dirs of crashed creates."""
     from . import ops, render
 
+    _root_only("prune")
     older = ops.parse_duration(older_than) if older_than else None
     render.show(ops.prune(_root_dir(), keep, older, dry_run), as_json)
 
@@ -187,6 +204,7 @@ def status(as_json: bool = typer.Option(False, "--json")) -> None:
     """Engines restored on this host: snapshot, PID, address, started, mode."""
     from . import ops, render
 
+    _root_only("status")
     render.show(ops.status(), as_json)
 
 
@@ -199,6 +217,7 @@ def stop(
     """Stop restored engines (by snapshot or --port) and wait until their memory is released."""
     from . import ops, render
 
+    _root_only("stop")
     if (snapshot is None) == (port is None):
         raise UsageError("give a snapshot or --port")
     render.show(ops.stop_engines(_resolve(snapshot) if snapshot else None, port), as_json)
@@ -208,16 +227,21 @@ def stop(
 def switch(
     snapshot: str = typer.Argument(..., help="Snapshot to serve next."),
     port: int = typer.Option(..., "--port", min=1, max=65535),
-    host: str = typer.Option("127.0.0.1", "--host"),
+    host: Optional[str] = typer.Option(None, "--host", help="Default: the host of the engine being replaced (else 127.0.0.1)."),
     log_file: Optional[Path] = typer.Option(None, "--log-file"),
+    rollback: bool = typer.Option(True, "--rollback/--no-rollback",
+                                  help="If the new snapshot fails to restore, restore the old one again (default)."),
     as_json: bool = typer.Option(False, "--json"),
     quiet: bool = typer.Option(False, "--quiet", "-q"),
 ) -> None:
-    """Time-sharing: stop whatever serves on PORT, wait until its memory is released, restore
-    SNAPSHOT there (detached); report the measured switch time."""
+    """Time-sharing: validate SNAPSHOT, stop whatever serves on PORT (memory released),
+    restore SNAPSHOT there (detached); roll back to the old engine if that fails. Reports the
+    measured switch time."""
     from . import ops, render
 
-    render.show(ops.switch(_resolve(snapshot), host, port, log_file, _reporter(quiet, as_json)), as_json, quiet)
+    _root_only("switch")
+    render.show(ops.switch(_resolve(snapshot), host, port, log_file, _reporter(quiet, as_json), rollback),
+                as_json, quiet)
 
 
 @app.command()
@@ -237,8 +261,12 @@ def restore(
     from . import notify, ops, render
     from .progress import NotifyingReporter
 
+    _root_only("restore")
     if verify_model not in ("quick", "full"):
         raise UsageError("--verify-model must be quick or full")
+    if log_file is not None and not detach:
+        raise UsageError("--log-file applies to --detach; in the foreground the engine log goes to stderr",
+                         hint="add --detach, or redirect stderr (2>>FILE)")
     rep = _reporter(quiet, as_json)
     lifecycle = notify.ServiceLifecycle.from_env()
     if lifecycle.active:
@@ -275,7 +303,22 @@ def demo(
     from . import demo as demo_mod
     from . import render
 
+    _root_only("demo")
     render.show(demo_mod.run(snapshot_dir or _root_dir() / demo_mod.DEFAULT_NAME, port, skip_cold, as_json), as_json)
+
+
+def main_error(e: SnapshotError) -> int:
+    """Report ``e`` (one ``error [code]: message`` block + ``hint:`` on stderr, or the JSON
+    error object with ``--json``); return its exit code."""
+    if _STATE["json"]:
+        from .render import emit_json
+
+        emit_json({"error": e.to_json()})
+    else:
+        print(f"error [{e.code}]: {e.message}", file=sys.stderr)
+        if e.hint:
+            print(f"hint: {e.hint}", file=sys.stderr)
+    return e.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,26 +340,28 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except click_exc.ClickException as e:
-        e.show()
+        if _STATE["json"]:
+            from .render import emit_json
+
+            emit_json({"error": {"code": "usage", "exit_code": e.exit_code, "message": e.format_message(),
+                                 "hint": "see --help", "details": None}})
+        else:
+            e.show()
         return e.exit_code
     except SnapshotError as e:
         if _STATE["debug"]:
             import traceback
 
             traceback.print_exc()
-        if _STATE["json"]:
-            from .render import emit_json
-
-            emit_json({"error": e.to_json()})
-        else:
-            msg = e.message
-            print(f"error [{e.code}]: {msg}", file=sys.stderr)
-            if e.hint:
-                print(f"hint: {e.hint}", file=sys.stderr)
-        return e.exit_code
+        return main_error(e)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except PermissionError as e:
+        from .errors import EnvironmentProblem
+
+        return main_error(EnvironmentProblem(f"permission denied: {e.filename or e}",
+                                             hint="vllm-snapshot needs root for snapshots, CRIU and the engine registry"))
     except Exception as e:  # noqa: BLE001 - last resort: one line, traceback with --debug
         if _STATE["debug"] or "--debug" in argv:
             raise

@@ -43,7 +43,19 @@ def free_port() -> int:
 def cold_start(model: Path, port: int) -> float:
     """Seconds from launching ``vllm.entrypoints.openai.api_server`` (same engine args) to its
     first successful completion; the server is stopped afterwards. Raises EngineError."""
+    import getpass
+    import shutil
+    import tempfile
+
     env = scrubbed_env(dict(os.environ))
+    # its own temp dir (ZMQ sockets, vllm_dist_* files), removed afterwards: the engine TMPDIR
+    # of scrubbed_env is a mount point for engines' private tmpfs, not a place on the host
+    tmp = tempfile.mkdtemp(prefix="vllm-snapshot-cold-", dir="/var/tmp")
+    env["TMPDIR"] = tmp
+    inductor = env.get("TORCHINDUCTOR_CACHE_DIR")
+    if inductor:  # keep torch inductor's precompiled header cached, as for engines (engine/mounts.py)
+        os.makedirs(inductor, mode=0o700, exist_ok=True)
+        os.symlink(inductor, os.path.join(tmp, f"torchinductor_{getpass.getuser()}"))
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS]
     t0 = time.monotonic()
@@ -72,6 +84,7 @@ def cold_start(model: Path, port: int) -> float:
             except ProcessLookupError:
                 pass
             p.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def run(snap: Path, port: int, skip_cold: bool, as_json: bool) -> DemoReport:

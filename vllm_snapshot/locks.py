@@ -57,31 +57,81 @@ def holders(path: Path) -> list[str]:
 
 
 @contextmanager
-def lock(path: Path, what: str, shared: bool = False, wait_s: float = 0.0) -> Iterator[None]:
-    """Hold a flock on ``path`` (created 0600). Refuses at once (``wait_s`` 0) or after
-    ``wait_s`` seconds with BusyError naming the holders' PIDs and commands."""
+def lock(path: Path, what: str, shared: bool = False, wait_s: float = 0.0, label: str = "") -> Iterator[None]:
+    """Hold a flock on ``path`` (created 0600, ``label`` written into a new file). Refuses at
+    once (``wait_s`` 0) or after ``wait_s`` seconds with BusyError naming the holders' PIDs and
+    commands. After the flock is taken, the file must still be the one at ``path`` (lock files
+    are removed by :func:`remove_lock_file` / :func:`clean_stale` under their exclusive lock; a
+    waiter that got an unlinked file retries on the new one)."""
     run = paths.run_dir()
     if path.parent == run or path.parent.parent == run:
         paths.ensure_private_dir(path.parent)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     mode = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB
     deadline = time.monotonic() + wait_s
-    try:
-        while True:
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, mode)
+                    break
+                except OSError as e:
+                    if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                        raise
+                    if time.monotonic() >= deadline:
+                        who = ", ".join(holders(path)) or "another process"
+                        raise BusyError(f"{what} is in use by {who}",
+                                        hint="wait for that command to finish, or stop it") from e
+                    time.sleep(0.1)
             try:
-                fcntl.flock(fd, mode)
-                break
-            except OSError as e:
-                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    raise
-                if time.monotonic() >= deadline:
-                    who = ", ".join(holders(path)) or "another process"
-                    raise BusyError(f"{what} is in use by {who}",
-                                    hint="wait for that command to finish, or stop it") from e
-                time.sleep(0.1)
+                same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+        except BaseException:
+            os.close(fd)
+            raise
+        if same:
+            break
+        os.close(fd)  # the file was removed while we waited: lock the new one
+    try:
+        if label and os.fstat(fd).st_size == 0:
+            os.write(fd, label.encode())
         yield
     finally:
         os.close(fd)
+
+
+def remove_lock_file(snapshot: Path) -> None:
+    """Remove ``snapshot``'s lock file; call it while holding that lock exclusively (delete)."""
+    snapshot_lock_path(snapshot).unlink(missing_ok=True)
+
+
+def clean_stale() -> list[Path]:
+    """Remove lock files of snapshot paths that no longer exist and that nobody holds (taken
+    exclusively first, so a racing command is never left holding a removed file). Returns what
+    was removed."""
+    removed = []
+    d = paths.run_dir() / "locks"
+    for f in d.glob("*.lock") if d.is_dir() else []:
+        try:
+            target = f.read_text().strip()
+        except OSError:
+            continue
+        if not target or os.path.lexists(target):
+            continue
+        try:
+            fd = os.open(f, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            f.unlink(missing_ok=True)
+            removed.append(f)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
 
 
 def snapshot_lock(snapshot: Path, shared: bool = False, must_exist: bool = True):
@@ -94,7 +144,7 @@ def snapshot_lock(snapshot: Path, shared: bool = False, must_exist: bool = True)
         raise UsageError(f"{snapshot.absolute().parent} does not exist")
     if must_exist and not os.path.lexists(snapshot):
         raise UsageError(f"snapshot {snapshot} does not exist")
-    return lock(snapshot_lock_path(snapshot), f"snapshot {snapshot}", shared=shared)
+    return lock(snapshot_lock_path(snapshot), f"snapshot {snapshot}", shared=shared, label=str(snapshot.absolute()))
 
 
 def criu_lock(wait_s: float = 300.0):

@@ -11,10 +11,13 @@ run_dir()          /run/vllm-snapshot              ``$VLLM_SNAPSHOT_RUN_DIR``
 state_dir()        /var/lib/vllm-snapshot/.state   ``$VLLM_SNAPSHOT_STATE_DIR``
                    (non-root: run_dir()/state)
 log_dir()          /var/log/vllm-snapshot          ``$VLLM_SNAPSHOT_LOG_DIR``
+staging_dir()      /var/tmp/vllm-snapshot-staging  ``$VLLM_SNAPSHOT_STAGING_DIR``
 =================  ==============================  =====================================
 
 ``run_dir()`` holds locks (``locks/``) and the engine registry (``engines/``); ``log_dir()``
-holds detached engines' logs and the CRIU logs of failed dumps and restores.
+holds detached engines' logs and the CRIU logs of failed dumps and restores. ``staging_dir()``
+is used only for snapshots on a read-only filesystem (restore stages beside the snapshot
+otherwise, or in /dev/shm for compressed images).
 """
 
 from __future__ import annotations
@@ -63,6 +66,11 @@ def state_dir() -> Path:
 def log_dir() -> Path:
     """Detached engines' logs and kept CRIU logs of failed runs."""
     return Path(os.environ.get("VLLM_SNAPSHOT_LOG_DIR") or DEFAULT_LOG)
+
+
+def staging_dir() -> Path:
+    """Where restore stages images of a snapshot whose directory is read-only."""
+    return Path(os.environ.get("VLLM_SNAPSHOT_STAGING_DIR") or "/var/tmp/vllm-snapshot-staging")
 
 
 def ensure_private_dir(d: Path) -> Path:

@@ -87,21 +87,47 @@ def entries() -> list[Entry]:
     return sorted(out, key=lambda e: (e.port, e.pid))
 
 
-def stop(e: Entry, grace_s: float = 30.0) -> float:
-    """Stop an engine: SIGTERM to its supervisor (foreground) or its root (detached), SIGKILL
-    after ``grace_s``; wait until every process of the tree is gone (memory released).
-    Returns seconds taken."""
+#: How long ``stop`` lets in-flight HTTP requests of a detached engine finish (seconds).
+DRAIN_S = 30.0
+
+
+def _client_connections(procs: list[psutil.Process], port: int) -> int:
+    """Established TCP connections of the tree on its served ``port`` (requests in flight)."""
+    pids = {p.pid for p in procs}
+    try:
+        conns = psutil.net_connections("tcp")
+    except (psutil.Error, OSError):
+        return 0
+    return sum(1 for c in conns if c.pid in pids and c.laddr and c.laddr.port == port
+               and c.status == psutil.CONN_ESTABLISHED)
+
+
+def stop(e: Entry, grace_s: float = 30.0, drain_s: float = DRAIN_S) -> float:
+    """Stop an engine and wait until every process of its tree is gone (memory released).
+    Returns seconds taken.
+
+    Foreground engines: SIGTERM to their supervisor (it stops the engine cleanly and exits 0,
+    so a service manager sees a clean stop), SIGKILL after ``grace_s``. Detached engines:
+    SIGTERM to the root (the HTTP server stops accepting), then, as soon as no request is in
+    flight on its port (at most ``drain_s``), SIGKILL of the tree -- vLLM's own shutdown of
+    EngineCore and workers takes 1-2 s and frees nothing the kernel does not free at once."""
     t0 = time.monotonic()
     procs = tree(e.pid)
     if not procs:
         unregister(e.pid)
         return 0.0
-    target = e.supervisor_pid if e.supervisor_pid and psutil.pid_exists(e.supervisor_pid) else e.pid
+    foreground = bool(e.supervisor_pid and psutil.pid_exists(e.supervisor_pid))
     try:
-        os.kill(target, signal.SIGTERM)
+        os.kill(e.supervisor_pid if foreground else e.pid, signal.SIGTERM)
     except ProcessLookupError:
         pass
-    gone, alive = psutil.wait_procs(procs, timeout=grace_s)
+    if foreground:
+        _gone, alive = psutil.wait_procs(procs, timeout=grace_s)
+    else:
+        deadline = time.monotonic() + drain_s
+        while time.monotonic() < deadline and _client_connections(procs, e.port):
+            time.sleep(0.05)
+        alive = procs
     for p in alive:
         try:
             p.kill()

@@ -128,10 +128,12 @@ class Switched:
     restore_s: float
     switch_s: float
     stopped: list[int] = field(default_factory=list)
+    host: str = "127.0.0.1"
 
     def to_json(self) -> dict:
         d = asdict(self)
         d.pop("port")
+        d["serving"] = {"snapshot": self.snapshot, "pid": self.pid, "url": self.url}
         return d
 
 

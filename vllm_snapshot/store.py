@@ -101,6 +101,9 @@ def default_root() -> Path:
     return paths.snapshot_root()
 
 
+NAME_RULE = "letters, digits, '.', '_' and '-', not starting with '.', at most 128 characters"
+
+
 def valid_name(name: str) -> bool:
     """Names: letters, digits, ``.``, ``_``, ``-``; not starting with ``.``; <= 128 chars."""
     import re
@@ -108,12 +111,36 @@ def valid_name(name: str) -> bool:
     return bool(re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}", name))
 
 
+def canonical(path: str | Path) -> Path:
+    """The one identity of a snapshot path, used for every comparison, lock, registry entry
+    and deletion: absolute, with ``..`` and symlinked parent directories resolved (the final
+    component is kept as it is: a snapshot that *is* a symlink is refused by its trust check).
+    A parent symlink is followed only when root owns it (system layout such as
+    /var/run -> /run), as the trust check requires. Raises CorruptSnapshotError otherwise."""
+    from .errors import CorruptSnapshotError
+
+    p = Path(path).absolute()
+    if p.name in ("", ".", ".."):
+        p = Path(os.path.realpath(p))
+    probe = Path(p.anchor)
+    for part in p.parts[1:-1]:
+        probe = probe / part
+        try:
+            st = os.lstat(probe)
+        except OSError:
+            break
+        if stat.S_ISLNK(st.st_mode) and st.st_uid != 0:
+            raise CorruptSnapshotError(f"parent {probe} is a symlink owned by uid {st.st_uid}; refusing to follow it")
+    return Path(os.path.realpath(p.parent)) / p.name
+
+
 def resolve(ref: str | Path, root: Path | None = None) -> Path:
-    """A snapshot reference -> its directory: a bare valid name means ``ROOT/NAME``; anything
-    with a ``/`` (or ``.``/``..``) is a path. Raises UsageError for an invalid name."""
+    """A snapshot reference -> its canonical directory (:func:`canonical`): a bare valid name
+    means ``ROOT/NAME``; anything with a ``/`` (or ``.``/``..``) is a path. Raises UsageError
+    for an invalid name."""
     s = str(ref)
     if "/" in s or s in (".", ".."):
-        return Path(s).absolute()
+        return canonical(s)
     if not valid_name(s):
         raise UsageError(f"{s!r} is neither a path nor a valid snapshot name (letters, digits, . _ -)")
     named = (root or default_root()) / s
@@ -122,8 +149,8 @@ def resolve(ref: str | Path, root: Path | None = None) -> Path:
         if named.exists():
             raise UsageError(f"{s!r} is ambiguous: both ./{s} and {named} exist",
                              hint=f"write ./{s} for the directory here, or {named}")
-        return local  # e.g. made by `create --snapshot-dir NAME` in this directory
-    return named
+        return canonical(local)  # e.g. made by `create --snapshot-dir NAME` in this directory
+    return canonical(named)
 
 
 def ensure_root(root: Path) -> Path:
@@ -176,3 +203,10 @@ def delete(snapshot: Path) -> None:
     tmp = snapshot.parent / f".{snapshot.name}{TMP_MARK}deleting-{os.getpid()}"
     os.rename(snapshot, tmp)
     shutil.rmtree(tmp)
+    forget(snapshot)
+
+
+def forget(snapshot: Path) -> None:
+    """Remove what is kept about ``snapshot`` outside it (its last-restore record), so a new
+    snapshot of the same name starts clean."""
+    _state_file(snapshot).unlink(missing_ok=True)

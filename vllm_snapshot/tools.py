@@ -90,6 +90,9 @@ class SnapshotTools(Protocol):
 
     def path_exists(self, path: Path) -> bool: ...
 
+    def canonical(self, path: Path) -> Path:
+        """The one identity of a snapshot path (:func:`vllm_snapshot.store.canonical`)."""
+
     # ---- model
     def resolve_model(self, model: str) -> Path:
         """Local directory of ``model``. Raises UsageError."""
@@ -185,7 +188,8 @@ class SnapshotTools(Protocol):
 
     def delete_snapshot(self, snapshot: Path) -> None: ...
 
-    def clean_stale_temps(self, root: Path) -> list[Path]: ...
+    def clean_stale_temps(self, root: Path) -> list[Path]:
+        """Remove leftovers of crashed creates under ``root`` (and stale lock files)."""
 
     def last_restore(self, snapshot: Path) -> float | None: ...
 
@@ -291,6 +295,11 @@ class LocalTools(SnapshotTools):
 
     def path_exists(self, path: Path) -> bool:
         return os.path.lexists(path)
+
+    def canonical(self, path: Path) -> Path:
+        from . import store
+
+        return store.canonical(path)
 
     # ---- model
     def resolve_model(self, model: str) -> Path:
@@ -521,13 +530,15 @@ class LocalTools(SnapshotTools):
         return store.list_snapshots(root)
 
     def delete_snapshot(self, snapshot: Path) -> None:
-        from . import store
+        from . import locks, store
 
         store.delete(snapshot)
+        locks.remove_lock_file(snapshot)  # the caller holds it exclusively
 
     def clean_stale_temps(self, root: Path) -> list[Path]:
-        from . import store
+        from . import locks, store
 
+        locks.clean_stale()  # lock files of snapshot paths that are gone
         return store.clean_stale_temps(root)
 
     def last_restore(self, snapshot: Path) -> float | None:

@@ -71,6 +71,20 @@ def check_cpu_kv_cache(engine_args: list[str], env: dict[str, str], gpu_present:
         hint="add an engine arg like --kv-cache-memory-bytes 1G (or set VLLM_CPU_KVCACHE_SPACE=GiB)")
 
 
+#: ``vllm serve`` options that belong to restore: the snapshot's engine binds nothing until
+#: restore, which takes the address from its own ``--host``/``--port``.
+RESTORE_OWNED_ARGS = ("--host", "--port", "--uds")
+
+
+def check_engine_args(engine_args: list[str]) -> None:
+    """Refuse engine args the snapshot could only record and ignore. Pure. Raises UsageError."""
+    for a in engine_args:
+        flag = a.split("=", 1)[0]
+        if flag in RESTORE_OWNED_ARGS:
+            raise UsageError(f"{flag} is not an engine arg here: the snapshot's engine binds nothing until restore",
+                             hint=f"pass {flag} to `vllm-snapshot restore` (or switch) instead")
+
+
 def check_visible(needed: dict[str, Path], hidden: list[Path]) -> None:
     """Refuse when something the engine needs lies under a path its mount namespace hides.
     Pure. Raises UsageError naming both."""
@@ -101,7 +115,8 @@ def create(req: CreateRequest, rep: Reporter, tools: SnapshotTools | None = None
     criu_ver = t.criu_version()
     if req.sleep_level not in (0, 1, 2):
         raise UsageError("--sleep-level must be 0, 1 or 2")
-    target = req.target.absolute()
+    check_engine_args(req.engine_args)
+    target = t.canonical(req.target)
     model_dir = t.resolve_model(req.model)
     check_visible({"model": model_dir, **t.code_paths()}, t.hidden_paths())
     if t.path_exists(target):

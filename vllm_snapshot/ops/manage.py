@@ -13,7 +13,7 @@ from ..progress import Reporter
 from ..registry import Entry
 from ..results import Deleted, Engines, Listed, Pruned, Stopped, Switched
 from ..tools import LocalTools, SnapshotTools
-from .restore import RestoreRequest, restore
+from .restore import RestoreRequest, restore, validate
 
 
 def _first_lines(e: Exception) -> str:
@@ -56,7 +56,10 @@ def list_snapshots(root: Path, tools: SnapshotTools | None = None) -> Listed:
 
 
 def _engines_of(t: SnapshotTools, snapshot: Path) -> list[Entry]:
-    return [e for e in t.engines() if Path(e.snapshot) == snapshot.absolute()]
+    """Registered engines restored from ``snapshot``, compared by canonical path (a symlinked
+    root or ``..`` names the same snapshot)."""
+    me = t.canonical(snapshot)
+    return [e for e in t.engines() if t.canonical(Path(e.snapshot)) == me]
 
 
 def delete(snapshot: Path, force: bool = False, tools: SnapshotTools | None = None) -> Deleted:
@@ -64,7 +67,7 @@ def delete(snapshot: Path, force: bool = False, tools: SnapshotTools | None = No
     restored from it runs, unless ``force`` (then they are stopped first). Raises UsageError
     (missing), CorruptSnapshotError (a directory that is not a snapshot)."""
     t = tools or LocalTools()
-    snapshot = snapshot.absolute()
+    snapshot = t.canonical(snapshot)
     if not t.path_exists(snapshot / manifest.MANIFEST_NAME):
         if not t.path_exists(snapshot):
             raise UsageError(f"{snapshot} does not exist")
@@ -136,27 +139,82 @@ def stop_engines(snapshot: Path | None, port: int | None, tools: SnapshotTools |
     """Stop registered engines of ``snapshot`` or on ``port``; wait until their processes are
     gone. Raises UsageError when none matches."""
     t = tools or LocalTools()
+    me = t.canonical(snapshot) if snapshot is not None else None
     match = [e for e in t.engines()
-             if (snapshot is not None and Path(e.snapshot) == snapshot.absolute()) or (port is not None and e.port == port)]
+             if (me is not None and t.canonical(Path(e.snapshot)) == me) or (port is not None and e.port == port)]
     if not match:
         raise UsageError("no restored engine matches " + (f"snapshot {snapshot}" if snapshot else f"port {port}"))
     return Stopped([{"pid": e.pid, "snapshot": e.snapshot, "port": e.port, "seconds": round(t.stop_engine(e), 3)}
                     for e in match])
 
 
-def switch(snapshot: Path, host: str, port: int, log_file: Path | None, rep: Reporter,
-           tools: SnapshotTools | None = None) -> Switched:
-    """Stop the engine on ``port`` (if any), restore ``snapshot`` there detached. Durations
-    in seconds."""
+def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, rep: Reporter,
+           rollback: bool = True, tools: SnapshotTools | None = None) -> Switched:
+    """Serve ``snapshot`` on ``port`` instead of whatever serves there, never leaving the port
+    dark by mistake:
+
+    1. the target is validated completely first (everything restore checks before CRIU except
+       the port, which the old engine still holds): a typo, a changed model, a corrupt or
+       incompatible snapshot refuse here and the old engine keeps serving;
+    2. the old engine is stopped (its memory released: one engine per GPU when time-sharing);
+    3. the target is restored detached on the old engine's host unless ``host`` is given;
+    4. if that fails and ``rollback`` (the default), the old snapshot is restored again on its
+       host and port. The error then says which engine was stopped and what serves now
+       (``details``: ``{"stopped": [...], "serving": {...} | None}``).
+
+    Durations in seconds. Raises the errors of :func:`restore`."""
     t = tools or LocalTools()
+    t.require_root()
+    snapshot = t.canonical(snapshot)
+    old = [e for e in t.engines() if e.port == port]
+    host = host or (old[0].host if old else "127.0.0.1")
+    with rep.phase("validate_target", f"validating {snapshot.name} before touching port {port}"):
+        with t.snapshot_lock(snapshot, shared=True):
+            validate(snapshot, tools=t)
     t0 = t.clock()
-    stopped = [e.pid for e in t.engines() if e.port == port]
-    if stopped:
+    if old:
         with rep.phase("stop_previous", f"stopping the engine on port {port}"):
-            stop_engines(None, port, tools=t)
+            for e in old:
+                t.stop_engine(e)
     t1 = t.clock()
-    r, engine = restore(RestoreRequest(snapshot=snapshot, host=host, port=port, detach=True, log_file=log_file), rep, tools=t)
+    stopped = [{"pid": e.pid, "snapshot": e.snapshot, "host": e.host, "port": e.port} for e in old]
+    try:
+        r, engine = restore(RestoreRequest(snapshot=snapshot, host=host, port=port, detach=True, log_file=log_file),
+                            rep, tools=t)
+    except SnapshotError as err:
+        serving = _roll_back(t, old[0], rep) if (old and rollback) else None
+        _explain_switch_failure(err, port, stopped, serving, rollback)
+        raise
     engine.close()
     t2 = t.clock()
-    return Switched(str(snapshot.absolute()), port, r.pid, r.url, round(t1 - t0, 3), round(t2 - t1, 3),
-                    round(t2 - t0, 3), stopped)
+    return Switched(str(snapshot), port, r.pid, r.url, round(t1 - t0, 3), round(t2 - t1, 3),
+                    round(t2 - t0, 3), [e.pid for e in old], host)
+
+
+def _roll_back(t: SnapshotTools, prev: Entry, rep: Reporter) -> dict | None:
+    """Restore the engine a failed switch stopped; its serving record, or None."""
+    try:
+        with rep.phase("rollback", f"restoring {Path(prev.snapshot).name} again on port {prev.port}"):
+            r, engine = restore(RestoreRequest(snapshot=Path(prev.snapshot), host=prev.host, port=prev.port,
+                                               detach=True), rep, tools=t)
+        engine.close()
+        return {"snapshot": prev.snapshot, "pid": r.pid, "url": r.url}
+    except SnapshotError as e:
+        rep.info(f"rollback failed: {e.message.splitlines()[0]}")
+        return None
+
+
+def _explain_switch_failure(err: SnapshotError, port: int, stopped: list[dict], serving: dict | None,
+                            rollback: bool) -> None:
+    if not stopped:
+        what = f"nothing served on port {port} before"
+    elif serving:
+        what = (f"the engine that served port {port} (PID {stopped[0]['pid']}, {stopped[0]['snapshot']}) was "
+                f"stopped and rolled back: {serving['snapshot']} serves on {serving['url']} again (PID {serving['pid']})")
+    else:
+        what = (f"the engine that served port {port} (PID {stopped[0]['pid']}, {stopped[0]['snapshot']}) was "
+                f"stopped; nothing serves on port {port} now"
+                + ("" if rollback else " (--no-rollback)") )
+    err.message = f"{err.message}\nswitch: {what}"
+    err.args = (err.message,)
+    err.details = {"cause": err.details, "stopped": stopped, "serving": serving}

@@ -98,7 +98,7 @@ def verify(snapshot: Path, allow: frozenset[str] = frozenset(), tools: SnapshotT
     """``verify``: :func:`validate` with every image checksum and a full model re-hash, under
     the snapshot's shared lock. Returns :class:`Verified`."""
     t = tools or LocalTools()
-    snapshot = snapshot.absolute()
+    snapshot = t.canonical(snapshot)
     with t.snapshot_lock(snapshot, shared=True):
         m, warnings = validate(snapshot, "full", allow, check_images=True, tools=t)
     return Verified(str(snapshot), len(m.images), len(m.model.files), warnings)
@@ -113,7 +113,7 @@ def restore(req: RestoreRequest, rep: Reporter, tools: SnapshotTools | None = No
     EngineError, OracleMismatchError."""
     t = tools or LocalTools()
     t.require_root()
-    snapshot = req.snapshot.absolute()
+    snapshot = t.canonical(req.snapshot)
     with t.snapshot_lock(snapshot, shared=True):
         r, engine = _restore_locked(t, req, rep, snapshot)
     try:

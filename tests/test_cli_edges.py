@@ -1,0 +1,243 @@
+"""The CLI's edges (issue: time-sharing without outages, paths, read-only stores, non-root,
+usage errors): unit tests without an engine. The end-to-end cases are in
+tests/test_switch_integration.py."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from vllm_snapshot import archive, cli, locks, ops, store
+from vllm_snapshot.errors import BusyError, CorruptSnapshotError, CriuError, ModelChangedError, UsageError
+from vllm_snapshot.progress import Reporter
+from vllm_snapshot.registry import Entry
+
+from fakes import FakeTools
+
+SNAP = Path("/snaps/new")
+
+
+# ------------------------------------------------------------------ switch
+
+def _old(port=8101, host="::1", snap="/snaps/old"):
+    return Entry(snap, 77, 0, host, port, 0.0, "detached")
+
+
+def test_switch_to_a_bad_target_never_stops_the_old_engine():
+    t = FakeTools(fail={"open_snapshot": CorruptSnapshotError("manifest.json not found")})
+    t.entries = [_old()]
+    with pytest.raises(CorruptSnapshotError):
+        ops.switch(SNAP, None, 8101, None, Reporter(), tools=t)
+    assert "stop_engine" not in t.calls and "restore_tree" not in t.calls
+
+
+def test_switch_to_a_changed_model_never_stops_the_old_engine():
+    t = FakeTools(fail={"verify_model:quick": ModelChangedError("content changed: config.json")})
+    t.entries = [_old()]
+    with pytest.raises(ModelChangedError):
+        ops.switch(SNAP, None, 8101, None, Reporter(), tools=t)
+    assert "stop_engine" not in t.calls
+
+
+def test_switch_keeps_the_old_engines_host():
+    t = FakeTools()
+    t.entries = [_old(host="::1")]
+    res = ops.switch(SNAP, None, 8101, None, Reporter(), tools=t)
+    assert t.registered[0].host == "::1" and res.url == "http://[::1]:8101"
+    assert t.calls.index("stop_engine") < t.calls.index("restore_tree")
+
+
+def test_switch_rolls_back_when_the_new_engine_fails_and_says_so():
+    t = FakeTools()
+    t.entries = [_old()]
+    tries = []
+
+    def restore_tree(kind, opts, stage):
+        tries.append(opts)
+        t.calls.append("restore_tree")
+        if len(tries) == 1:
+            raise CriuError("CRIU restore failed")
+        return 6000
+
+    t.restore_tree = restore_tree
+    with pytest.raises(CriuError) as ei:
+        ops.switch(SNAP, None, 8101, None, Reporter(), tools=t)
+    e = ei.value
+    assert len(tries) == 2  # the new one failed, the old one came back
+    assert "rolled back" in e.message and "/snaps/old serves on http://[::1]:8101 again" in e.message
+    assert e.details["stopped"][0]["pid"] == 77 and e.details["serving"]["url"] == "http://[::1]:8101"
+    assert [r.snapshot for r in t.registered] == ["/snaps/old"]
+
+
+def test_switch_without_rollback_says_the_port_is_dark():
+    t = FakeTools(fail={"restore_tree": CriuError("CRIU restore failed")})
+    t.entries = [_old()]
+    with pytest.raises(CriuError) as ei:
+        ops.switch(SNAP, None, 8101, None, Reporter(), rollback=False, tools=t)
+    assert "nothing serves on port 8101 now" in ei.value.message
+    assert ei.value.details["serving"] is None and t.calls.count("restore_tree") == 1
+
+
+def test_switch_json_names_what_serves():
+    t = FakeTools()
+    res = ops.switch(SNAP, None, 8101, None, Reporter(), tools=t).to_json()
+    assert res["serving"] == {"snapshot": str(SNAP), "pid": 5151, "url": "http://127.0.0.1:8101"}
+    assert res["stopped"] == []
+
+
+# ------------------------------------------------------------------ one path identity
+
+def test_canonical_resolves_symlinked_roots_and_dotdot(tmp_path):
+    real = tmp_path / "real"
+    (real / "snap").mkdir(parents=True)
+    (tmp_path / "ln").symlink_to(real)  # root owns it (tests run as root where they matter)
+    if os.geteuid() != 0:
+        pytest.skip("a symlink not owned by root is refused; this case needs root")
+    want = real / "snap"
+    assert store.canonical(tmp_path / "ln" / "snap") == want
+    assert store.canonical(real / "x" / ".." / "snap") == want
+    assert store.resolve(str(tmp_path / "ln" / "snap")) == want
+
+
+class _CanonTools(FakeTools):
+    def canonical(self, path: Path) -> Path:
+        return store.canonical(path)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="symlinks not owned by root are refused; needs root")
+def test_delete_through_a_symlinked_root_refuses_while_the_engine_runs(tmp_path):
+    real = tmp_path / "real"
+    (real / "snap").mkdir(parents=True)
+    (tmp_path / "ln").symlink_to(real)
+    t = _CanonTools()
+    t.path_exists = lambda p: True
+    t.entries = [Entry(str(real / "snap"), 77, 0, "127.0.0.1", 8101, 0.0, "detached")]
+    with pytest.raises(BusyError):
+        ops.delete(tmp_path / "ln" / "snap", tools=t)
+    t.entries = [Entry(str(tmp_path / "ln" / "snap"), 77, 0, "127.0.0.1", 8101, 0.0, "detached")]
+    with pytest.raises(BusyError):
+        ops.delete(real / "snap", tools=t)  # and the other way round
+    assert "delete_snapshot" not in t.calls
+
+
+# ------------------------------------------------------------------ read-only store
+
+def test_read_only_store_stages_in_the_staging_dir(tmp_path, monkeypatch):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    monkeypatch.setattr(archive, "_read_only", lambda p: Path(p) == ro)
+    monkeypatch.setattr(archive, "_free", lambda p: 0 if str(p) == "/dev/shm" else 1 << 40)
+    monkeypatch.setenv("VLLM_SNAPSHOT_STAGING_DIR", str(tmp_path / "stage"))
+    from vllm_snapshot.manifest import ImageFile
+
+    imgs = (ImageFile(name="a.img", raw_bytes=10, stored_bytes=10, blake3="0" * 64),)
+    assert archive.staging_parent(10, ro, imgs) == tmp_path / "stage"
+    assert archive.staging_parent(10, tmp_path, imgs) == tmp_path  # writable: beside the snapshot
+    monkeypatch.setattr(archive, "_free", lambda p: 5)
+    from vllm_snapshot.errors import EnvironmentProblem
+
+    with pytest.raises(EnvironmentProblem, match="read-only") as ei:
+        archive.staging_parent(1 << 30, ro, imgs)
+    assert "VLLM_SNAPSHOT_STAGING_DIR" in ei.value.hint
+
+
+# ------------------------------------------------------------------ create args, names
+
+@pytest.mark.parametrize("arg", [["--port", "9000"], ["--host=0.0.0.0"], ["--uds", "/run/x.sock"]])
+def test_create_refuses_args_that_belong_to_restore(arg):
+    t = FakeTools()
+    with pytest.raises(UsageError, match="restore") as ei:
+        ops.create(ops.CreateRequest(model="/m", target=SNAP, engine_args=["--kv-cache-memory-bytes", "1M", *arg]),
+                   Reporter(), tools=t)
+    assert arg[0].split("=")[0] in ei.value.message
+    assert "launch_engine" not in t.calls
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="create checks root first")
+@pytest.mark.parametrize("name", ["a/b", "..", ".", ".hidden", "../escape", "has space", "x" * 300, ""])
+def test_invalid_names_are_refused_as_names(name, capsys):
+    assert cli.main(["create", "/models/good", "--name", name, "--", "--dtype", "float32"]) == 2
+    err = capsys.readouterr().err
+    assert "--name" in err and "not a valid snapshot name" in err
+
+
+# ------------------------------------------------------------------ non-root, usage errors
+
+@pytest.mark.parametrize("argv", [["create", "/m"], ["restore", "x"], ["status"], ["stop", "--port", "8000"],
+                                  ["switch", "x", "--port", "8000"], ["delete", "x"], ["prune", "--keep", "1"],
+                                  ["verify", "x"], ["demo"]])
+def test_non_root_gets_the_environment_exit_code(argv, monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert cli.main(argv) == 11
+    assert "must run as root" in capsys.readouterr().err
+
+
+def test_usage_errors_honour_json(capsys):
+    assert cli.main(["restore", "x", "--port", "99999", "--json"]) == 2
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["error"]["code"] == "usage" and "--port" in doc["error"]["message"]
+    assert cli.main(["restore", "x", "--detatch", "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["error"]["exit_code"] == 2
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="restore checks root first")
+def test_log_file_without_detach_is_refused(tmp_path, capsys):
+    assert cli.main(["restore", str(tmp_path), "--log-file", str(tmp_path / "x.log")]) == 2
+    assert "--detach" in capsys.readouterr().err
+    assert not (tmp_path / "x.log").exists()
+
+
+# ------------------------------------------------------------------ hygiene
+
+def test_delete_forgets_the_last_restore(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_SNAPSHOT_STATE_DIR", str(tmp_path / "state"))
+    snap = tmp_path / "s"
+    snap.mkdir()
+    store.record_restore(snap, [])
+    assert store.last_restore(snap) is not None
+    store.delete(snap)
+    assert store.last_restore(snap) is None and not snap.exists()
+
+
+def test_lock_files_of_gone_snapshots_are_cleaned(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_SNAPSHOT_RUN_DIR", str(tmp_path / "run"))
+    live, gone = tmp_path / "live", tmp_path / "gone"
+    live.mkdir()
+    gone.mkdir()
+    for s in (live, gone):
+        with locks.snapshot_lock(s):
+            pass
+    gone.rmdir()
+    held = tmp_path / "held"
+    held.mkdir()
+    with locks.snapshot_lock(held, shared=True):
+        held.rmdir()  # gone, but someone holds its lock: kept
+        removed = locks.clean_stale()
+    assert removed == [locks.snapshot_lock_path(gone)]
+    assert locks.snapshot_lock_path(live).exists() and locks.snapshot_lock_path(held).exists()
+
+
+def test_a_waiter_on_a_removed_lock_file_locks_the_new_one(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    monkeypatch.setenv("VLLM_SNAPSHOT_RUN_DIR", str(tmp_path / "run"))
+    s = tmp_path / "s"
+    s.mkdir()
+    p = locks.snapshot_lock_path(s)
+    seen = {}
+
+    def waiter():
+        with locks.lock(p, "snapshot s", wait_s=10):
+            seen["exists"] = p.exists()  # a waiter holding the unlinked file would see none
+
+    with locks.snapshot_lock(s):
+        th = threading.Thread(target=waiter)
+        th.start()
+        time.sleep(0.3)  # the waiter has opened the old file and is polling flock
+        locks.remove_lock_file(s)
+    th.join(10)
+    assert seen == {"exists": True}

@@ -1,0 +1,116 @@
+"""Time-sharing without outages and the store's edges, end to end (real engine + CRIU):
+switch to a bad target keeps the old engine serving; a switch whose restore fails rolls the
+old snapshot back; a snapshot on a read-only mount restores; delete through a symlinked root
+refuses while the engine runs; faster stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import cli, engine_env
+from test_integration import free_port, port_accepts, post, wait_gone
+from test_integration_more import _break_link
+
+pytestmark = pytest.mark.integration
+
+
+def _status(env) -> list[dict]:
+    return json.loads(cli("status", "--json", env=env, check=True).stdout)["engines"]
+
+
+def _complete(port: int, host: str = "127.0.0.1") -> str:
+    h = f"[{host}]" if ":" in host else host
+    return post(f"http://{h}:{port}/v1/completions", {"model": "tiny-llama", "prompt": "Hi", "max_tokens": 1})["choices"][0]["text"]
+
+
+def test_switch_bad_target_keeps_serving_and_failed_restore_rolls_back(clone_snapshot, tmp_path):
+    a = clone_snapshot("sw-a")
+    bad = clone_snapshot("sw-bad")
+    # a flipped byte in an image: passes the metadata checks, fails at staging (after the stop)
+    pages = max((bad / "images").glob("pages-*"), key=lambda x: x.stat().st_size)
+    _break_link(pages)
+    raw = bytearray(pages.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    pages.write_bytes(bytes(raw))
+    env = engine_env()
+    port = free_port()
+    r = json.loads(cli("restore", str(a), "--host", "::1", "--port", str(port), "--detach", "--json",
+                       env=env, timeout=300, check=True).stdout)
+    try:
+        # 1. a typo: refused before anything is stopped
+        p = cli("switch", str(tmp_path / "nope"), "--port", str(port), "--json", env=env, timeout=120)
+        assert p.returncode == 2, p.stderr
+        assert [e["pid"] for e in _status(env) if e["port"] == port] == [r["pid"]]
+        assert _complete(port, "::1") is not None
+        # 2. the restore of the target fails after the old engine was stopped: rolled back
+        p = cli("switch", str(bad), "--port", str(port), "--json", env=env, timeout=300)
+        assert p.returncode == 5, p.stderr
+        err = json.loads(p.stdout)["error"]
+        assert "rolled back" in err["message"] and err["details"]["stopped"][0]["pid"] == r["pid"]
+        serving = err["details"]["serving"]
+        assert serving["url"] == f"http://[::1]:{port}" and serving["snapshot"] == str(a)
+        assert wait_gone(r["pid"], 5)
+        assert [(e["pid"], e["host"]) for e in _status(env) if e["port"] == port] == [(serving["pid"], "::1")]
+        assert _complete(port, "::1") is not None
+    finally:
+        cli("stop", "--port", str(port), env=env, timeout=120)
+    assert not port_accepts(port)
+
+
+@pytest.fixture()
+def ro_mount(tmp_path):
+    mounted = []
+
+    def make(src: Path) -> Path:
+        dst = tmp_path / "ro"
+        dst.mkdir(mode=0o700)
+        subprocess.run(["mount", "--bind", str(src), str(dst)], check=True)
+        mounted.append(dst)
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(dst)], check=True)
+        return dst
+
+    yield make
+    for d in mounted:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def test_snapshot_on_a_read_only_mount_restores(clone_snapshot, ro_mount):
+    src = clone_snapshot("rostore")
+    ro = ro_mount(src.parent)
+    snap = ro / src.name
+    env = engine_env()
+    port = free_port()
+    p = cli("restore", str(snap), "--port", str(port), "--detach", "--json", env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    pid = json.loads(p.stdout)["pid"]
+    try:
+        assert _complete(port) is not None
+    finally:
+        s = cli("stop", "--port", str(port), "--json", env=env, timeout=120, check=True)
+    assert json.loads(s.stdout)["stopped"][0]["pid"] == pid
+    assert not list(Path("/dev/shm").glob("vllm-snapshot-stage-*"))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+def test_delete_through_a_symlinked_root_refuses_while_serving(clone_snapshot, tmp_path):
+    snap = clone_snapshot("symdel")
+    link = tmp_path.parent / f"{tmp_path.name}-link"
+    link.symlink_to(snap.parent)
+    env = engine_env()
+    port = free_port()
+    r = json.loads(cli("restore", str(snap), "--port", str(port), "--detach", "--json", env=env, timeout=300,
+                       check=True).stdout)
+    try:
+        d = cli("delete", str(link / snap.name), env=env, timeout=60)
+        assert d.returncode == 9 and str(r["pid"]) in d.stderr
+        assert snap.exists()
+        st = json.loads(cli("stop", str(link / snap.name), "--json", env=env, timeout=120, check=True).stdout)
+        assert [s["pid"] for s in st["stopped"]] == [r["pid"]]
+    finally:
+        cli("stop", "--port", str(port), env=env, timeout=60)
+        link.unlink()

@@ -90,7 +90,11 @@ def main() -> int:
             set_parent_death_signal(0)  # as the real engine: CRIU would deliver it after restore
             CALLS.clear()  # what the test reads after a restore starts here
             emit("dump-ready")
+        elif name == "attach":
+            set_parent_death_signal(signal.SIGKILL)
+            emit("attached")
         elif name == "serve":
+            set_parent_death_signal(signal.SIGKILL if cmd.get("die_with_parent") else 0)
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
             serve(spec, cmd["host"], int(cmd["port"]))
             return 0

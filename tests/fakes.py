@@ -293,6 +293,10 @@ class FakeTools(SnapshotTools):
     def clean_stale_temps(self, root: Path) -> list[Path]:
         return []
 
+    def reclaim(self, near: Path) -> list[str]:
+        self._call("reclaim")
+        return []
+
     def last_restore(self, snapshot: Path) -> float | None:
         return None
 

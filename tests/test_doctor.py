@@ -60,6 +60,7 @@ class FakeProbes(doctor.Probes):
     files: set = field(default_factory=set)
     helper: tuple[int, str] = (0, "usage: cuda-checkpoint --action {lock,checkpoint,restore,unlock} --pid PID\n")
     ran: list = field(default_factory=list)
+    left: list = field(default_factory=list)
 
     def euid(self) -> int:
         return self.uid
@@ -129,6 +130,9 @@ class FakeProbes(doctor.Probes):
 
     def env(self, name: str) -> str | None:
         return None
+
+    def leftovers(self, snapshot_root: str) -> list[str]:
+        return list(self.left)
 
 
 def _by_name(checks) -> dict[str, Check]:
@@ -420,3 +424,10 @@ def test_doctor_json_subprocess():
         assert p.returncode == 0, failed
     else:
         assert p.returncode in (0, 11), p.stderr
+
+
+def test_leftovers_of_killed_commands_are_reported():
+    ok = _by_name(doctor.run_checks(FakeProbes()))["leftovers"]
+    assert ok.ok
+    c = _by_name(doctor.run_checks(FakeProbes(left=["/dev/shm/vllm-snapshot-stage-99-x"])))["leftovers"]
+    assert not c.ok and c.severity == "warning" and "vllm-snapshot-stage-99-x" in c.detail and "prune" in c.remedy

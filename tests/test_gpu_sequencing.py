@@ -51,7 +51,7 @@ def test_gpu_create_rehearses_then_sleeps_and_restore_wakes_before_oracle(tmp_pa
         assert {"wake", "oracle", "criu_restore"} <= set(r.timings)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/calls", timeout=10) as resp:
             calls = json.loads(resp.read())["calls"]
-        assert calls == ["wake", "oracle", "serve"]  # wake + reload before the oracle, bind last
+        assert calls == ["attach", "wake", "oracle", "serve"]  # wake + reload before the oracle, bind last
     finally:
         engine.kill(grace=5)
         engine.close()

@@ -134,7 +134,7 @@ def test_cuda_restore_wakes_before_the_oracle():
                                                                       "full_state_captured": False}))
     t = FakeTools(manifest=m)
     _restore(t)
-    assert t.engine.sent == ["wake", "oracle", "serve"]
+    assert t.engine.sent == ["attach", "wake", "oracle", "serve"]
 
 
 # ------------------------------------------------------------------ create

@@ -232,7 +232,7 @@ def unpack(src_dir: Path, images: tuple[ImageFile, ...], parent: Path) -> Path:
     """Stage raw images into a new private dir under ``parent``, verifying checksums on the
     way (files in parallel). Returns the staging dir; the caller removes it with
     :func:`remove_staging`. Raises CorruptSnapshotError (staging already removed)."""
-    stage = Path(tempfile.mkdtemp(prefix="vllm-snapshot-stage-", dir=parent))
+    stage = Path(tempfile.mkdtemp(prefix=f"{STAGE_PREFIX}{os.getpid()}-", dir=parent))
     try:
         with ThreadPoolExecutor(_workers()) as ex:
             list(ex.map(lambda i: _unpack_one(src_dir, stage, i), sorted(images, key=lambda i: -i.raw_bytes)))
@@ -240,6 +240,36 @@ def unpack(src_dir: Path, images: tuple[ImageFile, ...], parent: Path) -> Path:
         remove_staging(stage)
         raise
     return stage
+
+
+#: Staging dirs are ``vllm-snapshot-stage-<owner PID>-XXXX``: one whose owner is gone is stale.
+STAGE_PREFIX = "vllm-snapshot-stage-"
+
+
+def stale_staging(parents: list[Path]) -> list[Path]:
+    """Staging dirs under ``parents`` whose owner process is gone (a SIGKILLed restore), or
+    that carry no owner PID (made by an older version); a live owner's are never listed."""
+    import psutil
+
+    out = []
+    for d in parents:
+        try:
+            entries = list(d.glob(f"{STAGE_PREFIX}*"))
+        except OSError:
+            continue
+        for p in entries:
+            if not p.is_dir() or p.is_symlink():
+                continue
+            head = p.name[len(STAGE_PREFIX):].split("-", 1)[0]
+            pid = int(head) if head.isdigit() else 0
+            if pid and psutil.pid_exists(pid):
+                try:
+                    if psutil.Process(pid).create_time() <= p.stat().st_mtime + 1:
+                        continue  # its owner (not a reused PID) is still running
+                except psutil.Error:
+                    pass
+            out.append(p)
+    return sorted(out)
 
 
 def remove_staging(stage: Path) -> None:

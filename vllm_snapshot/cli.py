@@ -62,6 +62,13 @@ def _root_only(what: str) -> None:
                                  "the snapshot store and the engine registry are root's)", hint="run it with sudo")
 
 
+def _interruptible() -> None:
+    """SIGINT/SIGTERM/SIGHUP -> Interrupted (exit 130) after every cleanup ran."""
+    from . import interrupts
+
+    interrupts.install()
+
+
 def _reporter(quiet: bool, as_json: bool):
     from .progress import make_reporter
 
@@ -95,6 +102,7 @@ def create(
     from . import archive, oracle, ops, render, store
 
     _root_only("create")
+    _interruptible()
     engine_args = list(ctx.args)
     if engine_args and engine_args[0] == "--":
         engine_args = engine_args[1:]
@@ -190,8 +198,9 @@ def prune(
     dry_run: bool = typer.Option(False, "--dry-run", help="Only print what would be deleted."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Delete old snapshots under the root (never ones with a running engine), and leftover
-    temp dirs of crashed creates."""
+    """Delete old snapshots under the root (never ones with a running engine) with --keep
+    and/or --older-than; always remove what killed commands left (temp dirs of crashed creates,
+    staging dirs of killed restores, stale lock files)."""
     from . import ops, render
 
     _root_only("prune")
@@ -240,6 +249,7 @@ def switch(
     from . import ops, render
 
     _root_only("switch")
+    _interruptible()
     render.show(ops.switch(_resolve(snapshot), host, port, log_file, _reporter(quiet, as_json), rollback),
                 as_json, quiet)
 
@@ -262,6 +272,7 @@ def restore(
     from .progress import NotifyingReporter
 
     _root_only("restore")
+    _interruptible()
     if verify_model not in ("quick", "full"):
         raise UsageError("--verify-model must be quick or full")
     if log_file is not None and not detach:
@@ -304,6 +315,7 @@ def demo(
     from . import render
 
     _root_only("demo")
+    _interruptible()
     render.show(demo_mod.run(snapshot_dir or _root_dir() / demo_mod.DEFAULT_NAME, port, skip_cold, as_json), as_json)
 
 

@@ -25,6 +25,10 @@ from .errors import CriuError, EnvironmentProblem
 #: Flags for both dump and restore (CRIU option names without the leading dashes).
 SHARED_FLAGS: tuple[str, ...] = ("shell-job", "ext-unix-sk", "tcp-established", "link-remap", "file-locks")
 MIN_VERSION = (4, 2)
+#: Upper bound of one CRIU dump or restore (seconds; ``$VLLM_SNAPSHOT_CRIU_TIMEOUT`` overrides).
+#: A tiny CPU engine dumps in ~2 s and restores in ~1 s; a 3 GiB one in ~10 s. A run still
+#: going after this is killed and reported ("hung") instead of blocking a service forever.
+DEFAULT_TIMEOUT_S = 600.0
 LOG_LEVEL = 4
 from .layout import DUMP_LOG, RESTORE_LOG  # noqa: E402 - names of the logs CRIU writes
 
@@ -262,6 +266,7 @@ class Criu:
     binary: str
     env: dict = field(default_factory=dict)
     keep_log_dir: Path | None = None
+    timeout_s: float | None = None
 
     def _client(self):
         try:
@@ -274,18 +279,56 @@ class Criu:
         c.use_binary(self.binary)
         return c, pycriu
 
-    def _failed(self, what: str, work_dir: Path, log_name: str) -> CriuError:
+    def _failed(self, what: str, work_dir: Path, log_name: str, lead: str | None = None) -> CriuError:
         log = work_dir / log_name
         kept = keep_log(log, what, self.keep_log_dir)
         return CriuError(
-            f"CRIU {what} failed; log excerpt:\n{log_excerpt(log)}",
+            f"{lead or f'CRIU {what} failed'}; log excerpt:\n{log_excerpt(log)}",
             hint=f"full log: {kept}" if kept else f"the CRIU log could not be kept ({log})",
             details={"log": str(kept) if kept else None})
+
+    def _call(self, c, pycriu, what: str, work_dir: Path, log_name: str):
+        """Run ``c.dump()``/``c.restore()`` with signals deferred (:mod:`interrupts`) and a
+        watchdog that SIGKILLs CRIU's ``swrk`` process after :attr:`timeout_s`. Raises CriuError."""
+        import signal
+        import threading
+
+        from .interrupts import deferred
+
+        limit = self.timeout_s or float(os.environ.get("VLLM_SNAPSHOT_CRIU_TIMEOUT") or DEFAULT_TIMEOUT_S)
+        fired = threading.Event()
+
+        def kill() -> None:
+            fired.set()
+            pid = getattr(getattr(c, "_comm", None), "swrk", None)
+            if pid:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+        timer = threading.Timer(limit, kill)
+        timer.daemon = True
+        try:
+            with deferred(), _env(self.env):
+                timer.start()
+                try:
+                    return getattr(c, what)()
+                finally:
+                    timer.cancel()
+        except Exception as e:  # noqa: BLE001 - pycriu raises CRIUException, or anything on a killed swrk
+            if fired.is_set():
+                raise self._failed(what, work_dir, log_name,
+                                   f"CRIU {what} did not finish within {limit:.0f} s and was killed "
+                                   "(set VLLM_SNAPSHOT_CRIU_TIMEOUT to allow more)") from e
+            if isinstance(e, pycriu.CRIUException):
+                raise self._failed(what, work_dir, log_name) from e
+            raise
 
     def dump(self, opts: DumpOptions, images_dir: Path, work_dir: Path) -> None:
         """Dump the tree rooted at ``opts.pid`` into ``images_dir``; log into ``work_dir``.
         CRIU kills the tree after a successful dump. Raises CriuError (its log kept under
-        :func:`paths.log_dir`, the hint names the copy)."""
+        :func:`paths.log_dir`, the hint names the copy; also when it hung and was killed)."""
         c, pycriu = self._client()
         dfd = os.open(images_dir, os.O_DIRECTORY)
         wfd = os.open(work_dir, os.O_DIRECTORY)
@@ -293,18 +336,15 @@ class Criu:
             c.opts.images_dir_fd = dfd
             c.opts.work_dir_fd = wfd
             dump_rpc(opts, c.opts)
-            try:
-                with _env(self.env):
-                    c.dump()
-            except pycriu.CRIUException as e:
-                raise self._failed("dump", work_dir, DUMP_LOG) from e
+            self._call(c, pycriu, "dump", work_dir, DUMP_LOG)
         finally:
             os.close(dfd)
             os.close(wfd)
 
     def restore(self, opts: RestoreOptions, images_dir: Path, work_dir: Path) -> int:
         """Restore the tree from ``images_dir`` as a child of this process (restore-sibling,
-        detached); returns the restored root's host PID. Raises CriuError (log kept)."""
+        detached); returns the restored root's host PID. Raises CriuError (log kept); after a
+        failure, a half-restored tree left as our child is killed."""
         c, pycriu = self._client()
         dfd = os.open(images_dir, os.O_DIRECTORY)
         wfd = os.open(work_dir, os.O_DIRECTORY)
@@ -313,11 +353,33 @@ class Criu:
             c.opts.work_dir_fd = wfd
             restore_rpc(opts, c.opts)
             try:
-                with _env(self.env):
-                    resp = c.restore()
-            except pycriu.CRIUException as e:
-                raise self._failed("restore", work_dir, RESTORE_LOG) from e
+                resp = self._call(c, pycriu, "restore", work_dir, RESTORE_LOG)
+            except BaseException:
+                kill_restored_children()
+                raise
             return int(resp.pid)
         finally:
             os.close(dfd)
             os.close(wfd)
+
+
+def kill_restored_children() -> list[int]:
+    """SIGKILL our children that live in another PID namespace (a tree CRIU restored as our
+    child, ``rst_sibling``: its init dies, so does the namespace). Returns their PIDs."""
+    import psutil
+
+    try:
+        mine = os.readlink("/proc/self/ns/pid")
+        kids = psutil.Process().children()
+    except (OSError, psutil.Error):
+        return []
+    out = []
+    for k in kids:
+        try:
+            if os.readlink(f"/proc/{k.pid}/ns/pid") != mine:
+                k.kill()
+                out.append(k.pid)
+        except (OSError, psutil.Error):
+            continue
+    psutil.wait_procs([psutil.Process(p) for p in out if psutil.pid_exists(p)], timeout=10)
+    return out

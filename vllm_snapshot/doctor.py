@@ -131,6 +131,10 @@ class Probes(Protocol):
 
     def env(self, name: str) -> str | None: ...
 
+    def leftovers(self, snapshot_root: str) -> list[str]:
+        """Staging dirs of killed restores and temp dirs of killed creates near
+        ``snapshot_root``, /dev/shm and the staging dir (what ``prune`` would remove)."""
+
 
 class RealProbes(Probes):
     """:class:`Probes` for this host."""
@@ -216,6 +220,17 @@ class RealProbes(Probes):
 
     def env(self, name: str) -> str | None:
         return os.environ.get(name)
+
+    def leftovers(self, snapshot_root: str) -> list[str]:
+        from . import archive, store
+
+        root = Path(snapshot_root)
+        out = archive.stale_staging([Path("/dev/shm"), paths.staging_dir(), root])
+        try:
+            out += store.stale_temps(root)
+        except OSError:
+            pass
+        return [str(p) for p in out]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -397,6 +412,16 @@ def _check_snapshot_root(p: Probes, root: str) -> list[Check]:
     return out
 
 
+def _check_leftovers(p: Probes, root: str) -> Check:
+    left = p.leftovers(root)
+    if not left:
+        return Check("leftovers", True, "warning", "no leftovers of killed creates or restores")
+    return Check("leftovers", False, "warning",
+                 f"{len(left)} leftover(s) of killed commands hold disk or RAM: " + ", ".join(left[:5])
+                 + (" ..." if len(left) > 5 else ""),
+                 "vllm-snapshot prune (or the next create/restore) removes them")
+
+
 def _check_dev_shm(p: Probes) -> Check:
     st = p.stat(DEV_SHM)
     if st is None or not stat.S_ISDIR(st.st_mode):
@@ -520,6 +545,7 @@ def run_checks(probes: Probes | None = None, *, snapshot_root: str = DEFAULT_SNA
     checks += _check_kernel(p)
     checks += _check_snapshot_root(p, snapshot_root)
     checks.append(_check_dev_shm(p))
+    checks.append(_check_leftovers(p, snapshot_root))
     checks += _check_programs(p)
     checks += _check_python(p)
     checks += _check_gpu(p, binary)

@@ -18,6 +18,7 @@ exit code                     meaning
 9    ``busy``                 a port, PID, or lock needed is held by someone else
 10   ``unsnapshottable``      the engine tree holds something CRIU cannot restore safely
 11   ``environment``          this host lacks something required (root, CRIU, vLLM)
+130  ``interrupted``          SIGINT/SIGTERM/SIGHUP stopped the command; it cleaned up
 ==== ======================== ====================================================
 """
 
@@ -91,6 +92,13 @@ class EnvironmentProblem(SnapshotError):
     code, exit_code = "environment", 11
 
 
+class Interrupted(SnapshotError):
+    """SIGINT, SIGTERM or SIGHUP stopped the command; everything it had started was cleaned
+    up (see :mod:`vllm_snapshot.interrupts`)."""
+
+    code, exit_code = "interrupted", 130
+
+
 ALL_ERRORS: tuple[type[SnapshotError], ...] = (
     SnapshotError,
     UsageError,
@@ -103,4 +111,5 @@ ALL_ERRORS: tuple[type[SnapshotError], ...] = (
     BusyError,
     UnsnapshottableError,
     EnvironmentProblem,
+    Interrupted,
 )

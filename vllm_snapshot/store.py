@@ -61,6 +61,14 @@ def _pid_alive(pid: int) -> bool:
 def clean_stale_temps(parent: Path, name: str | None = None, min_age_s: float = 0.0) -> list[Path]:
     """Remove leftover ``.NAME.tmp-*`` dirs of crashed creates whose owner PID (recorded in
     ``owner.pid``) is dead. Returns what was removed."""
+    removed = stale_temps(parent, name, min_age_s)
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
+
+
+def stale_temps(parent: Path, name: str | None = None, min_age_s: float = 0.0) -> list[Path]:
+    """The ``.NAME.tmp-*`` dirs :func:`clean_stale_temps` would remove (owner dead)."""
     removed = []
     for p in parent.glob(f".{name or '*'}{TMP_MARK}*"):
         if not p.is_dir() or p.is_symlink():
@@ -74,7 +82,6 @@ def clean_stale_temps(parent: Path, name: str | None = None, min_age_s: float = 
         age = time.time() - p.stat().st_mtime
         if age < min_age_s or (not pid and age < NO_PID_GRACE_S):
             continue
-        shutil.rmtree(p, ignore_errors=True)
         removed.append(p)
     return removed
 

@@ -191,6 +191,10 @@ class SnapshotTools(Protocol):
     def clean_stale_temps(self, root: Path) -> list[Path]:
         """Remove leftovers of crashed creates under ``root`` (and stale lock files)."""
 
+    def reclaim(self, near: Path) -> list[str]:
+        """Remove what killed commands left: staging dirs of dead restores (/dev/shm, the
+        staging dir, ``near``), stale registry entries and lock files. Never a live one's."""
+
     def last_restore(self, snapshot: Path) -> float | None: ...
 
     def record_restore(self, snapshot: Path, overrides: list[str]) -> None: ...
@@ -540,6 +544,17 @@ class LocalTools(SnapshotTools):
 
         locks.clean_stale()  # lock files of snapshot paths that are gone
         return store.clean_stale_temps(root)
+
+    def reclaim(self, near: Path) -> list[str]:
+        from . import archive, locks, registry
+
+        gone = []
+        for d in archive.stale_staging([Path("/dev/shm"), paths.staging_dir(), near]):
+            archive.remove_staging(d)
+            gone.append(str(d))
+        registry.entries()  # drops entries of dead engines
+        gone += [str(p) for p in locks.clean_stale()]
+        return gone
 
     def last_restore(self, snapshot: Path) -> float | None:
         from . import store

@@ -217,10 +217,14 @@ async def run(spec: dict) -> int:
                     sys.stdout.flush()
                     sys.stderr.flush()
                     emit("dump-ready")
+                elif name == "attach":
+                    # a restored tree dies with the restore that adopted it (a SIGKILLed
+                    # restore must not leave an engine nobody knows about) until `serve`
+                    set_parent_death_signal(signal.SIGKILL)
+                    emit("attached")
                 elif name == "serve":
-                    if cmd.get("die_with_parent"):
-                        # foreground restore: the engine must not outlive its supervisor
-                        set_parent_death_signal(signal.SIGKILL)
+                    # foreground: the engine must not outlive its supervisor; --detach: it must
+                    set_parent_death_signal(signal.SIGKILL if cmd.get("die_with_parent") else 0)
                     if app is None:
                         app = await prepare_app(engine, args)
                     await serve(app, args, cmd.get("host"), int(cmd["port"]))

@@ -15,13 +15,16 @@ Commands (``{"cmd": NAME, ...}``):
 * ``sleep`` ``{level}`` -- reset the prefix cache and sleep; answered by ``slept``.
 * ``wake`` -- wake up, reload weights (level 2), reset the prefix cache; answered by ``woken``.
 * ``prepare-dump`` -- build the HTTP app, clear the parent-death signal; answered by ``dump-ready``.
-* ``serve`` ``{host, port, die_with_parent}`` -- bind and serve; answered by ``binding``.
+* ``attach`` -- first command to a restored tree: die with the supervisor (parent-death signal)
+  until ``serve`` decides; answered by ``attached``.
+* ``serve`` ``{host, port, die_with_parent}`` -- bind and serve (the engine outlives its
+  supervisor only with ``die_with_parent`` false: ``--detach``); answered by ``binding``.
 * ``exit`` -- exit cleanly.
 
 Events (``{"event": NAME, ...}``):
 
 * ``initialized`` ``{oracle, info}`` -- the engine is up; ``info``: kind, vllm, torch, served_model_name.
-* ``oracle`` ``{oracle}``, ``slept``, ``woken``, ``dump-ready``.
+* ``oracle`` ``{oracle}``, ``slept``, ``woken``, ``dump-ready``, ``attached``.
 * ``binding`` ``{address}`` -- the listening socket is bound; the HTTP server starts.
 * ``error`` ``{kind, message}`` -- the command failed (``kind`` ``usage``: bad engine args).
 
@@ -39,8 +42,8 @@ FD_EVENTS = 3
 #: role -> the engine's fd number for it (the manifest's ``criu.inherit`` keys are these roles).
 ROLES: dict[str, int] = {"control": FD_CONTROL, "log": FD_LOG, "events": FD_EVENTS}
 
-COMMANDS = ("oracle", "sleep", "wake", "prepare-dump", "serve", "exit")
-EVENTS = ("initialized", "oracle", "slept", "woken", "dump-ready", "binding", "error")
+COMMANDS = ("oracle", "sleep", "wake", "prepare-dump", "attach", "serve", "exit")
+EVENTS = ("initialized", "oracle", "slept", "woken", "dump-ready", "attached", "binding", "error")
 
 
 def encode_command(name: str, **kw) -> str:

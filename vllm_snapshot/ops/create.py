@@ -186,6 +186,8 @@ def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, files: 
 
 def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: Path, model_dir: Path,
                    criu_ver: str) -> Created:
+    for gone in t.reclaim(target.parent):
+        rep.info(f"removed a leftover of a killed command: {gone}")
     tmp = t.prepare_target(target)
     engine: Engine | None = None
     remaps: list[Path] = []

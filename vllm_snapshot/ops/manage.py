@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from .. import identity, manifest
-from ..errors import BusyError, CorruptSnapshotError, SnapshotError, UsageError
+from ..errors import BusyError, CorruptSnapshotError, Interrupted, SnapshotError, UsageError
 from ..progress import Reporter
 from ..registry import Entry
 from ..results import Deleted, Engines, Listed, Pruned, Stopped, Switched
@@ -95,12 +95,11 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
           tools: SnapshotTools | None = None) -> Pruned:
     """Select snapshots under ``root`` beyond the ``keep`` newest per model and/or older than
     ``older_than_s`` seconds; delete them unless ``dry_run``; skip those with running engines.
-    Also removes leftover temp dirs of crashed creates. Raises UsageError without a criterion."""
+    Always removes what killed commands left (temp dirs of crashed creates, staging dirs of
+    killed restores, stale lock files); without ``keep``/``older_than_s`` only that."""
     t = tools or LocalTools()
-    if keep is None and older_than_s is None:
-        raise UsageError("give --keep N and/or --older-than DURATION")
     rows = []
-    for p in t.list_snapshots(root):
+    for p in t.list_snapshots(root) if (keep is not None or older_than_s is not None) else []:
         try:
             m = t.open_snapshot(p)
             rows.append((m.model.path, _dt.datetime.fromisoformat(m.created_at).timestamp(), p))
@@ -125,7 +124,7 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
             with t.snapshot_lock(p, shared=False):
                 t.delete_snapshot(p)
         deleted.append(str(p))
-    temps = [] if dry_run else [str(x) for x in t.clean_stale_temps(root)]
+    temps = [] if dry_run else [str(x) for x in t.clean_stale_temps(root)] + t.reclaim(root)
     return Pruned(deleted, kept, temps, dry_run)
 
 
@@ -182,7 +181,8 @@ def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, r
         r, engine = restore(RestoreRequest(snapshot=snapshot, host=host, port=port, detach=True, log_file=log_file),
                             rep, tools=t)
     except SnapshotError as err:
-        serving = _roll_back(t, old[0], rep) if (old and rollback) else None
+        # an interruption means "stop": no rollback then (the port ends free, the registry says so)
+        serving = _roll_back(t, old[0], rep) if (old and rollback and not isinstance(err, Interrupted)) else None
         _explain_switch_failure(err, port, stopped, serving, rollback)
         raise
     engine.close()

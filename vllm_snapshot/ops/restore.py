@@ -127,6 +127,8 @@ def restore(req: RestoreRequest, rep: Reporter, tools: SnapshotTools | None = No
 
 
 def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapshot: Path) -> tuple[Restored, Engine]:
+    for gone in t.reclaim(snapshot.parent):
+        rep.info(f"removed a leftover of a killed command: {gone}")
     with rep.phase("validate", "validating snapshot, host and model"):
         m, warnings = validate(snapshot, req.verify_model, req.allow, port=(req.host, req.port), tools=t)
         log_file = None
@@ -159,6 +161,8 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
                 pid = t.restore_tree(m.engine.kind, opts, stage)
         engine = t.adopt(pid, channel, None if req.detach else req.engine_log)
         channel = None
+        engine.send("attach")  # from now on the tree dies with us until `serve` decides
+        engine.wait_event("attached", RESTORE_ORACLE_TIMEOUT_S)
         t.unstage(stage)
         stage = None
         try:  # CRIU consumed them; never leave ours behind (a leftover is harmless: warn)

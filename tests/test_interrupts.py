@@ -1,0 +1,72 @@
+"""Interruption and hung CRIU runs (unit level): signals become Interrupted, are deferred
+around CRIU, a hung CRIU is killed after its timeout, stale staging dirs are found."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import time
+
+import pytest
+
+from vllm_snapshot import archive, criu, interrupts
+from vllm_snapshot.errors import CriuError, Interrupted
+
+
+@pytest.fixture()
+def handlers():
+    saved = {s: signal.getsignal(s) for s in interrupts.SIGNALS}
+    interrupts.install()
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
+def test_sigterm_becomes_interrupted(handlers):
+    with pytest.raises(Interrupted, match="SIGTERM") as ei:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)
+    assert ei.value.exit_code == 130
+
+
+def test_signals_are_deferred_until_the_block_ends(handlers):
+    done = []
+    with pytest.raises(Interrupted, match="SIGHUP"):
+        with interrupts.deferred():
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.2)
+            done.append("block finished")
+    assert done == ["block finished"]
+
+
+def test_an_error_in_the_deferred_block_wins(handlers):
+    with pytest.raises(ValueError):
+        with interrupts.deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)
+            raise ValueError("the real failure")
+    interrupts._state["pending"] = None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pycriu") is None, reason="pycriu not importable (scripts/setup.sh)")
+def test_a_hung_criu_is_killed_after_its_timeout(tmp_path):
+    fake = tmp_path / "criu"
+    fake.write_text("#!/bin/sh\nexec sleep 120\n")  # speaks no RPC: answers nothing, ever
+    fake.chmod(0o755)
+    (tmp_path / "images").mkdir()
+    runner = criu.Criu(str(fake), keep_log_dir=tmp_path / "logs", timeout_s=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(CriuError, match="did not finish within 1 s and was killed") as ei:
+        runner.dump(criu.DumpOptions(pid=1), tmp_path / "images", tmp_path)
+    assert time.monotonic() - t0 < 30
+    assert "VLLM_SNAPSHOT_CRIU_TIMEOUT" in ei.value.message
+
+
+def test_stale_staging_dirs_are_those_of_dead_owners(tmp_path):
+    live = tmp_path / f"{archive.STAGE_PREFIX}{os.getpid()}-abc"
+    dead = tmp_path / f"{archive.STAGE_PREFIX}999999999-abc"
+    old = tmp_path / f"{archive.STAGE_PREFIX}xyz"  # an older version's name: no owner
+    for d in (live, dead, old):
+        d.mkdir()
+    assert archive.stale_staging([tmp_path]) == sorted([dead, old])

@@ -1,0 +1,55 @@
+"""Interruption of create, restore and switch: SIGINT, SIGTERM and SIGHUP (what Ctrl-C,
+``systemctl stop``/``timeout`` and a closed terminal send) become :class:`Interrupted`, an
+exception, so every cleanup of the interrupted step runs (engine or restored tree killed,
+staging and temp dirs removed, lock and registry entry released) and the command exits 130.
+
+Around a CRIU run the signal is *deferred* (:func:`deferred`): stopping CRIU halfway could
+leave a tree frozen or half-restored outside anyone's control. The CRIU run is bounded by its
+own timeout (:data:`vllm_snapshot.criu.DEFAULT_TIMEOUT_S`), and the interruption is raised as
+soon as it returns.
+"""
+
+from __future__ import annotations
+
+import signal
+from contextlib import contextmanager
+from typing import Iterator
+
+from .errors import Interrupted
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_state: dict = {"depth": 0, "pending": None}
+
+
+def _interrupted(signum: int) -> Interrupted:
+    name = signal.Signals(signum).name
+    return Interrupted(f"interrupted by {name}; stopped what was running and cleaned up",
+                       details={"signal": name})
+
+
+def _handler(signum, frame) -> None:
+    if _state["depth"]:
+        _state["pending"] = signum
+        return
+    raise _interrupted(signum)
+
+
+def install() -> None:
+    """Turn SIGINT/SIGTERM/SIGHUP into :class:`Interrupted` for the rest of this process (main
+    thread only, as Python delivers signals there)."""
+    for s in SIGNALS:
+        signal.signal(s, _handler)
+
+
+@contextmanager
+def deferred() -> Iterator[None]:
+    """Hold signals for the duration of the block; raise :class:`Interrupted` right after it
+    when one came (not when the block itself raised: that error wins)."""
+    _state["depth"] += 1
+    try:
+        yield
+    finally:
+        _state["depth"] -= 1
+    if _state["depth"] == 0 and _state["pending"] is not None:
+        signum, _state["pending"] = _state["pending"], None
+        raise _interrupted(signum)

@@ -1,32 +1,55 @@
-"""Private mounts for the engine's mount namespace (runs inside it, before vLLM starts).
+"""The engine's mount namespace: which host mounts it keeps, detaches, or hands to CRIU as
+external mounts (runs inside the namespace before vLLM starts; the parsing and the policy are
+pure and shared with the supervisor, see :mod:`vllm_snapshot.mountpolicy`).
 
-CRIU dumps the *content* of every tmpfs mounted in a dumped mount namespace. A namespace made
-by ``unshare --mount`` starts as a copy of the host's, so without this step a snapshot would
-contain the host's /dev/shm (other processes' shared memory: seen here, 4 stale 170-250 MB
-``psm_*`` segments), /run and other tmpfs: a privacy leak, gigabytes of images, and seconds of
-tar at dump and restore. So, with mount propagation already private (unshare's default):
+A namespace made by ``unshare --mount`` starts as a copy of the host's, and CRIU dumps every
+mount of it. CRIU 4.2.1 can re-create only some file systems (criu/filesystems.c): proc,
+sysfs, devtmpfs, devpts, tmpfs (by tarring its *content*), mqueue, cgroup/cgroup2, debugfs,
+fusectl, securityfs, pstore, binfmt_misc; tracefs it silently skips; ext4, xfs, btrfs, vfat,
+squashfs, ramfs, bpf, hugetlbfs, NFS, ... fail the dump with "FS mnt ... unsupported", and a
+bind mount whose file system root is not mounted in the namespace (a container's single-file
+bind over /etc/hosts) with "... doesn't have a proper root mount". The root mount is never a
+problem: restore re-creates it from ``--root /``. Measured in MOUNTS-INTEGRATION.md.
 
-* every tmpfs mount except ``/dev`` and those under ``/sys`` is lazily detached
-  (``umount2(MNT_DETACH)``; deepest first);
-* fresh tmpfs are mounted on ``/dev/shm`` and on :data:`ENGINE_TMPDIR` (the engine's TMPDIR;
-  mode 1777): POSIX semaphores, vLLM's shared-memory queues, ZMQ ipc sockets and CRIU's
-  link-remap files live there, are dumped with the tree, and never collide with the host or with
-  another engine. The host's /tmp stays visible unless it is itself a tmpfs (then it is detached
-  like the others: keep code, venv and models elsewhere on such hosts);
-* ``$TMPDIR/torchinductor_$USER`` is a symlink to ``$TORCHINDUCTOR_CACHE_DIR`` on disk: torch
-  inductor writes its ~150 MB precompiled header under ``default_cache_dir()`` (tempdir-based,
-  ignoring the variable; torch/_inductor/codecache.py ``_HEADER_DIR``), which would otherwise
-  be re-made at every create and tarred into every image.
+So the policy (:func:`classify`) is:
+
+* ``keep``: the root mount, and the pseudo file systems the engine uses at their usual places
+  (/proc, /sys, /sys/fs/cgroup and its cgroup mounts, /dev, /dev/pts, /dev/mqueue);
+* ``detach`` (lazily, ``umount2(MNT_DETACH)``, deepest first, by :func:`make_private`): every
+  other mount the engine does not need, and the host's /dev/shm and the engine TMPDIR, which
+  are replaced by private tmpfs (CRIU dumps tmpfs *content*: without this a snapshot held the
+  host's /dev/shm, i.e. other processes' shared memory);
+* ``external``: mounts that hold a needed path (model, Python and venv, vllm_snapshot, caches,
+  the working directory, whatever the engine root has open or mapped), their ancestors (lazy
+  detach of a parent takes its children along), and the name-service file binds of containers
+  (/etc/hosts, /etc/resolv.conf, /etc/hostname: the engine should resolve names as the host
+  it runs on does). CRIU gets them as ``--external mnt[MOUNTPOINT]:COOKIE`` and binds the same
+  host path back at restore, as runc/podman do for volumes;
+* ``refuse``: a needed path under a private tmpfs (/dev/shm, the engine TMPDIR: the engine would
+  not see the host's files there), on FUSE (the daemon lives outside the tree; CRIU 4.2.1
+  refuses fuse mounts) or under an autofs trigger, or a mount point CRIU's ``--external``
+  syntax cannot carry.
+
+Besides, with mount propagation already private (unshare's default), :func:`make_private`
+mounts fresh tmpfs on ``/dev/shm`` and :data:`ENGINE_TMPDIR` (mode 1777: POSIX semaphores,
+vLLM's shared-memory queues, ZMQ ipc sockets and CRIU's link-remap files live there and are
+dumped with the tree) and links ``$TMPDIR/torchinductor_$USER`` to ``$TORCHINDUCTOR_CACHE_DIR``
+on disk (torch inductor writes its ~150 MB precompiled header under its tempdir-based
+``default_cache_dir()`` regardless of the variable; it would be re-made at every create and
+tarred into every image).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import sys
+from dataclasses import dataclass
 
 MNT_DETACH = 2
 MS_NOSUID = 2
 MS_NODEV = 4
+MS_NOEXEC = 8
 KEEP = ("/dev",)
 #: The engine's private temp dir (TMPDIR): a tmpfs mounted inside the namespace on this
 #: directory of the host's root filesystem (so the host's /tmp, where code or models may live,
@@ -34,12 +57,53 @@ KEEP = ("/dev",)
 ENGINE_TMPDIR = "/var/tmp/.vllm-snapshot-engine"
 PRIVATE = ("/dev/shm", ENGINE_TMPDIR)
 
+#: Actions of :func:`classify`.
+KEEP_ACTION, DETACH, EXTERNAL, REFUSE = "keep", "detach", "external", "refuse"
+
+#: File systems CRIU 4.2.1 re-creates itself (criu/filesystems.c). tracefs is left out on
+#: purpose: CRIU "skips" it (it is simply missing after a restore).
+CRIU_NATIVE_FS = frozenset({"proc", "sysfs", "devtmpfs", "devpts", "tmpfs", "mqueue", "cgroup", "cgroup2",
+                            "debugfs", "fusectl", "securityfs", "pstore", "binfmt_misc"})
+#: Pseudo file systems the engine keeps, by mount point: (mount point or prefix + "/", types).
+PSEUDO_KEEP: tuple[tuple[str, frozenset[str]], ...] = (
+    ("/proc", frozenset({"proc"})),
+    ("/sys", frozenset({"sysfs"})),
+    ("/sys/fs/cgroup", frozenset({"tmpfs", "cgroup2"})),
+    ("/sys/fs/cgroup/", frozenset({"cgroup", "cgroup2"})),
+    ("/dev", frozenset({"devtmpfs", "tmpfs"})),
+    ("/dev/pts", frozenset({"devpts"})),
+    ("/dev/mqueue", frozenset({"mqueue"})),
+)
+#: Single-file binds a container runtime puts over the name-service files.
+NAME_FILES = ("/etc/hosts", "/etc/resolv.conf", "/etc/hostname")
+#: Needed paths on these types refuse (see the module doc).
+REFUSE_TYPES = frozenset({"fuse", "fuseblk", "autofs"})
+
+
+@dataclass(frozen=True)
+class Mount:
+    """One line of ``/proc/PID/mountinfo`` (proc(5))."""
+
+    mount_id: int
+    parent_id: int
+    major_minor: str  # "254:0"
+    root: str  # the path inside the file system that is mounted (a bind mount's subtree)
+    mount_point: str
+    options: str  # per-mount options
+    fs_type: str
+    source: str
+    super_options: str
+
+    @property
+    def is_bind_of_subtree(self) -> bool:
+        return self.root != "/"
+
 
 def _unescape(path: str) -> str:
-    # mountinfo escapes space, tab, newline and backslash as \\ooo
+    # mountinfo escapes space, tab, newline and backslash as \ooo
     out, i = [], 0
     while i < len(path):
-        if path[i] == "\\" and i + 3 < len(path) + 0 and path[i + 1:i + 4].isdigit():
+        if path[i] == "\\" and path[i + 1:i + 4].isdigit() and len(path[i + 1:i + 4]) == 3:
             out.append(chr(int(path[i + 1:i + 4], 8)))
             i += 4
         else:
@@ -48,18 +112,31 @@ def _unescape(path: str) -> str:
     return "".join(out)
 
 
-def tmpfs_mounts(mountinfo: str) -> list[str]:
-    """Mount points of tmpfs mounts listed in ``/proc/self/mountinfo`` text. Pure."""
+def parse_mountinfo(text: str) -> list[Mount]:
+    """Records of ``/proc/PID/mountinfo`` text, in file order (a later mount on the same mount
+    point is on top). Lines that do not parse are skipped. Pure."""
     out = []
-    for line in mountinfo.splitlines():
+    for line in text.splitlines():
         left, sep, right = line.partition(" - ")
         if not sep:
             continue
-        fields = left.split()
-        fstype = right.split()[0] if right.split() else ""
-        if fstype == "tmpfs" and len(fields) >= 5:
-            out.append(_unescape(fields[4]))
+        f, r = left.split(), right.split()
+        if len(f) < 6 or not r:
+            continue
+        try:
+            mid, pid = int(f[0]), int(f[1])
+        except ValueError:
+            continue
+        out.append(Mount(mount_id=mid, parent_id=pid, major_minor=f[2], root=_unescape(f[3]),
+                         mount_point=_unescape(f[4]), options=f[5], fs_type=r[0],
+                         source=_unescape(r[1]) if len(r) > 1 else "",
+                         super_options=r[2] if len(r) > 2 else ""))
     return out
+
+
+def tmpfs_mounts(mountinfo: str) -> list[str]:
+    """Mount points of tmpfs mounts listed in ``/proc/self/mountinfo`` text. Pure."""
+    return [m.mount_point for m in parse_mountinfo(mountinfo) if m.fs_type == "tmpfs"]
 
 
 def to_detach(mounts: list[str]) -> list[str]:
@@ -69,20 +146,250 @@ def to_detach(mounts: list[str]) -> list[str]:
     return out
 
 
-def hidden_prefixes(mountinfo: str) -> list[str]:
-    """Host paths the engine will not see (detached tmpfs mounts and the private mounts)."""
-    return sorted(set(to_detach(tmpfs_mounts(mountinfo))) | set(PRIVATE))
+def hidden_prefixes(mountinfo: str, needed_paths: list[str] | None = None) -> list[str]:
+    """Host paths the engine will not see: the private mounts plus, without ``needed_paths``,
+    the host's tmpfs mounts (the behaviour before the mount policy), with them, every mount
+    point :func:`classify` detaches."""
+    if needed_paths is None:
+        return sorted(set(to_detach(tmpfs_mounts(mountinfo))) | set(PRIVATE))
+    got = classify(parse_mountinfo(mountinfo), needed_paths)
+    return sorted({m.mount_point for m, a, _ in got if a == DETACH} | set(PRIVATE))
 
 
-def make_private() -> list[str]:
-    """Detach host tmpfs mounts and mount private tmpfs on /dev/shm and ENGINE_TMPDIR (which
-    must exist: the supervisor creates it). Returns what was detached. Raises OSError when a
-    private tmpfs cannot be mounted."""
+def _under(path: str, prefix: str) -> bool:
+    return path == prefix or prefix == "/" or path.startswith(prefix.rstrip("/") + "/")
+
+
+def _hidden_ids(mounts: list[Mount]) -> set[int]:
+    """Mounts that cannot be reached by path: one with another mount stacked on it (same mount
+    point, parent = it) and everything else below it (``unshare --mount-proc`` mounts the
+    namespace's /proc over the host's, whose children stay in the table). Pure."""
+    kids: dict[int, list[Mount]] = {}
+    for m in mounts:
+        kids.setdefault(m.parent_id, []).append(m)
+    hidden: set[int] = set()
+    for m in mounts:
+        over = [o for o in kids.get(m.mount_id, []) if o.mount_point == m.mount_point and o is not m]
+        if not over:
+            continue
+        hidden.add(m.mount_id)
+        stack = [k for k in kids.get(m.mount_id, []) if k not in over]
+        while stack:
+            k = stack.pop()
+            if k.mount_id not in hidden:
+                hidden.add(k.mount_id)
+                stack.extend(kids.get(k.mount_id, []))
+    return hidden
+
+
+def _visible(mounts: list[Mount]) -> list[Mount]:
+    """Mounts reachable by path (see :func:`_hidden_ids`), in file order."""
+    hidden = _hidden_ids(mounts)
+    return [m for m in mounts if m.mount_id not in hidden]
+
+
+def mount_of(mounts: list[Mount], path: str) -> Mount | None:
+    """The visible mount that ``path`` (absolute, symlinks resolved) lies on. Pure."""
+    best = None
+    for m in _visible(mounts):
+        if _under(path, m.mount_point) and (best is None or len(m.mount_point) >= len(best.mount_point)):
+            best = m
+    return best
+
+
+def _is_pseudo_keep(m: Mount) -> bool:
+    for place, types in PSEUDO_KEEP:
+        hit = m.mount_point.startswith(place) if place.endswith("/") else m.mount_point == place
+        if hit and m.fs_type in types:
+            return True
+    return False
+
+
+def _root_mounts(mounts: list[Mount]) -> list[Mount]:
+    return [m for m in mounts if m.mount_point == "/"]
+
+
+def criu_can_dump(m: Mount, mounts: list[Mount]) -> bool:
+    """Whether CRIU 4.2.1 dumps ``m`` as it is (criu/mount.c validate_mounts): the root mount;
+    a bind of the root's file system; a native file system whose root is mounted in the table
+    (itself, or another mount of the same device with root ``/``). Pure."""
+    if m.mount_point == "/":
+        return True
+    roots = _root_mounts(mounts)
+    if any(r.major_minor == m.major_minor and r.root == "/" for r in roots):
+        return True  # a bind mount from the root file system ("root bind")
+    if m.fs_type not in CRIU_NATIVE_FS:
+        return False
+    if not m.is_bind_of_subtree:
+        return True
+    return any(o.major_minor == m.major_minor and o.root == "/" for o in mounts)
+
+
+def dump_externals(mounts: list[Mount]) -> list[Mount]:
+    """Mounts of a namespace's table that CRIU cannot dump as they are, so they must be passed
+    as external mounts: what a dump of that namespace needs. Pure."""
+    return [m for m in mounts if not criu_can_dump(m, mounts)]
+
+
+def classify(mounts: list[Mount], needed_paths: list[str] | tuple[str, ...]) -> list[tuple[Mount, str, str]]:
+    """The mount policy (see the module doc): ``(mount, action, reason)`` for every mount of
+    ``mounts`` (file order), action one of ``keep``/``detach``/``external``/``refuse``.
+    ``needed_paths`` are absolute paths with symlinks resolved (pass both a path and its
+    real path when they differ). Pure."""
+    by_id = {m.mount_id: m for m in mounts}
+    need_reason: dict[int, str] = {}
+    refusals: dict[int, str] = {}
+    for p in needed_paths:
+        for priv in PRIVATE:
+            if _under(p, priv):
+                m = mount_of(mounts, p)
+                if m is not None:
+                    refusals[m.mount_id] = (f"{p} is under {priv}, where the engine gets a private tmpfs "
+                                            "and does not see the host's files")
+        starts = [(mount_of(mounts, p), f"holds {p}")]
+        if p != "/":  # mounts below a needed directory (a model shard on its own disk)
+            starts += [(m, f"is inside {p}") for m in _visible(mounts)
+                       if m.mount_point != p and _under(m.mount_point, p)]
+        for m, first in starts:
+            seen: set[int] = set()
+            child = None
+            while m is not None and m.mount_id not in seen:
+                seen.add(m.mount_id)
+                need_reason.setdefault(m.mount_id, first if child is None else
+                                       f"is a parent of {child.mount_point}, which {need_reason[child.mount_id]}")
+                child = m
+                m = by_id.get(m.parent_id)
+    out = []
+    for m in mounts:
+        mp = m.mount_point
+        if m.mount_id in refusals:
+            out.append((m, REFUSE, refusals[m.mount_id]))
+        elif mp == "/":
+            out.append((m, KEEP_ACTION, "the root mount (restored from --root /)"))
+        elif mp in PRIVATE and m.fs_type == "tmpfs":
+            out.append((m, DETACH, "replaced by a private tmpfs in the engine's namespace"))
+        elif _is_pseudo_keep(m):
+            out.append((m, KEEP_ACTION, f"{m.fs_type} the engine uses (CRIU re-creates it)"))
+        elif m.mount_id in need_reason:
+            why = need_reason[m.mount_id]
+            if m.fs_type in REFUSE_TYPES or m.fs_type.startswith("fuse."):
+                out.append((m, REFUSE, f"{why}, but {m.fs_type} mounts cannot be checkpointed "
+                                       "(CRIU 4.2.1 refuses FUSE; an autofs trigger needs its daemon)"))
+            elif "]" in mp or "\n" in mp:
+                out.append((m, REFUSE, f"{why}, but CRIU's --external mnt[...] syntax cannot name this mount point"))
+            else:
+                out.append((m, EXTERNAL, f"{why}; bound back from the host at restore"))
+        elif mp in NAME_FILES and not criu_can_dump(m, mounts):
+            out.append((m, EXTERNAL, "a name-service file bind (container): the engine resolves names like its host"))
+        else:
+            out.append((m, DETACH, "not needed by the engine"))
+    return out
+
+
+def refusals(classified: list[tuple[Mount, str, str]]) -> list[str]:
+    """Human lines for the ``refuse`` entries of :func:`classify`: mount point, type, why. Pure."""
+    return [f"{m.mount_point} ({m.fs_type} {m.source}): {why}" for m, a, why in classified if a == REFUSE]
+
+
+def _add_path(out: list[str], p: str | None) -> None:
+    if not p:
+        return
+    p = os.path.abspath(os.path.expanduser(p))
+    for q in (p, os.path.realpath(p)):
+        if q not in out:
+            out.append(q)
+
+
+#: Environment variables naming caches or config dirs vLLM, torch, HF and triton use.
+CACHE_VARS = ("TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT", "VLLM_CONFIG_ROOT", "HF_HOME", "HF_HUB_CACHE",
+              "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE", "XDG_CACHE_HOME", "TRITON_CACHE_DIR",
+              "TORCH_HOME", "VLLM_SNAPSHOT_CACHE")
+
+
+def needed_paths(model: str | None, env: dict[str, str], extra: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """Paths the engine needs to see: the model, this Python (prefix, base prefix, executable),
+    the vllm_snapshot, vllm and torch packages, caches named by ``env`` (plus HOME/.cache),
+    the working directory and ``extra``. Each as given and with symlinks resolved. Finds the
+    packages without importing them."""
+    out: list[str] = []
+    import importlib.util
+
+    _add_path(out, model)
+    for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.executable):
+        _add_path(out, p)
+    _add_path(out, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # vllm_snapshot
+    for name in ("vllm", "torch"):
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        for loc in (spec.submodule_search_locations or []) if spec else []:
+            _add_path(out, loc)
+    if env.get("HOME"):
+        _add_path(out, os.path.join(env["HOME"], ".cache"))
+    for k in CACHE_VARS:
+        _add_path(out, env.get(k))
+    try:
+        _add_path(out, os.getcwd())
+    except OSError:
+        pass
+    for p in extra:
+        _add_path(out, p)
+    return [p for p in out if not any(_under(p, priv) for priv in PRIVATE) or p == model]
+
+
+def _open_and_mapped() -> list[str]:
+    """Regular files this process has open or mapped (the engine root before vLLM starts)."""
+    out: set[str] = set()
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].startswith("/"):
+                    out.add(parts[5].strip().removesuffix(" (deleted)"))
+    except OSError:
+        pass
+    try:
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                t = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if t.startswith("/") and not t.startswith(("/proc/", "/dev/")):
+                out.add(t)
+    except OSError:
+        pass
+    return sorted(out)
+
+
+def _spec_model() -> str | None:
+    import json
+
+    try:
+        return json.loads(sys.argv[1]).get("model")
+    except (IndexError, ValueError, AttributeError):
+        return None
+
+
+def make_private(needed: list[str] | None = None) -> list[str]:
+    """Apply the mount policy in this (new, private) mount namespace: detach every mount
+    :func:`classify` marks ``detach``, then mount private tmpfs on /dev/shm and ENGINE_TMPDIR
+    (which must exist: the supervisor creates it). ``needed`` defaults to :func:`needed_paths`
+    for the model of the engine spec (``sys.argv[1]``), this process's environment, and the
+    files it has open or mapped. Returns the mount points detached. Raises OSError when a
+    private tmpfs cannot be mounted. ``refuse`` entries are left alone here: create refuses
+    them on the host before the engine starts (:func:`vllm_snapshot.mountpolicy.check_create`)."""
     libc = ctypes.CDLL(None, use_errno=True)
+    if needed is None:
+        needed = needed_paths(_spec_model(), dict(os.environ), _open_and_mapped())
     detached: list[str] = []
+    _peel_proc(libc)
     for _ in range(16):  # stacked mounts on one path come off one per pass
         with open("/proc/self/mountinfo") as f:
-            todo = to_detach(tmpfs_mounts(f.read()))
+            mounts = parse_mountinfo(f.read())
+        visible = {m.mount_id for m in _visible(mounts)}
+        todo = sorted({m.mount_point for m, a, _ in classify(mounts, needed) if a == DETACH and m.mount_id in visible},
+                      key=lambda p: (-p.count("/"), p))
         done = [mp for mp in todo if libc.umount2(mp.encode(), MNT_DETACH) == 0]
         detached += done
         if not done:
@@ -99,3 +406,23 @@ def make_private() -> list[str]:
         os.makedirs(inductor, mode=0o700, exist_ok=True)
         os.symlink(inductor, os.path.join(ENGINE_TMPDIR, f"torchinductor_{getpass.getuser()}"))
     return detached
+
+
+def _peel_proc(libc) -> None:
+    """``unshare --mount-proc`` mounts the namespace's /proc *over* the host's, so mounts under
+    the host's /proc (binfmt_misc, systemd's autofs trigger on /proc/sys/fs/binfmt_misc) stay
+    in the table but cannot be reached by path to detach them. Take both /proc mounts off (a
+    lazy detach takes the children along) and mount a fresh proc for this PID namespace. Only
+    when something is hidden there."""
+    with open("/proc/self/mountinfo") as f:
+        mounts = parse_mountinfo(f.read())
+    procs = [m for m in mounts if m.mount_point == "/proc"]
+    hidden = _hidden_ids(mounts)
+    if len(procs) < 2 or not any(m.mount_point.startswith("/proc/") and m.mount_id in hidden for m in mounts):
+        return
+    for _ in procs:
+        if libc.umount2(b"/proc", MNT_DETACH) != 0:
+            break
+    if libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot mount /proc: {os.strerror(err)}")

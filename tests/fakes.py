@@ -15,7 +15,7 @@ from typing import Callable
 from vllm_snapshot import manifest as mf
 from vllm_snapshot.criu import DumpOptions, RestoreOptions
 from vllm_snapshot.inventory import Inventory
-from vllm_snapshot.manifest import ImageFile, Manifest, ModelFile
+from vllm_snapshot.manifest import ExternalMount, ImageFile, Manifest, ModelFile
 from vllm_snapshot.model_digest import ModelCheck
 from vllm_snapshot.registry import Entry
 from vllm_snapshot.tools import Engine, EngineChannel, SnapshotTools
@@ -112,6 +112,8 @@ class FakeTools(SnapshotTools):
         self.registered: list[Entry] = []
         self.entries: list[Entry] = []
         self._t = 0.0
+        self.externals: list[ExternalMount] = []
+        self.mount_problems: list[str] = []
 
     def _call(self, name: str) -> None:
         self.calls.append(name)
@@ -130,9 +132,16 @@ class FakeTools(SnapshotTools):
         self._call("host_identity")
         return dict(self.host)
 
-    def hidden_paths(self) -> list[Path]:
-        self._call("hidden_paths")
-        return [Path("/dev/shm")]
+    def check_mounts(self, model_dir: Path, env: dict[str, str]) -> None:
+        self._call("check_mounts")
+
+    def external_mounts(self, root_pid: int) -> tuple[ExternalMount, ...]:
+        self._call("external_mounts")
+        return tuple(self.externals)
+
+    def check_external_mounts(self, mounts: tuple[ExternalMount, ...]) -> list[str]:
+        self._call("check_external_mounts")
+        return list(self.mount_problems)
 
     def code_paths(self) -> dict[str, Path]:
         return {"Python environment": Path("/venv")}

@@ -218,3 +218,25 @@ def test_criu_version_unparsable_output(tmp_path):
     fake.chmod(0o755)
     with pytest.raises(EnvironmentProblem, match="cannot parse"):
         criu.criu_version(str(fake))
+
+
+@pytest.mark.parametrize("line,words", [
+    ("(00.06) Error (criu/mount.c:724): mnt: FS mnt ./mnt/wtm-other dev 0x700002 root / unsupported id 72",
+     "holds /mnt/wtm-other, a file system CRIU cannot re-create"),
+    ("(00.1) Error (criu/mount.c:753): mnt: 99:./etc/resolv.conf doesn't have a proper root mount",
+     "/etc/resolv.conf is a bind mount"),
+    ("(00.1) Error (criu/mount.c:3141): mnt: No mapping for 87:(null) mountpoint", "not given back at restore"),
+    ("Error (criu/files-reg.c:1): Can't lookup mount=24 for fd=10 path=/dev/null", "fd 10 (/dev/null)"),
+])
+def test_explain_says_what_failed_in_words(line, words):
+    assert words in criu.explain("(00.0) info\n" + line + "\n")
+
+
+def test_explain_unknown_is_none():
+    assert criu.explain("(00.0) Error (criu/x.c:1): something new") is None
+
+
+def test_failed_run_message_leads_with_the_explanation(tmp_path):
+    (tmp_path / criu.DUMP_LOG).write_text("(00.2) Error (criu/mount.c:724): mnt: FS mnt ./mnt/x dev 0x7 root / unsupported id 7\n")
+    err = criu.Criu("/x", keep_log_dir=tmp_path / "logs")._failed("dump", tmp_path, criu.DUMP_LOG)
+    assert err.message.startswith("CRIU dump failed: the engine's mount namespace holds /mnt/x")

@@ -61,6 +61,9 @@ class FakeProbes(doctor.Probes):
     helper: tuple[int, str] = (0, "usage: cuda-checkpoint --action {lock,checkpoint,restore,unlock} --pid PID\n")
     ran: list = field(default_factory=list)
     left: list = field(default_factory=list)
+    mounts: str = ("22 1 254:0 / / rw - ext4 /dev/vda rw\n"
+                   "30 22 7:0 / /mnt/x rw - ext4 /dev/loop0 rw\n"
+                   "31 22 0:40 / /sys/fs/bpf rw - bpf bpf rw\n")
 
     def euid(self) -> int:
         return self.uid
@@ -130,6 +133,9 @@ class FakeProbes(doctor.Probes):
 
     def env(self, name: str) -> str | None:
         return None
+
+    def mountinfo(self) -> str:
+        return self.mounts
 
     def leftovers(self, snapshot_root: str) -> list[str]:
         return list(self.left)
@@ -431,3 +437,12 @@ def test_leftovers_of_killed_commands_are_reported():
     assert ok.ok
     c = _by_name(doctor.run_checks(FakeProbes(left=["/dev/shm/vllm-snapshot-stage-99-x"])))["leftovers"]
     assert not c.ok and c.severity == "warning" and "vllm-snapshot-stage-99-x" in c.detail and "prune" in c.remedy
+
+
+def test_mounts_are_listed_with_what_the_engine_namespace_does_with_them():
+    c = _by_name(doctor.run_checks(FakeProbes()))
+    assert "/mnt/x (ext4)" in c["mounts-detached"].detail and "/sys/fs/bpf (bpf)" in c["mounts-detached"].detail
+    assert "mounts-refused" not in c
+    fuse = FakeProbes(mounts="22 1 254:0 / / rw - ext4 /dev/vda rw\n40 22 0:50 / /root rw - fuse.sshfs h:/ rw\n")
+    c = _by_name(doctor.run_checks(fuse))
+    assert not c["mounts-refused"].ok and "/root (fuse.sshfs)" in c["mounts-refused"].detail

@@ -217,7 +217,7 @@ def test_external_args_and_records_roundtrip():
     rs = [_rec(), _rec("/etc/hosts", cookie="vsnap-m1")]
     assert mp.dump_args(rs) == ("mnt[/mnt/data]:vsnap-m0", "mnt[/etc/hosts]:vsnap-m1")
     assert mp.restore_args(rs) == ("mnt[vsnap-m0]:/mnt/data", "mnt[vsnap-m1]:/etc/hosts")
-    assert mp.ExternalMount.from_json(json.loads(json.dumps(rs[0].to_json()))) == rs[0]
+    assert mp.ExternalMount.model_validate(json.loads(json.dumps(rs[0].model_dump()))) == rs[0]
 
 
 def test_externals_of_assigns_cookies_and_identities():

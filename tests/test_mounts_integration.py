@@ -57,7 +57,8 @@ class Disks:
         return img
 
     def mount(self, what: str, where: str | Path, *opts: str) -> None:
-        os.makedirs(where, exist_ok=True)
+        if not Path(where).exists():
+            os.makedirs(where, exist_ok=True)
         _run("mount", *opts, what, str(where))
         self.mounts.append(str(where))
 
@@ -87,12 +88,29 @@ def disks(request):
     return d
 
 
+def _vfat_supported() -> bool:
+    """This kernel mounts vfat (the CI machine's kernel has no vfat: /proc/filesystems)."""
+    try:
+        return "vfat" in Path("/proc/filesystems").read_text().split() and shutil.which("mkfs.vfat") is not None
+    except OSError:
+        return False
+
+
 def _host_like(d: Disks) -> dict[str, Path]:
-    """Unrelated mounts (ramfs, squashfs, ext4) plus a model disk with a nested disk."""
+    """Unrelated mounts (ramfs, squashfs, ext4, a single-file bind from an ext4 disk, vfat where
+    the kernel has it) plus a model disk with a nested disk."""
     mnt = d.base / "mnt"
     d.mount("ramfs", mnt / "ram", "-t", "ramfs")
     d.mount(str(d.image("sq", "squashfs")), mnt / "sq", "-o", "loop,ro")
     d.mount(str(d.image("other")), mnt / "other", "-o", "loop")
+    (mnt / "other" / "hosts").write_text("10.0.0.1 elsewhere\n")
+    (mnt / "bindfile").write_text("")
+    d.mount(str(mnt / "other" / "hosts"), mnt / "bindfile", "--bind")
+    if _vfat_supported():
+        img = d.base / "efi.img"
+        _run("truncate", "-s", "32M", str(img))
+        _run("mkfs.vfat", str(img))
+        d.mount(str(img), mnt / "efi", "-o", "loop")
     d.mount(str(d.image("data", size="128M")), mnt / "data", "-o", "loop")
     model = mnt / "data" / "model"
     model.mkdir()
@@ -247,6 +265,24 @@ def test_vllm_model_on_loop_disk_with_nested_disk_and_unrelated_mounts(disks, re
     r = _cli(snaps, "restore", "m", "--port", str(port), "--detach", "--log-file", str(disks.base / "e.log"), "-q")
     assert r.returncode == 3, r.stderr[-3000:]
     assert str(p["shard"]) in r.stderr and "expected ext4" in r.stderr
+    assert "CRIU restore" not in r.stderr and not _port_open(port)
+    # the model's whole disk unmounted: refused before CRIU, naming the mount; nothing left
+    disks.umount(p["shard"])
+    disks.umount(p["data"])
+    from test_integration import engine_pids
+
+    before = engine_pids()
+    r = _cli(snaps, "restore", "m", "--port", str(port), "--detach", "--log-file", str(disks.base / "e.log"), "-q")
+    assert r.returncode == 3, r.stderr[-3000:]
+    assert f"{p['data']}: expected a mount of ext4" in r.stderr and "found no mount there" in r.stderr
+    assert "CRIU restore" not in r.stderr and not _port_open(port)
+    assert engine_pids(10, before) - before == set()
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 CONTAINER = r"""
@@ -258,6 +294,11 @@ printf 'nameserver 127.0.0.1\n' > "$BASE/node/resolv.conf"
 mount --bind "$BASE/node/hosts" /etc/hosts
 mount --bind "$BASE/node/resolv.conf" /etc/resolv.conf
 umount "$BASE/node"
+# a container's volumes and image layers: the setup cache (venv) as a bind mount, the model
+# on an overlay (lower: the copied model; upper/work: scratch)
+mount --bind "$CACHE" "$CACHE"
+mkdir -p "$BASE/upper" "$BASE/work" "$BASE/model"
+mount -t overlay overlay -o "lowerdir=$BASE/model-lower,upperdir=$BASE/upper,workdir=$BASE/work" "$BASE/model"
 "$PY" -m vllm_snapshot --root "$BASE/snaps" create "$MODEL" --name c --keep-env PYTHONPATH -q -- $ENGINE_ARGS
 pid=$("$PY" -m vllm_snapshot --root "$BASE/snaps" restore c --port "$PORT" --detach --log-file "$BASE/c.log" -q | grep -E '^[0-9]+$' | tail -1)
 nsenter -t "$pid" -m cat /etc/hosts > "$BASE/seen-hosts"
@@ -271,15 +312,17 @@ print(json.loads(urllib.request.urlopen(req, timeout=30).read())['choices'][0]['
 
 
 def test_vllm_container_like_file_binds_over_etc_hosts(disks, request):
-    model = disks.base / "model"
-    model.mkdir()
+    lower = disks.base / "model-lower"
+    lower.mkdir()
     for f in TINY.iterdir():
-        shutil.copy2(f, model / f.name)
+        shutil.copy2(f, lower / f.name)
+    model = disks.base / "model"
     disks.image("node", size="32M")
     port = _free_port()
     request.addfinalizer(lambda: _cli(disks.base / "snaps", "stop", "--port", str(port), timeout=120))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "BASE": str(disks.base), "PY": sys.executable,
-           "MODEL": str(model), "PORT": str(port), "ENGINE_ARGS": " ".join(ENGINE_ARGS)}
+           "MODEL": str(model), "PORT": str(port), "ENGINE_ARGS": " ".join(ENGINE_ARGS),
+           "CACHE": os.environ.get("VLLM_SNAPSHOT_CACHE", "/var/cache/vllm-snapshot")}
     r = subprocess.run(["unshare", "--mount", "--propagation", "private", "bash", "-c", CONTAINER],
                        capture_output=True, text=True, timeout=900, env=env, cwd="/")
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]

@@ -37,7 +37,7 @@ def test_restore_happy_path_order():
     t = FakeTools()
     r, engine = _restore(t)
     c = t.calls
-    order = ["snapshot_lock", "open_snapshot", "host_identity", "port_free", "check_tree_files",
+    order = ["snapshot_lock", "open_snapshot", "host_identity", "check_external_mounts", "port_free", "check_tree_files",
              "verify_model:quick", "stage", "put_back_remaps", "new_channel", "criu_lock", "listeners_taken",
              "restore_tree", "adopt", "unstage", "engine.oracle", "engine.serve", "http_health", "http_canary",
              "register", "record_restore"]
@@ -142,8 +142,9 @@ def test_cuda_restore_wakes_before_the_oracle():
 def test_create_happy_path_order_and_scrubbed_env():
     t = FakeTools()
     res = _create(t)
-    order = ["require_root", "criu_version", "resolve_model", "hidden_paths", "snapshot_lock", "prepare_target",
-             "digest_model", "launch_engine", "engine.prepare-dump", "inspect_tree", "channel_keys", "dump",
+    order = ["require_root", "criu_version", "resolve_model", "check_mounts", "snapshot_lock", "prepare_target",
+             "digest_model", "launch_engine", "engine.prepare-dump", "inspect_tree", "channel_keys",
+             "external_mounts", "dump",
              "wait_gone", "engine.close", "collect_remaps", "pack:images", "pack:files", "cleanup_remaps",
              "host_identity", "publish"]
     assert [x for x in t.calls if x in order] == order
@@ -233,3 +234,31 @@ def test_list_probes_the_host_once_and_never_rehashes_images():
     assert [r["compatible"] for r in rows] == [True, True]
     assert "verify_images" not in t.calls and "check_tree_files" not in t.calls
     assert "criu_version" not in t.calls  # the identity (with CRIU's version) comes from host_identity
+
+
+def test_external_mounts_go_to_criu_and_the_manifest_and_are_checked_before_criu():
+    from vllm_snapshot.manifest import ExternalMount
+
+    ext = ExternalMount(mount_point="/mnt/data", fs_type="ext4", source="/dev/loop0", root="/", major_minor="7:0",
+                        cookie="vsnap-m0", identity_kind="uuid", identity="45ab")
+    t = FakeTools()
+    t.externals = [ext]
+    m = _create(t).manifest
+    assert t.dump_opts.external == ("mnt[/mnt/data]:vsnap-m0",)
+    assert m.criu.external_mounts == (ext,) and "--external" in m.criu.dump_argv
+    t2 = FakeTools(manifest=m)
+    _restore(t2)
+    assert t2.restore_opts.external == ("mnt[vsnap-m0]:/mnt/data",)
+    t3 = FakeTools(manifest=m)
+    t3.mount_problems = ["/mnt/data: expected ext4 uuid=45ab, found ext4 uuid=7e54 (source /dev/loop2)"]
+    with pytest.raises(IncompatibleHostError, match="uuid=7e54") as ei:
+        _restore(t3)
+    assert ei.value.exit_code == 3
+    assert not {"port_free", "stage", "restore_tree"} & set(t3.calls)
+
+
+def test_create_refuses_unusable_mounts_before_the_engine_starts():
+    t = FakeTools(fail={"check_mounts": UsageError("the engine needs mounts that cannot be checkpointed: /mnt/f (fuse)")})
+    with pytest.raises(UsageError, match="fuse"):
+        _create(t)
+    assert "launch_engine" not in t.calls and "prepare_target" not in t.calls

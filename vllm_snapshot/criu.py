@@ -171,6 +171,36 @@ def log_excerpt(log_path: Path, context: int = 4, limit: int = 30) -> str:
     return "\n".join(seen[-limit:])
 
 
+#: CRIU log lines (4.2.1 wording) -> what they mean, in words. Pure patterns; see :func:`explain`.
+_EXPLAIN = (
+    (r"FS mnt \.(\S+) dev \S+ root \S+ unsupported",
+     "the engine's mount namespace holds {0}, a file system CRIU cannot re-create, and it was neither "
+     "detached nor passed as an external mount"),
+    (r"\d+:\.(\S+) doesn't have a proper root mount",
+     "{0} is a bind mount whose source file system is not mounted in the engine's namespace (a container's "
+     "file bind?), and it was not passed as an external mount"),
+    (r"No mapping for \d+:\(null\) mountpoint",
+     "an external mount recorded at dump was not given back at restore"),
+    (r"Can't lookup mount=\d+ for fd=(\d+) path=(\S+)",
+     "a process of the tree has fd {0} ({1}) opened in a mount namespace outside the tree"),
+    (r"Process with requested pid already exists",
+     "a PID the tree needs is taken (the dumped tree not yet reaped?)"),
+    (r"Can't dump.*io_uring|anon_inode:\[io_uring\]",
+     "a process of the tree uses io_uring, which CRIU cannot dump"),
+    (r"No space left on device", "the disk is full"),
+)
+
+
+def explain(log_text: str) -> str | None:
+    """The first known failure in a CRIU log, said in words (mount point, fd, process), or
+    None. Pure."""
+    for pat, text in _EXPLAIN:
+        m = re.search(pat, log_text)
+        if m:
+            return text.format(*m.groups())
+    return None
+
+
 #: Where distributions install CRIU plugins (Debian/Ubuntu ``criu`` >= 4.0 ships
 #: ``cuda_plugin.so`` in the first; CRIU's ``make install`` uses the second).
 SYSTEM_PLUGIN_DIRS = ("/usr/lib/criu", "/usr/local/lib/criu", "/usr/lib/x86_64-linux-gnu/criu")
@@ -282,8 +312,12 @@ class Criu:
     def _failed(self, what: str, work_dir: Path, log_name: str, lead: str | None = None) -> CriuError:
         log = work_dir / log_name
         kept = keep_log(log, what, self.keep_log_dir)
+        try:
+            why = explain(log.read_text(errors="replace"))
+        except OSError:
+            why = None
         return CriuError(
-            f"{lead or f'CRIU {what} failed'}; log excerpt:\n{log_excerpt(log)}",
+            f"{lead or f'CRIU {what} failed'}{': ' + why if why else ''}; log excerpt:\n{log_excerpt(log)}",
             hint=f"full log: {kept}" if kept else f"the CRIU log could not be kept ({log})",
             details={"log": str(kept) if kept else None})
 

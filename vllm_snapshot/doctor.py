@@ -131,6 +131,9 @@ class Probes(Protocol):
 
     def env(self, name: str) -> str | None: ...
 
+    def mountinfo(self) -> str:
+        """This process's ``/proc/self/mountinfo`` text ("" when unreadable)."""
+
     def leftovers(self, snapshot_root: str) -> list[str]:
         """Staging dirs of killed restores and temp dirs of killed creates near
         ``snapshot_root``, /dev/shm and the staging dir (what ``prune`` would remove)."""
@@ -220,6 +223,9 @@ class RealProbes(Probes):
 
     def env(self, name: str) -> str | None:
         return os.environ.get(name)
+
+    def mountinfo(self) -> str:
+        return self.read_text("/proc/self/mountinfo") or ""
 
     def leftovers(self, snapshot_root: str) -> list[str]:
         from . import archive, store
@@ -412,6 +418,32 @@ def _check_snapshot_root(p: Probes, root: str) -> list[Check]:
     return out
 
 
+def _check_mounts(p: Probes) -> list[Check]:
+    """The host's mounts as the engine's namespace will treat them (engine/mounts.py): which
+    are detached, which become CRIU external mounts (bound back at restore), which refuse.
+    The model is not known here: a model's own disk shows as detached and becomes external
+    at create."""
+    from .engine import mounts as M
+
+    text = p.mountinfo()
+    if not text:
+        return [Check("mounts", False, "warning", "cannot read /proc/self/mountinfo", "run as root")]
+    got = M.classify(M.parse_mountinfo(text), M.needed_paths(None, {"HOME": p.env("HOME") or "/root"}))
+
+    def fmt(action: str, why: bool) -> list[str]:
+        return [f"{m.mount_point} ({m.fs_type})" + (f": {r}" if why else "") for m, a, r in got if a == action]
+
+    det, ext, ref = fmt(M.DETACH, False), fmt(M.EXTERNAL, True), fmt(M.REFUSE, True)
+    out = [Check("mounts-detached", True, "info", f"{len(det)} detached in the engine's namespace (not needed): "
+                 + (", ".join(det) or "none")),
+           Check("mounts-external", True, "info", f"{len(ext)} passed to CRIU as external mounts: "
+                 + ("; ".join(ext) or "none"))]
+    if ref:
+        out.append(Check("mounts-refused", False, "error", "mounts the engine needs but CRIU cannot checkpoint: "
+                         + "; ".join(ref), "move the venv/caches to a local disk (not FUSE, not an automount)"))
+    return out
+
+
 def _check_leftovers(p: Probes, root: str) -> Check:
     left = p.leftovers(root)
     if not left:
@@ -546,6 +578,7 @@ def run_checks(probes: Probes | None = None, *, snapshot_root: str = DEFAULT_SNA
     checks += _check_snapshot_root(p, snapshot_root)
     checks.append(_check_dev_shm(p))
     checks.append(_check_leftovers(p, snapshot_root))
+    checks += _check_mounts(p)
     checks += _check_programs(p)
     checks += _check_python(p)
     checks += _check_gpu(p, binary)

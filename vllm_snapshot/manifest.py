@@ -82,6 +82,26 @@ class TreeFile(_Strict):
     blake3: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
 
 
+class ExternalMount(_Strict):
+    """A mount the engine's namespace holds that CRIU cannot re-create itself: passed as
+    ``--external mnt[MOUNT_POINT]:COOKIE`` at dump and bound back from the host at restore
+    (:mod:`vllm_snapshot.mountpolicy`). ``identity`` names the file system across reboots:
+    ``identity_kind`` ``uuid`` (block devices), ``fsid`` (statfs) or ``source`` (NFS and
+    similar); ``major_minor`` is informational (loop/partition numbers change)."""
+
+    mount_point: str
+    fs_type: str
+    source: str
+    root: str
+    major_minor: str
+    cookie: str
+    identity_kind: Literal["uuid", "fsid", "source"]
+    identity: str
+
+    def describe(self) -> str:
+        return f"{self.fs_type} {self.identity_kind}={self.identity} (source {self.source})"
+
+
 class CriuInfo(_Strict):
     """CRIU version, the flags shared by dump and restore, and the fd identities restore
     re-binds with ``--inherit-fd``: role (``control``, ``log``, ``events``) -> ``pipe:[ino]``."""
@@ -96,6 +116,7 @@ class CriuInfo(_Strict):
     dump_argv: tuple[str, ...]
     listeners: tuple[tuple[str, int], ...] = ()
     tree_files: tuple[TreeFile, ...] = ()
+    external_mounts: tuple[ExternalMount, ...] = ()
 
 
 class Manifest(_Strict):

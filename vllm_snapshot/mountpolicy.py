@@ -8,7 +8,7 @@ external mounts at dump, build CRIU's ``--external`` options, and check them at 
   *engine's* namespace (``/proc/PID/mountinfo``, after its policy ran) that CRIU cannot dump as
   they are, each with a cookie and an identity that survives a reboot (file system UUID, else
   statfs ``f_fsid``, else the source, e.g. ``server:/export`` for NFS). They go into the
-  manifest (:meth:`ExternalMount.to_json`).
+  manifest (:class:`vllm_snapshot.manifest.ExternalMount`).
 * :func:`dump_args` / :func:`restore_args` -- ``mnt[MOUNTPOINT]:COOKIE`` at dump,
   ``mnt[COOKIE]:MOUNTPOINT`` at restore (CRIU binds the host's mount point back, like
   runc/podman volumes). Pure.
@@ -21,39 +21,15 @@ from __future__ import annotations
 
 import os
 import subprocess
-from dataclasses import asdict, dataclass
 from typing import Callable
 
 from .engine import mounts as M
+from .manifest import ExternalMount
 
 #: Network/virtual file systems without a UUID: the source names the export.
 SOURCE_IDENTITY_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "9p", "ceph", "glusterfs", "lustre", "virtiofs"})
 COOKIE_PREFIX = "vsnap-m"
 BY_UUID = "/dev/disk/by-uuid"
-
-
-@dataclass(frozen=True)
-class ExternalMount:
-    """One external mount of a snapshot (a manifest entry)."""
-
-    mount_point: str
-    fs_type: str
-    source: str
-    root: str  # path inside the file system (a bind mount's subtree; "/" for a whole fs)
-    major_minor: str  # informational: loop/partition numbers change across reboots
-    cookie: str
-    identity_kind: str  # "uuid" | "fsid" | "source"
-    identity: str
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict) -> "ExternalMount":
-        return cls(**d)
-
-    def describe(self) -> str:
-        return f"{self.fs_type} {self.identity_kind}={self.identity} (source {self.source})"
 
 
 # ---------------------------------------------------------------------------------- identity

@@ -25,7 +25,7 @@ from typing import Callable, Protocol
 from . import paths
 from .criu import DumpOptions, RestoreOptions
 from .inventory import Inventory
-from .manifest import ImageFile, Manifest, ModelFile
+from .manifest import ExternalMount, ImageFile, Manifest, ModelFile
 from .model_digest import ModelCheck
 from .registry import Entry
 
@@ -78,8 +78,16 @@ class SnapshotTools(Protocol):
     def host_identity(self, kind: str) -> dict[str, str]:
         """This host's identity fields (identity.collect + GPU + CUDA helper for ``cuda``)."""
 
-    def hidden_paths(self) -> list[Path]:
-        """Host paths the engine's mount namespace will not show (detached/private mounts)."""
+    def check_mounts(self, model_dir: Path, env: dict[str, str]) -> None:
+        """Before the engine starts: refuse (UsageError naming mount point, type, remedy) when
+        a mount the engine needs cannot be checkpointed (engine/mounts.py policy)."""
+
+    def external_mounts(self, root_pid: int) -> tuple[ExternalMount, ...]:
+        """The engine namespace's mounts CRIU gets as external ones (identity recorded).
+        Raises UnsnapshottableError for one CRIU cannot name."""
+
+    def check_external_mounts(self, mounts: tuple[ExternalMount, ...]) -> list[str]:
+        """Problems with this host's mounts at the recorded mount points (empty = same)."""
 
     def code_paths(self) -> dict[str, Path]:
         """What the engine must see besides the model: ``{what: path}``."""
@@ -281,11 +289,24 @@ class LocalTools(SnapshotTools):
             self._identity[kind] = ident
         return dict(self._identity[kind])
 
-    def hidden_paths(self) -> list[Path]:
-        from .engine.mounts import hidden_prefixes
+    def check_mounts(self, model_dir: Path, env: dict[str, str]) -> None:
+        from . import mountpolicy
 
-        with open("/proc/self/mountinfo") as f:
-            return [Path(h) for h in hidden_prefixes(f.read())]
+        mountpolicy.check_create(str(model_dir), env)
+
+    def external_mounts(self, root_pid: int) -> tuple[ExternalMount, ...]:
+        from . import mountpolicy
+        from .errors import UnsnapshottableError
+
+        try:
+            return tuple(mountpolicy.describe_externals(root_pid))
+        except ValueError as e:
+            raise UnsnapshottableError(str(e), hint="mount that file system at a path without ']'") from e
+
+    def check_external_mounts(self, mounts: tuple[ExternalMount, ...]) -> list[str]:
+        from . import mountpolicy
+
+        return mountpolicy.check_restore(mounts) if mounts else []
 
     def code_paths(self) -> dict[str, Path]:
         return {"Python environment": Path(sys.prefix).resolve(),

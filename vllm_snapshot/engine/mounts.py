@@ -226,9 +226,13 @@ def criu_can_dump(m: Mount, mounts: list[Mount]) -> bool:
 
 
 def dump_externals(mounts: list[Mount]) -> list[Mount]:
-    """Mounts of a namespace's table that CRIU cannot dump as they are, so they must be passed
-    as external mounts: what a dump of that namespace needs. Pure."""
-    return [m for m in mounts if not criu_can_dump(m, mounts)]
+    """Mounts of a namespace's table that must be passed to CRIU as external mounts: those it
+    cannot dump as they are, and host tmpfs mounts the engine kept because it needs them (a
+    model or venv on a tmpfs /tmp): CRIU would tar their *content* into the images -- host
+    data, gigabytes -- so they are bound back from the host instead. The engine's private
+    tmpfs and the pseudo file systems it keeps are dumped by CRIU. Pure."""
+    return [m for m in mounts if not criu_can_dump(m, mounts)
+            or (m.fs_type == "tmpfs" and m.mount_point not in PRIVATE and not _is_pseudo_keep(m))]
 
 
 def classify(mounts: list[Mount], needed_paths: list[str] | tuple[str, ...]) -> list[tuple[Mount, str, str]]:

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .. import __version__, criu, identity, layout, manifest, oracle
+from .. import __version__, criu, identity, layout, manifest, mountpolicy, oracle
+from ..engine.mounts import PRIVATE as PRIVATE_MOUNTS
 from ..archive import DEFAULT_COMPRESSION, Compression
 from ..errors import CriuError, EngineError, EnvironmentProblem, OracleMismatchError, UsageError
 from ..inventory import Inventory
@@ -92,7 +93,7 @@ def check_visible(needed: dict[str, Path], hidden: list[Path]) -> None:
         for h in hidden:
             if path == h or h in path.parents:
                 raise UsageError(f"the {what} at {path} is under {h}, which the engine does not see (its "
-                                 "mount namespace has a private /dev/shm and detaches the host's tmpfs mounts)",
+                                 "mount namespace has its own private tmpfs there)",
                                  hint=f"move the {what} to a directory on a disk filesystem")
 
 
@@ -118,7 +119,8 @@ def create(req: CreateRequest, rep: Reporter, tools: SnapshotTools | None = None
     check_engine_args(req.engine_args)
     target = t.canonical(req.target)
     model_dir = t.resolve_model(req.model)
-    check_visible({"model": model_dir, **t.code_paths()}, t.hidden_paths())
+    check_visible({"model": model_dir, **t.code_paths()}, [Path(p) for p in PRIVATE_MOUNTS])
+    t.check_mounts(model_dir, scrubbed_env(t.environ(), req.keep_env))
     if t.path_exists(target):
         raise UsageError(f"{target} already exists; refusing to overwrite a snapshot",
                          hint="choose another --snapshot-dir/--name, or delete the old one first")
@@ -157,7 +159,8 @@ def _rehearse_sleep(engine: Engine, level: int, recorded: oracle.Oracle) -> None
 def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, files: tuple, info: dict,
                    recorded: oracle.Oracle, sleep_level: int, env: dict[str, str], criu_ver: str,
                    host: dict[str, str], inv: Inventory, inherit: dict[str, str], dump_opts: criu.DumpOptions,
-                   images: tuple, extra: tuple, timings: dict[str, float], created_at: str) -> manifest.Manifest:
+                   externals: tuple, images: tuple, extra: tuple, timings: dict[str, float],
+                   created_at: str) -> manifest.Manifest:
     """The manifest of a finished dump (unsealed). Pure."""
     return manifest.Manifest(
         schema_version=manifest.SCHEMA_VERSION,
@@ -175,7 +178,7 @@ def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, files: 
             version=criu_ver, flags=dump_opts.flags, inherit=inherit, pid_namespace=True,
             root_pid=dump_opts.pid, tree_pids=inv.pids, tree_commands=inv.commands,
             dump_argv=tuple(criu.dump_argv(dump_opts, str(target / layout.IMAGES))),
-            listeners=tuple(inv.listeners), tree_files=tuple(inv.files)),
+            listeners=tuple(inv.listeners), tree_files=tuple(inv.files), external_mounts=tuple(externals)),
         images=images,
         extra_files=extra,
         sizes={"raw": sum(i.raw_bytes for i in images), "stored": sum(i.stored_bytes for i in images),
@@ -211,7 +214,8 @@ def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: 
             inv = t.inspect_tree(engine.root_pid)
             inherit = t.channel_keys(engine.root_pid)
             before = t.watch_remaps(inv.deleted_files)
-        dump_opts = criu.DumpOptions(pid=engine.root_pid)
+            externals = t.external_mounts(engine.root_pid)
+        dump_opts = criu.DumpOptions(pid=engine.root_pid, external=mountpolicy.dump_args(externals))
         with rep.phase("dump", "CRIU dump"):
             t.dump(info["kind"], dump_opts, tmp)
             alive = t.wait_gone(inv.pids, TREE_GONE_TIMEOUT_S)
@@ -228,7 +232,8 @@ def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: 
         m = build_manifest(
             req=req, target=target, model_dir=model_dir, files=files, info=info, recorded=recorded,
             sleep_level=sleep_level, env=env, criu_ver=criu_ver, host=t.host_identity(info["kind"]),
-            inv=inv, inherit=inherit, dump_opts=dump_opts, images=images, extra=extra, timings=rep.timings,
+            inv=inv, inherit=inherit, dump_opts=dump_opts, externals=externals, images=images, extra=extra,
+            timings=rep.timings,
             created_at=_dt.datetime.fromtimestamp(t.now(), _dt.timezone.utc).isoformat(timespec="seconds"))
         with rep.phase("publish", "publishing"):
             m = manifest.seal(m.model_copy(update={"timings": dict(rep.timings)}))

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .. import criu, identity, oracle, ports
+from .. import criu, identity, mountpolicy, oracle, ports
 from ..errors import BusyError, CorruptSnapshotError, EngineError, IncompatibleHostError, OracleMismatchError, UsageError
 from ..manifest import Manifest
 from ..progress import Reporter
@@ -79,6 +79,12 @@ def validate(snapshot: Path, verify_model: str = "quick", allow: frozenset[str] 
             "this host differs from the one the snapshot was created on:\n  " + "\n  ".join(map(str, hard)),
             hint="restore on a matching host, or re-create the snapshot here",
             details=[d.__dict__ for d in hard])
+    mount_problems = t.check_external_mounts(m.criu.external_mounts)
+    if mount_problems:
+        raise IncompatibleHostError(
+            "mounts the snapshot binds from the host differ:\n  " + "\n  ".join(mount_problems),
+            hint="mount the same file systems at the same places, or re-create the snapshot",
+            details={"mounts": mount_problems})
     if port is not None:
         t.port_free(*port)
     if check_images:
@@ -156,7 +162,8 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
                     "loopback ports the engine tree listened on at snapshot time are taken "
                     "(another engine restored from this snapshot?):\n  " + "\n  ".join(taken),
                     hint="stop the engine holding them (vllm-snapshot status / stop), or re-create the snapshot")
-            opts = criu.RestoreOptions(flags=m.criu.flags, inherit_fds=channel.inherit_fds(m.criu.inherit))
+            opts = criu.RestoreOptions(flags=m.criu.flags, inherit_fds=channel.inherit_fds(m.criu.inherit),
+                                       external=mountpolicy.restore_args(m.criu.external_mounts))
             with rep.phase("criu_restore", "CRIU restore"):
                 pid = t.restore_tree(m.engine.kind, opts, stage)
         engine = t.adopt(pid, channel, None if req.detach else req.engine_log)

@@ -241,3 +241,35 @@ def test_a_waiter_on_a_removed_lock_file_locks_the_new_one(tmp_path, monkeypatch
         locks.remove_lock_file(s)
     th.join(10)
     assert seen == {"exists": True}
+
+
+def test_demo_cold_start_uses_its_own_temp_dir_and_removes_it(monkeypatch):
+    import subprocess as sp
+
+    from vllm_snapshot import demo
+    from vllm_snapshot.engine.mounts import ENGINE_TMPDIR
+
+    seen = {}
+
+    class Exited:
+        pid = 0
+        returncode = 1
+
+        def __init__(self, argv, env, **kw):
+            seen["tmp"] = env["TMPDIR"]
+            seen["existed"] = os.path.isdir(env["TMPDIR"])
+
+        def poll(self):
+            return 1
+
+        def wait(self, timeout=None):
+            return 1
+
+    monkeypatch.setattr(sp, "Popen", Exited)
+    monkeypatch.setattr(os, "killpg", lambda pid, sig: None)
+    from vllm_snapshot.errors import EngineError
+
+    with pytest.raises(EngineError):
+        demo.cold_start(Path("/m"), 1)
+    assert seen["existed"] and seen["tmp"] != ENGINE_TMPDIR and seen["tmp"].startswith("/var/tmp/vllm-snapshot-cold-")
+    assert not os.path.exists(seen["tmp"])

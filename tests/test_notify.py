@@ -246,6 +246,7 @@ def test_restore_unit_keys():
     assert s["KillMode"] == "mixed" and s["KillSignal"] == "SIGTERM"
     # the supervisor waits 30 s for the engine before SIGKILL; systemd must wait longer
     assert int(s["TimeoutStopSec"]) > 30
+    assert s["SuccessExitStatus"] == "130"  # an interrupted restore cleaned up: a clean stop
     assert int(s["TimeoutStartSec"]) >= 300
     assert s["StandardOutput"] == "journal"
 

@@ -230,8 +230,14 @@ class RealProbes(Probes):
     def leftovers(self, snapshot_root: str) -> list[str]:
         from . import archive, store
 
+        from . import registry
+
         root = Path(snapshot_root)
-        out = archive.stale_staging([Path("/dev/shm"), paths.staging_dir(), root])
+        out: list = archive.stale_staging([Path("/dev/shm"), paths.staging_dir(), root])
+        try:
+            out += [f"orphaned engine tree PID {p.pid}" for p in registry.orphans()]
+        except OSError:
+            pass
         try:
             out += store.stale_temps(root)
         except OSError:

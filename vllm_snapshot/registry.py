@@ -136,3 +136,43 @@ def stop(e: Entry, grace_s: float = 30.0, drain_s: float = DRAIN_S) -> float:
     psutil.wait_procs(alive, timeout=10)
     unregister(e.pid)
     return time.monotonic() - t0
+
+
+#: Processes a dead parent's children are reparented to (init, and common subreapers).
+REAPERS = frozenset({"systemd", "init", "tini", "dumb-init", "catatonit", "runit", "s6-svscan"})
+
+
+def _is_engine_root(p: psutil.Process) -> bool:
+    """An engine tree's root: its last argument is the engine spec (JSON with the oracle
+    prompt) and it is PID 1 of its own PID namespace."""
+    try:
+        argv = p.cmdline()
+        if not argv or not argv[-1].startswith("{") or '"oracle_prompt"' not in argv[-1]:
+            return False
+        with open(f"/proc/{p.pid}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return line.split()[-1] == "1" and len(line.split()) > 2
+    except (psutil.Error, OSError):
+        return False
+    return False
+
+
+def orphans() -> list[psutil.Process]:
+    """Engine trees nobody owns: an engine root that is not registered and whose parent is
+    gone (reparented to init or a subreaper) -- what a SIGKILLed restore leaves when CRIU
+    finished after its supervisor died. A create's engine (child of ``unshare``), a restore in
+    progress (child of its restore) and every registered engine are never listed."""
+    known = {e.pid for e in entries()}
+    out = []
+    for p in psutil.process_iter(["ppid"]):
+        if p.pid in known or not _is_engine_root(p):
+            continue
+        try:
+            ppid = p.info["ppid"]
+            parent = psutil.Process(ppid).name() if ppid else ""
+        except psutil.Error:
+            parent = ""
+        if ppid in (0, 1) or parent in REAPERS:
+            out.append(p)
+    return out

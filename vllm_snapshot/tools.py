@@ -567,6 +567,8 @@ class LocalTools(SnapshotTools):
         return store.clean_stale_temps(root)
 
     def reclaim(self, near: Path) -> list[str]:
+        import psutil
+
         from . import archive, locks, registry
 
         gone = []
@@ -574,6 +576,12 @@ class LocalTools(SnapshotTools):
             archive.remove_staging(d)
             gone.append(str(d))
         registry.entries()  # drops entries of dead engines
+        for p in registry.orphans():  # a SIGKILLed restore's tree: kill its namespace init
+            try:
+                p.kill()
+                gone.append(f"orphaned engine tree PID {p.pid}")
+            except psutil.Error:
+                pass
         gone += [str(p) for p in locks.clean_stale()]
         return gone
 

@@ -1,0 +1,163 @@
+"""Interrupting restore, create and switch at every phase leaves nothing behind (real engine +
+CRIU). The phase is found from the progress lines, as a user's script would; a signal that
+lands just after a short phase ends hits the next one, which is fine: the invariants are the
+same. Afterwards: no engine process, no CRIU process, no staging dir anywhere, no registry
+entry, no lock held, the port free, and the snapshot restores normally the next time."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from vllm_snapshot import archive, locks
+from vllm_snapshot import manifest as mf
+
+from conftest import ENGINE_ARGS, ROOT, TINY, cli, engine_env
+from test_integration import engine_pids, free_port, port_accepts
+
+pytestmark = pytest.mark.integration
+
+RESTORE_PHASES = ["validating snapshot, host and model", "verifying checksums and staging images", "CRIU restore",
+                  "replaying the oracle inside the engine", "binding", "waiting for the HTTP server",
+                  "canary request over HTTP"]
+
+
+@pytest.fixture(scope="module")
+def snapshots(snapshot, tmp_path_factory):
+    """The session snapshot (uncompressed) and a zstd copy of it (images re-packed, manifest
+    resealed: the same tree, stored compressed)."""
+    d = tmp_path_factory.mktemp("interrupt")
+    os.chmod(d, 0o700)
+    z = d / "tiny-zstd"
+    subprocess.run(["cp", "-al", str(snapshot), str(z)], check=True)
+    images = archive.pack(z / "images", archive.Compression("zstd", 1))
+    m = mf.read(z)
+    mf.write_atomic(mf.seal(m.model_copy(update={
+        "images": images, "sizes": {**m.sizes, "stored": sum(i.stored_bytes for i in images)}})), z)
+    return {"none": snapshot, "zstd": z}
+
+
+def _criu_running() -> list[int]:
+    out = []
+    for p in psutil.process_iter(["name", "cmdline"]):
+        try:
+            if p.info["name"] == "criu" or (p.info["cmdline"] or [""])[0].endswith("/criu"):
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p.pid)
+        except psutil.Error:
+            continue
+    return out
+
+
+def _staging_dirs(snap: Path) -> list[Path]:
+    from vllm_snapshot import paths
+
+    return [p for d in (Path("/dev/shm"), snap.parent, paths.staging_dir()) if d.is_dir()
+            for p in d.glob(f"{archive.STAGE_PREFIX}*")]
+
+
+def _lock_free(snap: Path) -> bool:
+    try:
+        with locks.snapshot_lock(snap):
+            return True
+    except Exception:  # noqa: BLE001 - BusyError: still held
+        return False
+
+
+def assert_nothing_left(snap: Path, port: int, before: set[int]) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (_criu_running() or engine_pids() - before):
+        time.sleep(0.2)
+    assert engine_pids(5, before) - before == set(), "an engine process was left"
+    assert _criu_running() == [], "a CRIU process was left"
+    assert _staging_dirs(snap) == [], "a staging dir was left"
+    st = json.loads(cli("status", "--json", check=True).stdout)["engines"]
+    assert [e for e in st if e["port"] == port] == [], "a registry entry was left"
+    assert _lock_free(snap), "the snapshot lock is still held"
+    assert not port_accepts(port), "the port is still bound"
+
+
+def _interrupt_at(argv: list[str], label: str, sig: int, env=None) -> tuple[int, str]:
+    """Run ``vllm-snapshot ARGV``; send ``sig`` when the phase ``label`` starts. Returns
+    (exit code, stderr)."""
+    p = subprocess.Popen([sys.executable, "-m", "vllm_snapshot", *argv], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True, env=env or engine_env(), cwd=ROOT)
+    seen, lines = False, []
+    for line in p.stderr:
+        lines.append(line)
+        if line.startswith(f"[vllm-snapshot] {label}") and line.rstrip().endswith("..."):
+            p.send_signal(sig)
+            seen = True
+            break
+    rest = p.communicate(timeout=180)[1]
+    assert seen, f"never reached {label!r}:\n{''.join(lines)[-3000:]}"
+    return p.returncode, "".join(lines) + rest
+
+
+@pytest.mark.parametrize("comp", ["none", "zstd"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
+@pytest.mark.parametrize("phase", RESTORE_PHASES)
+def test_interrupted_restore_leaves_nothing(snapshots, comp, sig, phase):
+    snap = snapshots[comp]
+    before = engine_pids()
+    port = free_port()
+    rc, err = _interrupt_at(["restore", str(snap), "--port", str(port)], phase, sig)
+    # 130: interrupted and cleaned up; 0: the signal arrived once it served (clean stop)
+    assert rc == 130 or (rc == 0 and "received signal" in err), f"exit {rc}\n{err[-3000:]}"
+    if rc == 130:
+        assert "interrupted by SIG" in err
+    assert_nothing_left(snap, port, before)
+
+
+@pytest.mark.parametrize("comp", ["none", "zstd"])
+@pytest.mark.parametrize("phase", ["verifying checksums and staging images", "CRIU restore",
+                                   "replaying the oracle inside the engine"])
+def test_sigkilled_restore_is_reclaimed_by_the_next_command(snapshots, comp, phase):
+    snap = snapshots[comp]
+    before = engine_pids()
+    port = free_port()
+    _interrupt_at(["restore", str(snap), "--port", str(port)], phase, signal.SIGKILL)
+    # CRIU may still finish a restore it had begun; then nobody owns that tree
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _criu_running():
+        time.sleep(0.2)
+    r = cli("restore", str(snap), "--port", str(port), "--detach", "--json", timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cli("stop", "--port", str(port), timeout=120, check=True)
+    assert_nothing_left(snap, port, before)
+
+
+@pytest.mark.parametrize("sig,phase", [(signal.SIGTERM, "starting engine"), (signal.SIGINT, "CRIU dump"),
+                                       (signal.SIGTERM, "checksums + compression")],
+                         ids=["TERM-engine-start", "INT-dump", "TERM-pack"])
+def test_interrupted_create_leaves_nothing(snap_root, sig, phase):
+    before = engine_pids()
+    target = snap_root / f"int-{sig}-{phase.split()[0]}"
+    rc, err = _interrupt_at(["create", str(TINY), "--snapshot-dir", str(target), "--", *ENGINE_ARGS], phase, sig)
+    assert rc == 130, err[-3000:]
+    assert "interrupted by SIG" in err
+    assert engine_pids(30, before) - before == set(), "engine processes outlived the interrupted create"
+    assert not target.exists() and not list(snap_root.glob(f".{target.name}.tmp-*"))
+    assert _criu_running() == []
+
+
+def test_switch_interrupted_between_stop_and_restore_leaves_the_port_free(snapshots):
+    snap = snapshots["none"]
+    before = engine_pids()
+    port = free_port()
+    r = json.loads(cli("restore", str(snap), "--port", str(port), "--detach", "--json", timeout=300,
+                       check=True).stdout)
+    rc, err = _interrupt_at(["switch", str(snapshots["zstd"]), "--port", str(port)],
+                            "verifying checksums and staging images", signal.SIGTERM)
+    assert rc == 130, err[-3000:]
+    assert "stopped" in err and "nothing serves on port" in err  # no rollback on an interruption
+    assert not psutil.pid_exists(r["pid"]) or psutil.Process(r["pid"]).status() == psutil.STATUS_ZOMBIE
+    assert_nothing_left(snapshots["zstd"], port, before)

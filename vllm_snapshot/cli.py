@@ -375,6 +375,10 @@ def main(argv: list[str] | None = None) -> int:
         return main_error(EnvironmentProblem(f"permission denied: {e.filename or e}",
                                              hint="vllm-snapshot needs root for snapshots, CRIU and the engine registry"))
     except Exception as e:  # noqa: BLE001 - last resort: one line, traceback with --debug
+        from .interrupts import fired
+
+        if fired() is not None and not _STATE["debug"]:
+            return main_error(fired())  # a signal surfaced as another exception (cleanup ran)
         if _STATE["debug"] or "--debug" in argv:
             raise
         print(f"error [internal]: {type(e).__name__}: {e}\nhint: re-run with --debug for a traceback", file=sys.stderr)

@@ -362,7 +362,14 @@ class Criu:
     def dump(self, opts: DumpOptions, images_dir: Path, work_dir: Path) -> None:
         """Dump the tree rooted at ``opts.pid`` into ``images_dir``; log into ``work_dir``.
         CRIU kills the tree after a successful dump. Raises CriuError (its log kept under
-        :func:`paths.log_dir`, the hint names the copy; also when it hung and was killed)."""
+        :func:`paths.log_dir`, the hint names the copy; also when it hung and was killed).
+        Signals are deferred for the whole call (:mod:`interrupts`)."""
+        from .interrupts import deferred
+
+        with deferred():
+            self._dump(opts, images_dir, work_dir)
+
+    def _dump(self, opts: DumpOptions, images_dir: Path, work_dir: Path) -> None:
         c, pycriu = self._client()
         dfd = os.open(images_dir, os.O_DIRECTORY)
         wfd = os.open(work_dir, os.O_DIRECTORY)
@@ -378,7 +385,18 @@ class Criu:
     def restore(self, opts: RestoreOptions, images_dir: Path, work_dir: Path) -> int:
         """Restore the tree from ``images_dir`` as a child of this process (restore-sibling,
         detached); returns the restored root's host PID. Raises CriuError (log kept); after a
-        failure, a half-restored tree left as our child is killed."""
+        failure, a half-restored tree left as our child is killed. Signals are deferred for
+        the whole call; an interruption right after it kills the restored tree."""
+        from .interrupts import deferred
+
+        try:
+            with deferred():
+                return self._restore(opts, images_dir, work_dir)
+        except BaseException:
+            kill_restored_children()
+            raise
+
+    def _restore(self, opts: RestoreOptions, images_dir: Path, work_dir: Path) -> int:
         c, pycriu = self._client()
         dfd = os.open(images_dir, os.O_DIRECTORY)
         wfd = os.open(work_dir, os.O_DIRECTORY)
@@ -386,11 +404,7 @@ class Criu:
             c.opts.images_dir_fd = dfd
             c.opts.work_dir_fd = wfd
             restore_rpc(opts, c.opts)
-            try:
-                resp = self._call(c, pycriu, "restore", work_dir, RESTORE_LOG)
-            except BaseException:
-                kill_restored_children()
-                raise
+            resp = self._call(c, pycriu, "restore", work_dir, RESTORE_LOG)
             return int(resp.pid)
         finally:
             os.close(dfd)

@@ -18,7 +18,7 @@ from typing import Iterator
 from .errors import Interrupted
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-_state: dict = {"depth": 0, "pending": None}
+_state: dict = {"depth": 0, "pending": None, "fired": None}
 
 
 def _interrupted(signum: int) -> Interrupted:
@@ -28,10 +28,18 @@ def _interrupted(signum: int) -> Interrupted:
 
 
 def _handler(signum, frame) -> None:
+    _state["fired"] = signum
     if _state["depth"]:
         _state["pending"] = signum
         return
     raise _interrupted(signum)
+
+
+def fired() -> Interrupted | None:
+    """The interruption, when a signal came: a C extension running when the handler raised may
+    have turned :class:`Interrupted` into another exception (protobuf reports a TypeError);
+    the CLI maps any failure after a signal to this."""
+    return _interrupted(_state["fired"]) if _state["fired"] is not None else None
 
 
 def install() -> None:

@@ -31,7 +31,7 @@ VS = [sys.executable, "-m", "vllm_snapshot"]
 def cli(*args: str) -> dict:
     p = subprocess.run([*VS, *args, "--json"], capture_output=True, text=True, timeout=600)
     if p.returncode != 0:
-        raise SystemExit(f"vllm-snapshot {' '.join(args)} failed ({p.returncode}): {p.stderr[-2000:]}")
+        raise SystemExit(f"vllm-snapshot {' '.join(args)} failed ({p.returncode}): {p.stdout[-1500:]} {p.stderr[-1500:]}")
     return json.loads(p.stdout)
 
 

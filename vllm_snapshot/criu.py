@@ -429,5 +429,7 @@ def kill_restored_children() -> list[int]:
                 out.append(k.pid)
         except (OSError, psutil.Error):
             continue
-    psutil.wait_procs([psutil.Process(p) for p in out if psutil.pid_exists(p)], timeout=10)
+    from .procs import wait_gone
+
+    wait_gone([k for k in kids if k.pid in out], 10)
     return out

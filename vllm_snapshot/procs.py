@@ -4,6 +4,8 @@ walk, one way to set the parent-death signal)."""
 from __future__ import annotations
 
 import ctypes
+import os
+import time
 
 import psutil
 
@@ -28,10 +30,35 @@ def command(p: psutil.Process, limit: int = 200) -> str:
     return cmd[:limit]
 
 
-def wait_gone(procs: list[psutil.Process], timeout_s: float) -> list[int]:
-    """Wait up to ``timeout_s`` seconds for ``procs`` to exit; return the PIDs still alive."""
-    _gone, alive = psutil.wait_procs(procs, timeout=timeout_s)
-    return [p.pid for p in alive]
+def _exited(p: psutil.Process) -> bool:
+    """Gone, or a zombie whose every thread has exited too (a killed multi-threaded process's
+    leader turns zombie before its other threads finish, and their files -- sockets on a port
+    we are about to bind -- are released only with the last thread)."""
+    try:
+        if p.status() != psutil.STATUS_ZOMBIE:
+            return False
+        for tid in os.listdir(f"/proc/{p.pid}/task"):
+            with open(f"/proc/{p.pid}/task/{tid}/stat") as f:
+                if f.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X"):
+                    return False
+        return True
+    except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
+        return True
+    except (psutil.Error, OSError):
+        return False
+
+
+def wait_gone(procs: list[psutil.Process], timeout_s: float, poll_s: float = 0.01) -> list[int]:
+    """Wait up to ``timeout_s`` seconds for ``procs`` to exit; return the PIDs still alive.
+    A zombie counts as gone: its memory is already released, and whether its reaper (init, a
+    subreaper, or this process) has collected it yet does not matter (psutil.wait_procs waits
+    for that: ~2 s per process where PID 1 reaps lazily)."""
+    deadline = time.monotonic() + timeout_s
+    left = [p for p in procs if not _exited(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        left = [p for p in left if not _exited(p)]
+    return [p.pid for p in left]
 
 
 def set_parent_death_signal(sig: int) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 
 from . import paths, ports
-from .procs import tree
+from .procs import tree, wait_gone
 
 
 def _dir() -> Path:
@@ -122,7 +122,8 @@ def stop(e: Entry, grace_s: float = 30.0, drain_s: float = DRAIN_S) -> float:
     except ProcessLookupError:
         pass
     if foreground:
-        _gone, alive = psutil.wait_procs(procs, timeout=grace_s)
+        alive_pids = set(wait_gone(procs, grace_s))
+        alive = [p for p in procs if p.pid in alive_pids]
     else:
         deadline = time.monotonic() + drain_s
         while time.monotonic() < deadline and _client_connections(procs, e.port):
@@ -133,7 +134,7 @@ def stop(e: Entry, grace_s: float = 30.0, drain_s: float = DRAIN_S) -> float:
             p.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(alive, timeout=10)
+    wait_gone(alive, 10)
     unregister(e.pid)
     return time.monotonic() - t0
 

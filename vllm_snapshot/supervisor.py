@@ -24,7 +24,7 @@ from typing import IO, Callable
 import psutil
 
 from .engine.protocol import FD_EVENTS, ROLES, decode, encode_command
-from .procs import set_parent_death_signal, tree
+from .procs import set_parent_death_signal, tree, wait_gone
 from .errors import EngineError
 
 #: Environment variables passed to the engine (everything else is dropped: tokens, keys,
@@ -277,13 +277,13 @@ class EngineHandle:
                 os.kill(self.root_pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-            psutil.wait_procs(procs, timeout=grace)
+            wait_gone(procs, grace)
         for p in self.tree():
             try:
                 p.kill()
             except psutil.NoSuchProcess:
                 pass
-        psutil.wait_procs(procs, timeout=10)
+        wait_gone(procs, 10)
         self.reap()
 
     def reap(self, block: bool = True) -> int | None:

@@ -54,7 +54,8 @@ def serve(spec: dict, host: str, port: int) -> None:
             n = int(self.headers.get("Content-Length", 0))
             req = json.loads(self.rfile.read(n) or b"{}")
             o = oracle(req.get("prompt", ""))
-            self._send(200, {"choices": [{"text": o["text"], "logprobs": {"token_logprobs": [o["logprob"]]}}]})
+            self._send(200, {"choices": [{"text": o["text"], "token_ids": [o["token_id"]],
+                                          "logprobs": {"token_logprobs": [o["logprob"]]}}]})
 
     srv = HTTPServer((host, port), H)
     emit("binding", address=f"http://{host}:{port}")

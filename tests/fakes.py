@@ -114,6 +114,7 @@ class FakeTools(SnapshotTools):
         self._t = 0.0
         self.externals: list[ExternalMount] = []
         self.mount_problems: list[str] = []
+        self.restored_tree: list[str] | None = None
 
     def _call(self, name: str) -> None:
         self.calls.append(name)
@@ -277,6 +278,10 @@ class FakeTools(SnapshotTools):
         self._call("adopt")
         self.engine = FakeEngine(self.calls, self.manifest.engine.kind, self.oracles, pid)
         return self.engine
+
+    def tree_commands(self, pid: int) -> tuple[str, ...]:
+        self._call("tree_commands")
+        return tuple(self.restored_tree if self.restored_tree is not None else self.manifest.criu.tree_commands)
 
     def http_health(self, url: str) -> bool:
         self._call("http_health")

@@ -273,3 +273,36 @@ def test_demo_cold_start_uses_its_own_temp_dir_and_removes_it(monkeypatch):
         demo.cold_start(Path("/m"), 1)
     assert seen["existed"] and seen["tmp"] != ENGINE_TMPDIR and seen["tmp"].startswith("/var/tmp/vllm-snapshot-cold-")
     assert not os.path.exists(seen["tmp"])
+
+
+def test_unrestorable_engine_settings_are_named():
+    from argparse import Namespace
+
+    from vllm_snapshot.engine.main import unrestorable
+
+    assert unrestorable(Namespace()) == []
+    got = unrestorable(Namespace(api_key=["k"], ssl_certfile="/c", uds="/s", middleware=["m"],
+                                 speculative_config={"method": "ngram"}, logprobs_mode="raw_logits"))
+    text = "\n".join(got)
+    for flag in ("--api-key", "--ssl-certfile", "--uds", "--middleware", "--speculative-config", "--logprobs-mode"):
+        assert flag in text
+    assert unrestorable(Namespace(logprobs_mode="raw_logprobs")) == []
+
+
+def test_create_target_under_a_world_writable_parent_refused_before_anything(tmp_path):
+    from vllm_snapshot.errors import CorruptSnapshotError
+
+    d = tmp_path / "open"
+    d.mkdir()
+    os.chmod(d, 0o777)
+    with pytest.raises(CorruptSnapshotError, match="writable by group/others"):
+        store.prepare_target(d / "snap")
+    assert list(d.iterdir()) == []
+
+
+def test_restored_tree_that_is_not_the_recorded_one_is_killed():
+    t = FakeTools()
+    t.restored_tree = ["python3 -m something.else"]
+    with pytest.raises(CriuError, match="not the recorded one"):
+        ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8123), Reporter(), tools=t)
+    assert t.engine.killed and "engine.oracle" not in t.calls and "register" not in t.calls

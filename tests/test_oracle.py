@@ -139,3 +139,15 @@ def test_several_differences_are_all_reported():
     act = make_oracle(token_id=12, text="!", logprob=exp.logprob - 1)
     fields = [d.split(":")[0] for d in compare(exp, act)]
     assert fields[:3] == ["token_id", "text", "logprob"]
+
+
+def test_http_canary_rule_compares_token_id_and_refuses_nan_and_garbage():
+    from vllm_snapshot.oracle import compare_http
+
+    o = Oracle(prompt="p", token_id=11, text=",", logprob=-1.25)
+    assert compare_http(o, ",", -1.2501, 11) == []
+    assert any("token_id" in d for d in compare_http(o, ",", -1.25, 12))
+    assert any("token_id" in d for d in compare_http(o, ",", -1.25, None))  # missing ids differ
+    assert any("logprob" in d for d in compare_http(o, ",", float("nan"), 11))
+    assert any("logprob" in d for d in compare_http(o, ",", "abc", 11))
+    assert any("text" in d for d in compare_http(o, None, -1.25, 11))

@@ -165,3 +165,11 @@ def test_port_free_refuses_a_listening_port_and_names_the_holder():
             assert f"PID {os.getpid()}" in ei.value.message
     finally:
         s.close()
+
+
+def test_redact_args_catches_abbreviations_and_every_value():
+    assert redact_args(["--hf-tok", "hf_x", "--dtype", "float32"]) == ["--hf-tok", "<redacted>", "--dtype", "float32"]
+    assert redact_args(["--api-k=sk1"]) == ["--api-k=<redacted>"]
+    assert redact_args(["--api-key", "k1", "k2", "--max-model-len", "512"]) == [
+        "--api-key", "<redacted>", "<redacted>", "--max-model-len", "512"]
+    assert redact_args(["--ma", "512"]) == ["--ma", "512"]  # too short to be a secret's prefix

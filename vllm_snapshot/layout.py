@@ -100,6 +100,16 @@ def check_dir_safety(path: Path) -> None:
             f"{path} has mode {stat.S_IMODE(st.st_mode):04o}; a snapshot holds process memory and must be 0700",
             hint=f"chmod -R go-rwx {path}",
         )
+    check_parents(path)
+
+
+def check_parents(path: Path) -> None:
+    """The rule for the directories above a snapshot (restore applies it through
+    :func:`check_dir_safety`; create applies it to its target before anything starts, so it
+    never spends minutes on a snapshot restore would refuse): a symlink among them only when
+    root owns it, each owned by us or root, none writable by group/others unless sticky and
+    root-owned (like /tmp). Raises CorruptSnapshotError naming the directory."""
+    uid = os.geteuid()
     # every component of the path as given: a symlink is trusted only when root owns it
     # (system layout such as /var/run -> /run); anyone else could redirect us
     probe = Path(path.absolute().anchor)
@@ -108,7 +118,7 @@ def check_dir_safety(path: Path) -> None:
         lst = os.lstat(probe)
         if stat.S_ISLNK(lst.st_mode) and lst.st_uid != 0:
             raise CorruptSnapshotError(f"parent {probe} is a symlink owned by uid {lst.st_uid}; refusing to follow it")
-    for parent in path.resolve().parents:
+    for parent in path.absolute().parent.resolve().joinpath("x").parents:
         pst = os.stat(parent)
         if pst.st_uid not in (0, uid):
             raise CorruptSnapshotError(f"parent directory {parent} is owned by uid {pst.st_uid}")

@@ -74,11 +74,15 @@ def compare(expected: Oracle, actual: Oracle, tol: float = LOGPROB_ABS_TOL) -> l
     return diffs
 
 
-def compare_http(expected: Oracle, text: object, logprob: object, tol: float = LOGPROB_ABS_TOL) -> list[str]:
-    """The canary's rule: an HTTP completion (``text``, first ``token_logprobs`` value) must
-    carry the oracle's text and logprob (within ``tol``). A missing, non-numeric or
-    non-finite logprob is a difference, never an exception. Pure."""
+def compare_http(expected: Oracle, text: object, logprob: object, token_id: object = None,
+                 tol: float = LOGPROB_ABS_TOL) -> list[str]:
+    """The canary's rule: an HTTP completion (``text``, first ``token_logprobs`` value, first
+    ``token_ids`` value) must carry the oracle's token id (exact), text and logprob (within
+    ``tol``). A missing, non-numeric or non-finite logprob or token id is a difference, never
+    an exception. Pure."""
     diffs = []
+    if token_id != expected.token_id:
+        diffs.append(f"canary token_id: expected {expected.token_id}, got {token_id!r}")
     if text != expected.text:
         diffs.append(f"canary text: expected {expected.text!r}, got {text!r}")
     try:

@@ -36,6 +36,9 @@ def prepare_target(target: Path) -> Path:
         raise UsageError(f"parent directory {parent} does not exist")
     if not parent.is_dir():
         raise UsageError(f"{parent} is not a directory")
+    from .layout import check_parents
+
+    check_parents(target)  # restore would refuse a snapshot there: say so before the engine starts
     clean_stale_temps(parent)
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}{TMP_MARK}", dir=parent))

@@ -49,18 +49,31 @@ def is_secret_name(name: str) -> bool:
     return up.rstrip("_").rsplit("_", 1)[-1].endswith("TOKEN")
 
 
+#: ``vllm serve`` flags that hold secrets; argparse (vLLM keeps ``allow_abbrev``) also accepts
+#: any unambiguous prefix of them, e.g. ``--hf-tok``.
+SECRET_FLAGS = ("--api-key", "--hf-token", "--ssl-keyfile")
+
+
+def _secret_flag(flag: str) -> bool:
+    name = flag[2:]
+    if is_secret_name(name):
+        return True
+    return len(flag) >= 5 and any(s.startswith(flag) for s in SECRET_FLAGS)
+
+
 def redact_args(args: list[str]) -> list[str]:
-    """Engine args with values of secret-looking flags (``--api-key X``, ``--hf-token=X``)
-    replaced by ``<redacted>`` (same rule as :func:`is_secret_name`)."""
+    """Engine args with values of secret-looking flags (``--api-key X``, ``--hf-token=X``,
+    abbreviations such as ``--hf-tok X``, and every value of a multi-value flag such as
+    ``--api-key k1 k2``) replaced by ``<redacted>`` (rule: :func:`is_secret_name` and
+    :data:`SECRET_FLAGS`)."""
     out: list[str] = []
     hide_next = False
     for a in args:
         if hide_next and not a.startswith("-"):
             out.append("<redacted>")
-            hide_next = False
-            continue
+            continue  # argparse nargs="+": every following value belongs to the flag
         hide_next = False
-        if a.startswith("--") and is_secret_name(a[2:].split("=", 1)[0]):
+        if a.startswith("--") and _secret_flag(a.split("=", 1)[0]):
             if "=" in a:
                 out.append(a.split("=", 1)[0] + "=<redacted>")
             else:
@@ -270,7 +283,8 @@ class EngineHandle:
 
     def kill(self, grace: float = 0.0) -> None:
         """Stop the tree: SIGTERM + ``grace`` seconds, then SIGKILL the namespace init (which
-        kills every process of its PID namespace); reap it when it is our child."""
+        kills every process of its PID namespace); reap it when it is our child. Raises
+        EngineError naming processes still alive 10 s after SIGKILL."""
         procs = self.tree()
         if grace > 0 and procs:
             try:
@@ -283,8 +297,11 @@ class EngineHandle:
                 p.kill()
             except psutil.NoSuchProcess:
                 pass
-        wait_gone(procs, 10)
+        survivors = wait_gone(procs, 10)
         self.reap()
+        if survivors:  # they hold memory (GPU memory on GPU): say so, never ignore it
+            raise EngineError(f"engine processes survived SIGKILL: PIDs {survivors}",
+                              hint="check them with `ps -o pid,stat,wchan -p PID` (a D-state process waits on the kernel)")
 
     def reap(self, block: bool = True) -> int | None:
         """waitpid the root if it is our child; returns its exit code (signal -> 128+sig)."""

@@ -184,6 +184,9 @@ class SnapshotTools(Protocol):
 
     def adopt(self, pid: int, channel: EngineChannel, echo: Callable[[bytes], None] | None) -> Engine: ...
 
+    def tree_commands(self, pid: int) -> tuple[str, ...]:
+        """Command lines of ``pid``'s tree, root first (empty when it is gone)."""
+
     def http_health(self, url: str) -> bool: ...
 
     def http_canary(self, url: str, m: Manifest) -> list[str]:
@@ -518,6 +521,11 @@ class LocalTools(SnapshotTools):
 
         return restored_handle(pid, channel, [echo] if echo else [])
 
+    def tree_commands(self, pid: int) -> tuple[str, ...]:
+        from .procs import command, tree
+
+        return tuple(command(p) for p in tree(pid))
+
     def http_health(self, url: str) -> bool:
         try:
             status, _ = _http_json(f"{url}/health", timeout=2)
@@ -529,9 +537,11 @@ class LocalTools(SnapshotTools):
         from . import oracle
 
         try:
+            # the oracle's own request: greedy, exactly one token (min_tokens masks EOS as the
+            # in-engine oracle does), seeded, token ids returned for an exact comparison
             status, body = _http_json(f"{url}/v1/completions", {
-                "model": m.model.served_name, "prompt": m.oracle.prompt, "max_tokens": 1,
-                "temperature": 0.0, "logprobs": 5})
+                "model": m.model.served_name, "prompt": m.oracle.prompt, "max_tokens": 1, "min_tokens": 1,
+                "temperature": 0.0, "seed": 0, "logprobs": 5, "return_token_ids": True})
         except (urllib.error.URLError, OSError) as e:
             return [f"canary request failed: {e}"]
         if status != 200 or not isinstance(body, dict):
@@ -539,7 +549,8 @@ class LocalTools(SnapshotTools):
         try:
             choice = body["choices"][0]
             lps = (choice.get("logprobs") or {}).get("token_logprobs") or [None]
-            return oracle.compare_http(m.oracle, choice.get("text"), lps[0])
+            ids = choice.get("token_ids") or [None]
+            return oracle.compare_http(m.oracle, choice.get("text"), lps[0], ids[0])
         except (KeyError, IndexError, TypeError, AttributeError) as e:
             return [f"canary response is malformed ({type(e).__name__}: {e}): {str(body)[:200]}"]
 

@@ -60,13 +60,44 @@ def parse_engine_args(model: str, engine_args: list[str]):
     if getattr(args, "api_server_count", None) not in (None, 1):
         raise ValueError("vllm-snapshot supports one API server (--api-server-count 1)")
     args.api_server_count = None
-    tp = getattr(args, "tensor_parallel_size", 1) or 1
-    pp = getattr(args, "pipeline_parallel_size", 1) or 1
-    dp = getattr(args, "data_parallel_size", 1) or 1
-    if tp * pp * dp != 1:
-        raise ValueError("vllm-snapshot supports single-device (TP1) engines only")
+    sizes = {f: getattr(args, f, 1) or 1 for f in PARALLEL_SIZES}
+    if any(v != 1 for v in sizes.values()):
+        raise ValueError("vllm-snapshot supports single-device (TP1) engines only: "
+                         + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in sizes.items() if v != 1))
+    problems = unrestorable(args)
+    if problems:
+        raise ValueError("these settings would make a snapshot that can never be restored or validated:\n  "
+                         + "\n  ".join(problems))
     validate_parsed_serve_args(args)
     return args
+
+
+#: Every parallel size of vLLM 0.32's engine args; a snapshot is of one device.
+PARALLEL_SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                  "prefill_context_parallel_size", "decode_context_parallel_size")
+#: Front-end settings restore cannot use yet: the HTTP canary and /health checks speak plain,
+#: unauthenticated HTTP over TCP (a key at create also sits in the images).
+FRONTEND_REFUSED = {
+    "api_key": "an API key (it would be in the snapshot's memory, and the canary would get HTTP 401)",
+    "ssl_keyfile": "TLS (the readiness check and canary speak plain HTTP)",
+    "ssl_certfile": "TLS (the readiness check and canary speak plain HTTP)",
+    "ssl_ca_certs": "TLS (the readiness check and canary speak plain HTTP)",
+    "uds": "a unix socket listener (restore binds --host/--port)",
+    "middleware": "custom middleware (it may reject or change the canary)",
+}
+
+
+def unrestorable(args) -> list[str]:
+    """Settings of parsed ``vllm serve`` args that make a snapshot unrestorable or its oracle
+    meaningless, each with the reason. Pure (over the namespace)."""
+    out = [f"--{k.replace('_', '-')}: {why}" for k, why in FRONTEND_REFUSED.items() if getattr(args, k, None)]
+    if getattr(args, "speculative_config", None):
+        out.append("--speculative-config: speculative decoding (a draft model is not reloaded after sleep, and "
+                   "the oracle checks one model only)")
+    mode = getattr(args, "logprobs_mode", None)
+    if mode in ("raw_logits", "processed_logits"):
+        out.append(f"--logprobs-mode {mode}: the oracle compares logprobs in nats; logits break its tolerance")
+    return out
 
 
 async def run_oracle(engine, prompt: str) -> dict:

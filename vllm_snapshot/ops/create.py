@@ -117,6 +117,10 @@ def create(req: CreateRequest, rep: Reporter, tools: SnapshotTools | None = None
     if req.sleep_level not in (0, 1, 2):
         raise UsageError("--sleep-level must be 0, 1 or 2")
     check_engine_args(req.engine_args)
+    if "VLLM_API_KEY" in req.keep_env:
+        raise UsageError("--keep-env VLLM_API_KEY would put an API key into the snapshot's memory, and the "
+                         "restore's canary (plain, unauthenticated HTTP) could never pass",
+                         hint="leave the key out of create")
     target = t.canonical(req.target)
     model_dir = t.resolve_model(req.model)
     check_visible({"model": model_dir, **t.code_paths()}, [Path(p) for p in PRIVATE_MOUNTS])

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from .. import criu, identity, mountpolicy, oracle, ports
-from ..errors import BusyError, CorruptSnapshotError, EngineError, IncompatibleHostError, OracleMismatchError, UsageError
+from ..errors import BusyError, CorruptSnapshotError, CriuError, EngineError, IncompatibleHostError, OracleMismatchError, UsageError
 from ..manifest import Manifest
 from ..progress import Reporter
 from ..registry import Entry
@@ -168,6 +168,13 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
                 pid = t.restore_tree(m.engine.kind, opts, stage)
         engine = t.adopt(pid, channel, None if req.detach else req.engine_log)
         channel = None
+        got_tree = t.tree_commands(pid)
+        if len(got_tree) != len(m.criu.tree_pids) or got_tree[:1] != m.criu.tree_commands[:1]:
+            raise CriuError(
+                f"CRIU restored a tree that is not the recorded one: {len(got_tree)} processes "
+                f"(recorded {len(m.criu.tree_pids)}), root {got_tree[:1] or ['gone']} "
+                f"(recorded {list(m.criu.tree_commands[:1])}); stopped it",
+                hint="re-run the restore; if it repeats, re-create the snapshot")
         engine.send("attach")  # from now on the tree dies with us until `serve` decides
         engine.wait_event("attached", RESTORE_ORACLE_TIMEOUT_S)
         t.unstage(stage)

@@ -160,9 +160,9 @@ class FakeTools(SnapshotTools):
         return Path(path).absolute()
 
     # ---- model
-    def resolve_model(self, model: str) -> Path:
+    def resolve_model(self, model: str, revision: str | None) -> tuple[Path, str | None]:
         self._call("resolve_model")
-        return Path(model)
+        return Path(model), None
 
     def digest_model(self, model_dir: Path) -> tuple[ModelFile, ...]:
         self._call("digest_model")
@@ -201,6 +201,7 @@ class FakeTools(SnapshotTools):
                       echo: Callable[[bytes], None] | None) -> Engine:
         self._call("launch_engine")
         self.launch_env = env
+        self.launch_spec = spec
         self.engine = FakeEngine(self.calls, self.kind, self.oracles)
         return self.engine
 
@@ -218,6 +219,10 @@ class FakeTools(SnapshotTools):
 
     def collect_remaps(self, before: dict[str, set[str]], files_dir: Path) -> list[Path]:
         self._call("collect_remaps")
+        return []
+
+    def find_remaps(self, before: dict[str, set[str]]) -> list[Path]:
+        self._call("find_remaps")
         return []
 
     def cleanup_remaps(self, found: list[Path]) -> None:

@@ -306,3 +306,33 @@ def test_restored_tree_that_is_not_the_recorded_one_is_killed():
     with pytest.raises(CriuError, match="not the recorded one"):
         ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8123), Reporter(), tools=t)
     assert t.engine.killed and "engine.oracle" not in t.calls and "register" not in t.calls
+
+
+def test_link_remap_put_back_refuses_a_different_file_and_rolls_back(tmp_path):
+    from vllm_snapshot import remaps
+
+    files = tmp_path / "files"
+    files.mkdir()
+    d = tmp_path / "host"
+    d.mkdir()
+    a, b = d / "link_remap.1", d / "link_remap.2"
+    (files / remaps.encode(a)).write_bytes(b"AAA")
+    (files / remaps.encode(b)).write_bytes(b"BBB")
+    names = sorted([remaps.encode(a), remaps.encode(b)])
+    placed = remaps.put_back(files, names)  # fresh: both placed, exclusively
+    assert sorted(placed) == [a, b] and a.read_bytes() == b"AAA"
+    assert remaps.put_back(files, names) == []  # identical files already there: left for CRIU
+    remaps.cleanup(placed)
+    b.symlink_to(tmp_path / "elsewhere")  # a symlink where a remap goes: refused, never followed
+    with pytest.raises(BusyError, match="link_remap.2"):
+        remaps.put_back(files, names)
+    assert not a.exists()  # rolled back
+    assert not (tmp_path / "elsewhere").exists()
+
+
+def test_failed_dump_removes_the_link_remaps_it_left():
+    t = FakeTools(fail={"dump": CriuError("CRIU dump failed")})
+    with pytest.raises(CriuError):
+        ops.create(ops.CreateRequest(model="/m", target=SNAP, engine_args=["--kv-cache-memory-bytes", "1M"]),
+                   Reporter(), tools=t)
+    assert t.calls.index("find_remaps") < t.calls.index("cleanup_remaps") < t.calls.index("discard")

@@ -142,7 +142,7 @@ def test_no_planted_secret_in_images(snapshot):
     assert scanned > 100 << 20  # really scanned the memory images
     # and the tree's own environment (pstree/core images) never had them: the manifest's env hashes
     m = mf.read(snapshot)
-    assert not any(k in m.engine.env_hashes for k in PLANTED_SECRETS)
+    assert m.engine.env_hashes == {}  # not recorded: the restored engine keeps its own env
 
 
 def _occupy(pid: int) -> subprocess.Popen | None:

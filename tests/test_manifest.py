@@ -206,3 +206,28 @@ def test_model_is_frozen_and_refuses_non_finite_timings():
 def test_parse_error_names_the_source():
     with pytest.raises(CorruptSnapshotError, match="/snap/manifest.json"):
         manifest.parse("{", source="/snap/manifest.json")
+
+
+@pytest.mark.parametrize("value", [True, 1.0, "1"])
+def test_schema_version_must_be_the_integer_1(tmp_path, value):
+    import json as _json
+
+    from helpers import write_snapshot_dir
+
+    write_snapshot_dir(tmp_path / "s")
+    raw = _json.loads((tmp_path / "s" / "manifest.json").read_text())
+    raw["schema_version"] = value
+    with pytest.raises(CorruptSnapshotError, match="schema_version"):
+        manifest.parse(_json.dumps(raw))
+
+
+def test_no_type_coercion_inside_the_manifest(tmp_path):
+    import json as _json
+
+    from helpers import write_snapshot_dir
+
+    write_snapshot_dir(tmp_path / "s")
+    raw = _json.loads((tmp_path / "s" / "manifest.json").read_text())
+    raw["model"]["total_bytes"] = "100"  # a string where bytes (int) belong
+    with pytest.raises(CorruptSnapshotError, match="total_bytes"):
+        manifest.parse(_json.dumps(raw))

@@ -253,7 +253,7 @@ def test_hub_cache_symlinks_are_followed_and_blob_changes_refuse(tmp_path):
 def test_resolve_model_local_dir_and_refusals(tmp_path, monkeypatch):
     d = tmp_path / "m"
     d.mkdir()
-    assert model_digest.resolve_model(str(d)) == d.resolve()
+    assert model_digest.resolve_model(str(d)) == (d.resolve(), None)
     f = tmp_path / "file"
     f.write_text("x")
     with pytest.raises(UsageError, match="not a directory"):
@@ -263,3 +263,26 @@ def test_resolve_model_local_dir_and_refusals(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
     with pytest.raises(UsageError, match="neither a local directory"):
         model_digest.resolve_model("nobody/no-such-model-xyz")
+
+
+def _fake_hub(tmp_path, rev="0123456789abcdef0123456789abcdef01234567"):
+    hub = tmp_path / "hub"
+    snap = hub / "models--acme--tiny" / "snapshots" / rev
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (hub / "models--acme--tiny" / "refs").mkdir()
+    (hub / "models--acme--tiny" / "refs" / "main").write_text(rev)
+    return hub, snap
+
+
+def test_hf_id_resolves_offline_with_its_revision(tmp_path, monkeypatch):
+    hub, snap = _fake_hub(tmp_path)
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(hub))
+    assert model_digest.resolve_model("acme/tiny") == (snap.resolve(), snap.name)
+    assert model_digest.resolve_model("acme/tiny", "main") == (snap.resolve(), snap.name)
+    with pytest.raises(UsageError, match="revision 'v2'"):
+        model_digest.resolve_model("acme/tiny", "v2")  # not in the cache: refused, never downloaded

@@ -262,3 +262,23 @@ def test_create_refuses_unusable_mounts_before_the_engine_starts():
     with pytest.raises(UsageError, match="fuse"):
         _create(t)
     assert "launch_engine" not in t.calls and "prepare_target" not in t.calls
+
+
+def test_hf_id_is_served_by_its_id_and_its_revision_recorded():
+    class HfTools(FakeTools):
+        def resolve_model(self, model, revision):
+            self.calls.append(f"resolve_model:{revision}")
+            return Path("/hub/models--acme--tiny/snapshots/abc123"), "abc123"
+
+    t = HfTools()
+    m = ops.create(ops.CreateRequest(model="acme/tiny", target=SNAP,
+                                     engine_args=["--kv-cache-memory-bytes", "1M", "--revision", "v1"]),
+                   Reporter(), tools=t).manifest
+    assert "resolve_model:v1" in t.calls
+    assert t.launch_spec["served_model_name"] == "acme/tiny" and t.launch_spec["model"].endswith("abc123")
+    assert m.model.revision == "abc123" and m.model.requested == "acme/tiny"
+    t2 = HfTools()
+    ops.create(ops.CreateRequest(model="acme/tiny", target=SNAP,
+                                 engine_args=["--kv-cache-memory-bytes", "1M", "--served-model-name", "x"]),
+               Reporter(), tools=t2)
+    assert "served_model_name" not in t2.launch_spec  # an explicit name wins

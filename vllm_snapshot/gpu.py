@@ -22,7 +22,6 @@ import shutil
 import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from .errors import BusyError, EnvironmentProblem
 

@@ -25,7 +25,6 @@ from pathlib import Path
 OVERRIDABLE: frozenset[str] = frozenset({"machine_id", "cpu_model"})
 
 #: Environment variables whose values change engine behaviour: recorded as hashes.
-ENV_PREFIXES = ("VLLM_", "CUDA_", "TORCH_", "OMP_", "MKL_", "KMP_", "PYTORCH_", "NCCL_", "HF_HUB_OFFLINE")
 
 
 def _module_file_version(module: str, relpath: str, pattern: str) -> str:
@@ -138,12 +137,3 @@ def compare(
         if e != a:
             diffs.append(Difference(key, e, a, key in overrides))
     return diffs
-
-
-def env_hashes(env: dict[str, str]) -> dict[str, str]:
-    """``{name: sha256(value)[:16]}`` for variables that change engine behaviour."""
-    return {
-        k: hashlib.sha256(v.encode()).hexdigest()[:16]
-        for k, v in sorted(env.items())
-        if k.startswith(ENV_PREFIXES)
-    }

@@ -29,7 +29,6 @@ SysV look-ups run in a helper thread that joins the tree's namespace (needs root
 from __future__ import annotations
 
 import ctypes
-import errno as _errno
 import ipaddress
 import os
 import socket

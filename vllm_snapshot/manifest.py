@@ -59,11 +59,16 @@ class ModelIdentity(_Strict):
     served_name: str
     files: tuple[ModelFile, ...]
     total_bytes: int = Field(ge=0)
+    #: for a Hugging Face id: the commit the local cache resolved ``--revision`` (or main) to
+    revision: str | None = None
 
 
 class EngineInfo(_Strict):
     """Engine kind (cpu/cuda), sleep level used before the dump (0 = full state captured),
-    the engine args (secrets redacted), behaviour-changing env vars as BLAKE3 hashes."""
+    the engine args (secrets redacted). ``env_hashes`` is always empty now: the restored
+    engine keeps the environment it had at create (it is in its memory), so comparing hashes
+    with the restoring host's environment would compare another process's; the field stays in
+    schema 1 so older snapshots (which recorded hashes) still parse."""
 
     kind: Literal["cpu", "cuda"]
     sleep_level: int = Field(ge=0, le=2)
@@ -198,13 +203,14 @@ def parse(text: str, source: str = MANIFEST_NAME) -> Manifest:
     if not isinstance(raw, dict):
         raise CorruptSnapshotError(f"{source}: $ must be an object")
     sv = raw.get("schema_version")
-    if sv != SCHEMA_VERSION:
+    if type(sv) is not int or sv != SCHEMA_VERSION:  # `true` and `1.0` equal 1 in Python
         raise CorruptSnapshotError(
             f"{source}: $.schema_version is {sv!r}; this vllm-snapshot reads version {SCHEMA_VERSION}",
             hint="use the vllm-snapshot version that created the snapshot, or re-create it",
         )
     try:
-        m = Manifest.model_validate(raw)
+        # strict: no coercion of "1" to 1, 1.0 to 1, true to 1, ... (JSON arrays stay tuples)
+        m = Manifest.model_validate_json(text, strict=True)
     except ValidationError as e:
         probs = [f"{_loc(x)}: {x['msg']}" for x in e.errors()[:5]]
         raise CorruptSnapshotError(f"{source} is invalid: " + "; ".join(probs)) from e

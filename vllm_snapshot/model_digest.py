@@ -43,26 +43,30 @@ def _walk(root: Path) -> list[Path]:
     return out
 
 
-def resolve_model(model: str) -> Path:
-    """The local directory for ``model``: an existing directory, or a Hugging Face id already
-    in the local hub cache (looked up offline, never downloaded).
+def resolve_model(model: str, revision: str | None = None) -> tuple[Path, str | None]:
+    """``(local directory, revision)`` for ``model``: an existing directory (revision None), or
+    a Hugging Face id already in the local hub cache at ``revision`` (a branch, tag or commit;
+    default the cache's ``main``), looked up offline, never downloaded; the revision returned
+    is the commit the cache resolved it to (the ``snapshots/<commit>`` directory name).
 
-    Raises UsageError when neither exists.
+    Raises UsageError when neither exists (naming the revision when one was asked for).
     """
     p = Path(model).expanduser()
     if p.is_dir():
-        return p.resolve()
+        return p.resolve(), None
     if p.exists():
         raise UsageError(f"model {model!r} is not a directory")
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(model, local_files_only=True)).resolve()
+        d = Path(snapshot_download(model, revision=revision, local_files_only=True))
     except Exception as e:  # noqa: BLE001 - any failure means "not available offline"
+        at = f" at revision {revision!r}" if revision else ""
         raise UsageError(
-            f"model {model!r} is neither a local directory nor in the local Hugging Face cache",
-            hint="pass a local model directory; vllm-snapshot never downloads models",
+            f"model {model!r}{at} is neither a local directory nor in the local Hugging Face cache",
+            hint="pass a local model directory, or a revision the cache holds; vllm-snapshot never downloads models",
         ) from e
+    return d.resolve(), d.name
 
 
 def digest_dir(root: Path) -> tuple[ModelFile, ...]:

@@ -61,10 +61,23 @@ def cleanup(found: list[Path]) -> None:
         p.unlink(missing_ok=True)
 
 
+def _same_file(path: Path, saved: Path) -> bool:
+    """``path`` is a regular file (not a symlink), ours, with the saved bytes."""
+    import filecmp
+    import stat
+
+    st = os.lstat(path)
+    return (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+            and filecmp.cmp(path, saved, shallow=False))
+
+
 def put_back(files_dir: Path, names: list[str]) -> list[Path]:
     """Create each saved file at its original path, exclusively and without following
-    symlinks (an existing file is left alone: CRIU then uses it). Returns what was placed;
-    on failure, removes what it placed and raises OSError."""
+    symlinks. An existing identical file (regular, ours, same bytes) is left for CRIU to use;
+    anything else there refuses. Returns what was placed; on failure removes what it placed
+    and raises BusyError (something else is at the path) or OSError."""
+    from .errors import BusyError
+
     placed: list[Path] = []
     try:
         for n in names:
@@ -72,7 +85,11 @@ def put_back(files_dir: Path, names: list[str]) -> list[Path]:
             try:
                 fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             except FileExistsError:
-                continue
+                if _same_file(dst, files_dir / n):
+                    continue
+                raise BusyError(f"{dst} exists and is not the snapshot's link-remap file (a symlink, another "
+                                "owner or other content); refusing to use or overwrite it",
+                                hint=f"remove {dst} if nothing needs it, then restore again") from None
             placed.append(dst)
             with os.fdopen(fd, "wb") as out, open(files_dir / n, "rb") as src:
                 shutil.copyfileobj(src, out)

@@ -102,8 +102,8 @@ class SnapshotTools(Protocol):
         """The one identity of a snapshot path (:func:`vllm_snapshot.store.canonical`)."""
 
     # ---- model
-    def resolve_model(self, model: str) -> Path:
-        """Local directory of ``model``. Raises UsageError."""
+    def resolve_model(self, model: str, revision: str | None) -> tuple[Path, str | None]:
+        """(local directory, resolved HF revision or None) of ``model``. Raises UsageError."""
 
     def digest_model(self, model_dir: Path) -> tuple[ModelFile, ...]: ...
 
@@ -145,6 +145,9 @@ class SnapshotTools(Protocol):
 
     def collect_remaps(self, before: dict[str, set[str]], files_dir: Path) -> list[Path]:
         """Copy link-remap files CRIU left into ``files_dir``; return the originals."""
+
+    def find_remaps(self, before: dict[str, set[str]]) -> list[Path]:
+        """Link-remap files CRIU left in the watched directories (a failed dump's, to remove)."""
 
     def cleanup_remaps(self, found: list[Path]) -> None: ...
 
@@ -330,10 +333,10 @@ class LocalTools(SnapshotTools):
         return store.canonical(path)
 
     # ---- model
-    def resolve_model(self, model: str) -> Path:
+    def resolve_model(self, model: str, revision: str | None) -> tuple[Path, str | None]:
         from . import model_digest
 
-        return model_digest.resolve_model(model)
+        return model_digest.resolve_model(model, revision)
 
     def digest_model(self, model_dir: Path) -> tuple[ModelFile, ...]:
         from . import model_digest
@@ -423,6 +426,11 @@ class LocalTools(SnapshotTools):
         found = remaps.collect(before)
         remaps.save(found, files_dir)
         return found
+
+    def find_remaps(self, before: dict[str, set[str]]) -> list[Path]:
+        from . import remaps
+
+        return remaps.collect(before)
 
     def cleanup_remaps(self, found: list[Path]) -> None:
         from . import remaps

@@ -196,6 +196,8 @@ async def run(spec: dict) -> int:
     except ValueError as e:
         emit("error", kind="usage", message=str(e))
         return 2
+    if spec.get("served_model_name") and not getattr(args, "served_model_name", None):
+        args.served_model_name = [spec["served_model_name"]]  # a Hugging Face id, served by its id
     kind = _device_kind()
     sleep_level = int(spec.get("sleep_level", 0)) if kind == "cuda" else 0
     if sleep_level:

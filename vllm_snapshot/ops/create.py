@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .. import __version__, criu, identity, layout, manifest, mountpolicy, oracle
+from .. import __version__, criu, layout, manifest, mountpolicy, oracle
 from ..engine.mounts import PRIVATE as PRIVATE_MOUNTS
 from ..archive import DEFAULT_COMPRESSION, Compression
 from ..errors import CriuError, EngineError, EnvironmentProblem, OracleMismatchError, UsageError
@@ -77,6 +77,18 @@ def check_cpu_kv_cache(engine_args: list[str], env: dict[str, str], gpu_present:
 RESTORE_OWNED_ARGS = ("--host", "--port", "--uds")
 
 
+def arg_value(engine_args: list[str], flag: str) -> str | None:
+    """The value of ``flag`` in ``vllm serve`` args (``--flag V`` or ``--flag=V``), last one
+    wins; None when absent. Pure."""
+    val = None
+    for i, a in enumerate(engine_args):
+        if a == flag and i + 1 < len(engine_args):
+            val = engine_args[i + 1]
+        elif a.startswith(flag + "="):
+            val = a.split("=", 1)[1]
+    return val
+
+
 def check_engine_args(engine_args: list[str]) -> None:
     """Refuse engine args the snapshot could only record and ignore. Pure. Raises UsageError."""
     for a in engine_args:
@@ -122,7 +134,7 @@ def create(req: CreateRequest, rep: Reporter, tools: SnapshotTools | None = None
                          "restore's canary (plain, unauthenticated HTTP) could never pass",
                          hint="leave the key out of create")
     target = t.canonical(req.target)
-    model_dir = t.resolve_model(req.model)
+    model_dir, revision = t.resolve_model(req.model, arg_value(req.engine_args, "--revision"))
     check_visible({"model": model_dir, **t.code_paths()}, [Path(p) for p in PRIVATE_MOUNTS])
     t.check_mounts(model_dir, scrubbed_env(t.environ(), req.keep_env))
     if t.path_exists(target):
@@ -130,7 +142,7 @@ def create(req: CreateRequest, rep: Reporter, tools: SnapshotTools | None = None
                          hint="choose another --snapshot-dir/--name, or delete the old one first")
     check_cpu_kv_cache(req.engine_args, t.environ(), t.gpu_present())
     with t.snapshot_lock(target, shared=False, must_exist=False):
-        return _create_locked(t, req, rep, target, model_dir, criu_ver)
+        return _create_locked(t, req, rep, target, model_dir, revision, criu_ver)
 
 
 def _start_engine(t: SnapshotTools, req: CreateRequest, spec: dict, env: dict[str, str], tmp: Path) -> tuple[Engine, dict]:
@@ -160,7 +172,7 @@ def _rehearse_sleep(engine: Engine, level: int, recorded: oracle.Oracle) -> None
     engine.wait_event("slept", SLEEP_TIMEOUT_S)
 
 
-def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, files: tuple, info: dict,
+def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, revision: str | None, files: tuple, info: dict,
                    recorded: oracle.Oracle, sleep_level: int, env: dict[str, str], criu_ver: str,
                    host: dict[str, str], inv: Inventory, inherit: dict[str, str], dump_opts: criu.DumpOptions,
                    externals: tuple, images: tuple, extra: tuple, timings: dict[str, float],
@@ -173,10 +185,10 @@ def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, files: 
         host=host,
         engine=manifest.EngineInfo(
             kind=info["kind"], sleep_level=sleep_level, engine_args=tuple(redact_args(req.engine_args)),
-            env_hashes=identity.env_hashes(env), full_state_captured=(sleep_level == 0)),
+            env_hashes={}, full_state_captured=(sleep_level == 0)),
         model=manifest.ModelIdentity(
             requested=req.model, path=str(model_dir), served_name=info["served_model_name"],
-            files=files, total_bytes=sum(f.size for f in files)),
+            files=files, total_bytes=sum(f.size for f in files), revision=revision),
         oracle=recorded,
         criu=manifest.CriuInfo(
             version=criu_ver, flags=dump_opts.flags, inherit=inherit, pid_namespace=True,
@@ -192,18 +204,21 @@ def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, files: 
 
 
 def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: Path, model_dir: Path,
-                   criu_ver: str) -> Created:
+                   revision: str | None, criu_ver: str) -> Created:
     for gone in t.reclaim(target.parent):
         rep.info(f"removed a leftover of a killed command: {gone}")
     tmp = t.prepare_target(target)
     engine: Engine | None = None
     remaps: list[Path] = []
+    before: dict[str, set[str]] = {}
     try:
         with rep.phase("model_digest", "hashing model files"):
             files = t.digest_model(model_dir)
         env = scrubbed_env(t.environ(), req.keep_env)
         spec = {"model": str(model_dir), "engine_args": list(req.engine_args),
                 "oracle_prompt": req.oracle_prompt, "sleep_level": req.sleep_level}
+        if revision is not None and arg_value(req.engine_args, "--served-model-name") is None:
+            spec["served_model_name"] = req.model  # serve a Hugging Face id by its id, as `vllm serve` does
         with rep.phase("engine_start", "starting engine (load, compile, warm-up)"):
             engine, init = _start_engine(t, req, spec, env, tmp)
         info = init["info"]
@@ -234,7 +249,7 @@ def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: 
         t.cleanup_remaps(remaps)  # the copies live in the snapshot now
         remaps = []
         m = build_manifest(
-            req=req, target=target, model_dir=model_dir, files=files, info=info, recorded=recorded,
+            req=req, target=target, model_dir=model_dir, revision=revision, files=files, info=info, recorded=recorded,
             sleep_level=sleep_level, env=env, criu_ver=criu_ver, host=t.host_identity(info["kind"]),
             inv=inv, inherit=inherit, dump_opts=dump_opts, externals=externals, images=images, extra=extra,
             timings=rep.timings,
@@ -248,7 +263,8 @@ def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: 
         if engine is not None:
             eng = engine
             steps += [("stop the engine", eng.kill), ("close the engine channel", eng.close)]
-        steps += [("remove link-remap files", lambda: t.cleanup_remaps(remaps)),
+        # the saved ones, or those a failed dump left in the watched directories
+        steps += [("remove link-remap files", lambda: t.cleanup_remaps(remaps or t.find_remaps(before))),
                   (f"remove the temp dir {tmp}", lambda: t.discard(tmp))]
         run_cleanups(e, steps)
         if _is_enospc(e):

@@ -115,6 +115,7 @@ class FakeTools(SnapshotTools):
         self.externals: list[ExternalMount] = []
         self.mount_problems: list[str] = []
         self.restored_tree: list[str] | None = None
+        self.uuids: list[str] = ["GPU-fake-0"]
 
     def _call(self, name: str) -> None:
         self.calls.append(name)
@@ -149,6 +150,13 @@ class FakeTools(SnapshotTools):
 
     def gpu_present(self) -> bool:
         return False
+
+    def gpu_used(self, inv: Inventory) -> str:
+        self._call("gpu_used")
+        return "GPU-fake-0"
+
+    def gpu_uuids(self) -> list[str]:
+        return list(self.uuids)
 
     def environ(self) -> dict[str, str]:
         return {"PATH": "/usr/bin", "HF_TOKEN": "hf_secret"}

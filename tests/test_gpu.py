@@ -132,3 +132,29 @@ def test_cuda_plugin_in_setup_cache():
         pytest.skip("scripts/setup.sh has not built CRIU here")
     p = criu.find_cuda_plugin(os.path.join(src, "criu", "criu"))
     assert p.name == "cuda_plugin.so" and p.is_file()
+
+
+# ---- the one GPU a CUDA engine tree uses (parity with vLLM's own snapshot checks)
+
+def test_gpu_minors_and_used_gpu():
+    from vllm_snapshot.errors import UnsnapshottableError
+
+    files = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia3"]
+    assert gpu.gpu_minors(files) == {3}
+    assert gpu.used_gpu([11, 12], files, {3: "GPU-abc"}) == "GPU-abc"
+    with pytest.raises(UnsnapshottableError, match="no process of its tree"):
+        gpu.used_gpu([], [], {3: "GPU-abc"})
+    with pytest.raises(UnsnapshottableError, match="uses 2 GPUs"):
+        gpu.used_gpu([11], files + ["/dev/nvidia4"], {3: "a", 4: "b"})
+    with pytest.raises(EnvironmentProblem, match="UUID"):
+        gpu.used_gpu([11], files, {})
+
+
+def test_parse_driver_information(tmp_path):
+    text = "Model: \t NVIDIA H200\nIRQ:   42\nGPU UUID: \t GPU-5d1c-aaaa\nDevice Minor: \t 0\nBus Type: \t PCIe\n"
+    assert gpu.parse_information(text) == (0, "GPU-5d1c-aaaa")
+    bus = tmp_path / "0000:01:00.0"
+    bus.mkdir()
+    (bus / "information").write_text(text)
+    assert gpu.uuids_by_minor(str(tmp_path)) == {0: "GPU-5d1c-aaaa"}
+    assert gpu.uuids_by_minor(str(tmp_path / "none")) == {}

@@ -25,11 +25,22 @@ pytestmark = pytest.mark.integration
 FAKE_ENGINE = (sys.executable, str(Path(__file__).resolve().parent / "fake_engine.py"))
 
 
+class FakeGpuTools(LocalTools):
+    """This host's real side effects, except the GPU evidence: the fake CUDA engine holds no
+    /dev/nvidia* device (there is none here), so the GPU it "uses" is declared."""
+
+    def gpu_used(self, inv):
+        return "GPU-fake-0000"
+
+    def gpu_uuids(self):
+        return ["GPU-fake-0000"]
+
+
 @pytest.fixture()
 def fake_tools(monkeypatch):
     # the fake engine ignores engine args; the KV-cache size only satisfies create's CPU check
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    return LocalTools(engine_argv=FAKE_ENGINE)
+    return FakeGpuTools(engine_argv=FAKE_ENGINE)
 
 
 def calls_in_log(snap) -> list[str]:
@@ -44,6 +55,7 @@ def test_gpu_create_rehearses_then_sleeps_and_restore_wakes_before_oracle(tmp_pa
     # rehearsal: sleep -> wake (reload) -> oracle must match -> sleep again, then the dump
     assert calls_in_log(snap) == ["sleep", "wake", "oracle", "sleep", "prepare-dump"]
     assert m.host["cuda_checkpoint_helper"].startswith("vllm-snapshot:")
+    assert m.host["gpu_uuid_used"] == "GPU-fake-0000" and m.host["cuda_plugin"].startswith("sha256:")
     assert "cuda_plugin" in (snap / "criu-dump.log").read_text()  # CRIU loaded the CUDA plugin
     port = free_port()
     r, engine = ops.restore(ops.RestoreRequest(snapshot=snap, port=port, detach=True), Reporter(), tools=fake_tools)

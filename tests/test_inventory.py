@@ -344,3 +344,17 @@ def test_missing_root_and_free_port():
     port = s.getsockname()[1]
     s.close()
     assert ports.listeners_taken([("127.0.0.1", port)]) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="creates a file under /dev (root)")
+def test_nvidia_device_files_and_their_holders_are_found(spawn):
+    # a stand-in for /dev/nvidia0 (a regular file: no driver here); only the path matters
+    dev = "/dev/nvidia-vsnap-test"
+    with open(dev, "w"):
+        pass
+    try:
+        c = spawn(f"f = open({dev!r}); ready(); hold()")
+        got = inv.inspect_tree(c.pid, private_prefixes=TEST_PRIVATE)
+        assert got.nvidia_files == (dev,) and got.cuda_pids == (c.pid,)
+    finally:
+        os.unlink(dev)

@@ -282,3 +282,22 @@ def test_hf_id_is_served_by_its_id_and_its_revision_recorded():
                                  engine_args=["--kv-cache-memory-bytes", "1M", "--served-model-name", "x"]),
                Reporter(), tools=t2)
     assert "served_model_name" not in t2.launch_spec  # an explicit name wins
+
+
+def test_cuda_create_records_the_gpu_used_and_restore_needs_it_here():
+    from vllm_snapshot.errors import UnsnapshottableError
+
+    t = FakeTools(kind="cuda")
+    m = _create(t).manifest
+    assert m.host["gpu_uuid_used"] == "GPU-fake-0"
+    ok = FakeTools(manifest=m)
+    _restore(ok)
+    gone = FakeTools(manifest=m)
+    gone.uuids = ["GPU-other"]
+    with pytest.raises(IncompatibleHostError, match="gpu_uuid_used"):
+        _restore(gone)
+    assert "restore_tree" not in gone.calls
+    nogpu = FakeTools(kind="cuda", fail={"gpu_used": UnsnapshottableError("no process of its tree has a /dev/nvidia*")})
+    with pytest.raises(UnsnapshottableError):
+        _create(nogpu)
+    assert "dump" not in nogpu.calls

@@ -18,6 +18,7 @@ CUDA plugin uses to enable itself (``is_cuda_device_available`` in CRIU 4.2.1
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Callable, Sequence
@@ -155,3 +156,62 @@ def check_free_memory(required_bytes: int, free_bytes: int, *, gpu: str = "the G
             hint="stop the processes using the GPU (`nvidia-smi` lists them) or restore on another GPU",
             details={"gpu": gpu, "required_bytes": required_bytes, "free_bytes": free_bytes},
         )
+
+
+_NVIDIA_GPU_DEV = re.compile(r"^/dev/nvidia(\d+)$")
+
+
+def gpu_minors(device_files: Sequence[str]) -> set[int]:
+    """Minor numbers of the GPU device files (``/dev/nvidiaN``) among ``device_files``
+    (``/dev/nvidiactl``, ``/dev/nvidia-uvm`` are not GPUs). Pure."""
+    return {int(m.group(1)) for f in device_files if (m := _NVIDIA_GPU_DEV.match(f))}
+
+
+def parse_information(text: str) -> tuple[int | None, str | None]:
+    """(``Device Minor``, ``GPU UUID``) from a ``/proc/driver/nvidia/gpus/BUS/information``
+    file of the NVIDIA driver. Pure."""
+    minor = uuid = None
+    for line in text.splitlines():
+        k, _, v = line.partition(":")
+        if k.strip() == "Device Minor" and v.strip().isdigit():
+            minor = int(v.strip())
+        elif k.strip() == "GPU UUID":
+            uuid = v.strip()
+    return minor, uuid
+
+
+def uuids_by_minor(proc_gpus: str = PROC_GPUS) -> dict[int, str]:
+    """GPU UUID per device minor on this host, from the driver's /proc files ({} without)."""
+    out: dict[int, str] = {}
+    try:
+        buses = os.listdir(proc_gpus)
+    except OSError:
+        return out
+    for b in buses:
+        try:
+            with open(os.path.join(proc_gpus, b, "information")) as f:
+                minor, uuid = parse_information(f.read())
+        except OSError:
+            continue
+        if minor is not None and uuid:
+            out[minor] = uuid
+    return out
+
+
+def used_gpu(cuda_pids: Sequence[int], device_files: Sequence[str], uuids: dict[int, str]) -> str:
+    """The UUID of the one GPU a CUDA engine tree uses. Raises UnsnapshottableError when no
+    process holds CUDA (vLLM fell back to CPU?) or the tree uses several GPUs (TP1 only),
+    EnvironmentProblem when the GPU's UUID is unknown. Pure."""
+    from .errors import UnsnapshottableError
+
+    if not cuda_pids:
+        raise UnsnapshottableError("the engine reports CUDA, but no process of its tree has a /dev/nvidia* device "
+                                   "open: there is no GPU state to checkpoint",
+                                   hint="check that vLLM sees the GPU (CUDA_VISIBLE_DEVICES, the driver)")
+    minors = sorted(gpu_minors(device_files))
+    if len(minors) != 1:
+        raise UnsnapshottableError(f"the engine tree uses {len(minors)} GPUs (/dev/nvidia{minors}); a snapshot holds "
+                                   "exactly one (TP1)", hint="restrict the engine to one GPU with CUDA_VISIBLE_DEVICES")
+    if minors[0] not in uuids:
+        raise EnvironmentProblem(f"the UUID of GPU /dev/nvidia{minors[0]} is unknown (no {PROC_GPUS}/*/information)")
+    return uuids[minors[0]]

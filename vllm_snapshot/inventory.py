@@ -110,6 +110,8 @@ class Inventory:
       mapped (host view), sorted by path; recorded in the manifest as they are.
     - ``deleted_files``: absolute paths of deleted-but-open files (CRIU link-remaps them into
       their directory at dump; :mod:`vllm_snapshot.remaps` keeps those).
+    - ``nvidia_files``: ``/dev/nvidia*`` device files the tree has open or mapped;
+      ``cuda_pids``: the processes holding any of them (CUDA users).
     """
 
     root_pid: int
@@ -118,6 +120,8 @@ class Inventory:
     listeners: tuple[tuple[str, int], ...]
     files: tuple[TreeFile, ...]
     deleted_files: tuple[str, ...] = ()
+    nvidia_files: tuple[str, ...] = ()
+    cuda_pids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -460,6 +464,8 @@ def inspect_tree(root_pid: int, private_prefixes: tuple[str, ...] = PRIVATE_PREF
     files = _collect_files(procs, private_prefixes)
     deleted = sorted({t[: -len(" (deleted)")] for p in procs for _fd, t in p.fds
                       if t.startswith("/") and t.endswith(" (deleted)")})
+    nvidia = {p.pid: {t for _fd, t in p.fds if t.startswith("/dev/nvidia")}
+              | {path for _d, _i, path in p.maps if path.startswith("/dev/nvidia")} for p in procs}
 
     if findings:
         hints = list(dict.fromkeys(f.hint for f in findings))
@@ -470,7 +476,9 @@ def inspect_tree(root_pid: int, private_prefixes: tuple[str, ...] = PRIVATE_PREF
             details=[{"pid": f.pid, "command": f.command, "kind": f.kind, "object": f.obj} for f in findings])
     return Inventory(root_pid=procs[0].pid, pids=tuple(p.pid for p in procs),
                      commands=tuple(p.command for p in procs), listeners=tuple(sorted(listeners)),
-                     files=files, deleted_files=tuple(deleted))
+                     files=files, deleted_files=tuple(deleted),
+                     nvidia_files=tuple(sorted(set().union(*nvidia.values()))),
+                     cuda_pids=tuple(pid for pid, fs in nvidia.items() if fs))
 
 
 def _check_sockets(procs: list[_Proc], tree_socks: dict[int, _Proc], findings: list[Finding]) -> set[tuple[str, int]]:

@@ -94,6 +94,13 @@ class SnapshotTools(Protocol):
 
     def gpu_present(self) -> bool: ...
 
+    def gpu_used(self, inv: Inventory) -> str:
+        """UUID of the one GPU a CUDA engine tree holds. Raises UnsnapshottableError (no CUDA
+        holder, several GPUs), EnvironmentProblem."""
+
+    def gpu_uuids(self) -> list[str]:
+        """UUIDs of this host's GPUs ([] without)."""
+
     def environ(self) -> dict[str, str]: ...
 
     def path_exists(self, path: Path) -> bool: ...
@@ -232,6 +239,19 @@ class SnapshotTools(Protocol):
     def sleep(self, seconds: float) -> None: ...
 
 
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    except OSError:
+        return "unreadable"
+    return h.hexdigest()
+
+
 def _http_json(url: str, body: dict | None = None, timeout: float = 30.0) -> tuple[int, dict | str]:
     """POST ``body`` (or GET) ``url``; (status, parsed JSON or text). Raises URLError/OSError."""
     data = json.dumps(body).encode() if body is not None else None
@@ -288,10 +308,13 @@ class LocalTools(SnapshotTools):
 
             ident = identity.collect(self.criu_version(), gpu.gpu_identity())
             if kind == "cuda":
-                from . import cuda_checkpoint
+                from . import criu, cuda_checkpoint
 
-                ident["cuda_checkpoint_helper"] = (os.environ.get("VLLM_SNAPSHOT_CUDA_CHECKPOINT")
-                                                   or f"vllm-snapshot:{cuda_checkpoint.digest()[:16]}")
+                # what CRIU will load and run for the GPU state, pinned by content
+                ident["cuda_plugin"] = "sha256:" + _sha256(criu.find_cuda_plugin(self._criu_binary()[0]))[:16]
+                own = os.environ.get("VLLM_SNAPSHOT_CUDA_CHECKPOINT")  # NVIDIA's binary instead of ours
+                ident["cuda_checkpoint_helper"] = (f"{own} sha256:{_sha256(Path(own))[:16]}" if own
+                                                   else f"vllm-snapshot:{cuda_checkpoint.digest()[:16]}")
             self._identity[kind] = ident
         return dict(self._identity[kind])
 
@@ -320,6 +343,16 @@ class LocalTools(SnapshotTools):
 
     def gpu_present(self) -> bool:
         return os.path.isdir("/proc/driver/nvidia/gpus")
+
+    def gpu_used(self, inv: Inventory) -> str:
+        from . import gpu
+
+        return gpu.used_gpu(inv.cuda_pids, inv.nvidia_files, gpu.uuids_by_minor())
+
+    def gpu_uuids(self) -> list[str]:
+        from . import gpu
+
+        return sorted(gpu.uuids_by_minor().values())
 
     def environ(self) -> dict[str, str]:
         return dict(os.environ)

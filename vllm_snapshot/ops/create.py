@@ -234,6 +234,7 @@ def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: 
             inherit = t.channel_keys(engine.root_pid)
             before = t.watch_remaps(inv.deleted_files)
             externals = t.external_mounts(engine.root_pid)
+            gpu_id = {"gpu_uuid_used": t.gpu_used(inv)} if info["kind"] == "cuda" else {}
         dump_opts = criu.DumpOptions(pid=engine.root_pid, external=mountpolicy.dump_args(externals))
         with rep.phase("dump", "CRIU dump"):
             t.dump(info["kind"], dump_opts, tmp)
@@ -250,7 +251,7 @@ def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: 
         remaps = []
         m = build_manifest(
             req=req, target=target, model_dir=model_dir, revision=revision, files=files, info=info, recorded=recorded,
-            sleep_level=sleep_level, env=env, criu_ver=criu_ver, host=t.host_identity(info["kind"]),
+            sleep_level=sleep_level, env=env, criu_ver=criu_ver, host={**t.host_identity(info["kind"]), **gpu_id},
             inv=inv, inherit=inherit, dump_opts=dump_opts, externals=externals, images=images, extra=extra,
             timings=rep.timings,
             created_at=_dt.datetime.fromtimestamp(t.now(), _dt.timezone.utc).isoformat(timespec="seconds"))

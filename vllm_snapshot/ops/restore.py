@@ -68,6 +68,8 @@ def validate(snapshot: Path, verify_model: str = "quick", allow: frozenset[str] 
         raise CorruptSnapshotError(f"{snapshot}: the manifest's CRIU flags are not restorable by this tool: {e}",
                                    hint="re-create the snapshot with this version of vllm-snapshot") from e
     here = t.host_identity(m.engine.kind)
+    if "gpu_uuid_used" in m.host:  # the one GPU the tree used must be on this host
+        here["gpu_uuid_used"] = m.host["gpu_uuid_used"] if m.host["gpu_uuid_used"] in t.gpu_uuids() else "absent"
     try:
         diffs = identity.compare(m.host, here, allow)
     except ValueError as e:

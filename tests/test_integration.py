@@ -242,3 +242,20 @@ def test_create_refuses_an_api_key_before_the_snapshot_exists(snap_root):
     assert "sk-planted" not in p.stderr
     assert not target.exists() and not list(snap_root.glob(".with-key.tmp-*"))
     assert engine_pids(10, before) - before == set()
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'], "--speculative-config"),
+    (["--logprobs-mode", "processed_logits"], "--logprobs-mode"),
+    (["--prefill-context-parallel-size", "2"], "--prefill-context-parallel-size 2"),
+    (["--decode-context-parallel-size", "2"], "--decode-context-parallel-size 2"),
+    (["--ssl-keyfile", "/k.pem", "--ssl-certfile", "/c.pem"], "TLS"),
+    (["--middleware", "x.y"], "--middleware"),
+])
+def test_vllm_parser_refuses_unrestorable_settings(extra, words):
+    """The engine's own parse (vLLM's parser + our refusals), as create runs it before the
+    model loads."""
+    from vllm_snapshot.engine.main import parse_engine_args
+
+    with pytest.raises(ValueError, match=words.replace("-", "\\-").replace("(", "\\(")):
+        parse_engine_args(str(TINY), ["--dtype", "float32", *extra])

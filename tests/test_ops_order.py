@@ -301,3 +301,44 @@ def test_cuda_create_records_the_gpu_used_and_restore_needs_it_here():
     with pytest.raises(UnsnapshottableError):
         _create(nogpu)
     assert "dump" not in nogpu.calls
+
+
+def test_http_canary_sends_the_oracles_request_and_treats_garbage_as_a_mismatch():
+    import json as _json
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from vllm_snapshot.tools import LocalTools
+
+    m = manifest_with()
+    replies = [{"choices": [{"text": m.oracle.text, "token_ids": [m.oracle.token_id],
+                             "logprobs": {"token_logprobs": [m.oracle.logprob]}}]},
+               {"choices": []}, {"choices": [{"text": m.oracle.text, "token_ids": [m.oracle.token_id],
+                                              "logprobs": {"token_logprobs": ["NaN"]}}]}]
+    seen = []
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            seen.append(_json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            data = _json.dumps(replies[len(seen) - 1]).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    srv = HTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        t = LocalTools()
+        assert t.http_canary(url, m) == []
+        body = seen[0]
+        assert body["min_tokens"] == 1 and body["max_tokens"] == 1 and body["seed"] == 0
+        assert body["temperature"] == 0.0 and body["repetition_penalty"] == 1.0 and body["return_token_ids"] is True
+        assert any("malformed" in d for d in t.http_canary(url, m))  # no choice: a mismatch, not a crash
+        assert any("logprob" in d for d in t.http_canary(url, m))  # NaN: a mismatch
+    finally:
+        srv.shutdown()

@@ -173,3 +173,23 @@ def test_redact_args_catches_abbreviations_and_every_value():
     assert redact_args(["--api-key", "k1", "k2", "--max-model-len", "512"]) == [
         "--api-key", "<redacted>", "<redacted>", "--max-model-len", "512"]
     assert redact_args(["--ma", "512"]) == ["--ma", "512"]  # too short to be a secret's prefix
+
+
+def test_kill_reports_survivors(monkeypatch):
+    import io
+
+    from vllm_snapshot import supervisor
+    from vllm_snapshot.errors import EngineError
+
+    class P:
+        pid = 4242
+
+        def kill(self):
+            pass
+
+    h = supervisor.EngineHandle(4242, io.StringIO(), -1, supervisor.LogPump(-1, []), None)
+    monkeypatch.setattr(h, "tree", lambda: [P()])
+    monkeypatch.setattr(supervisor, "wait_gone", lambda procs, t: [4242])
+    monkeypatch.setattr(h, "reap", lambda block=True: None)
+    with pytest.raises(EngineError, match="survived SIGKILL: PIDs \\[4242\\]"):
+        h.kill()

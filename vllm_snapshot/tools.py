@@ -252,6 +252,18 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def canary_request(m: Manifest) -> dict:
+    """The HTTP canary's body: the oracle's own request -- greedy, exactly one token
+    (``min_tokens`` masks EOS as the in-engine oracle does), seeded, token ids returned -- with
+    neutral sampling values sent explicitly, so defaults from the model's
+    ``generation_config.json`` (which vLLM's server applies to requests, not to the engine's own
+    oracle) cannot change it. Pure."""
+    return {"model": m.model.served_name, "prompt": m.oracle.prompt, "max_tokens": 1, "min_tokens": 1,
+            "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+            "presence_penalty": 0.0, "frequency_penalty": 0.0, "seed": 0, "logprobs": 5,
+            "return_token_ids": True}
+
+
 def _http_json(url: str, body: dict | None = None, timeout: float = 30.0) -> tuple[int, dict | str]:
     """POST ``body`` (or GET) ``url``; (status, parsed JSON or text). Raises URLError/OSError."""
     data = json.dumps(body).encode() if body is not None else None
@@ -578,11 +590,7 @@ class LocalTools(SnapshotTools):
         from . import oracle
 
         try:
-            # the oracle's own request: greedy, exactly one token (min_tokens masks EOS as the
-            # in-engine oracle does), seeded, token ids returned for an exact comparison
-            status, body = _http_json(f"{url}/v1/completions", {
-                "model": m.model.served_name, "prompt": m.oracle.prompt, "max_tokens": 1, "min_tokens": 1,
-                "temperature": 0.0, "seed": 0, "logprobs": 5, "return_token_ids": True})
+            status, body = _http_json(f"{url}/v1/completions", canary_request(m))
         except (urllib.error.URLError, OSError) as e:
             return [f"canary request failed: {e}"]
         if status != 200 or not isinstance(body, dict):

@@ -282,6 +282,9 @@ class FakeTools(SnapshotTools):
         self._call("listeners_taken")
         return []
 
+    def ports_held_by(self, pid: int) -> set[int]:
+        return set()
+
     def restore_tree(self, kind: str, opts: RestoreOptions, stage: Path) -> int:
         self.restore_opts = opts
         self._call("restore_tree")
@@ -320,7 +323,7 @@ class FakeTools(SnapshotTools):
     def clean_stale_temps(self, root: Path) -> list[Path]:
         return []
 
-    def reclaim(self, near: Path) -> list[str]:
+    def reclaim(self, near: Path, dry_run: bool = False) -> list[str]:
         self._call("reclaim")
         return []
 

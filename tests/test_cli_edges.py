@@ -336,3 +336,86 @@ def test_failed_dump_removes_the_link_remaps_it_left():
         ops.create(ops.CreateRequest(model="/m", target=SNAP, engine_args=["--kv-cache-memory-bytes", "1M"]),
                    Reporter(), tools=t)
     assert t.calls.index("find_remaps") < t.calls.index("cleanup_remaps") < t.calls.index("discard")
+
+
+def test_switch_refuses_a_corrupt_image_before_stopping():
+    t = FakeTools(fail={"verify_images": CorruptSnapshotError("image pages-4.img fails its checksum")})
+    t.entries = [_old()]
+    with pytest.raises(CorruptSnapshotError, match="checksum"):
+        ops.switch(SNAP, None, 8101, None, Reporter(), tools=t)
+    assert "stop_engine" not in t.calls
+
+
+def test_switch_refuses_taken_recorded_ports_before_stopping():
+    t = FakeTools()
+    t.entries = [_old()]
+    t.listeners_taken = lambda listeners: ["127.0.0.1:40000 is taken by PID 9 (x)"]
+    with pytest.raises(BusyError, match="40000"):
+        ops.switch(SNAP, None, 8101, None, Reporter(), tools=t)
+    assert "stop_engine" not in t.calls
+
+
+def test_switch_to_what_already_serves_is_a_no_op():
+    t = FakeTools()
+    t.entries = [_old(snap=str(SNAP), host="127.0.0.1")]
+    res = ops.switch(SNAP, None, 8101, None, Reporter(), tools=t)
+    assert res.pid == 77 and res.switch_s == 0.0 and "stop_engine" not in t.calls and "restore_tree" not in t.calls
+
+
+def test_create_refuses_a_target_inside_a_snapshot_and_secrets_early():
+    t = FakeTools()
+    t.path_exists = lambda p: p == Path("/snaps/tiny/manifest.json")
+    with pytest.raises(UsageError, match="inside the snapshot /snaps/tiny"):
+        ops.create(ops.CreateRequest(model="/m", target=Path("/snaps/tiny/images/x"),
+                                     engine_args=["--kv-cache-memory-bytes", "1M"]), Reporter(), tools=t)
+    t2 = FakeTools()
+    with pytest.raises(UsageError, match="--api-key"):
+        ops.create(ops.CreateRequest(model="/m", target=SNAP, engine_args=["--kv-cache-memory-bytes", "1M",
+                                                                          "--api-key", "k"]), Reporter(), tools=t2)
+    assert "launch_engine" not in t.calls + t2.calls
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="delete checks root first")
+def test_delete_of_a_symlink_refuses_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    from helpers import write_snapshot_dir
+
+    monkeypatch.setenv("VLLM_SNAPSHOT_RUN_DIR", str(tmp_path / "run"))
+    os.chmod(tmp_path, 0o700)
+    write_snapshot_dir(tmp_path / "real")
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    assert cli.main(["delete", str(tmp_path / "link")]) == 5
+    assert "symlink" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "run") == ["link", "real"]
+
+
+def test_a_directory_without_a_manifest_is_not_a_snapshot(tmp_path):
+    from vllm_snapshot import layout
+
+    d = tmp_path / "usr"
+    d.mkdir()
+    os.chmod(d, 0o755)
+    with pytest.raises(CorruptSnapshotError, match="not a snapshot") as ei:
+        layout.open_trusted(d)
+    assert "chmod" not in (ei.value.hint or "")
+
+
+def test_log_file_must_be_a_writable_regular_file(tmp_path):
+    from vllm_snapshot.tools import LocalTools
+
+    with pytest.raises(UsageError, match="pseudo filesystem"):
+        LocalTools().check_log_file(Path("/proc/version"))
+    LocalTools().check_log_file(tmp_path / "ok.log")
+
+
+def test_json_after_double_dash_belongs_to_the_engine_args(capsys):
+    cli.main(["create", "--name", "a/b", "--", "--json"])
+    err = capsys.readouterr()
+    assert err.out == "" and "not a valid snapshot name" in err.err  # plain text: --json was vLLM's
+
+
+def test_log_file_fifo_refused(tmp_path):
+    from vllm_snapshot.tools import LocalTools
+
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(UsageError, match="not a regular file|cannot be written"):
+        LocalTools().check_log_file(tmp_path / "fifo")

@@ -199,7 +199,7 @@ def test_second_concurrent_restore_refused_cleanly(snapshot):
         assert no_rc == 9, no_err[-3000:]
         err = json.loads(no_out)["error"]  # --json: the error is JSON on stdout
         assert err["code"] == "busy"
-        assert "loopback ports the engine tree listened on" in err["message"] and "taken by PID" in err["message"]
+        assert "loopback ports the engine tree listened on" in err["message"] and "held by PID" in err["message"]
         assert "CRIU restore" not in no_err
         assert not port_accepts(no_port)
     finally:

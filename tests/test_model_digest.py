@@ -230,8 +230,10 @@ def test_full_mode_rehashes_everything(model_dir):
 def test_missing_model_dir_refuses_with_every_file(model_dir):
     rec = model_digest.digest_dir(model_dir)
     shutil.rmtree(model_dir)
-    e = _refuses(model_dir, rec, "quick")
-    assert sorted(e.details["missing"]) == sorted(f.path for f in rec)
+    with pytest.raises(ModelChangedError, match="does not exist") as ei:
+        model_digest.verify(model_dir, rec, "quick")
+    assert str(model_dir) in ei.value.message and ei.value.exit_code == 4
+    assert sorted(ei.value.details["missing"]) == sorted(f.path for f in rec)
 
 
 def test_hub_cache_symlinks_are_followed_and_blob_changes_refuse(tmp_path):

@@ -29,27 +29,36 @@ def _complete(port: int, host: str = "127.0.0.1") -> str:
 
 
 def test_switch_bad_target_keeps_serving_and_failed_restore_rolls_back(clone_snapshot, tmp_path):
+    from vllm_snapshot import manifest as mf
+
     a = clone_snapshot("sw-a")
-    bad = clone_snapshot("sw-bad")
-    # a flipped byte in an image: passes the metadata checks, fails at staging (after the stop)
-    pages = max((bad / "images").glob("pages-*"), key=lambda x: x.stat().st_size)
+    corrupt = clone_snapshot("sw-corrupt")
+    # a flipped byte in an image: found by the target's full validation, before any stop
+    pages = max((corrupt / "images").glob("pages-*"), key=lambda x: x.stat().st_size)
     _break_link(pages)
     raw = bytearray(pages.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     pages.write_bytes(bytes(raw))
+    # a recorded oracle the engine will not reproduce: passes every check before CRIU, fails
+    # after the old engine was stopped -> rollback
+    wrong = clone_snapshot("sw-wrong")
+    m = mf.read(wrong)
+    mf.write_atomic(mf.seal(m.model_copy(update={"oracle": m.oracle.model_copy(
+        update={"token_id": m.oracle.token_id + 1})})), wrong)
     env = engine_env()
     port = free_port()
     r = json.loads(cli("restore", str(a), "--host", "::1", "--port", str(port), "--detach", "--json",
                        env=env, timeout=300, check=True).stdout)
     try:
-        # 1. a typo: refused before anything is stopped
-        p = cli("switch", str(tmp_path / "nope"), "--port", str(port), "--json", env=env, timeout=120)
-        assert p.returncode == 2, p.stderr
-        assert [e["pid"] for e in _status(env) if e["port"] == port] == [r["pid"]]
-        assert _complete(port, "::1") is not None
-        # 2. the restore of the target fails after the old engine was stopped: rolled back
-        p = cli("switch", str(bad), "--port", str(port), "--json", env=env, timeout=300)
-        assert p.returncode == 5, p.stderr
+        # 1. a typo, 2. a corrupt image: refused before anything is stopped
+        for target, code in ((tmp_path / "nope", 2), (corrupt, 5)):
+            p = cli("switch", str(target), "--port", str(port), "--json", env=env, timeout=300)
+            assert p.returncode == code, p.stderr
+            assert [e["pid"] for e in _status(env) if e["port"] == port] == [r["pid"]]
+            assert _complete(port, "::1") is not None
+        # 3. the target fails after the old engine was stopped: rolled back, and said so
+        p = cli("switch", str(wrong), "--port", str(port), "--json", env=env, timeout=300)
+        assert p.returncode == 6, p.stderr
         err = json.loads(p.stdout)["error"]
         assert "rolled back" in err["message"] and err["details"]["stopped"][0]["pid"] == r["pid"]
         serving = err["details"]["serving"]
@@ -57,6 +66,9 @@ def test_switch_bad_target_keeps_serving_and_failed_restore_rolls_back(clone_sna
         assert wait_gone(r["pid"], 5)
         assert [(e["pid"], e["host"]) for e in _status(env) if e["port"] == port] == [(serving["pid"], "::1")]
         assert _complete(port, "::1") is not None
+        # 4. switching to what already serves there is a no-op
+        p = json.loads(cli("switch", str(a), "--port", str(port), "--json", env=env, timeout=120, check=True).stdout)
+        assert p["pid"] == serving["pid"] and p["switch_s"] == 0.0
     finally:
         cli("stop", "--port", str(port), env=env, timeout=120)
     assert not port_accepts(port)

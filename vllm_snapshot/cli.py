@@ -228,7 +228,7 @@ def stop(
 
     _root_only("stop")
     if (snapshot is None) == (port is None):
-        raise UsageError("give a snapshot or --port")
+        raise UsageError("give a snapshot or --port (one of them, not both)")
     render.show(ops.stop_engines(_resolve(snapshot) if snapshot else None, port), as_json)
 
 
@@ -341,7 +341,10 @@ def main(argv: list[str] | None = None) -> int:
         from click import exceptions as click_exc
 
     argv = sys.argv[1:] if argv is None else argv
-    _STATE["json"] = "--json" in argv
+    _STATE["json"] = "--json" in (argv[:argv.index("--")] if "--" in argv else argv)  # after --: vLLM's
+    from . import interrupts
+
+    interrupts.install()  # from the first moment: SIGTERM during start-up exits 130 too
     cmd = typer.main.get_command(app)
     try:
         rv = cmd.main(args=argv, prog_name="vllm-snapshot", standalone_mode=False)

@@ -437,11 +437,12 @@ def _check_mounts(p: Probes) -> list[Check]:
     got = M.classify(M.parse_mountinfo(text), M.needed_paths(None, {"HOME": p.env("HOME") or "/root"}))
 
     def fmt(action: str, why: bool) -> list[str]:
-        return [f"{m.mount_point} ({m.fs_type})" + (f": {r}" if why else "") for m, a, r in got if a == action]
+        return list(dict.fromkeys(f"{m.mount_point} ({m.fs_type})" + (f": {r}" if why else "")
+                                  for m, a, r in got if a == action))
 
     det, ext, ref = fmt(M.DETACH, False), fmt(M.EXTERNAL, True), fmt(M.REFUSE, True)
-    out = [Check("mounts-detached", True, "info", f"{len(det)} detached in the engine's namespace (not needed): "
-                 + (", ".join(det) or "none")),
+    out = [Check("mounts-detached", True, "info", f"{len(det)} detached in the engine's namespace (not needed; "
+                 "a mount holding the model becomes external at create): " + (", ".join(det) or "none")),
            Check("mounts-external", True, "info", f"{len(ext)} passed to CRIU as external mounts: "
                  + ("; ".join(ext) or "none"))]
     if ref:

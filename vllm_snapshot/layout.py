@@ -68,6 +68,9 @@ def open_trusted(path: Path) -> SnapshotDir:
     no unexpected top-level member -- and return the snapshot's :class:`SnapshotDir`.
     Raises UsageError (missing), CorruptSnapshotError (untrusted or unexpected content)."""
     path = path.absolute()
+    if path.is_dir() and not path.is_symlink() and not (path / MANIFEST).exists():
+        raise CorruptSnapshotError(f"{path} is not a snapshot (no {MANIFEST}), or an incomplete one",
+                                   hint="name a directory made by `vllm-snapshot create`")
     check_dir_safety(path)
     check_file_modes(path)
     extra = sorted(set(os.listdir(path)) - MEMBERS)

@@ -103,6 +103,10 @@ def verify(root: Path, recorded: tuple[ModelFile, ...], mode: Literal["quick", "
     Raises ModelChangedError naming every file whose content differs or that is missing
     (details: ``{"changed": [...], "missing": [...], "added": [...]}``).
     """
+    if not root.is_dir():
+        raise ModelChangedError(f"the model directory {root} does not exist (moved or deleted after create)",
+                                hint="put the model back at that path, or re-create the snapshot",
+                                details={"changed": [], "missing": [f.path for f in recorded], "added": []})
     changed, missing, rehashed = [], [], []
     for f in recorded:
         p = root / f.path

@@ -76,6 +76,7 @@ def listeners_taken(listeners: Iterable[tuple[str, int] | list]) -> list[str]:
     one message per address that cannot be bound, naming the holder when known. Empty list =
     all free. Raises nothing."""
     problems = []
+    owners: dict[str, list[str]] = {}
     for addr, port in listeners:
         fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
         s = socket.socket(fam, socket.SOCK_STREAM)
@@ -84,10 +85,11 @@ def listeners_taken(listeners: Iterable[tuple[str, int] | list]) -> list[str]:
             s.bind((addr, int(port)))
         except OSError as e:
             owner = port_owner(int(port))
-            who = f"taken by PID {owner[0]} ({owner[1]})" if owner else "taken (owner unknown)"
-            reason = _errno.errorcode.get(e.errno, str(e.errno)) if e.errno else str(e)
-            problems.append(f"{fmt_addr(addr, int(port))} is {who}: {reason}; the engine listened "
-                            f"there when the snapshot was made and must get it back")
+            who = f"PID {owner[0]} ({owner[1]})" if owner else "an unknown owner"
+            owners.setdefault(who, []).append(fmt_addr(addr, int(port)))
         finally:
             s.close()
+    for who, addrs in owners.items():
+        problems.append(f"{len(addrs)} of them held by {who}: {', '.join(addrs[:4])}"
+                        + (f" and {len(addrs) - 4} more" if len(addrs) > 4 else ""))
     return problems

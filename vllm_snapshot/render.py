@@ -48,11 +48,17 @@ def _line(text: str) -> None:
     sys.stdout.flush()
 
 
+def _token_text(text: str) -> str:
+    """The oracle's token text, readable: an empty text is a partial UTF-8 character (byte
+    tokens), not a missing oracle."""
+    return repr(text) if text else "'' (part of a UTF-8 character)"
+
+
 def _created(r: R.Created, quiet: bool) -> None:
     if quiet:
         return
     m = r.manifest
-    _line(f"snapshot {r.snapshot} created: oracle {m.oracle.text!r} (token {m.oracle.token_id}), "
+    _line(f"snapshot {r.snapshot} created: oracle {_token_text(m.oracle.text)} (token {m.oracle.token_id}), "
           f"images {human_bytes(m.sizes['raw'])} raw, {human_bytes(m.sizes['stored'])} stored, "
           f"{sum(m.timings.values()):.1f} s")
 
@@ -77,6 +83,9 @@ def _restored(r: R.Restored, quiet: bool) -> None:
 
 
 def _listed(r: R.Listed, quiet: bool) -> None:
+    if not r.root_exists:
+        _line(f"no snapshots: the snapshot root {r.root} does not exist (yet; `create` makes it)")
+        return
     snapshot_list(r.rows, r.root)
 
 
@@ -91,7 +100,7 @@ def _pruned(r: R.Pruned, quiet: bool) -> None:
     for p in r.kept_running:
         _line(f"kept {p} (an engine restored from it is running)")
     for p in r.temp_removed:
-        _line(f"removed leftover {p}")
+        _line(f"{'would remove' if r.dry_run else 'removed'} leftover {p}")
     if not (r.deleted or r.kept_running or r.temp_removed):
         _line("nothing to prune")
 
@@ -174,12 +183,15 @@ def manifest_table(m: Manifest, path: str) -> None:
     t.add_row("served as", m.model.served_name)
     t.add_row("engine args", " ".join(m.engine.engine_args) or "[dim](none)[/]")
     o = m.oracle
-    t.add_row("oracle", f"{o.prompt!r} → token {o.token_id} {o.text!r}, logprob {o.logprob:.6f}")
+    t.add_row("oracle", f"{o.prompt!r} → token {o.token_id} {_token_text(o.text)}, logprob {o.logprob:.6f}")
     t.add_row("images", f"{len(m.images)} files, raw {human_bytes(m.sizes['raw'])}, stored {human_bytes(m.sizes['stored'])}"
               + (f" ({100 * m.sizes['stored'] / max(1, m.sizes['raw']):.1f}%)" if m.sizes['raw'] else ""))
     t.add_row("compression", ", ".join(sorted({i.compression for i in m.images})) or "none")
     t.add_row("CRIU", f"{m.criu.version}  flags: {' '.join('--' + f for f in m.criu.flags)}")
-    t.add_row("process tree", f"{len(m.criu.tree_pids)} processes (own PID namespace: {m.criu.pid_namespace})")
+    t.add_row("process tree", f"{len(m.criu.tree_pids)} processes in their own PID + mount namespace"
+              if m.criu.pid_namespace else f"{len(m.criu.tree_pids)} processes")
+    t.add_row("external mounts", "; ".join(f"{x.mount_point} ({x.describe()})" for x in m.criu.external_mounts)
+              or "[dim](none: everything the engine uses is on the root filesystem)[/]")
     c.print(t)
     h = Table(title="host identity", title_justify="left")
     h.add_column("field", style="bold")

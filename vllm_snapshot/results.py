@@ -68,9 +68,10 @@ class Listed:
 
     root: str
     rows: list[dict]
+    root_exists: bool = True
 
     def to_json(self) -> dict:
-        return {"root": self.root, "snapshots": self.rows}
+        return {"root": self.root, "root_exists": self.root_exists, "snapshots": self.rows}
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,8 @@ class Pruned:
     dry_run: bool = False
 
     def to_json(self) -> dict:
-        return {"deleted": self.deleted, "kept_running": self.kept_running, "temp_removed": self.temp_removed}
+        return {"deleted": self.deleted, "kept_running": self.kept_running, "temp_removed": self.temp_removed,
+                "dry_run": self.dry_run}
 
 
 @dataclass(frozen=True)

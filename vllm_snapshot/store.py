@@ -210,6 +210,11 @@ def list_snapshots(root: Path) -> list[Path]:
 def delete(snapshot: Path) -> None:
     """Remove a snapshot: first renamed to a hidden temp name (so it vanishes from listings
     atomically), then removed."""
+    from .errors import CorruptSnapshotError
+
+    if snapshot.is_symlink():
+        raise CorruptSnapshotError(f"{snapshot} is a symlink, not a snapshot; nothing was deleted",
+                                   hint=f"remove the link itself with `rm {snapshot}`, or delete the snapshot it names")
     tmp = snapshot.parent / f".{snapshot.name}{TMP_MARK}deleting-{os.getpid()}"
     os.rename(snapshot, tmp)
     shutil.rmtree(tmp)

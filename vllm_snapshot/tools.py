@@ -189,6 +189,9 @@ class SnapshotTools(Protocol):
 
     def listeners_taken(self, listeners: tuple[tuple[str, int], ...]) -> list[str]: ...
 
+    def ports_held_by(self, pid: int) -> set[int]:
+        """TCP ports the tree rooted at ``pid`` listens on."""
+
     def restore_tree(self, kind: str, opts: RestoreOptions, stage: Path) -> int:
         """CRIU restore as our child; returns the root's host PID. Raises CriuError."""
 
@@ -212,9 +215,10 @@ class SnapshotTools(Protocol):
     def clean_stale_temps(self, root: Path) -> list[Path]:
         """Remove leftovers of crashed creates under ``root`` (and stale lock files)."""
 
-    def reclaim(self, near: Path) -> list[str]:
+    def reclaim(self, near: Path, dry_run: bool = False) -> list[str]:
         """Remove what killed commands left: staging dirs of dead restores (/dev/shm, the
-        staging dir, ``near``), stale registry entries and lock files. Never a live one's."""
+        staging dir, ``near``), orphaned engine trees, stale registry entries and lock files.
+        Never a live one's. ``dry_run``: only list them."""
 
     def last_restore(self, snapshot: Path) -> float | None: ...
 
@@ -524,6 +528,20 @@ class LocalTools(SnapshotTools):
 
         if path.is_dir() or not path.parent.is_dir():
             raise UsageError(f"--log-file {path}: " + ("is a directory" if path.is_dir() else f"{path.parent} does not exist"))
+        real = os.path.realpath(path)
+        if real.startswith(("/proc/", "/sys/", "/dev/")):
+            raise UsageError(f"--log-file {path} is on a pseudo filesystem ({real}); name a regular file")
+        try:  # the engine appends to it: it must be a writable regular file (not a fifo, a device)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+            try:
+                import stat as _stat
+
+                if not _stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise UsageError(f"--log-file {path} is not a regular file")
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise UsageError(f"--log-file {path} cannot be written: {e.strerror}") from e
 
     def default_log_file(self, snapshot: Path, port: int) -> Path:
         return paths.ensure_private_dir(paths.log_dir()) / f"{snapshot.name}-{port}.log"
@@ -565,6 +583,18 @@ class LocalTools(SnapshotTools):
         from . import ports
 
         return ports.listeners_taken(listeners)
+
+    def ports_held_by(self, pid: int) -> set[int]:
+        import psutil
+
+        from .procs import tree
+
+        pids = {p.pid for p in tree(pid)}
+        try:
+            conns = psutil.net_connections("tcp")
+        except (psutil.Error, OSError):
+            return set()
+        return {c.laddr.port for c in conns if c.pid in pids and c.status == psutil.CONN_LISTEN and c.laddr}
 
     def restore_tree(self, kind: str, opts: RestoreOptions, stage: Path) -> int:
         return self._runner(kind).restore(opts, stage, stage)
@@ -626,23 +656,28 @@ class LocalTools(SnapshotTools):
         locks.clean_stale()  # lock files of snapshot paths that are gone
         return store.clean_stale_temps(root)
 
-    def reclaim(self, near: Path) -> list[str]:
+    def reclaim(self, near: Path, dry_run: bool = False) -> list[str]:
         import psutil
 
-        from . import archive, locks, registry
+        from . import archive, locks, registry, store
 
         gone = []
         for d in archive.stale_staging([Path("/dev/shm"), paths.staging_dir(), near]):
-            archive.remove_staging(d)
+            if not dry_run:
+                archive.remove_staging(d)
             gone.append(str(d))
+        if dry_run:
+            gone += [str(p) for p in store.stale_temps(near)]
         registry.entries()  # drops entries of dead engines
         for p in registry.orphans():  # a SIGKILLed restore's tree: kill its namespace init
             try:
-                p.kill()
+                if not dry_run:
+                    p.kill()
                 gone.append(f"orphaned engine tree PID {p.pid}")
             except psutil.Error:
                 pass
-        gone += [str(p) for p in locks.clean_stale()]
+        if not dry_run:
+            gone += [str(p) for p in locks.clean_stale()]
         return gone
 
     def last_restore(self, snapshot: Path) -> float | None:

@@ -87,6 +87,12 @@ FRONTEND_REFUSED = {
 }
 
 
+#: The same, by flag, for create's early check (exact flag names; the engine-side check also
+#: catches abbreviations): flag -> reason.
+EARLY_REFUSED = {"--" + k.replace("_", "-"): why for k, why in FRONTEND_REFUSED.items()}
+EARLY_REFUSED["--speculative-config"] = "speculative decoding (a draft model is not reloaded after sleep)"
+
+
 def unrestorable(args) -> list[str]:
     """Settings of parsed ``vllm serve`` args that make a snapshot unrestorable or its oracle
     meaningless, each with the reason. Pure (over the namespace)."""

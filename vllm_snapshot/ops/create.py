@@ -90,12 +90,20 @@ def arg_value(engine_args: list[str], flag: str) -> str | None:
 
 
 def check_engine_args(engine_args: list[str]) -> None:
-    """Refuse engine args the snapshot could only record and ignore. Pure. Raises UsageError."""
+    """Refuse engine args the snapshot could only record and ignore, and (early, before the
+    engine starts) the settings that make a snapshot unrestorable -- the engine's parse
+    (:func:`vllm_snapshot.engine.main.unrestorable`) stays the authority, abbreviations
+    included. Pure. Raises UsageError."""
+    from ..engine.main import EARLY_REFUSED
+
     for a in engine_args:
         flag = a.split("=", 1)[0]
         if flag in RESTORE_OWNED_ARGS:
             raise UsageError(f"{flag} is not an engine arg here: the snapshot's engine binds nothing until restore",
                              hint=f"pass {flag} to `vllm-snapshot restore` (or switch) instead")
+        if flag in EARLY_REFUSED:
+            raise UsageError(f"{flag}: {EARLY_REFUSED[flag]}; a snapshot made with it could never be restored "
+                             "or validated", hint=f"create without {flag}")
 
 
 def check_visible(needed: dict[str, Path], hidden: list[Path]) -> None:
@@ -137,6 +145,10 @@ def create(req: CreateRequest, rep: Reporter, tools: SnapshotTools | None = None
     model_dir, revision = t.resolve_model(req.model, arg_value(req.engine_args, "--revision"))
     check_visible({"model": model_dir, **t.code_paths()}, [Path(p) for p in PRIVATE_MOUNTS])
     t.check_mounts(model_dir, scrubbed_env(t.environ(), req.keep_env))
+    inside = next((p for p in target.parents if t.path_exists(p / layout.MANIFEST)), None)
+    if inside is not None:
+        raise UsageError(f"{target} is inside the snapshot {inside}; a snapshot cannot hold another",
+                         hint="choose a --snapshot-dir/--name outside any snapshot")
     if t.path_exists(target):
         raise UsageError(f"{target} already exists; refusing to overwrite a snapshot",
                          hint="choose another --snapshot-dir/--name, or delete the old one first")

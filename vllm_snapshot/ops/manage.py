@@ -52,7 +52,9 @@ def describe(snapshot: Path, tools: SnapshotTools | None = None) -> dict:
 def list_snapshots(root: Path, tools: SnapshotTools | None = None) -> Listed:
     """``list``: a :func:`describe` row per published snapshot under ``root``."""
     t = tools or LocalTools()
-    return Listed(str(root), [describe(p, t) for p in t.list_snapshots(root)])
+    if t.path_exists(root) and not Path(root).is_dir():
+        raise UsageError(f"the snapshot root {root} is not a directory", hint="check --root / VLLM_SNAPSHOT_ROOT")
+    return Listed(str(root), [describe(p, t) for p in t.list_snapshots(root)], t.path_exists(root))
 
 
 def _engines_of(t: SnapshotTools, snapshot: Path) -> list[Entry]:
@@ -124,7 +126,7 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
             with t.snapshot_lock(p, shared=False):
                 t.delete_snapshot(p)
         deleted.append(str(p))
-    temps = [] if dry_run else [str(x) for x in t.clean_stale_temps(root)] + t.reclaim(root)
+    temps = t.reclaim(root, dry_run=True) if dry_run else [str(x) for x in t.clean_stale_temps(root)] + t.reclaim(root)
     return Pruned(deleted, kept, temps, dry_run)
 
 
@@ -167,9 +169,19 @@ def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, r
     snapshot = t.canonical(snapshot)
     old = [e for e in t.engines() if e.port == port]
     host = host or (old[0].host if old else "127.0.0.1")
+    if old and all(t.canonical(Path(e.snapshot)) == snapshot and e.host == host for e in old):
+        rep.info(f"{snapshot.name} already serves on port {port} (PID {old[0].pid}); nothing to switch")
+        return Switched(str(snapshot), port, old[0].pid, old[0].url, 0.0, 0.0, 0.0, [], host)
     with rep.phase("validate_target", f"validating {snapshot.name} before touching port {port}"):
         with t.snapshot_lock(snapshot, shared=True):
-            validate(snapshot, tools=t)
+            # everything restore checks before CRIU, image checksums included, except the
+            # port (the old engine holds it)
+            m, _ = validate(snapshot, check_images=True, tools=t)
+        held = set().union(*(t.ports_held_by(e.pid) for e in old)) if old else set()
+        taken = t.listeners_taken(tuple(x for x in m.criu.listeners if int(x[1]) not in held))
+        if taken:
+            raise BusyError("the target's recorded loopback ports are taken (the old engine keeps serving):\n  "
+                            + "\n  ".join(taken), hint="stop what holds them, or re-create the snapshot")
     t0 = t.clock()
     if old:
         with rep.phase("stop_previous", f"stopping the engine on port {port}"):
@@ -207,7 +219,7 @@ def _roll_back(t: SnapshotTools, prev: Entry, rep: Reporter) -> dict | None:
 def _explain_switch_failure(err: SnapshotError, port: int, stopped: list[dict], serving: dict | None,
                             rollback: bool) -> None:
     if not stopped:
-        what = f"nothing served on port {port} before"
+        what = f"no engine of vllm-snapshot served on port {port} before"
     elif serving:
         what = (f"the engine that served port {port} (PID {stopped[0]['pid']}, {stopped[0]['snapshot']}) was "
                 f"stopped and rolled back: {serving['snapshot']} serves on {serving['url']} again (PID {serving['pid']})")

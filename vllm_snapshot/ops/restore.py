@@ -161,8 +161,8 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
             taken = t.listeners_taken(m.criu.listeners)
             if taken:
                 raise BusyError(
-                    "loopback ports the engine tree listened on at snapshot time are taken "
-                    "(another engine restored from this snapshot?):\n  " + "\n  ".join(taken),
+                    f"loopback ports the engine tree listened on at snapshot time ({len(m.criu.listeners)}) "
+                    "are taken (another engine restored from this snapshot?):\n  " + "\n  ".join(taken),
                     hint="stop the engine holding them (vllm-snapshot status / stop), or re-create the snapshot")
             opts = criu.RestoreOptions(flags=m.criu.flags, inherit_fds=channel.inherit_fds(m.criu.inherit),
                                        external=mountpolicy.restore_args(m.criu.external_mounts))

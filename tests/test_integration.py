@@ -147,7 +147,10 @@ def test_ten_restores_in_a_row_foreground(snapshot):
                     break
                 except OSError:
                     time.sleep(0.2)
-            assert ok, f"restore #{i + 1} never served: rc={proc.poll()}"
+            if not ok:
+                proc.kill()
+                _out, err = proc.communicate()
+                raise AssertionError(f"restore #{i + 1} never served: rc={proc.returncode}\n{err[-4000:]}")
             time.sleep(0.5)
             proc.send_signal(signal.SIGTERM)
             out, err = proc.communicate(timeout=90)

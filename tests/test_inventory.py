@@ -358,3 +358,18 @@ def test_nvidia_device_files_and_their_holders_are_found(spawn):
         assert got.nvidia_files == (dev,) and got.cuda_pids == (c.pid,)
     finally:
         os.unlink(dev)
+
+
+def test_large_jit_cache_files_are_pinned_by_content(tmp_path):
+    d = tmp_path / "cache" / "torch_compile_cache" / "x"
+    d.mkdir(parents=True)
+    f = d / "kernel.so"
+    f.write_bytes(b"A" * (inv.HASH_LIMIT_BYTES + 10))
+    rec = inv.file_record(str(f))
+    assert rec.blake3 is not None  # over the size limit, but a JIT cache: digested
+    assert inv.check_files([rec]) == []
+    os.utime(f, ns=(rec.mtime_ns + 10**9, rec.mtime_ns + 10**9))  # touched, same bytes: fine
+    assert inv.check_files([rec]) == []
+    f.write_bytes(b"B" * (inv.HASH_LIMIT_BYTES + 10))  # rewritten in place, same size
+    problems = inv.check_files([rec])
+    assert len(problems) == 1 and "content differs" in problems[0] and "torch.compile cache" in problems[0]

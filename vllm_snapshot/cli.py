@@ -134,6 +134,7 @@ def inspect(
     from .results import Inspected
 
     snapshot_dir = _resolve(snapshot).absolute()
+    # only the manifest is read (strict schema + digest); nothing of the payload is used or run
     render.show(Inspected(str(snapshot_dir), manifest.read(snapshot_dir)), as_json)
 
 

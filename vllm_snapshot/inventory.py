@@ -410,20 +410,27 @@ def _hash_file(path: str) -> str:
     return h.hexdigest()
 
 
+def _digested(path: str, size: int) -> bool:
+    """Files that get a content digest: small ones, and JIT-cache files of any size (caches are
+    rewritten in place by other runs; size+mtime alone would not pin them)."""
+    return size <= HASH_LIMIT_BYTES or _jit_cache(path) is not None
+
+
 def file_record(path: str) -> TreeFile:
     """:class:`TreeFile` of the regular file at ``path`` now (size in bytes, mtime in ns,
-    BLAKE3 hex of the content when ``size <= HASH_LIMIT_BYTES``). Raises OSError (e.g.
-    FileNotFoundError) when it cannot be read, ValueError when it is not a regular file."""
+    BLAKE3 hex of the content when ``size <= HASH_LIMIT_BYTES`` or the file is in a JIT cache).
+    Raises OSError (e.g. FileNotFoundError) when it cannot be read, ValueError when it is not a
+    regular file."""
     for _ in range(3):
         st = os.stat(path)
         if not stat.S_ISREG(st.st_mode):
             raise ValueError(f"{path} is not a regular file")
-        digest = _hash_file(path) if st.st_size <= HASH_LIMIT_BYTES else None
+        digest = _hash_file(path) if _digested(path, st.st_size) else None
         st2 = os.stat(path)
         if (st2.st_size, st2.st_mtime_ns, st2.st_ino) == (st.st_size, st.st_mtime_ns, st.st_ino):
             return TreeFile(path=path, size=st.st_size, mtime_ns=st.st_mtime_ns, blake3=digest)
     return TreeFile(path=path, size=st2.st_size, mtime_ns=st2.st_mtime_ns,
-                    blake3=None if st2.st_size > HASH_LIMIT_BYTES else _hash_file(path))
+                    blake3=_hash_file(path) if _digested(path, st2.st_size) else None)
 
 
 def _jit_cache(path: str) -> tuple[str, str] | None:
@@ -712,7 +719,8 @@ def check_files(records: Iterable[TreeFile | Mapping]) -> list[str]:
                 problem = f"{rec.path} is no longer a regular file"
             elif st.st_size != rec.size:
                 problem = f"{rec.path} changed: size {rec.size} -> {st.st_size} bytes"
-            elif rec.blake3 is not None:
+            elif rec.blake3 is not None and (rec.size <= HASH_LIMIT_BYTES or st.st_mtime_ns != rec.mtime_ns):
+                # small files always; a large (JIT-cache) file when its mtime moved
                 got = _hash_file(rec.path)
                 if got != rec.blake3:
                     problem = f"{rec.path} changed: content differs (BLAKE3 {rec.blake3[:16]}… -> {got[:16]}…)"

@@ -103,6 +103,8 @@ def scrubbed_env(base: dict[str, str], keep: tuple[str, ...] = ()) -> dict[str, 
     # torch.distributed (gloo, world size 1) listens on the hostname's address; keep it on
     # loopback so the dumped tree holds no non-loopback listener.
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # CRIU cannot checkpoint RDMA verbs: keep NCCL off InfiniBand (vLLM's own snapshot does too)
+    env.setdefault("NCCL_IB_DISABLE", "1")
     # torch inductor's cache defaults to /tmp, which is the namespace's private tmpfs: its
     # ~150 MB precompiled header would be re-made at every create and tarred into every image.
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(env.get("HOME", "/root"), ".cache", "vllm-snapshot", "torchinductor"))

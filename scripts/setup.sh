@@ -92,6 +92,11 @@ else
 fi
 mkdir -p "$CACHE/bin"; ln -sfn "$CRIU_BIN" "$CACHE/bin/criu"
 
+# ---------------------------------------------------------------- test tools
+# The mount matrix (tests/test_mounts_integration.py) builds ext4, squashfs and vfat images on
+# loop devices; losetup/mount/unshare/nsenter come with util-linux.
+apt_install e2fsprogs squashfs-tools dosfstools util-linux mount
+
 # ---------------------------------------------------------------- venv
 if ! command -v "$PYTHON" >/dev/null 2>&1; then apt_install python3.11 python3.11-venv; fi
 stamp_want=$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)

@@ -21,6 +21,7 @@ def handlers():
     yield
     for s, h in saved.items():
         signal.signal(s, h)
+    interrupts.reset()
 
 
 def test_sigterm_becomes_interrupted(handlers):

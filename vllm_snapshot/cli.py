@@ -25,7 +25,7 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
-_STATE: dict = {"debug": False, "json": False, "root": None}
+_STATE: dict = {"debug": False, "json": False, "root": None, "interruptible": False}
 PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
@@ -63,10 +63,12 @@ def _root_only(what: str) -> None:
 
 
 def _interruptible() -> None:
-    """SIGINT/SIGTERM/SIGHUP -> Interrupted (exit 130) after every cleanup ran."""
+    """SIGINT/SIGTERM/SIGHUP -> Interrupted (exit 130) after every cleanup ran. Installed by
+    ``main`` for the real command; create/restore/switch/demo make sure of it."""
     from . import interrupts
 
-    interrupts.install()
+    if _STATE.get("interruptible"):
+        interrupts.install()
 
 
 def _reporter(quiet: bool, as_json: bool):
@@ -341,11 +343,16 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:  # pragma: no cover - older typer uses click itself
         from click import exceptions as click_exc
 
-    argv = sys.argv[1:] if argv is None else argv
-    _STATE["json"] = "--json" in (argv[:argv.index("--")] if "--" in argv else argv)  # after --: vLLM's
     from . import interrupts
 
-    interrupts.install()  # from the first moment: SIGTERM during start-up exits 130 too
+    # the real command installs the signal handlers (an in-process call from a test or a
+    # library keeps its own)
+    _STATE["interruptible"] = argv is None
+    if argv is None:
+        argv = sys.argv[1:]
+        interrupts.install()  # from the first moment: SIGTERM during start-up exits 130 too
+    interrupts.reset()
+    _STATE["json"] = "--json" in (argv[:argv.index("--")] if "--" in argv else argv)  # after --: vLLM's
     cmd = typer.main.get_command(app)
     try:
         rv = cmd.main(args=argv, prog_name="vllm-snapshot", standalone_mode=False)

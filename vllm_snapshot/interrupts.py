@@ -42,6 +42,12 @@ def fired() -> Interrupted | None:
     return _interrupted(_state["fired"]) if _state["fired"] is not None else None
 
 
+def reset() -> None:
+    """Forget a signal seen earlier in this process (each command starts clean)."""
+    _state["fired"] = None
+    _state["pending"] = None
+
+
 def install() -> None:
     """Turn SIGINT/SIGTERM/SIGHUP into :class:`Interrupted` for the rest of this process (main
     thread only, as Python delivers signals there)."""

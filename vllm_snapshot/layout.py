@@ -106,6 +106,24 @@ def check_dir_safety(path: Path) -> None:
     check_parents(path)
 
 
+def check_parent_symlinks(path: Path, stop_at_missing: bool = False) -> None:
+    """Every directory component of ``path`` as given: a symlink is trusted only when root owns
+    it (system layout such as /var/run -> /run); anyone else could redirect us. With
+    ``stop_at_missing`` the walk ends at the first component that does not exist (else that
+    raises FileNotFoundError). Raises CorruptSnapshotError naming the symlink."""
+    probe = Path(path.absolute().anchor)
+    for part in path.absolute().parts[1:-1]:
+        probe = probe / part
+        try:
+            lst = os.lstat(probe)
+        except FileNotFoundError:
+            if stop_at_missing:
+                return
+            raise
+        if stat.S_ISLNK(lst.st_mode) and lst.st_uid != 0:
+            raise CorruptSnapshotError(f"parent {probe} is a symlink owned by uid {lst.st_uid}; refusing to follow it")
+
+
 def check_parents(path: Path) -> None:
     """The rule for the directories above a snapshot (restore applies it through
     :func:`check_dir_safety`; create applies it to its target before anything starts, so it
@@ -113,14 +131,7 @@ def check_parents(path: Path) -> None:
     root owns it, each owned by us or root, none writable by group/others unless sticky and
     root-owned (like /tmp). Raises CorruptSnapshotError naming the directory."""
     uid = os.geteuid()
-    # every component of the path as given: a symlink is trusted only when root owns it
-    # (system layout such as /var/run -> /run); anyone else could redirect us
-    probe = Path(path.absolute().anchor)
-    for part in path.absolute().parts[1:-1]:
-        probe = probe / part
-        lst = os.lstat(probe)
-        if stat.S_ISLNK(lst.st_mode) and lst.st_uid != 0:
-            raise CorruptSnapshotError(f"parent {probe} is a symlink owned by uid {lst.st_uid}; refusing to follow it")
+    check_parent_symlinks(path)
     for parent in path.absolute().parent.resolve().joinpath("x").parents:
         pst = os.stat(parent)
         if pst.st_uid not in (0, uid):

@@ -83,7 +83,7 @@ def listeners_taken(listeners: Iterable[tuple[str, int] | list]) -> list[str]:
         try:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((addr, int(port)))
-        except OSError as e:
+        except OSError:
             owner = port_owner(int(port))
             who = f"PID {owner[0]} ({owner[1]})" if owner else "an unknown owner"
             owners.setdefault(who, []).append(fmt_addr(addr, int(port)))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import stat
 import tempfile
 import time
 from pathlib import Path
@@ -127,20 +126,12 @@ def canonical(path: str | Path) -> Path:
     component is kept as it is: a snapshot that *is* a symlink is refused by its trust check).
     A parent symlink is followed only when root owns it (system layout such as
     /var/run -> /run), as the trust check requires. Raises CorruptSnapshotError otherwise."""
-    from .errors import CorruptSnapshotError
+    from .layout import check_parent_symlinks
 
     p = Path(path).absolute()
     if p.name in ("", ".", ".."):
         p = Path(os.path.realpath(p))
-    probe = Path(p.anchor)
-    for part in p.parts[1:-1]:
-        probe = probe / part
-        try:
-            st = os.lstat(probe)
-        except OSError:
-            break
-        if stat.S_ISLNK(st.st_mode) and st.st_uid != 0:
-            raise CorruptSnapshotError(f"parent {probe} is a symlink owned by uid {st.st_uid}; refusing to follow it")
+    check_parent_symlinks(p, stop_at_missing=True)
     return Path(os.path.realpath(p.parent)) / p.name
 
 

@@ -57,11 +57,11 @@ def list_snapshots(root: Path, tools: SnapshotTools | None = None) -> Listed:
     return Listed(str(root), [describe(p, t) for p in t.list_snapshots(root)], t.path_exists(root))
 
 
-def _engines_of(t: SnapshotTools, snapshot: Path) -> list[Entry]:
-    """Registered engines restored from ``snapshot``, compared by canonical path (a symlinked
-    root or ``..`` names the same snapshot)."""
+def _engines_of(t: SnapshotTools, snapshot: Path, entries: list[Entry] | None = None) -> list[Entry]:
+    """Registered engines (``entries``, default the registry's) restored from ``snapshot``,
+    compared by canonical path (a symlinked root or ``..`` names the same snapshot)."""
     me = t.canonical(snapshot)
-    return [e for e in t.engines() if t.canonical(Path(e.snapshot)) == me]
+    return [e for e in (t.engines() if entries is None else entries) if t.canonical(Path(e.snapshot)) == me]
 
 
 def delete(snapshot: Path, force: bool = False, tools: SnapshotTools | None = None) -> Deleted:
@@ -140,9 +140,9 @@ def stop_engines(snapshot: Path | None, port: int | None, tools: SnapshotTools |
     """Stop registered engines of ``snapshot`` or on ``port``; wait until their processes are
     gone. Raises UsageError when none matches."""
     t = tools or LocalTools()
-    me = t.canonical(snapshot) if snapshot is not None else None
-    match = [e for e in t.engines()
-             if (me is not None and t.canonical(Path(e.snapshot)) == me) or (port is not None and e.port == port)]
+    entries = t.engines()
+    mine = _engines_of(t, snapshot, entries) if snapshot is not None else []
+    match = [e for e in entries if e in mine or (port is not None and e.port == port)]
     if not match:
         raise UsageError("no restored engine matches " + (f"snapshot {snapshot}" if snapshot else f"port {port}"))
     return Stopped([{"pid": e.pid, "snapshot": e.snapshot, "port": e.port, "seconds": round(t.stop_engine(e), 3)}

@@ -265,6 +265,9 @@ class FakeTools(SnapshotTools):
     def unstage(self, stage: Path) -> None:
         self._call("unstage")
 
+    def unstage_all(self, near: Path) -> None:
+        self._call("unstage_all")
+
     def put_back_remaps(self, snapshot: Path, m: Manifest) -> list[Path]:
         self._call("put_back_remaps")
         return []

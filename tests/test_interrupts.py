@@ -71,3 +71,11 @@ def test_stale_staging_dirs_are_those_of_dead_owners(tmp_path):
     for d in (live, dead, old):
         d.mkdir()
     assert archive.stale_staging([tmp_path]) == sorted([dead, old])
+
+
+def test_own_staging_dirs_are_found_by_owner_pid(tmp_path):
+    mine = tmp_path / f"{archive.STAGE_PREFIX}{os.getpid()}-abc"
+    other = tmp_path / f"{archive.STAGE_PREFIX}1-abc"
+    mine.mkdir()
+    other.mkdir()
+    assert archive.own_staging([tmp_path, tmp_path / "missing"]) == [mine]

@@ -101,7 +101,7 @@ def test_busy_recorded_listener_refused_before_criu():
     with pytest.raises(BusyError, match="40000"):
         _restore(t)
     assert "restore_tree" not in t.calls
-    assert "unstage" in t.calls and t.channel.closed  # staging removed, pipes closed
+    assert "unstage_all" in t.calls and t.channel.closed  # staging removed, pipes closed
 
 
 def test_criu_restore_failure_removes_staging_and_names_the_kept_log():
@@ -109,7 +109,7 @@ def test_criu_restore_failure_removes_staging_and_names_the_kept_log():
     t = FakeTools(fail={"restore_tree": err})
     with pytest.raises(CriuError) as ei:
         _restore(t)
-    assert "unstage" in t.calls and t.channel.closed
+    assert "unstage_all" in t.calls and t.channel.closed
     assert ei.value.hint.endswith("criu-restore-x.log")
 
 

@@ -272,6 +272,20 @@ def stale_staging(parents: list[Path]) -> list[Path]:
     return sorted(out)
 
 
+def own_staging(parents: list[Path], pid: int | None = None) -> list[Path]:
+    """Staging dirs under ``parents`` made by process ``pid`` (default this one): how a failed
+    or interrupted restore finds its staging even when a signal landed between creating it
+    and remembering it."""
+    mark = f"{STAGE_PREFIX}{pid or os.getpid()}-"
+    out = []
+    for d in parents:
+        try:
+            out += [p for p in d.glob(f"{mark}*") if p.is_dir() and not p.is_symlink()]
+        except OSError:
+            continue
+    return sorted(out)
+
+
 def remove_staging(stage: Path) -> None:
     """Remove a staging dir made by :func:`unpack` (never follows its symlinks)."""
     shutil.rmtree(stage, ignore_errors=True)

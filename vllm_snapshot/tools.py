@@ -180,6 +180,9 @@ class SnapshotTools(Protocol):
 
     def unstage(self, stage: Path) -> None: ...
 
+    def unstage_all(self, near: Path) -> None:
+        """Remove every staging dir this process made (/dev/shm, the staging dir, ``near``)."""
+
     def put_back_remaps(self, snapshot: Path, m: Manifest) -> list[Path]: ...
 
     def new_channel(self, log_file: Path | None) -> EngineChannel: ...
@@ -563,6 +566,12 @@ class LocalTools(SnapshotTools):
         from . import archive
 
         archive.remove_staging(stage)
+
+    def unstage_all(self, near: Path) -> None:
+        from . import archive
+
+        for d in archive.own_staging([Path("/dev/shm"), paths.staging_dir(), near]):
+            archive.remove_staging(d)
 
     def put_back_remaps(self, snapshot: Path, m: Manifest) -> list[Path]:
         from . import layout, remaps

@@ -221,8 +221,9 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
             steps += [("stop the restored engine", eng.kill), ("close the engine channel", eng.close)]
         if channel is not None:
             steps.append(("close the channel", channel.close))
-        if stage is not None:
-            steps.append((f"remove the staging dir {stage}", lambda: t.unstage(stage)))
+        # by owner PID, not by the variable: a signal can land between a staging dir's
+        # creation and the assignment that remembers it
+        steps.append(("remove the staging dirs of this restore", lambda: t.unstage_all(snapshot.parent)))
         steps.append(("remove link-remap files put back", lambda: t.cleanup_remaps(placed)))
         run_cleanups(e, steps)
         raise

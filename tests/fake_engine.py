@@ -70,7 +70,8 @@ def main() -> int:
     make_private()
     prompt = spec["oracle_prompt"]
     emit("initialized", oracle=oracle(prompt), info={"kind": "cuda", "vllm": "fake", "torch": "fake",
-                                                      "served_model_name": "fake"})
+                                                      "served_model_name": "fake",
+                                                      "normalized_args": {"raw": json.dumps(spec.get("engine_args", []))}})
     for line in sys.stdin:
         cmd = decode(line)
         if cmd is None:

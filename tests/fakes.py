@@ -29,8 +29,10 @@ class FakeEngine(Engine):
     """Answers commands with the events the real engine sends; ``oracle`` answers with
     ``oracles`` in turn (the last repeats)."""
 
-    def __init__(self, calls: list[str], kind: str = "cpu", oracles: list | None = None, pid: int = 4242) -> None:
+    def __init__(self, calls: list[str], kind: str = "cpu", oracles: list | None = None, pid: int = 4242,
+                 engine_args: list[str] | None = None) -> None:
         self.root_pid = pid
+        self.engine_args = list(engine_args or [])
         self.calls = calls
         self.kind = kind
         self.oracles = list(oracles or [make_oracle()])
@@ -50,7 +52,8 @@ class FakeEngine(Engine):
     def wait_event(self, name: str, timeout: float) -> dict:
         if name == "initialized":
             return {"event": name, "oracle": self._next_oracle(),
-                    "info": {"kind": self.kind, "vllm": "x", "torch": "y", "served_model_name": "tiny"}}
+                    "info": {"kind": self.kind, "vllm": "x", "torch": "y", "served_model_name": "tiny",
+                             "normalized_args": {"args": " ".join(self.engine_args)}}}
         if name == "oracle":
             return {"event": name, "oracle": self._next_oracle()}
         return {"event": name}
@@ -116,6 +119,13 @@ class FakeTools(SnapshotTools):
         self.mount_problems: list[str] = []
         self.restored_tree: list[str] | None = None
         self.uuids: list[str] = ["GPU-fake-0"]
+        self.model_files: tuple[ModelFile, ...] | None = None
+        self.refusals: dict[str, dict] = {}
+        #: path -> manifest: a store of several snapshots (list_snapshots/open_snapshot/publish)
+        self.snapshots: dict[Path, Manifest] | None = None
+        #: path -> the error its restore raises (from ``stage``)
+        self.refuse: dict[Path, BaseException] = {}
+        self.refuse_all: BaseException | None = None
 
     def _call(self, name: str) -> None:
         self.calls.append(name)
@@ -162,6 +172,8 @@ class FakeTools(SnapshotTools):
         return {"PATH": "/usr/bin", "HF_TOKEN": "hf_secret"}
 
     def path_exists(self, path: Path) -> bool:
+        if self.snapshots is not None:
+            return path in self.snapshots or any(path in p.parents for p in self.snapshots)
         return False
 
     def canonical(self, path: Path) -> Path:
@@ -172,9 +184,17 @@ class FakeTools(SnapshotTools):
         self._call("resolve_model")
         return Path(model), None
 
-    def digest_model(self, model_dir: Path) -> tuple[ModelFile, ...]:
+    def digest_model(self, model_dir: Path, known: tuple[ModelFile, ...] = ()) -> tuple[ModelFile, ...]:
         self._call("digest_model")
-        return self.manifest.model.files
+        return self.model_files if self.model_files is not None else self.manifest.model.files
+
+    def normalize_engine_args(self, engine_args: list[str]) -> dict[str, str]:
+        self._call("normalize_engine_args")
+        if "--bogus" in engine_args:
+            from vllm_snapshot.errors import UsageError
+
+            raise UsageError("invalid engine arguments: unrecognized arguments: --bogus")
+        return {"args": " ".join(engine_args)}
 
     def verify_model(self, model_dir: Path, files: tuple[ModelFile, ...], mode: str) -> ModelCheck:
         self._call(f"verify_model:{mode}")
@@ -192,9 +212,17 @@ class FakeTools(SnapshotTools):
     def publish(self, m: Manifest, tmp: Path, target: Path) -> None:
         self._call("publish")
         self.published.append(target)
+        if self.snapshots is not None:
+            self.snapshots[target] = m
 
     def open_snapshot(self, snapshot: Path) -> Manifest:
         self._call("open_snapshot")
+        if self.snapshots is not None:
+            if snapshot not in self.snapshots:
+                from vllm_snapshot.errors import UsageError
+
+                raise UsageError(f"snapshot {snapshot} does not exist")
+            return self.snapshots[snapshot]
         return self.manifest
 
     def verify_images(self, snapshot: Path, m: Manifest) -> None:
@@ -210,7 +238,7 @@ class FakeTools(SnapshotTools):
         self._call("launch_engine")
         self.launch_env = env
         self.launch_spec = spec
-        self.engine = FakeEngine(self.calls, self.kind, self.oracles)
+        self.engine = FakeEngine(self.calls, self.kind, self.oracles, engine_args=spec.get("engine_args"))
         return self.engine
 
     def inspect_tree(self, root_pid: int) -> Inventory:
@@ -260,6 +288,10 @@ class FakeTools(SnapshotTools):
 
     def stage(self, snapshot: Path, m: Manifest) -> Path:
         self._call("stage")
+        if snapshot in self.refuse:
+            raise self.refuse[snapshot]
+        if self.refuse_all is not None:
+            raise self.refuse_all
         return Path("/stage")
 
     def unstage(self, stage: Path) -> None:
@@ -318,6 +350,8 @@ class FakeTools(SnapshotTools):
 
     def list_snapshots(self, root: Path) -> list[Path]:
         self._call("list_snapshots")
+        if self.snapshots is not None:
+            return sorted(p for p in self.snapshots if p.parent == root)
         return [root / "a", root / "b"]
 
     def delete_snapshot(self, snapshot: Path) -> None:
@@ -329,6 +363,17 @@ class FakeTools(SnapshotTools):
     def reclaim(self, near: Path, dry_run: bool = False) -> list[str]:
         self._call("reclaim")
         return []
+
+    def key_lock(self, key: str, on_wait: Callable[[str], None]) -> AbstractContextManager:
+        self._call("key_lock")
+        return nullcontext()
+
+    def record_refusal(self, snapshot: Path, code: str, reason: str) -> None:
+        self._call("record_refusal")
+        self.refusals[str(snapshot)] = {"code": code, "reason": reason, "at": 0.0}
+
+    def refusal(self, snapshot: Path) -> dict | None:
+        return self.refusals.get(str(snapshot))
 
     def last_restore(self, snapshot: Path) -> float | None:
         return None

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from vllm_snapshot import snapkey
+
 from vllm_snapshot import ops
 from vllm_snapshot.errors import (BusyError, CriuError, IncompatibleHostError, OracleMismatchError,
                                   UsageError)
@@ -143,13 +145,18 @@ def test_create_happy_path_order_and_scrubbed_env():
     t = FakeTools()
     res = _create(t)
     order = ["require_root", "criu_version", "resolve_model", "check_mounts", "snapshot_lock", "prepare_target",
-             "digest_model", "launch_engine", "engine.prepare-dump", "inspect_tree", "channel_keys",
-             "external_mounts", "dump",
+             "digest_model", "launch_engine", "host_identity", "engine.prepare-dump", "inspect_tree",
+             "channel_keys", "external_mounts", "dump",
              "wait_gone", "engine.close", "collect_remaps", "pack:images", "pack:files", "cleanup_remaps",
-             "host_identity", "publish"]
+             "publish"]
     assert [x for x in t.calls if x in order] == order
     assert "HF_TOKEN" not in t.launch_env and t.launch_env["HF_HUB_OFFLINE"] == "1"
     assert res.manifest.criu.inherit == {"control": "pipe:[1]", "log": "pipe:[2]", "events": "pipe:[3]"}
+    # the key covers what the engine reported of its args and the host it was made on
+    k = res.manifest.key
+    assert k is not None and k.normalized_args == {"args": "--kv-cache-memory-bytes 64M"}
+    assert k.parts["host"] == snapkey.host_part(res.manifest.host)
+    assert k.value == snapkey.combine(k.parts)
     assert res.manifest.criu.dump_argv[:3] == ("dump", "-t", "4242")
     assert "discard" not in t.calls
 

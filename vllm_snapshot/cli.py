@@ -198,17 +198,18 @@ def delete(
 def prune(
     keep: Optional[int] = typer.Option(None, "--keep", min=0, help="Keep the N newest snapshots per model."),
     older_than: Optional[str] = typer.Option(None, "--older-than", help="Delete snapshots older than this (e.g. 7d, 12h, 30m)."),
+    unusable: bool = typer.Option(False, "--unusable", help="Delete snapshots this host cannot restore (list's ✗)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only print what would be deleted."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Delete old snapshots under the root (never ones with a running engine) with --keep
-    and/or --older-than; always remove what killed commands left (temp dirs of crashed creates,
+    """Delete snapshots under the root (never ones with a running engine): beyond --keep N
+    newest per model, --older-than a duration, and/or --unusable ones; always remove what killed commands left (temp dirs of crashed creates,
     staging dirs of killed restores, stale lock files)."""
     from . import ops, render
 
     _root_only("prune")
     older = ops.parse_duration(older_than) if older_than else None
-    render.show(ops.prune(_root_dir(), keep, older, dry_run), as_json)
+    render.show(ops.prune(_root_dir(), keep, older, dry_run, unusable=unusable), as_json)
 
 
 @app.command()
@@ -271,8 +272,7 @@ def restore(
 ) -> None:
     """Validate, restore with CRIU, check the oracle inside the engine, then serve the OpenAI
     API on HOST:PORT. Fails closed: on any mismatch nothing serves and nothing is left."""
-    from . import notify, ops, render
-    from .progress import NotifyingReporter
+    from . import ops, render
 
     _root_only("restore")
     _interruptible()
@@ -281,15 +281,32 @@ def restore(
     if log_file is not None and not detach:
         raise UsageError("--log-file applies to --detach; in the foreground the engine log goes to stderr",
                          hint="add --detach, or redirect stderr (2>>FILE)")
-    rep = _reporter(quiet, as_json)
-    lifecycle = notify.ServiceLifecycle.from_env()
-    if lifecycle.active:
-        rep = NotifyingReporter(rep)  # STATUS=<phase> as each phase starts
+    rep, lifecycle = _lifecycle_reporter(quiet, as_json)
     req = ops.RestoreRequest(snapshot=_resolve(snapshot), host=host, port=port, detach=detach,
                              log_file=log_file, verify_model=verify_model,
                              allow=frozenset(allow_mismatch), engine_log=_stderr_sink)
     r, engine = ops.restore(req, rep)
     render.show(r, as_json, quiet)
+    _run_engine(r, engine, rep, lifecycle, detach)
+
+
+def _lifecycle_reporter(quiet: bool, as_json: bool):
+    """(reporter, systemd lifecycle): under systemd (NOTIFY_SOCKET) each phase is a STATUS=."""
+    from . import notify
+    from .progress import NotifyingReporter
+
+    rep = _reporter(quiet, as_json)
+    lifecycle = notify.ServiceLifecycle.from_env()
+    if lifecycle.active:
+        rep = NotifyingReporter(rep)  # STATUS=<phase> as each phase starts
+    return rep, lifecycle
+
+
+def _run_engine(r, engine, rep, lifecycle, detach: bool) -> None:
+    """After a restore: detached -> return; foreground -> READY=1, serve until the engine
+    exits (SIGINT/SIGTERM stop it), exit with its code."""
+    from . import ops
+
     if detach:
         engine.close()
         return
@@ -303,6 +320,79 @@ def restore(
     code = ops.serve_foreground(r, engine, on_signal)
     lifecycle.stopping()  # once: a no-op when a signal already said so
     raise typer.Exit(code)
+
+
+def _pop_option(args: list[str], flag: str) -> tuple[list[str], str | None]:
+    """Remove ``flag V`` / ``flag=V`` from ``args``; (rest, last value or None). Pure."""
+    rest, val, i = [], None, 0
+    while i < len(args):
+        a = args[i]
+        if a == flag and i + 1 < len(args):
+            val, i = args[i + 1], i + 2
+            continue
+        if a.startswith(flag + "="):
+            val = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+        i += 1
+    return rest, val
+
+
+@app.command(context_settings=PASSTHROUGH)
+def serve(
+    ctx: typer.Context,
+    model: str = typer.Argument(..., help="Local model directory (or a Hugging Face id already in the local cache)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to serve on (bound only after the oracle matched)."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535),
+    detach: bool = typer.Option(False, "--detach", help="Return once serving; print the engine PID."),
+    log_file: Optional[Path] = typer.Option(None, "--log-file", help="With --detach: engine log file."),
+    no_build: bool = typer.Option(False, "--no-build", help="Restore a valid snapshot or fail; never cold-start."),
+    rebuild: bool = typer.Option(False, "--rebuild", help="Build a new snapshot even if a valid one exists."),
+    verify_model: str = typer.Option("quick", "--verify-model", help="quick | full"),
+    oracle_prompt: str = typer.Option(None, "--oracle-prompt", help="Prompt of the one-token oracle (part of the key)."),
+    sleep_level: int = typer.Option(2, "--sleep-level", min=0, max=2, help="GPU: sleep level before the dump."),
+    compress: str = typer.Option("none", "--compress", help="Compression of a snapshot built now."),
+    keep_env: List[str] = typer.Option([], "--keep-env", help="Pass this (otherwise scrubbed) variable to the engine."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Stream the engine log of a build to stderr."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (which path, timings)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q"),
+) -> None:
+    """Like `vllm serve MODEL [engine args]`: restore the snapshot made for exactly this model,
+    these args and this host (the key); if there is none or it is refused, build one (cold
+    start, oracle, dump) and restore that. The port is bound only after the oracle matched."""
+    from . import archive, oracle, ops, render, store
+
+    _root_only("serve")
+    _interruptible()
+    if no_build and rebuild:
+        raise UsageError("--no-build and --rebuild contradict each other")
+    if verify_model not in ("quick", "full"):
+        raise UsageError("--verify-model must be quick or full")
+    if log_file is not None and not detach:
+        raise UsageError("--log-file applies to --detach; in the foreground the engine log goes to stderr",
+                         hint="add --detach, or redirect stderr (2>>FILE)")
+    engine_args = list(ctx.args)
+    if engine_args and engine_args[0] == "--":
+        engine_args = engine_args[1:]
+    # `vllm serve MODEL --port P ...` puts them among the engine args: they are serve's
+    engine_args, h = _pop_option(engine_args, "--host")
+    engine_args, p = _pop_option(engine_args, "--port")
+    host = h if h is not None else host
+    if p is not None:
+        if not p.isdigit() or not 1 <= int(p) <= 65535:
+            raise UsageError(f"--port {p!r}: expected a port number 1-65535")
+        port = int(p)
+    rep, lifecycle = _lifecycle_reporter(quiet, as_json)
+    req = ops.ServeRequest(
+        model=model, root=store.ensure_root(_root_dir()), engine_args=engine_args, host=host, port=port,
+        detach=detach, log_file=log_file, verify_model=verify_model,
+        build="never" if no_build else "always" if rebuild else "auto",
+        oracle_prompt=oracle_prompt or oracle.DEFAULT_PROMPT, sleep_level=sleep_level,
+        compression=archive.Compression.parse(compress), keep_env=tuple(keep_env),
+        engine_log=_stderr_sink, create_log=_stderr_sink if verbose else None)
+    served, engine = ops.serve(req, rep)
+    render.show(served, as_json, quiet)
+    _run_engine(served.restored, engine, rep, lifecycle, detach)
 
 
 @app.command()

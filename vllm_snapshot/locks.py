@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -145,6 +146,37 @@ def snapshot_lock(snapshot: Path, shared: bool = False, must_exist: bool = True)
     if must_exist and not os.path.lexists(snapshot):
         raise UsageError(f"snapshot {snapshot} does not exist")
     return lock(snapshot_lock_path(snapshot), f"snapshot {snapshot}", shared=shared, label=str(snapshot.absolute()))
+
+
+#: How long a ``serve`` waits for another one building the snapshot of the same key (seconds):
+#: a cold start + dump of a large model takes minutes.
+KEY_WAIT_S = 3600.0
+
+
+@contextmanager
+def key_lock(key: str, on_wait=None, wait_s: float = KEY_WAIT_S) -> Iterator[None]:
+    """Exclusive lock of one snapshot key (``locks/key-<key>.lock``): held by ``serve`` from
+    its lookup until the snapshot is restored (or built, then restored), so two ``serve`` of
+    one key build once. When busy, ``on_wait(message)`` names the holder, then waits up to
+    ``wait_s`` seconds. Raises BusyError after that."""
+    path = paths.run_dir() / "locks" / f"key-{key[:32]}.lock"
+    what, label = f"snapshot key {key[:12]}", f"key {key}"
+    cm = lock(path, what, label=label)
+    try:
+        cm.__enter__()
+    except BusyError:
+        if on_wait is not None:
+            who = ", ".join(holders(path)) or "another process"
+            on_wait(f"waiting for {who}: it is building or restoring the snapshot for this key ({key[:12]})")
+        cm = lock(path, what, wait_s=wait_s, label=label)
+        cm.__enter__()
+    try:
+        yield
+    except BaseException:
+        if not cm.__exit__(*sys.exc_info()):
+            raise
+    else:
+        cm.__exit__(None, None, None)
 
 
 def criu_lock(wait_s: float = 300.0):

@@ -124,6 +124,19 @@ class CriuInfo(_Strict):
     external_mounts: tuple[ExternalMount, ...] = ()
 
 
+class SnapshotKey(_Strict):
+    """The snapshot key (:mod:`vllm_snapshot.snapkey`): ``value`` is BLAKE3 over the part
+    digests ``parts`` (``model``, ``engine``, ``env``, ``host``); ``raw_args`` digests the
+    engine args as given (with the model string and vLLM version) and ``normalized_args`` is
+    what vLLM's parser made of them (``{dest: JSON text}``, secrets digested), so ``serve``
+    can reuse the normalization without importing vLLM."""
+
+    value: str = Field(pattern=r"^[0-9a-f]{64}$")
+    parts: dict[str, str]
+    raw_args: str = Field(pattern=r"^[0-9a-f]{64}$")
+    normalized_args: dict[str, str]
+
+
 class Manifest(_Strict):
     """The whole manifest (``schema_version`` 1). ``timings`` are phase durations in seconds;
     ``sizes`` are bytes (``raw``: images as CRIU wrote them; ``stored``: on disk)."""
@@ -140,6 +153,8 @@ class Manifest(_Strict):
     extra_files: tuple[ImageFile, ...] = ()
     sizes: dict[str, int]
     timings: dict[str, float]
+    #: absent in snapshots made before keys existed (``serve`` never picks those)
+    key: SnapshotKey | None = None
     digest: str = ""
 
 

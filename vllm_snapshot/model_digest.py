@@ -69,17 +69,26 @@ def resolve_model(model: str, revision: str | None = None) -> tuple[Path, str | 
     return d.resolve(), d.name
 
 
-def digest_dir(root: Path) -> tuple[ModelFile, ...]:
+def _stat_key(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+
+
+def digest_dir(root: Path, known: tuple[ModelFile, ...] = ()) -> tuple[ModelFile, ...]:
     """Hash every regular file under ``root`` (sorted, following symlinks as the hub cache
-    uses them). Returns ModelFile entries with paths relative to ``root``. Raises OSError."""
+    uses them). Returns ModelFile entries with paths relative to ``root``. A file whose path
+    and full stat (size, mtime_ns, ctime_ns, inode, device) equal one of ``known`` (records
+    of earlier digests, e.g. from manifests) takes that record's digest instead of being read
+    again -- the rule restore's quick check uses. Raises OSError."""
+    by_path = {(f.path, (f.size, f.mtime_ns, f.ctime_ns, f.inode, f.device)): f.blake3 for f in known}
     files = []
     for p in _walk(root):
         st = p.stat()
+        rel = str(p.relative_to(root))
         files.append(
             ModelFile(
-                path=str(p.relative_to(root)),
+                path=rel,
                 size=st.st_size,
-                blake3=hash_file(p),
+                blake3=by_path.get((rel, _stat_key(st))) or hash_file(p),
                 mtime_ns=st.st_mtime_ns,
                 ctime_ns=st.st_ctime_ns,
                 inode=st.st_ino,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -80,6 +81,16 @@ def _restored(r: R.Restored, quiet: bool) -> None:
         sys.stderr.flush()
     if r.detached:
         _line(str(r.pid))  # scripts read the engine PID from stdout
+
+
+def _served(r: R.Served, quiet: bool) -> None:
+    for w in r.warnings:
+        sys.stderr.write(f"warning: {w}\n")
+    if not quiet:
+        how = ("restored snapshot" if r.path == "restored" else "built (cold start + dump) and restored snapshot")
+        sys.stderr.write(f"[vllm-snapshot] {how} {Path(r.restored.snapshot).name} (key {r.key[:12]}) "
+                         f"in {r.total_s:.2f} s\n")
+    _restored(r.restored, quiet)
 
 
 def _listed(r: R.Listed, quiet: bool) -> None:
@@ -161,7 +172,7 @@ def _demo(r: R.DemoReport, quiet: bool) -> None:
 _HUMAN = {
     R.Created: _created, R.Inspected: _inspected, R.Verified: _verified, R.Restored: _restored,
     R.Listed: _listed, R.Deleted: _deleted, R.Pruned: _pruned, R.Engines: _engines, R.Stopped: _stopped,
-    R.Switched: _switched, R.DoctorReport: _doctor, R.DemoReport: _demo,
+    R.Switched: _switched, R.DoctorReport: _doctor, R.DemoReport: _demo, R.Served: _served,
 }
 
 
@@ -182,6 +193,11 @@ def manifest_table(m: Manifest, path: str) -> None:
     t.add_row("model", f"{m.model.requested}  [dim]({m.model.path}, {len(m.model.files)} files, {human_bytes(m.model.total_bytes)})[/]")
     t.add_row("served as", m.model.served_name)
     t.add_row("engine args", " ".join(m.engine.engine_args) or "[dim](none)[/]")
+    if m.key is not None:
+        t.add_row("key", m.key.value + "  [dim](normalized args: "
+                  + (", ".join(f"{k}={v}" for k, v in m.key.normalized_args.items()) or "all defaults") + ")[/]")
+    else:
+        t.add_row("key", "[dim](none: made before snapshot keys; `serve` does not pick it)[/]")
     o = m.oracle
     t.add_row("oracle", f"{o.prompt!r} → token {o.token_id} {_token_text(o.text)}, logprob {o.logprob:.6f}")
     t.add_row("images", f"{len(m.images)} files, raw {human_bytes(m.sizes['raw'])}, stored {human_bytes(m.sizes['stored'])}"
@@ -233,14 +249,14 @@ def snapshot_list(rows: list[dict], root: str) -> None:
         c.print(f"no snapshots under {root}")
         return
     t = Table(title=f"snapshots under {root}", title_justify="left")
-    for col in ("name", "model", "created", "kind", "sleep", "raw", "stored", "here", "last restore"):
+    for col in ("name", "model", "key", "created", "kind", "sleep", "raw", "stored", "here", "last restore"):
         t.add_column(col)
     for r in rows:
         why = r["why"] if len(r["why"]) <= 70 else r["why"][:69] + "…"
         here = "[green]✓[/]" if r["compatible"] else f"[red]✗[/] {why}"
         model = (r["model"] or "-").rstrip("/").rsplit("/", 1)[-1]
         created = (r["created"] or "-")[:16].replace("T", " ")
-        t.add_row(r["name"], model, created, str(r["kind"] or "-"),
+        t.add_row(r["name"], model, (r.get("key") or "-")[:12], created, str(r["kind"] or "-"),
                   str(r["sleep_level"] if r["sleep_level"] is not None else "-"),
                   human_bytes(r["raw_bytes"]) if r["raw_bytes"] is not None else "-",
                   human_bytes(r["stored_bytes"]) if r["stored_bytes"] is not None else "-",

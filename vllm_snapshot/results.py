@@ -63,6 +63,28 @@ class Verified:
 
 
 @dataclass(frozen=True)
+class Served:
+    """``serve``: which ``path`` was taken (``restored`` an existing snapshot, or ``built`` one
+    and restored it), the serving engine (:class:`Restored`), the snapshot key, the snapshots
+    refused on the way (``{"snapshot", "code", "reason"}``), warnings, every phase's duration
+    and the total (seconds)."""
+
+    path: str
+    restored: Restored
+    key: str
+    refused: list[dict]
+    warnings: list[str]
+    timings: dict[str, float]
+    total_s: float
+
+    def to_json(self) -> dict:
+        r = self.restored
+        return {"path": self.path, "snapshot": r.snapshot, "key": self.key, "pid": r.pid, "url": r.url,
+                "served_name": r.served_name, "detached": r.detached, "oracle": "match", "refused": self.refused,
+                "warnings": [*r.warnings, *self.warnings], "timings": self.timings, "total_s": self.total_s}
+
+
+@dataclass(frozen=True)
 class Listed:
     """``list`` rows (see :func:`vllm_snapshot.ops.manage.describe`) under ``root``."""
 

@@ -179,6 +179,35 @@ def record_restore(snapshot: Path, overrides: list[str] | None = None) -> None:
     os.chmod(p, 0o600)
 
 
+def record_refusal(snapshot: Path, code: str, reason: str) -> None:
+    """Remember that ``serve`` refused ``snapshot`` on this host (error ``code``, one-line
+    ``reason``), keeping its last-restore time; ``list`` shows it as unusable until a restore
+    of it succeeds again (:func:`record_restore` rewrites the record). The snapshot itself is
+    never written to."""
+    import json
+
+    p = _state_file(snapshot)
+    try:
+        state = json.loads(p.read_text())
+    except (OSError, ValueError):
+        state = {"snapshot": str(snapshot.absolute()), "last_restore": None, "overrides": []}
+    state["refused"] = {"at": time.time(), "code": code, "reason": reason}
+    p.write_text(json.dumps(state))
+    os.chmod(p, 0o600)
+
+
+def refusal(snapshot: Path) -> dict | None:
+    """``{"at": unix s, "code": error code, "reason": text}`` of the last refusal recorded for
+    ``snapshot`` since its last successful restore, or None."""
+    import json
+
+    try:
+        r = json.loads(_state_file(snapshot).read_text()).get("refused")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return r if isinstance(r, dict) and isinstance(r.get("reason"), str) else None
+
+
 def last_restore(snapshot: Path) -> float | None:
     """Unix time of the last successful restore, or None."""
     import json

@@ -112,7 +112,12 @@ class SnapshotTools(Protocol):
     def resolve_model(self, model: str, revision: str | None) -> tuple[Path, str | None]:
         """(local directory, resolved HF revision or None) of ``model``. Raises UsageError."""
 
-    def digest_model(self, model_dir: Path) -> tuple[ModelFile, ...]: ...
+    def digest_model(self, model_dir: Path, known: tuple[ModelFile, ...] = ()) -> tuple[ModelFile, ...]:
+        """Every model file's digest; files whose stat equals a ``known`` record reuse its digest."""
+
+    def normalize_engine_args(self, engine_args: list[str]) -> dict[str, str]:
+        """``vllm serve`` args normalized by vLLM's parser (:func:`vllm_snapshot.snapkey.normalize_args`;
+        imports vLLM). Raises UsageError for args vLLM rejects."""
 
     def verify_model(self, model_dir: Path, files: tuple[ModelFile, ...], mode: str) -> ModelCheck:
         """Raises ModelChangedError."""
@@ -222,6 +227,15 @@ class SnapshotTools(Protocol):
         """Remove what killed commands left: staging dirs of dead restores (/dev/shm, the
         staging dir, ``near``), orphaned engine trees, stale registry entries and lock files.
         Never a live one's. ``dry_run``: only list them."""
+
+    def key_lock(self, key: str, on_wait: Callable[[str], None]) -> AbstractContextManager:
+        """Exclusive lock of one snapshot key; ``on_wait`` hears who holds it before waiting."""
+
+    def record_refusal(self, snapshot: Path, code: str, reason: str) -> None:
+        """Remember that ``serve`` refused ``snapshot`` here (shown by ``list``)."""
+
+    def refusal(self, snapshot: Path) -> dict | None:
+        """The refusal recorded for ``snapshot`` since its last restore, or None."""
 
     def last_restore(self, snapshot: Path) -> float | None: ...
 
@@ -390,10 +404,28 @@ class LocalTools(SnapshotTools):
 
         return model_digest.resolve_model(model, revision)
 
-    def digest_model(self, model_dir: Path) -> tuple[ModelFile, ...]:
+    def digest_model(self, model_dir: Path, known: tuple[ModelFile, ...] = ()) -> tuple[ModelFile, ...]:
         from . import model_digest
 
-        return model_digest.digest_dir(model_dir)
+        return model_digest.digest_dir(model_dir, known)
+
+    def normalize_engine_args(self, engine_args: list[str]) -> dict[str, str]:
+        import contextlib
+        import io
+
+        from . import snapkey
+        from .errors import UsageError
+
+        captured = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(captured):
+                return snapkey.normalize_args(list(engine_args))
+        except SystemExit as e:
+            lines = [ln for ln in captured.getvalue().splitlines() if ln.strip()]
+            reason = next((ln.split("error:", 1)[1].strip() for ln in reversed(lines) if "error:" in ln),
+                          "rejected by vLLM's argument parser")
+            raise UsageError(f"invalid engine arguments: {reason}",
+                             hint="the engine args are those of `vllm serve`") from e
 
     def verify_model(self, model_dir: Path, files: tuple[ModelFile, ...], mode: str) -> ModelCheck:
         from . import model_digest
@@ -688,6 +720,21 @@ class LocalTools(SnapshotTools):
         if not dry_run:
             gone += [str(p) for p in locks.clean_stale()]
         return gone
+
+    def key_lock(self, key: str, on_wait: Callable[[str], None]) -> AbstractContextManager:
+        from . import locks
+
+        return locks.key_lock(key, on_wait)
+
+    def record_refusal(self, snapshot: Path, code: str, reason: str) -> None:
+        from . import store
+
+        store.record_refusal(snapshot, code, reason)
+
+    def refusal(self, snapshot: Path) -> dict | None:
+        from . import store
+
+        return store.refusal(snapshot)
 
     def last_restore(self, snapshot: Path) -> float | None:
         from . import store

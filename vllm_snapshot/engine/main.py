@@ -192,6 +192,10 @@ async def run(spec: dict) -> int:
     try:
         with contextlib.redirect_stderr(captured):
             args = parse_engine_args(spec["model"], list(spec.get("engine_args", [])))
+            from ..snapkey import normalize_args
+
+            # the same function `serve` uses, so the key recorded here is the one it computes
+            normalized = normalize_args(list(spec.get("engine_args", [])))
     except SystemExit as e:
         # argparse printed usage + "prog: error: REASON"; pass the reason on
         lines = [ln for ln in captured.getvalue().splitlines() if ln.strip()]
@@ -221,6 +225,7 @@ async def run(spec: dict) -> int:
         emit("initialized", oracle=oracle, info={
             "kind": kind, "vllm": vllm.__version__, "torch": torch.__version__,
             "served_model_name": (args.served_model_name or [args.model])[0],
+            "normalized_args": normalized,
         })
         threading.Thread(target=_commands, args=(loop, q), daemon=True, name="control").start()
         while True:

@@ -5,6 +5,7 @@ step order is unit-tested with a fake (``tests/test_ops_order.py``).
 * :mod:`.create` -- create: start the engine, oracle, (sleep rehearsal), inventory, dump, publish.
 * :mod:`.restore` -- validate (every check before CRIU), restore, oracle, bind, canary; serve
   in the foreground.
+* :mod:`.serve` -- serve MODEL [args]: the snapshot of this key restored, or built then restored.
 * :mod:`.manage` -- describe (list rows), delete, prune, status, stop, switch.
 """
 
@@ -12,7 +13,8 @@ from .cleanup import run_cleanups
 from .create import CreateRequest, check_cpu_kv_cache, create
 from .manage import delete, describe, list_snapshots, parse_duration, prune, status, stop_engines, switch
 from .restore import RestoreRequest, restore, serve_foreground, validate, verify
+from .serve import ServeRequest, serve
 
 __all__ = ["CreateRequest", "RestoreRequest", "check_cpu_kv_cache", "create", "delete", "describe", "list_snapshots",
-           "parse_duration", "prune", "restore", "run_cleanups", "serve_foreground", "status",
+           "parse_duration", "prune", "restore", "run_cleanups", "serve", "serve_foreground", "ServeRequest", "status",
            "stop_engines", "switch", "validate", "verify"]

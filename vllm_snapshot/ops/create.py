@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .. import __version__, criu, layout, manifest, mountpolicy, oracle
+from .. import __version__, criu, layout, manifest, mountpolicy, oracle, snapkey
 from ..engine.mounts import PRIVATE as PRIVATE_MOUNTS
 from ..archive import DEFAULT_COMPRESSION, Compression
 from ..errors import CriuError, EngineError, EnvironmentProblem, OracleMismatchError, UsageError
@@ -188,7 +188,7 @@ def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, revisio
                    recorded: oracle.Oracle, sleep_level: int, env: dict[str, str], criu_ver: str,
                    host: dict[str, str], inv: Inventory, inherit: dict[str, str], dump_opts: criu.DumpOptions,
                    externals: tuple, images: tuple, extra: tuple, timings: dict[str, float],
-                   created_at: str) -> manifest.Manifest:
+                   created_at: str, key: manifest.SnapshotKey | None = None) -> manifest.Manifest:
     """The manifest of a finished dump (unsealed). Pure."""
     return manifest.Manifest(
         schema_version=manifest.SCHEMA_VERSION,
@@ -212,6 +212,7 @@ def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, revisio
         sizes={"raw": sum(i.raw_bytes for i in images), "stored": sum(i.stored_bytes for i in images),
                "model": sum(f.size for f in files)},
         timings=dict(timings),
+        key=key,
     )
 
 
@@ -235,6 +236,10 @@ def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: 
             engine, init = _start_engine(t, req, spec, env, tmp)
         info = init["info"]
         recorded = oracle.Oracle.model_validate(init["oracle"])
+        host = t.host_identity(info["kind"])
+        key = snapkey.build(requested_model=req.model, engine_args=req.engine_args,
+                            normalized=info["normalized_args"], model_files=files, oracle_prompt=req.oracle_prompt,
+                            sleep_level=req.sleep_level, env=env, host=host)
         sleep_level = req.sleep_level if info["kind"] == "cuda" else 0
         if sleep_level:
             with rep.phase("sleep", f"sleep level {sleep_level} (rehearsal: wake, reload, oracle)"):
@@ -263,9 +268,9 @@ def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: 
         remaps = []
         m = build_manifest(
             req=req, target=target, model_dir=model_dir, revision=revision, files=files, info=info, recorded=recorded,
-            sleep_level=sleep_level, env=env, criu_ver=criu_ver, host={**t.host_identity(info["kind"]), **gpu_id},
+            sleep_level=sleep_level, env=env, criu_ver=criu_ver, host={**host, **gpu_id},
             inv=inv, inherit=inherit, dump_opts=dump_opts, externals=externals, images=images, extra=extra,
-            timings=rep.timings,
+            timings=rep.timings, key=key,
             created_at=_dt.datetime.fromtimestamp(t.now(), _dt.timezone.utc).isoformat(timespec="seconds"))
         with rep.phase("publish", "publishing"):
             m = manifest.seal(m.model_copy(update={"timings": dict(rep.timings)}))

@@ -22,8 +22,9 @@ def _first_lines(e: Exception) -> str:
 
 
 def describe(snapshot: Path, tools: SnapshotTools | None = None) -> dict:
-    """One ``list`` row: name, path, model, created, kind, sleep level, raw/stored bytes,
-    whether this host can restore it (``compatible`` + ``why``), last restore (unix s or None).
+    """One ``list`` row: name, path, model, key, created, kind, sleep level, raw/stored bytes,
+    whether this host can restore it (``compatible`` + ``why``: a refusal ``serve`` recorded
+    since its last restore, else host identity and model files), last restore (unix s or None).
 
     Cheap by design (a ``list`` of many snapshots stays fast): trust checks, manifest, layout
     (stat), host identity (probed once per command, not per row) and the model's stat; image
@@ -33,10 +34,14 @@ def describe(snapshot: Path, tools: SnapshotTools | None = None) -> dict:
     try:
         m = t.open_snapshot(snapshot)
     except Exception as e:  # noqa: BLE001 - a broken snapshot is still listed, as incompatible
-        return {**row, "model": None, "created": None, "kind": None, "sleep_level": None,
+        return {**row, "model": None, "key": None, "created": None, "kind": None, "sleep_level": None,
                 "raw_bytes": None, "stored_bytes": None, "compatible": False, "why": _first_lines(e)}
     row.update(model=m.model.requested, created=m.created_at, kind=m.engine.kind, sleep_level=m.engine.sleep_level,
-               raw_bytes=m.sizes["raw"], stored_bytes=m.sizes["stored"])
+               raw_bytes=m.sizes["raw"], stored_bytes=m.sizes["stored"], key=m.key.value if m.key else None)
+    refused = t.refusal(snapshot)
+    if refused is not None:  # `serve` restored it and it failed (oracle, CRIU, ...): say so
+        row.update(compatible=False, why=f"refused by serve: {refused['reason']}")
+        return row
     try:
         hard = [d for d in identity.compare(m.host, t.host_identity(m.engine.kind)) if not d.overridden]
         if hard:
@@ -94,9 +99,11 @@ def parse_duration(text: str) -> float:
 
 
 def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: bool,
-          tools: SnapshotTools | None = None) -> Pruned:
+          tools: SnapshotTools | None = None, unusable: bool = False) -> Pruned:
     """Select snapshots under ``root`` beyond the ``keep`` newest per model and/or older than
-    ``older_than_s`` seconds; delete them unless ``dry_run``; skip those with running engines.
+    ``older_than_s`` seconds and/or (``unusable``) those this host cannot restore (a refusal
+    ``serve`` recorded, host identity, model files, an unreadable manifest: ``list``'s ✗);
+    delete them unless ``dry_run``; skip those with running engines.
     Always removes what killed commands left (temp dirs of crashed creates, staging dirs of
     killed restores, stale lock files); without ``keep``/``older_than_s`` only that."""
     t = tools or LocalTools()
@@ -108,6 +115,8 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
         except (SnapshotError, OSError, ValueError):  # unreadable snapshots are left to `delete`
             continue
     victims: set[Path] = set()
+    if unusable:
+        victims |= {p for p in t.list_snapshots(root) if not describe(p, t)["compatible"]}
     if keep is not None:
         by_model: dict[str, list] = {}
         for model, created, p in rows:

@@ -1,0 +1,174 @@
+"""``serve``'s decisions and step order through the recording FakeTools (no root, no CRIU):
+which snapshot it restores, when it builds, what it records as refused, what --no-build and
+--rebuild change. The real thing runs in tests/test_serve_integration.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vllm_snapshot import ops, snapkey
+from vllm_snapshot.errors import BusyError, ModelChangedError, OracleMismatchError, UsageError
+from vllm_snapshot.ops.serve import MAX_REFUSED_PER_KEY, why_not
+from vllm_snapshot.progress import Reporter
+
+from fakes import FakeTools
+from vllm_snapshot.manifest import ModelFile
+
+ROOT = Path("/snaps")
+ARGS = ["--kv-cache-memory-bytes", "64M"]
+
+
+class Rec(Reporter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def info(self, msg: str) -> None:
+        self.lines.append(msg)
+
+
+def _tools() -> FakeTools:
+    t = FakeTools()
+    t.snapshots = {}
+    return t
+
+
+def _serve(t: FakeTools, rep: Reporter | None = None, **kw):
+    req = ops.ServeRequest(model="/models/tiny", root=ROOT, engine_args=list(kw.pop("engine_args", ARGS)),
+                           port=8123, **kw)
+    return ops.serve(req, rep or Rec(), tools=t)
+
+
+def test_first_serve_builds_then_the_second_restores_without_a_cold_start():
+    t = _tools()
+    first, _ = _serve(t)
+    assert first.path == "built" and "engine_start" in first.timings
+    (built,) = t.snapshots
+    assert built.name == f"tiny-{first.key[:12]}"
+    assert t.snapshots[built].key.value == first.key  # create recorded the key serve computed
+    assert first.warnings == []
+    t.calls.clear()
+    second, _ = _serve(t)
+    assert second.path == "restored" and second.restored.snapshot == str(built) and second.key == first.key
+    assert "launch_engine" not in t.calls and "engine_start" not in second.timings
+    # the normalization came from the manifest (same raw args): vLLM's parser was not imported
+    assert "normalize_engine_args" not in t.calls
+
+
+def test_port_is_checked_before_anything_is_hashed_or_built():
+    t = _tools()
+    t.fail["port_free"] = BusyError("port 8123 is in use")
+    with pytest.raises(BusyError):
+        _serve(t)
+    assert "digest_model" not in t.calls and "launch_engine" not in t.calls and not t.snapshots
+
+
+def test_other_engine_args_build_a_new_snapshot_and_say_why_the_old_one_is_not_used():
+    t = _tools()
+    a, _ = _serve(t)
+    rep = Rec()
+    b, _ = _serve(t, rep, engine_args=[*ARGS, "--max-model-len", "256"])
+    assert b.path == "built" and b.key != a.key and len(t.snapshots) == 2
+    assert any("made for other the engine args" in line for line in rep.lines), rep.lines
+    assert t.refusals == {}  # another configuration is not "unusable"
+
+
+def test_changed_model_file_builds_anew_and_names_the_file():
+    t = _tools()
+    a, _ = _serve(t)
+    t.model_files = (ModelFile(path="model.safetensors", size=100, blake3="1" * 64, mtime_ns=9, ctime_ns=9,
+                               inode=3, device=4),)
+    rep = Rec()
+    b, _ = _serve(t, rep)
+    assert b.path == "built" and b.key != a.key
+    assert any("model files differ (changed: model.safetensors)" in line for line in rep.lines), rep.lines
+
+
+def test_refused_snapshot_is_recorded_and_a_new_one_built():
+    t = _tools()
+    a, _ = _serve(t)
+    (old,) = t.snapshots
+    t.refuse[old] = OracleMismatchError("the restored engine's oracle differs")
+    b, _ = _serve(t)
+    assert b.path == "built" and b.key == a.key and len(t.snapshots) == 2
+    new = next(p for p in t.snapshots if p != old)
+    assert new.name == f"tiny-{a.key[:12]}-2"
+    assert b.refused == [{"snapshot": str(old), "code": "oracle-mismatch",
+                          "reason": "the restored engine's oracle differs"}]
+    assert t.refusals[str(old)]["code"] == "oracle-mismatch"
+    row = ops.describe(old, t)
+    assert row["compatible"] is False and row["why"].startswith("refused by serve:")
+
+
+def test_no_build_without_a_snapshot_refuses_before_any_engine_starts():
+    t = _tools()
+    with pytest.raises(UsageError, match="no snapshot under /snaps matches"):
+        _serve(t, build="never")
+    assert "launch_engine" not in t.calls and "restore_tree" not in t.calls and "register" not in t.calls
+
+
+def test_no_build_with_a_refused_snapshot_raises_its_refusal():
+    t = _tools()
+    _serve(t)
+    (old,) = t.snapshots
+    t.refuse[old] = ModelChangedError("model files under /models/tiny differ")
+    with pytest.raises(ModelChangedError):
+        _serve(t, build="never")
+    assert len(t.snapshots) == 1
+
+
+def test_rebuild_builds_even_when_a_valid_snapshot_exists():
+    t = _tools()
+    _serve(t)
+    t.calls.clear()
+    b, _ = _serve(t, build="always")
+    assert b.path == "built" and len(t.snapshots) == 2 and "launch_engine" in t.calls
+
+
+def test_busy_restore_is_not_a_refusal_and_builds_nothing():
+    t = _tools()
+    _serve(t)
+    (old,) = t.snapshots
+    t.refuse[old] = BusyError("loopback ports taken")
+    with pytest.raises(BusyError):
+        _serve(t)
+    assert len(t.snapshots) == 1 and t.refusals == {}
+
+
+def test_serve_stops_building_after_repeated_refusals_of_one_key():
+    """A host that refuses every snapshot must not get a new cold start + dump per restart."""
+    t = _tools()
+    t.refuse_all = OracleMismatchError("oracle differs")
+    for n in range(1, MAX_REFUSED_PER_KEY + 1):
+        with pytest.raises(OracleMismatchError, match="oracle differs"):
+            _serve(t)  # builds one more, whose restore is refused
+        assert len(t.snapshots) == n
+    with pytest.raises(OracleMismatchError, match="not building another") as e:
+        _serve(t)
+    assert len(t.snapshots) == MAX_REFUSED_PER_KEY
+    assert "prune --unusable" in e.value.hint
+
+
+def test_bad_engine_args_are_refused_before_building():
+    t = _tools()
+    with pytest.raises(UsageError, match="--bogus"):
+        _serve(t, engine_args=["--bogus"])
+    assert "launch_engine" not in t.calls
+    with pytest.raises(UsageError, match="belong|binds nothing"):
+        _serve(t, engine_args=["--uds", "/tmp/x.sock"])
+
+
+def test_key_parts_and_words_cover_every_part():
+    assert set(snapkey.PART_WORDS) == set(snapkey.PARTS)
+
+
+def test_why_not_names_host_fields():
+    t = _tools()
+    a, _ = _serve(t)
+    (old,) = t.snapshots
+    m = t.snapshots[old]
+    key = m.key.model_copy(update={"parts": {**m.key.parts, "host": "0" * 64}})
+    assert "host differs (vllm: snapshot has '0.32.0', this host has '0.33.0')" in why_not(
+        m, key, m.model.files, {**m.host, "vllm": "0.33.0"})

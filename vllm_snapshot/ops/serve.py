@@ -1,0 +1,237 @@
+"""``serve MODEL [engine args]``: restore the snapshot made for exactly this model, these args and
+this host when a valid one exists; build one (a cold start, the oracle, a dump -- ``create``)
+when none does or the one found is refused; either way the port is bound only after the oracle
+matched (it is :func:`vllm_snapshot.ops.restore.restore` that serves).
+
+Steps, in order (each side effect through :class:`SnapshotTools`):
+
+1. preconditions: root, engine args that restore could never use refused, model resolved,
+   ``host:port`` free -- before anything is hashed or built;
+2. the **key** (:mod:`vllm_snapshot.snapkey`): engine args normalized (from a manifest made with
+   the same raw args and vLLM, else by vLLM's parser), model content digest (files whose stat a
+   manifest recorded keep that digest), scrubbed environment, host identity;
+3. under the key's lock (a second ``serve`` of the same key waits, saying for whom): the
+   snapshots under the root with this key, newest first, each restored as ``restore`` does;
+   a refused one is recorded as unusable (``list`` shows why) and the next is tried;
+4. none left: with ``--no-build`` refuse; else ``create`` a new snapshot
+   (``<model>-<key prefix>``) and restore it.
+
+Refusals that make ``serve`` move on to another snapshot or build: host identity, model files,
+corrupt snapshot, oracle mismatch, CRIU or engine failure at restore. A busy port, a usage error,
+a missing host prerequisite or an interruption stop ``serve`` as they stop ``restore``. After
+:data:`MAX_REFUSED_PER_KEY` refused snapshots of one key ``serve`` stops building (a host that
+refuses every snapshot would otherwise fill the disk, one cold start per restart).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .. import oracle, snapkey
+from ..archive import DEFAULT_COMPRESSION, Compression
+from ..errors import (CorruptSnapshotError, CriuError, EngineError, IncompatibleHostError, ModelChangedError,
+                      OracleMismatchError, SnapshotError, UsageError)
+from ..manifest import Manifest, ModelFile
+from ..progress import Reporter
+from ..results import Served
+from ..supervisor import scrubbed_env
+from ..tools import Engine, LocalTools, SnapshotTools
+from .create import CreateRequest, arg_value, check_engine_args, create
+from .restore import RestoreRequest, restore
+
+#: Errors that mean "this snapshot cannot serve here": record it, try the next, or build.
+REFUSALS = (IncompatibleHostError, ModelChangedError, CorruptSnapshotError, OracleMismatchError, CriuError,
+            EngineError)
+#: Refused snapshots of one key after which ``serve`` stops building new ones.
+MAX_REFUSED_PER_KEY = 2
+
+
+@dataclass
+class ServeRequest:
+    """Inputs of :func:`serve`: the model and ``vllm serve`` engine args, where snapshots live
+    (``root``), where to serve, and how to build one (as ``create``). ``build``: ``auto``
+    (restore, else build), ``never`` (``--no-build``), ``always`` (``--rebuild``)."""
+
+    model: str
+    root: Path
+    engine_args: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    detach: bool = False
+    log_file: Path | None = None
+    verify_model: str = "quick"
+    build: str = "auto"
+    oracle_prompt: str = oracle.DEFAULT_PROMPT
+    sleep_level: int = 2
+    compression: Compression = field(default_factory=lambda: Compression.parse(DEFAULT_COMPRESSION))
+    keep_env: tuple[str, ...] = ()
+    engine_log: Callable[[bytes], None] | None = None
+    create_log: Callable[[bytes], None] | None = None
+
+
+def _published(t: SnapshotTools, root: Path) -> list[tuple[Path, Manifest]]:
+    """(path, manifest) of every snapshot under ``root`` that opens (trust, schema, digest)."""
+    out = []
+    for p in t.list_snapshots(root) if t.path_exists(root) else []:
+        try:
+            out.append((p, t.open_snapshot(p)))
+        except (SnapshotError, OSError):
+            continue  # listed as unusable by `list`; never a candidate
+    return out
+
+
+def _normalized(t: SnapshotTools, snaps: list[tuple[Path, Manifest]], req: ServeRequest, vllm: str) -> dict[str, str]:
+    """The normalized engine args: a manifest's, when it was made from the same raw args with
+    the same vLLM (no vLLM import), else vLLM's parser."""
+    if snapkey.memoizable(req.engine_args):
+        raw = snapkey.raw_args_digest(req.model, req.engine_args, vllm)
+        for _, m in snaps:
+            if m.key is not None and m.key.raw_args == raw:
+                return dict(m.key.normalized_args)
+    return t.normalize_engine_args(req.engine_args)
+
+
+def compute_key(t: SnapshotTools, req: ServeRequest, model_dir: Path, snaps: list[tuple[Path, Manifest]]):
+    """The :class:`~vllm_snapshot.manifest.SnapshotKey` ``serve`` looks for (as ``create`` will
+    record it). Model files whose stat a manifest of the same model directory recorded are not
+    read again. Raises UsageError (args vLLM rejects), OSError."""
+    kind = "cuda" if t.gpu_present() else "cpu"
+    host = t.host_identity(kind)
+    normalized = _normalized(t, snaps, req, host.get("vllm", ""))
+    known: tuple[ModelFile, ...] = tuple(f for _, m in snaps if m.model.path == str(model_dir) for f in m.model.files)
+    files = t.digest_model(model_dir, known)
+    env = scrubbed_env(t.environ(), req.keep_env)
+    key = snapkey.build(requested_model=req.model, engine_args=req.engine_args, normalized=normalized,
+                        model_files=files, oracle_prompt=req.oracle_prompt, sleep_level=req.sleep_level,
+                        env=env, host=host)
+    return key, files, host
+
+
+def why_not(m: Manifest, key, files: tuple[ModelFile, ...], host: dict[str, str]) -> str:
+    """One line: why a snapshot of the same model directory does not match ``key`` -- the parts
+    that differ, with the model files and host fields named. Pure."""
+    from .. import identity
+
+    parts = snapkey.differing_parts(m.key.parts, key.parts) if m.key is not None else ["key"]
+    if m.key is None:
+        return "made before snapshot keys existed (re-create it, or restore it by name)"
+    said = []
+    for p in parts:
+        if p == "model":
+            was = {f.path: f.blake3 for f in m.model.files}
+            now = {f.path: f.blake3 for f in files}
+            changed = sorted(k for k in was if k in now and was[k] != now[k])
+            gone = sorted(set(was) - set(now))
+            new = sorted(set(now) - set(was))
+            bits = ([f"changed: {', '.join(changed[:5])}"] if changed else []) + \
+                   ([f"missing: {', '.join(gone[:5])}"] if gone else []) + ([f"added: {', '.join(new[:5])}"] if new else [])
+            said.append("model files differ (" + "; ".join(bits) + ")" if bits else "model files differ")
+        elif p == "host":
+            diffs = [d for d in identity.compare(m.host, host) if d.field != "gpu_uuid_used"]
+            said.append("host differs (" + "; ".join(str(d) for d in diffs[:3]) + ")" if diffs else "host differs")
+        else:
+            said.append(f"made for other {snapkey.PART_WORDS[p]}")
+    return "; ".join(said)
+
+
+def _name_for(t: SnapshotTools, root: Path, model: str, model_dir: Path, hf_id: bool, key: str) -> Path:
+    """``<model dir name, or the Hugging Face id with / as -->-<key prefix>[-N]``, unused under ``root``."""
+    base = model.strip("/").replace("/", "--") if hf_id else model_dir.name
+    base = "".join(c if (c.isalnum() or c in "._-") else "-" for c in base.replace("/", "--")).lstrip(".") or "model"
+    stem = f"{base[:100]}-{key[:12]}"
+    for n in range(1, 1000):
+        p = root / (stem if n == 1 else f"{stem}-{n}")
+        if not t.path_exists(p):
+            return p
+    raise UsageError(f"too many snapshots named {stem}-N under {root}", hint="vllm-snapshot prune")
+
+
+def serve(req: ServeRequest, rep: Reporter, tools: SnapshotTools | None = None) -> tuple[Served, Engine]:
+    """Restore the valid snapshot of this model + args + host, or build one and restore it.
+    Returns the result (which path was taken, refusals met, timings in seconds) and the live
+    engine (foreground: :func:`vllm_snapshot.ops.restore.serve_foreground`; detached: close
+    it). Raises UsageError (bad args; ``--no-build`` and nothing valid), BusyError (port,
+    loopback listeners), the refusal of the last snapshot tried (``--no-build``, or after
+    :data:`MAX_REFUSED_PER_KEY` refusals), and the errors of create and restore."""
+    t = tools or LocalTools()
+    t.require_root()
+    if req.build not in ("auto", "never", "always"):
+        raise UsageError(f"build must be auto, never or always, not {req.build!r}")
+    check_engine_args(req.engine_args)
+    model_dir, rev = t.resolve_model(req.model, arg_value(req.engine_args, "--revision"))
+    t.port_free(req.host, req.port)  # a taken port is found before any hashing or cold start
+    t0 = t.clock()
+    with rep.phase("key", "computing the snapshot key (model digest, engine args, host)"):
+        snaps = _published(t, req.root)
+        key, files, host = compute_key(t, req, model_dir, snaps)
+    rep.info(f"snapshot key {key.value[:12]}")
+    with t.key_lock(key.value, rep.info):
+        snaps = _published(t, req.root)  # again: a serve we waited for may have built it
+        matching = sorted((x for x in snaps if x[1].key is not None and x[1].key.value == key.value),
+                          key=lambda x: x[1].created_at, reverse=True)
+        refused: list[dict] = []
+        errors: list[SnapshotError] = []
+        for p, m in [] if req.build == "always" else matching:
+            try:
+                r, engine = restore(_restore_req(req, p), rep, tools=t)
+            except REFUSALS as e:
+                _refuse(t, rep, p, e, refused)
+                errors.append(e)
+                continue
+            return Served("restored", r, key.value, refused, [], dict(rep.timings), round(t.clock() - t0, 3)), engine
+        others = [{"snapshot": str(p), "why": why_not(m, key, files, host)} for p, m in snaps
+                  if m.model.path == str(model_dir) and (m.key is None or m.key.value != key.value)]
+        for o in others:
+            rep.info(f"not {Path(o['snapshot']).name}: {o['why']}")
+        if req.build == "never":
+            if errors:
+                raise errors[-1]
+            raise UsageError(f"no snapshot under {req.root} matches {req.model} with these engine args on this "
+                             f"host (key {key.value[:12]})" + (f"; {len(others)} other snapshot(s) of this model "
+                                                               "differ (listed above)" if others else ""),
+                             hint="run without --no-build to build one (a cold start), or `vllm-snapshot create`")
+        earlier = [p for p, _ in matching if t.refusal(p) is not None]
+        if req.build == "auto" and len(earlier) >= MAX_REFUSED_PER_KEY:
+            reasons = "\n  ".join(f"{p.name}: {t.refusal(p)['reason']}" for p in earlier[:MAX_REFUSED_PER_KEY])
+            raise (type(errors[-1]) if errors else CriuError)(
+                f"{len(earlier)} snapshots built for this key were refused on this host; not building another:\n  "
+                + reasons,
+                hint="fix what the reasons name (see `vllm-snapshot list`), then `serve --rebuild`, or delete them "
+                     "(`vllm-snapshot prune --unusable`)")
+        target = _name_for(t, req.root, req.model, model_dir, rev is not None, key.value)
+        rep.info(f"building snapshot {target.name} (cold start, oracle, dump)")
+        created = create(CreateRequest(model=req.model, target=target, engine_args=list(req.engine_args),
+                                       oracle_prompt=req.oracle_prompt, sleep_level=req.sleep_level,
+                                       compression=req.compression, keep_env=req.keep_env,
+                                       engine_log=req.create_log), rep, tools=t)
+        warnings = []
+        if created.manifest.key is None or created.manifest.key.value != key.value:
+            warnings.append(f"the new snapshot's key ({created.manifest.key.value[:12] if created.manifest.key else '-'})"
+                            f" differs from the one computed before building ({key.value[:12]}); the next serve "
+                            "will not find it -- please report this")
+        try:
+            r, engine = restore(_restore_req(req, target), rep, tools=t)
+        except REFUSALS as e:
+            _refuse(t, rep, target, e, refused)
+            raise
+        return Served("built", r, key.value, refused, warnings, dict(rep.timings), round(t.clock() - t0, 3)), engine
+
+
+def _restore_req(req: ServeRequest, snapshot: Path) -> RestoreRequest:
+    return RestoreRequest(snapshot=snapshot, host=req.host, port=req.port, verify_model=req.verify_model,
+                          detach=req.detach, log_file=req.log_file, engine_log=req.engine_log)
+
+
+def _refuse(t: SnapshotTools, rep: Reporter, p: Path, e: SnapshotError, refused: list[dict]) -> None:
+    line = e.message.splitlines()[0] + (" " + e.message.splitlines()[1].strip() if len(e.message.splitlines()) > 1 else "")
+    rep.info(f"snapshot {p.name} refused: {line}")
+    refused.append({"snapshot": str(p), "code": e.code, "reason": line})
+    try:
+        t.record_refusal(p, e.code, line)
+    except OSError as err:  # bookkeeping only
+        rep.info(f"could not record the refusal of {p.name}: {err}")
+
+
+__all__ = ["MAX_REFUSED_PER_KEY", "REFUSALS", "ServeRequest", "compute_key", "serve", "why_not"]

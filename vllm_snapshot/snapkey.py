@@ -1,0 +1,137 @@
+"""The snapshot **key**: one digest of everything that determines a snapshot's engine state, so
+``serve MODEL [engine args]`` can find the snapshot made for exactly this model, these args and
+this host, or know that none exists.
+
+The key is BLAKE3 over four parts (each itself a BLAKE3 hex digest, kept in the manifest so a
+mismatch can say *which* part differs):
+
+* ``model``  -- the model's content: every file's relative path, size and full-content BLAKE3
+  (the same digests the manifest records for restore's model check);
+* ``engine`` -- the engine args **normalized by vLLM's own parser** (every option whose parsed
+  value differs from the parser's default, so ``--dtype=float32`` and ``--dtype float32``, or
+  ``64M`` and ``67108864``, give one key), the requested model string (it is the served name
+  unless ``--served-model-name``), the oracle prompt and the requested sleep level;
+* ``env``    -- the variables of the engine's scrubbed environment that vLLM, torch and the
+  math libraries read (``VLLM_*``, ``OMP_*``, ``CUDA_*``, …), values hashed;
+* ``host``   -- the host identity fields restore compares (:func:`vllm_snapshot.identity.collect`,
+  plus the GPU fields on CUDA hosts).
+
+Importing vLLM's parser costs ~16 s on a 2-core host (measured: ``python -c 'from
+vllm.entrypoints.launchers.cli_args import make_arg_parser'``), longer than a restore. So the
+engine (which parses its args anyway) reports the normalized args at create, the manifest keeps
+them with a digest of the raw args (``raw_args``), and ``serve`` reuses a manifest's normalized
+args when its raw args, model string and vLLM version are the same (:func:`memo_lookup`); only
+args never seen before are parsed in the CLI process.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Iterable, Mapping
+
+import blake3
+
+#: Environment prefixes whose values change what the engine computes or allocates.
+ENV_PREFIXES = ("VLLM_", "OMP_", "MKL_", "KMP_", "TORCH", "PYTORCH_", "NCCL_", "CUDA_", "OPENBLAS_", "GLOO_")
+#: Set by vllm-snapshot itself for every engine, never chosen by the user: not part of the key.
+ENV_IGNORED = frozenset({"VLLM_SNAPSHOT_CACHE"})
+#: Parsed ``vllm serve`` destinations that never change the engine's state.
+ARGS_IGNORED = frozenset({"model", "model_tag", "dispatch_function", "subparser", "config"})
+
+
+def _h(obj) -> str:
+    return blake3.blake3(json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                                    default=repr).encode()).hexdigest()
+
+
+def normalize_namespace(got: Mapping[str, object], defaults: Mapping[str, object]) -> dict[str, str]:
+    """The options of a parsed ``vllm serve`` namespace whose value differs from the parser's
+    default: ``{dest: JSON text of the value}``, sorted. Secret-looking destinations
+    (``hf_token``) keep only a digest of their value. Pure."""
+    from .supervisor import is_secret_name
+
+    out = {}
+    for k in sorted(got):
+        if k in ARGS_IGNORED or got[k] == defaults.get(k, object()):
+            continue
+        text = json.dumps(got[k], sort_keys=True, default=repr)
+        out[k] = "blake3:" + blake3.blake3(text.encode()).hexdigest() if is_secret_name(k) else text
+    return out
+
+
+def normalize_args(engine_args: list[str]) -> dict[str, str]:
+    """Normalize ``vllm serve`` engine args with vLLM's own parser (imports vLLM: ~16 s on a
+    small host). Raises SystemExit (argparse) on args vLLM rejects."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm-snapshot serve MODEL"))
+    got = vars(parser.parse_args(["--model", "MODEL", *engine_args]))
+    base = vars(parser.parse_args(["--model", "MODEL"]))
+    return normalize_namespace(got, base)
+
+
+def raw_args_digest(requested_model: str, engine_args: Iterable[str], vllm_version: str) -> str:
+    """Digest of the args exactly as given (the memo's key: same text, same vLLM -> same
+    normalized args). Pure."""
+    return _h({"model": requested_model, "args": list(engine_args), "vllm": vllm_version})
+
+
+def memoizable(engine_args: Iterable[str]) -> bool:
+    """False when the args name a file whose content the parse depends on (``--config``): those
+    are normalized afresh every time. Pure."""
+    return not any(a == "--config" or a.startswith("--config=") for a in engine_args)
+
+
+def model_part(files) -> str:
+    """Digest of a model's content from its ModelFile records (path, size, BLAKE3). Pure."""
+    return _h(sorted((f.path, f.size, f.blake3) for f in files))
+
+
+def engine_part(requested_model: str, normalized: Mapping[str, str], oracle_prompt: str, sleep_level: int) -> str:
+    """Digest of what is asked of the engine. Pure."""
+    return _h({"model": requested_model, "args": dict(normalized), "oracle_prompt": oracle_prompt,
+               "sleep_level": int(sleep_level)})
+
+
+def env_part(env: Mapping[str, str]) -> str:
+    """Digest of the engine environment's state-changing variables (see :data:`ENV_PREFIXES`). Pure."""
+    return _h({k: blake3.blake3(v.encode()).hexdigest() for k, v in sorted(env.items())
+               if k.startswith(ENV_PREFIXES) and k not in ENV_IGNORED})
+
+
+def host_part(host: Mapping[str, str]) -> str:
+    """Digest of the host identity fields restore compares (``gpu_uuid_used`` is a fact of the
+    dump, not of the host, and is left out). Pure."""
+    return _h({k: v for k, v in host.items() if k != "gpu_uuid_used"})
+
+
+PARTS = ("model", "engine", "env", "host")
+
+
+def combine(parts: Mapping[str, str]) -> str:
+    """The key: BLAKE3 over the four part digests (:data:`PARTS`). Pure."""
+    return _h([parts[p] for p in PARTS])
+
+
+def differing_parts(a: Mapping[str, str], b: Mapping[str, str]) -> list[str]:
+    """Names of the parts that differ between two part dicts, in :data:`PARTS` order. Pure."""
+    return [p for p in PARTS if a.get(p) != b.get(p)]
+
+
+PART_WORDS = {"model": "the model files", "engine": "the engine args, oracle prompt or sleep level",
+              "env": "the engine environment (VLLM_*, OMP_*, CUDA_*, …)",
+              "host": "this host (driver, kernel, vLLM, torch, CRIU, CPU, …)"}
+
+
+def build(*, requested_model: str, engine_args: Iterable[str], normalized: Mapping[str, str], model_files,
+          oracle_prompt: str, sleep_level: int, env: Mapping[str, str], host: Mapping[str, str]):
+    """The :class:`vllm_snapshot.manifest.SnapshotKey` of these inputs. Pure."""
+    from .manifest import SnapshotKey
+
+    parts = {"model": model_part(model_files),
+             "engine": engine_part(requested_model, normalized, oracle_prompt, sleep_level),
+             "env": env_part(env), "host": host_part(host)}
+    return SnapshotKey(value=combine(parts), parts=parts,
+                       raw_args=raw_args_digest(requested_model, engine_args, host.get("vllm", "")),
+                       normalized_args=dict(normalized))

@@ -172,3 +172,11 @@ def test_why_not_names_host_fields():
     key = m.key.model_copy(update={"parts": {**m.key.parts, "host": "0" * 64}})
     assert "host differs (vllm: snapshot has '0.32.0', this host has '0.33.0')" in why_not(
         m, key, m.model.files, {**m.host, "vllm": "0.33.0"})
+
+
+def test_env_part_ignores_our_own_settings_but_not_engine_variables():
+    base = {"PATH": "/usr/bin", "GLOO_SOCKET_IFNAME": "lo"}
+    assert snapkey.env_part({**base, "VLLM_SNAPSHOT_ROOT": "/x", "VLLM_SNAPSHOT_RUN_DIR": "/y"}) == snapkey.env_part(base)
+    assert snapkey.env_part({**base, "HOME": "/home/u", "TERM": "xterm"}) == snapkey.env_part(base)
+    assert snapkey.env_part({**base, "OMP_NUM_THREADS": "4"}) != snapkey.env_part(base)
+    assert snapkey.env_part({**base, "VLLM_CPU_KVCACHE_SPACE": "1"}) != snapkey.env_part(base)

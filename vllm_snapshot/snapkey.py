@@ -33,8 +33,9 @@ import blake3
 
 #: Environment prefixes whose values change what the engine computes or allocates.
 ENV_PREFIXES = ("VLLM_", "OMP_", "MKL_", "KMP_", "TORCH", "PYTORCH_", "NCCL_", "CUDA_", "OPENBLAS_", "GLOO_")
-#: Set by vllm-snapshot itself for every engine, never chosen by the user: not part of the key.
-ENV_IGNORED = frozenset({"VLLM_SNAPSHOT_CACHE"})
+#: vllm-snapshot's own settings (``VLLM_SNAPSHOT_ROOT``, ``_CACHE``, ``_RUN_DIR``, …): where
+#: things live, never what the engine computes -- not part of the key.
+ENV_IGNORED_PREFIX = "VLLM_SNAPSHOT_"
 #: Parsed ``vllm serve`` destinations that never change the engine's state.
 ARGS_IGNORED = frozenset({"model", "model_tag", "dispatch_function", "subparser", "config"})
 
@@ -97,7 +98,7 @@ def engine_part(requested_model: str, normalized: Mapping[str, str], oracle_prom
 def env_part(env: Mapping[str, str]) -> str:
     """Digest of the engine environment's state-changing variables (see :data:`ENV_PREFIXES`). Pure."""
     return _h({k: blake3.blake3(v.encode()).hexdigest() for k, v in sorted(env.items())
-               if k.startswith(ENV_PREFIXES) and k not in ENV_IGNORED})
+               if k.startswith(ENV_PREFIXES) and not k.startswith(ENV_IGNORED_PREFIX)})
 
 
 def host_part(host: Mapping[str, str]) -> str:

@@ -417,6 +417,10 @@ class LocalTools(SnapshotTools):
         from .errors import UsageError
 
         captured = io.StringIO()
+        # importing vLLM sets variables in os.environ (TORCHINDUCTOR_CACHE_DIR=/tmp/...,
+        # LD_LIBRARY_PATH, PYTORCH_NVML_BASED_CUDA_CHECK, ...): they would reach the engine's
+        # environment and the key's env part of a create in this process. Put it back.
+        saved = dict(os.environ)
         try:
             with contextlib.redirect_stderr(captured):
                 return snapkey.normalize_args(list(engine_args))
@@ -426,6 +430,10 @@ class LocalTools(SnapshotTools):
                           "rejected by vLLM's argument parser")
             raise UsageError(f"invalid engine arguments: {reason}",
                              hint="the engine args are those of `vllm serve`") from e
+        finally:
+            if dict(os.environ) != saved:
+                os.environ.clear()
+                os.environ.update(saved)
 
     def verify_model(self, model_dir: Path, files: tuple[ModelFile, ...], mode: str) -> ModelCheck:
         from . import model_digest

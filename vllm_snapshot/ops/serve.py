@@ -173,6 +173,8 @@ def serve(req: ServeRequest, rep: Reporter, tools: SnapshotTools | None = None) 
                           key=lambda x: x[1].created_at, reverse=True)
         refused: list[dict] = []
         errors: list[SnapshotError] = []
+        others = [{"snapshot": str(p), "why": why_not(m, key, files, host)} for p, m in snaps
+                  if m.model.path == str(model_dir) and (m.key is None or m.key.value != key.value)]
         for p, m in [] if req.build == "always" else matching:
             try:
                 r, engine = restore(_restore_req(req, p), rep, tools=t)
@@ -180,9 +182,8 @@ def serve(req: ServeRequest, rep: Reporter, tools: SnapshotTools | None = None) 
                 _refuse(t, rep, p, e, refused)
                 errors.append(e)
                 continue
-            return Served("restored", r, key.value, refused, [], dict(rep.timings), round(t.clock() - t0, 3)), engine
-        others = [{"snapshot": str(p), "why": why_not(m, key, files, host)} for p, m in snaps
-                  if m.model.path == str(model_dir) and (m.key is None or m.key.value != key.value)]
+            return Served("restored", r, key.value, refused, [], dict(rep.timings), round(t.clock() - t0, 3),
+                          others), engine
         for o in others:
             rep.info(f"not {Path(o['snapshot']).name}: {o['why']}")
         if req.build == "never":
@@ -216,7 +217,8 @@ def serve(req: ServeRequest, rep: Reporter, tools: SnapshotTools | None = None) 
         except REFUSALS as e:
             _refuse(t, rep, target, e, refused)
             raise
-        return Served("built", r, key.value, refused, warnings, dict(rep.timings), round(t.clock() - t0, 3)), engine
+        return Served("built", r, key.value, refused, warnings, dict(rep.timings), round(t.clock() - t0, 3),
+                      others), engine
 
 
 def _restore_req(req: ServeRequest, snapshot: Path) -> RestoreRequest:

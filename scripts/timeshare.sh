@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Time-share one port between two snapshots: switch N times, print each switch time.
 #   scripts/timeshare.sh SNAPSHOT_A SNAPSHOT_B [PORT] [N]
+# A target may also be a model with its engine args, as `vllm-snapshot serve` takes them:
+#   scripts/timeshare.sh "model=/srv/m1 --max-model-len 512" "model=/srv/m2 --dtype float32" 8000 6
+# (the snapshot of that key is used, built first -- while the other engine serves -- if none is valid).
 # Each switch stops whatever serves on PORT (waiting until its memory is released) and
 # restores the other snapshot there (oracle checked before the port is bound), then sends one
 # completion. Prints one line per switch and a summary (median, min, max seconds); stops the
@@ -16,9 +19,15 @@ times=()
 trap '"$VS" stop --port "$PORT" >/dev/null 2>&1 || true' EXIT
 for i in $(seq 1 "$N"); do
   if (( i % 2 )); then snap=$A; else snap=$B; fi
-  out=$("$VS" switch "$snap" --port "$PORT" --json -q)
+  if [[ $snap == model=* ]]; then
+    read -r -a spec <<<"${snap#model=}"
+    out=$("$VS" switch --model "${spec[0]}" --port "$PORT" --json -q -- "${spec[@]:1}")
+  else
+    out=$("$VS" switch "$snap" --port "$PORT" --json -q)
+  fi
   s=$(printf '%s' "$out" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["switch_s"])')
-  model=$("$VS" inspect "$snap" --json | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["manifest"]["model"]["served_name"])')
+  used=$(printf '%s' "$out" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["serving"]["snapshot"])')
+  model=$("$VS" inspect "$used" --json | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["manifest"]["model"]["served_name"])')
   curl -fsS "http://127.0.0.1:$PORT/v1/completions" -H 'Content-Type: application/json' \
        -d "{\"model\":\"$model\",\"prompt\":\"Hello\",\"max_tokens\":1}" >/dev/null
   printf 'switch %d -> %s: %s s\n' "$i" "$snap" "$s"

@@ -200,6 +200,34 @@ def test_restore_command_stopping_when_engine_exits_on_its_own(path_socket, monk
                                      b"STOPPING=1"]
 
 
+def test_serve_command_notifies_ready_only_after_serve_returned(path_socket, monkeypatch, tmp_path):
+    from vllm_snapshot.results import Served
+
+    seen = {}
+
+    def fake_serve(req, rep):
+        seen["req"] = req
+        with rep.phase("engine_start", "starting engine (load, compile, warm-up)"):
+            pass
+        seen["before_return"] = path_socket.pending()
+        r, engine = _fake_restored()
+        return Served("built", r, "k" * 64, [], [], {"engine_start": 1.0}, 1.0), engine
+
+    def fake_foreground(r, engine, on_msg):
+        seen["at_serve"] = path_socket.pending()
+        return 0
+
+    monkeypatch.setenv("VLLM_SNAPSHOT_ROOT", str(tmp_path))
+    monkeypatch.setattr(ops, "serve", fake_serve)
+    monkeypatch.setattr(ops, "serve_foreground", fake_foreground)
+    # `vllm serve` form: --port among the engine args is serve's own
+    assert cli.main(["serve", "/models/tiny", "--dtype", "float32", "--port", "8123", "-q"]) == 0
+    assert seen["req"].port == 8123 and seen["req"].engine_args == ["--dtype", "float32"]
+    assert seen["before_return"] == [b"STATUS=starting engine (load, compile, warm-up)"]
+    assert seen["at_serve"] == [f"READY=1\nSTATUS=serving tiny on http://127.0.0.1:8123\nMAINPID={os.getpid()}".encode()]
+    assert path_socket.pending() == [b"STOPPING=1"]
+
+
 def test_restore_command_without_notify_socket_is_unchanged(monkeypatch, tmp_path):
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     seen = {}
@@ -259,11 +287,29 @@ def test_cold_unit_keys():
     assert s["EnvironmentFile"] == "/etc/vllm-snapshot/%i.env"
 
 
+def test_serve_unit_keys():
+    u = _unit("vllm-snapshot-serve@.service")
+    s = u["Service"]
+    assert s["Type"] == "notify" and s["NotifyAccess"] == "main"
+    argv = s["ExecStart"].split()
+    assert argv[:3] == ["/var/cache/vllm-snapshot/venv/bin/vllm-snapshot", "serve", "${VLLM_SNAPSHOT_MODEL}"]
+    assert "--detach" not in argv
+    assert argv[argv.index("--port") + 1] == "${VLLM_SNAPSHOT_PORT}"
+    # the engine args come last, after --, so serve's own options can never be read as theirs
+    assert argv[-2:] == ["--", "$VLLM_SNAPSHOT_ENGINE_ARGS"]
+    assert s["EnvironmentFile"] == "/etc/vllm-snapshot/%i.env"  # required: it names the model
+    assert int(s["TimeoutStartSec"]) >= 1800  # a start may build (a whole cold start + dump)
+    assert {"2", "3", "4", "5", "6", "11"} == set(s["RestartPreventExitStatus"].split())
+    assert s["SuccessExitStatus"] == "130"
+    assert "vllm-snapshot@%i.service" in u["Unit"]["Conflicts"]
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
 def test_units_pass_systemd_analyze_verify(tmp_path):
     paths = []
     for tmpl, inst in (("vllm-snapshot@.service", "vllm-snapshot@demo.service"),
-                       ("vllm-snapshot-cold@.service", "vllm-snapshot-cold@demo.service")):
+                       ("vllm-snapshot-cold@.service", "vllm-snapshot-cold@demo.service"),
+                       ("vllm-snapshot-serve@.service", "vllm-snapshot-serve@demo.service")):
         shutil.copy(UNITS / tmpl, tmp_path / tmpl)
         (tmp_path / inst).symlink_to(tmpl)
         paths.append(str(tmp_path / inst))

@@ -164,3 +164,24 @@ def test_normalization_by_vllms_parser_is_spelling_free_and_leaves_the_environme
     with pytest.raises(UsageError, match="invalid engine arguments"):
         t.normalize_engine_args(["--no-such-option", "1"])
     assert dict(os.environ) == before
+
+
+def test_timeshare_script_switches_between_a_model_form_and_a_snapshot(snapshot, snap_root, clone_snapshot):
+    """scripts/timeshare.sh (via `switch --model MODEL -- ARGS`): the model form finds the
+    session snapshot by its key (nothing built), the other target is a snapshot path."""
+    import os
+
+    other = clone_snapshot("ts-b")
+    port = free_port()
+    env = {**engine_env(), "VLLM_SNAPSHOT_ROOT": str(snap_root),
+           "VLLM_SNAPSHOT": str(Path(sys.executable).parent / "vllm-snapshot")}
+    before = sorted(x.name for x in snap_root.iterdir())
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "timeshare.sh"), f"model={TINY} {' '.join(ENGINE_ARGS)}",
+                        str(other), str(port), "3"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith("switch 1 -> model=") and lines[1].startswith(f"switch 2 -> {other}:"), p.stdout
+    assert lines[-1].startswith("3 switches: median")
+    assert sorted(x.name for x in snap_root.iterdir()) == before  # found by key: nothing built
+    assert not port_accepts(port)  # the script stops the last engine
+    assert os.path.exists(snapshot / "manifest.json")

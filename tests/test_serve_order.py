@@ -176,7 +176,25 @@ def test_why_not_names_host_fields():
 
 def test_env_part_ignores_our_own_settings_but_not_engine_variables():
     base = {"PATH": "/usr/bin", "GLOO_SOCKET_IFNAME": "lo"}
-    assert snapkey.env_part({**base, "VLLM_SNAPSHOT_ROOT": "/x", "VLLM_SNAPSHOT_RUN_DIR": "/y"}) == snapkey.env_part(base)
+    assert snapkey.env_part({**base, "VLLM_SNAPSHOT_ROOT": "/x", "VLLM_SNAPSHOT_RUN_DIR": "/y", "VLLM_SNAPSHOT": "/bin/v"}) == snapkey.env_part(base)
     assert snapkey.env_part({**base, "HOME": "/home/u", "TERM": "xterm"}) == snapkey.env_part(base)
     assert snapkey.env_part({**base, "OMP_NUM_THREADS": "4"}) != snapkey.env_part(base)
     assert snapkey.env_part({**base, "VLLM_CPU_KVCACHE_SPACE": "1"}) != snapkey.env_part(base)
+
+
+def test_switch_model_builds_before_stopping_the_old_engine_then_reuses_the_snapshot():
+    from vllm_snapshot.registry import Entry
+
+    t = _tools()
+    t.entries = [Entry(snapshot="/snaps/other", pid=99, supervisor_pid=0, host="127.0.0.1", port=8123,
+                       started_at=0.0, mode="detached")]
+    req = ops.ServeRequest(model="/models/tiny", root=ROOT, engine_args=list(ARGS), port=8123, detach=True)
+    sw, path = ops.switch_model(req, None, True, Rec(), tools=t)
+    assert path == "built" and sw.port == 8123 and sw.stopped == [99]
+    assert t.calls.index("publish") < t.calls.index("stop_engine")  # the old engine served during the build
+    (built,) = t.snapshots
+    assert sw.snapshot == str(built)
+    t.calls.clear()
+    t.entries = []
+    sw, path = ops.switch_model(req, None, True, Rec(), tools=t)
+    assert path == "restored" and sw.snapshot == str(built) and "launch_engine" not in t.calls

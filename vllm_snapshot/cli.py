@@ -236,26 +236,49 @@ def stop(
     render.show(ops.stop_engines(_resolve(snapshot) if snapshot else None, port), as_json)
 
 
-@app.command()
+@app.command(context_settings=PASSTHROUGH)
 def switch(
-    snapshot: str = typer.Argument(..., help="Snapshot to serve next."),
+    ctx: typer.Context,
+    snapshot: Optional[str] = typer.Argument(None, help="Snapshot to serve next (or --model MODEL [engine args])."),
     port: int = typer.Option(..., "--port", min=1, max=65535),
+    model: Optional[str] = typer.Option(None, "--model", help="Serve MODEL with the engine args after -- "
+                                        "(the snapshot of that key; built first if none is valid)."),
     host: Optional[str] = typer.Option(None, "--host", help="Default: the host of the engine being replaced (else 127.0.0.1)."),
     log_file: Optional[Path] = typer.Option(None, "--log-file"),
     rollback: bool = typer.Option(True, "--rollback/--no-rollback",
                                   help="If the new snapshot fails to restore, restore the old one again (default)."),
+    no_build: bool = typer.Option(False, "--no-build", help="With --model: never build, use a valid snapshot or fail."),
     as_json: bool = typer.Option(False, "--json"),
     quiet: bool = typer.Option(False, "--quiet", "-q"),
 ) -> None:
     """Time-sharing: validate SNAPSHOT, stop whatever serves on PORT (memory released),
     restore SNAPSHOT there (detached); roll back to the old engine if that fails. Reports the
-    measured switch time."""
-    from . import ops, render
+    measured switch time. With --model MODEL [-- engine args] the snapshot is the one `serve`
+    would use (built first, while the old engine keeps serving, when none is valid)."""
+    from . import ops, render, store
 
     _root_only("switch")
     _interruptible()
-    render.show(ops.switch(_resolve(snapshot), host, port, log_file, _reporter(quiet, as_json), rollback),
-                as_json, quiet)
+    engine_args = list(ctx.args)
+    if engine_args and engine_args[0] == "--":
+        engine_args = engine_args[1:]
+    argv = _STATE.get("argv") or []
+    if model is not None and snapshot is not None and "--" in argv and snapshot in argv[argv.index("--") + 1:][:1]:
+        # click filled the optional SNAPSHOT with the first engine arg after --
+        engine_args, snapshot = [snapshot, *engine_args], None
+    if (snapshot is None) == (model is None):
+        raise UsageError("give a SNAPSHOT or --model MODEL (one of them, not both)")
+    if model is None:
+        if engine_args:
+            raise UsageError(f"unexpected arguments {' '.join(engine_args)!r}: engine args go with --model MODEL",
+                             hint="a snapshot's engine args are frozen at create")
+        render.show(ops.switch(_resolve(snapshot), host, port, log_file, _reporter(quiet, as_json), rollback),
+                    as_json, quiet)
+        return
+    req = ops.ServeRequest(model=model, root=store.ensure_root(_root_dir()), engine_args=engine_args, port=port,
+                           log_file=log_file, build="never" if no_build else "auto", detach=True)
+    switched, _path = ops.switch_model(req, host, rollback, _reporter(quiet, as_json))
+    render.show(switched, as_json, quiet)
 
 
 @app.command()
@@ -442,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         argv = sys.argv[1:]
         interrupts.install()  # from the first moment: SIGTERM during start-up exits 130 too
     interrupts.reset()
+    _STATE["argv"] = list(argv)
     _STATE["json"] = "--json" in (argv[:argv.index("--")] if "--" in argv else argv)  # after --: vLLM's
     cmd = typer.main.get_command(app)
     try:

@@ -33,9 +33,9 @@ import blake3
 
 #: Environment prefixes whose values change what the engine computes or allocates.
 ENV_PREFIXES = ("VLLM_", "OMP_", "MKL_", "KMP_", "TORCH", "PYTORCH_", "NCCL_", "CUDA_", "OPENBLAS_", "GLOO_")
-#: vllm-snapshot's own settings (``VLLM_SNAPSHOT_ROOT``, ``_CACHE``, ``_RUN_DIR``, …): where
+#: vllm-snapshot's own settings (``VLLM_SNAPSHOT``, ``VLLM_SNAPSHOT_ROOT``, ``_CACHE``, …): where
 #: things live, never what the engine computes -- not part of the key.
-ENV_IGNORED_PREFIX = "VLLM_SNAPSHOT_"
+ENV_IGNORED_PREFIX = "VLLM_SNAPSHOT"
 #: Parsed ``vllm serve`` destinations that never change the engine's state.
 ARGS_IGNORED = frozenset({"model", "model_tag", "dispatch_function", "subparser", "config"})
 

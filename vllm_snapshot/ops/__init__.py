@@ -13,8 +13,8 @@ from .cleanup import run_cleanups
 from .create import CreateRequest, check_cpu_kv_cache, create
 from .manage import delete, describe, list_snapshots, parse_duration, prune, status, stop_engines, switch
 from .restore import RestoreRequest, restore, serve_foreground, validate, verify
-from .serve import ServeRequest, serve
+from .serve import ServeRequest, serve, switch_model
 
 __all__ = ["CreateRequest", "RestoreRequest", "check_cpu_kv_cache", "create", "delete", "describe", "list_snapshots",
-           "parse_duration", "prune", "restore", "run_cleanups", "serve", "serve_foreground", "ServeRequest", "status",
+           "parse_duration", "prune", "restore", "run_cleanups", "serve", "serve_foreground", "ServeRequest", "status", "switch_model",
            "stop_engines", "switch", "validate", "verify"]

@@ -163,10 +163,24 @@ def serve(req: ServeRequest, rep: Reporter, tools: SnapshotTools | None = None) 
     model_dir, rev = t.resolve_model(req.model, arg_value(req.engine_args, "--revision"))
     t.port_free(req.host, req.port)  # a taken port is found before any hashing or cold start
     t0 = t.clock()
+    key, files, host = _key(t, req, rep, model_dir)
+    path, (r, engine), refused, warnings, others = _find_or_build(
+        t, req, rep, model_dir, rev is not None, key, files, host, lambda p: restore(_restore_req(req, p), rep, tools=t))
+    return Served(path, r, key.value, refused, warnings, dict(rep.timings), round(t.clock() - t0, 3), others), engine
+
+
+def _key(t: SnapshotTools, req: ServeRequest, rep: Reporter, model_dir: Path):
     with rep.phase("key", "computing the snapshot key (model digest, engine args, host)"):
-        snaps = _published(t, req.root)
-        key, files, host = compute_key(t, req, model_dir, snaps)
+        key, files, host = compute_key(t, req, model_dir, _published(t, req.root))
     rep.info(f"snapshot key {key.value[:12]}")
+    return key, files, host
+
+
+def _find_or_build(t: SnapshotTools, req: ServeRequest, rep: Reporter, model_dir: Path, hf_id: bool, key, files,
+                   host: dict[str, str], use: Callable[[Path], object]):
+    """Under the key's lock: ``use`` (restore, or validate) each snapshot of ``key``, newest
+    first, recording refusals; none left -> build one (unless ``never``) and ``use`` it.
+    Returns (``"restored"`` | ``"built"``, what ``use`` returned, refused, warnings, others)."""
     with t.key_lock(key.value, rep.info):
         snaps = _published(t, req.root)  # again: a serve we waited for may have built it
         matching = sorted((x for x in snaps if x[1].key is not None and x[1].key.value == key.value),
@@ -177,13 +191,10 @@ def serve(req: ServeRequest, rep: Reporter, tools: SnapshotTools | None = None) 
                   if m.model.path == str(model_dir) and (m.key is None or m.key.value != key.value)]
         for p, m in [] if req.build == "always" else matching:
             try:
-                r, engine = restore(_restore_req(req, p), rep, tools=t)
+                return "restored", use(p), refused, [], others
             except REFUSALS as e:
                 _refuse(t, rep, p, e, refused)
                 errors.append(e)
-                continue
-            return Served("restored", r, key.value, refused, [], dict(rep.timings), round(t.clock() - t0, 3),
-                          others), engine
         for o in others:
             rep.info(f"not {Path(o['snapshot']).name}: {o['why']}")
         if req.build == "never":
@@ -201,7 +212,7 @@ def serve(req: ServeRequest, rep: Reporter, tools: SnapshotTools | None = None) 
                 + reasons,
                 hint="fix what the reasons name (see `vllm-snapshot list`), then `serve --rebuild`, or delete them "
                      "(`vllm-snapshot prune --unusable`)")
-        target = _name_for(t, req.root, req.model, model_dir, rev is not None, key.value)
+        target = _name_for(t, req.root, req.model, model_dir, hf_id, key.value)
         rep.info(f"building snapshot {target.name} (cold start, oracle, dump)")
         created = create(CreateRequest(model=req.model, target=target, engine_args=list(req.engine_args),
                                        oracle_prompt=req.oracle_prompt, sleep_level=req.sleep_level,
@@ -213,12 +224,29 @@ def serve(req: ServeRequest, rep: Reporter, tools: SnapshotTools | None = None) 
                             f" differs from the one computed before building ({key.value[:12]}); the next serve "
                             "will not find it -- please report this")
         try:
-            r, engine = restore(_restore_req(req, target), rep, tools=t)
+            return "built", use(target), refused, warnings, others
         except REFUSALS as e:
             _refuse(t, rep, target, e, refused)
             raise
-        return Served("built", r, key.value, refused, warnings, dict(rep.timings), round(t.clock() - t0, 3),
-                      others), engine
+
+
+def switch_model(req: ServeRequest, host: str | None, rollback: bool, rep: Reporter,
+                 tools: SnapshotTools | None = None):
+    """``switch --model MODEL [engine args]``: the snapshot of this key (validated, or built now
+    -- while whatever serves on ``req.port`` keeps serving), then :func:`~.manage.switch` to
+    it. Returns (:class:`~vllm_snapshot.results.Switched`, path taken: ``restored`` when an
+    existing snapshot was used, ``built``). Raises what :func:`serve` and ``switch`` raise."""
+    from .manage import switch
+    from .restore import validate
+
+    t = tools or LocalTools()
+    t.require_root()
+    check_engine_args(req.engine_args)
+    model_dir, rev = t.resolve_model(req.model, arg_value(req.engine_args, "--revision"))
+    key, files, host_id = _key(t, req, rep, model_dir)
+    path, snapshot, _refused, _warnings, _others = _find_or_build(
+        t, req, rep, model_dir, rev is not None, key, files, host_id, lambda p: (validate(p, tools=t), p)[1])
+    return switch(snapshot, host, req.port, req.log_file, rep, rollback, tools=t), path
 
 
 def _restore_req(req: ServeRequest, snapshot: Path) -> RestoreRequest:
@@ -236,4 +264,4 @@ def _refuse(t: SnapshotTools, rep: Reporter, p: Path, e: SnapshotError, refused:
         rep.info(f"could not record the refusal of {p.name}: {err}")
 
 
-__all__ = ["MAX_REFUSED_PER_KEY", "REFUSALS", "ServeRequest", "compute_key", "serve", "why_not"]
+__all__ = ["MAX_REFUSED_PER_KEY", "REFUSALS", "ServeRequest", "compute_key", "serve", "switch_model", "why_not"]

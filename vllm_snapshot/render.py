@@ -90,7 +90,11 @@ def _served(r: R.Served, quiet: bool) -> None:
         how = ("restored snapshot" if r.path == "restored" else "built (cold start + dump) and restored snapshot")
         sys.stderr.write(f"[vllm-snapshot] {how} {Path(r.restored.snapshot).name} (key {r.key[:12]}) "
                          f"in {r.total_s:.2f} s\n")
-    _restored(r.restored, quiet)
+        sys.stderr.write(f"[vllm-snapshot] serving {r.restored.served_name} at {r.restored.url} "
+                         f"(engine PID {r.restored.pid}); restore took {r.restore_s:.2f} s\n")
+        sys.stderr.flush()
+    if r.restored.detached:
+        _line(str(r.restored.pid))  # scripts read the engine PID from stdout
 
 
 def _listed(r: R.Listed, quiet: bool) -> None:

@@ -78,13 +78,15 @@ class Served:
     total_s: float
     #: snapshots of the same model directory with another key: ``{"snapshot", "why"}``
     others: list[dict] = field(default_factory=list)
+    #: seconds of the restore that serves (validation to canary), without key or build
+    restore_s: float = 0.0
 
     def to_json(self) -> dict:
         r = self.restored
         return {"path": self.path, "snapshot": r.snapshot, "key": self.key, "pid": r.pid, "url": r.url,
                 "served_name": r.served_name, "detached": r.detached, "oracle": "match", "refused": self.refused,
                 "warnings": [*r.warnings, *self.warnings], "timings": self.timings, "total_s": self.total_s,
-                "not_matching": self.others}
+                "restore_s": self.restore_s, "not_matching": self.others}
 
 
 @dataclass(frozen=True)

@@ -164,9 +164,18 @@ def serve(req: ServeRequest, rep: Reporter, tools: SnapshotTools | None = None) 
     t.port_free(req.host, req.port)  # a taken port is found before any hashing or cold start
     t0 = t.clock()
     key, files, host = _key(t, req, rep, model_dir)
+    took: dict[str, float] = {}
+
+    def use(p: Path):
+        start = t.clock()
+        out = restore(_restore_req(req, p), rep, tools=t)
+        took["restore_s"] = round(t.clock() - start, 3)
+        return out
+
     path, (r, engine), refused, warnings, others = _find_or_build(
-        t, req, rep, model_dir, rev is not None, key, files, host, lambda p: restore(_restore_req(req, p), rep, tools=t))
-    return Served(path, r, key.value, refused, warnings, dict(rep.timings), round(t.clock() - t0, 3), others), engine
+        t, req, rep, model_dir, rev is not None, key, files, host, use)
+    return Served(path, r, key.value, refused, warnings, dict(rep.timings), round(t.clock() - t0, 3), others,
+                  took["restore_s"]), engine
 
 
 def _key(t: SnapshotTools, req: ServeRequest, rep: Reporter, model_dir: Path):

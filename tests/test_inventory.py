@@ -373,3 +373,30 @@ def test_large_jit_cache_files_are_pinned_by_content(tmp_path):
     f.write_bytes(b"B" * (inv.HASH_LIMIT_BYTES + 10))  # rewritten in place, same size
     problems = inv.check_files([rec])
     assert len(problems) == 1 and "content differs" in problems[0] and "torch.compile cache" in problems[0]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="ptrace-attaches to another process (root)")
+def test_traced_process_refused_naming_the_tracer(spawn):
+    import ctypes
+
+    c = spawn("ready(); hold()")
+    assert inv.inspect_tree(c.pid).pids  # not traced: accepted
+    libc = ctypes.CDLL(None, use_errno=True)
+    PTRACE_SEIZE = 0x4206
+    assert libc.ptrace(PTRACE_SEIZE, c.pid, None, None) == 0, os.strerror(ctypes.get_errno())
+    err = refused(c.pid)
+    assert f"is traced by PID {os.getpid()}" in err.message
+    assert "detach the tracer" in err.hint
+    assert [d["kind"] for d in err.details] == ["traced"]
+
+
+def test_deleted_open_file_over_criu_ghost_limit_refused_small_one_accepted(spawn, data_dir):
+    code = ("p = sys.argv[2]; f = open(p, 'wb'); f.write(os.urandom(int(sys.argv[3]))); f.flush(); os.unlink(p)\n"
+            "ready(fd=f.fileno()); hold()")
+    small = spawn(code, data_dir / "small.bin", 64 * 1024)
+    assert str(data_dir / "small.bin") in inv.inspect_tree(small.pid).deleted_files
+    big = spawn(code, data_dir / "big.bin", 2 * inv.GHOST_LIMIT)
+    err = refused(big.pid)
+    assert f"fd {big.info['fd']}: deleted file {data_dir / 'big.bin'} still open" in err.message
+    assert [d["kind"] for d in err.details] == ["ghost"]
+    assert "close the deleted file" in err.hint

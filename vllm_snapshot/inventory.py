@@ -127,7 +127,8 @@ class Inventory:
 @dataclass(frozen=True)
 class Finding:
     """One reason to refuse: ``pid``/``command`` of the holder, ``kind`` (``tcp``, ``unix``,
-    ``io_uring``, ``sysv-shm``, ``sysv-sem``, ``rdma``, ``lock``, ``listen``), ``obj`` the
+    ``io_uring``, ``sysv-shm``, ``sysv-sem``, ``rdma``, ``lock``, ``listen``, ``traced``,
+    ``ghost``), ``obj`` the
     offending object in words, ``hint`` what to do."""
 
     pid: int
@@ -468,6 +469,8 @@ def inspect_tree(root_pid: int, private_prefixes: tuple[str, ...] = PRIVATE_PREF
     _check_uring_rdma(procs, findings)
     _check_sysv(procs, tree_pids, findings)
     _check_locks(procs, tree_pids, private_prefixes, findings)
+    _check_traced(procs, tree_pids, findings)
+    _check_ghosts(procs, findings)
     files = _collect_files(procs, private_prefixes)
     deleted = sorted({t[: -len(" (deleted)")] for p in procs for _fd, t in p.fds
                       if t.startswith("/") and t.endswith(" (deleted)")})
@@ -486,6 +489,60 @@ def inspect_tree(root_pid: int, private_prefixes: tuple[str, ...] = PRIVATE_PREF
                      files=files, deleted_files=tuple(deleted),
                      nvidia_files=tuple(sorted(set().union(*nvidia.values()))),
                      cuda_pids=tuple(pid for pid, fs in nvidia.items() if fs))
+
+
+#: CRIU's ``--ghost-limit`` default: deleted-but-open files (no name left to link back to) are
+#: copied into the images only up to this size on disk (bytes). CRIU 4.2.1
+#: ``criu/include/cr_options.h`` DEFAULT_GHOST_LIMIT, enforced in ``files-reg.c``
+#: dump_ghost_remap ("Can't dump ghost file ... increase limit"). Kept, not raised: such a file
+#: is usually a temp file the engine forgot, and copying it would put unknown data into every
+#: snapshot; refusing before CRIU names it instead of failing inside the dump.
+GHOST_LIMIT = 1 << 20
+
+
+def _check_traced(procs: list[_Proc], tree_pids: set[int], findings: list[Finding]) -> None:
+    """A thread traced by a process outside the tree (strace, gdb, py-spy): CRIU cannot seize it
+    (ptrace allows one tracer), and the tracer would lose it at the dump."""
+    for p in procs:
+        try:
+            tids = os.listdir(f"/proc/{p.pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{p.pid}/task/{tid}/status") as f:
+                    tracer = next((int(line.split()[1]) for line in f if line.startswith("TracerPid:")), 0)
+            except (OSError, ValueError, IndexError):
+                continue
+            if tracer and tracer not in tree_pids:
+                try:
+                    who = command(psutil.Process(tracer))
+                except psutil.Error:
+                    who = "?"
+                findings.append(Finding(p.pid, p.command, "traced", f"thread {tid} is traced by PID {tracer} ({who})",
+                                        "detach the tracer (strace, gdb, py-spy ...) and create again"))
+                break
+
+
+def _check_ghosts(procs: list[_Proc], findings: list[Finding]) -> None:
+    """Deleted-but-open regular files whose last name is gone (``st_nlink`` 0) and that are
+    larger on disk than :data:`GHOST_LIMIT`: CRIU's dump would fail on them."""
+    for p in procs:
+        for fd, t in p.fds:
+            if not (t.startswith("/") and t.endswith(" (deleted)")):
+                continue
+            try:
+                st = os.stat(f"/proc/{p.pid}/fd/{fd}")
+            except OSError:
+                continue
+            size = st.st_blocks * 512
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 0 and size > GHOST_LIMIT:
+                findings.append(Finding(
+                    p.pid, p.command, "ghost",
+                    f"fd {fd}: deleted file {t[:-len(' (deleted)')]} still open, {size} bytes on disk "
+                    f"(CRIU copies such files only up to {GHOST_LIMIT} bytes)",
+                    "close the deleted file in the engine (or keep it linked) before create; "
+                    "a model's custom code holding a deleted temp file is the usual cause"))
 
 
 def _check_sockets(procs: list[_Proc], tree_socks: dict[int, _Proc], findings: list[Finding]) -> set[tuple[str, int]]:

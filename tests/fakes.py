@@ -18,6 +18,7 @@ from vllm_snapshot.inventory import Inventory
 from vllm_snapshot.manifest import ExternalMount, ImageFile, Manifest, ModelFile
 from vllm_snapshot.model_digest import ModelCheck
 from vllm_snapshot.registry import Entry
+from vllm_snapshot.resources import Offer
 from vllm_snapshot.tools import Engine, EngineChannel, SnapshotTools
 
 from helpers import make_manifest, make_oracle
@@ -126,6 +127,7 @@ class FakeTools(SnapshotTools):
         #: path -> the error its restore raises (from ``stage``)
         self.refuse: dict[Path, BaseException] = {}
         self.refuse_all: BaseException | None = None
+        self.offer = Offer(64 << 30, "MemAvailable 64.00 GiB")
 
     def _call(self, name: str) -> None:
         self.calls.append(name)
@@ -279,6 +281,10 @@ class FakeTools(SnapshotTools):
     # ---- engine (restore)
     def port_free(self, host: str, port: int) -> None:
         self._call("port_free")
+
+    def memory_offer(self) -> Offer:
+        self._call("memory_offer")
+        return self.offer
 
     def check_log_file(self, path: Path) -> None:
         self._call("check_log_file")

@@ -353,3 +353,51 @@ def test_kill_9_create_in_late_phases_leaves_nothing(snap_root, phase):
     assert name not in [r["name"] for r in json.loads(cli("list", "--json", env=env, check=True).stdout)["snapshots"]]
     cli("prune", "--older-than", "999d", env=env, check=True)
     assert not list(snap_root.glob(f".{name}.tmp-*"))
+
+
+def _memory_cgroup(limit_bytes: int) -> Path:
+    """A child of our own memory cgroup (v1 memory controller or v2) with ``limit_bytes``."""
+    from vllm_snapshot import resources
+
+    v2, v1 = resources._mounts(Path("/proc/self/mountinfo").read_text())
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        hid, ctrls, path = line.split(":", 2)
+        if v1 and "memory" in ctrls.split(","):
+            d = Path(v1) / path.lstrip("/") / f"vs-test-{os.getpid()}"
+            d.mkdir()
+            (d / "memory.limit_in_bytes").write_text(str(limit_bytes))
+            return d
+    if v2:
+        path = next(ln.split(":", 2)[2] for ln in Path("/proc/self/cgroup").read_text().splitlines()
+                    if ln.startswith("0::"))
+        d = Path(v2) / path.lstrip("/") / f"vs-test-{os.getpid()}"
+        d.mkdir()
+        (d / "memory.max").write_text(str(limit_bytes))
+        return d
+    pytest.fail("no memory cgroup controller mounted on this host")
+
+
+def test_restore_in_a_small_memory_cgroup_is_refused_before_criu(snapshot):
+    """A 700 MiB memory cgroup cannot hold the ~1.3 GiB tree: refused with both numbers
+    (exit 12) before staging or CRIU, nothing bound."""
+    cg = _memory_cgroup(700 << 20)
+    port = free_port()
+    try:
+        code = (f"echo $$ > {cg}/cgroup.procs && exec {sys.executable} -m vllm_snapshot restore {snapshot} "
+                f"--port {port} --json")
+        p = subprocess.run(["sh", "-c", code], capture_output=True, text=True, env=engine_env(), cwd=ROOT,
+                           timeout=300)
+        assert p.returncode == 12, p.stdout + p.stderr
+        err = json.loads(p.stdout)["error"]
+        assert err["code"] == "insufficient-resources"
+        assert "needs about 1." in err["message"] and "GiB is available: memory cgroup" in err["message"]
+        assert "limit 0.68 GiB" in err["message"]
+        assert "criu" not in p.stderr.lower() and not port_accepts(port)
+        assert "stage" not in json.dumps(err) and not list(snapshot.parent.glob("vllm-snapshot-stage-*"))
+    finally:
+        for _ in range(50):
+            try:
+                cg.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)

@@ -349,3 +349,16 @@ def test_http_canary_sends_the_oracles_request_and_treats_garbage_as_a_mismatch(
         assert any("logprob" in d for d in t.http_canary(url, m))  # NaN: a mismatch
     finally:
         srv.shutdown()
+
+
+def test_not_enough_memory_refuses_before_staging_or_criu():
+    from vllm_snapshot.errors import InsufficientResources
+    from vllm_snapshot.resources import Offer
+
+    t = FakeTools()
+    t.offer = Offer(1000, "memory cgroup /x (v1): limit 0.00 GiB, in use 0.00 GiB, free 0.00 GiB")
+    with pytest.raises(InsufficientResources) as e:
+        _restore(t)
+    assert "only 0.00 GiB is available: memory cgroup /x" in e.value.message
+    assert "stage" not in t.calls and "restore_tree" not in t.calls and "register" not in t.calls
+    assert e.value.exit_code == 12

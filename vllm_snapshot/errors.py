@@ -18,6 +18,7 @@ exit code                     meaning
 9    ``busy``                 a port, PID, or lock needed is held by someone else
 10   ``unsnapshottable``      the engine tree holds something CRIU cannot restore safely
 11   ``environment``          this host lacks something required (root, CRIU, vLLM)
+12   ``insufficient-resources`` not enough memory here (MemAvailable or cgroup) to restore
 130  ``interrupted``          SIGINT/SIGTERM/SIGHUP stopped the command; it cleaned up
 ==== ======================== ====================================================
 """
@@ -92,6 +93,13 @@ class EnvironmentProblem(SnapshotError):
     code, exit_code = "environment", 11
 
 
+class InsufficientResources(SnapshotError):
+    """This host (or the memory cgroup the engine would run in) cannot hold the restored tree
+    right now; nothing was started. May pass once memory is freed."""
+
+    code, exit_code = "insufficient-resources", 12
+
+
 class Interrupted(SnapshotError):
     """SIGINT, SIGTERM or SIGHUP stopped the command; everything it had started was cleaned
     up (see :mod:`vllm_snapshot.interrupts`)."""
@@ -112,4 +120,5 @@ ALL_ERRORS: tuple[type[SnapshotError], ...] = (
     UnsnapshottableError,
     EnvironmentProblem,
     Interrupted,
+    InsufficientResources,
 )

@@ -28,6 +28,7 @@ from .inventory import Inventory
 from .manifest import ExternalMount, ImageFile, Manifest, ModelFile
 from .model_digest import ModelCheck
 from .registry import Entry
+from .resources import Offer
 
 
 class Engine(Protocol):
@@ -177,6 +178,9 @@ class SnapshotTools(Protocol):
 
     def check_log_file(self, path: Path) -> None:
         """Raises UsageError when ``path`` cannot be an engine log file."""
+
+    def memory_offer(self) -> Offer:
+        """Memory this host and our memory cgroup offer a restore now (:mod:`vllm_snapshot.resources`)."""
 
     def default_log_file(self, snapshot: Path, port: int) -> Path: ...
 
@@ -565,6 +569,11 @@ class LocalTools(SnapshotTools):
         from . import ports
 
         ports.port_free(host, port)
+
+    def memory_offer(self) -> Offer:
+        from . import resources
+
+        return resources.offer()
 
     def check_log_file(self, path: Path) -> None:
         from .errors import UsageError

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .. import criu, identity, mountpolicy, oracle, ports
-from ..errors import BusyError, CorruptSnapshotError, CriuError, EngineError, IncompatibleHostError, OracleMismatchError, UsageError
+from .. import criu, identity, mountpolicy, oracle, ports, resources
+from ..errors import (BusyError, CorruptSnapshotError, CriuError, EngineError, IncompatibleHostError,
+                      InsufficientResources, OracleMismatchError, UsageError)
 from ..manifest import Manifest
 from ..progress import Reporter
 from ..registry import Entry
@@ -139,6 +140,10 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
         rep.info(f"removed a leftover of a killed command: {gone}")
     with rep.phase("validate", "validating snapshot, host and model"):
         m, warnings = validate(snapshot, req.verify_model, req.allow, port=(req.host, req.port), tools=t)
+        short = resources.check(m.sizes["raw"], t.memory_offer())
+        if short:
+            raise InsufficientResources(short, hint="free memory (stop other engines: vllm-snapshot status / stop), "
+                                                    "raise the memory limit of the cgroup, or restore on a larger host")
         log_file = None
         if req.detach:
             if req.log_file is not None:

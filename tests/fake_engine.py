@@ -2,7 +2,8 @@
 engine, so the GPU create/restore sequencing (sleep rehearsal, wake before the oracle) runs
 through real CRIU on a machine without a GPU. It prints ``CALL <cmd>`` for every command and
 serves ``/health``, ``/calls`` (commands seen since the last restore-visible reset) and
-``/v1/completions`` (the oracle) after ``serve``. ``VLLM_FAKE_ORACLE_SHIFT`` (env) changes the logprob at every wake (a reload that produced
+``/v1/completions`` (the oracle) after ``serve``, on the listening socket the supervisor hands
+over (like the real engine, it lives in a network namespace of its own). ``VLLM_FAKE_ORACLE_SHIFT`` (env) changes the logprob at every wake (a reload that produced
 other weights).
 """
 
@@ -17,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 from vllm_snapshot.engine.main import emit
 from vllm_snapshot.engine.mounts import make_private
+from vllm_snapshot.engine.net import loopback_up, receive_listener
 from vllm_snapshot.engine.protocol import decode
 from vllm_snapshot.procs import set_parent_death_signal
 
@@ -29,7 +31,7 @@ def oracle(prompt: str) -> dict:
             "top_logprobs": [{"token_id": 42, "logprob": STATE["logprob"]}, {"token_id": 7, "logprob": -3.5}]}
 
 
-def serve(spec: dict, host: str, port: int) -> None:
+def serve(spec: dict, sock, host: str, port: int) -> None:
     class H(BaseHTTPRequestHandler):
         def log_message(self, *a):
             pass
@@ -57,7 +59,9 @@ def serve(spec: dict, host: str, port: int) -> None:
             self._send(200, {"choices": [{"text": o["text"], "token_ids": [o["token_id"]],
                                           "logprobs": {"token_logprobs": [o["logprob"]]}}]})
 
-    srv = HTTPServer((host, port), H)
+    srv = HTTPServer((host, port), H, bind_and_activate=False)  # on the supervisor's socket
+    srv.socket.close()
+    srv.socket = sock
     emit("binding", address=f"http://{host}:{port}")
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     signal.sigwait({signal.SIGTERM, signal.SIGINT})
@@ -68,6 +72,7 @@ def main() -> int:
     os.setsid()
     spec = json.loads(sys.argv[1])
     make_private()
+    loopback_up()
     prompt = spec["oracle_prompt"]
     emit("initialized", oracle=oracle(prompt), info={"kind": "cuda", "vllm": "fake", "torch": "fake",
                                                       "served_model_name": "fake",
@@ -98,7 +103,7 @@ def main() -> int:
         elif name == "serve":
             set_parent_death_signal(signal.SIGKILL if cmd.get("die_with_parent") else 0)
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
-            serve(spec, cmd["host"], int(cmd["port"]))
+            serve(spec, receive_listener(cmd.get("handoff", "")), cmd["host"], int(cmd["port"]))
             return 0
         elif name == "exit":
             return 0

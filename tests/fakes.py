@@ -286,6 +286,10 @@ class FakeTools(SnapshotTools):
         self._call("memory_offer")
         return self.offer
 
+    def serve_engine(self, engine: Engine, host: str, port: int, die_with_parent: bool) -> None:
+        self._call("serve_engine")
+        engine.send("serve", host=host, port=port, die_with_parent=die_with_parent, handoff="fake-handoff")
+
     def check_log_file(self, path: Path) -> None:
         self._call("check_log_file")
 

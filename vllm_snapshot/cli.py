@@ -224,16 +224,18 @@ def status(as_json: bool = typer.Option(False, "--json")) -> None:
 @app.command()
 def stop(
     snapshot: Optional[str] = typer.Argument(None, help="Stop engines restored from this snapshot."),
-    port: Optional[int] = typer.Option(None, "--port", help="Stop the engine serving on this port."),
+    port: Optional[int] = typer.Option(None, "--port", help="Stop the engines serving on this port."),
+    pid: Optional[int] = typer.Option(None, "--pid", help="Stop the engine with this root PID (see status)."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Stop restored engines (by snapshot or --port) and wait until their memory is released."""
+    """Stop restored engines (all of a snapshot, those on --port, or the one with --pid) and wait
+    until their memory is released."""
     from . import ops, render
 
     _root_only("stop")
-    if (snapshot is None) == (port is None):
-        raise UsageError("give a snapshot or --port (one of them, not both)")
-    render.show(ops.stop_engines(_resolve(snapshot) if snapshot else None, port), as_json)
+    if sum(x is not None for x in (snapshot, port, pid)) != 1:
+        raise UsageError("give a snapshot, --port or --pid (exactly one of them)")
+    render.show(ops.stop_engines(_resolve(snapshot) if snapshot else None, port, pid=pid), as_json)
 
 
 @app.command(context_settings=PASSTHROUGH)

@@ -8,6 +8,11 @@ The engine tree is the init of its own PID + mount namespace, so restore passes 
 
 Engine stdio and control pipes are recorded at dump as ``pipe:[inode]`` keys and handed back at
 restore with ``--inherit-fd`` (as runc does), so logs and the control channel continue.
+
+The tree also lives in a network namespace of its own (loopback only, :mod:`vllm_snapshot.engine.net`):
+CRIU dumps that namespace (``lo``, its addresses via ``ip addr save``, routes, nftables through
+libnftables) and creates a fresh one at every restore. Both run with ``--network-lock skip``
+(:data:`NETWORK_LOCK_ISOLATED`, see there for why).
 """
 
 from __future__ import annotations
@@ -30,29 +35,46 @@ MIN_VERSION = (4, 2)
 #: going after this is killed and reported ("hung") instead of blocking a service forever.
 DEFAULT_TIMEOUT_S = 600.0
 LOG_LEVEL = 4
+#: CRIU's ``--network-lock`` for a tree in its own loopback-only network namespace: ``skip``.
+#: The lock exists so that peers *outside* the dumped tree neither see a connection reset nor
+#: send into sockets in repair mode while the tree is frozen (CRIU installs iptables/nftables
+#: rules in the tree's namespace, or per connection in the host's). Here the namespace holds
+#: only the tree's own processes and ``lo``: every TCP peer is in the tree (inventory refuses
+#: outside peers), frozen and dumped together, so there is nobody to lock out. The default,
+#: ``iptables``, would also need iptables-restore (absent on minimal hosts, and not needed by
+#: anything else), and a failed restore can leave its rules behind (CRIU 4.2.1 criu/net.c
+#: ``network_lock_internal``; ``skip`` returns before touching any rule).
+NETWORK_LOCK_ISOLATED = "skip"
+#: criu_network_lock_method values of CRIU 4.2.1's images/rpc.proto.
+_NETWORK_LOCK_RPC = {"iptables": 1, "nftables": 2, "skip": 3}
 from .layout import DUMP_LOG, RESTORE_LOG  # noqa: E402 - names of the logs CRIU writes
 
 
 @dataclass(frozen=True)
 class DumpOptions:
-    """What a dump needs: the tree's root (host PID), the flags, and ``external`` resources
-    (CRIU ``--external`` values, e.g. ``mnt[/data]:m0``)."""
+    """What a dump needs: the tree's root (host PID), the flags, ``external`` resources
+    (CRIU ``--external`` values, e.g. ``mnt[/data]:m0``, ``unix[1234]``) and the network lock
+    method (``None``: CRIU's default; :data:`NETWORK_LOCK_ISOLATED` for an engine in its own
+    network namespace)."""
 
     pid: int
     flags: tuple[str, ...] = SHARED_FLAGS
     external: tuple[str, ...] = ()
+    network_lock: str | None = None
 
 
 @dataclass(frozen=True)
 class RestoreOptions:
     """What a restore needs. ``flags`` are those recorded at dump (the manifest's
     ``criu.flags``); ``inherit_fds`` maps a dump-time key (``pipe:[123]``) to an fd number of
-    this process (>= 3, not close-on-exec) that replaces it; ``external`` as for dump."""
+    this process (>= 3, not close-on-exec) that replaces it; ``external`` and ``network_lock``
+    as for dump."""
 
     flags: tuple[str, ...] = SHARED_FLAGS
     root: str = "/"
     inherit_fds: tuple[tuple[str, int], ...] = ()
     external: tuple[str, ...] = ()
+    network_lock: str | None = None
 
 
 _FLAG_TO_OPT = {
@@ -70,6 +92,8 @@ def dump_argv(opts: DumpOptions, images_dir: str, log: str = DUMP_LOG) -> list[s
     argv += [f"--{f}" for f in opts.flags]
     for e in opts.external:
         argv += ["--external", e]
+    if opts.network_lock:
+        argv += ["--network-lock", opts.network_lock]
     return argv
 
 
@@ -89,6 +113,14 @@ def dump_rpc(opts: DumpOptions, rpc) -> None:
     apply_flags(rpc, opts.flags)
     for e in opts.external:
         rpc.external.append(e)
+    _network_lock(rpc, opts.network_lock)
+
+
+def _network_lock(rpc, method: str | None) -> None:
+    if method is not None:
+        if method not in _NETWORK_LOCK_RPC:
+            raise ValueError(f"unknown CRIU network lock method {method!r}")
+        rpc.network_lock = _NETWORK_LOCK_RPC[method]
 
 
 def restore_rpc(opts: RestoreOptions, rpc) -> None:
@@ -103,6 +135,7 @@ def restore_rpc(opts: RestoreOptions, rpc) -> None:
         rpc.inherit_fd.add(key=key, fd=fd)
     for e in opts.external:
         rpc.external.append(e)
+    _network_lock(rpc, opts.network_lock)
 
 
 def apply_flags(rpc_opts, flags: tuple[str, ...]) -> None:

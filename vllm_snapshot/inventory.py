@@ -22,7 +22,10 @@ checks their ports are free with :func:`vllm_snapshot.ports.listeners_taken`) an
 has open or mapped (restore refuses changed or vanished ones with :func:`check_files`).
 
 Pipes (the supervisor's control/events/log channels) are not sockets and are always fine.
-The engine shares the host's network and IPC namespaces; when a tree does not, the socket and
+
+The engine has a network namespace of its own (:mod:`vllm_snapshot.engine.net`):
+``net_problems`` says why a tree's namespace is not an isolated loopback-only one, and create
+refuses such a tree. It shares the host's IPC namespace; when a tree does not, the socket and
 SysV look-ups run in a helper thread that joins the tree's namespace (needs root).
 """
 
@@ -42,6 +45,7 @@ import blake3
 import psutil
 
 from .errors import EngineError, EnvironmentProblem, UnsnapshottableError
+from .engine import net
 from .engine.mounts import PRIVATE as PRIVATE_MOUNTS
 from .manifest import TreeFile
 from .procs import command, tree
@@ -112,6 +116,8 @@ class Inventory:
       their directory at dump; :mod:`vllm_snapshot.remaps` keeps those).
     - ``nvidia_files``: ``/dev/nvidia*`` device files the tree has open or mapped;
       ``cuda_pids``: the processes holding any of them (CUDA users).
+    - ``net_problems``: why the root's network namespace is not isolated and loopback-only
+      (:func:`vllm_snapshot.engine.net.isolation_problems`; empty = it is).
     """
 
     root_pid: int
@@ -122,6 +128,7 @@ class Inventory:
     deleted_files: tuple[str, ...] = ()
     nvidia_files: tuple[str, ...] = ()
     cuda_pids: tuple[int, ...] = ()
+    net_problems: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -218,6 +225,10 @@ def _in_ns(pid: int, kind: str, flag: int, fn: Callable[[], _T]) -> _T:
     if "e" in box:
         raise box["e"]
     return box["v"]
+
+
+#: Public name of :func:`_in_ns` (the serve hand-off creates its socket in an engine's namespace).
+run_in_namespace = _in_ns
 
 
 # ----------------------------------------------------------------------------- TCP
@@ -488,7 +499,15 @@ def inspect_tree(root_pid: int, private_prefixes: tuple[str, ...] = PRIVATE_PREF
                      commands=tuple(p.command for p in procs), listeners=tuple(sorted(listeners)),
                      files=files, deleted_files=tuple(deleted),
                      nvidia_files=tuple(sorted(set().union(*nvidia.values()))),
-                     cuda_pids=tuple(pid for pid, fs in nvidia.items() if fs))
+                     cuda_pids=tuple(pid for pid, fs in nvidia.items() if fs),
+                     net_problems=tuple(_net_problems(procs[0].pid)))
+
+
+def _net_problems(pid: int) -> list[str]:
+    try:
+        return net.isolation_problems(pid)
+    except OSError as e:
+        return [f"its network namespace cannot be read: {e}"]
 
 
 #: CRIU's ``--ghost-limit`` default: deleted-but-open files (no name left to link back to) are
@@ -796,5 +815,5 @@ def check_files(records: Iterable[TreeFile | Mapping]) -> list[str]:
     return problems
 
 
-__all__ = ["Inventory", "Finding", "inspect_tree", "check_files", "file_record", "read_tcp_table",
+__all__ = ["run_in_namespace", "Inventory", "Finding", "inspect_tree", "check_files", "file_record", "read_tcp_table",
            "read_unix_table", "HASH_LIMIT_BYTES", "PRIVATE_PREFIXES", "JIT_CACHES"]

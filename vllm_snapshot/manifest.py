@@ -68,13 +68,20 @@ class EngineInfo(_Strict):
     the engine args (secrets redacted). ``env_hashes`` is always empty now: the restored
     engine keeps the environment it had at create (it is in its memory), so comparing hashes
     with the restoring host's environment would compare another process's; the field stays in
-    schema 1 so older snapshots (which recorded hashes) still parse."""
+    schema 1 so older snapshots (which recorded hashes) still parse.
+
+    ``network``: ``isolated`` -- the tree ran in a network namespace of its own holding only
+    ``lo`` (checked from outside before the dump: no other interface, no route out), so the
+    engine was offline at create and every restore gets a fresh namespace (no loopback port
+    collisions; the supervisor passes it the listening socket). ``host`` (the default, for
+    snapshots made before) -- it shared the host's namespace."""
 
     kind: Literal["cpu", "cuda"]
     sleep_level: int = Field(ge=0, le=2)
     engine_args: tuple[str, ...]
     env_hashes: dict[str, str]
     full_state_captured: bool
+    network: Literal["host", "isolated"] = "host"
 
 
 class TreeFile(_Strict):

@@ -25,22 +25,24 @@ def fmt_addr(addr: str, port: int) -> str:
     return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
 
 
-def port_owner(port: int) -> tuple[int, str] | None:
-    """(PID, command) of the process listening on TCP ``port`` (else any holding it), or None
-    when unknown (not root, or nobody)."""
+def port_owner(port: int, host: str | None = None) -> tuple[int, str] | None:
+    """(PID, command) of the process listening on TCP ``port`` (on ``host`` or a wildcard
+    address when given: several engines may share a port on different addresses), else any
+    holding it, or None when unknown (not root, or nobody)."""
     try:
         conns = psutil.net_connections("tcp")
     except (psutil.Error, OSError):
         return None
-    best = None
+    wild = {"0.0.0.0", "::"}
+    rank: dict[int, int] = {}  # pid -> 0 best (listening on host), 1 listening elsewhere, 2 other state
     for c in conns:
         if c.laddr and c.laddr.port == port and c.pid:
-            if c.status == psutil.CONN_LISTEN:
-                best = c.pid
-                break
-            best = best or c.pid
-    if best is None:
+            listening = c.status == psutil.CONN_LISTEN
+            r = (0 if host is None or c.laddr.ip == host or c.laddr.ip in wild else 1) if listening else 2
+            rank[c.pid] = min(r, rank.get(c.pid, 3))
+    if not rank:
         return None
+    best = min(rank, key=lambda pid: rank[pid])
     try:
         return best, command(psutil.Process(best), 120)
     except psutil.Error:
@@ -51,24 +53,43 @@ def port_free(host: str, port: int) -> None:
     """Refuse when ``host:port`` cannot be bound now (TCP, SO_REUSEADDR, so TIME_WAIT does not
     count). Raises UsageError for a non-numeric host or an address this host does not have,
     BusyError naming the owner when the port is taken."""
+    bind_listener(host, port, listen=False).close()
+
+
+#: Backlog of the listening socket until uvicorn takes it over (it calls listen() again with
+#: its own ``backlog``, 2048 by default).
+LISTEN_BACKLOG = 128
+
+
+def bind_listener(host: str, port: int, listen: bool = True) -> socket.socket:
+    """A TCP socket bound to ``host:port`` in the caller's network namespace, listening unless
+    ``listen`` is false, as ``vllm serve`` makes its own (vllm 0.32
+    entrypoints/launchers/launcher.py ``create_server_socket``: IPv6 family for an IPv6
+    literal, SO_REUSEADDR, no SO_REUSEPORT, dual-stack ``::``). The restore supervisor binds it
+    in the host's namespace and passes it to the engine, which lives in a namespace of its own.
+    Raises UsageError for a non-numeric host or an address this host does not have, BusyError
+    naming the owner when the port is taken."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
     except socket.gaierror as e:
         raise UsageError(f"--host {host!r} is not a numeric IPv4/IPv6 address ({e.strerror})",
                          hint="use e.g. 127.0.0.1, 0.0.0.0 or ::1") from e
-    s = socket.socket(infos[0][0], socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    fam, _type, _proto, _canon, addr = infos[0]
+    s = socket.socket(fam, socket.SOCK_STREAM)
     try:
-        s.bind((host, port))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(addr)
+        if listen:
+            s.listen(LISTEN_BACKLOG)
     except OSError as e:
+        s.close()
         if e.errno == _errno.EADDRNOTAVAIL:
             raise UsageError(f"--host {host} is not an address of this host: {e.strerror}") from e
-        owner = port_owner(port)
+        owner = port_owner(port, host)
         who = f" (held by PID {owner[0]}: {owner[1]})" if owner else ""
-        raise BusyError(f"port {host}:{port} is not free{who}: {e.strerror}",
+        raise BusyError(f"port {fmt_addr(host, port)} is not free{who}: {e.strerror}",
                         hint="choose another --port or stop what listens there") from e
-    finally:
-        s.close()
+    return s
 
 
 def listeners_taken(listeners: Iterable[tuple[str, int] | list]) -> list[str]:
@@ -84,7 +105,7 @@ def listeners_taken(listeners: Iterable[tuple[str, int] | list]) -> list[str]:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((addr, int(port)))
         except OSError:
-            owner = port_owner(int(port))
+            owner = port_owner(int(port), addr)
             who = f"PID {owner[0]} ({owner[1]})" if owner else "an unknown owner"
             owners.setdefault(who, []).append(fmt_addr(addr, int(port)))
         finally:

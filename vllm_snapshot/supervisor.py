@@ -1,7 +1,9 @@
-"""Supervisor side of an engine tree: pipes, launch into a PID + mount namespace, events, logs.
+"""Supervisor side of an engine tree: pipes, launch into PID + mount + network namespaces,
+events, logs.
 
-The engine root is started as ``unshare --pid --fork --mount-proc -- python -m
+The engine root is started as ``unshare --pid --fork --mount-proc --net -- python -m
 vllm_snapshot.engine.main SPEC``: it becomes PID 1 of a new PID namespace with its own /proc,
+its own mount namespace and a network namespace holding only ``lo`` (engine/net.py), and
 calls ``setsid()`` itself (CRIU refuses a tree whose session leader is outside its PID
 namespace), and owns only fds opened inside the namespace plus three pipes from us (pipes have
 no mount, so CRIU can dump them; design notes: an inherited /dev/null cannot be dumped).
@@ -341,6 +343,16 @@ class EngineHandle:
 ENGINE_ARGV: tuple[str, ...] = (sys.executable, "-m", "vllm_snapshot.engine.main")
 
 
+def engine_import_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the directory holding this ``vllm_snapshot`` package first on
+    ``PYTHONPATH``: the engine root must run the same code as the supervisor that speaks the
+    protocol with it, whether the package is installed, installed editable elsewhere, or run
+    from a checkout. Pure (over this module's path)."""
+    parent = str(Path(__file__).resolve().parent.parent)
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != parent]
+    return {**env, "PYTHONPATH": os.pathsep.join([parent, *rest])}
+
+
 def launch(spec: dict, env: dict[str, str], log_sinks: list[Callable[[bytes], None]],
            engine_argv: tuple[str, ...] = ENGINE_ARGV) -> EngineHandle:
     """Start the engine root (``ENGINE_ARGV SPEC``) in a new PID + mount namespace; return
@@ -365,13 +377,15 @@ def launch(spec: dict, env: dict[str, str], log_sinks: list[Callable[[bytes], No
             os.close(ev_w)
 
     # The engine root makes its mount namespace private first (engine/mounts.py): host tmpfs
-    # mounts are detached and fresh tmpfs are mounted on /dev/shm and /tmp.
-    argv = ["unshare", "--pid", "--fork", "--mount-proc", "--propagation", "private", "--kill-child", "--",
+    # mounts are detached and fresh tmpfs are mounted on /dev/shm and /tmp. --net: a network
+    # namespace with only lo (engine/net.py brings it up): no route out at create, and the
+    # recorded loopback listeners live in a namespace CRIU re-creates fresh at every restore.
+    argv = ["unshare", "--pid", "--fork", "--mount-proc", "--propagation", "private", "--net", "--kill-child", "--",
             *engine_argv, json.dumps(spec)]
     # engine fd 0 = control, 1 and 2 = log, 3 = events (engine/protocol.py)
     try:
         launcher = subprocess.Popen(
-            argv, stdin=ctl_r, stdout=log_w, stderr=log_w, env=env, close_fds=True,
+            argv, stdin=ctl_r, stdout=log_w, stderr=log_w, env=engine_import_env(env), close_fds=True,
             pass_fds=(FD_EVENTS,), start_new_session=True, preexec_fn=child_setup, cwd="/",
         )
     except OSError as e:
@@ -413,5 +427,5 @@ def restored_handle(root_pid: int, ch: Channel, log_sinks: list[Callable[[bytes]
     return h
 
 
-__all__ = ["Channel", "EngineHandle", "channel_keys", "launch", "restored_handle", "scrubbed_env",
+__all__ = ["Channel", "EngineHandle", "channel_keys", "engine_import_env", "launch", "restored_handle", "scrubbed_env",
            "is_secret_name", "redact_args"]

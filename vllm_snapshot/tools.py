@@ -176,6 +176,11 @@ class SnapshotTools(Protocol):
     def port_free(self, host: str, port: int) -> None:
         """Raises BusyError/UsageError when ``host:port`` cannot be bound."""
 
+    def serve_engine(self, engine: Engine, host: str, port: int, die_with_parent: bool) -> None:
+        """Bind ``host:port`` in our (the host's) network namespace, send ``serve`` and hand the
+        listening socket to the engine, whose tree has a network namespace of its own
+        (:mod:`vllm_snapshot.handoff`). Raises BusyError/UsageError (port), EngineError."""
+
     def check_log_file(self, path: Path) -> None:
         """Raises UsageError when ``path`` cannot be an engine log file."""
 
@@ -574,6 +579,11 @@ class LocalTools(SnapshotTools):
         from . import resources
 
         return resources.offer()
+
+    def serve_engine(self, engine: Engine, host: str, port: int, die_with_parent: bool) -> None:
+        from . import handoff
+
+        handoff.serve_engine(engine, host, port, die_with_parent)
 
     def check_log_file(self, path: Path) -> None:
         from .errors import UsageError

@@ -1,10 +1,12 @@
-"""The engine root: runs INSIDE the snapshotted tree, as PID 1 of its own PID namespace.
+"""The engine root: runs INSIDE the snapshotted tree, as PID 1 of its own PID namespace (with
+its own mount namespace and a loopback-only network namespace, see :mod:`.net`).
 
 ``python -m vllm_snapshot.engine.main SPEC_JSON``; SPEC is ``{"model", "engine_args",
 "oracle_prompt", "sleep_level"}``. It builds a vLLM engine client (AsyncLLM: this process is the
 API process, EngineCore and workers are its children), records the oracle, then obeys commands
-on fd 0 and reports events on fd 3 (see :mod:`vllm_snapshot.engine.protocol`). The HTTP port is
-bound only on ``serve``, which the supervisor sends after a restored oracle matched.
+on fd 0 and reports events on fd 3 (see :mod:`vllm_snapshot.engine.protocol`). The engine never
+binds the HTTP port itself: on ``serve``, which the supervisor sends after a restored oracle
+matched, it receives the listening socket the supervisor bound in the host's network namespace.
 """
 
 from __future__ import annotations
@@ -155,17 +157,23 @@ async def prepare_app(engine, args):
     return app
 
 
-async def serve(app, args, host: str | None, port: int) -> None:
-    """Bind ``host:port`` and serve ``app`` until SIGINT/SIGTERM (vLLM's serve_http with the
-    keyword arguments its ``build_and_serve`` passes)."""
+async def serve(app, args, sock, host: str | None, port: int) -> None:
+    """Serve ``app`` on the listening socket ``sock`` (bound to ``host:port`` by the supervisor
+    in the host's network namespace) until SIGINT/SIGTERM: vLLM's ``setup_server`` checks
+    without its bind, then its ``serve_http`` with the keyword arguments its
+    ``build_and_serve`` passes (vllm 0.32 entrypoints/launchers/launcher.py; uvicorn serves on
+    given sockets)."""
     import vllm.envs as envs
-    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+    from vllm.entrypoints.launchers.launcher import serve_http, validate_api_server_args
     from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
+    from vllm.utils.system_utils import set_ulimit
 
     args.host = host
     args.port = port
-    listen_address, sock = setup_server(args, reuse_port=False)
-    emit("binding", address=listen_address)
+    validate_api_server_args(args)
+    set_ulimit()
+    h = f"[{host}]" if host and ":" in host else (host or "0.0.0.0")
+    emit("binding", address=f"http://{h}:{port}")
     kwargs = {}
     log_config = get_uvicorn_log_config(args)
     if log_config is not None:
@@ -267,11 +275,15 @@ async def run(spec: dict) -> int:
                     set_parent_death_signal(signal.SIGKILL)
                     emit("attached")
                 elif name == "serve":
+                    from .net import receive_listener
+
+                    # the supervisor bound host:port in the host's namespace; we get the socket
+                    sock = receive_listener(str(cmd.get("handoff") or ""))
                     # foreground: the engine must not outlive its supervisor; --detach: it must
                     set_parent_death_signal(signal.SIGKILL if cmd.get("die_with_parent") else 0)
                     if app is None:
                         app = await prepare_app(engine, args)
-                    await serve(app, args, cmd.get("host"), int(cmd["port"]))
+                    await serve(app, args, sock, cmd.get("host"), int(cmd["port"]))
                     return 0
                 else:
                     emit("error", kind="protocol", message=f"unknown command {name!r}")
@@ -294,11 +306,13 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, _term)
     spec = json.loads(sys.argv[1])
-    if os.getpid() == 1:  # our own PID + mount namespace (always, when launched by create)
+    if os.getpid() == 1:  # our own PID + mount + network namespace (always, when launched by create)
         from .mounts import make_private
+        from .net import loopback_up
 
         try:
             make_private()
+            loopback_up()
         except OSError as e:
             emit("error", kind="engine", message=str(e))
             return 1

@@ -17,8 +17,14 @@ Commands (``{"cmd": NAME, ...}``):
 * ``prepare-dump`` -- build the HTTP app, clear the parent-death signal; answered by ``dump-ready``.
 * ``attach`` -- first command to a restored tree: die with the supervisor (parent-death signal)
   until ``serve`` decides; answered by ``attached``.
-* ``serve`` ``{host, port, die_with_parent}`` -- bind and serve (the engine outlives its
-  supervisor only with ``die_with_parent`` false: ``--detach``); answered by ``binding``.
+* ``serve`` ``{host, port, die_with_parent, handoff}`` -- serve the OpenAI API (the engine
+  outlives its supervisor only with ``die_with_parent`` false: ``--detach``); answered by
+  ``binding``. The engine lives in a network namespace of its own, so it does not bind
+  ``host:port`` itself: the supervisor bound it in the host's namespace and waits on the
+  abstract unix socket named ``handoff`` (which it created in the engine's namespace); the
+  engine connects there and receives the listening socket (``SCM_RIGHTS``), see
+  :mod:`vllm_snapshot.engine.net` and :mod:`vllm_snapshot.handoff`. Engines of snapshots made
+  before that (manifest ``engine.network`` ``host``) get no ``handoff`` and bind themselves.
 * ``exit`` -- exit cleanly.
 
 Events (``{"event": NAME, ...}``):

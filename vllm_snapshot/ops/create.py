@@ -25,7 +25,7 @@ from typing import Callable
 from .. import __version__, criu, layout, manifest, mountpolicy, oracle, snapkey
 from ..engine.mounts import PRIVATE as PRIVATE_MOUNTS
 from ..archive import DEFAULT_COMPRESSION, Compression
-from ..errors import CriuError, EngineError, EnvironmentProblem, OracleMismatchError, UsageError
+from ..errors import CriuError, EngineError, EnvironmentProblem, OracleMismatchError, UnsnapshottableError, UsageError
 from ..inventory import Inventory
 from ..progress import Reporter
 from ..results import Created
@@ -117,6 +117,16 @@ def check_visible(needed: dict[str, Path], hidden: list[Path]) -> None:
                                  hint=f"move the {what} to a directory on a disk filesystem")
 
 
+def check_offline(inv: Inventory) -> None:
+    """Refuse a tree whose network namespace is not its own loopback-only one (the manifest
+    records ``network: isolated``, i.e. offline at create, only after this). Pure. Raises
+    UnsnapshottableError naming why."""
+    if inv.net_problems:
+        raise UnsnapshottableError(
+            "the engine tree is not in an isolated, loopback-only network namespace: " + "; ".join(inv.net_problems),
+            hint="the engine is started with `unshare --net`; something moved it or added an interface")
+
+
 def _is_enospc(e: BaseException) -> bool:
     """True for ENOSPC from our own writes or from CRIU (its log says so)."""
     if isinstance(e, OSError) and e.errno == errno.ENOSPC:
@@ -197,7 +207,7 @@ def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, revisio
         host=host,
         engine=manifest.EngineInfo(
             kind=info["kind"], sleep_level=sleep_level, engine_args=tuple(redact_args(req.engine_args)),
-            env_hashes={}, full_state_captured=(sleep_level == 0)),
+            env_hashes={}, full_state_captured=(sleep_level == 0), network="isolated"),
         model=manifest.ModelIdentity(
             requested=req.model, path=str(model_dir), served_name=info["served_model_name"],
             files=files, total_bytes=sum(f.size for f in files), revision=revision),
@@ -252,7 +262,11 @@ def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: 
             before = t.watch_remaps(inv.deleted_files)
             externals = t.external_mounts(engine.root_pid)
             gpu_id = {"gpu_uuid_used": t.gpu_used(inv)} if info["kind"] == "cuda" else {}
-        dump_opts = criu.DumpOptions(pid=engine.root_pid, external=mountpolicy.dump_args(externals))
+            check_offline(inv)
+        # the tree's network namespace holds only its own processes: no network lock to take
+        # (criu.NETWORK_LOCK_ISOLATED says why)
+        dump_opts = criu.DumpOptions(pid=engine.root_pid, external=mountpolicy.dump_args(externals),
+                                     network_lock=criu.NETWORK_LOCK_ISOLATED)
         with rep.phase("dump", "CRIU dump"):
             t.dump(info["kind"], dump_opts, tmp)
             alive = t.wait_gone(inv.pids, TREE_GONE_TIMEOUT_S)

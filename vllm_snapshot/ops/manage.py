@@ -145,15 +145,19 @@ def status(tools: SnapshotTools | None = None) -> Engines:
     return Engines([{**e.__dict__, "url": e.url} for e in t.engines()])
 
 
-def stop_engines(snapshot: Path | None, port: int | None, tools: SnapshotTools | None = None) -> Stopped:
-    """Stop registered engines of ``snapshot`` or on ``port``; wait until their processes are
-    gone. Raises UsageError when none matches."""
+def stop_engines(snapshot: Path | None, port: int | None, tools: SnapshotTools | None = None,
+                 pid: int | None = None) -> Stopped:
+    """Stop registered engines: every one restored from ``snapshot`` (clones included), those
+    on ``port`` (on any host address), or the one whose root PID is ``pid``; wait until their
+    processes are gone. Raises UsageError when none matches."""
     t = tools or LocalTools()
     entries = t.engines()
     mine = _engines_of(t, snapshot, entries) if snapshot is not None else []
-    match = [e for e in entries if e in mine or (port is not None and e.port == port)]
+    match = [e for e in entries
+             if e in mine or (port is not None and e.port == port) or (pid is not None and e.pid == pid)]
     if not match:
-        raise UsageError("no restored engine matches " + (f"snapshot {snapshot}" if snapshot else f"port {port}"))
+        what = f"snapshot {snapshot}" if snapshot else (f"port {port}" if port is not None else f"PID {pid}")
+        raise UsageError(f"no restored engine matches {what}", hint="`vllm-snapshot status` lists them")
     return Stopped([{"pid": e.pid, "snapshot": e.snapshot, "port": e.port, "seconds": round(t.stop_engine(e), 3)}
                     for e in match])
 
@@ -186,8 +190,10 @@ def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, r
             # everything restore checks before CRIU, image checksums included, except the
             # port (the old engine holds it)
             m, _ = validate(snapshot, check_images=True, tools=t)
+        # an isolated snapshot's listeners live in its own fresh network namespace: nothing to check
+        recorded = () if m.engine.network == "isolated" else m.criu.listeners
         held = set().union(*(t.ports_held_by(e.pid) for e in old)) if old else set()
-        taken = t.listeners_taken(tuple(x for x in m.criu.listeners if int(x[1]) not in held))
+        taken = t.listeners_taken(tuple(x for x in recorded if int(x[1]) not in held))
         if taken:
             raise BusyError("the target's recorded loopback ports are taken (the old engine keeps serving):\n  "
                             + "\n  ".join(taken), hint="stop what holds them, or re-create the snapshot")

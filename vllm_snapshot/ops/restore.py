@@ -8,10 +8,24 @@ tree had open or mapped -> model files (re-hashing last: a taken port is found i
 milliseconds, not after every model byte was read).
 
 :func:`restore` -- validate -> stage (image checksums) -> put back link-remap files -> fresh
-channel -> recorded loopback listeners free (under the CRIU lock) -> CRIU restore with the
-recorded flags -> adopt the tree -> (CUDA: wake) -> oracle inside the engine -> only then bind
--> /health -> HTTP canary -> registry. Any failure kills the tree, releases the port, removes
-staging; a failing cleanup is reported together with its cause.
+channel -> CRIU restore with the recorded flags (into a fresh network namespace) -> adopt the
+tree -> (CUDA: wake) -> oracle inside the engine -> only then bind -> /health -> HTTP canary ->
+registry. Any failure kills the tree, releases the port, removes staging; a failing cleanup is
+reported together with its cause.
+
+Network: a snapshot made with ``engine.network`` ``isolated`` (every snapshot since the engine
+got its own network namespace) is restored into a fresh namespace that CRIU creates, holding
+only ``lo`` and the tree's own loopback listeners, so any number of restores of one snapshot
+run at once (clones) and no recorded loopback port can collide with anything. The HTTP port is
+bound by this process in the host's namespace (``--host``/``--port`` mean what they mean to
+``vllm serve``) only after the oracle matched, and the listening socket is handed to the
+engine with the ``serve`` command (:mod:`vllm_snapshot.handoff`). A socket keeps the namespace
+it was created in, so the engine accepts the host's connections while its own traffic stays in
+its namespace. This is simpler than the alternatives: a veth pair + NAT or a proxy would add
+an address plan, forwarding rules or a copy of every byte, and CRIU's ``--inherit-fd`` cannot
+hand over a TCP socket. Snapshots made before (``host``) keep the old
+path: their recorded loopback listeners are checked free under the CRIU lock, and the engine
+binds the port itself.
 """
 
 from __future__ import annotations
@@ -159,18 +173,21 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
         with rep.phase("stage", "verifying checksums and staging images"):
             stage = t.stage(snapshot, m)
             placed = t.put_back_remaps(snapshot, m)
+        isolated = m.engine.network == "isolated"
         channel = t.new_channel(log_file)
         with t.criu_lock():
-            # Checked under the host-wide CRIU lock, so a concurrent restore of the same
+            # Host-network snapshots (made before engines had a network namespace of their
+            # own): checked under the host-wide CRIU lock, so a concurrent restore of the same
             # snapshot that just bound them is seen: refuse before CRIU would fail on them.
-            taken = t.listeners_taken(m.criu.listeners)
+            taken = [] if isolated else t.listeners_taken(m.criu.listeners)
             if taken:
                 raise BusyError(
                     f"loopback ports the engine tree listened on at snapshot time ({len(m.criu.listeners)}) "
                     "are taken (another engine restored from this snapshot?):\n  " + "\n  ".join(taken),
                     hint="stop the engine holding them (vllm-snapshot status / stop), or re-create the snapshot")
             opts = criu.RestoreOptions(flags=m.criu.flags, inherit_fds=channel.inherit_fds(m.criu.inherit),
-                                       external=mountpolicy.restore_args(m.criu.external_mounts))
+                                       external=mountpolicy.restore_args(m.criu.external_mounts),
+                                       network_lock=criu.NETWORK_LOCK_ISOLATED if isolated else None)
             with rep.phase("criu_restore", "CRIU restore"):
                 pid = t.restore_tree(m.engine.kind, opts, stage)
         engine = t.adopt(pid, channel, None if req.detach else req.engine_log)
@@ -204,7 +221,10 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
                                           details={"expected": m.oracle.model_dump(), "actual": got.model_dump()})
         url = ports.url(req.host, req.port)
         with rep.phase("bind", f"binding {ports.fmt_addr(req.host, req.port)}"):
-            engine.send("serve", host=req.host, port=req.port, die_with_parent=not req.detach)
+            if isolated:  # bound here, in the host's namespace, and handed to the engine
+                t.serve_engine(engine, req.host, req.port, die_with_parent=not req.detach)
+            else:
+                engine.send("serve", host=req.host, port=req.port, die_with_parent=not req.detach)
             engine.wait_event("binding", BIND_TIMEOUT_S)
         with rep.phase("http_ready", "waiting for the HTTP server (/health)"):
             deadline = t.clock() + BIND_TIMEOUT_S

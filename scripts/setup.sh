@@ -92,6 +92,11 @@ else
 fi
 mkdir -p "$CACHE/bin"; ln -sfn "$CRIU_BIN" "$CACHE/bin/criu"
 
+# Every engine runs in a network namespace of its own: CRIU saves and restores it with `ip`
+# (iproute2; criu/net.c). No iptables/nftables tool is needed: dump and restore run with
+# --network-lock skip (vllm_snapshot/criu.py NETWORK_LOCK_ISOLATED says why).
+apt_install iproute2
+
 # ---------------------------------------------------------------- test tools
 # The mount matrix (tests/test_mounts_integration.py) builds ext4, squashfs and vfat images on
 # loop devices; losetup/mount/unshare/nsenter come with util-linux.

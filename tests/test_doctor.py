@@ -52,7 +52,7 @@ class FakeProbes(doctor.Probes):
                                                  "/var": DIR_0755, "/": DIR_0755, "/dev/shm": SHM})
     free: dict = field(default_factory=lambda: {"/var/lib/vllm-snapshot": 100 << 30, "/dev/shm": 8 << 30})
     path: dict = field(default_factory=lambda: {"unshare": "/usr/bin/unshare", "mount": "/usr/bin/mount",
-                                                "tar": "/usr/bin/tar"})
+                                                "tar": "/usr/bin/tar", "ip": "/usr/sbin/ip"})
     vllm: str = "0.32.0"
     import_errors: dict = field(default_factory=dict)
     gpu_host: bool = False
@@ -160,7 +160,7 @@ def test_healthy_cpu_host():
     assert doctor.exit_code(checks) == 0
     for name in ("root", "criu", "criu-check", "criu-feature:ns_pid", "criu-feature:fdinfo_lock", "io_uring",
                  "kernel", "glibc", "snapshot-root", "snapshot-root-space", "dev-shm", "program:unshare",
-                 "program:mount", "program:tar", "vllm", "pycriu", "gpu"):
+                 "program:mount", "program:tar", "program:ip", "vllm", "pycriu", "gpu"):
         assert name in by and by[name].ok, (name, by.get(name))
     assert "4.2.1" in by["criu"].detail
     assert "0.32.0" in by["vllm"].detail
@@ -307,6 +307,17 @@ def test_missing_program():
     del p.path["tar"]
     checks = doctor.run_checks(p)
     assert _failed_errors(checks) == ["program:tar"]
+
+
+def test_missing_ip_names_iproute2_and_why():
+    """CRIU runs `ip addr|route save/restore` for the engine's own network namespace."""
+    p = FakeProbes()
+    del p.path["ip"]
+    checks = doctor.run_checks(p)
+    assert _failed_errors(checks) == ["program:ip"]
+    c = _by_name(checks)["program:ip"]
+    assert "network namespace" in c.detail and c.remedy == "apt install iproute2"
+    assert doctor.exit_code(checks) != 0
 
 
 def test_vllm_and_pycriu():

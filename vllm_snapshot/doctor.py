@@ -477,10 +477,15 @@ def _check_dev_shm(p: Probes) -> Check:
 
 
 def _check_programs(p: Probes) -> list[Check]:
-    why = {"unshare": "starts the engine in its own PID + mount namespace",
+    why = {"unshare": "starts the engine in its own PID + mount + network namespace",
            "mount": "mounts the engine's private /tmp and /dev/shm",
-           "tar": "CRIU dumps tmpfs contents with it"}
-    short = {"unshare": "engine namespaces", "mount": "private tmpfs mounts", "tar": "CRIU tmpfs dumps"}
+           "tar": "CRIU dumps tmpfs contents with it",
+           # CRIU 4.2.1 criu/net.c runs `ip addr|route save` at dump and `ip ... restore` at
+           # restore for a tree with its own network namespace (every engine's)
+           "ip": "CRIU saves and restores the engine's network namespace (addresses, routes) with it"}
+    short = {"unshare": "engine namespaces", "mount": "private tmpfs mounts", "tar": "CRIU tmpfs dumps",
+             "ip": "CRIU network namespace dumps"}
+    package = {"unshare": "util-linux", "mount": "mount", "tar": "tar", "ip": "iproute2"}
     out = []
     for name, reason in why.items():
         path = p.which(name)
@@ -488,7 +493,7 @@ def _check_programs(p: Probes) -> list[Check]:
             out.append(Check(f"program:{name}", True, "error", f"{path} ({short[name]})"))
         else:
             out.append(Check(f"program:{name}", False, "error", f"`{name}` is not on PATH; it {reason}",
-                             "apt install util-linux mount tar"))
+                             f"apt install {package[name]}"))
     return out
 
 

@@ -112,6 +112,7 @@ class FakeTools(SnapshotTools):
         self.restore_opts: RestoreOptions | None = None
         self.dump_opts: DumpOptions | None = None
         self.published: list[Path] = []
+        self.net_problems: tuple[str, ...] = ()  # what inspect_tree says of the tree's network namespace
         self.discarded: list[Path] = []
         self.registered: list[Entry] = []
         self.entries: list[Entry] = []
@@ -246,7 +247,7 @@ class FakeTools(SnapshotTools):
     def inspect_tree(self, root_pid: int) -> Inventory:
         self._call("inspect_tree")
         return Inventory(root_pid=root_pid, pids=(root_pid, root_pid + 1), commands=("python", "VLLM::EngineCore"),
-                         listeners=(), files=())
+                         listeners=(), files=(), net_problems=self.net_problems)
 
     def channel_keys(self, root_pid: int) -> dict[str, str]:
         self._call("channel_keys")
@@ -418,8 +419,17 @@ class FakeTools(SnapshotTools):
 
 
 def manifest_with(**over) -> Manifest:
-    """A sealed manifest with the fake host identity and ``over`` applied."""
+    """A sealed manifest with the fake host identity and ``over`` applied (``engine.network``
+    ``host``: a snapshot made before engines had their own network namespace)."""
     return make_manifest(host=dict(HOST), **over)
 
 
-__all__ = ["FakeTools", "FakeEngine", "FakeChannel", "HOST", "manifest_with", "mf"]
+def isolated_manifest(**over) -> Manifest:
+    """A sealed manifest of today's kind: the engine in its own network namespace
+    (``engine.network`` ``isolated``), with recorded loopback listeners."""
+    base = manifest_with()
+    return manifest_with(engine=base.engine.model_copy(update={"network": "isolated"}),
+                         criu=base.criu.model_copy(update={"listeners": (("127.0.0.1", 40000),)}), **over)
+
+
+__all__ = ["FakeTools", "FakeEngine", "FakeChannel", "HOST", "isolated_manifest", "manifest_with", "mf"]

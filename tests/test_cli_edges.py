@@ -175,6 +175,12 @@ def test_non_root_gets_the_environment_exit_code(argv, monkeypatch, capsys):
     assert "must run as root" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["stop"], ["stop", "x", "--pid", "3"], ["stop", "--port", "8000", "--pid", "3"]])
+def test_stop_takes_exactly_one_selector(argv, capsys):
+    assert cli.main(argv) == 2
+    assert "exactly one of them" in capsys.readouterr().err
+
+
 def test_usage_errors_honour_json(capsys):
     assert cli.main(["restore", "x", "--port", "99999", "--json"]) == 2
     doc = json.loads(capsys.readouterr().out)

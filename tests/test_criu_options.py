@@ -240,3 +240,28 @@ def test_failed_run_message_leads_with_the_explanation(tmp_path):
     (tmp_path / criu.DUMP_LOG).write_text("(00.2) Error (criu/mount.c:724): mnt: FS mnt ./mnt/x dev 0x7 root / unsupported id 7\n")
     err = criu.Criu("/x", keep_log_dir=tmp_path / "logs")._failed("dump", tmp_path, criu.DUMP_LOG)
     assert err.message.startswith("CRIU dump failed: the engine's mount namespace holds /mnt/x")
+
+
+def test_network_lock_only_when_asked():
+    assert "--network-lock" not in criu.dump_argv(DumpOptions(pid=1), "/x")
+    argv = criu.dump_argv(DumpOptions(pid=1, network_lock=criu.NETWORK_LOCK_ISOLATED), "/x")
+    assert _after(argv, "--network-lock") == ["skip"]
+    rpc = _Rpc()
+    criu.dump_rpc(DumpOptions(pid=1), rpc)
+    assert not hasattr(rpc, "network_lock")  # CRIU's default stays
+
+
+def test_network_lock_rpc_values_are_criu_4_2_1s():
+    """The enum values are images/rpc.proto's criu_network_lock_method, as pycriu has them."""
+    rpc_pb2 = pytest.importorskip("pycriu.rpc_pb2", reason="pycriu comes from scripts/setup.sh")
+    for name, value in criu._NETWORK_LOCK_RPC.items():
+        assert getattr(rpc_pb2, name.upper()) == value
+    d, r = _Rpc(), _Rpc()
+    criu.dump_rpc(DumpOptions(pid=1, network_lock="skip"), d)
+    criu.restore_rpc(RestoreOptions(network_lock="skip"), r)
+    assert d.network_lock == r.network_lock == rpc_pb2.SKIP
+
+
+def test_unknown_network_lock_refused():
+    with pytest.raises(ValueError, match="network lock"):
+        criu.restore_rpc(RestoreOptions(network_lock="ebtables"), _Rpc())

@@ -231,3 +231,23 @@ def test_no_type_coercion_inside_the_manifest(tmp_path):
     raw["model"]["total_bytes"] = "100"  # a string where bytes (int) belong
     with pytest.raises(CorruptSnapshotError, match="total_bytes"):
         manifest.parse(_json.dumps(raw))
+
+
+def test_network_defaults_to_host_for_older_snapshots():
+    """Snapshots made before engines had their own network namespace have no
+    ``engine.network``: they still parse (digest over the stored text) and read as ``host``."""
+    doc = _doc()
+    del doc["engine"]["network"]
+    doc["digest"] = __import__("blake3").blake3(manifest._canonical(doc)).hexdigest()
+    m = manifest.parse(json.dumps(doc))
+    assert m.engine.network == "host"
+
+
+def test_network_isolated_round_trips_and_unknown_values_are_refused(tmp_path):
+    base = make_manifest()
+    m = manifest.seal(base.model_copy(update={"engine": base.engine.model_copy(update={"network": "isolated"})}))
+    manifest.write_atomic(m, tmp_path)
+    assert manifest.read(tmp_path).engine.network == "isolated"
+    doc = _doc(m)
+    doc["engine"]["network"] = "bridge"
+    assert "$.engine.network" in _parse_err(doc)

@@ -14,7 +14,7 @@ from vllm_snapshot.errors import (BusyError, CriuError, IncompatibleHostError, O
                                   UsageError)
 from vllm_snapshot.progress import Reporter
 
-from fakes import HOST, FakeTools, manifest_with
+from fakes import HOST, FakeTools, isolated_manifest, manifest_with
 from helpers import make_oracle
 
 SNAP = Path("/snaps/tiny")
@@ -46,6 +46,62 @@ def test_restore_happy_path_order():
     assert [x for x in c if x in order] == order
     assert r.pid == 5151 and r.url == "http://127.0.0.1:8123" and not engine.killed
     assert t.registered[0].port == 8123
+
+
+def test_restore_of_an_isolated_snapshot_order():
+    """Today's snapshots: the engine has its own network namespace, so no recorded listener can
+    collide (no check), CRIU runs without a network lock, and the port is bound here and handed
+    over only after the oracle matched."""
+    t = FakeTools(manifest=isolated_manifest())
+    r, engine = _restore(t)
+    c = t.calls
+    order = ["port_free", "stage", "new_channel", "criu_lock", "restore_tree", "adopt", "engine.oracle",
+             "serve_engine", "engine.serve", "http_health", "http_canary", "register"]
+    assert [x for x in c if x in order] == order
+    assert "listeners_taken" not in c
+    assert t.restore_opts.network_lock == "skip"
+    assert r.url == "http://127.0.0.1:8123"
+
+
+def test_restore_of_a_host_network_snapshot_keeps_the_old_path():
+    """Snapshots made before (``engine.network`` ``host``): listeners checked, the engine binds."""
+    t = FakeTools(manifest=manifest_with())
+    _restore(t)
+    assert "listeners_taken" in t.calls and "serve_engine" not in t.calls and "engine.serve" in t.calls
+    assert t.restore_opts.network_lock is None
+
+
+def test_isolated_oracle_mismatch_never_binds():
+    t = FakeTools(manifest=isolated_manifest(), oracles=[make_oracle(logprob=-9.0)])
+    with pytest.raises(OracleMismatchError):
+        _restore(t)
+    assert "serve_engine" not in t.calls and t.engine.killed
+
+
+def test_isolated_port_taken_at_bind_kills_the_tree():
+    """The port was free at validation but taken before the bind: refused, nothing left."""
+    t = FakeTools(manifest=isolated_manifest(), fail={"serve_engine": BusyError("port 127.0.0.1:8123 is not free")})
+    with pytest.raises(BusyError):
+        _restore(t)
+    assert t.engine.killed and t.engine.closed and "register" not in t.calls
+
+
+def test_create_records_an_isolated_network_and_dumps_without_network_lock():
+    t = FakeTools()
+    m = _create(t).manifest
+    assert m.engine.network == "isolated"
+    assert t.dump_opts.network_lock == "skip"
+    assert m.criu.dump_argv[-2:] == ("--network-lock", "skip")
+
+
+def test_create_refuses_a_tree_that_is_not_network_isolated():
+    from vllm_snapshot.errors import UnsnapshottableError
+
+    t = FakeTools()
+    t.net_problems = ("it shares the supervisor's network namespace (net:[1])",)
+    with pytest.raises(UnsnapshottableError, match="not in an isolated, loopback-only network namespace"):
+        _create(t)
+    assert "dump" not in t.calls and "publish" not in t.calls and t.engine.killed
 
 
 def test_restore_uses_the_recorded_criu_flags():
@@ -362,3 +418,21 @@ def test_not_enough_memory_refuses_before_staging_or_criu():
     assert "only 0.00 GiB is available: memory cgroup /x" in e.value.message
     assert "stage" not in t.calls and "restore_tree" not in t.calls and "register" not in t.calls
     assert e.value.exit_code == 12
+
+
+def _entry(pid: int, port: int, host: str = "127.0.0.1", snapshot: str = "/snaps/tiny"):
+    from vllm_snapshot.registry import Entry
+
+    return Entry(snapshot=snapshot, pid=pid, supervisor_pid=0, host=host, port=port, started_at=0.0, mode="detached")
+
+
+def test_stop_one_clone_by_pid_or_all_of_a_snapshot():
+    t = FakeTools()
+    t.entries = [_entry(11, 8001), _entry(12, 8002), _entry(13, 8003), _entry(14, 8004, snapshot="/snaps/other")]
+    assert [s["pid"] for s in ops.stop_engines(None, None, tools=t, pid=12).stopped] == [12]
+    assert [s["pid"] for s in ops.stop_engines(SNAP, None, tools=t).stopped] == [11, 12, 13]
+    # one port on two loopback addresses: --port stops both
+    t.entries = [_entry(21, 8000, "127.0.0.1"), _entry(22, 8000, "127.0.0.2")]
+    assert [s["pid"] for s in ops.stop_engines(None, 8000, tools=t).stopped] == [21, 22]
+    with pytest.raises(UsageError, match="no restored engine matches PID 99"):
+        ops.stop_engines(None, None, tools=t, pid=99)

@@ -193,3 +193,17 @@ def test_kill_reports_survivors(monkeypatch):
     monkeypatch.setattr(h, "reap", lambda block=True: None)
     with pytest.raises(EngineError, match="survived SIGKILL: PIDs \\[4242\\]"):
         h.kill()
+
+
+def test_engine_runs_the_supervisors_own_package():
+    """The engine root imports vllm_snapshot from the same place as the supervisor speaking the
+    protocol with it (not from an editable install pointing at another checkout)."""
+    from pathlib import Path
+
+    import vllm_snapshot
+    from vllm_snapshot.supervisor import engine_import_env
+
+    here = str(Path(vllm_snapshot.__file__).resolve().parent.parent)
+    assert engine_import_env({"PATH": "/bin"}) == {"PATH": "/bin", "PYTHONPATH": here}
+    got = engine_import_env({"PYTHONPATH": f"/opt/x:{here}:/opt/y"})["PYTHONPATH"]
+    assert got == f"{here}:/opt/x:/opt/y"  # first, once; the kept entries stay in order

@@ -232,9 +232,9 @@ def stop(
     until their memory is released."""
     from . import ops, render
 
-    _root_only("stop")
     if sum(x is not None for x in (snapshot, port, pid)) != 1:
         raise UsageError("give a snapshot, --port or --pid (exactly one of them)")
+    _root_only("stop")
     render.show(ops.stop_engines(_resolve(snapshot) if snapshot else None, port, pid=pid), as_json)
 
 

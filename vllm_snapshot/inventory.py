@@ -17,9 +17,13 @@ could only restore wrongly because it is shared with the world outside the tree:
   namespace;
 - a TCP socket listening on a non-loopback address (the HTTP port is bound only after restore).
 
-What is allowed is recorded in the returned :class:`Inventory`: loopback listeners (restore
-checks their ports are free with :func:`vllm_snapshot.ports.listeners_taken`) and every regular file the tree
-has open or mapped (restore refuses changed or vanished ones with :func:`check_files`).
+What is allowed is recorded in the returned :class:`Inventory`: loopback listeners (they live in
+the engine's own network namespace, re-created fresh at every restore; only for snapshots whose
+engine shared the host's namespace does restore check their ports free with
+:func:`vllm_snapshot.ports.listeners_taken`) and every regular file the tree has open or mapped
+(restore refuses changed or vanished ones with :func:`check_files`). The established-TCP and
+listener checks still hold inside the namespace: a connection whose peer is not in the tree
+could only go to another process of that namespace, i.e. none.
 
 Pipes (the supervisor's control/events/log channels) are not sockets and are always fine.
 

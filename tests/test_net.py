@@ -9,6 +9,7 @@ import socket
 import subprocess
 import threading
 import time
+import time
 
 import pytest
 
@@ -168,10 +169,25 @@ def test_handoff_times_out_when_the_engine_never_connects(monkeypatch):
         def send(self, cmd, **kw):
             pass
 
-    monkeypatch.setattr(handoff, "ACCEPT_TIMEOUT_S", 0.2)
-    monkeypatch.setattr(handoff.Handoff.give, "__defaults__", (0.2,))
+    monkeypatch.setattr(handoff.Handoff.give, "__defaults__", (0.5, lambda: True))
     with pytest.raises(EngineError, match="did not take the listening socket"):
         handoff.serve_engine(Silent(), "127.0.0.1", 0, die_with_parent=True)
+
+
+def test_handoff_gives_up_at_once_when_the_engine_dies():
+    class Dead:
+        root_pid = os.getpid()
+
+        def send(self, cmd, **kw):
+            pass
+
+        def alive(self):
+            return False
+
+    t0 = time.monotonic()
+    with pytest.raises(EngineError, match="exited before it took"):
+        handoff.serve_engine(Dead(), "127.0.0.1", 0, die_with_parent=True)
+    assert time.monotonic() - t0 < 5
 
 
 def test_receive_listener_without_a_name_says_why():

@@ -24,6 +24,8 @@ import array
 import os
 import socket
 import struct
+import time
+from typing import Callable
 
 from .errors import EngineError
 from .inventory import run_in_namespace
@@ -50,14 +52,23 @@ class Handoff:
         # a socket belongs to the namespace of the thread that creates it
         self.sock = run_in_namespace(root_pid, "net", _CLONE_NEWNET, make)
 
-    def give(self, listener: socket.socket, timeout_s: float = ACCEPT_TIMEOUT_S) -> None:
+    def give(self, listener: socket.socket, timeout_s: float = ACCEPT_TIMEOUT_S,
+             alive: Callable[[], bool] = lambda: True) -> None:
         """Wait for the engine root to connect and send it ``listener``. Raises EngineError
-        when no connection comes within ``timeout_s`` seconds or the peer is another process."""
-        self.sock.settimeout(timeout_s)
-        try:
-            conn, _ = self.sock.accept()
-        except (socket.timeout, OSError) as e:
-            raise EngineError(f"the engine did not take the listening socket within {timeout_s:.0f} s ({e})") from e
+        when no connection comes within ``timeout_s`` seconds, ``alive()`` turns false while
+        waiting (the engine died), or the peer is another process."""
+        deadline = time.monotonic() + timeout_s
+        self.sock.settimeout(0.25)
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+                break
+            except socket.timeout:
+                if not alive():
+                    raise EngineError("the engine exited before it took the listening socket") from None
+                if time.monotonic() > deadline:
+                    raise EngineError(f"the engine did not take the listening socket within {timeout_s:.0f} s") from None
+        conn.settimeout(timeout_s)
         with conn:
             pid, _uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
             if pid != self.root_pid:
@@ -83,7 +94,7 @@ def serve_engine(engine, host: str, port: int, die_with_parent: bool) -> None:
             raise EngineError(f"cannot reach the engine's network namespace (PID {engine.root_pid}): {e}") from e
         try:
             engine.send("serve", host=host, port=port, die_with_parent=die_with_parent, handoff=handoff.name)
-            handoff.give(listener)
+            handoff.give(listener, alive=getattr(engine, "alive", lambda: True))
         finally:
             handoff.close()
     finally:

@@ -9,7 +9,6 @@ import socket
 import subprocess
 import threading
 import time
-import time
 
 import pytest
 

@@ -93,7 +93,9 @@ def _interrupt_at(argv: list[str], label: str, sig: int, env=None) -> tuple[int,
     seen, lines = False, []
     for line in p.stderr:
         lines.append(line)
-        if line.startswith(f"[vllm-snapshot] {label}") and line.rstrip().endswith("..."):
+        # `in`, not startswith: in the foreground the engine's log shares stderr, and a chunk of
+        # it without its newline yet can precede our progress line on the same line
+        if f"[vllm-snapshot] {label}" in line and line.rstrip().endswith("..."):
             p.send_signal(sig)
             seen = True
             break

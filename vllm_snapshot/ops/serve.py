@@ -152,8 +152,8 @@ def serve(req: ServeRequest, rep: Reporter, tools: SnapshotTools | None = None) 
     """Restore the valid snapshot of this model + args + host, or build one and restore it.
     Returns the result (which path was taken, refusals met, timings in seconds) and the live
     engine (foreground: :func:`vllm_snapshot.ops.restore.serve_foreground`; detached: close
-    it). Raises UsageError (bad args; ``--no-build`` and nothing valid), BusyError (port,
-    loopback listeners), the refusal of the last snapshot tried (``--no-build``, or after
+    it). Raises UsageError (bad args; ``--no-build`` and nothing valid), BusyError (port; the
+    loopback listeners of a snapshot made before engines had their own network namespace), the refusal of the last snapshot tried (``--no-build``, or after
     :data:`MAX_REFUSED_PER_KEY` refusals), and the errors of create and restore."""
     t = tools or LocalTools()
     t.require_root()

@@ -60,6 +60,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(mark)
 
 
+@pytest.fixture(autouse=True)
+def _environ_restored():
+    """Put os.environ back after every test: importing vLLM in this process (the parser tests)
+    sets TORCHINDUCTOR_CACHE_DIR, PYTORCH_NVML_BASED_CUDA_CHECK, ... in it, which would reach
+    every later CLI run through engine_env() -- e.g. a serve whose key's env part then differs
+    from the session snapshot's, created before the import (order-dependent failure)."""
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def engine_env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the KV cache size is an engine arg

@@ -93,13 +93,37 @@ def test_help_names_action_within_criu_buffer_and_exits_zero(capsys):
         assert "--action" in out.encode()[:2047].decode()
 
 
-def test_help_never_touches_cuda(monkeypatch, capsys):
-    def boom():
-        raise AssertionError("CudaDriver must not be built for -h")
-
-    monkeypatch.setattr(cc, "CudaDriver", boom)
+def test_help_probes_the_driver_and_names_action_only_when_it_works(monkeypatch, capsys):
+    # CRIU's plugin runs `-h` once to decide whether to run at all: it must reflect the driver.
+    built = []
+    monkeypatch.setattr(cc, "CudaDriver", lambda: built.append(1) or FakeDriver())
     assert cc.main(["-h"]) == 0
-    assert "--action" in capsys.readouterr().out
+    assert "--action" in capsys.readouterr().out and built == [1]
+
+
+def test_help_without_checkpoint_api_omits_action(monkeypatch, capsys):
+    # A driver older than r570: help without --action, so the plugin says a newer driver is needed.
+    def old():
+        raise cc.DriverUnavailable("cuDriverGetVersion", "driver API 12040", "needs 12080", api_missing=True)
+
+    monkeypatch.setattr(cc, "CudaDriver", old)
+    assert cc.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--action" not in out and "NOT AVAILABLE" in out and "driver API 12040" in out and "r570" in out
+
+
+@pytest.mark.parametrize("why", [
+    cc.DriverUnavailable("import cuda.bindings", "ImportError", "No module named 'cuda'"),
+    cc.DriverUnavailable("cuInit", "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"),
+])
+def test_help_exits_unavailable_when_the_driver_cannot_be_used(monkeypatch, capsys, why):
+    def broken():
+        raise why
+
+    monkeypatch.setattr(cc, "CudaDriver", broken)
+    assert cc.main(["-h"]) == cc.EXIT_UNAVAILABLE == 3
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(cc.UNAVAILABLE) and why.call in err
 
 
 def test_full_cycle_state_transitions(proc, capsys):
@@ -204,15 +228,19 @@ def test_usage_errors_exit_2(args, proc, capsys):
     assert drv.calls == []
 
 
-def test_driver_construction_failure_is_reported(proc, monkeypatch, capsys):
+def test_driver_construction_failure_is_unavailable_not_no_cuda(proc, monkeypatch, capsys):
+    # Exit 1 means "the driver refused" (e.g. not a CUDA process); a helper that cannot reach
+    # the driver exits 3 with a message CRIU's log keeps and vllm-snapshot looks for.
     def no_cuda():
-        raise cc.DriverError("cuInit", "DynamicLibNotFoundError", "libcuda not found")
+        raise cc.DriverUnavailable("cuInit", "DynamicLibNotFoundError", "libcuda not found")
 
     monkeypatch.setattr(cc, "CudaDriver", no_cuda)
-    code = cc.main(["--get-state", "--pid", str(PID)], proc_root=proc)
-    out, err = capsys.readouterr()
-    assert code == 1 and out == ""
-    assert "cuInit: DynamicLibNotFoundError" in err
+    for args in (["--get-state", "--pid", str(PID)], ["--get-restore-tid", "--pid", str(OTHER)]):
+        code = cc.main(args, proc_root=proc)
+        out, err = capsys.readouterr()
+        assert code == 3 and out == ""
+        assert err.startswith("cuda-checkpoint: unavailable: ") and "cuInit: DynamicLibNotFoundError" in err
+        assert len(err.encode()) > 0 and cc.UNAVAILABLE.encode() in err.encode()[:127]  # CRIU logs 127 bytes
 
 
 def test_resolve_pid_uses_real_proc():
@@ -263,10 +291,13 @@ def test_wrapper_runs_from_path_like_criu_does(tmp_path):
     d = cc.helper_dir(tmp_path / "cache")
     # As launch_cuda_checkpoint does: execvp("cuda-checkpoint"), stdout+stderr in one pipe,
     # from an unrelated working directory, without our package on PYTHONPATH.
+    # `-h` probes the driver; this host has none (or no cuda-bindings): exit 3, said plainly.
     cp = subprocess.run(["cuda-checkpoint", "-h"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                         text=True, env=_env_with(d), cwd=tmp_path, timeout=60)
-    assert cp.returncode == 0, cp.stdout
-    assert "--action" in cp.stdout
+    if os.path.isdir("/proc/driver/nvidia/gpus"):
+        pytest.skip("a GPU host: -h may succeed here")
+    assert cp.returncode == 3, cp.stdout
+    assert cp.stdout.startswith("cuda-checkpoint: unavailable: ") and "--action" not in cp.stdout
     cp = subprocess.run(["cuda-checkpoint", "--get-state", "--pid", str(2**31 - 1)], stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT, text=True, env=_env_with(d), cwd=tmp_path, timeout=60)
     assert cp.returncode == 1

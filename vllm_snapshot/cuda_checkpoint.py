@@ -15,7 +15,12 @@ The contract, read from CRIU 4.2.1 ``plugins/cuda/cuda_plugin.c`` (functions nam
   ``-W ignore`` so no warning lands in front of it.
 * ``cuda-checkpoint -h`` (``cuda_checkpoint_supports_flag``, called from ``cuda_plugin_init``):
   must exit 0 and its output must contain ``--action`` within the first 2047 bytes, otherwise
-  the plugin disables itself ("an r555 or higher version driver is required").
+  the plugin disables itself ("an r555 or higher version driver is required"; a non-zero exit:
+  "check that cuda-checkpoint is present in $PATH"). Our ``-h`` therefore **probes the
+  driver** (:func:`probe`): it names ``--action`` only when this driver has the checkpoint API,
+  and exits :data:`EXIT_UNAVAILABLE` when the helper cannot work at all (no ``cuda-bindings``,
+  ``cuInit`` failed), so the plugin never runs with a helper that would answer "no CUDA here"
+  for every process.
 * ``cuda-checkpoint --get-restore-tid --pid N`` (``get_cuda_restore_tid``): output is parsed
   with ``atoi``, so it must start with the decimal TID. A non-zero exit means "not a CUDA
   process": every hook then skips that PID ("No need to checkpoint devices on pid"). So a
@@ -49,7 +54,19 @@ milliseconds, 0 = no timeout), ``cuCheckpointProcessCheckpoint(pid, None)``,
 RESTORING 5. ``cuInit(0)`` is called first: the driver documents that process restore
 "requires persistence mode to be enabled or cuInit to have been called".
 
-Exit codes: 0 success, 1 the operation failed (message on stderr), 2 bad command line.
+Exit codes: 0 success; 1 the driver refused the operation (e.g. ``CUDA_ERROR_INVALID_VALUE``
+for a process without CUDA); 2 bad command line; 3 (:data:`EXIT_UNAVAILABLE`) this helper cannot
+talk to the driver: ``cuda-bindings`` missing, ``cuInit`` failed, or the driver is older than the
+checkpoint API. CRIU's plugin reads every non-zero exit of ``--get-restore-tid`` as "not a CUDA
+process", so it cannot tell 1 from 3; the message of a 3 starts with :data:`UNAVAILABLE`
+(``cuda-checkpoint: unavailable:``), which CRIU copies into its log (``get_cuda_restore_tid`` logs
+the first 127 bytes of the output at error level) and vllm-snapshot looks for there
+(:func:`vllm_snapshot.criu.check_cuda_log`), and before CRIU runs it probes the helper itself.
+
+The checkpoint driver API (``cuCheckpointProcess*``) is public from driver r570 / CUDA 12.8 on
+(NVIDIA/cuda-checkpoint README, "570 Features": "CUDA Driver interfaces";
+https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CHECKPOINT.html); ``cuDriverGetVersion``
+reports 12080 for CUDA 12.8, hence :data:`MIN_DRIVER_API`.
 This module imports only the standard library at import time (it runs on hosts without the
 rest of the tool's dependencies); ``cuda.bindings`` is imported on first driver use.
 """
@@ -71,11 +88,29 @@ PROG = "cuda-checkpoint"
 #: States ``--get-state`` prints; the first three are the ones CRIU's plugin understands.
 STATES: tuple[str, ...] = ("running", "locked", "checkpointed", "failed")
 ACTIONS: tuple[str, ...] = ("lock", "checkpoint", "restore", "unlock")
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
+#: How a message of an :data:`EXIT_UNAVAILABLE` exit starts (searched for in CRIU's logs).
+UNAVAILABLE = f"{PROG}: unavailable:"
+#: ``cuDriverGetVersion`` of the first driver with the checkpoint API (CUDA 12.8, driver r570).
+MIN_DRIVER_API = 12080
+#: The NVIDIA driver branch that ships it (``nvidia-smi`` driver_version major).
+MIN_DRIVER_BRANCH = 570
+#: What identifies this helper's behaviour in a snapshot's host identity. Bump it when the
+#: command-line contract or the driver calls change (not for comments): a snapshot made with
+#: one protocol is restored only by a helper of the same protocol.
+PROTOCOL = 2
 #: ``CUcheckpointLockArgs.timeoutMs`` is an unsigned int (milliseconds).
 MAX_TIMEOUT_MS = 2**32 - 1
 #: Name of the directory :func:`helper_dir` creates under the cache dir.
 HELPER_DIRNAME = "cuda-checkpoint-helper"
+
+_HELP_NO_API = f"""\
+usage: {PROG} -h
+
+CUDA checkpoint/restore of another process (vllm-snapshot, over cuda-bindings): NOT AVAILABLE
+with this driver: {{why}}. It needs the driver's checkpoint API (NVIDIA driver r{MIN_DRIVER_BRANCH}+,
+CUDA {MIN_DRIVER_API // 1000}.{MIN_DRIVER_API % 1000 // 10}).
+"""
 
 _HELP = f"""\
 usage: {PROG} --action {{lock,checkpoint,restore,unlock}} --pid PID [--timeout MS]
@@ -91,7 +126,8 @@ CUDA checkpoint/restore of another process (vllm-snapshot, over cuda-bindings).
   --get-restore-tid  print the TID of PID's CUDA restore thread
   -h, --help         show this help
 
-Exit status: 0 success, 1 failure (message on stderr), 2 bad command line.
+Exit status: 0 success, 1 the driver refused (message on stderr), 2 bad command line,
+3 unavailable (no cuda-bindings, cuInit failed, driver without the checkpoint API).
 """
 
 
@@ -105,6 +141,15 @@ class DriverError(Exception):
 
     def __str__(self) -> str:
         return f"{self.call}: {self.code}" + (f" ({self.detail})" if self.detail else "")
+
+
+class DriverUnavailable(DriverError):
+    """This helper cannot use the driver at all: ``cuda-bindings`` missing, ``cuInit`` failed,
+    or (``api_missing``) the driver is older than the checkpoint API."""
+
+    def __init__(self, call: str, code: str, detail: str = "", *, api_missing: bool = False):
+        super().__init__(call, code, detail)
+        self.api_missing = api_missing
 
 
 class Driver(Protocol):
@@ -129,8 +174,10 @@ class Driver(Protocol):
 
 
 class CudaDriver(Driver):
-    """:class:`Driver` over ``cuda.bindings.driver``; imports it and calls ``cuInit(0)`` on
-    construction (raises :class:`DriverError` when either fails, e.g. no NVIDIA driver)."""
+    """:class:`Driver` over ``cuda.bindings.driver``. Construction imports it, calls
+    ``cuInit(0)`` and checks ``cuDriverGetVersion`` >= :data:`MIN_DRIVER_API` and the six
+    ``cuCheckpointProcess*`` entry points; raises :class:`DriverUnavailable` when any of that
+    fails (no cuda-bindings, no NVIDIA driver or GPU, a driver older than r570)."""
 
     def __init__(self) -> None:
         # cuInit otherwise preloads the JIT libraries (cuda-bindings' cuInit docstring); this
@@ -139,9 +186,20 @@ class CudaDriver(Driver):
         try:
             from cuda.bindings import driver
         except ImportError as e:
-            raise DriverError("import cuda.bindings", "ImportError", f"{e}; pip install cuda-bindings") from e
+            raise DriverUnavailable("import cuda.bindings", "ImportError",
+                                    f"{e}; pip install 'vllm-snapshot[cuda]' (cuda-bindings)") from e
         self._d = driver
-        self._call("cuInit", 0)
+        try:
+            self._call("cuInit", 0)
+            (version,) = self._call("cuDriverGetVersion")
+        except DriverError as e:
+            raise DriverUnavailable(e.call, e.code, e.detail) from e
+        missing = [n for n in _API if not hasattr(driver, n)]
+        if int(version) < MIN_DRIVER_API or missing:
+            raise DriverUnavailable(
+                "cuDriverGetVersion", f"driver API {int(version)}",
+                f"the checkpoint API needs {MIN_DRIVER_API} (NVIDIA driver r{MIN_DRIVER_BRANCH}+)"
+                + (f"; cuda-bindings lacks {', '.join(missing)}" if missing else ""), api_missing=True)
 
     def _err_name(self, err) -> str:
         try:
@@ -198,6 +256,16 @@ class CudaDriver(Driver):
         self._call("cuCheckpointProcessUnlock", pid, None)
 
 
+_API = ("cuCheckpointProcessGetState", "cuCheckpointProcessGetRestoreThreadId", "cuCheckpointProcessLock",
+        "cuCheckpointProcessCheckpoint", "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock")
+
+
+def probe() -> Driver:
+    """A working :class:`CudaDriver`, or raises :class:`DriverUnavailable` saying why not (what
+    ``-h`` and vllm-snapshot's checks before CRIU run)."""
+    return CudaDriver()
+
+
 def resolve_pid(n: int, proc_root: str | os.PathLike = "/proc") -> int:
     """The process (thread group) ID of PID or TID ``n``, from ``Tgid:`` in
     ``<proc_root>/<n>/status``. Raises LookupError when there is no such process or thread."""
@@ -222,7 +290,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, add_help=True, allow_abbrev=False)
+    p = _Parser(prog=PROG, add_help=False, allow_abbrev=False)
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--action", choices=ACTIONS)
     what.add_argument("--get-state", action="store_true")
@@ -236,18 +304,33 @@ def main(argv: Sequence[str] | None = None, driver: Driver | None = None, *,
          proc_root: str | os.PathLike = "/proc") -> int:
     """Run one ``cuda-checkpoint`` command (see the module docstring); return the exit code.
 
-    ``driver`` defaults to :class:`CudaDriver` (created only after the command line is valid,
-    so ``-h`` never touches CUDA). Answers go to stdout, failures to stderr as one line.
+    ``driver`` defaults to :class:`CudaDriver`, created only after the command line is valid.
+    ``-h`` probes it (as CRIU's plugin uses ``-h`` to decide whether to run at all): full help
+    naming ``--action`` with a working driver; a help without ``--action`` (exit 0) for a driver
+    older than the checkpoint API; exit 3 with the reason when the driver cannot be used.
+    Answers go to stdout, failures to stderr as one line.
     """
-    parser = _parser()
-    try:
-        ns = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    except SystemExit as e:  # -h (0) or a usage error (2); argparse already wrote the text
-        return int(e.code or 0)
+    args = list(sys.argv[1:] if argv is None else argv)
 
     def fail(msg: str, code: int = EXIT_FAILED) -> int:
         print(f"{PROG}: {msg}", file=sys.stderr)
         return code
+
+    if "-h" in args or "--help" in args:
+        try:
+            _ = driver if driver is not None else probe()
+        except DriverUnavailable as e:
+            if e.api_missing:
+                print(_HELP_NO_API.format(why=e), end="", flush=True)
+                return EXIT_OK
+            return fail(f"unavailable: {e}", EXIT_UNAVAILABLE)
+        print(_HELP, end="", flush=True)
+        return EXIT_OK
+    parser = _parser()
+    try:
+        ns = parser.parse_args(args)
+    except SystemExit as e:  # a usage error (2); argparse already wrote the text
+        return int(e.code or 0)
 
     if ns.pid <= 0:
         return fail(f"--pid must be a positive integer, got {ns.pid}", EXIT_USAGE)
@@ -274,6 +357,8 @@ def main(argv: Sequence[str] | None = None, driver: Driver | None = None, *,
             drv.lock(pid, ns.timeout or 0)
         else:
             getattr(drv, ns.action)(pid)
+    except DriverUnavailable as e:
+        return fail(f"unavailable: {what} --pid {ns.pid}: {e}", EXIT_UNAVAILABLE)
     except DriverError as e:
         return fail(f"{what} --pid {ns.pid} failed: {e}")
     return EXIT_OK

@@ -265,3 +265,137 @@ def test_network_lock_rpc_values_are_criu_4_2_1s():
 def test_unknown_network_lock_refused():
     with pytest.raises(ValueError, match="network lock"):
         criu.restore_rpc(RestoreOptions(network_lock="ebtables"), _Rpc())
+
+
+# --- issue 20: the CUDA path ----------------------------------------------------------------------
+
+def test_freeze_timeout_covers_every_helper_run_of_the_tree():
+    # a vLLM TP1 tree: API root, EngineCore (CUDA), resource tracker -> 3 + 2*1 helper runs
+    assert criu.freeze_timeout("cuda", 3, 1, {}) == criu.FREEZE_MARGIN_S + criu.HELPER_RUN_S * 5 == 80
+    assert criu.freeze_timeout("cuda", 0, 0, {}) == 30 + 10 * 3  # at least one CUDA process assumed
+    assert criu.freeze_timeout("cuda", 3, 1, {}) > criu.CRIU_DEFAULT_TIMEOUT_S * 2  # 10 s was the bug
+    assert criu.freeze_timeout("cpu", 4, 0, {}) is None  # CRIU's default stays for CPU engines
+    env = {criu.FREEZE_TIMEOUT_ENV: "300"}
+    assert criu.freeze_timeout("cuda", 3, 1, env) == 300 and criu.freeze_timeout("cpu", 3, 0, env) == 300
+    from vllm_snapshot.errors import UsageError
+
+    for bad in ("0", "-5", "1.5", "soon"):
+        with pytest.raises(UsageError, match=criu.FREEZE_TIMEOUT_ENV):
+            criu.freeze_timeout("cuda", 3, 1, {criu.FREEZE_TIMEOUT_ENV: bad})
+
+
+def test_dump_timeout_goes_into_the_rpc_and_the_recorded_argv():
+    pytest.importorskip("pycriu")
+    import pycriu
+
+    opts = DumpOptions(pid=7, timeout_s=80)
+    req = pycriu.rpc.criu_opts()
+    criu.dump_rpc(opts, req)
+    assert req.HasField("timeout") and req.timeout == 80
+    assert _after(criu.dump_argv(opts, "/i"), "--timeout") == ["80"]
+    req = pycriu.rpc.criu_opts()
+    criu.dump_rpc(DumpOptions(pid=7), req)
+    assert not req.HasField("timeout") and "--timeout" not in criu.dump_argv(DumpOptions(pid=7), "/i")
+
+
+def test_plugin_must_come_from_the_binarys_build(tmp_path):
+    from vllm_snapshot.errors import EnvironmentProblem
+
+    src = tmp_path / "criu-4.2.1"
+    (src / "criu").mkdir(parents=True)
+    (src / "plugins" / "cuda").mkdir(parents=True)
+    (src / "criu" / "criu").write_bytes(b"criu 4.2.1 build")
+    plugin = src / "plugins" / "cuda" / "cuda_plugin.so"
+    plugin.write_bytes(b"plugin")
+    assert criu.paired(plugin, str(src / "criu" / "criu"))
+    copy = tmp_path / "bin" / "criu"  # a byte-identical copy of that build's binary
+    copy.parent.mkdir()
+    copy.write_bytes(b"criu 4.2.1 build")
+    assert criu.paired(plugin, str(copy))
+    other = tmp_path / "other-criu"  # e.g. a system CRIU of another version
+    other.write_bytes(b"criu 4.1 distro")
+    assert not criu.paired(plugin, str(other))
+    with pytest.raises(EnvironmentProblem, match="built for another CRIU") as ei:
+        criu.find_cuda_plugin(str(other), cache=tmp_path)
+    assert str(plugin) in ei.value.message and "VLLM_SNAPSHOT_CRIU" in ei.value.hint
+    assert criu.find_cuda_plugin(str(copy), cache=tmp_path) == plugin
+    # distribution pairs: same prefix only
+    assert criu.paired(Path("/usr/lib/criu/cuda_plugin.so"), "/usr/sbin/criu")
+    assert criu.paired(Path("/usr/local/lib/criu/cuda_plugin.so"), "/usr/local/sbin/criu")
+    assert not criu.paired(Path("/usr/lib/criu/cuda_plugin.so"), "/usr/local/sbin/criu")
+
+
+def test_config_file_libdir_is_found_and_refused(tmp_path):
+    from vllm_snapshot.errors import EnvironmentProblem
+
+    texts = {"/etc/criu/default.conf": "# site config\ntcp-established\nlibdir /opt/plugins  # ours\n",
+             "/home/u/.criu/default.conf": "--libdir=/x\n", "/cfg": "L /y\n"}
+    found = criu.config_libdirs(texts.get, {"HOME": "/home/u", "CRIU_CONFIG_FILE": "/cfg"})
+    assert found == [("/etc/criu/default.conf", "/opt/plugins"), ("/home/u/.criu/default.conf", "/x"), ("/cfg", "/y")]
+    assert criu.config_libdirs(lambda p: None, {}) == []
+    with pytest.raises(EnvironmentProblem, match="beats CRIU_LIBS_DIR"):
+        criu.check_config_libdir(tmp_path, texts.get, {"HOME": "/nobody"})
+    criu.check_config_libdir(Path("/opt/plugins"), {"/etc/criu/default.conf": "libdir /opt/plugins\n"}.get, {})
+
+
+def test_cuda_env_refuses_a_helper_override_criu_would_not_run(tmp_path, monkeypatch):
+    from vllm_snapshot.errors import EnvironmentProblem
+
+    binary = tmp_path / "src" / "criu" / "criu"
+    binary.parent.mkdir(parents=True)
+    binary.write_bytes(b"x")
+    (tmp_path / "src" / "plugins" / "cuda").mkdir(parents=True)
+    (tmp_path / "src" / "plugins" / "cuda" / "cuda_plugin.so").write_bytes(b"p")
+    monkeypatch.setattr(criu, "_read_text", lambda p: None)  # no host config files in the way
+    wrong = tmp_path / "nv-checkpoint"
+    wrong.write_text("#!/bin/sh\n")
+    wrong.chmod(0o755)
+    monkeypatch.setenv("VLLM_SNAPSHOT_CUDA_CHECKPOINT", str(wrong))
+    with pytest.raises(EnvironmentProblem, match="named cuda-checkpoint"):
+        criu.cuda_env(str(binary))
+    good = tmp_path / "nv" / "cuda-checkpoint"
+    good.parent.mkdir()
+    good.write_text("#!/bin/sh\n")
+    good.chmod(0o755)
+    monkeypatch.setenv("VLLM_SNAPSHOT_CUDA_CHECKPOINT", str(good))
+    env = criu.cuda_env(str(binary))
+    assert env["PATH"].startswith(f"{good.parent}:") and env["CRIU_LIBS_DIR"] == str(tmp_path / "src" / "plugins" / "cuda")
+
+
+LOG_OK = ("(00.01) cuda_plugin: initialized: cuda_plugin stage 1\n"
+          "(00.02) Error (cuda_plugin.c:221): cuda_plugin: Failed to launch cuda-checkpoint to retrieve restore tid: "
+          "cuda-checkpoint: --get-restore-tid --pid 10 failed: cuCheckpointProcessGetRestoreThreadId: CUDA_ERROR_INVALID_VALUE\n"
+          "(00.03) cuda_plugin: no need to pause devices on pid 10\n"
+          "(00.04) cuda_plugin: pausing devices on pid 11\n"
+          "(00.05) cuda_plugin: Checkpointing CUDA devices on pid 11 restore_tid 12\n")
+
+
+@pytest.mark.parametrize("log, why", [
+    ("(00.01) Loading plugins\n", "did not load its CUDA plugin"),
+    ("cuda_plugin: No GPU device found; CUDA plugin is disabled\n", "found no GPU"),
+    ("Warn (cuda_plugin.c:585): cuda_plugin: check that cuda-checkpoint is present in $PATH\n",
+     "could not run `cuda-checkpoint -h`"),
+    ("cuda_plugin: cuda-checkpoint --action flag not supported, an r555 or higher version driver is required.\n",
+     "no checkpoint API"),
+    (LOG_OK.replace("pid 11 restore_tid 12", "").replace("Checkpointing CUDA devices on", "x"), "checkpointed no process"),
+    (LOG_OK + "Error: cuda_plugin: Failed to launch cuda-checkpoint to retrieve restore tid: "
+     "cuda-checkpoint: unavailable: cuInit: CUDA_ERROR_NO_DEVICE\n",
+     "could not use the driver: cuda-checkpoint: unavailable: cuInit: CUDA_ERROR_NO_DEVICE"),
+])
+def test_cuda_dump_log_must_show_the_plugin_checkpointing(log, why):
+    from vllm_snapshot.errors import CriuError
+
+    criu.check_cuda_log(LOG_OK, "dump")
+    with pytest.raises(CriuError, match="CRIU dump of a CUDA engine") as ei:
+        criu.check_cuda_log(log, "dump")
+    assert why in ei.value.message
+
+
+def test_cuda_restore_log_refuses_a_logged_restore_failure():
+    from vllm_snapshot.errors import CriuError
+
+    ok = "cuda_plugin: initialized: cuda_plugin stage 4\ncuda_plugin: resuming devices on pid 30\n"
+    criu.check_cuda_log(ok, "restore")
+    with pytest.raises(CriuError, match="restore of the GPU state failed: CUDA_ERROR_OUT_OF_MEMORY"):
+        criu.check_cuda_log(ok + "Error: cuda_plugin: RESUME_DEVICES RESTORE failed with CUDA_ERROR_OUT_OF_MEMORY\n",
+                            "restore")

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import paths
-from .errors import CriuError, EnvironmentProblem
+from .errors import CriuError, EnvironmentProblem, UsageError
 
 #: Flags for both dump and restore (CRIU option names without the leading dashes).
 SHARED_FLAGS: tuple[str, ...] = ("shell-job", "ext-unix-sk", "tcp-established", "link-remap", "file-locks")
@@ -53,14 +53,60 @@ from .layout import DUMP_LOG, RESTORE_LOG  # noqa: E402 - names of the logs CRIU
 @dataclass(frozen=True)
 class DumpOptions:
     """What a dump needs: the tree's root (host PID), the flags, ``external`` resources
-    (CRIU ``--external`` values, e.g. ``mnt[/data]:m0``, ``unix[1234]``) and the network lock
+    (CRIU ``--external`` values, e.g. ``mnt[/data]:m0``, ``unix[1234]``), the network lock
     method (``None``: CRIU's default; :data:`NETWORK_LOCK_ISOLATED` for an engine in its own
-    network namespace)."""
+    network namespace) and ``timeout_s``, CRIU's ``--timeout`` in seconds (None: CRIU's
+    default, 10 s; see :func:`freeze_timeout`)."""
 
     pid: int
     flags: tuple[str, ...] = SHARED_FLAGS
     external: tuple[str, ...] = ()
     network_lock: str | None = None
+    timeout_s: int | None = None
+
+
+#: CRIU's own ``--timeout`` default (``DEFAULT_TIMEOUT`` in CRIU 4.2.1 criu/include/cr_options.h:88).
+CRIU_DEFAULT_TIMEOUT_S = 10
+#: Seconds budgeted for one ``cuda-checkpoint`` run inside CRIU's freeze alarm. Each run is a
+#: new process paying the driver attach in ``cuInit``; measured by others: ~2.7 s per run
+#: (NVIDIA/nvcf#263: "6 successive --get-state calls ... all ~2.7s"), min 0.38 / median 2.5 /
+#: max 7.1 s per ``--get-state`` (modal-labs/modal-client#3603), 2.3-2.4 s per unlock
+#: (ai-dynamo/dynamo#7773). 10 s is above the worst of those.
+HELPER_RUN_S = 10
+#: Seconds on top: seizing the tree itself and the lock's wait for in-flight GPU work.
+FREEZE_MARGIN_S = 30
+#: ``$VLLM_SNAPSHOT_FREEZE_TIMEOUT`` (whole seconds) replaces the estimate.
+FREEZE_TIMEOUT_ENV = "VLLM_SNAPSHOT_FREEZE_TIMEOUT"
+
+
+def freeze_timeout(kind: str, n_processes: int, n_cuda: int, env: dict[str, str]) -> int | None:
+    """CRIU ``--timeout`` (seconds) for dumping a tree of ``n_processes`` processes of which
+    ``n_cuda`` use CUDA; None for a CPU engine (CRIU's default 10 s holds there). Pure.
+
+    Why: CRIU 4.2.1 arms ``alarm(opts.timeout)`` at the start of ``collect_pstree``
+    (criu/seize.c:1061) and runs the CUDA plugin's PAUSE_DEVICES hook for every task inside
+    that window (seize.c:1069/1084, :716). The hook runs ``cuda-checkpoint --get-restore-tid``
+    once per task and, for a CUDA task, ``--get-state`` and ``--action lock --timeout
+    <timeout*1000>`` too (plugins/cuda/cuda_plugin.c:405-471). So the window must hold
+    ``n_processes + 2 * n_cuda`` helper runs: :data:`HELPER_RUN_S` each plus
+    :data:`FREEZE_MARGIN_S`; at least one CUDA process is assumed for ``kind == "cuda"``.
+    The same value bounds the lock (in milliseconds). ``env[FREEZE_TIMEOUT_ENV]`` overrides
+    it for any kind. Raises UsageError for an override that is not a positive integer.
+    """
+    raw = env.get(FREEZE_TIMEOUT_ENV)
+    if raw:
+        try:
+            val = int(raw)
+        except ValueError:
+            val = 0
+        if val <= 0:
+            raise UsageError(f"${FREEZE_TIMEOUT_ENV}={raw!r}: expected a whole number of seconds > 0",
+                             hint=f"unset {FREEZE_TIMEOUT_ENV} to use the estimate")
+        return val
+    if kind != "cuda":
+        return None
+    runs = max(n_processes, 1) + 2 * max(n_cuda, 1)
+    return FREEZE_MARGIN_S + HELPER_RUN_S * runs
 
 
 @dataclass(frozen=True)
@@ -94,6 +140,8 @@ def dump_argv(opts: DumpOptions, images_dir: str, log: str = DUMP_LOG) -> list[s
         argv += ["--external", e]
     if opts.network_lock:
         argv += ["--network-lock", opts.network_lock]
+    if opts.timeout_s is not None:
+        argv += ["--timeout", str(opts.timeout_s)]
     return argv
 
 
@@ -113,6 +161,8 @@ def dump_rpc(opts: DumpOptions, rpc) -> None:
     apply_flags(rpc, opts.flags)
     for e in opts.external:
         rpc.external.append(e)
+    if opts.timeout_s is not None:
+        rpc.timeout = opts.timeout_s  # images/rpc.proto:122, applied at criu/cr-service.c:677
     _network_lock(rpc, opts.network_lock)
 
 
@@ -238,13 +288,19 @@ def explain(log_text: str) -> str | None:
 #: ``cuda_plugin.so`` in the first; CRIU's ``make install`` uses the second).
 SYSTEM_PLUGIN_DIRS = ("/usr/lib/criu", "/usr/local/lib/criu", "/usr/lib/x86_64-linux-gnu/criu")
 CUDA_PLUGIN = "cuda_plugin.so"
+#: Binary directory -> the plugin directories of the same installation (one package/prefix).
+_SYSTEM_PAIRS = {"/usr/sbin": ("/usr/lib/criu", "/usr/lib/x86_64-linux-gnu/criu"),
+                 "/usr/bin": ("/usr/lib/criu", "/usr/lib/x86_64-linux-gnu/criu"),
+                 "/sbin": ("/usr/lib/criu", "/usr/lib/x86_64-linux-gnu/criu"),
+                 "/bin": ("/usr/lib/criu", "/usr/lib/x86_64-linux-gnu/criu"),
+                 "/usr/local/sbin": ("/usr/local/lib/criu",), "/usr/local/bin": ("/usr/local/lib/criu",)}
 
 
 def plugin_candidates(criu_binary: str | None, cache: Path | None = None) -> list[Path]:
     """Where CRIU's CUDA plugin may be, in the order used: beside a source-built binary
     (``<src>/plugins/cuda``; pass the resolved binary path), the setup cache's build (``cache``,
     default :func:`paths.cache_dir`), then the system plugin directories. Pure. Doctor and
-    CRIU runs both use this list."""
+    CRIU runs both use this list (through :func:`find_cuda_plugin`)."""
     out = []
     if criu_binary:
         src = Path(criu_binary).parent.parent  # <src>/criu/criu -> <src>
@@ -254,30 +310,168 @@ def plugin_candidates(criu_binary: str | None, cache: Path | None = None) -> lis
     return list(dict.fromkeys(out))
 
 
-def find_cuda_plugin(criu_binary: str | None, is_file=os.path.isfile) -> Path:
-    """The first existing :func:`plugin_candidates` entry. Raises EnvironmentProblem listing
-    where it looked."""
-    cands = plugin_candidates(os.path.realpath(criu_binary) if criu_binary else None)
-    for c in cands:
-        if is_file(str(c)):
+def _same_file(a: str, b: str) -> bool:
+    import filecmp
+
+    if a == b:
+        return True
+    try:
+        return os.path.samefile(a, b) or filecmp.cmp(a, b, shallow=False)
+    except OSError:
+        return False
+
+
+def paired(plugin: Path, criu_binary: str, same_file=_same_file) -> bool:
+    """True when ``plugin`` comes from the same build as ``criu_binary`` (resolved path). Pure
+    but for ``same_file`` (a content comparison of two binaries).
+
+    The plugin is not a stable ABI: it reads CRIU's internal ``opts`` struct
+    (``opts.timeout``, ``opts.final_state``: CRIU 4.2.1 plugins/cuda/cuda_plugin.c:451, :621)
+    and calls CRIU's own functions, and CRIU only checks a coarse plugin version
+    (``CRIU_PLUGIN_VERSION`` 0.2.0, criu/include/criu-plugin.h:29-36). Paired are: the plugin of
+    a source tree whose ``criu/criu`` is this binary (same file or same bytes), and a
+    distribution's plugin directory for a binary of the same prefix (``/usr/sbin/criu`` with
+    ``/usr/lib/criu``, ``/usr/local/sbin/criu`` with ``/usr/local/lib/criu``)."""
+    src_bin = plugin.parent.parent.parent / "criu" / "criu"  # <src>/plugins/cuda/x.so -> <src>/criu/criu
+    if plugin.parent.name == "cuda" and plugin.parent.parent.name == "plugins":
+        return same_file(str(src_bin), criu_binary)
+    return str(plugin.parent) in _SYSTEM_PAIRS.get(os.path.dirname(criu_binary), ())
+
+
+def find_cuda_plugin(criu_binary: str | None, is_file=os.path.isfile, cache: Path | None = None,
+                     same_file=_same_file) -> Path:
+    """The first :func:`plugin_candidates` entry that exists and is :func:`paired` with
+    ``criu_binary``. Raises EnvironmentProblem listing where it looked, or naming a plugin
+    that exists but belongs to another CRIU build (refused: loading it into this binary
+    reads that binary's internals with another layout)."""
+    binary = os.path.realpath(criu_binary) if criu_binary else None
+    cands = plugin_candidates(binary, cache)
+    found = [c for c in cands if is_file(str(c))]
+    for c in found:
+        if binary and paired(c, binary, same_file):
             return c
+    if found:
+        raise EnvironmentProblem(
+            f"CRIU's CUDA plugin {found[0]} was built for another CRIU than the one that would load it "
+            f"({binary}); the plugin reads CRIU's internal option struct, so both must come from one build",
+            hint="use the criu binary of the same build (set VLLM_SNAPSHOT_CRIU), or build the plugin with "
+                 "this CRIU (`make cuda_plugin` in its source tree; scripts/setup.sh does it for its own build)")
     raise EnvironmentProblem(
         "CRIU's CUDA plugin (cuda_plugin.so) is missing; looked in: " + ", ".join(map(str, cands)),
         hint="run scripts/setup.sh (it builds the plugin with CRIU), or install your distribution's criu package")
 
 
+#: CRIU's configuration files, read in this order also by ``criu swrk`` (CRIU 4.2.1
+#: criu/config.c:320-370 ``next_config``: GLOBAL_CONFIG_DIR ``/etc/criu/``, ``$HOME/.criu/``,
+#: then ``$CRIU_CONFIG_FILE``).
+CONFIG_FILES = ("/etc/criu/default.conf", "~/.criu/default.conf")
+
+
+def config_libdirs(read_text, env: dict[str, str]) -> list[tuple[str, str]]:
+    """``(file, directory)`` of every ``libdir``/``L`` setting in CRIU's configuration files
+    (:data:`CONFIG_FILES`, ``env["CRIU_CONFIG_FILE"]``). ``read_text(path)`` returns the
+    file's text or None. Pure over it.
+
+    Such a setting beats ``CRIU_LIBS_DIR``: CRIU 4.2.1 criu/plugin.c:214-222 reads the
+    environment only when ``opts.libdir`` is unset, and config files set it before any RPC
+    request is read."""
+    home = env.get("HOME", "/root")
+    files = [f.replace("~", home, 1) for f in CONFIG_FILES]
+    if env.get("CRIU_CONFIG_FILE"):
+        files.append(env["CRIU_CONFIG_FILE"])
+    out = []
+    for f in files:
+        text = read_text(f)
+        for line in (text or "").splitlines():
+            words = line.split("#", 1)[0].split()
+            if not words:
+                continue
+            key = words[0].lstrip("-")
+            if key in ("libdir", "L") and len(words) > 1:
+                out.append((f, words[1]))
+            elif key.startswith("libdir="):
+                out.append((f, key.split("=", 1)[1]))
+    return out
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        return Path(path).read_text(errors="replace")
+    except OSError:
+        return None
+
+
+def check_config_libdir(plugin_dir: Path, read_text=_read_text, env: dict[str, str] | None = None) -> None:
+    """Raise EnvironmentProblem when a CRIU configuration file sets a plugin directory other
+    than ``plugin_dir`` (CRIU would silently load its plugins instead of ours, or none)."""
+    for f, d in config_libdirs(read_text, dict(os.environ) if env is None else env):
+        if os.path.realpath(d) != os.path.realpath(plugin_dir):
+            raise EnvironmentProblem(
+                f"{f} sets CRIU's plugin directory to {d}; CRIU would load plugins from there instead of "
+                f"{plugin_dir} (a libdir in a config file beats CRIU_LIBS_DIR)",
+                hint=f"remove the libdir line from {f}, or point it to {plugin_dir}")
+
+
 def cuda_env(criu_binary: str) -> dict[str, str]:
     """Environment for a CRIU run on a CUDA engine: ``CRIU_LIBS_DIR`` = the directory of the
-    CUDA plugin (CRIU 4.2.1 criu/plugin.c reads it when no ``-L`` is given), and ``PATH`` with
-    our ``cuda-checkpoint`` helper first (the plugin execs it from PATH), unless
-    ``VLLM_SNAPSHOT_CUDA_CHECKPOINT`` names NVIDIA's binary. Raises EnvironmentProblem when
-    the plugin is missing."""
+    CUDA plugin paired with ``criu_binary`` (CRIU 4.2.1 criu/plugin.c reads it when no ``-L``
+    is given), and ``PATH`` with our ``cuda-checkpoint`` helper first (the plugin execs it from
+    PATH), unless ``VLLM_SNAPSHOT_CUDA_CHECKPOINT`` names NVIDIA's binary. Raises
+    EnvironmentProblem when the plugin is missing or of another build, when a CRIU config file
+    redirects the plugin directory, or when ``VLLM_SNAPSHOT_CUDA_CHECKPOINT`` is not an
+    executable named ``cuda-checkpoint`` (the plugin runs that name only)."""
     from . import cuda_checkpoint
 
     plugin = find_cuda_plugin(criu_binary)
+    check_config_libdir(plugin.parent)
     own = os.environ.get("VLLM_SNAPSHOT_CUDA_CHECKPOINT")
+    if own and (os.path.basename(own) != cuda_checkpoint.PROG or not os.access(own, os.X_OK)):
+        raise EnvironmentProblem(
+            f"VLLM_SNAPSHOT_CUDA_CHECKPOINT={own} must be an executable file named cuda-checkpoint "
+            "(CRIU's plugin runs that name from PATH)", hint="point it to NVIDIA's cuda-checkpoint binary, or unset it")
     helper = Path(own).parent if own else cuda_checkpoint.helper_dir(paths.cache_dir())
     return {"CRIU_LIBS_DIR": str(plugin.parent), "PATH": f"{helper}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
+
+
+#: CRIU 4.2.1 CUDA plugin log lines (plugins/cuda/cuda_plugin.c) -> what they mean.
+_CUDA_LOG = (
+    ("No GPU device found; CUDA plugin is disabled",
+     "CRIU's CUDA plugin found no GPU (/proc/driver/nvidia/gpus) and disabled itself"),
+    ("check that cuda-checkpoint is present in $PATH",
+     "CRIU's CUDA plugin could not run `cuda-checkpoint -h` from PATH and disabled itself"),
+    ("--action flag not supported",
+     "`cuda-checkpoint -h` does not offer --action: the NVIDIA driver has no checkpoint API (r570+ needed)"),
+)
+
+
+def check_cuda_log(log_text: str, what: str = "dump") -> None:
+    """Raise CriuError unless a CRIU log of a CUDA ``dump`` (or ``restore``) shows the CUDA
+    plugin loaded, initialized, and never told by our helper that it cannot reach the driver
+    (a helper that cannot work answers "not a CUDA process" to the plugin, which would then
+    skip the GPU state). For a restore, also refuses logged restore/unlock failures, which
+    CRIU 4.2.1 only logs (criu/cr-restore.c:2259-2274) before resuming the tree. Pure."""
+    from .cuda_checkpoint import UNAVAILABLE
+
+    def fail(why: str) -> None:
+        raise CriuError(f"CRIU {what} of a CUDA engine: {why}",
+                        hint="run `vllm-snapshot doctor`; the CRIU log has the plugin's lines (grep cuda_plugin)")
+
+    if "cuda_plugin" not in log_text:
+        fail("CRIU did not load its CUDA plugin (CRIU_LIBS_DIR did not reach it, or a config file's libdir won)")
+    if UNAVAILABLE in log_text:
+        line = next(ln for ln in log_text.splitlines() if UNAVAILABLE in ln)
+        fail("our cuda-checkpoint helper could not use the driver: " + line[line.index(UNAVAILABLE):].strip())
+    for needle, text in _CUDA_LOG:
+        if needle in log_text:
+            fail(text)
+    if "initialized: cuda_plugin" not in log_text:
+        fail("CRIU's CUDA plugin never initialized")
+    if what == "dump" and "Checkpointing CUDA devices on pid" not in log_text:
+        fail("the CUDA plugin checkpointed no process: every process of the tree answered 'no CUDA here' "
+             "to `cuda-checkpoint --get-restore-tid` (their messages are the plugin's 'Failed to launch' lines)")
+    m = re.search(r"RESUME_DEVICES (RESTORE|UNLOCK) failed with ?(.*)", log_text)
+    if m:
+        fail(f"the plugin's {m.group(1).lower()} of the GPU state failed: {m.group(2).strip()[:200]}")
 
 
 def keep_log(log: Path, what: str, keep_dir: Path | None = None) -> Path | None:
@@ -354,15 +548,17 @@ class Criu:
             hint=f"full log: {kept}" if kept else f"the CRIU log could not be kept ({log})",
             details={"log": str(kept) if kept else None})
 
-    def _call(self, c, pycriu, what: str, work_dir: Path, log_name: str):
+    def _call(self, c, pycriu, what: str, work_dir: Path, log_name: str, floor: float = 0.0):
         """Run ``c.dump()``/``c.restore()`` with signals deferred (:mod:`interrupts`) and a
-        watchdog that SIGKILLs CRIU's ``swrk`` process after :attr:`timeout_s`. Raises CriuError."""
+        watchdog that SIGKILLs CRIU's ``swrk`` process after :attr:`timeout_s` (at least
+        ``floor`` seconds: never before CRIU's own freeze timeout). Raises CriuError."""
         import signal
         import threading
 
         from .interrupts import deferred
 
         limit = self.timeout_s or float(os.environ.get("VLLM_SNAPSHOT_CRIU_TIMEOUT") or DEFAULT_TIMEOUT_S)
+        limit = max(limit, floor)
         fired = threading.Event()
 
         def kill() -> None:
@@ -410,7 +606,7 @@ class Criu:
             c.opts.images_dir_fd = dfd
             c.opts.work_dir_fd = wfd
             dump_rpc(opts, c.opts)
-            self._call(c, pycriu, "dump", work_dir, DUMP_LOG)
+            self._call(c, pycriu, "dump", work_dir, DUMP_LOG, floor=opts.timeout_s + 120.0 if opts.timeout_s else 0.0)
         finally:
             os.close(dfd)
             os.close(wfd)

@@ -76,7 +76,7 @@ class FakeProbes(doctor.Probes):
             return None if self.cap_last is None else f"{self.cap_last}\n"
         if path == doctor.IO_URING_SYSCTL:
             return self.io_uring
-        return None
+        return getattr(self, "texts", {}).get(path)
 
     def find_criu(self) -> str | None:
         return self.criu
@@ -346,8 +346,24 @@ def test_gpu_host_with_plugin_and_helper():
 
 
 def test_gpu_host_plugin_from_distro_path():
-    p = FakeProbes(gpu_host=True, gpu_list=[GPU], files={"/usr/lib/criu/cuda_plugin.so"})
+    p = FakeProbes(gpu_host=True, gpu_list=[GPU], files={"/usr/lib/criu/cuda_plugin.so"}, criu="/usr/sbin/criu")
     assert _by_name(doctor.run_checks(p))["criu-cuda-plugin"].ok
+
+
+def test_gpu_host_plugin_of_another_criu_build_is_refused():
+    # the distro's plugin must not be loaded into a source-built CRIU (it reads CRIU's opts struct)
+    p = FakeProbes(gpu_host=True, gpu_list=[GPU], files={"/usr/lib/criu/cuda_plugin.so"})
+    c = _by_name(doctor.run_checks(p))["criu-cuda-plugin"]
+    assert not c.ok and "another CRIU" in c.detail and "/usr/lib/criu/cuda_plugin.so" in c.detail
+
+
+def test_gpu_host_config_file_libdir_is_reported():
+    p = FakeProbes(gpu_host=True, gpu_list=[GPU], files={PLUGIN})
+    p.texts = {"/etc/criu/default.conf": "# site\nlibdir /opt/other-plugins\ntcp-established\n"}
+    c = _by_name(doctor.run_checks(p))["criu-config-libdir"]
+    assert not c.ok and c.severity == "error" and "/etc/criu/default.conf sets libdir /opt/other-plugins" in c.detail
+    p.texts = {"/etc/criu/default.conf": "libdir /opt/criu/plugins/cuda\n"}  # ours: fine
+    assert "criu-config-libdir" not in _by_name(doctor.run_checks(p))
 
 
 def test_gpu_host_without_plugin():
@@ -360,7 +376,9 @@ def test_gpu_host_without_plugin():
 def test_gpu_host_old_driver():
     old = dataclasses.replace(GPU, driver="550.54.15")
     c = _by_name(doctor.run_checks(FakeProbes(gpu_host=True, gpu_list=[old], files={PLUGIN})))["gpu-driver"]
-    assert not c.ok and "555" in c.detail
+    assert not c.ok and "570" in c.detail  # the checkpoint driver API (r570), not the plugin's r555
+    new = dataclasses.replace(GPU, driver="570.86.10")
+    assert _by_name(doctor.run_checks(FakeProbes(gpu_host=True, gpu_list=[new], files={PLUGIN})))["gpu-driver"].ok
 
 
 def test_gpu_host_nvidia_smi_broken():
@@ -378,6 +396,21 @@ def test_gpu_host_without_cuda_bindings_or_broken_helper():
     p = FakeProbes(gpu_host=True, gpu_list=[GPU], files={PLUGIN}, helper=(1, "Traceback ...\nImportError: x"))
     c = _by_name(doctor.run_checks(p))["cuda-checkpoint"]
     assert not c.ok and "exited 1" in c.detail
+    p = FakeProbes(gpu_host=True, gpu_list=[GPU], files={PLUGIN},
+                   helper=(3, "cuda-checkpoint: unavailable: cuInit: CUDA_ERROR_NO_DEVICE (no CUDA-capable device)"))
+    c = _by_name(doctor.run_checks(p))["cuda-checkpoint"]
+    assert not c.ok and "exited 3" in c.detail and "CUDA_ERROR_NO_DEVICE" in c.detail
+    # a driver older than the checkpoint API: -h without --action
+    p = FakeProbes(gpu_host=True, gpu_list=[GPU], files={PLUGIN},
+                   helper=(0, "usage: cuda-checkpoint -h\n... NOT AVAILABLE with this driver: driver API 12040\n"))
+    c = _by_name(doctor.run_checks(p))["cuda-checkpoint"]
+    assert not c.ok and "no checkpoint API" in c.detail and "570" in c.remedy
+
+
+def test_vllm_other_than_the_checked_release_warns():
+    c = _by_name(doctor.run_checks(FakeProbes(vllm="0.33.1")))["vllm"]
+    assert not c.ok and c.severity == "warning" and "0.32.0" in c.detail
+    assert _by_name(doctor.run_checks(FakeProbes(vllm="0.32.0+cpu")))["vllm"].ok
 
 
 # --- exit code, data shape, rendering ---------------------------------------------------------

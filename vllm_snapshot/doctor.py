@@ -68,9 +68,14 @@ CAPS_REQUIRED: dict[str, int] = {
 CAPS_RECOMMENDED: dict[str, int] = {"CAP_NET_ADMIN": 12, "CAP_SYS_RESOURCE": 24, "CAP_DAC_OVERRIDE": 1}
 _CAP_USE = {"CAP_NET_ADMIN": "TCP repair (--tcp-established)", "CAP_SYS_RESOURCE": "rlimits, PR_SET_MM",
             "CAP_DAC_OVERRIDE": "files of other users"}
-#: CRIU's CUDA plugin disables itself below this driver branch ("an r555 or higher version
-#: driver is required", CRIU 4.2.1 plugins/cuda/cuda_plugin.c).
-MIN_GPU_DRIVER = 555
+#: The NVIDIA driver branch our cuda-checkpoint needs: the public checkpoint driver API
+#: (``cuCheckpointProcess*``) arrived with r570 / CUDA 12.8 (NVIDIA/cuda-checkpoint README, "570
+#: Features"). CRIU's plugin itself only asks for r555 (plugins/cuda/cuda_plugin.c), which is
+#: enough for NVIDIA's binary but not for a helper over the driver API.
+MIN_GPU_DRIVER = 570
+#: The vLLM release the engine child (engine/main.py, which imports private vLLM modules) was
+#: checked against; the ``cuda`` and ``cpu`` extras pin it.
+SUPPORTED_VLLM = "0.32.0"
 
 
 @dataclass(frozen=True)
@@ -507,6 +512,10 @@ def _check_python(p: Probes) -> list[Check]:
         out.append(Check("vllm", False, "warning", "vLLM is installed but its version cannot be read "
                          "(vllm/_version.py); snapshots record it for restore",
                          "reinstall vLLM"))
+    elif v.split("+")[0] != SUPPORTED_VLLM:
+        out.append(Check("vllm", False, "warning", f"vLLM {v}: the engine was checked against vLLM {SUPPORTED_VLLM} "
+                         "(it uses vLLM's server internals, which move between releases)",
+                         f"pip install 'vllm-snapshot[cuda]' (pins vllm=={SUPPORTED_VLLM}) or [cpu]"))
     else:
         out.append(Check("vllm", True, "error", f"vLLM {v}"))
     err = p.import_error("pycriu")
@@ -519,10 +528,22 @@ def _check_python(p: Probes) -> list[Check]:
     return out
 
 
-def _plugin_candidates(p: Probes, criu_binary: str | None) -> list[str]:
-    # the same list CRIU runs use (criu.plugin_candidates), with this probe's cache setting
+def _check_plugin(p: Probes, criu_binary: str | None) -> list[Check]:
+    # the same lookup CRIU runs use (criu.find_cuda_plugin: paired with the binary), with this
+    # probe's files and cache setting; then the config files that could redirect CRIU's libdir
     cache = p.env("VLLM_SNAPSHOT_CACHE")
-    return [str(c) for c in criu_mod.plugin_candidates(criu_binary, Path(cache) if cache else None)]
+    try:
+        found = criu_mod.find_cuda_plugin(criu_binary, is_file=p.is_file, cache=Path(cache) if cache else None)
+    except EnvironmentProblem as e:
+        return [Check("criu-cuda-plugin", False, "error", e.message, e.hint or "")]
+    out = [Check("criu-cuda-plugin", True, "error", f"{found}")]
+    env = {"HOME": p.env("HOME") or "/root", "CRIU_CONFIG_FILE": p.env("CRIU_CONFIG_FILE") or ""}
+    bad = [(f, d) for f, d in criu_mod.config_libdirs(p.read_text, env) if d.rstrip("/") != str(found.parent)]
+    if bad:
+        out.append(Check("criu-config-libdir", False, "error",
+                         "; ".join(f"{f} sets libdir {d}" for f, d in bad) + f": CRIU would not load {found}",
+                         "remove the libdir line (it beats CRIU_LIBS_DIR)"))
+    return out
 
 
 def _check_gpu(p: Probes, criu_binary: str | None) -> list[Check]:
@@ -543,17 +564,9 @@ def _check_gpu(p: Probes, criu_binary: str | None) -> list[Check]:
             out.append(Check("gpu-driver", True, "error", f"NVIDIA driver {', '.join(drivers)}"))
         else:
             out.append(Check("gpu-driver", False, "error",
-                             f"NVIDIA driver {', '.join(drivers)}: CRIU's CUDA plugin needs r{MIN_GPU_DRIVER} or newer",
+                             f"NVIDIA driver {', '.join(drivers)}: the checkpoint driver API needs r{MIN_GPU_DRIVER} or newer",
                              f"install an NVIDIA driver >= {MIN_GPU_DRIVER}"))
-    cands = _plugin_candidates(p, criu_binary)
-    found = next((c for c in cands if p.is_file(c)), None)
-    if found:
-        out.append(Check("criu-cuda-plugin", True, "error", f"{found}"))
-    else:
-        out.append(Check("criu-cuda-plugin", False, "error",
-                         "CRIU's CUDA plugin (cuda_plugin.so) not found in: " + ", ".join(cands),
-                         "run scripts/setup.sh (make cuda_plugin in the CRIU source tree) or install the "
-                         "distro's CRIU with its plugins"))
+    out += _check_plugin(p, criu_binary)
     err = p.import_error("cuda.bindings.driver")
     if err is not None:
         out.append(Check("cuda-checkpoint", False, "error",
@@ -561,15 +574,20 @@ def _check_gpu(p: Probes, criu_binary: str | None) -> list[Check]:
                          "pip install 'vllm-snapshot[cuda]' (cuda-bindings >= 13)"))
     else:
         # The same test CRIU's plugin makes (cuda_checkpoint_supports_flag): `-h` exits 0 and
-        # mentions --action.
-        rc, text = p.run([sys.executable, "-W", "ignore", "-m", "vllm_snapshot.cuda_checkpoint", "-h"], 30)
+        # mentions --action. Our -h probes the driver (cuInit, driver API >= 12080), so this
+        # is a real driver call, not a static text.
+        rc, text = p.run([sys.executable, "-W", "ignore", "-m", "vllm_snapshot.cuda_checkpoint", "-h"], 60)
         if rc == 0 and "--action" in text:
             out.append(Check("cuda-checkpoint", True, "error",
-                             "vllm-snapshot-cuda-checkpoint helper runs (cuda-bindings importable)"))
+                             "vllm-snapshot-cuda-checkpoint reaches the driver's checkpoint API"))
+        elif rc == 0:
+            out.append(Check("cuda-checkpoint", False, "error",
+                             "the NVIDIA driver has no checkpoint API: " + " ".join(text.split())[:300],
+                             f"install an NVIDIA driver >= {MIN_GPU_DRIVER}"))
         else:
             out.append(Check("cuda-checkpoint", False, "error",
                              f"`python -m vllm_snapshot.cuda_checkpoint -h` exited {rc}: {_last_line(text)}",
-                             "reinstall vllm-snapshot with the [cuda] extra"))
+                             "check the NVIDIA driver (nvidia-smi) and reinstall vllm-snapshot with the [cuda] extra"))
     return out
 
 

@@ -135,9 +135,16 @@ async def run_oracle(engine, prompt: str) -> dict:
 
 
 def _device_kind() -> str:
+    """``"cpu"`` or ``"cuda"``: vLLM's platform. Any other (ROCm, XPU, TPU, ...) raises
+    RuntimeError: the GPU path here is CRIU's CUDA plugin and NVIDIA's checkpoint API only."""
     from vllm.platforms import current_platform
 
-    return "cpu" if current_platform.is_cpu() else "cuda"
+    if current_platform.is_cpu():
+        return "cpu"
+    if current_platform.is_cuda():
+        return "cuda"
+    raise RuntimeError(f"vLLM runs on {getattr(current_platform, 'device_name', None) or type(current_platform).__name__}; "
+                       "vllm-snapshot supports CPU and NVIDIA CUDA engines only")
 
 
 async def prepare_app(engine, args):
@@ -216,7 +223,11 @@ async def run(spec: dict) -> int:
         return 2
     if spec.get("served_model_name") and not getattr(args, "served_model_name", None):
         args.served_model_name = [spec["served_model_name"]]  # a Hugging Face id, served by its id
-    kind = _device_kind()
+    try:
+        kind = _device_kind()
+    except RuntimeError as e:
+        emit("error", kind="usage", message=str(e))
+        return 2
     sleep_level = int(spec.get("sleep_level", 0)) if kind == "cuda" else 0
     if sleep_level:
         args.enable_sleep_mode = True

@@ -129,6 +129,7 @@ class FakeTools(SnapshotTools):
         self.refuse: dict[Path, BaseException] = {}
         self.refuse_all: BaseException | None = None
         self.offer = Offer(64 << 30, "MemAvailable 64.00 GiB")
+        self.device = "cpu"
 
     def _call(self, name: str) -> None:
         self.calls.append(name)
@@ -161,8 +162,8 @@ class FakeTools(SnapshotTools):
     def code_paths(self) -> dict[str, Path]:
         return {"Python environment": Path("/venv")}
 
-    def gpu_present(self) -> bool:
-        return False
+    def engine_device(self) -> str:
+        return self.device
 
     def gpu_used(self, inv: Inventory) -> str:
         self._call("gpu_used")
@@ -267,6 +268,9 @@ class FakeTools(SnapshotTools):
     def cleanup_remaps(self, found: list[Path]) -> None:
         self._call("cleanup_remaps")
 
+    def check_dump_room(self, inv: Inventory, gpu_uuid: str, work_dir: Path) -> None:
+        self._call("check_dump_room")
+
     def dump(self, kind: str, opts: DumpOptions, work_dir: Path) -> None:
         self.dump_opts = opts
         self._call("dump")
@@ -330,6 +334,9 @@ class FakeTools(SnapshotTools):
 
     def ports_held_by(self, pid: int) -> set[int]:
         return set()
+
+    def check_gpu_capacity(self, m: Manifest) -> None:
+        self._call("check_gpu_capacity")
 
     def restore_tree(self, kind: str, opts: RestoreOptions, stage: Path) -> int:
         self.restore_opts = opts

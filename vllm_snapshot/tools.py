@@ -93,7 +93,9 @@ class SnapshotTools(Protocol):
     def code_paths(self) -> dict[str, Path]:
         """What the engine must see besides the model: ``{what: path}``."""
 
-    def gpu_present(self) -> bool: ...
+    def engine_device(self) -> str:
+        """``"cpu"`` or ``"cuda"``: what the installed vLLM build will run the engine on (a CPU
+        build of vLLM runs on CPU even on a GPU host)."""
 
     def gpu_used(self, inv: Inventory) -> str:
         """UUID of the one GPU a CUDA engine tree holds. Raises UnsnapshottableError (no CUDA
@@ -164,8 +166,15 @@ class SnapshotTools(Protocol):
 
     def cleanup_remaps(self, found: list[Path]) -> None: ...
 
+    def check_dump_room(self, inv: Inventory, gpu_uuid: str, work_dir: Path) -> None:
+        """CUDA: refuse (UnsnapshottableError naming the numbers) when the GPU memory the tree
+        holds would not fit into host RAM and the disk of ``work_dir`` (the checkpoint copies it
+        there)."""
+
     def dump(self, kind: str, opts: DumpOptions, work_dir: Path) -> None:
-        """CRIU dump into ``work_dir/images`` under the host-wide CRIU lock. Raises CriuError."""
+        """CRIU dump into ``work_dir/images`` under the host-wide CRIU lock. For ``cuda``: the
+        helper is probed first, and the CRIU log must show the CUDA plugin checkpointing.
+        Raises CriuError, EnvironmentProblem."""
 
     def wait_gone(self, pids: tuple[int, ...], timeout_s: float) -> list[int]:
         """PIDs still alive after ``timeout_s`` seconds."""
@@ -209,8 +218,15 @@ class SnapshotTools(Protocol):
     def ports_held_by(self, pid: int) -> set[int]:
         """TCP ports the tree rooted at ``pid`` listens on."""
 
+    def check_gpu_capacity(self, m: Manifest) -> None:
+        """CUDA snapshot: raise BusyError unless the GPU it used has the memory the engine
+        will need free (:func:`vllm_snapshot.gpu.required_restore_bytes`). Call right before
+        CRIU (after ``switch`` stopped the old engine)."""
+
     def restore_tree(self, kind: str, opts: RestoreOptions, stage: Path) -> int:
-        """CRIU restore as our child; returns the root's host PID. Raises CriuError."""
+        """CRIU restore as our child; returns the root's host PID. For ``cuda``: every CUDA
+        process of the restored tree must be ``running`` (else the tree is killed). Raises
+        CriuError."""
 
     def adopt(self, pid: int, channel: EngineChannel, echo: Callable[[bytes], None] | None) -> Engine: ...
 
@@ -352,11 +368,12 @@ class LocalTools(SnapshotTools):
             if kind == "cuda":
                 from . import criu, cuda_checkpoint
 
-                # what CRIU will load and run for the GPU state, pinned by content
+                # what CRIU will load and run for the GPU state: the plugin pinned by content;
+                # our helper by its protocol version (a comment edit must not orphan snapshots)
                 ident["cuda_plugin"] = "sha256:" + _sha256(criu.find_cuda_plugin(self._criu_binary()[0]))[:16]
                 own = os.environ.get("VLLM_SNAPSHOT_CUDA_CHECKPOINT")  # NVIDIA's binary instead of ours
                 ident["cuda_checkpoint_helper"] = (f"{own} sha256:{_sha256(Path(own))[:16]}" if own
-                                                   else f"vllm-snapshot:{cuda_checkpoint.digest()[:16]}")
+                                                   else f"vllm-snapshot protocol {cuda_checkpoint.PROTOCOL}")
             self._identity[kind] = ident
         return dict(self._identity[kind])
 
@@ -383,8 +400,10 @@ class LocalTools(SnapshotTools):
         return {"Python environment": Path(sys.prefix).resolve(),
                 "vllm_snapshot package": Path(__file__).resolve().parent}
 
-    def gpu_present(self) -> bool:
-        return os.path.isdir("/proc/driver/nvidia/gpus")
+    def engine_device(self) -> str:
+        from . import gpu
+
+        return gpu.engine_device()
 
     def gpu_used(self, inv: Inventory) -> str:
         from . import gpu
@@ -544,12 +563,47 @@ class LocalTools(SnapshotTools):
         binary = self._criu_binary()[0]
         return criu.Criu(binary, criu.cuda_env(binary) if kind == "cuda" else {})
 
+    @staticmethod
+    def _helper(env: dict[str, str]) -> Callable:
+        """Runs ``cuda-checkpoint ARGS`` found on ``env``'s PATH, as CRIU's plugin does:
+        (exit status, stdout + stderr)."""
+        import shutil
+        import subprocess
+
+        full = {**os.environ, **env}
+        exe = shutil.which("cuda-checkpoint", path=full["PATH"]) or "cuda-checkpoint"
+
+        def run(args) -> tuple[int, str]:
+            try:
+                p = subprocess.run([exe, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   env=full, cwd="/", timeout=120, stdin=subprocess.DEVNULL)
+            except (OSError, subprocess.SubprocessError) as e:
+                return 127, f"cannot run {exe}: {e}"
+            return p.returncode, p.stdout
+        return run
+
+    def check_dump_room(self, inv: Inventory, gpu_uuid: str, work_dir: Path) -> None:
+        from . import gpu
+
+        used, how = gpu.tree_gpu_bytes(inv.pids, gpu_uuid)
+        meminfo = Path("/proc/meminfo").read_text()
+        st = os.statvfs(work_dir)
+        gpu.check_host_room(used, how, gpu.mem_available(meminfo), st.f_bavail * st.f_frsize, str(work_dir))
+
     def dump(self, kind: str, opts: DumpOptions, work_dir: Path) -> None:
-        from . import layout, locks
+        from . import criu, layout, locks
+        from .errors import EnvironmentProblem
 
         runner = self._runner(kind)
+        if kind == "cuda":  # the test CRIU's plugin makes at init, before any process is frozen
+            rc, out = self._helper(runner.env)(["-h"])
+            if rc != 0 or "--action" not in out:
+                raise EnvironmentProblem(f"the cuda-checkpoint CRIU would run cannot checkpoint here (exit {rc}): "
+                                         + " ".join(out.split())[:400], hint="run `vllm-snapshot doctor`")
         with locks.criu_lock():
             runner.dump(opts, work_dir / layout.IMAGES, work_dir)
+        if kind == "cuda":
+            criu.check_cuda_log((work_dir / layout.DUMP_LOG).read_text(errors="replace"), "dump")
 
     def wait_gone(self, pids: tuple[int, ...], timeout_s: float) -> list[int]:
         import psutil
@@ -664,8 +718,29 @@ class LocalTools(SnapshotTools):
             return set()
         return {c.laddr.port for c in conns if c.pid in pids and c.status == psutil.CONN_LISTEN and c.laddr}
 
+    def check_gpu_capacity(self, m: Manifest) -> None:
+        from . import gpu
+
+        if m.engine.kind != "cuda":
+            return
+        uuid = m.host.get("gpu_uuid_used", "")
+        total, free, _used = gpu.memory(uuid)
+        gpu.check_free_memory(gpu.required_restore_bytes(m.engine.engine_args, total), free, gpu=uuid)
+
     def restore_tree(self, kind: str, opts: RestoreOptions, stage: Path) -> int:
-        return self._runner(kind).restore(opts, stage, stage)
+        from . import criu, gpu, layout
+        from .procs import tree
+
+        runner = self._runner(kind)
+        pid = runner.restore(opts, stage, stage)
+        if kind == "cuda":
+            try:
+                criu.check_cuda_log((stage / layout.RESTORE_LOG).read_text(errors="replace"), "restore")
+                gpu.check_restored(gpu.restored_states([p.pid for p in tree(pid)], self._helper(runner.env)))
+            except BaseException:
+                criu.kill_restored_children()
+                raise
+        return pid
 
     def adopt(self, pid: int, channel: EngineChannel, echo: Callable[[bytes], None] | None) -> Engine:
         from .supervisor import restored_handle

@@ -56,12 +56,12 @@ class CreateRequest:
     engine_log: Callable[[bytes], None] | None = None
 
 
-def check_cpu_kv_cache(engine_args: list[str], env: dict[str, str], gpu_present: bool) -> None:
-    """On a host without an NVIDIA GPU, refuse an engine whose KV cache is not sized
-    explicitly: vLLM's CPU backend then reserves ``--gpu-memory-utilization`` (default 0.9) of
-    host RAM for it, and a CPU snapshot captures all of it (22 GiB for a 1.4 MiB model seen
-    here). Pure. Raises UsageError with the remedy."""
-    if gpu_present:
+def check_cpu_kv_cache(engine_args: list[str], env: dict[str, str], device: str) -> None:
+    """For an engine on ``device`` ``"cpu"`` (a CPU build of vLLM runs on CPU even on a GPU
+    host), refuse a KV cache that is not sized explicitly: vLLM's CPU backend then reserves
+    ``--gpu-memory-utilization`` (default 0.9) of host RAM for it, and a CPU snapshot captures
+    all of it (22 GiB for a 1.4 MiB model seen here). Pure. Raises UsageError with the remedy."""
+    if device != "cpu":
         return
     sized = any(a == "--kv-cache-memory-bytes" or a.startswith("--kv-cache-memory-bytes=") for a in engine_args)
     if sized or env.get("VLLM_CPU_KVCACHE_SPACE"):
@@ -162,7 +162,7 @@ def create(req: CreateRequest, rep: Reporter, tools: SnapshotTools | None = None
     if t.path_exists(target):
         raise UsageError(f"{target} already exists; refusing to overwrite a snapshot",
                          hint="choose another --snapshot-dir/--name, or delete the old one first")
-    check_cpu_kv_cache(req.engine_args, t.environ(), t.gpu_present())
+    check_cpu_kv_cache(req.engine_args, t.environ(), t.engine_device())
     with t.snapshot_lock(target, shared=False, must_exist=False):
         return _create_locked(t, req, rep, target, model_dir, revision, criu_ver)
 
@@ -216,7 +216,8 @@ def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, revisio
             version=criu_ver, flags=dump_opts.flags, inherit=inherit, pid_namespace=True,
             root_pid=dump_opts.pid, tree_pids=inv.pids, tree_commands=inv.commands,
             dump_argv=tuple(criu.dump_argv(dump_opts, str(target / layout.IMAGES))),
-            listeners=tuple(inv.listeners), tree_files=tuple(inv.files), external_mounts=tuple(externals)),
+            listeners=tuple(inv.listeners), tree_files=tuple(inv.files), external_mounts=tuple(externals),
+            freeze_timeout_s=dump_opts.timeout_s),
         images=images,
         extra_files=extra,
         sizes={"raw": sum(i.raw_bytes for i in images), "stored": sum(i.stored_bytes for i in images),
@@ -246,6 +247,7 @@ def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: 
             engine, init = _start_engine(t, req, spec, env, tmp)
         info = init["info"]
         recorded = oracle.Oracle.model_validate(init["oracle"])
+        check_cpu_kv_cache(req.engine_args, t.environ(), info["kind"])  # the device vLLM actually chose
         host = t.host_identity(info["kind"])
         key = snapkey.build(requested_model=req.model, engine_args=req.engine_args,
                             normalized=info["normalized_args"], model_files=files, oracle_prompt=req.oracle_prompt,
@@ -263,10 +265,14 @@ def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: 
             externals = t.external_mounts(engine.root_pid)
             gpu_id = {"gpu_uuid_used": t.gpu_used(inv)} if info["kind"] == "cuda" else {}
             check_offline(inv)
+            if gpu_id:  # the GPU state goes through host RAM into the images
+                t.check_dump_room(inv, gpu_id["gpu_uuid_used"], tmp)
         # the tree's network namespace holds only its own processes: no network lock to take
         # (criu.NETWORK_LOCK_ISOLATED says why)
         dump_opts = criu.DumpOptions(pid=engine.root_pid, external=mountpolicy.dump_args(externals),
-                                     network_lock=criu.NETWORK_LOCK_ISOLATED)
+                                     network_lock=criu.NETWORK_LOCK_ISOLATED,
+                                     timeout_s=criu.freeze_timeout(info["kind"], len(inv.pids), len(inv.cuda_pids),
+                                                                   t.environ()))
         with rep.phase("dump", "CRIU dump"):
             t.dump(info["kind"], dump_opts, tmp)
             alive = t.wait_gone(inv.pids, TREE_GONE_TIMEOUT_S)

@@ -188,6 +188,7 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
             opts = criu.RestoreOptions(flags=m.criu.flags, inherit_fds=channel.inherit_fds(m.criu.inherit),
                                        external=mountpolicy.restore_args(m.criu.external_mounts),
                                        network_lock=criu.NETWORK_LOCK_ISOLATED if isolated else None)
+            t.check_gpu_capacity(m)  # CUDA: the GPU has room (after switch stopped the old engine)
             with rep.phase("criu_restore", "CRIU restore"):
                 pid = t.restore_tree(m.engine.kind, opts, stage)
         engine = t.adopt(pid, channel, None if req.detach else req.engine_log)

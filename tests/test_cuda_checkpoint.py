@@ -271,7 +271,7 @@ def test_helper_dir_is_private_and_holds_an_executable_wrapper(tmp_path):
     assert stat.S_IMODE(script.stat().st_mode) == 0o700
     text = script.read_text()
     assert text.startswith("#!/bin/sh\n")
-    assert f"exec {sys.executable} -W ignore -m vllm_snapshot.cuda_checkpoint \"$@\"" in text
+    assert f"exec {sys.executable} -W ignore -m vllm_snapshot.cuda_checkpoint \"$@\" </dev/null" in text
     assert sorted(p.name for p in d.iterdir()) == ["cuda-checkpoint"]
     # Idempotent, and repairs a loosened mode.
     os.chmod(d, 0o755)
@@ -285,6 +285,22 @@ def test_helper_dir_refuses_a_symlink(tmp_path):
     (tmp_path / "cache" / cc.HELPER_DIRNAME).symlink_to(tmp_path / "elsewhere")
     with pytest.raises(EnvironmentProblem):
         cc.helper_dir(tmp_path / "cache")
+
+
+def test_wrapper_starts_with_a_directory_as_stdin(tmp_path):
+    # Under pycriu's `criu swrk`, fds 0-2 were closed and CRIU reuses fd 0 (e.g. for a directory);
+    # the plugin's child inherits it. Python itself refuses such a stdin ("init_sys_streams:
+    # <stdin> is a directory"): the wrapper must not hand it on.
+    d = cc.helper_dir(tmp_path / "cache")
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        cp = subprocess.run(["cuda-checkpoint", "--get-state", "--pid", str(2**31 - 1)], stdin=fd,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env_with(d),
+                            cwd=tmp_path, timeout=60)
+    finally:
+        os.close(fd)
+    assert "init_sys_streams" not in cp.stdout
+    assert (cp.returncode, cp.stdout.split(":")[0]) == (1, "cuda-checkpoint"), cp.stdout
 
 
 def test_wrapper_runs_from_path_like_criu_does(tmp_path):

@@ -377,7 +377,8 @@ def digest() -> str:
 def wrapper_script(python: str | None = None) -> str:
     """Text of the ``cuda-checkpoint`` wrapper: ``cd /`` (so no module is picked up from CRIU's
     working directory), this package's parent prepended to ``PYTHONPATH`` (works without an
-    install), then ``exec <python> -W ignore -m vllm_snapshot.cuda_checkpoint "$@"``."""
+    install), then ``exec <python> -W ignore -m vllm_snapshot.cuda_checkpoint "$@" </dev/null``
+    (stdin: see the comment in the script)."""
     python = python or sys.executable
     pkg_parent = str(Path(__file__).resolve().parent.parent)
     return (
@@ -386,7 +387,10 @@ def wrapper_script(python: str | None = None) -> str:
         "cd / || exit 1\n"
         f"PYTHONPATH={shlex.quote(pkg_parent)}${{PYTHONPATH:+:$PYTHONPATH}}\n"
         "export PYTHONPATH\n"
-        f'exec {shlex.quote(python)} -W ignore -m vllm_snapshot.cuda_checkpoint "$@"\n'
+        # stdin from /dev/null: under `criu swrk` (how pycriu runs CRIU) fd 0 is whatever CRIU
+        # reused it for -- pycriu closes fds 0-2 -- e.g. a directory, and Python refuses to start
+        # with "init_sys_streams: <stdin> is a directory" (seen through real CRIU 4.2.1 here)
+        f'exec {shlex.quote(python)} -W ignore -m vllm_snapshot.cuda_checkpoint "$@" </dev/null\n'
     )
 
 

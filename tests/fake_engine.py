@@ -4,7 +4,9 @@ through real CRIU on a machine without a GPU. It prints ``CALL <cmd>`` for every
 serves ``/health``, ``/calls`` (commands seen since the last restore-visible reset) and
 ``/v1/completions`` (the oracle) after ``serve``, on the listening socket the supervisor hands
 over (like the real engine, it lives in a network namespace of its own). ``VLLM_FAKE_ORACLE_SHIFT`` (env) changes the logprob at every wake (a reload that produced
-other weights).
+other weights). ``VLLM_FAKE_CUDA_CHILD=1`` (env) starts a child, like vLLM's EngineCore under
+its non-CUDA API root, with a thread named ``fakecuda-rst``: the CUDA process of
+tests/fakecuda's fake driver.
 """
 
 from __future__ import annotations
@@ -68,11 +70,44 @@ def serve(spec: dict, sock, host: str, port: int) -> None:
     srv.shutdown()
 
 
+CUDA_CHILD = r"""
+import ctypes, threading, time
+def restore_thread():
+    ctypes.CDLL(None).prctl(15, b"fakecuda-rst", 0, 0, 0)  # PR_SET_NAME: the fake driver's marker
+    threading.Event().wait()
+threading.Thread(target=restore_thread, daemon=True).start()
+while True:
+    time.sleep(3600)
+"""
+
+
+def start_cuda_child() -> None:
+    """The fake CUDA process (see the module docstring); returns once its thread is named."""
+    import glob
+    import subprocess
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", CUDA_CHILD], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for comm in glob.glob(f"/proc/{child.pid}/task/*/comm"):
+            try:
+                if open(comm).read().strip() == "fakecuda-rst":
+                    return
+            except OSError:
+                pass
+        time.sleep(0.02)
+    raise RuntimeError("the fake CUDA child did not start")
+
+
 def main() -> int:
     os.setsid()
     spec = json.loads(sys.argv[1])
     make_private()
     loopback_up()
+    if os.environ.get("VLLM_FAKE_CUDA_CHILD"):
+        start_cuda_child()
     prompt = spec["oracle_prompt"]
     emit("initialized", oracle=oracle(prompt), info={"kind": "cuda", "vllm": "fake", "torch": "fake",
                                                       "served_model_name": "fake",

@@ -1,7 +1,14 @@
 """The GPU create/restore sequencing through real CRIU, without a GPU: a protocol-speaking
 fake engine (tests/fake_engine.py, run through ``LocalTools(engine_argv=...)``) that claims to
-be a CUDA engine. CRIU runs with the CUDA plugin loaded and our cuda-checkpoint helper on its
-PATH (the plugin disables itself when it finds no GPU device)."""
+be a CUDA engine, with a non-CUDA root and a child the fake driver (tests/fakecuda) calls a
+CUDA process.
+
+CRIU runs with its CUDA plugin forced on (``CRIU_FAULT=138``, FI_PLUGIN_CUDA_FORCE_ENABLE in
+CRIU 4.2.1 criu/include/fault-injection.h: the plugin otherwise disables itself without
+/proc/driver/nvidia/gpus), so the real chain runs: pycriu ``swrk`` -> ``CRIU_LIBS_DIR`` -> the
+plugin -> ``cuda-checkpoint`` from the PATH we give CRIU -> our wrapper -> our helper ->
+``cuda.bindings.driver`` (the fake, first on PYTHONPATH). Only the driver is fake; a broken
+PATH, plugin directory, helper or freeze timeout fails here, not on a GPU."""
 
 from __future__ import annotations
 
@@ -14,7 +21,7 @@ import pytest
 
 from vllm_snapshot import manifest as mf
 from vllm_snapshot import ops
-from vllm_snapshot.errors import OracleMismatchError
+from vllm_snapshot.errors import CriuError, EnvironmentProblem, OracleMismatchError
 from vllm_snapshot.progress import Reporter
 from vllm_snapshot.tools import LocalTools
 
@@ -35,39 +42,130 @@ class FakeGpuTools(LocalTools):
     def gpu_uuids(self):
         return ["GPU-fake-0000"]
 
+    def check_dump_room(self, inv, gpu_uuid, work_dir):  # no nvidia-smi here: the fake holds no GPU memory
+        pass
+
+    def check_gpu_capacity(self, m):  # no nvidia-smi here
+        pass
+
+
+FAKECUDA = Path(__file__).resolve().parent / "fakecuda"
+
 
 @pytest.fixture()
-def fake_tools(monkeypatch):
+def fake_cuda(monkeypatch, tmp_path):
+    """The fake driver's directory (state, calls.log), wired into CRIU's environment."""
+    from vllm_snapshot import criu
+
+    d = tmp_path / "fakecuda"
+    d.mkdir()
+    monkeypatch.setenv("FAKE_CUDA_DIR", str(d))
+    monkeypatch.setenv("PYTHONPATH", f"{FAKECUDA}:{__import__('os').environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("CRIU_FAULT", "138")  # FI_PLUGIN_CUDA_FORCE_ENABLE
+    monkeypatch.setenv("VLLM_FAKE_CUDA_CHILD", "1")
+    # a private helper dir: the shared cache's wrapper may be rewritten by other checkouts' runs
+    monkeypatch.setenv("VLLM_SNAPSHOT_CRIU", criu.find_criu())
+    monkeypatch.setenv("VLLM_SNAPSHOT_CACHE", str(tmp_path / "cache"))
+    return d
+
+
+@pytest.fixture()
+def fake_tools(monkeypatch, fake_cuda):
     # the fake engine ignores engine args; the KV-cache size only satisfies create's CPU check
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     return FakeGpuTools(engine_argv=FAKE_ENGINE)
+
+
+def calls(fake_cuda: Path) -> list[str]:
+    return [" ".join(ln.split()[:1] + ln.split()[2:]) for ln in (fake_cuda / "calls.log").read_text().splitlines()
+            if not ln.startswith("get-restore-tid")]
 
 
 def calls_in_log(snap) -> list[str]:
     return [line.split()[1] for line in (snap / "engine-create.log").read_text().splitlines() if line.startswith("CALL ")]
 
 
-def test_gpu_create_rehearses_then_sleeps_and_restore_wakes_before_oracle(tmp_path, fake_tools):
+def test_gpu_create_rehearses_then_sleeps_and_restore_wakes_before_oracle(tmp_path, fake_tools, fake_cuda):
     snap = tmp_path / "gpu"
     m = ops.create(ops.CreateRequest(model=str(TINY), target=snap, sleep_level=2), Reporter(), tools=fake_tools).manifest
     assert m == mf.read(snap)
     assert m.engine.kind == "cuda" and m.engine.sleep_level == 2 and not m.engine.full_state_captured
     # rehearsal: sleep -> wake (reload) -> oracle must match -> sleep again, then the dump
     assert calls_in_log(snap) == ["sleep", "wake", "oracle", "sleep", "prepare-dump"]
-    assert m.host["cuda_checkpoint_helper"].startswith("vllm-snapshot:")
+    assert m.host["cuda_checkpoint_helper"] == "vllm-snapshot protocol 2"
     assert m.host["gpu_uuid_used"] == "GPU-fake-0000" and m.host["cuda_plugin"].startswith("sha256:")
-    assert "cuda_plugin" in (snap / "criu-dump.log").read_text()  # CRIU loaded the CUDA plugin
+    log = (snap / "criu-dump.log").read_text()
+    # the plugin ran our helper from the PATH we gave CRIU, for every process of the tree
+    assert "cuda_plugin: initialized: cuda_plugin stage" in log
+    root_ns, child = m.criu.tree_pids[0], m.criu.tree_pids[1]
+    assert f"no need to pause devices on pid {root_ns}" in log  # the non-CUDA root
+    assert f"Checkpointing CUDA devices on pid {child}" in log
+    # the freeze timeout reached the plugin through the RPC option: the lock's --timeout (ms)
+    assert m.criu.freeze_timeout_s == 30 + 10 * (len(m.criu.tree_pids) + 2)
+    assert calls(fake_cuda) == [f"lock timeoutMs={m.criu.freeze_timeout_s * 1000} CUDA_SUCCESS",
+                                "checkpoint CUDA_SUCCESS"]
     port = free_port()
     r, engine = ops.restore(ops.RestoreRequest(snapshot=snap, port=port, detach=True), Reporter(), tools=fake_tools)
     try:
         assert {"wake", "oracle", "criu_restore"} <= set(r.timings)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/calls", timeout=10) as resp:
-            calls = json.loads(resp.read())["calls"]
-        assert calls == ["attach", "wake", "oracle", "serve"]  # wake + reload before the oracle, bind last
+            seen = json.loads(resp.read())["calls"]
+        assert seen == ["attach", "wake", "oracle", "serve"]  # wake + reload before the oracle, bind last
+        # CRIU's RESUME_DEVICES_LATE ran restore + unlock through the helper; the state is running
+        assert calls(fake_cuda)[2:] == ["restore CUDA_SUCCESS", "unlock CUDA_SUCCESS"]
+        assert (fake_cuda / "state").read_text() == "0"
     finally:
         engine.kill(grace=5)
         engine.close()
         fake_tools.unregister(r.pid)
+
+
+def test_gpu_dump_refused_when_the_helper_cannot_reach_the_driver(tmp_path, fake_tools, monkeypatch):
+    monkeypatch.setenv("FAKE_CUDA_INIT", "fail")  # e.g. no driver/GPU for the helper's Python
+    before = engine_pids()
+    snap = tmp_path / "nodrv"
+    with pytest.raises(EnvironmentProblem, match="unavailable: cuInit: CUDA_ERROR_NO_DEVICE"):
+        ops.create(ops.CreateRequest(model=str(TINY), target=snap), Reporter(), tools=fake_tools)
+    assert not snap.exists() and engine_pids(10, before) - before == set()
+
+
+def test_gpu_dump_refused_when_the_plugin_is_not_loaded(tmp_path, fake_tools, monkeypatch):
+    """An empty plugin directory (a wrong CRIU_LIBS_DIR): CRIU dumps happily without the plugin;
+    the log check refuses the images, which hold no GPU state."""
+    from vllm_snapshot import criu
+
+    empty = tmp_path / "no-plugins"
+    empty.mkdir()
+    real = criu.cuda_env
+    monkeypatch.setattr(criu, "cuda_env", lambda b: {**real(b), "CRIU_LIBS_DIR": str(empty)})
+    snap = tmp_path / "noplug"
+    with pytest.raises(CriuError, match="did not load its CUDA plugin"):
+        ops.create(ops.CreateRequest(model=str(TINY), target=snap), Reporter(), tools=fake_tools)
+    assert not snap.exists()
+
+
+def test_gpu_dump_refused_when_the_plugin_disables_itself(tmp_path, fake_tools, monkeypatch):
+    monkeypatch.delenv("CRIU_FAULT")  # this host has no /proc/driver/nvidia/gpus
+    snap = tmp_path / "disabled"
+    with pytest.raises(CriuError, match="found no GPU"):
+        ops.create(ops.CreateRequest(model=str(TINY), target=snap), Reporter(), tools=fake_tools)
+    assert not snap.exists()
+
+
+@pytest.mark.parametrize("fail, why", [
+    ("restore", "restore of the GPU state failed"),  # logged by the plugin, ignored by CRIU
+    ("stay-locked", r"PID \d+ is locked \(expected running\)"),  # not even logged: --get-state tells
+])
+def test_gpu_restore_fails_closed_when_the_gpu_state_does_not_come_back(tmp_path, fake_tools, fake_cuda,
+                                                                        monkeypatch, fail, why):
+    snap = tmp_path / "gpu"
+    ops.create(ops.CreateRequest(model=str(TINY), target=snap), Reporter(), tools=fake_tools)
+    monkeypatch.setenv("FAKE_CUDA_FAIL", fail)
+    before = engine_pids()
+    with pytest.raises(CriuError, match=why):
+        ops.restore(ops.RestoreRequest(snapshot=snap, port=free_port(), detach=True), Reporter(), tools=fake_tools)
+    assert engine_pids(10, before) - before == set()  # the restored tree was killed
+    assert [e for e in fake_tools.engines() if e.snapshot == str(snap)] == []
 
 
 def test_gpu_rehearsal_mismatch_refuses_create(tmp_path, fake_tools, monkeypatch):

@@ -444,6 +444,19 @@ _CUDA_LOG = (
 )
 
 
+def check_cuda_run(log: Path, what: str, keep_dir: Path | None = None) -> None:
+    """:func:`check_cuda_log` over the CRIU log file ``log`` of a finished CUDA ``what``
+    (``dump``/``restore``); on failure the log is kept (:func:`keep_log`) and the error's hint
+    names the copy. Raises CriuError."""
+    try:
+        check_cuda_log(log.read_text(errors="replace"), what)
+    except CriuError as e:
+        kept = keep_log(log, what, keep_dir)
+        e.hint = f"full log: {kept} (grep cuda_plugin)" if kept else e.hint
+        e.details = {"log": str(kept) if kept else None}
+        raise
+
+
 def check_cuda_log(log_text: str, what: str = "dump") -> None:
     """Raise CriuError unless a CRIU log of a CUDA ``dump`` (or ``restore``) shows the CUDA
     plugin loaded, initialized, and never told by our helper that it cannot reach the driver

@@ -603,7 +603,7 @@ class LocalTools(SnapshotTools):
         with locks.criu_lock():
             runner.dump(opts, work_dir / layout.IMAGES, work_dir)
         if kind == "cuda":
-            criu.check_cuda_log((work_dir / layout.DUMP_LOG).read_text(errors="replace"), "dump")
+            criu.check_cuda_run(work_dir / layout.DUMP_LOG, "dump")
 
     def wait_gone(self, pids: tuple[int, ...], timeout_s: float) -> list[int]:
         import psutil
@@ -735,7 +735,7 @@ class LocalTools(SnapshotTools):
         pid = runner.restore(opts, stage, stage)
         if kind == "cuda":
             try:
-                criu.check_cuda_log((stage / layout.RESTORE_LOG).read_text(errors="replace"), "restore")
+                criu.check_cuda_run(stage / layout.RESTORE_LOG, "restore")
                 gpu.check_restored(gpu.restored_states([p.pid for p in tree(pid)], self._helper(runner.env)))
             except BaseException:
                 criu.kill_restored_children()

@@ -1,0 +1,1 @@
+"""Fake ``cuda`` package for tests (see ../README.md)."""

@@ -17,6 +17,9 @@
 #                                    vdso), which must come from the GPU host. gpu_check.sh puts on
 #                                    criu's LD_LIBRARY_PATH only those whose soname the GPU host
 #                                    lacks (`ldconfig -p`), so host libraries win where they exist.
+#   .criu-carry/python/pycriu/       CRIU's Python RPC client of the same build (lib/pycriu, with the
+#                                    generated rpc_pb2.py): gpu_check.sh's part C runs CRIU through it
+#                                    (criu swrk), as vllm-snapshot does. Needs protobuf on the GPU host.
 #   .criu-carry/MANIFEST             source, build host, newest GLIBC symbol version needed, sizes,
 #                                    sha256 of every file
 #
@@ -35,11 +38,12 @@ DEST=$REPO/.criu-carry
 die() { echo "gpu_carry: $*" >&2; exit 1; }
 [ -x "$CRIU" ] || die "no CRIU binary at $CRIU (run scripts/setup.sh, or pass the CRIU source dir)"
 [ -f "$PLUGIN" ] || die "no CUDA plugin at $PLUGIN (run \`make cuda_plugin\` in $SRC)"
+[ -f "$SRC/lib/pycriu/rpc_pb2.py" ] || die "no generated pycriu at $SRC/lib/pycriu (run \`make lib\` in $SRC)"
 command -v ldd >/dev/null || die "ldd not found"
 
 tmp=$(mktemp -d "$REPO/.criu-carry.tmp.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
-mkdir -p "$tmp/bin" "$tmp/plugins" "$tmp/lib"
+mkdir -p "$tmp/bin" "$tmp/plugins" "$tmp/lib" "$tmp/python/pycriu"
 printf '*\n' >"$tmp/.gitignore"
 cp "$CRIU" "$tmp/bin/criu"
 cp "$PLUGIN" "$tmp/plugins/cuda_plugin.so"
@@ -47,6 +51,7 @@ if command -v strip >/dev/null; then
   strip --strip-debug "$tmp/bin/criu" "$tmp/plugins/cuda_plugin.so"
 fi
 chmod 0755 "$tmp/bin/criu"
+(cd "$SRC/lib/pycriu" && find . -name '*.py' -print0 | xargs -0 -I{} cp --parents {} "$tmp/python/pycriu/")
 
 is_glibc() {
   case "$1" in
@@ -71,6 +76,7 @@ total=$(du -sb "$tmp" | cut -f1)
 {
   echo "source: $SRC"
   echo "criu_version: $("$CRIU" --version 2>/dev/null | awk '/Version:/{print $2}')"
+  # shellcheck source=/dev/null
   echo "built_on: $(. /etc/os-release && echo "$PRETTY_NAME"), $(ldd --version | head -n1)"
   echo "needs_glibc: ${glibc_need:-unknown} (of bin/criu and the plugin)"
   echo "total_bytes: $total"
@@ -82,5 +88,5 @@ total=$(du -sb "$tmp" | cut -f1)
 rm -rf "$DEST"
 mv "$tmp" "$DEST"
 trap - EXIT
-echo "gpu_carry: wrote $DEST ($((total / 1024)) KiB, $(ls "$DEST/lib" | wc -l) libraries, needs ${glibc_need:-?})"
+echo "gpu_carry: wrote $DEST ($((total / 1024)) KiB, $(find "$DEST/lib" -mindepth 1 -maxdepth 1 | wc -l) libraries, needs ${glibc_need:-?})"
 echo "gpu_carry: device run: carry=[\".criu-carry\"], command=\"bash scripts/gpu_check.sh\""

@@ -1,31 +1,44 @@
 #!/usr/bin/env bash
 # Prove the CUDA checkpoint mechanics on a lent GPU machine, with OUR cuda-checkpoint
-# (python -m vllm_snapshot.cuda_checkpoint) and, when carried, a real CRIU + CUDA plugin.
+# (python -m vllm_snapshot.cuda_checkpoint) and, when carried, a real CRIU + CUDA plugin run the
+# way vllm-snapshot runs it.
 #
-# Target machine (design notes, "GPU hosts"): one H200, driver 580, CUDA 13, torch 2.11 cu130
-# and cuda-bindings installed; no network, no criu, no vLLM; runs as root in the repo root;
-# what is written under $OUT comes back. Device time is scarce: the whole script keeps to
-# GPU_CHECK_BUDGET_S (default 540 s = 9 min), every command runs under `timeout`.
+# Target machine (design notes, "GPU hosts"): one H200, driver 580, CUDA 13, torch cu130 and
+# cuda-bindings installed; no network, no criu, no vLLM; runs as root in the repo root; what is
+# written under $OUT comes back. Device time is scarce (15 min per task, machine start
+# included): the whole script keeps to GPU_CHECK_BUDGET_S (default 300 s, so a failed run can
+# be run once more), every command runs under `timeout`.
 #
 #   part A (always): a torch CUDA worker allocates a deterministic tensor (GPU_CHECK_MIB MiB,
-#     default 1024) and prints its checksum when sent SIGUSR1. Then, via our helper:
-#     get-state running -> get-restore-tid (a thread of the worker) -> lock --timeout 10000
-#     -> checkpoint (GPU memory released per nvidia-smi, no /dev/nvidia* fds left) -> restore
-#     (memory back) -> unlock -> same checksum as before.
-#   part B (only with .criu-carry/, made by scripts/gpu_carry.sh and carried with
-#     carry=[".criu-carry"]): a fresh worker is dumped with `criu dump -L <plugin dir>`, our
-#     helper first on PATH, then `criu restore --restore-detached`; it must answer with the
-#     same checksum and hold its GPU memory again.
+#     default 256) and prints its checksum when sent SIGUSR1. Then, via our helper, each call
+#     timed (one run = one driver attach; CRIU's freeze timeout is sized from it):
+#     get-restore-tid of a non-CUDA PID (must fail, exit 1) -> get-state running ->
+#     get-restore-tid -> lock --timeout 10000 -> checkpoint (GPU memory released per nvidia-smi,
+#     no /dev/nvidia* fds left) -> restore (memory back) -> unlock -> same checksum.
+#   CRIU prerequisites (parts C and B need .criu-carry/, made by scripts/gpu_carry.sh and carried
+#     with carry=[".criu-carry"]): the carried criu runs, and `criu check` passes -- else they
+#     are NOT RUN with the first reason `criu check` gives (e.g. a gVisor-like kernel).
+#   part C (the product's invocation, scripts/gpu_check_tree.py): pycriu `criu swrk` with the
+#     plugin directory in CRIU_LIBS_DIR and our wrapper first on PATH (as vllm_snapshot.criu
+#     passes them), the product's flags, freeze timeout and mount policy; a tree in its own PID
+#     + mount namespace whose root has no CUDA and whose child does; sleep-like free of the
+#     child's device memory before the dump, restore-sibling, the product's log and
+#     --get-state checks, then a wake-like re-allocation and the same deterministic output.
+#   part B (the CLI, for contrast): a fresh worker dumped with `criu dump -L <plugin dir>`, our
+#     helper first on PATH, `criu restore --restore-detached`; same checksum, GPU memory back.
 #
-# Usage:  bash scripts/gpu_check.sh          (env: OUT, PYTHON, GPU_CHECK_MIB, GPU_CHECK_BUDGET_S)
-# Exit:   0 all checks passed; 1 some check failed; 3 precondition missing (no GPU, no torch,
-#         no cuda-bindings, not root). The summary is on stdout and in $OUT/gpu_check.log.
+# Usage:  bash scripts/gpu_check.sh     (env: OUT, PYTHON, GPU_CHECK_MIB, GPU_CHECK_BUDGET_S)
+# Exit:   0 all checks passed; 1 some check failed; 3 NOT RUN: a precondition is missing (no GPU,
+#         gVisor kernel, no torch/cuda-bindings, not root) or CRIU cannot run here (part A may
+#         have passed: see the summary). Summary on stdout and in $OUT/gpu_check.log.
+# `[ test ] && result PASS ... || result FAIL ...` is safe here: result() always returns 0.
+# shellcheck disable=SC2015
 set -uo pipefail
 
 START=$(date +%s)
-BUDGET=${GPU_CHECK_BUDGET_S:-540}
+BUDGET=${GPU_CHECK_BUDGET_S:-300}
 DEADLINE=$((START + BUDGET))
-MIB=${GPU_CHECK_MIB:-1024}
+MIB=${GPU_CHECK_MIB:-256}
 PY=${PYTHON:-python3}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 CARRY=$REPO/.criu-carry
@@ -39,7 +52,7 @@ PIDS_TO_KILL=()
 cd "$REPO" || exit 3
 
 log() { printf '%s [%4ss] %s\n' "$(date +%H:%M:%S)" "$(($(date +%s) - START))" "$*" | tee -a "$LOG"; }
-result() { # result PASS|FAIL|SKIP name detail...
+result() { # result PASS|FAIL|SKIP|NOTRUN name detail...
   local st=$1 name=$2; shift 2
   RESULTS+=("$st  $name${*:+: $*}")
   log "$st $name${*:+: $*}"
@@ -58,22 +71,25 @@ ms_now() { date +%s%3N; }
 
 cleanup() {
   local p
-  for p in "${PIDS_TO_KILL[@]}"; do
+  for p in "${PIDS_TO_KILL[@]+"${PIDS_TO_KILL[@]}"}"; do
     [ -n "$p" ] && kill -0 "$p" 2>/dev/null && kill -KILL "$p" 2>/dev/null
   done
   rm -rf "$WORK"
 }
 
 summary_and_exit() {
-  local code=$1 r fails=0
-  for r in "${RESULTS[@]}"; do case "$r" in FAIL*) fails=$((fails + 1)) ;; esac; done
-  [ "$code" -eq 0 ] && [ "$fails" -gt 0 ] && code=1
+  local code=$1 r fails=0 notrun=0
+  for r in "${RESULTS[@]+"${RESULTS[@]}"}"; do
+    case "$r" in FAIL*) fails=$((fails + 1)) ;; NOTRUN*) notrun=$((notrun + 1)) ;; esac
+  done
+  [ "$code" -eq 0 ] && [ "$notrun" -gt 0 ] && code=3
+  [ "$code" -ne 1 ] && [ "$fails" -gt 0 ] && code=1
   {
     echo "================ gpu_check summary ($(($(date +%s) - START)) s of $BUDGET s) ================"
-    for r in "${RESULTS[@]}"; do echo "$r"; done
+    for r in "${RESULTS[@]+"${RESULTS[@]}"}"; do echo "$r"; done
     case $code in
       0) echo "GPU_CHECK: PASS" ;;
-      3) echo "GPU_CHECK: NOT RUN (precondition missing, see above)" ;;
+      3) echo "GPU_CHECK: NOT RUN (precondition missing or CRIU cannot run here, see above)" ;;
       *) echo "GPU_CHECK: FAIL ($fails failed)" ;;
     esac
   } | tee -a "$LOG"
@@ -84,10 +100,16 @@ summary_and_exit() {
 trap 'log "interrupted"; summary_and_exit 1' INT TERM
 trap 'summary_and_exit 1' EXIT
 
-precondition() { result FAIL precondition "$*"; summary_and_exit 3; }
+precondition() { result NOTRUN precondition "$*"; summary_and_exit 3; }
 
 # ---------------------------------------------------------------- preconditions ---------------
 log "gpu_check in $REPO, OUT=$OUT, work=$WORK, tensor ${MIB} MiB, budget ${BUDGET} s"
+# gVisor (runsc) reports kernel 4.4.0 and says so in its dmesg; neither CRIU (ptrace, parasite
+# code) nor the checkpoint ioctls can work there, so nothing here could pass or fail meaningfully.
+kver=$(uname -r 2>/dev/null)
+if [ "$kver" = "4.4.0" ] || { dmesg 2>/dev/null | head -n 5 | grep -qi gvisor; }; then
+  precondition "gVisor kernel (uname -r = $kver): CRIU and the CUDA checkpoint ioctls cannot run in this sandbox"
+fi
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   precondition "no GPU: nvidia-smi is not installed on this host"
 fi
@@ -109,23 +131,36 @@ grep -q "cuda_available True" <<<"$vers" || precondition "no GPU: torch.cuda.is_
   echo "## nvidia-smi"; timeout 30 nvidia-smi 2>&1
   echo "## persistence"; timeout 30 nvidia-smi -q 2>&1 | grep -i persistence
   echo "## kernel"; uname -a
-  echo "## os"; cat /etc/os-release 2>/dev/null | head -n 2; ldd --version 2>&1 | head -n 1
+  echo "## os"; head -n 2 /etc/os-release 2>/dev/null; ldd --version 2>&1 | head -n 1
   echo "## caps"; grep -i '^cap' /proc/self/status
   echo "## /proc/driver/nvidia/gpus"; ls /proc/driver/nvidia/gpus 2>&1
+  echo "## python packages"; "$PY" -c 'import google.protobuf, psutil; print("protobuf", google.protobuf.__version__, "psutil", psutil.__version__)' 2>&1
 } >"$OUT/environment.txt" 2>&1
 log "environment written to $OUT/environment.txt"
 
 HELPER=("$PY" -W ignore -m vllm_snapshot.cuda_checkpoint)
-helper() { tmo 60 "${HELPER[@]}" "$@"; }  # stdout+stderr of the helper, its exit code
+# helper ARGS...: stdout+stderr of the helper, its exit code; each run's wall time goes to the log
+helper() {
+  local t0 rc
+  t0=$(ms_now)
+  tmo 60 "${HELPER[@]}" "$@" </dev/null; rc=$?
+  printf '%s helper %s -> exit %s in %s ms\n' "$(date +%H:%M:%S)" "$*" "$rc" "$(($(ms_now) - t0))" >>"$OUT/helper-timings.txt"
+  return $rc
+}
 
 gpu_used_mib() { timeout 30 nvidia-smi -i 0 --query-gpu=memory.used --format=csv,noheader,nounits | head -n1 | tr -d ' '; }
-nvidia_fds() { local n; n=$(ls -l "/proc/$1/fd" 2>/dev/null | grep -c '/dev/nvidia'); echo "${n:-0}"; }
+nvidia_fds() { # number of /dev/nvidia* fds of PID $1
+  local f n=0
+  for f in /proc/"$1"/fd/*; do [[ $(readlink "$f" 2>/dev/null) == /dev/nvidia* ]] && n=$((n + 1)); done
+  echo "$n"
+}
 
 # ---------------------------------------------------------------- the worker ------------------
 cat >"$WORK/worker.py" <<'EOF'
 """GPU worker: deterministic int32 tensor on cuda:0; on SIGUSR1 append one line
 `<tag> <seq> sum=<int64 sum on GPU> sha=<sha256 of the bytes, 16 hex>` to the output file."""
 import ctypes, hashlib, os, signal, sys, time
+os.closerange(3, 1 << 16)  # nothing of the harness's (sockets, pipes) for CRIU to trip over
 try:
     os.setsid()  # own session: no tty or job control for CRIU to care about
 except OSError:
@@ -198,6 +233,10 @@ if [ $rc -eq 0 ] && grep -q -- '--action' <<<"$out"; then result PASS "helper -h
 
 partA() {
   local ref a st tid ms used_run used_ckpt used_rest fds_run fds_ckpt t0 out rc
+  # what CRIU's plugin asks of every non-CUDA process (exit 1 = "no need to pause"), timed
+  t0=$(ms_now); out=$(helper --get-restore-tid --pid $$ 2>&1); rc=$?; ms=$(($(ms_now) - t0))
+  [ $rc -eq 1 ] && result PASS "A non-CUDA process: get-restore-tid exit 1" "${ms} ms (one driver attach)" \
+    || result FAIL "A non-CUDA process: get-restore-tid" "exit $rc (1 expected; 3 = helper cannot reach the driver): $out"
   start_worker a || { result FAIL "A worker start" "see $OUT/a.stdout"; cp "$WORK/a.stdout" "$OUT/" 2>/dev/null; return; }
   ref=$(cat "$WORK/a.ref")
   a=$(ask "$WPID" "$WOUT" 1)
@@ -211,7 +250,7 @@ partA() {
     st=$(helper --get-state --pid "$tid" 2>&1)  # as cuda_plugin_pause_devices asks
     [ "$st" = "running" ] && result PASS "A get-state by restore tid" || result FAIL "A get-state by restore tid" "'$st'"
   else
-    result FAIL "A get-restore-tid" "'$tid' (thread of $WPID? $(ls /proc/$WPID/task | tr '\n' ' '))"
+    result FAIL "A get-restore-tid" "'$tid' (thread of $WPID? $(cd "/proc/$WPID/task" 2>/dev/null && echo *))"
   fi
   used_run=$(gpu_used_mib); fds_run=$(nvidia_fds "$WPID")
 
@@ -263,14 +302,15 @@ partA() {
 }
 partA
 
-# ---------------------------------------------------------------- part B: CRIU ---------------
-partB() {
-  local libdir criu plugdir hdir ref a img pid_r used_run used_dump used_rest t0 ms soname rc have f st out
-  if [ ! -x "$CARRY/bin/criu" ] && [ ! -f "$CARRY/bin/criu" ]; then
-    result SKIP "B criu dump/restore" "no .criu-carry/ (prepare with scripts/gpu_carry.sh, carry=[\".criu-carry\"])"
+# ---------------------------------------------------------------- CRIU prerequisites ---------
+CRIU_OK=0
+criu_setup() {
+  local libdir criu plugdir out rc f soname have first
+  if [ ! -f "$CARRY/bin/criu" ]; then
+    result SKIP "C/B criu dump/restore" "no .criu-carry/ (prepare with scripts/gpu_carry.sh, carry=[\".criu-carry\"])"
     return
   fi
-  log "== part B: criu dump/restore with the CUDA plugin and our helper"
+  log "== CRIU prerequisites"
   cp "$CARRY/MANIFEST" "$OUT/criu-carry.MANIFEST" 2>/dev/null
   criu=$WORK/criu; cp "$CARRY/bin/criu" "$criu"; chmod 0755 "$criu"
   plugdir=$WORK/plugins; mkdir -p "$plugdir"; cp "$CARRY/plugins/cuda_plugin.so" "$plugdir/"
@@ -280,23 +320,64 @@ partB() {
     soname=$(basename "$f")
     grep -q "^[[:space:]]*$soname " <<<"$have" || ln -s "$f" "$libdir/$soname"
   done
-  log "carried libraries used (missing on this host): $(ls "$libdir" | tr '\n' ' ')"
-  CRIU=(env LD_LIBRARY_PATH="$libdir" "$criu")
-  if ! out=$(tmo 30 "${CRIU[@]}" --version 2>&1); then
-    result FAIL "B criu runs here" "$(tail -c 300 <<<"$out")"; return
+  log "carried libraries used (missing on this host): $(cd "$libdir" && echo *)"
+  # prepended: the helper CRIU runs inherits it, and may need the image's own entries (libcuda)
+  export LD_LIBRARY_PATH="$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  CRIU_BIN=$criu PLUGDIR=$plugdir
+  if ! out=$(tmo 30 "$criu" --version 2>&1); then
+    result NOTRUN "C/B criu runs here" "$(tail -c 300 <<<"$out")"; return
   fi
-  result PASS "B criu runs here" "$(tr '\n' ' ' <<<"$out")"
-  tmo 60 "${CRIU[@]}" check >"$OUT/criu-check.txt" 2>&1; log "criu check exit $? (details in $OUT/criu-check.txt)"
-  if ! hdir=$("$PY" -c 'import sys; from vllm_snapshot.cuda_checkpoint import helper_dir; print(helper_dir(sys.argv[1]))' "$WORK/cache" 2>&1); then
-    result FAIL "B helper_dir" "$hdir"; return
+  result PASS "C/B criu runs here" "$(tr '\n' ' ' <<<"$out")"
+  tmo 60 "$criu" check >"$OUT/criu-check.txt" 2>&1; rc=$?
+  if [ $rc -ne 0 ]; then  # stop at the first failed prerequisite, with its reason
+    first=$(grep -a -m1 -E 'Error|error|fail' "$OUT/criu-check.txt" | head -c 300)
+    result NOTRUN "C/B criu check" "exit $rc: ${first:-see criu-check.txt}"
+    return
   fi
-  out=$(PATH="$hdir:$PATH" tmo 60 cuda-checkpoint -h 2>&1) && grep -q -- --action <<<"$out" \
-    && result PASS "B wrapper on PATH" "$hdir/cuda-checkpoint" || { result FAIL "B wrapper on PATH" "$out"; return; }
+  result PASS "C/B criu check" "$(tail -n1 "$OUT/criu-check.txt" | head -c 120)"
+  if ! HDIR=$("$PY" -c 'import sys; from vllm_snapshot.cuda_checkpoint import helper_dir; print(helper_dir(sys.argv[1]))' "$WORK/cache" 2>&1); then
+    result FAIL "C/B helper_dir" "$HDIR"; return
+  fi
+  out=$(PATH="$HDIR:$PATH" tmo 60 cuda-checkpoint -h 2>&1) && grep -q -- --action <<<"$out" \
+    && result PASS "C/B wrapper on PATH" "$HDIR/cuda-checkpoint" || { result FAIL "C/B wrapper on PATH" "$out"; return; }
   if [ ! -d /proc/driver/nvidia/gpus ]; then
     export CRIU_FAULT=138  # FI_PLUGIN_CUDA_FORCE_ENABLE: the plugin's GPU test needs this dir
-    log "no /proc/driver/nvidia/gpus: forcing the CUDA plugin on (CRIU_FAULT=138)"
+    log "no /proc/driver/nvidia/gpus: forcing the CUDA plugin on (CRIU_FAULT=138); note: vllm-snapshot itself" \
+        "(gpu.engine_device, doctor) would call this host a CPU host"
   fi
+  CRIU_OK=1
+}
+criu_setup
 
+# ---------------------------------------------------------------- part C: the product's way ----
+partC() {
+  local out rc
+  [ "$CRIU_OK" -eq 1 ] || return
+  if [ "$(remaining)" -lt 100 ]; then result SKIP "C product invocation" "budget: $(remaining) s left"; return; fi
+  if ! out=$(PYTHONPATH="$CARRY/python${PYTHONPATH:+:$PYTHONPATH}" tmo 60 "$PY" -c 'import pycriu, psutil, google.protobuf' 2>&1); then
+    result NOTRUN "C product invocation" "$PY lacks what part C needs (carried pycriu + protobuf + psutil): $(tail -c 200 <<<"$out")"
+    return
+  fi
+  log "== part C: pycriu swrk, product env/flags/checks, PID+mount namespace, non-CUDA root + CUDA child"
+  PYTHONPATH="$CARRY/python${PYTHONPATH:+:$PYTHONPATH}" tmo 200 "$PY" -W ignore "$REPO/scripts/gpu_check_tree.py" \
+    --criu "$CRIU_BIN" --plugin-dir "$PLUGDIR" --out "$OUT" --mib "$MIB" >"$OUT/partC.txt" 2>&1; rc=$?
+  grep '^RESULT ' "$OUT/partC.txt" | while read -r _ st rest; do
+    printf '%s\n' "$st $rest"
+  done >"$WORK/partC.results"
+  while read -r st rest; do
+    if [[ $rest == *": "* ]]; then result "$st" "${rest%%: *}" "${rest#*: }"; else result "$st" "$rest"; fi
+  done <"$WORK/partC.results"
+  [ $rc -eq 0 ] || result FAIL "C product invocation" "exit $rc (see $OUT/partC.txt)"
+}
+partC
+
+# ---------------------------------------------------------------- part B: the criu CLI ---------
+partB() {
+  local ref a img pid_r used_run used_dump used_rest t0 ms rc st
+  [ "$CRIU_OK" -eq 1 ] || return
+  if [ "$(remaining)" -lt 60 ]; then result SKIP "B criu CLI" "budget: $(remaining) s left"; return; fi
+  log "== part B: criu dump/restore (CLI, -L) with the CUDA plugin and our helper"
+  local CRIU=("$CRIU_BIN") plugdir=$PLUGDIR hdir=$HDIR
   start_worker b || { result FAIL "B worker start"; cp "$WORK/b.stdout" "$OUT/" 2>/dev/null; return; }
   ref=$(cat "$WORK/b.ref")
   [ -f "$WORK/a.ref" ] && { [ "$ref" = "$(cat "$WORK/a.ref")" ] && log "worker b has worker a's checksum (deterministic)" || log "note: worker b checksum differs from a's"; }

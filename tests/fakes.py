@@ -165,6 +165,9 @@ class FakeTools(SnapshotTools):
     def engine_device(self) -> str:
         return self.device
 
+    def check_cuda_ready(self) -> None:
+        self._call("check_cuda_ready")
+
     def gpu_used(self, inv: Inventory) -> str:
         self._call("gpu_used")
         return "GPU-fake-0"

@@ -280,3 +280,22 @@ def test_restored_cuda_processes_must_be_running():
         gpu.check_restored(gpu.restored_states([10, 12], Helper({11: "running"})))
     with pytest.raises(EnvironmentProblem, match="unavailable: cuInit"):
         gpu.restored_states([10], Helper({}, rc_unavailable=True))
+
+
+def test_cuda_preflight_runs_the_helper_criu_would_run(tmp_path):
+    # LocalTools runs `cuda-checkpoint -h` from the PATH CRIU gets, as CRIU's plugin does at init
+    from vllm_snapshot.tools import LocalTools
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    helper = bin_dir / "cuda-checkpoint"
+    helper.write_text("#!/bin/sh\necho 'cuda-checkpoint: unavailable: cuInit: CUDA_ERROR_NO_DEVICE' >&2\nexit 3\n")
+    helper.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+    with pytest.raises(EnvironmentProblem, match=r"cannot checkpoint here \(exit 3\): cuda-checkpoint: unavailable"):
+        LocalTools()._cuda_preflight(env)
+    helper.write_text("#!/bin/sh\necho 'usage: cuda-checkpoint -h ... NOT AVAILABLE with this driver'\n")
+    with pytest.raises(EnvironmentProblem, match="NOT AVAILABLE"):
+        LocalTools()._cuda_preflight(env)
+    helper.write_text("#!/bin/sh\necho 'usage: cuda-checkpoint --action {lock,checkpoint,restore,unlock} --pid PID'\n")
+    LocalTools()._cuda_preflight(env)

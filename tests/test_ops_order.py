@@ -466,3 +466,20 @@ def test_cuda_restore_checks_gpu_capacity_before_criu():
     with pytest.raises(BusyError):
         _restore(busy)
     assert "restore_tree" not in busy.calls and "unstage_all" in busy.calls
+
+
+def test_cuda_create_checks_plugin_helper_and_driver_before_the_engine_starts():
+    from vllm_snapshot.errors import EnvironmentProblem
+
+    t = FakeTools(kind="cuda")
+    t.device = "cuda"
+    _create(t)
+    assert _before(t.calls, "check_cuda_ready", "launch_engine")
+    old = FakeTools(kind="cuda", fail={"check_cuda_ready": EnvironmentProblem("driver API 12040 < 12080")})
+    old.device = "cuda"
+    with pytest.raises(EnvironmentProblem):
+        _create(old)
+    assert "launch_engine" not in old.calls and "prepare_target" not in old.calls
+    cpu = FakeTools()
+    _create(cpu)
+    assert "check_cuda_ready" not in cpu.calls

@@ -97,6 +97,11 @@ class SnapshotTools(Protocol):
         """``"cpu"`` or ``"cuda"``: what the installed vLLM build will run the engine on (a CPU
         build of vLLM runs on CPU even on a GPU host)."""
 
+    def check_cuda_ready(self) -> None:
+        """Before a CUDA engine starts: CRIU's CUDA plugin (of the binary's build, not
+        redirected by a config file) and the ``cuda-checkpoint`` CRIU would run, which must
+        reach the driver's checkpoint API (NVIDIA r570+). Raises EnvironmentProblem."""
+
     def gpu_used(self, inv: Inventory) -> str:
         """UUID of the one GPU a CUDA engine tree holds. Raises UnsnapshottableError (no CUDA
         holder, several GPUs), EnvironmentProblem."""
@@ -582,6 +587,20 @@ class LocalTools(SnapshotTools):
             return p.returncode, p.stdout
         return run
 
+    def _cuda_preflight(self, env: dict[str, str]) -> None:
+        """The test CRIU's plugin makes at init (``cuda-checkpoint -h`` must offer --action),
+        with the PATH CRIU will get; ours probes the driver (cuInit, API >= r570)."""
+        from .errors import EnvironmentProblem
+
+        rc, out = self._helper(env)(["-h"])
+        if rc != 0 or "--action" not in out:
+            raise EnvironmentProblem(f"the cuda-checkpoint CRIU would run cannot checkpoint here (exit {rc}): "
+                                     + " ".join(out.split())[:400],
+                                     hint="run `vllm-snapshot doctor`; the checkpoint API needs NVIDIA driver r570+")
+
+    def check_cuda_ready(self) -> None:
+        self._cuda_preflight(self._runner("cuda").env)
+
     def check_dump_room(self, inv: Inventory, gpu_uuid: str, work_dir: Path) -> None:
         from . import gpu
 
@@ -592,14 +611,10 @@ class LocalTools(SnapshotTools):
 
     def dump(self, kind: str, opts: DumpOptions, work_dir: Path) -> None:
         from . import criu, layout, locks
-        from .errors import EnvironmentProblem
 
         runner = self._runner(kind)
-        if kind == "cuda":  # the test CRIU's plugin makes at init, before any process is frozen
-            rc, out = self._helper(runner.env)(["-h"])
-            if rc != 0 or "--action" not in out:
-                raise EnvironmentProblem(f"the cuda-checkpoint CRIU would run cannot checkpoint here (exit {rc}): "
-                                         + " ".join(out.split())[:400], hint="run `vllm-snapshot doctor`")
+        if kind == "cuda":  # again right before CRIU: the engine ran for minutes since create began
+            self._cuda_preflight(runner.env)
         with locks.criu_lock():
             runner.dump(opts, work_dir / layout.IMAGES, work_dir)
         if kind == "cuda":

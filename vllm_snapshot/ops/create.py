@@ -162,7 +162,10 @@ def create(req: CreateRequest, rep: Reporter, tools: SnapshotTools | None = None
     if t.path_exists(target):
         raise UsageError(f"{target} already exists; refusing to overwrite a snapshot",
                          hint="choose another --snapshot-dir/--name, or delete the old one first")
-    check_cpu_kv_cache(req.engine_args, t.environ(), t.engine_device())
+    device = t.engine_device()
+    check_cpu_kv_cache(req.engine_args, t.environ(), device)
+    if device == "cuda":
+        t.check_cuda_ready()  # CRIU's plugin + our helper reach the driver, before minutes of engine start
     with t.snapshot_lock(target, shared=False, must_exist=False):
         return _create_locked(t, req, rep, target, model_dir, revision, criu_ver)
 

@@ -280,6 +280,12 @@ def test_restored_cuda_processes_must_be_running():
         gpu.check_restored(gpu.restored_states([10, 12], Helper({11: "running"})))
     with pytest.raises(EnvironmentProblem, match="unavailable: cuInit"):
         gpu.restored_states([10], Helper({}, rc_unavailable=True))
+    with pytest.raises(EnvironmentProblem, match="exited 127"):
+        gpu.restored_states([10], lambda args: (127, "cannot run cuda-checkpoint: No such file"))
+    gone = gpu.restored_states([10], lambda args: (1, "cuda-checkpoint: --get-restore-tid --pid 10: no such process: 10"))
+    assert gone == [(10, "gone")]
+    with pytest.raises(CriuError, match="PID 10 is gone"):
+        gpu.check_restored([(11, "running"), *gone])
 
 
 def test_cuda_preflight_runs_the_helper_criu_would_run(tmp_path):

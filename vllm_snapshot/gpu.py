@@ -218,16 +218,6 @@ def used_gpu(cuda_pids: Sequence[int], device_files: Sequence[str], uuids: dict[
     return uuids[minors[0]]
 
 
-def _gpu_arg_value(engine_args: Sequence[str], flag: str) -> str | None:
-    val = None
-    for i, a in enumerate(engine_args):
-        if a == flag and i + 1 < len(engine_args):
-            val = engine_args[i + 1]
-        elif a.startswith(flag + "="):
-            val = a.split("=", 1)[1]
-    return val
-
-
 #: vLLM's default ``--gpu-memory-utilization`` (vLLM 0.32 ``CacheConfig``).
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
@@ -243,7 +233,9 @@ def required_restore_bytes(engine_args: Sequence[str], total_bytes: int) -> int:
     Raises ValueError for a utilization that is not a number in (0, 1]."""
     import math
 
-    raw = _gpu_arg_value(engine_args, "--gpu-memory-utilization")
+    from .ops.create import arg_value
+
+    raw = arg_value(list(engine_args), "--gpu-memory-utilization")
     util = DEFAULT_GPU_MEMORY_UTILIZATION if raw is None else float(raw)
     if not 0 < util <= 1:
         raise ValueError(f"--gpu-memory-utilization {raw} is not in (0, 1]")
@@ -339,9 +331,10 @@ HelperRun = Callable[[Sequence[str]], "tuple[int, str]"]
 def restored_states(pids: Sequence[int], run: HelperRun) -> list[tuple[int, str]]:
     """``(pid, state)`` of every CUDA process among ``pids`` (host PIDs of a restored tree), as
     our ``cuda-checkpoint`` reports them: ``--get-restore-tid`` exit 0 marks a CUDA process
-    (exit 1: none), then ``--get-state``. A helper that cannot reach the driver (exit 3) or
-    answers nonsense raises EnvironmentProblem. States: running, locked, checkpointed, failed,
-    or ``unknown (<message>)``."""
+    (exit 1: none, or ``gone`` when the process vanished), then ``--get-state``. A helper that
+    cannot reach the driver (exit 3) or cannot run at all (any other exit) raises
+    EnvironmentProblem. States: running, locked, checkpointed, failed, gone, or
+    ``unknown (<message>)``."""
     from .cuda_checkpoint import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE
 
     out = []
@@ -353,8 +346,11 @@ def restored_states(pids: Sequence[int], run: HelperRun) -> list[tuple[int, str]
         if rc == EXIT_FAILED and "no such process" in text:
             out.append((pid, "gone"))
             continue
-        if rc != EXIT_OK:
+        if rc == EXIT_FAILED:
             continue  # the driver says: not a CUDA process
+        if rc != EXIT_OK:
+            raise EnvironmentProblem(f"cannot check the restored CUDA processes: cuda-checkpoint exited {rc}: "
+                                     f"{text.strip()[:300]}")
         rc, text = run(["--get-state", "--pid", str(pid)])
         out.append((pid, text.strip() if rc == EXIT_OK else f"unknown ({text.strip()[:200]})"))
     return out

@@ -76,6 +76,27 @@ def fake_tools(monkeypatch, fake_cuda):
     return FakeGpuTools(engine_argv=FAKE_ENGINE)
 
 
+def our_children(settle_s: float = 10.0) -> list[int]:
+    """Live descendants of this test process after up to ``settle_s`` s (an engine we started,
+    or a tree CRIU restored as our child); other sessions' engines on the host do not count."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + settle_s
+    while True:
+        alive = []
+        for c in psutil.Process().children(recursive=True):
+            try:
+                if c.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(c.pid)
+            except psutil.Error:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
 def calls(fake_cuda: Path) -> list[str]:
     return [" ".join(ln.split()[:1] + ln.split()[2:]) for ln in (fake_cuda / "calls.log").read_text().splitlines()
             if not ln.startswith("get-restore-tid")]
@@ -122,11 +143,10 @@ def test_gpu_create_rehearses_then_sleeps_and_restore_wakes_before_oracle(tmp_pa
 
 def test_gpu_dump_refused_when_the_helper_cannot_reach_the_driver(tmp_path, fake_tools, monkeypatch):
     monkeypatch.setenv("FAKE_CUDA_INIT", "fail")  # e.g. no driver/GPU for the helper's Python
-    before = engine_pids()
     snap = tmp_path / "nodrv"
     with pytest.raises(EnvironmentProblem, match="unavailable: cuInit: CUDA_ERROR_NO_DEVICE"):
         ops.create(ops.CreateRequest(model=str(TINY), target=snap), Reporter(), tools=fake_tools)
-    assert not snap.exists() and engine_pids(10, before) - before == set()
+    assert not snap.exists() and our_children() == []
 
 
 def test_gpu_dump_refused_when_the_plugin_is_not_loaded(tmp_path, fake_tools, monkeypatch):
@@ -161,10 +181,9 @@ def test_gpu_restore_fails_closed_when_the_gpu_state_does_not_come_back(tmp_path
     snap = tmp_path / "gpu"
     ops.create(ops.CreateRequest(model=str(TINY), target=snap), Reporter(), tools=fake_tools)
     monkeypatch.setenv("FAKE_CUDA_FAIL", fail)
-    before = engine_pids()
     with pytest.raises(CriuError, match=why):
         ops.restore(ops.RestoreRequest(snapshot=snap, port=free_port(), detach=True), Reporter(), tools=fake_tools)
-    assert engine_pids(10, before) - before == set()  # the restored tree was killed
+    assert our_children() == []  # the restored tree (our child: restore-sibling) was killed
     assert [e for e in fake_tools.engines() if e.snapshot == str(snap)] == []
 
 

@@ -97,7 +97,7 @@ def compute_key(t: SnapshotTools, req: ServeRequest, model_dir: Path, snaps: lis
     """The :class:`~vllm_snapshot.manifest.SnapshotKey` ``serve`` looks for (as ``create`` will
     record it). Model files whose stat a manifest of the same model directory recorded are not
     read again. Raises UsageError (args vLLM rejects), OSError."""
-    kind = "cuda" if t.gpu_present() else "cpu"
+    kind = t.engine_device()  # what create will record (a CPU build of vLLM on a GPU host is "cpu")
     host = t.host_identity(kind)
     normalized = _normalized(t, snaps, req, host.get("vllm", ""))
     known: tuple[ModelFile, ...] = tuple(f for _, m in snaps if m.model.path == str(model_dir) for f in m.model.files)

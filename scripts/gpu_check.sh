@@ -20,8 +20,8 @@
 #     are NOT RUN with the first reason `criu check` gives (e.g. a gVisor-like kernel).
 #   part C (the product's invocation, scripts/gpu_check_tree.py): pycriu `criu swrk` with the
 #     plugin directory in CRIU_LIBS_DIR and our wrapper first on PATH (as vllm_snapshot.criu
-#     passes them), the product's flags, freeze timeout and mount policy; a tree in its own PID
-#     + mount namespace whose root has no CUDA and whose child does; sleep-like free of the
+#     passes them), the product's flags, freeze timeout, network lock and mount policy; a tree in
+#     its own PID + mount + network namespace whose root has no CUDA and whose child does; sleep-like free of the
 #     child's device memory before the dump, restore-sibling, the product's log and
 #     --get-state checks, then a wake-like re-allocation and the same deterministic output.
 #   part B (the CLI, for contrast): a fresh worker dumped with `criu dump -L <plugin dir>`, our
@@ -354,6 +354,10 @@ partC() {
   local out rc
   [ "$CRIU_OK" -eq 1 ] || return
   if [ "$(remaining)" -lt 100 ]; then result SKIP "C product invocation" "budget: $(remaining) s left"; return; fi
+  if ! command -v ip >/dev/null 2>&1; then  # CRIU saves/restores the tree's network namespace with it
+    result NOTRUN "C product invocation" "no \`ip\` (iproute2): CRIU needs it for the engine's network namespace"
+    return
+  fi
   if ! out=$(PYTHONPATH="$CARRY/python${PYTHONPATH:+:$PYTHONPATH}" tmo 60 "$PY" -c 'import pycriu, psutil, google.protobuf' 2>&1); then
     result NOTRUN "C product invocation" "$PY lacks what part C needs (carried pycriu + protobuf + psutil): $(tail -c 200 <<<"$out")"
     return

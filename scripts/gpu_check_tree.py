@@ -10,8 +10,9 @@ What is the product's and what is not:
   timeout (:func:`vllm_snapshot.criu.freeze_timeout`), ``--root /`` and restore-sibling.
   Afterwards the product's own checks run: :func:`vllm_snapshot.criu.check_cuda_run` on both
   logs, :func:`vllm_snapshot.gpu.restored_states` / ``check_restored`` on the restored tree.
-* The tree is PID 1 of its own PID + mount namespace, started with the product's ``unshare``
-  arguments, and its root applies the product's mount policy first
+* The tree is PID 1 of its own PID + mount + network namespace, started with the product's
+  ``unshare`` arguments (CRIU ``--network-lock skip`` as the product), and its root brings
+  ``lo`` up and applies the product's mount policy first
   (:func:`vllm_snapshot.engine.mounts.make_private`: host mounts it does not need detached,
   private tmpfs on /dev/shm); the mounts CRIU gets as external ones come from
   :mod:`vllm_snapshot.mountpolicy`, as at create. A **non-CUDA root** (like vLLM's API
@@ -108,8 +109,10 @@ import os, subprocess, sys, time
 os.closerange(3, 1 << 16)
 os.setsid()  # as the engine root: the session leader must be inside the namespace (CRIU)
 from vllm_snapshot.engine.mounts import make_private, needed_paths, _open_and_mapped
-# the engine root's own mount policy (engine/main.py runs it first): detach what is not needed
+from vllm_snapshot.engine.net import loopback_up
+# the engine root's own set-up (engine/main.py runs it first): detach what is not needed, lo up
 detached = make_private(needed_paths(None, dict(os.environ), [os.path.dirname(sys.argv[1]), *_open_and_mapped()]))
+loopback_up()
 print("detached:", detached, flush=True)
 child = subprocess.Popen([sys.executable, "-W", "ignore", "-c", open(sys.argv[1]).read(), *sys.argv[2:]],
                          stdin=subprocess.DEVNULL, stdout=open(sys.argv[2] + ".stdout", "ab"),
@@ -201,7 +204,7 @@ def main() -> int:
         root_env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}".rstrip(":")}
         # supervisor.launch's arguments
         launcher = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--propagation", "private",
-                                     "--kill-child", "--", "sh", "-c", cmd], env=root_env, cwd="/",
+                                     "--net", "--kill-child", "--", "sh", "-c", cmd], env=root_env, cwd="/",
                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                     close_fds=True, start_new_session=True)
         ready = wait_event(evf, "ready", 1, 240)
@@ -241,8 +244,8 @@ def main() -> int:
         ext_restore = mountpolicy.restore_args(externals) if mountpolicy else ()
         t0 = time.monotonic()
         try:
-            runner.dump(criu.DumpOptions(pid=root, timeout_s=timeout, external=ext_dump),
-                        images, images)
+            runner.dump(criu.DumpOptions(pid=root, timeout_s=timeout, external=ext_dump,
+                                         network_lock=criu.NETWORK_LOCK_ISOLATED), images, images)
             criu.check_cuda_run(images / criu.DUMP_LOG, "dump", out)
         except SnapshotError as e:
             result("FAIL", "C criu dump (swrk, product env)", f"{e.message} {e.hint or ''}"[:1500])
@@ -256,7 +259,7 @@ def main() -> int:
 
         t0 = time.monotonic()
         try:
-            restored = runner.restore(criu.RestoreOptions(external=ext_restore), images, images)
+            restored = runner.restore(criu.RestoreOptions(external=ext_restore, network_lock=criu.NETWORK_LOCK_ISOLATED), images, images)
             criu.check_cuda_run(images / criu.RESTORE_LOG, "restore", out)
             rpids = tree_pids(restored)
             gpu.check_restored(gpu.restored_states(rpids, helper))

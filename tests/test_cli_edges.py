@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import write_snapshot_dir
+
 from vllm_snapshot import archive, cli, locks, ops, store
 from vllm_snapshot.errors import BusyError, CorruptSnapshotError, CriuError, ModelChangedError, UsageError
 from vllm_snapshot.progress import Reporter
@@ -201,11 +203,26 @@ def test_log_file_without_detach_is_refused(tmp_path, capsys):
 def test_delete_forgets_the_last_restore(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_SNAPSHOT_STATE_DIR", str(tmp_path / "state"))
     snap = tmp_path / "s"
-    snap.mkdir()
+    write_snapshot_dir(snap)
+    (snap / "images").mkdir()
     store.record_restore(snap, [])
     assert store.last_restore(snap) is not None
     store.delete(snap)
     assert store.last_restore(snap) is None and not snap.exists()
+
+
+def test_delete_never_removes_a_directory_that_only_has_a_manifest_json(tmp_path, monkeypatch):
+    """A typo'd path to a web app (its manifest.json) must not be wiped."""
+    monkeypatch.setenv("VLLM_SNAPSHOT_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("VLLM_SNAPSHOT_RUN_DIR", str(tmp_path / "run"))
+    app = tmp_path / "webapp"
+    (app / "src").mkdir(parents=True)
+    (app / "manifest.json").write_text('{"name": "my-pwa", "start_url": "/"}')
+    for args in (["delete", str(app)], ["delete", str(app), "--force"]):
+        assert cli.main(args) == 5
+    assert (app / "manifest.json").exists() and (app / "src").is_dir()
+    (app / "images").mkdir()  # an images/ dir alone does not make it a snapshot either
+    assert cli.main(["delete", str(app)]) == 5 and app.exists()
 
 
 def test_lock_files_of_gone_snapshots_are_cleaned(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ import signal
 import time
 
 import pytest
+from pathlib import Path
 
 from vllm_snapshot import archive, criu, interrupts
 from vllm_snapshot.errors import CriuError, Interrupted
@@ -79,3 +80,35 @@ def test_own_staging_dirs_are_found_by_owner_pid(tmp_path):
     mine.mkdir()
     other.mkdir()
     assert archive.own_staging([tmp_path, tmp_path / "missing"]) == [mine]
+
+
+def test_a_signal_after_a_detached_restore_served_is_dropped_and_a_foreground_one_raises(monkeypatch):
+    """Once the engine serves validated, a late signal must not turn a detached restore into a
+    130 ("nothing runs") while the engine keeps serving; in the foreground it stops the command
+    after the registry learned of the engine."""
+    import signal as _signal
+
+    from vllm_snapshot import interrupts, ops
+    from vllm_snapshot.progress import Reporter
+
+    from fakes import FakeTools
+
+    for detach in (True, False):
+        interrupts.reset()
+        t = FakeTools()
+        orig = t.register
+
+        def register(entry, orig=orig):
+            interrupts._handler(_signal.SIGTERM, None)  # the signal lands during the bookkeeping
+            orig(entry)
+
+        t.register = register
+        req = ops.RestoreRequest(snapshot=Path("/snaps/tiny"), port=8123, detach=detach)
+        if detach:
+            r, _ = ops.restore(req, Reporter(), tools=t)
+            assert r.pid and "record_restore" in t.calls
+        else:
+            with pytest.raises(Interrupted):
+                ops.restore(req, Reporter(), tools=t)
+            assert "record_restore" in t.calls
+    interrupts.reset()

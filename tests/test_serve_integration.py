@@ -133,7 +133,7 @@ def test_two_concurrent_serves_of_one_key_build_once(snapshot, tmp_path):
         assert sum("built (cold start + dump) and restored" in e for e in errs) == 1, errs
         waiter = next(i for i, e in enumerate(errs) if "built (cold start" not in e)
         assert "waiting for" in errs[waiter] and "building or restoring the snapshot for this key" in errs[waiter]
-        assert "not tiny: made for other the engine args" in errs[1 - waiter]  # the other snapshot, and why
+        assert "not tiny: engine args differ (max-num-seqs (default) -> 16)" in errs[1 - waiter]  # the other snapshot, and why
         assert codes[1 - waiter] == 0 and _complete(ports[1 - waiter])
         # engines have their own network namespace: the waiter restores a clone of the same snapshot
         assert codes[waiter] == 0, errs[waiter]

@@ -402,11 +402,22 @@ def serve(
     # `vllm serve MODEL --port P ...` puts them among the engine args: they are serve's
     engine_args, h = _pop_option(engine_args, "--host")
     engine_args, p = _pop_option(engine_args, "--port")
+    try:
+        from typer._click.core import ParameterSource
+    except ImportError:  # pragma: no cover - older typer uses click itself
+        from click.core import ParameterSource
+    for flag, val, given in (("--host", h, host), ("--port", p, str(port))):
+        explicit = ctx.get_parameter_source(flag[2:]) not in (ParameterSource.DEFAULT, None)
+        if val is not None and explicit and val != given:
+            raise UsageError(f"{flag} is given twice with different values ({given} and {val})",
+                             hint=f"give {flag} once")
     host = h if h is not None else host
     if p is not None:
         if not p.isdigit() or not 1 <= int(p) <= 65535:
             raise UsageError(f"--port {p!r}: expected a port number 1-65535")
         port = int(p)
+    if oracle_prompt is not None and not oracle_prompt.strip():
+        raise UsageError("--oracle-prompt is empty", hint="give a prompt, or leave the option out for the default")
     rep, lifecycle = _lifecycle_reporter(quiet, as_json)
     req = ops.ServeRequest(
         model=model, root=store.ensure_root(_root_dir()), engine_args=engine_args, host=host, port=port,

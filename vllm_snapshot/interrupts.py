@@ -46,6 +46,7 @@ def reset() -> None:
     """Forget a signal seen earlier in this process (each command starts clean)."""
     _state["fired"] = None
     _state["pending"] = None
+    _state["depth"] = 0
 
 
 def install() -> None:
@@ -53,6 +54,23 @@ def install() -> None:
     thread only, as Python delivers signals there)."""
     for s in SIGNALS:
         signal.signal(s, _handler)
+
+
+def hold() -> None:
+    """Start holding signals (as :func:`deferred` does) until :func:`release`: a restore calls
+    it the moment its engine serves validated, so a late signal cannot cut the bookkeeping
+    (registry, last restore) of an engine that keeps running. A detached restore never
+    releases: its command has done its job, and a signal after that is dropped (exit 0, not a
+    130 that would claim nothing runs)."""
+    _state["depth"] += 1
+
+
+def release() -> None:
+    """End a :func:`hold`; raise :class:`Interrupted` when a signal came meanwhile."""
+    _state["depth"] = max(0, _state["depth"] - 1)
+    if _state["depth"] == 0 and _state["pending"] is not None:
+        signum, _state["pending"] = _state["pending"], None
+        raise _interrupted(signum)
 
 
 @contextmanager

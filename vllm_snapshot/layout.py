@@ -63,6 +63,30 @@ class SnapshotDir:
         return self.path / DUMP_LOG
 
 
+def not_a_snapshot(path: Path) -> str | None:
+    """Why ``path`` is not a vllm-snapshot snapshot directory (None when it is one, possibly a
+    damaged one): only a directory with an ``images/`` member and a ``manifest.json`` that is a
+    JSON object with this tool's top-level fields (``schema_version``, ``criu``, ``images``)
+    and no names outside :data:`MEMBERS` counts -- so ``delete``/``prune`` never remove a web
+    app's or another tool's directory that merely has a ``manifest.json``. Reads only the
+    manifest (at most 64 MiB)."""
+    import json
+
+    try:
+        if not (path / IMAGES).is_dir() or (path / IMAGES).is_symlink():
+            return f"it has no {IMAGES}/ directory"
+        extra = sorted(set(os.listdir(path)) - MEMBERS - {f".{MANIFEST}.tmp"})
+        if extra:
+            return "it holds " + ", ".join(extra[:5]) + " (a snapshot holds only " + ", ".join(sorted(MEMBERS)) + ")"
+        with open(path / MANIFEST, "rb") as f:
+            raw = json.loads(f.read(64 << 20))
+    except (OSError, ValueError) as e:
+        return f"its {MANIFEST} is not readable JSON ({e})"
+    if not isinstance(raw, dict) or not {"schema_version", "criu", "images"} <= set(raw):
+        return f"its {MANIFEST} is not a vllm-snapshot manifest"
+    return None
+
+
 def open_trusted(path: Path) -> SnapshotDir:
     """Run the trust checks once -- :func:`check_dir_safety`, :func:`check_file_modes`, and
     no unexpected top-level member -- and return the snapshot's :class:`SnapshotDir`.

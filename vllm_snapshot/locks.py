@@ -110,10 +110,13 @@ def remove_lock_file(snapshot: Path) -> None:
 def clean_stale() -> list[Path]:
     """Remove lock files of snapshot paths that no longer exist and that nobody holds (taken
     exclusively first, so a racing command is never left holding a removed file). Returns what
-    was removed."""
+    was removed. Key locks of ``serve`` (``key-*.lock``) are not snapshot paths: they are left
+    alone (one small file per key)."""
     removed = []
     d = paths.run_dir() / "locks"
     for f in d.glob("*.lock") if d.is_dir() else []:
+        if f.name.startswith("key-"):
+            continue
         try:
             target = f.read_text().strip()
         except OSError:

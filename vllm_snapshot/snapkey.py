@@ -95,10 +95,12 @@ def engine_part(requested_model: str, normalized: Mapping[str, str], oracle_prom
                "sleep_level": int(sleep_level)})
 
 
-def env_part(env: Mapping[str, str]) -> str:
-    """Digest of the engine environment's state-changing variables (see :data:`ENV_PREFIXES`). Pure."""
+def env_part(env: Mapping[str, str], keep: Iterable[str] = ()) -> str:
+    """Digest of the engine environment's state-changing variables (see :data:`ENV_PREFIXES`)
+    and of every variable passed on purpose (``--keep-env``). Pure."""
+    keep = set(keep)
     return _h({k: blake3.blake3(v.encode()).hexdigest() for k, v in sorted(env.items())
-               if k.startswith(ENV_PREFIXES) and not k.startswith(ENV_IGNORED_PREFIX)})
+               if k in keep or (k.startswith(ENV_PREFIXES) and not k.startswith(ENV_IGNORED_PREFIX))})
 
 
 def host_part(host: Mapping[str, str]) -> str:
@@ -125,14 +127,19 @@ PART_WORDS = {"model": "the model files", "engine": "the engine args, oracle pro
               "host": "this host (driver, kernel, vLLM, torch, CRIU, CPU, …)"}
 
 
-def build(*, requested_model: str, engine_args: Iterable[str], normalized: Mapping[str, str], model_files,
-          oracle_prompt: str, sleep_level: int, env: Mapping[str, str], host: Mapping[str, str]):
-    """The :class:`vllm_snapshot.manifest.SnapshotKey` of these inputs. Pure."""
+def build(*, requested_model: str, model_identity: str, engine_args: Iterable[str], normalized: Mapping[str, str],
+          model_files, oracle_prompt: str, sleep_level: int, env: Mapping[str, str], host: Mapping[str, str],
+          keep_env: Iterable[str] = ()):
+    """The :class:`vllm_snapshot.manifest.SnapshotKey` of these inputs. ``model_identity`` is
+    what the engine is given as ``--model`` (and serves under without ``--served-model-name``):
+    the resolved directory of a local model -- so ``dir/``, ``./dir`` and a symlink to it are
+    one key -- or a Hugging Face id as typed; ``requested_model`` (as typed) only keys the
+    normalization memo. Pure."""
     from .manifest import SnapshotKey
 
     parts = {"model": model_part(model_files),
-             "engine": engine_part(requested_model, normalized, oracle_prompt, sleep_level),
-             "env": env_part(env), "host": host_part(host)}
+             "engine": engine_part(model_identity, normalized, oracle_prompt, sleep_level),
+             "env": env_part(env, keep_env), "host": host_part(host)}
     return SnapshotKey(value=combine(parts), parts=parts,
                        raw_args=raw_args_digest(requested_model, engine_args, host.get("vllm", "")),
                        normalized_args=dict(normalized))

@@ -155,7 +155,12 @@ def resolve(ref: str | Path, root: Path | None = None) -> Path:
 
 
 def ensure_root(root: Path) -> Path:
-    """Create the snapshot root (0700) if missing; return it."""
+    """Create the snapshot root (0700) if missing; return it. Raises UsageError when it
+    exists and is not a directory."""
+    from .errors import UsageError
+
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"the snapshot root {root} is not a directory", hint="check --root / VLLM_SNAPSHOT_ROOT")
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     return root
 
@@ -235,6 +240,12 @@ def delete(snapshot: Path) -> None:
     if snapshot.is_symlink():
         raise CorruptSnapshotError(f"{snapshot} is a symlink, not a snapshot; nothing was deleted",
                                    hint=f"remove the link itself with `rm {snapshot}`, or delete the snapshot it names")
+    from .layout import not_a_snapshot
+
+    why = not_a_snapshot(snapshot)
+    if why:
+        raise CorruptSnapshotError(f"{snapshot} is not a vllm-snapshot snapshot: {why}; nothing was deleted",
+                                   hint="check the path; remove other directories with rm, not vllm-snapshot")
     tmp = snapshot.parent / f".{snapshot.name}{TMP_MARK}deleting-{os.getpid()}"
     os.rename(snapshot, tmp)
     shutil.rmtree(tmp)

@@ -98,12 +98,23 @@ def check_engine_args(engine_args: list[str]) -> None:
 
     for a in engine_args:
         flag = a.split("=", 1)[0]
+        if flag == "--uds":
+            raise UsageError("--uds: a restored engine serves TCP only (restore hands it a socket bound to "
+                             "--host/--port after the oracle matched)", hint="use --host/--port of serve/restore")
         if flag in RESTORE_OWNED_ARGS:
             raise UsageError(f"{flag} is not an engine arg here: the snapshot's engine binds nothing until restore",
-                             hint=f"pass {flag} to `vllm-snapshot restore` (or switch) instead")
+                             hint=f"pass {flag} to `vllm-snapshot restore`, serve or switch instead")
         if flag in EARLY_REFUSED:
             raise UsageError(f"{flag}: {EARLY_REFUSED[flag]}; a snapshot made with it could never be restored "
                              "or validated", hint=f"create without {flag}")
+
+
+def check_keep_env(keep_env: tuple[str, ...]) -> None:
+    """Refuse ``--keep-env`` of what must never be in a snapshot's memory. Pure. Raises UsageError."""
+    if "VLLM_API_KEY" in keep_env:
+        raise UsageError("--keep-env VLLM_API_KEY would put an API key into the snapshot's memory, and the "
+                         "restore's canary (plain, unauthenticated HTTP) could never pass",
+                         hint="leave the key out of create")
 
 
 def check_visible(needed: dict[str, Path], hidden: list[Path]) -> None:
@@ -147,10 +158,7 @@ def create(req: CreateRequest, rep: Reporter, tools: SnapshotTools | None = None
     if req.sleep_level not in (0, 1, 2):
         raise UsageError("--sleep-level must be 0, 1 or 2")
     check_engine_args(req.engine_args)
-    if "VLLM_API_KEY" in req.keep_env:
-        raise UsageError("--keep-env VLLM_API_KEY would put an API key into the snapshot's memory, and the "
-                         "restore's canary (plain, unauthenticated HTTP) could never pass",
-                         hint="leave the key out of create")
+    check_keep_env(req.keep_env)
     target = t.canonical(req.target)
     model_dir, revision = t.resolve_model(req.model, arg_value(req.engine_args, "--revision"))
     check_visible({"model": model_dir, **t.code_paths()}, [Path(p) for p in PRIVATE_MOUNTS])
@@ -252,7 +260,8 @@ def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: 
         recorded = oracle.Oracle.model_validate(init["oracle"])
         check_cpu_kv_cache(req.engine_args, t.environ(), info["kind"])  # the device vLLM actually chose
         host = t.host_identity(info["kind"])
-        key = snapkey.build(requested_model=req.model, engine_args=req.engine_args,
+        key = snapkey.build(requested_model=req.model, engine_args=req.engine_args, keep_env=req.keep_env,
+                            model_identity=req.model if revision is not None else str(model_dir),
                             normalized=info["normalized_args"], model_files=files, oracle_prompt=req.oracle_prompt,
                             sleep_level=req.sleep_level, env=env, host=host)
         sleep_level = req.sleep_level if info["kind"] == "cuda" else 0

@@ -132,8 +132,12 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
             kept.append(str(p))
             continue
         if not dry_run:
-            with t.snapshot_lock(p, shared=False):
-                t.delete_snapshot(p)
+            try:
+                with t.snapshot_lock(p, shared=False):
+                    t.delete_snapshot(p)
+            except CorruptSnapshotError:  # not a snapshot at all (another tool's manifest.json): never removed
+                kept.append(str(p))
+                continue
         deleted.append(str(p))
     temps = t.reclaim(root, dry_run=True) if dry_run else [str(x) for x in t.clean_stale_temps(root)] + t.reclaim(root)
     return Pruned(deleted, kept, temps, dry_run)

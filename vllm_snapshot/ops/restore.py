@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .. import criu, identity, mountpolicy, oracle, ports, resources
+from .. import criu, identity, interrupts, mountpolicy, oracle, ports, resources
 from ..errors import (BusyError, CorruptSnapshotError, CriuError, EngineError, IncompatibleHostError,
                       InsufficientResources, OracleMismatchError, UsageError)
 from ..manifest import Manifest
@@ -137,15 +137,23 @@ def restore(req: RestoreRequest, rep: Reporter, tools: SnapshotTools | None = No
     t = tools or LocalTools()
     t.require_root()
     snapshot = t.canonical(req.snapshot)
-    with t.snapshot_lock(snapshot, shared=True):
-        r, engine = _restore_locked(t, req, rep, snapshot)
+    served = False
     try:
-        t.register(Entry(snapshot=str(snapshot), pid=r.pid, supervisor_pid=0 if req.detach else os.getpid(),
-                         host=req.host, port=req.port, started_at=t.now(),
-                         mode="detached" if req.detach else "foreground"))
-        t.record_restore(snapshot, [w for w in r.warnings if w.startswith("identity override")])
-    except OSError as e:  # bookkeeping only: never fail a served restore for it
-        rep.info(f"could not record the engine in the registry: {e}")
+        with t.snapshot_lock(snapshot, shared=True):
+            r, engine = _restore_locked(t, req, rep, snapshot)
+        served = True
+        # signals are held from the moment the engine serves validated (interrupts.hold in
+        # _restore_locked): the registry must learn of an engine that keeps running
+        try:
+            t.register(Entry(snapshot=str(snapshot), pid=r.pid, supervisor_pid=0 if req.detach else os.getpid(),
+                             host=req.host, port=req.port, started_at=t.now(),
+                             mode="detached" if req.detach else "foreground"))
+            t.record_restore(snapshot, [w for w in r.warnings if w.startswith("identity override")])
+        except OSError as e:  # bookkeeping only: never fail a served restore for it
+            rep.info(f"could not record the engine in the registry: {e}")
+    finally:
+        if served and not req.detach:  # foreground: a signal that came meanwhile stops it now (it dies with us)
+            interrupts.release()
     return r, engine
 
 
@@ -239,6 +247,7 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
             diffs = t.http_canary(url, m)
             if diffs:
                 raise OracleMismatchError("the HTTP canary differs from the oracle; stopped the engine:\n  " + "\n  ".join(diffs))
+        interrupts.hold()  # serving, validated: see restore()
         return Restored(str(snapshot), pid, url, m.model.served_name, dict(rep.timings), warnings, req.detach), engine
     except BaseException as e:
         steps = []

@@ -38,7 +38,7 @@ from ..progress import Reporter
 from ..results import Served
 from ..supervisor import scrubbed_env
 from ..tools import Engine, LocalTools, SnapshotTools
-from .create import CreateRequest, arg_value, check_engine_args, create
+from .create import CreateRequest, arg_value, check_engine_args, check_keep_env, create
 from .restore import RestoreRequest, restore
 
 #: Errors that mean "this snapshot cannot serve here": record it, try the next, or build.
@@ -93,7 +93,8 @@ def _normalized(t: SnapshotTools, snaps: list[tuple[Path, Manifest]], req: Serve
     return t.normalize_engine_args(req.engine_args)
 
 
-def compute_key(t: SnapshotTools, req: ServeRequest, model_dir: Path, snaps: list[tuple[Path, Manifest]]):
+def compute_key(t: SnapshotTools, req: ServeRequest, model_dir: Path, snaps: list[tuple[Path, Manifest]],
+                hf_id: bool = False):
     """The :class:`~vllm_snapshot.manifest.SnapshotKey` ``serve`` looks for (as ``create`` will
     record it). Model files whose stat a manifest of the same model directory recorded are not
     read again. Raises UsageError (args vLLM rejects), OSError."""
@@ -104,6 +105,7 @@ def compute_key(t: SnapshotTools, req: ServeRequest, model_dir: Path, snaps: lis
     files = t.digest_model(model_dir, known)
     env = scrubbed_env(t.environ(), req.keep_env)
     key = snapkey.build(requested_model=req.model, engine_args=req.engine_args, normalized=normalized,
+                        model_identity=req.model if hf_id else str(model_dir), keep_env=req.keep_env,
                         model_files=files, oracle_prompt=req.oracle_prompt, sleep_level=req.sleep_level,
                         env=env, host=host)
     return key, files, host
@@ -131,8 +133,14 @@ def why_not(m: Manifest, key, files: tuple[ModelFile, ...], host: dict[str, str]
         elif p == "host":
             diffs = [d for d in identity.compare(m.host, host) if d.field != "gpu_uuid_used"]
             said.append("host differs (" + "; ".join(str(d) for d in diffs[:3]) + ")" if diffs else "host differs")
+        elif p == "engine":
+            a, b = dict(m.key.normalized_args), dict(key.normalized_args)
+            args = [f"{k.replace('_', '-')} {a.get(k, '(default)')} -> {b.get(k, '(default)')}"
+                    for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+            said.append("engine args differ (" + "; ".join(args[:5]) + ")" if args else
+                        "the model path, oracle prompt or sleep level differ")
         else:
-            said.append(f"made for other {snapkey.PART_WORDS[p]}")
+            said.append(f"made for another {snapkey.PART_WORDS[p]}")
     return "; ".join(said)
 
 
@@ -160,10 +168,11 @@ def serve(req: ServeRequest, rep: Reporter, tools: SnapshotTools | None = None) 
     if req.build not in ("auto", "never", "always"):
         raise UsageError(f"build must be auto, never or always, not {req.build!r}")
     check_engine_args(req.engine_args)
+    check_keep_env(req.keep_env)
     model_dir, rev = t.resolve_model(req.model, arg_value(req.engine_args, "--revision"))
     t.port_free(req.host, req.port)  # a taken port is found before any hashing or cold start
     t0 = t.clock()
-    key, files, host = _key(t, req, rep, model_dir)
+    key, files, host = _key(t, req, rep, model_dir, rev is not None)
     took: dict[str, float] = {}
 
     def use(p: Path):
@@ -178,9 +187,9 @@ def serve(req: ServeRequest, rep: Reporter, tools: SnapshotTools | None = None) 
                   took["restore_s"]), engine
 
 
-def _key(t: SnapshotTools, req: ServeRequest, rep: Reporter, model_dir: Path):
+def _key(t: SnapshotTools, req: ServeRequest, rep: Reporter, model_dir: Path, hf_id: bool):
     with rep.phase("key", "computing the snapshot key (model digest, engine args, host)"):
-        key, files, host = compute_key(t, req, model_dir, _published(t, req.root))
+        key, files, host = compute_key(t, req, model_dir, _published(t, req.root), hf_id)
     rep.info(f"snapshot key {key.value[:12]}")
     return key, files, host
 
@@ -251,8 +260,9 @@ def switch_model(req: ServeRequest, host: str | None, rollback: bool, rep: Repor
     t = tools or LocalTools()
     t.require_root()
     check_engine_args(req.engine_args)
+    check_keep_env(req.keep_env)
     model_dir, rev = t.resolve_model(req.model, arg_value(req.engine_args, "--revision"))
-    key, files, host_id = _key(t, req, rep, model_dir)
+    key, files, host_id = _key(t, req, rep, model_dir, rev is not None)
     path, snapshot, _refused, _warnings, _others = _find_or_build(
         t, req, rep, model_dir, rev is not None, key, files, host_id, lambda p: (validate(p, tools=t), p)[1])
     return switch(snapshot, host, req.port, req.log_file, rep, rollback, tools=t), path

@@ -39,6 +39,7 @@ from ..results import Served
 from ..supervisor import scrubbed_env
 from ..tools import Engine, LocalTools, SnapshotTools
 from .create import CreateRequest, arg_value, check_engine_args, check_keep_env, create
+from .manage import _first_lines
 from .restore import RestoreRequest, restore
 
 #: Errors that mean "this snapshot cannot serve here": record it, try the next, or build.
@@ -116,11 +117,10 @@ def why_not(m: Manifest, key, files: tuple[ModelFile, ...], host: dict[str, str]
     that differ, with the model files and host fields named. Pure."""
     from .. import identity
 
-    parts = snapkey.differing_parts(m.key.parts, key.parts) if m.key is not None else ["key"]
     if m.key is None:
         return "made before snapshot keys existed (re-create it, or restore it by name)"
     said = []
-    for p in parts:
+    for p in snapkey.differing_parts(m.key.parts, key.parts):
         if p == "model":
             was = {f.path: f.blake3 for f in m.model.files}
             now = {f.path: f.blake3 for f in files}
@@ -164,15 +164,8 @@ def serve(req: ServeRequest, rep: Reporter, tools: SnapshotTools | None = None) 
     loopback listeners of a snapshot made before engines had their own network namespace), the refusal of the last snapshot tried (``--no-build``, or after
     :data:`MAX_REFUSED_PER_KEY` refusals), and the errors of create and restore."""
     t = tools or LocalTools()
-    t.require_root()
-    if req.build not in ("auto", "never", "always"):
-        raise UsageError(f"build must be auto, never or always, not {req.build!r}")
-    check_engine_args(req.engine_args)
-    check_keep_env(req.keep_env)
-    model_dir, rev = t.resolve_model(req.model, arg_value(req.engine_args, "--revision"))
-    t.port_free(req.host, req.port)  # a taken port is found before any hashing or cold start
     t0 = t.clock()
-    key, files, host = _key(t, req, rep, model_dir, rev is not None)
+    model_dir, hf_id, key, files, host = _prepare(t, req, rep, check_port=True)
     took: dict[str, float] = {}
 
     def use(p: Path):
@@ -182,16 +175,27 @@ def serve(req: ServeRequest, rep: Reporter, tools: SnapshotTools | None = None) 
         return out
 
     path, (r, engine), refused, warnings, others = _find_or_build(
-        t, req, rep, model_dir, rev is not None, key, files, host, use)
+        t, req, rep, model_dir, hf_id, key, files, host, use)
     return Served(path, r, key.value, refused, warnings, dict(rep.timings), round(t.clock() - t0, 3), others,
                   took["restore_s"]), engine
 
 
-def _key(t: SnapshotTools, req: ServeRequest, rep: Reporter, model_dir: Path, hf_id: bool):
+def _prepare(t: SnapshotTools, req: ServeRequest, rep: Reporter, check_port: bool):
+    """What serve and switch --model do before the key's lock: root, args restore could never
+    use refused, model resolved, (``check_port``: the port free, before any hashing or cold
+    start), the key. Returns (model dir, is a Hugging Face id, key, model files, host identity)."""
+    t.require_root()
+    if req.build not in ("auto", "never", "always"):
+        raise UsageError(f"build must be auto, never or always, not {req.build!r}")
+    check_engine_args(req.engine_args)
+    check_keep_env(req.keep_env)
+    model_dir, rev = t.resolve_model(req.model, arg_value(req.engine_args, "--revision"))
+    if check_port:
+        t.port_free(req.host, req.port)
     with rep.phase("key", "computing the snapshot key (model digest, engine args, host)"):
-        key, files, host = compute_key(t, req, model_dir, _published(t, req.root), hf_id)
+        key, files, host = compute_key(t, req, model_dir, _published(t, req.root), rev is not None)
     rep.info(f"snapshot key {key.value[:12]}")
-    return key, files, host
+    return model_dir, rev is not None, key, files, host
 
 
 def _find_or_build(t: SnapshotTools, req: ServeRequest, rep: Reporter, model_dir: Path, hf_id: bool, key, files,
@@ -222,9 +226,9 @@ def _find_or_build(t: SnapshotTools, req: ServeRequest, rep: Reporter, model_dir
                              f"host (key {key.value[:12]})" + (f"; {len(others)} other snapshot(s) of this model "
                                                                "differ (listed above)" if others else ""),
                              hint="run without --no-build to build one (a cold start), or `vllm-snapshot create`")
-        earlier = [p for p, _ in matching if t.refusal(p) is not None]
+        earlier = [(p, r) for p, _ in matching if (r := t.refusal(p)) is not None]
         if req.build == "auto" and len(earlier) >= MAX_REFUSED_PER_KEY:
-            reasons = "\n  ".join(f"{p.name}: {t.refusal(p)['reason']}" for p in earlier[:MAX_REFUSED_PER_KEY])
+            reasons = "\n  ".join(f"{p.name}: {r['reason']}" for p, r in earlier[:MAX_REFUSED_PER_KEY])
             raise (type(errors[-1]) if errors else CriuError)(
                 f"{len(earlier)} snapshots built for this key were refused on this host; not building another:\n  "
                 + reasons,
@@ -258,13 +262,9 @@ def switch_model(req: ServeRequest, host: str | None, rollback: bool, rep: Repor
     from .restore import validate
 
     t = tools or LocalTools()
-    t.require_root()
-    check_engine_args(req.engine_args)
-    check_keep_env(req.keep_env)
-    model_dir, rev = t.resolve_model(req.model, arg_value(req.engine_args, "--revision"))
-    key, files, host_id = _key(t, req, rep, model_dir, rev is not None)
+    model_dir, hf_id, key, files, host_id = _prepare(t, req, rep, check_port=False)  # the old engine holds it
     path, snapshot, _refused, _warnings, _others = _find_or_build(
-        t, req, rep, model_dir, rev is not None, key, files, host_id, lambda p: (validate(p, tools=t), p)[1])
+        t, req, rep, model_dir, hf_id, key, files, host_id, lambda p: (validate(p, tools=t), p)[1])
     return switch(snapshot, host, req.port, req.log_file, rep, rollback, tools=t), path
 
 
@@ -274,7 +274,7 @@ def _restore_req(req: ServeRequest, snapshot: Path) -> RestoreRequest:
 
 
 def _refuse(t: SnapshotTools, rep: Reporter, p: Path, e: SnapshotError, refused: list[dict]) -> None:
-    line = e.message.splitlines()[0] + (" " + e.message.splitlines()[1].strip() if len(e.message.splitlines()) > 1 else "")
+    line = _first_lines(e)
     rep.info(f"snapshot {p.name} refused: {line}")
     refused.append({"snapshot": str(p), "code": e.code, "reason": line})
     try:

@@ -77,11 +77,10 @@ def release() -> None:
 def deferred() -> Iterator[None]:
     """Hold signals for the duration of the block; raise :class:`Interrupted` right after it
     when one came (not when the block itself raised: that error wins)."""
-    _state["depth"] += 1
+    hold()
     try:
         yield
-    finally:
-        _state["depth"] -= 1
-    if _state["depth"] == 0 and _state["pending"] is not None:
-        signum, _state["pending"] = _state["pending"], None
-        raise _interrupted(signum)
+    except BaseException:
+        _state["depth"] = max(0, _state["depth"] - 1)
+        raise
+    release()

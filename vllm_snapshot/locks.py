@@ -10,9 +10,8 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import sys
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -164,22 +163,15 @@ def key_lock(key: str, on_wait=None, wait_s: float = KEY_WAIT_S) -> Iterator[Non
     ``wait_s`` seconds. Raises BusyError after that."""
     path = paths.run_dir() / "locks" / f"key-{key[:32]}.lock"
     what, label = f"snapshot key {key[:12]}", f"key {key}"
-    cm = lock(path, what, label=label)
-    try:
-        cm.__enter__()
-    except BusyError:
-        if on_wait is not None:
-            who = ", ".join(holders(path)) or "another process"
-            on_wait(f"waiting for {who}: it is building or restoring the snapshot for this key ({key[:12]})")
-        cm = lock(path, what, wait_s=wait_s, label=label)
-        cm.__enter__()
-    try:
+    with ExitStack() as held:
+        try:
+            held.enter_context(lock(path, what, label=label))
+        except BusyError:
+            if on_wait is not None:
+                who = ", ".join(holders(path)) or "another process"
+                on_wait(f"waiting for {who}: it is building or restoring the snapshot for this key ({key[:12]})")
+            held.enter_context(lock(path, what, wait_s=wait_s, label=label))
         yield
-    except BaseException:
-        if not cm.__exit__(*sys.exc_info()):
-            raise
-    else:
-        cm.__exit__(None, None, None)
 
 
 def criu_lock(wait_s: float = 300.0):

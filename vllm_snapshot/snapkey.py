@@ -20,7 +20,7 @@ Importing vLLM's parser costs ~16 s on a 2-core host (measured: ``python -c 'fro
 vllm.entrypoints.launchers.cli_args import make_arg_parser'``), longer than a restore. So the
 engine (which parses its args anyway) reports the normalized args at create, the manifest keeps
 them with a digest of the raw args (``raw_args``), and ``serve`` reuses a manifest's normalized
-args when its raw args, model string and vLLM version are the same (:func:`memo_lookup`); only
+args when its raw args, model string and vLLM version are the same (:func:`raw_args_digest`, looked up by ``ops.serve``); only
 args never seen before are parsed in the CLI process.
 """
 

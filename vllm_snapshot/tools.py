@@ -458,10 +458,9 @@ class LocalTools(SnapshotTools):
             with contextlib.redirect_stderr(captured):
                 return snapkey.normalize_args(list(engine_args))
         except SystemExit as e:
-            lines = [ln for ln in captured.getvalue().splitlines() if ln.strip()]
-            reason = next((ln.split("error:", 1)[1].strip() for ln in reversed(lines) if "error:" in ln),
-                          "rejected by vLLM's argument parser")
-            raise UsageError(f"invalid engine arguments: {reason}",
+            from .engine.main import argparse_reason
+
+            raise UsageError(f"invalid engine arguments: {argparse_reason(captured.getvalue())}",
                              hint="the engine args are those of `vllm serve`") from e
         finally:
             if dict(os.environ) != saved:

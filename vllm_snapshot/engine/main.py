@@ -47,6 +47,14 @@ def _commands(loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> None:
     loop.call_soon_threadsafe(q.put_nowait, None)  # EOF: the supervisor closed the pipe
 
 
+def argparse_reason(stderr_text: str) -> str:
+    """The REASON of argparse's ``prog: error: REASON`` in captured stderr (its last non-empty
+    line when there is none). Pure."""
+    lines = [ln for ln in stderr_text.splitlines() if ln.strip()]
+    return next((ln.split("error:", 1)[1].strip() for ln in reversed(lines) if "error:" in ln),
+                lines[-1] if lines else "rejected by vLLM's argument parser")
+
+
 def parse_engine_args(model: str, engine_args: list[str]):
     """Parse ``vllm serve`` engine args with vLLM's own parser. Raises SystemExit(2) on bad
     args (argparse prints the reason to stderr, which is the engine log)."""
@@ -213,10 +221,7 @@ async def run(spec: dict) -> int:
             normalized = normalize_args(list(spec.get("engine_args", [])))
     except SystemExit as e:
         # argparse printed usage + "prog: error: REASON"; pass the reason on
-        lines = [ln for ln in captured.getvalue().splitlines() if ln.strip()]
-        reason = next((ln.split("error:", 1)[1].strip() for ln in reversed(lines) if "error:" in ln),
-                      lines[-1] if lines else "rejected by vLLM's argument parser")
-        emit("error", kind="usage", message=f"invalid engine arguments: {reason}")
+        emit("error", kind="usage", message=f"invalid engine arguments: {argparse_reason(captured.getvalue())}")
         return int(e.code or 2)
     except ValueError as e:
         emit("error", kind="usage", message=str(e))

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -91,15 +93,23 @@ def _interrupt_at(argv: list[str], label: str, sig: int, env=None) -> tuple[int,
     p = subprocess.Popen([sys.executable, "-m", "vllm_snapshot", *argv], stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, text=True, env=env or engine_env(), cwd=ROOT)
     seen, lines = False, []
-    for line in p.stderr:
-        lines.append(line)
-        # `in`, not startswith: in the foreground the engine's log shares stderr, and a chunk of
-        # it without its newline yet can precede our progress line on the same line
-        if f"[vllm-snapshot] {label}" in line and line.rstrip().endswith("..."):
-            p.send_signal(sig)
-            seen = True
-            break
-    rest = p.communicate(timeout=180)[1]
+    # a phase line never seen must fail the test, not hang it while the engine serves
+    watchdog = threading.Timer(300, p.kill)
+    watchdog.start()
+    # search, not startswith/endswith: in the foreground the engine's log shares stderr, and a
+    # chunk of it without its newline can stand before or after our progress line on one line;
+    # the start line is "LABEL... ...", the end line "LABEL...: done in" / "...: FAILED"
+    start = re.compile(rf"\[vllm-snapshot\] {re.escape(label)}(?:(?!: done|: FAILED)[^\n])*? \.\.\.")
+    try:
+        for line in p.stderr:
+            lines.append(line)
+            if start.search(line):
+                p.send_signal(sig)
+                seen = True
+                break
+        rest = p.communicate(timeout=180)[1]
+    finally:
+        watchdog.cancel()
     assert seen, f"never reached {label!r}:\n{''.join(lines)[-3000:]}"
     return p.returncode, "".join(lines) + rest
 

@@ -15,7 +15,7 @@ from typing import Callable
 from vllm_snapshot import manifest as mf
 from vllm_snapshot.criu import DumpOptions, RestoreOptions
 from vllm_snapshot.inventory import Inventory
-from vllm_snapshot.manifest import ExternalMount, ImageFile, Manifest, ModelFile
+from vllm_snapshot.manifest import CodeIdentity, ExternalMount, ImageFile, Manifest, ModelFile
 from vllm_snapshot.model_digest import ModelCheck
 from vllm_snapshot.registry import Entry
 from vllm_snapshot.resources import Offer
@@ -57,6 +57,8 @@ class FakeEngine(Engine):
                              "normalized_args": {"args": " ".join(self.engine_args)}}}
         if name == "oracle":
             return {"event": name, "oracle": self._next_oracle()}
+        if name == "dump-ready":
+            return {"event": name, "modules": ["vllm", "torch"], "sys_path": ["/site-packages"]}
         return {"event": name}
 
     def alive(self) -> bool:
@@ -119,6 +121,7 @@ class FakeTools(SnapshotTools):
         self._t = 0.0
         self.externals: list[ExternalMount] = []
         self.mount_problems: list[str] = []
+        self.code_problems: list[str] = []  # what check_code finds
         self.restored_tree: list[str] | None = None
         self.uuids: list[str] = ["GPU-fake-0"]
         self.model_files: tuple[ModelFile, ...] | None = None
@@ -238,6 +241,15 @@ class FakeTools(SnapshotTools):
     def check_tree_files(self, m: Manifest) -> list[str]:
         self._call("check_tree_files")
         return []
+
+    def pin_code(self, modules: list[str], sys_path: list[str], work_dir: Path) -> CodeIdentity:
+        self._call("pin_code")
+        self.pinned_modules = list(modules)
+        return CodeIdentity(table_digest="0" * 64, files=len(modules), distributions={"vllm": "0.32.0"})
+
+    def check_code(self, snapshot: Path, m: Manifest) -> list[str]:
+        self._call("check_code")
+        return list(self.code_problems)
 
     # ---- engine (create)
     def launch_engine(self, spec: dict, env: dict[str, str], log_path: Path,

@@ -483,3 +483,38 @@ def test_cuda_create_checks_plugin_helper_and_driver_before_the_engine_starts():
     cpu = FakeTools()
     _create(cpu)
     assert "check_cuda_ready" not in cpu.calls
+
+
+# ------------------------------------------------------------------ code identity (issue 15 item 3)
+
+def test_changed_python_files_refuse_before_criu_and_leave_no_staging():
+    t = FakeTools()
+    t.code_problems = ["/venv/site-packages/vllm/entrypoints/run_batch.py (vllm 0.32.0) changed since the snapshot was created"]
+    with pytest.raises(IncompatibleHostError, match="run_batch.py") as ei:
+        _restore(t)
+    assert "re-create" in ei.value.hint
+    c = t.calls
+    assert "check_code" in c
+    assert "restore_tree" not in c and "criu_lock" not in c and "register" not in c
+    assert "unstage_all" in c  # the staged images are removed
+
+
+def test_code_check_is_decided_before_criu():
+    t = FakeTools()
+    _restore(t)
+    assert _before(t.calls, "check_code", "restore_tree")
+
+
+def test_create_pins_the_code_the_engine_imported():
+    t = FakeTools()
+    created = _create(t)
+    assert t.pinned_modules == ["vllm", "torch"]  # what the engine's dump-ready said
+    assert created.manifest.code is not None and created.manifest.code.distributions == {"vllm": "0.32.0"}
+    assert _before(t.calls, "dump", "pin_code") and _before(t.calls, "pin_code", "publish")
+
+
+def test_verify_reports_changed_python_files():
+    t = FakeTools()
+    t.code_problems = ["/x/torch/__init__.py (torch 2.13.0) is missing"]
+    with pytest.raises(IncompatibleHostError, match="torch/__init__.py"):
+        ops.verify(SNAP, tools=t)

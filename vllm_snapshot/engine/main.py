@@ -284,7 +284,10 @@ async def run(spec: dict) -> int:
                     gc.collect()
                     sys.stdout.flush()
                     sys.stderr.flush()
-                    emit("dump-ready")
+                    # what the code identity pins (vllm_snapshot.codeid): the distributions
+                    # owning these modules, found on this sys.path
+                    emit("dump-ready", modules=sorted({m.split(".", 1)[0] for m in list(sys.modules)}),
+                         sys_path=list(sys.path))
                 elif name == "attach":
                     # a restored tree dies with the restore that adopted it (a SIGKILLed
                     # restore must not leave an engine nobody knows about) until `serve`

@@ -30,7 +30,9 @@ Commands (``{"cmd": NAME, ...}``):
 Events (``{"event": NAME, ...}``):
 
 * ``initialized`` ``{oracle, info}`` -- the engine is up; ``info``: kind, vllm, torch, served_model_name.
-* ``oracle`` ``{oracle}``, ``slept``, ``woken``, ``dump-ready``, ``attached``.
+* ``oracle`` ``{oracle}``, ``slept``, ``woken``, ``attached``.
+* ``dump-ready`` ``{modules, sys_path}``: the top-level names of the engine root's
+  ``sys.modules`` and its ``sys.path`` (what :mod:`vllm_snapshot.codeid` pins).
 * ``binding`` ``{address}`` -- the listening socket is bound; the HTTP server starts.
 * ``error`` ``{kind, message}`` -- the command failed (``kind`` ``usage``: bad engine args).
 

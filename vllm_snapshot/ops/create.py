@@ -8,7 +8,9 @@
 5. prepare-dump (app prebuilt, parent-death signal cleared);
 6. inventory (refuse what CRIU cannot restore), channel keys, link-remap watch;
 7. CRIU dump (host-wide lock), tree gone, link-remap files saved;
-8. checksums / compression; host identity; manifest (pure :func:`build_manifest`); publish.
+8. checksums / compression; code identity (:mod:`vllm_snapshot.codeid`: the files of the
+   distributions the engine imported from, pinned by stat); host identity; manifest (pure
+   :func:`build_manifest`); publish.
 
 On any failure: engine killed, temp dir removed, CRIU log kept (named in the error), and a
 failing cleanup is reported together with the failure that caused it.
@@ -209,7 +211,8 @@ def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, revisio
                    recorded: oracle.Oracle, sleep_level: int, env: dict[str, str], criu_ver: str,
                    host: dict[str, str], inv: Inventory, inherit: dict[str, str], dump_opts: criu.DumpOptions,
                    externals: tuple, images: tuple, extra: tuple, timings: dict[str, float],
-                   created_at: str, key: manifest.SnapshotKey | None = None) -> manifest.Manifest:
+                   created_at: str, key: manifest.SnapshotKey | None = None,
+                   code: manifest.CodeIdentity | None = None) -> manifest.Manifest:
     """The manifest of a finished dump (unsealed). Pure."""
     return manifest.Manifest(
         schema_version=manifest.SCHEMA_VERSION,
@@ -235,6 +238,7 @@ def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, revisio
                "model": sum(f.size for f in files)},
         timings=dict(timings),
         key=key,
+        code=code,
     )
 
 
@@ -269,7 +273,7 @@ def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: 
             with rep.phase("sleep", f"sleep level {sleep_level} (rehearsal: wake, reload, oracle)"):
                 _rehearse_sleep(engine, sleep_level, recorded)
         engine.send("prepare-dump")
-        engine.wait_event("dump-ready", DUMP_READY_TIMEOUT_S)
+        ready = engine.wait_event("dump-ready", DUMP_READY_TIMEOUT_S)
         with rep.phase("inventory", "checking the tree for what CRIU cannot restore"):
             inv = t.inspect_tree(engine.root_pid)
             inherit = t.channel_keys(engine.root_pid)
@@ -296,13 +300,15 @@ def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: 
         with rep.phase("pack", f"checksums + compression ({req.compression})"):
             images = t.pack(tmp / layout.IMAGES, str(req.compression))
             extra = t.pack(tmp / layout.FILES, "none")
+        with rep.phase("code_identity", "pinning the files of the Python distributions the engine imported from"):
+            code = t.pin_code(ready.get("modules") or [], ready.get("sys_path") or [], tmp)
         t.cleanup_remaps(remaps)  # the copies live in the snapshot now
         remaps = []
         m = build_manifest(
             req=req, target=target, model_dir=model_dir, revision=revision, files=files, info=info, recorded=recorded,
             sleep_level=sleep_level, env=env, criu_ver=criu_ver, host={**host, **gpu_id},
             inv=inv, inherit=inherit, dump_opts=dump_opts, externals=externals, images=images, extra=extra,
-            timings=rep.timings, key=key,
+            timings=rep.timings, key=key, code=code,
             created_at=_dt.datetime.fromtimestamp(t.now(), _dt.timezone.utc).isoformat(timespec="seconds"))
         with rep.phase("publish", "publishing"):
             m = manifest.seal(m.model_copy(update={"timings": dict(rep.timings)}))

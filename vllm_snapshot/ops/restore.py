@@ -7,7 +7,8 @@ recorded CRIU flags known -> host identity field by field -> the HTTP port free 
 tree had open or mapped -> model files (re-hashing last: a taken port is found in
 milliseconds, not after every model byte was read).
 
-:func:`restore` -- validate -> stage (image checksums) -> put back link-remap files -> fresh
+:func:`restore` -- validate -> stage (image checksums; meanwhile the code identity of
+:mod:`vllm_snapshot.codeid`, decided before CRIU) -> put back link-remap files -> fresh
 channel -> CRIU restore with the recorded flags (into a fresh network namespace) -> adopt the
 tree -> (CUDA: wake) -> oracle inside the engine -> only then bind -> /health -> HTTP canary ->
 registry. Any failure kills the tree, releases the port, removes staging; a failing cleanup is
@@ -66,6 +67,19 @@ class RestoreRequest:
     engine_log: Callable[[bytes], None] | None = None
 
 
+_POOL = None
+
+
+def _pool():
+    """One worker thread for checks that overlap staging (created on first use)."""
+    global _POOL
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-snapshot-check")
+    return _POOL
+
+
 def validate(snapshot: Path, verify_model: str = "quick", allow: frozenset[str] = frozenset(),
              check_images: bool = False, port: tuple[str, int] | None = None,
              tools: SnapshotTools | None = None) -> tuple[Manifest, list[str]]:
@@ -117,6 +131,16 @@ def validate(snapshot: Path, verify_model: str = "quick", allow: frozenset[str] 
     return m, warnings
 
 
+def raise_code_changed(problems: list[str]) -> None:
+    """Raise IncompatibleHostError when the code identity check found ``problems``."""
+    if problems:
+        raise IncompatibleHostError(
+            "Python files the engine imports from changed since the snapshot was created "
+            "(a restored engine would import them):\n  " + "\n  ".join(problems),
+            hint="reinstall the recorded versions (`vllm-snapshot inspect` lists them), or re-create the snapshot",
+            details={"code": problems})
+
+
 def verify(snapshot: Path, allow: frozenset[str] = frozenset(), tools: SnapshotTools | None = None) -> Verified:
     """``verify``: :func:`validate` with every image checksum and a full model re-hash, under
     the snapshot's shared lock. Returns :class:`Verified`."""
@@ -124,6 +148,7 @@ def verify(snapshot: Path, allow: frozenset[str] = frozenset(), tools: SnapshotT
     snapshot = t.canonical(snapshot)
     with t.snapshot_lock(snapshot, shared=True):
         m, warnings = validate(snapshot, "full", allow, check_images=True, tools=t)
+        raise_code_changed(t.check_code(snapshot, m))
     return Verified(str(snapshot), len(m.images), len(m.model.files), warnings)
 
 
@@ -177,10 +202,16 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
     placed: list[Path] = []
     channel = None
     engine: Engine | None = None
+    code_check = None
     try:
+        # the code identity check (~0.1 s of stat calls) runs while the images are staged and is
+        # decided before CRIU starts
+        code_check = _pool().submit(t.check_code, snapshot, m)
         with rep.phase("stage", "verifying checksums and staging images"):
             stage = t.stage(snapshot, m)
             placed = t.put_back_remaps(snapshot, m)
+        with rep.phase("code_check", "checking the Python files the engine imports from"):
+            raise_code_changed(code_check.result())
         isolated = m.engine.network == "isolated"
         channel = t.new_channel(log_file)
         with t.criu_lock():
@@ -250,6 +281,8 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
         interrupts.hold()  # serving, validated: see restore()
         return Restored(str(snapshot), pid, url, m.model.served_name, dict(rep.timings), warnings, req.detach), engine
     except BaseException as e:
+        if code_check is not None:
+            code_check.cancel()
         steps = []
         if engine is not None:
             eng = engine

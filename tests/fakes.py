@@ -306,9 +306,12 @@ class FakeTools(SnapshotTools):
         self._call("memory_offer")
         return self.offer
 
-    def serve_engine(self, engine: Engine, host: str, port: int, die_with_parent: bool) -> None:
+    def serve_engine(self, engine: Engine, host: str, port: int, die_with_parent: bool,
+                     frontend: tuple[str, ...] = ()) -> None:
         self._call("serve_engine")
-        engine.send("serve", host=host, port=port, die_with_parent=die_with_parent, handoff="fake-handoff")
+        self.served_frontend = tuple(frontend)
+        engine.send("serve", host=host, port=port, die_with_parent=die_with_parent, handoff="fake-handoff",
+                    frontend=list(frontend))
 
     def check_log_file(self, path: Path) -> None:
         self._call("check_log_file")
@@ -372,7 +375,9 @@ class FakeTools(SnapshotTools):
         self.health_after -= 1
         return self.health_after < 0
 
-    def http_canary(self, url: str, m: Manifest) -> list[str]:
+    def http_canary(self, url: str, m: Manifest, api_key: str | None = None) -> list[str]:
+        self.canary_key = api_key
+        self.canary_url = url
         self._call("http_canary")
         return list(self.canary_diffs)
 

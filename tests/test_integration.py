@@ -234,14 +234,14 @@ def test_create_bad_engine_args_publishes_nothing(snap_root):
 
 
 def test_create_refuses_an_api_key_before_the_snapshot_exists(snap_root):
-    """A key at create would sit in the images and the canary could never pass (HTTP 401):
-    refused by vLLM's parser inside the engine, before the model loads; nothing published."""
+    """A key at create would sit in the images: refused before the engine starts, pointing to
+    restore (which applies it when the server starts); nothing published."""
     before = engine_pids()
     target = snap_root / "with-key"
     p = cli("create", str(TINY), "--snapshot-dir", str(target), "--", *ENGINE_ARGS, "--api-key", "sk-planted",
             timeout=300)
     assert p.returncode == 2, p.stderr[-2000:]
-    assert "--api-key" in p.stderr and "never be restored" in p.stderr
+    assert "--api-key" in p.stderr and "vllm-snapshot restore NAME --api-key" in p.stderr
     assert "sk-planted" not in p.stderr
     assert not target.exists() and not list(snap_root.glob(".with-key.tmp-*"))
     assert engine_pids(10, before) - before == set()

@@ -406,3 +406,85 @@ def test_changed_vllm_source_file_refused_before_criu(snapshot):
         assert "code_check" in json.loads(r.stdout)["timings"]
     finally:
         cli("stop", "--port", str(port), check=True)
+
+
+def _request(url: str, key: str | None = None, method: str = "GET", headers: dict | None = None):
+    """(status, headers) of a request to our own TLS listener (self-signed: not verified)."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    h = dict(headers or {})
+    if key:
+        h["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, headers=h, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=30, context=ctx) as r:
+            return r.status, dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers)
+
+
+def test_api_key_tls_and_cors_given_at_restore(snapshot, tmp_path):
+    """Issue 15 item 1: the session snapshot was created with VLLM_API_KEY planted in create's
+    environment (not in any image: test_no_planted_secret_in_images). At restore the key comes
+    from VLLM_API_KEY, TLS and CORS from vLLM's own options: 401 without the key, 200 with it,
+    HTTPS only, the CORS origin allowed; the key is in no command line, log, registry or output.
+    A second restore without options serves without a key: the snapshot holds none."""
+    from tls import self_signed
+
+    import urllib.request
+
+    cert, keyfile = self_signed(tmp_path)
+    key = "rk-" + os.urandom(12).hex()
+    port = free_port()
+    log = tmp_path / "engine.log"
+    r = cli("restore", str(snapshot), "--port", str(port), "--detach", "--json", "--log-file", str(log),
+            "--ssl-certfile", str(cert), "--ssl-keyfile", str(keyfile), "--allowed-origins", '["https://app.example"]',
+            timeout=120, env={**engine_env(), "VLLM_API_KEY": key})
+    assert r.returncode == 0, r.stderr[-3000:]
+    try:
+        out = json.loads(r.stdout)
+        assert out["url"] == f"https://127.0.0.1:{port}" and "API key required" in out["frontend"]
+        base = f"https://127.0.0.1:{port}"
+        assert _request(f"{base}/v1/models")[0] == 401
+        assert _request(f"{base}/v1/models", "wrong")[0] == 401
+        assert _request(f"{base}/v1/models", key)[0] == 200
+        status, headers = _request(f"{base}/v1/models", method="OPTIONS", headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "GET"})
+        assert status == 200 and headers.get("access-control-allow-origin") == "https://app.example"
+        with pytest.raises(Exception):  # plain HTTP on the TLS port is not served
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5).read()
+        secret = key.encode()
+        for p in psutil.process_iter(["cmdline"]):
+            assert key not in " ".join(p.info["cmdline"] or []), f"key on the command line of PID {p.pid}"
+        assert secret not in log.read_bytes()
+        assert key not in r.stdout + r.stderr
+        from vllm_snapshot import paths
+
+        for d in (paths.run_dir(), paths.state_dir()):
+            for f in d.rglob("*") if d.exists() else []:
+                if f.is_file():
+                    assert secret not in f.read_bytes(), f"key in {f}"
+        st = cli("status", "--json", check=True)
+        assert key not in st.stdout
+    finally:
+        cli("stop", "--port", str(port), check=True)
+    # no options: no key, plain HTTP -- the key was never part of the snapshot
+    port2 = free_port()
+    r2 = cli("restore", str(snapshot), "--port", str(port2), "--detach", timeout=120)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    try:
+        assert _request(f"http://127.0.0.1:{port2}/v1/models")[0] == 200
+    finally:
+        cli("stop", "--port", str(port2), check=True)
+
+
+def test_engine_option_at_restore_is_refused_before_criu(snapshot):
+    before = engine_pids()
+    p = cli("restore", str(snapshot), "--port", str(free_port()), "--max-num-seqs", "4", timeout=60)
+    refused_before_criu(p, 2, before)
+    assert "--max-num-seqs" in p.stderr and "frozen in the snapshot" in p.stderr

@@ -257,7 +257,7 @@ def switch(
     restore SNAPSHOT there (detached); roll back to the old engine if that fails. Reports the
     measured switch time. With --model MODEL [-- engine args] the snapshot is the one `serve`
     would use (built first, while the old engine keeps serving, when none is valid)."""
-    from . import ops, render, store
+    from . import frontend, ops, render, store
 
     _root_only("switch")
     _interruptible()
@@ -270,21 +270,25 @@ def switch(
         engine_args, snapshot = [snapshot, *engine_args], None
     if (snapshot is None) == (model is None):
         raise UsageError("give a SNAPSHOT or --model MODEL (one of them, not both)")
+    front, engine_args = frontend.split(engine_args)  # API key, TLS, CORS, ...: applied at restore
     if model is None:
         if engine_args:
             raise UsageError(f"unexpected arguments {' '.join(engine_args)!r}: engine args go with --model MODEL",
-                             hint="a snapshot's engine args are frozen at create")
-        render.show(ops.switch(_resolve(snapshot), host, port, log_file, _reporter(quiet, as_json), rollback),
-                    as_json, quiet)
+                             hint="a snapshot's engine args are frozen at create; front-end options (API key, "
+                                  "TLS, CORS, ...) are accepted after --")
+        render.show(ops.switch(_resolve(snapshot), host, port, log_file, _reporter(quiet, as_json), rollback,
+                               frontend=tuple(front)), as_json, quiet)
         return
     req = ops.ServeRequest(model=model, root=store.ensure_root(_root_dir()), engine_args=engine_args, port=port,
-                           log_file=log_file, build="never" if no_build else "auto", detach=True)
+                           log_file=log_file, build="never" if no_build else "auto", detach=True,
+                           frontend=tuple(front))
     switched, _path = ops.switch_model(req, host, rollback, _reporter(quiet, as_json))
     render.show(switched, as_json, quiet)
 
 
-@app.command()
+@app.command(context_settings=PASSTHROUGH)
 def restore(
+    ctx: typer.Context,
     snapshot: str = typer.Argument(..., help="Snapshot name (under the root) or directory."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to serve on (bound only after the oracle matched)."),
     port: int = typer.Option(8000, "--port", min=1, max=65535),
@@ -296,10 +300,17 @@ def restore(
     quiet: bool = typer.Option(False, "--quiet", "-q"),
 ) -> None:
     """Validate, restore with CRIU, check the oracle inside the engine, then serve the OpenAI
-    API on HOST:PORT. Fails closed: on any mismatch nothing serves and nothing is left."""
-    from . import ops, render
+    API on HOST:PORT. Fails closed: on any mismatch nothing serves and nothing is left.
+    Front-end options of `vllm serve` may follow (--api-key or VLLM_API_KEY, --ssl-keyfile/
+    --ssl-certfile/--ssl-ca-certs, --allowed-origins/-methods/-headers, --root-path,
+    --uvicorn-log-level, --enable-log-requests, ...); engine options are frozen in the snapshot."""
+    from . import frontend, ops, render
 
     _root_only("restore")
+    extra = list(ctx.args)
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    frontend.refuse_engine_options(extra)
     _interruptible()
     if verify_model not in ("quick", "full"):
         raise UsageError("--verify-model must be quick or full")
@@ -309,7 +320,7 @@ def restore(
     rep, lifecycle = _lifecycle_reporter(quiet, as_json)
     req = ops.RestoreRequest(snapshot=_resolve(snapshot), host=host, port=port, detach=detach,
                              log_file=log_file, verify_model=verify_model,
-                             allow=frozenset(allow_mismatch), engine_log=_stderr_sink)
+                             allow=frozenset(allow_mismatch), engine_log=_stderr_sink, frontend=tuple(extra))
     r, engine = ops.restore(req, rep)
     render.show(r, as_json, quiet)
     _run_engine(r, engine, rep, lifecycle, detach)
@@ -385,7 +396,7 @@ def serve(
     """Like `vllm serve MODEL [engine args]`: restore the snapshot made for exactly this model,
     these args and this host (the key); if there is none or it is refused, build one (cold
     start, oracle, dump) and restore that. The port is bound only after the oracle matched."""
-    from . import archive, oracle, ops, render, store
+    from . import archive, frontend, oracle, ops, render, store
 
     _root_only("serve")
     _interruptible()
@@ -399,6 +410,8 @@ def serve(
     engine_args = list(ctx.args)
     if engine_args and engine_args[0] == "--":
         engine_args = engine_args[1:]
+    # front-end options (API key, TLS, CORS, ...) are applied at restore, never built into the snapshot
+    front, engine_args = frontend.split(engine_args)
     # `vllm serve MODEL --port P ...` puts them among the engine args: they are serve's
     engine_args, h = _pop_option(engine_args, "--host")
     engine_args, p = _pop_option(engine_args, "--port")
@@ -425,7 +438,7 @@ def serve(
         build="never" if no_build else "always" if rebuild else "auto",
         oracle_prompt=oracle_prompt or oracle.DEFAULT_PROMPT, sleep_level=sleep_level,
         compression=archive.Compression.parse(compress), keep_env=tuple(keep_env),
-        engine_log=_stderr_sink, create_log=_stderr_sink if verbose else None)
+        engine_log=_stderr_sink, create_log=_stderr_sink if verbose else None, frontend=tuple(front))
     served, engine = ops.serve(req, rep)
     render.show(served, as_json, quiet)
     _run_engine(served.restored, engine, rep, lifecycle, detach)

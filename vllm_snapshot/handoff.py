@@ -79,10 +79,12 @@ class Handoff:
         self.sock.close()
 
 
-def serve_engine(engine, host: str, port: int, die_with_parent: bool) -> None:
+def serve_engine(engine, host: str, port: int, die_with_parent: bool, frontend: tuple[str, ...] = ()) -> None:
     """Bind ``host:port`` here (the host's network namespace), send ``serve`` to ``engine``
     (an :class:`vllm_snapshot.tools.Engine` whose tree lives in its own namespace) and hand it
-    the listening socket. Our copy is closed afterwards: the engine holds the port alone.
+    the listening socket. ``frontend``: front-end option tokens the engine applies before it
+    serves (:mod:`vllm_snapshot.frontend`; they may hold an API key: they travel only in the
+    control pipe). Our copy is closed afterwards: the engine holds the port alone.
     Raises BusyError/UsageError (the port), EngineError (the engine did not take it)."""
     from . import ports
 
@@ -93,7 +95,8 @@ def serve_engine(engine, host: str, port: int, die_with_parent: bool) -> None:
         except OSError as e:
             raise EngineError(f"cannot reach the engine's network namespace (PID {engine.root_pid}): {e}") from e
         try:
-            engine.send("serve", host=host, port=port, die_with_parent=die_with_parent, handoff=handoff.name)
+            engine.send("serve", host=host, port=port, die_with_parent=die_with_parent, handoff=handoff.name,
+                        frontend=list(frontend))
             handoff.give(listener, alive=getattr(engine, "alive", lambda: True))
         finally:
             handoff.close()

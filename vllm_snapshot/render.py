@@ -77,7 +77,8 @@ def _verified(r: R.Verified, quiet: bool) -> None:
 def _restored(r: R.Restored, quiet: bool) -> None:
     if not quiet:
         sys.stderr.write(f"[vllm-snapshot] serving {r.served_name} at {r.url} (engine PID {r.pid}); "
-                         f"restore took {sum(r.timings.values()):.2f} s\n")
+                         f"restore took {sum(r.timings.values()):.2f} s"
+                         + (f"; {', '.join(r.frontend)}" if r.frontend else "") + "\n")
         sys.stderr.flush()
     if r.detached:
         _line(str(r.pid))  # scripts read the engine PID from stdout

@@ -43,10 +43,12 @@ class Restored:
     timings: dict[str, float]
     warnings: list[str]
     detached: bool = False
+    #: front-end settings applied at restore, in words, no secret values (frontend.Frontend.describe)
+    frontend: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
         return {"snapshot": self.snapshot, "pid": self.pid, "url": self.url, "timings": self.timings,
-                "warnings": self.warnings, "oracle": "match"}
+                "warnings": self.warnings, "oracle": "match", "frontend": list(self.frontend)}
 
 
 @dataclass(frozen=True)

@@ -199,10 +199,12 @@ class SnapshotTools(Protocol):
     def port_free(self, host: str, port: int) -> None:
         """Raises BusyError/UsageError when ``host:port`` cannot be bound."""
 
-    def serve_engine(self, engine: Engine, host: str, port: int, die_with_parent: bool) -> None:
+    def serve_engine(self, engine: Engine, host: str, port: int, die_with_parent: bool,
+                     frontend: tuple[str, ...] = ()) -> None:
         """Bind ``host:port`` in our (the host's) network namespace, send ``serve`` and hand the
         listening socket to the engine, whose tree has a network namespace of its own
-        (:mod:`vllm_snapshot.handoff`). Raises BusyError/UsageError (port), EngineError."""
+        (:mod:`vllm_snapshot.handoff`); ``frontend``: option tokens the engine applies first
+        (:mod:`vllm_snapshot.frontend`). Raises BusyError/UsageError (port), EngineError."""
 
     def check_log_file(self, path: Path) -> None:
         """Raises UsageError when ``path`` cannot be an engine log file."""
@@ -249,8 +251,9 @@ class SnapshotTools(Protocol):
 
     def http_health(self, url: str) -> bool: ...
 
-    def http_canary(self, url: str, m: Manifest) -> list[str]:
-        """Differences between an HTTP completion of the oracle prompt and the oracle."""
+    def http_canary(self, url: str, m: Manifest, api_key: str | None = None) -> list[str]:
+        """Differences between an HTTP completion of the oracle prompt and the oracle
+        (``api_key``: sent as ``Authorization: Bearer``)."""
 
     # ---- store and runtime
     def snapshot_lock(self, snapshot: Path, shared: bool, must_exist: bool = True) -> AbstractContextManager: ...
@@ -324,12 +327,26 @@ def canary_request(m: Manifest) -> dict:
             "return_token_ids": True}
 
 
-def _http_json(url: str, body: dict | None = None, timeout: float = 30.0) -> tuple[int, dict | str]:
-    """POST ``body`` (or GET) ``url``; (status, parsed JSON or text). Raises URLError/OSError."""
+def _http_json(url: str, body: dict | None = None, timeout: float = 30.0,
+               api_key: str | None = None) -> tuple[int, dict | str]:
+    """POST ``body`` (or GET) ``url``; (status, parsed JSON or text). ``https://`` URLs are not
+    certificate-checked: they are the listener this process bound itself a moment ago (the
+    certificate's names need not include the loopback address we connect to). Raises
+    URLError/OSError."""
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(url, data=data, headers=headers)
+    ctx = None
+    if url.startswith("https://"):
+        import ssl
+
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with urllib.request.urlopen(req, timeout=timeout, context=ctx) as r:
             raw = r.read().decode()
             try:
                 return r.status, json.loads(raw)
@@ -688,10 +705,11 @@ class LocalTools(SnapshotTools):
 
         return resources.offer()
 
-    def serve_engine(self, engine: Engine, host: str, port: int, die_with_parent: bool) -> None:
+    def serve_engine(self, engine: Engine, host: str, port: int, die_with_parent: bool,
+                     frontend: tuple[str, ...] = ()) -> None:
         from . import handoff
 
-        handoff.serve_engine(engine, host, port, die_with_parent)
+        handoff.serve_engine(engine, host, port, die_with_parent, frontend)
 
     def check_log_file(self, path: Path) -> None:
         from .errors import UsageError
@@ -813,11 +831,11 @@ class LocalTools(SnapshotTools):
         except (urllib.error.URLError, OSError):
             return False
 
-    def http_canary(self, url: str, m: Manifest) -> list[str]:
+    def http_canary(self, url: str, m: Manifest, api_key: str | None = None) -> list[str]:
         from . import oracle
 
         try:
-            status, body = _http_json(f"{url}/v1/completions", canary_request(m))
+            status, body = _http_json(f"{url}/v1/completions", canary_request(m), api_key=api_key)
         except (urllib.error.URLError, OSError) as e:
             return [f"canary request failed: {e}"]
         if status != 200 or not isinstance(body, dict):

@@ -55,13 +55,19 @@ def argparse_reason(stderr_text: str) -> str:
                 lines[-1] if lines else "rejected by vLLM's argument parser")
 
 
+#: vLLM's parser as built at create (kept in the snapshot: building it again after a restore
+#: costs ~0.5 s; parsing front-end options with it costs ~1 ms)
+_PARSER = None
+
+
 def parse_engine_args(model: str, engine_args: list[str]):
     """Parse ``vllm serve`` engine args with vLLM's own parser. Raises SystemExit(2) on bad
     args (argparse prints the reason to stderr, which is the engine log)."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm-snapshot create MODEL"))
+    global _PARSER
+    parser = _PARSER = make_arg_parser(FlexibleArgumentParser(prog="vllm-snapshot create MODEL"))
     args = parser.parse_args(["--model", model, *engine_args])
     if getattr(args, "model_tag", None) is not None:
         args.model = args.model_tag
@@ -85,13 +91,14 @@ def parse_engine_args(model: str, engine_args: list[str]):
 #: Every parallel size of vLLM 0.32's engine args; a snapshot is of one device.
 PARALLEL_SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
                   "prefill_context_parallel_size", "decode_context_parallel_size")
-#: Front-end settings restore cannot use yet: the HTTP canary and /health checks speak plain,
-#: unauthenticated HTTP over TCP (a key at create also sits in the images).
+#: Front-end settings refused at create: secrets and TLS belong to restore (vllm_snapshot.frontend),
+#: the rest can never be validated by the canary.
 FRONTEND_REFUSED = {
-    "api_key": "an API key (it would be in the snapshot's memory, and the canary would get HTTP 401)",
-    "ssl_keyfile": "TLS (the readiness check and canary speak plain HTTP)",
-    "ssl_certfile": "TLS (the readiness check and canary speak plain HTTP)",
-    "ssl_ca_certs": "TLS (the readiness check and canary speak plain HTTP)",
+    "api_key": "an API key would be frozen into the snapshot's memory; give it to restore/serve instead "
+               "(--api-key, or VLLM_API_KEY in their environment)",
+    "ssl_keyfile": "TLS is set up when the server starts; give the TLS options to restore/serve instead",
+    "ssl_certfile": "TLS is set up when the server starts; give the TLS options to restore/serve instead",
+    "ssl_ca_certs": "TLS is set up when the server starts; give the TLS options to restore/serve instead",
     "uds": "a unix socket listener (restore binds --host/--port)",
     "middleware": "custom middleware (it may reject or change the canary)",
 }
@@ -169,6 +176,35 @@ async def prepare_app(engine, args):
     import uvicorn
 
     uvicorn.Config(app, log_level=args.uvicorn_log_level, log_config=None).load()
+    return app
+
+
+async def apply_frontend(engine, args, app, tokens: list[str]):
+    """Apply the front-end options given at restore (:mod:`vllm_snapshot.frontend`) to the
+    create-time ``args``: vLLM's own parser (the one kept from create) parses ``tokens``; each
+    option given replaces the create-time value; the OpenAI app is rebuilt with vLLM's
+    ``build_app`` when an option it reads changed (API key, CORS, root path, ...), and request
+    logging is switched on the engine client. Returns the app to serve. Raises SystemExit
+    (argparse: bad value) or ValueError."""
+    from .. import frontend
+
+    if not tokens:
+        return app
+    frontend.refuse_engine_options(tokens)
+    given = set(frontend.values(tokens))  # which dests the tokens set (lexically, as the CLI checked)
+    parser = _PARSER
+    if parser is None:  # a snapshot from before the parser was kept
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        parser = make_arg_parser(FlexibleArgumentParser(prog="vllm-snapshot restore"))
+    ns = parser.parse_args(["--model", args.model, *tokens])
+    for dest in given:
+        setattr(args, dest, getattr(ns, dest))
+    if "enable_log_requests" in given and hasattr(engine, "log_requests"):
+        engine.log_requests = bool(args.enable_log_requests)
+    if given & frontend.APP_DESTS or app is None:
+        app = await prepare_app(engine, args)
     return app
 
 
@@ -300,8 +336,15 @@ async def run(spec: dict) -> int:
                     sock = receive_listener(str(cmd.get("handoff") or ""))
                     # foreground: the engine must not outlive its supervisor; --detach: it must
                     set_parent_death_signal(signal.SIGKILL if cmd.get("die_with_parent") else 0)
-                    if app is None:
-                        app = await prepare_app(engine, args)
+                    captured = io.StringIO()
+                    try:
+                        with contextlib.redirect_stderr(captured):
+                            app = await apply_frontend(engine, args, app, list(cmd.get("frontend") or []))
+                    except SystemExit:
+                        sock.close()
+                        emit("error", kind="usage",
+                             message=f"invalid front-end options: {argparse_reason(captured.getvalue())}")
+                        return 2
                     await serve(app, args, sock, cmd.get("host"), int(cmd["port"]))
                     return 0
                 else:

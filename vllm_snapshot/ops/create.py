@@ -106,17 +106,25 @@ def check_engine_args(engine_args: list[str]) -> None:
         if flag in RESTORE_OWNED_ARGS:
             raise UsageError(f"{flag} is not an engine arg here: the snapshot's engine binds nothing until restore",
                              hint=f"pass {flag} to `vllm-snapshot restore`, serve or switch instead")
+        if flag in AT_RESTORE:
+            raise UsageError(f"{flag} is not taken at create: {EARLY_REFUSED[flag]}",
+                             hint=f"create without it; then `vllm-snapshot restore NAME {flag} ...` (or serve/switch)"
+                                  + (", or VLLM_API_KEY in restore's environment" if flag == "--api-key" else ""))
         if flag in EARLY_REFUSED:
             raise UsageError(f"{flag}: {EARLY_REFUSED[flag]}; a snapshot made with it could never be restored "
                              "or validated", hint=f"create without {flag}")
 
 
+#: Refused at create because restore owns them (vllm_snapshot.frontend): secrets and TLS.
+AT_RESTORE = ("--api-key", "--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs")
+
+
 def check_keep_env(keep_env: tuple[str, ...]) -> None:
     """Refuse ``--keep-env`` of what must never be in a snapshot's memory. Pure. Raises UsageError."""
     if "VLLM_API_KEY" in keep_env:
-        raise UsageError("--keep-env VLLM_API_KEY would put an API key into the snapshot's memory, and the "
-                         "restore's canary (plain, unauthenticated HTTP) could never pass",
-                         hint="leave the key out of create")
+        raise UsageError("--keep-env VLLM_API_KEY would put an API key into the snapshot's memory",
+                         hint="leave the key out of create; restore and serve read VLLM_API_KEY from their own "
+                              "environment and apply it when the server starts")
 
 
 def check_visible(needed: dict[str, Path], hidden: list[Path]) -> None:

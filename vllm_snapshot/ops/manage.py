@@ -167,7 +167,7 @@ def stop_engines(snapshot: Path | None, port: int | None, tools: SnapshotTools |
 
 
 def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, rep: Reporter,
-           rollback: bool = True, tools: SnapshotTools | None = None) -> Switched:
+           rollback: bool = True, tools: SnapshotTools | None = None, frontend: tuple[str, ...] = ()) -> Switched:
     """Serve ``snapshot`` on ``port`` instead of whatever serves there, never leaving the port
     dark by mistake:
 
@@ -180,9 +180,16 @@ def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, r
        host and port. The error then says which engine was stopped and what serves now
        (``details``: ``{"stopped": [...], "serving": {...} | None}``).
 
+    ``frontend``: front-end option tokens (API key, TLS, CORS, ...; :mod:`vllm_snapshot.frontend`)
+    for the new engine -- and for the old one if it is rolled back (its own options are not
+    recorded anywhere, secrets included). They are checked before the old engine is touched.
+
     Durations in seconds. Raises the errors of :func:`restore`."""
+    from .. import frontend as fe
+
     t = tools or LocalTools()
     t.require_root()
+    fe.check(list(frontend), t.environ())
     snapshot = t.canonical(snapshot)
     old = [e for e in t.engines() if e.port == port]
     host = host or (old[0].host if old else "127.0.0.1")
@@ -209,11 +216,11 @@ def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, r
     t1 = t.clock()
     stopped = [{"pid": e.pid, "snapshot": e.snapshot, "host": e.host, "port": e.port} for e in old]
     try:
-        r, engine = restore(RestoreRequest(snapshot=snapshot, host=host, port=port, detach=True, log_file=log_file),
-                            rep, tools=t)
+        r, engine = restore(RestoreRequest(snapshot=snapshot, host=host, port=port, detach=True, log_file=log_file,
+                                           frontend=tuple(frontend)), rep, tools=t)
     except SnapshotError as err:
         # an interruption means "stop": no rollback then (the port ends free, the registry says so)
-        serving = _roll_back(t, old[0], rep) if (old and rollback and not isinstance(err, Interrupted)) else None
+        serving = _roll_back(t, old[0], rep, tuple(frontend)) if (old and rollback and not isinstance(err, Interrupted)) else None
         _explain_switch_failure(err, port, stopped, serving, rollback)
         raise
     engine.close()
@@ -222,12 +229,13 @@ def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, r
                     round(t2 - t0, 3), [e.pid for e in old], host)
 
 
-def _roll_back(t: SnapshotTools, prev: Entry, rep: Reporter) -> dict | None:
-    """Restore the engine a failed switch stopped; its serving record, or None."""
+def _roll_back(t: SnapshotTools, prev: Entry, rep: Reporter, frontend: tuple[str, ...] = ()) -> dict | None:
+    """Restore the engine a failed switch stopped (with the switch's front-end options); its
+    serving record, or None."""
     try:
         with rep.phase("rollback", f"restoring {Path(prev.snapshot).name} again on port {prev.port}"):
             r, engine = restore(RestoreRequest(snapshot=Path(prev.snapshot), host=prev.host, port=prev.port,
-                                               detach=True), rep, tools=t)
+                                               detach=True, frontend=frontend), rep, tools=t)
         engine.close()
         return {"snapshot": prev.snapshot, "pid": r.pid, "url": r.url}
     except SnapshotError as e:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .. import criu, identity, interrupts, mountpolicy, oracle, ports, resources
+from .. import criu, frontend, identity, interrupts, mountpolicy, oracle, ports, resources
 from ..errors import (BusyError, CorruptSnapshotError, CriuError, EngineError, IncompatibleHostError,
                       InsufficientResources, OracleMismatchError, UsageError)
 from ..manifest import Manifest
@@ -65,6 +65,9 @@ class RestoreRequest:
     detach: bool = False
     log_file: Path | None = None
     engine_log: Callable[[bytes], None] | None = None
+    #: front-end option tokens (:mod:`vllm_snapshot.frontend`: API key, TLS, CORS, ...);
+    #: ``VLLM_API_KEY`` of the environment is added by :func:`restore` when no key is given
+    frontend: tuple[str, ...] = ()
 
 
 _POOL = None
@@ -186,6 +189,7 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
     for gone in t.reclaim(snapshot.parent):
         rep.info(f"removed a leftover of a killed command: {gone}")
     with rep.phase("validate", "validating snapshot, host and model"):
+        fe = frontend.check(list(req.frontend), t.environ())  # the options' values and files, before CRIU
         m, warnings = validate(snapshot, req.verify_model, req.allow, port=(req.host, req.port), tools=t)
         short = resources.check(m.sizes["raw"], t.memory_offer())
         if short:
@@ -259,12 +263,12 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
             if diffs:
                 raise OracleMismatchError("the restored engine's oracle differs; refusing to serve:\n  " + "\n  ".join(diffs),
                                           details={"expected": m.oracle.model_dump(), "actual": got.model_dump()})
-        url = ports.url(req.host, req.port)
+        url = ports.url(req.host, req.port, fe.scheme)
         with rep.phase("bind", f"binding {ports.fmt_addr(req.host, req.port)}"):
             if isolated:  # bound here, in the host's namespace, and handed to the engine
-                t.serve_engine(engine, req.host, req.port, die_with_parent=not req.detach)
+                t.serve_engine(engine, req.host, req.port, die_with_parent=not req.detach, frontend=tuple(fe.args))
             else:
-                engine.send("serve", host=req.host, port=req.port, die_with_parent=not req.detach)
+                engine.send("serve", host=req.host, port=req.port, die_with_parent=not req.detach, frontend=fe.args)
             engine.wait_event("binding", BIND_TIMEOUT_S)
         with rep.phase("http_ready", "waiting for the HTTP server (/health)"):
             deadline = t.clock() + BIND_TIMEOUT_S
@@ -275,11 +279,12 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
                     raise EngineError(f"server did not become healthy within {BIND_TIMEOUT_S:.0f} s")
                 t.sleep(HEALTH_POLL_S)
         with rep.phase("canary", "canary request over HTTP"):
-            diffs = t.http_canary(url, m)
+            diffs = t.http_canary(url, m, fe.api_keys[0] if fe.api_keys else None)
             if diffs:
                 raise OracleMismatchError("the HTTP canary differs from the oracle; stopped the engine:\n  " + "\n  ".join(diffs))
         interrupts.hold()  # serving, validated: see restore()
-        return Restored(str(snapshot), pid, url, m.model.served_name, dict(rep.timings), warnings, req.detach), engine
+        return Restored(str(snapshot), pid, url, m.model.served_name, dict(rep.timings), warnings, req.detach,
+                        tuple(fe.describe())), engine
     except BaseException as e:
         if code_check is not None:
             code_check.cancel()

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .. import oracle, snapkey
+from .. import frontend, oracle, snapkey
 from ..archive import DEFAULT_COMPRESSION, Compression
 from ..errors import (CorruptSnapshotError, CriuError, EngineError, IncompatibleHostError, ModelChangedError,
                       OracleMismatchError, SnapshotError, UsageError)
@@ -70,6 +70,9 @@ class ServeRequest:
     keep_env: tuple[str, ...] = ()
     engine_log: Callable[[bytes], None] | None = None
     create_log: Callable[[bytes], None] | None = None
+    #: front-end option tokens (:mod:`vllm_snapshot.frontend`), applied at restore: not part
+    #: of the key, never given to a build
+    frontend: tuple[str, ...] = ()
 
 
 def _published(t: SnapshotTools, root: Path) -> list[tuple[Path, Manifest]]:
@@ -189,6 +192,7 @@ def _prepare(t: SnapshotTools, req: ServeRequest, rep: Reporter, check_port: boo
         raise UsageError(f"build must be auto, never or always, not {req.build!r}")
     check_engine_args(req.engine_args)
     check_keep_env(req.keep_env)
+    frontend.check(list(req.frontend), t.environ())  # a bad TLS file is found before a build, not after
     model_dir, rev = t.resolve_model(req.model, arg_value(req.engine_args, "--revision"))
     if check_port:
         t.port_free(req.host, req.port)
@@ -265,12 +269,12 @@ def switch_model(req: ServeRequest, host: str | None, rollback: bool, rep: Repor
     model_dir, hf_id, key, files, host_id = _prepare(t, req, rep, check_port=False)  # the old engine holds it
     path, snapshot, _refused, _warnings, _others = _find_or_build(
         t, req, rep, model_dir, hf_id, key, files, host_id, lambda p: (validate(p, tools=t), p)[1])
-    return switch(snapshot, host, req.port, req.log_file, rep, rollback, tools=t), path
+    return switch(snapshot, host, req.port, req.log_file, rep, rollback, tools=t, frontend=req.frontend), path
 
 
 def _restore_req(req: ServeRequest, snapshot: Path) -> RestoreRequest:
     return RestoreRequest(snapshot=snapshot, host=req.host, port=req.port, verify_model=req.verify_model,
-                          detach=req.detach, log_file=req.log_file, engine_log=req.engine_log)
+                          detach=req.detach, log_file=req.log_file, engine_log=req.engine_log, frontend=req.frontend)
 
 
 def _refuse(t: SnapshotTools, rep: Reporter, p: Path, e: SnapshotError, refused: list[dict]) -> None:

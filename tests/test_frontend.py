@@ -1,0 +1,137 @@
+"""Front-end options at restore (vllm_snapshot.frontend): the lexical split and checks run
+before CRIU without vLLM, and the order of restore/switch/serve through FakeTools."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vllm_snapshot import frontend, ops
+from vllm_snapshot.errors import UsageError
+from vllm_snapshot.progress import Reporter
+
+from fakes import FakeTools, isolated_manifest
+from tls import self_signed
+
+
+def test_split_keeps_engine_args_and_takes_front_end_options_with_their_values():
+    args = ["--dtype", "float32", "--api-key", "k1", "k2", "--max-model-len", "512",
+            "--allowed-origins", '["https://a"]', "--allow-credentials", "--root-path=/v", "--served-model-name", "m"]
+    front, rest = frontend.split(args)
+    assert front == ["--api-key", "k1", "k2", "--allowed-origins", '["https://a"]', "--allow-credentials", "--root-path=/v"]
+    assert rest == ["--dtype", "float32", "--max-model-len", "512", "--served-model-name", "m"]
+
+
+@pytest.mark.parametrize("bad,needle", [
+    (["--max-num-seqs", "4"], "frozen in the snapshot"),
+    (["--ssl-cert-reqs", "2"], "mutual TLS"),
+    (["--middleware", "x.y"], "middleware"),
+    (["--port", "9"], "restore's own option"),
+    (["--api-k", "x"], "not an option restore can apply"),  # abbreviations are refused, not guessed
+])
+def test_engine_options_and_unusable_settings_are_refused(bad, needle):
+    with pytest.raises(UsageError, match=needle):
+        frontend.check(bad, {})
+
+
+def test_api_key_from_the_environment_unless_given():
+    fe = frontend.check([], {"VLLM_API_KEY": "envkey"})
+    assert fe.api_keys == ["envkey"] and fe.args == ["--api-key", "envkey"]
+    fe = frontend.check(["--api-key", "flagkey"], {"VLLM_API_KEY": "envkey"})
+    assert fe.api_keys == ["flagkey"] and "envkey" not in fe.args  # --api-key wins, as for `vllm serve`
+    assert all("flagkey" not in d and "envkey" not in d for d in fe.describe())
+    assert frontend.check([], {}).api_keys == []
+    with pytest.raises(UsageError, match="needs a value"):
+        frontend.check(["--api-key="], {})
+
+
+def test_tls_pair_is_loaded_before_criu(tmp_path: Path):
+    cert, key = self_signed(tmp_path)
+    fe = frontend.check(["--ssl-certfile", str(cert), "--ssl-keyfile", str(key)], {})
+    assert fe.tls and fe.scheme == "https" and "TLS" in fe.describe()
+    with pytest.raises(UsageError, match="both --ssl-keyfile and --ssl-certfile"):
+        frontend.check(["--ssl-certfile", str(cert)], {})
+    with pytest.raises(UsageError, match="no readable file"):
+        frontend.check(["--ssl-certfile", str(tmp_path / "nope.pem"), "--ssl-keyfile", str(key)], {})
+    other_dir = tmp_path / "other"
+    other_dir.mkdir()
+    _cert2, key2 = self_signed(other_dir)
+    with pytest.raises(UsageError, match="do not load as a TLS key pair"):
+        frontend.check(["--ssl-certfile", str(cert), "--ssl-keyfile", str(key2)], {})
+
+
+@pytest.mark.parametrize("bad,needle", [
+    (["--allowed-origins", "https://a"], "JSON list of strings"),
+    (["--allowed-methods", '{"a": 1}'], "JSON list of strings"),
+    (["--uvicorn-log-level", "loud"], "expected one of"),
+    (["--h11-max-header-count", "-1"], "positive integer"),
+    (["--allow-credentials=yes"], "takes no value"),
+])
+def test_bad_values_are_refused(bad, needle):
+    with pytest.raises(UsageError, match=needle):
+        frontend.check(bad, {})
+
+
+# ------------------------------------------------------------------ order, through FakeTools
+
+SNAP = Path("/snaps/tiny")
+
+
+def test_restore_hands_the_options_to_the_engine_and_the_canary_presents_the_key(tmp_path: Path):
+    cert, key = self_signed(tmp_path)
+    t = FakeTools(manifest=isolated_manifest())
+    t.environ = lambda: {"VLLM_API_KEY": "s3cret"}
+    req = ops.RestoreRequest(snapshot=SNAP, port=8123,
+                             frontend=("--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--uvicorn-log-level", "warning"))
+    r, _engine = ops.restore(req, Reporter(), tools=t)
+    assert t.served_frontend == ("--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--uvicorn-log-level", "warning",
+                                 "--api-key", "s3cret")
+    assert t.canary_key == "s3cret" and t.canary_url.startswith("https://")
+    assert r.url == "https://127.0.0.1:8123"
+    assert "s3cret" not in repr(r.to_json())
+
+
+def test_bad_front_end_option_refused_before_anything_runs():
+    t = FakeTools(manifest=isolated_manifest())
+    with pytest.raises(UsageError):
+        ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8123, frontend=("--ssl-certfile", "/nope.pem")), Reporter(), tools=t)
+    assert not {"stage", "restore_tree", "port_free"} & set(t.calls)
+
+
+def test_switch_checks_front_end_options_before_stopping_the_old_engine():
+    t = FakeTools(manifest=isolated_manifest())
+    with pytest.raises(UsageError, match="JSON list"):
+        ops.switch(SNAP, None, 8123, None, Reporter(), tools=t, frontend=("--allowed-origins", "x"))
+    assert "stop_engine" not in t.calls and "restore_tree" not in t.calls
+
+
+def test_serve_keeps_front_end_options_out_of_the_build_and_applies_them_at_restore(tmp_path: Path):
+    t = FakeTools(manifest=isolated_manifest())
+    req = ops.ServeRequest(model="/models/tiny", root=tmp_path, engine_args=["--kv-cache-memory-bytes", "64M"],
+                           port=8123, frontend=("--api-key", "k"))
+    served, _engine = ops.serve(req, Reporter(), tools=t)
+    assert "--api-key" not in t.launch_spec["engine_args"] and "k" not in t.launch_spec["engine_args"]
+    assert t.served_frontend == ("--api-key", "k") and t.canary_key == "k"
+
+
+@pytest.mark.integration
+def test_option_table_matches_vllms_parser():
+    """Every flag of frontend.OPTIONS is one vLLM's own `vllm serve` parser knows, with that dest
+    and arity; every REFUSED flag exists too (vLLM 0.32). Integration: imports vLLM (~10 s)."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    by_flag = {f: a for a in parser._actions for f in a.option_strings}
+    for flag, (dest, arity) in frontend.OPTIONS.items():
+        a = by_flag.get(flag)
+        assert a is not None, f"{flag} is not a vLLM option"
+        assert a.dest == dest, flag
+        want = {0: 0, 1: None, "+": "+"}[arity]
+        assert a.nargs == want, f"{flag}: nargs {a.nargs!r}"
+    for flag in frontend.REFUSED:
+        assert flag in by_flag, flag
+    # and vLLM types what we pass as text: JSON lists, ints
+    ns = parser.parse_args(["--model", "x", "--allowed-origins", '["https://a"]', "--h11-max-header-count", "10"])
+    assert ns.allowed_origins == ["https://a"] and ns.h11_max_header_count == 10

@@ -14,6 +14,7 @@ from typing import Callable
 
 from vllm_snapshot import manifest as mf
 from vllm_snapshot.criu import DumpOptions, RestoreOptions
+from vllm_snapshot.cgroups import Placement
 from vllm_snapshot.inventory import Inventory
 from vllm_snapshot.manifest import CodeIdentity, ExternalMount, ImageFile, Manifest, ModelFile
 from vllm_snapshot.model_digest import ModelCheck
@@ -312,6 +313,13 @@ class FakeTools(SnapshotTools):
         self.served_frontend = tuple(frontend)
         engine.send("serve", host=host, port=port, die_with_parent=die_with_parent, handoff="fake-handoff",
                     frontend=list(frontend))
+
+    def engine_cgroup(self, name: str) -> Placement:
+        self._call("engine_cgroup")
+        return Placement(name)  # no leaves: enter/leave/remove touch nothing
+
+    def cgroup_of(self, pid: int) -> str:
+        return "/fake"
 
     def check_log_file(self, path: Path) -> None:
         self._call("check_log_file")

@@ -488,3 +488,54 @@ def test_engine_option_at_restore_is_refused_before_criu(snapshot):
     p = cli("restore", str(snapshot), "--port", str(free_port()), "--max-num-seqs", "4", timeout=60)
     refused_before_criu(p, 2, before)
     assert "--max-num-seqs" in p.stderr and "frozen in the snapshot" in p.stderr
+
+
+def _throwaway_cgroups(name: str) -> list[Path]:
+    """A leaf ``name`` in the memory and pids v1 hierarchies and the v2 one (those mounted)."""
+    out = []
+    for h in ("memory", "pids", "unified"):
+        base = Path("/sys/fs/cgroup") / h
+        if base.is_dir():
+            d = base / name
+            d.mkdir(exist_ok=True)
+            out.append(d)
+    return out
+
+
+def test_detached_engine_outlives_the_cgroup_it_was_launched_from(snapshot, tmp_path):
+    """Issue 15 item 5: `restore --detach` from a shell inside throw-away cgroups (v1 memory +
+    pids, v2), then every process of those cgroups is SIGKILLed (what logind or a job runner
+    does to a session): the engine keeps serving from /vllm-snapshot/<name>-<port>, `status`
+    says so, and `stop` removes that cgroup."""
+    name = f"vllm-snapshot-test-{os.getpid()}"
+    dirs = _throwaway_cgroups(name)
+    assert dirs, "no cgroup hierarchy mounted under /sys/fs/cgroup"
+    port = free_port()
+    join = "; ".join(f"echo $$ > {d}/cgroup.procs" for d in dirs)
+    cmd = f"{join}; exec {sys.executable} -m vllm_snapshot restore {snapshot} --port {port} --detach --json"
+    try:
+        p = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120, env=engine_env(), cwd=ROOT)
+        assert p.returncode == 0, p.stderr[-3000:]
+        out = json.loads(p.stdout)
+        leaf = f"/vllm-snapshot/{snapshot.name}-{port}"
+        assert out["cgroup"] == leaf
+        pid = out["pid"]
+        for d in dirs:  # the session ends: kill everything left in its cgroups
+            for q in (d / "cgroup.procs").read_text().split():
+                os.kill(int(q), signal.SIGKILL)
+        time.sleep(1)
+        assert psutil.pid_exists(pid)
+        assert f":{leaf}" in Path(f"/proc/{pid}/cgroup").read_text()
+        body = post(f"http://127.0.0.1:{port}/v1/completions", {"model": "tiny-llama", "prompt": "Hi", "max_tokens": 2})
+        assert body["choices"][0]["text"] is not None
+        st = json.loads(cli("status", "--json", check=True).stdout)
+        assert any(e["pid"] == pid and e["cgroup"] == leaf for e in st["engines"])
+    finally:
+        cli("stop", "--port", str(port))
+        for d in dirs:
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+    assert not any((Path("/sys/fs/cgroup") / h / "vllm-snapshot" / f"{snapshot.name}-{port}").exists()
+                   for h in ("memory", "pids", "unified"))

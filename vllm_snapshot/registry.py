@@ -36,10 +36,14 @@ class Entry:
     started_at: float
     mode: str
     create_time: float = 0.0
+    #: ``https`` when the engine serves TLS (front-end options given at restore)
+    scheme: str = "http"
+    #: the cgroup a detached engine was placed in (:mod:`vllm_snapshot.cgroups`), else ""
+    cgroup: str = ""
 
     @property
     def url(self) -> str:
-        return ports.url(self.host, self.port)
+        return ports.url(self.host, self.port, self.scheme)
 
 
 def register(e: Entry) -> Path:

@@ -283,8 +283,8 @@ def engine_list(rows: list[dict]) -> None:
         c.print("no restored engines running")
         return
     t = Table(title="restored engines", title_justify="left")
-    for col in ("snapshot", "pid", "url", "started", "mode"):
+    for col in ("snapshot", "pid", "url", "started", "mode", "cgroup"):
         t.add_column(col)
     for r in rows:
-        t.add_row(r["snapshot"], str(r["pid"]), r["url"], _when(r["started_at"]), r["mode"])
+        t.add_row(r["snapshot"], str(r["pid"]), r["url"], _when(r["started_at"]), r["mode"], r.get("cgroup") or "?")
     c.print(t)

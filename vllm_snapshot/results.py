@@ -45,10 +45,13 @@ class Restored:
     detached: bool = False
     #: front-end settings applied at restore, in words, no secret values (frontend.Frontend.describe)
     frontend: tuple[str, ...] = ()
+    #: the cgroup of its own a detached engine runs in (vllm_snapshot.cgroups), else ""
+    cgroup: str = ""
 
     def to_json(self) -> dict:
         return {"snapshot": self.snapshot, "pid": self.pid, "url": self.url, "timings": self.timings,
-                "warnings": self.warnings, "oracle": "match", "frontend": list(self.frontend)}
+                "warnings": self.warnings, "oracle": "match", "frontend": list(self.frontend),
+                "cgroup": self.cgroup}
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from typing import Callable, Protocol
 
 from . import paths
 from .criu import DumpOptions, RestoreOptions
+from .cgroups import Placement
 from .inventory import Inventory
 from .manifest import CodeIdentity, ExternalMount, ImageFile, Manifest, ModelFile
 from .model_digest import ModelCheck
@@ -290,7 +291,13 @@ class SnapshotTools(Protocol):
     def unregister(self, pid: int) -> None: ...
 
     def stop_engine(self, entry: Entry) -> float:
-        """Stop one registered engine; seconds taken."""
+        """Stop one registered engine (and remove its cgroup, now empty); seconds taken."""
+
+    def engine_cgroup(self, name: str) -> Placement:
+        """A cgroup of its own for a detached engine (:func:`vllm_snapshot.cgroups.create`)."""
+
+    def cgroup_of(self, pid: int) -> str:
+        """The cgroup ``pid`` runs in, in words (:func:`vllm_snapshot.cgroups.where`)."""
 
     # ---- time
     def clock(self) -> float:
@@ -892,7 +899,10 @@ class LocalTools(SnapshotTools):
             except psutil.Error:
                 pass
         if not dry_run:
+            from . import cgroups
+
             gone += [str(p) for p in locks.clean_stale()]
+            gone += [f"empty cgroup {p}" for p in cgroups.remove_empty()]
         return gone
 
     def key_lock(self, key: str, on_wait: Callable[[str], None]) -> AbstractContextManager:
@@ -936,9 +946,21 @@ class LocalTools(SnapshotTools):
         registry.unregister(pid)
 
     def stop_engine(self, entry: Entry) -> float:
-        from . import registry
+        from . import cgroups, registry
 
-        return registry.stop(entry)
+        took = registry.stop(entry)
+        cgroups.remove_empty()
+        return took
+
+    def engine_cgroup(self, name: str) -> Placement:
+        from . import cgroups
+
+        return cgroups.create(name)
+
+    def cgroup_of(self, pid: int) -> str:
+        from . import cgroups
+
+        return cgroups.where(pid)
 
     # ---- time
     def clock(self) -> float:

@@ -144,9 +144,10 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
 
 
 def status(tools: SnapshotTools | None = None) -> Engines:
-    """``status``: the registry's live engines, each with its URL."""
+    """``status``: the registry's live engines, each with its URL and the cgroup it runs in
+    now (read from /proc: detached engines have one of their own)."""
     t = tools or LocalTools()
-    return Engines([{**e.__dict__, "url": e.url} for e in t.engines()])
+    return Engines([{**e.__dict__, "url": e.url, "cgroup": t.cgroup_of(e.pid)} for e in t.engines()])
 
 
 def stop_engines(snapshot: Path | None, port: int | None, tools: SnapshotTools | None = None,

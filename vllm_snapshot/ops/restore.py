@@ -175,7 +175,8 @@ def restore(req: RestoreRequest, rep: Reporter, tools: SnapshotTools | None = No
         try:
             t.register(Entry(snapshot=str(snapshot), pid=r.pid, supervisor_pid=0 if req.detach else os.getpid(),
                              host=req.host, port=req.port, started_at=t.now(),
-                             mode="detached" if req.detach else "foreground"))
+                             mode="detached" if req.detach else "foreground",
+                             scheme=r.url.split(":", 1)[0], cgroup=r.cgroup))
             t.record_restore(snapshot, [w for w in r.warnings if w.startswith("identity override")])
         except OSError as e:  # bookkeeping only: never fail a served restore for it
             rep.info(f"could not record the engine in the registry: {e}")
@@ -207,6 +208,7 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
     channel = None
     engine: Engine | None = None
     code_check = None
+    placement = None
     try:
         # the code identity check (~0.1 s of stat calls) runs while the images are staged and is
         # decided before CRIU starts
@@ -232,8 +234,18 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
                                        external=mountpolicy.restore_args(m.criu.external_mounts),
                                        network_lock=criu.NETWORK_LOCK_ISOLATED if isolated else None)
             t.check_gpu_capacity(m)  # CUDA: the GPU has room (after switch stopped the old engine)
+            if req.detach:  # a cgroup of its own: it must outlive whoever launched it (cgroups module doc)
+                placement = t.engine_cgroup(f"{snapshot.name}-{req.port}")
+                if placement.skipped:
+                    rep.info("the engine stays in this command's cgroup in: " + ", ".join(placement.skipped))
             with rep.phase("criu_restore", "CRIU restore"):
-                pid = t.restore_tree(m.engine.kind, opts, stage)
+                if placement is not None:
+                    placement.enter()  # CRIU and every process it forks are born there
+                try:
+                    pid = t.restore_tree(m.engine.kind, opts, stage)
+                finally:
+                    if placement is not None:
+                        placement.leave()
         engine = t.adopt(pid, channel, None if req.detach else req.engine_log)
         channel = None
         got_tree = t.tree_commands(pid)
@@ -284,7 +296,7 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
                 raise OracleMismatchError("the HTTP canary differs from the oracle; stopped the engine:\n  " + "\n  ".join(diffs))
         interrupts.hold()  # serving, validated: see restore()
         return Restored(str(snapshot), pid, url, m.model.served_name, dict(rep.timings), warnings, req.detach,
-                        tuple(fe.describe())), engine
+                        tuple(fe.describe()), placement.cgroup if placement and placement.leaves else ""), engine
     except BaseException as e:
         if code_check is not None:
             code_check.cancel()
@@ -298,6 +310,8 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
         # creation and the assignment that remembers it
         steps.append(("remove the staging dirs of this restore", lambda: t.unstage_all(snapshot.parent)))
         steps.append(("remove link-remap files put back", lambda: t.cleanup_remaps(placed)))
+        if placement is not None:
+            steps.append(("remove the engine's cgroup", placement.remove))
         run_cleanups(e, steps)
         raise
 

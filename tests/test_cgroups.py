@@ -1,0 +1,41 @@
+"""Parsing of /proc/PID/cgroup and mountinfo for detached engines' cgroups (pure)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vllm_snapshot import cgroups
+
+PROC = """9:name=systemd:/user.slice/session-3.scope
+4:memory:/process_api/abc
+2:cpu,cpuacct:/
+0::/user.slice/session-3.scope
+"""
+MOUNTINFO = """31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+32 31 0:29 / /sys/fs/cgroup/cpu,cpuacct rw,relatime - cgroup cgroup rw,cpu,cpuacct
+35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory
+40 31 0:37 / /sys/fs/cgroup/systemd rw,relatime - cgroup cgroup rw,xattr,name=systemd
+41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw,nsdelegate
+50 31 0:39 /kubepods/pod1 /sys/fs/cgroup/pids ro,relatime - cgroup cgroup rw,pids
+"""
+
+
+def test_parse_proc_cgroup():
+    assert cgroups.parse_proc_cgroup(PROC) == {"name=systemd": "/user.slice/session-3.scope", "memory": "/process_api/abc",
+                                               "cpu,cpuacct": "/", "": "/user.slice/session-3.scope"}
+
+
+def test_parse_mountinfo_finds_v1_controller_sets_v2_and_read_only_mounts():
+    keys = set(cgroups.parse_proc_cgroup(PROC)) | {"pids"}
+    hs = {h.key: h for h in cgroups.parse_mountinfo(MOUNTINFO, keys)}
+    assert set(hs) == {"cpu,cpuacct", "memory", "name=systemd", "", "pids"}
+    assert hs[""].mount == Path("/sys/fs/cgroup/unified") and hs[""].writable
+    assert hs["name=systemd"].mount == Path("/sys/fs/cgroup/systemd")
+    assert not hs["pids"].writable  # a container's read-only cgroupfs: skipped, never an error
+    # a container mounting its own subtree: paths are relative to that root
+    assert hs["pids"].path("/kubepods/pod1/x") == Path("/sys/fs/cgroup/pids/x")
+    assert hs["memory"].path("/process_api/abc") == Path("/sys/fs/cgroup/memory/process_api/abc")
+
+
+def test_where_names_the_v2_path_when_there_is_one(tmp_path, monkeypatch):
+    assert cgroups.where(2**22 + 12345) == "?"  # no such process

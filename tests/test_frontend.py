@@ -42,6 +42,13 @@ def test_api_key_from_the_environment_unless_given():
     assert fe.api_keys == ["flagkey"] and "envkey" not in fe.args  # --api-key wins, as for `vllm serve`
     assert all("flagkey" not in d and "envkey" not in d for d in fe.describe())
     assert frontend.check([], {}).api_keys == []
+
+
+def test_api_key_from_a_systemd_credential(tmp_path: Path):
+    (tmp_path / "vllm-api-key").write_text("credkey\n")
+    env = {"CREDENTIALS_DIRECTORY": str(tmp_path)}
+    assert frontend.check([], env).api_keys == ["credkey"]
+    assert frontend.check([], {**env, "VLLM_API_KEY": "envkey"}).api_keys == ["envkey"]
     with pytest.raises(UsageError, match="needs a value"):
         frontend.check(["--api-key="], {})
 

@@ -73,6 +73,9 @@ REFUSED = {
     "--uds": "a unix socket listener (restore binds --host/--port)",
 }
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+#: systemd credential name read for the API key when ``VLLM_API_KEY`` is unset
+#: (``LoadCredential=vllm-api-key:/etc/vllm-snapshot/NAME.key``; systemd.exec(5), "Credentials")
+CREDENTIAL = "vllm-api-key"
 
 
 @dataclass
@@ -196,14 +199,20 @@ def refuse_engine_options(args: list[str], where: str = "restore") -> None:
 
 def check(args: list[str], environ: dict[str, str] | None = None) -> Frontend:
     """Validate front-end tokens before CRIU runs and return a :class:`Frontend`. An API key
-    comes from ``--api-key`` or else ``VLLM_API_KEY`` in ``environ``. TLS needs both
+    comes from ``--api-key``, else ``VLLM_API_KEY`` in ``environ``, else the systemd credential
+    :data:`CREDENTIAL` (a file in ``$CREDENTIALS_DIRECTORY``). TLS needs both
     ``--ssl-keyfile`` and ``--ssl-certfile``, which must load together (Python's ``ssl``);
     ``--ssl-ca-certs`` must be readable; CORS lists are JSON lists of strings. Raises
     UsageError naming the option and what to do."""
     refuse_engine_options(args)
     vals = values(args)
     out = Frontend(args=list(args))
-    key = (environ or {}).get("VLLM_API_KEY", "")
+    env = environ or {}
+    key = env.get("VLLM_API_KEY", "")
+    cred_dir = env.get("CREDENTIALS_DIRECTORY")
+    if not key and cred_dir and os.path.isfile(os.path.join(cred_dir, CREDENTIAL)):
+        with open(os.path.join(cred_dir, CREDENTIAL)) as f:  # systemd LoadCredential=
+            key = f.read().strip()
     if "api_key" in vals:
         out.api_keys = list(vals["api_key"])  # type: ignore[arg-type]
     elif key:

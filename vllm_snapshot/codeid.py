@@ -118,23 +118,24 @@ def record(modules: Iterable[str], sys_path: list[str]) -> Pinned:
         files = dist.files
         if not files:  # no RECORD (e.g. a distutils install): nothing to pin by
             continue
-        root = Path(str(dist.locate_file(""))).resolve()
+        root = os.path.realpath(str(dist.locate_file("")))  # once per distribution, not per file
         record_file = next((f for f in files if f.name == "RECORD" and f.parent.name.endswith(".dist-info")), None)
-        installed_ns = os.stat(dist.locate_file(record_file)).st_mtime_ns if record_file else 0
+        installed_ns = os.stat(os.path.join(root, str(record_file))).st_mtime_ns if record_file else 0
         rows = []
         for f in files:
-            rel = str(f)
-            if "__pycache__" in f.parts or rel.endswith(".pyc") or f is record_file:
+            rel = os.path.normpath(str(f))
+            if "__pycache__" in rel or rel.endswith(".pyc") or f is record_file:
                 continue
-            path = Path(str(dist.locate_file(f)))
+            path = os.path.join(root, rel)
             try:
                 st = os.stat(path)
             except FileNotFoundError:
                 continue
-            digest = f.hash.mode + "=" + f.hash.value if f.hash and f.hash.mode == "sha256" else None
+            h = f.hash
+            digest = f"sha256={h.value}" if h is not None and h.mode == "sha256" else None
             if digest is None or st.st_mtime_ns > installed_ns:
-                digest = record_digest(path)  # changed after install: what is there now is the truth
-            rows.append([os.path.relpath(os.path.realpath(path), root), st.st_size, st.st_mtime_ns, digest])
+                digest = record_digest(Path(path))  # changed after install: what is there now is the truth
+            rows.append([rel, st.st_size, st.st_mtime_ns, digest])
         name = dist.metadata["Name"]
         versions[name] = dist.version
         dists.append({"name": name, "version": dist.version, "root": str(root), "files": rows})

@@ -303,8 +303,9 @@ class FakeTools(SnapshotTools):
     def port_free(self, host: str, port: int) -> None:
         self._call("port_free")
 
-    def memory_offer(self) -> Offer:
+    def memory_offer(self, detached: bool = False) -> Offer:
         self._call("memory_offer")
+        self.offer_detached = detached
         return self.offer
 
     def serve_engine(self, engine: Engine, host: str, port: int, die_with_parent: bool,

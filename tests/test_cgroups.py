@@ -39,3 +39,46 @@ def test_parse_mountinfo_finds_v1_controller_sets_v2_and_read_only_mounts():
 
 def test_where_names_the_v2_path_when_there_is_one(tmp_path, monkeypatch):
     assert cgroups.where(2**22 + 12345) == "?"  # no such process
+
+
+def test_detached_restore_checks_memory_where_the_engine_will_run():
+    """A detached engine runs in /vllm-snapshot/<leaf>, not in the restorer's cgroup: the memory
+    check asks for that cgroup's ancestry (an operator can cap all detached engines there)."""
+    from pathlib import Path as P
+
+    from vllm_snapshot import ops
+    from vllm_snapshot.progress import Reporter
+
+    from fakes import FakeTools, isolated_manifest
+
+    t = FakeTools(manifest=isolated_manifest())
+    ops.restore(ops.RestoreRequest(snapshot=P("/snaps/tiny"), port=8123, detach=True), Reporter(), tools=t)
+    assert t.offer_detached is True and "engine_cgroup" in t.calls
+    t = FakeTools(manifest=isolated_manifest())
+    ops.restore(ops.RestoreRequest(snapshot=P("/snaps/tiny"), port=8123), Reporter(), tools=t)
+    assert t.offer_detached is False and "engine_cgroup" not in t.calls
+
+
+def test_offer_under_a_limited_parent(tmp_path, monkeypatch):
+    """resources.offer(under=...) reads the limit of that cgroup path's ancestors (v1 files)."""
+    from vllm_snapshot import resources
+
+    mnt = tmp_path / "memory"
+    (mnt / "vllm-snapshot").mkdir(parents=True)
+    (mnt / "vllm-snapshot" / "memory.limit_in_bytes").write_text(str(1 << 30))
+    (mnt / "vllm-snapshot" / "memory.usage_in_bytes").write_text(str(256 << 20))
+    (mnt / "vllm-snapshot" / "memory.stat").write_text("total_inactive_file 0\n")
+    mountinfo = f"35 31 0:32 / {mnt} rw,relatime - cgroup cgroup rw,memory\n"
+    real_read = resources.Path.read_text
+
+    def fake_read(self, *a, **k):
+        if str(self) == "/proc/self/cgroup":
+            return "4:memory:/process_api/abc\n"
+        if str(self) == "/proc/self/mountinfo":
+            return mountinfo
+        return real_read(self, *a, **k)
+
+    monkeypatch.setattr(resources.Path, "read_text", fake_read)
+    monkeypatch.setattr(resources, "mem_available", lambda: 64 << 30)
+    got = resources.offer("/vllm-snapshot/_")
+    assert got.available == (1 << 30) - (256 << 20) and "/vllm-snapshot" in got.why

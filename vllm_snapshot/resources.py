@@ -117,10 +117,15 @@ def _gib(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB"
 
 
-def offer() -> Offer:
-    """What this host offers a restore now (see the module doc). Raises OSError."""
+def offer(under: str | None = None) -> Offer:
+    """What this host offers a restore now (see the module doc): our memory cgroup's headroom,
+    or with ``under`` (a cgroup path such as ``/vllm-snapshot``: where a detached engine gets
+    a cgroup of its own) that cgroup's and its ancestors' in every hierarchy. Raises OSError."""
     avail = mem_available()
-    cg = cgroup_headroom(Path("/proc/self/cgroup").read_text(), Path("/proc/self/mountinfo").read_text())
+    text = Path("/proc/self/cgroup").read_text()
+    if under is not None:
+        text = "\n".join(":".join(line.split(":", 2)[:2] + [under]) for line in text.splitlines() if line.count(":") >= 2)
+    cg = cgroup_headroom(text, Path("/proc/self/mountinfo").read_text())
     if cg is not None and cg[0] < avail:
         return Offer(cg[0], cg[1])
     return Offer(avail, f"MemAvailable {_gib(avail)}")

@@ -210,8 +210,10 @@ class SnapshotTools(Protocol):
     def check_log_file(self, path: Path) -> None:
         """Raises UsageError when ``path`` cannot be an engine log file."""
 
-    def memory_offer(self) -> Offer:
-        """Memory this host and our memory cgroup offer a restore now (:mod:`vllm_snapshot.resources`)."""
+    def memory_offer(self, detached: bool = False) -> Offer:
+        """Memory this host and the memory cgroup the engine will run in offer a restore now
+        (:mod:`vllm_snapshot.resources`): ours, or for ``detached`` the engines' parent cgroup
+        ``/vllm-snapshot`` (:mod:`vllm_snapshot.cgroups`), whose limit caps every detached engine."""
 
     def default_log_file(self, snapshot: Path, port: int) -> Path: ...
 
@@ -707,10 +709,10 @@ class LocalTools(SnapshotTools):
 
         ports.port_free(host, port)
 
-    def memory_offer(self) -> Offer:
-        from . import resources
+    def memory_offer(self, detached: bool = False) -> Offer:
+        from . import cgroups, resources
 
-        return resources.offer()
+        return resources.offer(f"/{cgroups.PARENT}/_" if detached else None)
 
     def serve_engine(self, engine: Engine, host: str, port: int, die_with_parent: bool,
                      frontend: tuple[str, ...] = ()) -> None:

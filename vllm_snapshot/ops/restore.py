@@ -192,7 +192,7 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
     with rep.phase("validate", "validating snapshot, host and model"):
         fe = frontend.check(list(req.frontend), t.environ())  # the options' values and files, before CRIU
         m, warnings = validate(snapshot, req.verify_model, req.allow, port=(req.host, req.port), tools=t)
-        short = resources.check(m.sizes["raw"], t.memory_offer())
+        short = resources.check(m.sizes["raw"], t.memory_offer(req.detach))
         if short:
             raise InsufficientResources(short, hint="free memory (stop other engines: vllm-snapshot status / stop), "
                                                     "raise the memory limit of the cgroup, or restore on a larger host")

@@ -315,6 +315,9 @@ class FakeTools(SnapshotTools):
         engine.send("serve", host=host, port=port, die_with_parent=die_with_parent, handoff="fake-handoff",
                     frontend=list(frontend))
 
+    def engine_owning(self, pid: int, entries: list[Entry]) -> Entry | None:
+        return next((e for e in entries if pid in (e.pid + 1, e.supervisor_pid)), None)  # root's child: root + 1
+
     def engine_cgroup(self, name: str) -> Placement:
         self._call("engine_cgroup")
         return Placement(name)  # no leaves: enter/leave/remove touch nothing

@@ -417,9 +417,12 @@ def test_a_directory_without_a_manifest_is_not_a_snapshot(tmp_path):
     d = tmp_path / "usr"
     d.mkdir()
     os.chmod(d, 0o755)
-    with pytest.raises(CorruptSnapshotError, match="not a snapshot") as ei:
+    with pytest.raises(UsageError, match="not a snapshot") as ei:  # a wrong argument: exit 2, not 5
         layout.open_trusted(d)
     assert "chmod" not in (ei.value.hint or "")
+    (d / "images").mkdir()  # ours, but the manifest never got written: damaged, exit 5
+    with pytest.raises(CorruptSnapshotError, match="incomplete snapshot"):
+        layout.open_trusted(d)
 
 
 def test_log_file_must_be_a_writable_regular_file(tmp_path):

@@ -436,6 +436,11 @@ def test_stop_one_clone_by_pid_or_all_of_a_snapshot():
     assert [s["pid"] for s in ops.stop_engines(None, 8000, tools=t).stopped] == [21, 22]
     with pytest.raises(UsageError, match="no restored engine matches PID 99"):
         ops.stop_engines(None, None, tools=t, pid=99)
+    # a child of an engine tree: named, pointing to the root PID, nothing stopped
+    stops = t.calls.count("stop_engine")
+    with pytest.raises(UsageError, match="PID 23 is not an engine root: it belongs to the engine with root PID 22") as ei:
+        ops.stop_engines(None, None, tools=t, pid=23)
+    assert ei.value.hint == "vllm-snapshot stop --pid 22" and t.calls.count("stop_engine") == stops
 
 
 def test_cuda_create_checks_host_room_and_records_the_freeze_timeout():

@@ -96,8 +96,11 @@ def open_trusted(path: Path) -> SnapshotDir:
     Raises UsageError (missing), CorruptSnapshotError (untrusted or unexpected content)."""
     path = path.absolute()
     if path.is_dir() and not path.is_symlink() and not (path / MANIFEST).exists():
-        raise CorruptSnapshotError(f"{path} is not a snapshot (no {MANIFEST}), or an incomplete one",
-                                   hint="name a directory made by `vllm-snapshot create`")
+        if not (path / IMAGES).exists():  # not ours at all: a wrong argument, not a damaged snapshot
+            raise UsageError(f"{path} is not a snapshot (no {MANIFEST}, no {IMAGES}/)",
+                             hint="name a directory made by `vllm-snapshot create` (`vllm-snapshot list` shows them)")
+        raise CorruptSnapshotError(f"{path} is an incomplete snapshot (no {MANIFEST})",
+                                   hint="delete it and create it again")
     check_dir_safety(path)
     check_file_modes(path)
     extra = sorted(set(os.listdir(path)) - MEMBERS)

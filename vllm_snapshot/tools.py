@@ -295,6 +295,10 @@ class SnapshotTools(Protocol):
     def stop_engine(self, entry: Entry) -> float:
         """Stop one registered engine (and remove its cgroup, now empty); seconds taken."""
 
+    def engine_owning(self, pid: int, entries: list[Entry]) -> Entry | None:
+        """The entry whose engine tree holds ``pid`` (a descendant of its root) or whose
+        supervisor ``pid`` is, else None."""
+
     def engine_cgroup(self, name: str) -> Placement:
         """A cgroup of its own for a detached engine (:func:`vllm_snapshot.cgroups.create`)."""
 
@@ -953,6 +957,15 @@ class LocalTools(SnapshotTools):
         took = registry.stop(entry)
         cgroups.remove_empty()
         return took
+
+    def engine_owning(self, pid: int, entries: list[Entry]) -> Entry | None:
+        import psutil
+
+        try:
+            chain = {p.pid for p in psutil.Process(pid).parents()}
+        except psutil.Error:
+            return None
+        return next((e for e in entries if e.pid in chain or (e.supervisor_pid and e.supervisor_pid == pid)), None)
 
     def engine_cgroup(self, name: str) -> Placement:
         from . import cgroups

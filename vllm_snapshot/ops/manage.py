@@ -162,6 +162,10 @@ def stop_engines(snapshot: Path | None, port: int | None, tools: SnapshotTools |
              if e in mine or (port is not None and e.port == port) or (pid is not None and e.pid == pid)]
     if not match:
         what = f"snapshot {snapshot}" if snapshot else (f"port {port}" if port is not None else f"PID {pid}")
+        owner = t.engine_owning(pid, entries) if pid is not None else None
+        if owner is not None:  # a child of an engine tree, or the supervisor of a foreground one
+            raise UsageError(f"PID {pid} is not an engine root: it belongs to the engine with root PID {owner.pid} "
+                             f"({owner.snapshot}, port {owner.port})", hint=f"vllm-snapshot stop --pid {owner.pid}")
         raise UsageError(f"no restored engine matches {what}", hint="`vllm-snapshot status` lists them")
     return Stopped([{"pid": e.pid, "snapshot": e.snapshot, "port": e.port, "seconds": round(t.stop_engine(e), 3)}
                     for e in match])

@@ -122,23 +122,37 @@ def test_serve_keeps_front_end_options_out_of_the_build_and_applies_them_at_rest
     assert t.served_frontend == ("--api-key", "k") and t.canary_key == "k"
 
 
+_TABLE_CHECK = r"""
+import json, sys
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+parser = make_arg_parser(FlexibleArgumentParser())
+by_flag = {f: [a.dest, a.nargs] for a in parser._actions for f in a.option_strings}
+ns = parser.parse_args(["--model", "x", "--allowed-origins", '["https://a"]', "--h11-max-header-count", "10"])
+print(json.dumps({"flags": by_flag, "origins": ns.allowed_origins, "count": ns.h11_max_header_count}))
+"""
+
+
 @pytest.mark.integration
 def test_option_table_matches_vllms_parser():
     """Every flag of frontend.OPTIONS is one vLLM's own `vllm serve` parser knows, with that dest
-    and arity; every REFUSED flag exists too (vLLM 0.32). Integration: imports vLLM (~10 s)."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    and arity; every REFUSED flag exists too (vLLM 0.32). Integration: imports vLLM (~10 s), in a
+    child process so that this test session stays free of vLLM's imports."""
+    import json
+    import subprocess
+    import sys
 
-    parser = make_arg_parser(FlexibleArgumentParser())
-    by_flag = {f: a for a in parser._actions for f in a.option_strings}
+    p = subprocess.run([sys.executable, "-c", _TABLE_CHECK], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    by_flag = got["flags"]
     for flag, (dest, arity) in frontend.OPTIONS.items():
-        a = by_flag.get(flag)
-        assert a is not None, f"{flag} is not a vLLM option"
-        assert a.dest == dest, flag
+        assert flag in by_flag, f"{flag} is not a vLLM option"
+        assert by_flag[flag][0] == dest, flag
         want = {0: 0, 1: None, "+": "+"}[arity]
-        assert a.nargs == want, f"{flag}: nargs {a.nargs!r}"
+        assert by_flag[flag][1] == want, f"{flag}: nargs {by_flag[flag][1]!r}"
     for flag in frontend.REFUSED:
         assert flag in by_flag, flag
     # and vLLM types what we pass as text: JSON lists, ints
-    ns = parser.parse_args(["--model", "x", "--allowed-origins", '["https://a"]', "--h11-max-header-count", "10"])
-    assert ns.allowed_origins == ["https://a"] and ns.h11_max_header_count == 10
+    assert got["origins"] == ["https://a"] and got["count"] == 10

@@ -376,11 +376,15 @@ def test_restore_in_a_small_memory_cgroup_is_refused_before_criu(snapshot):
                 time.sleep(0.1)
 
 
-def test_changed_vllm_source_file_refused_before_criu(snapshot):
+def test_changed_vllm_source_file_refused_before_criu(snapshot, tmp_path):
     """Code identity (issue 15 item 3): a source file of the installed vLLM that the engine
-    never imported (so neither open nor mapped at dump) gets a line appended after create:
-    restore refuses before CRIU, naming the file; with the file put back (bytes and mtime)
-    the same snapshot restores."""
+    never imported (so neither open nor mapped at dump) has a line appended after create:
+    restore refuses before CRIU, naming the file; unchanged, the same snapshot restores.
+
+    The change is made where only that restore sees it: a copy with the appended line is
+    bind-mounted over the real file in a private mount namespace (``unshare --mount``) in which
+    the restore runs. The venv every other process uses is never modified, so a killed test
+    cannot leave it changed."""
     m = mf.read(snapshot)
     assert m.code is not None and m.code.files > 1000
     table = json.loads((snapshot / "code.json").read_bytes())
@@ -388,17 +392,16 @@ def test_changed_vllm_source_file_refused_before_criu(snapshot):
     rel = next(f[0] for f in vllm_dist["files"] if f[0].endswith("entrypoints/launchers/run_batch.py"))
     target = Path(vllm_dist["root"]) / rel
     assert str(target) not in {f.path for f in m.criu.tree_files}  # never open: only the code identity sees it
-    original, st = target.read_bytes(), target.stat()
-    try:
-        with open(target, "ab") as f:
-            f.write(b"# appended after the snapshot was created\n")
-        before = engine_pids()
-        p = cli("restore", str(snapshot), "--port", str(free_port()), timeout=120)
-        refused_before_criu(p, 3, before)
-        assert str(target) in p.stderr and "changed since the snapshot was created" in p.stderr, p.stderr
-    finally:
-        target.write_bytes(original)
-        os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+    changed = tmp_path / "run_batch.py"
+    changed.write_bytes(target.read_bytes() + b"# appended after the snapshot was created\n")
+    before = engine_pids()
+    script = (f"mount --bind {changed} {target} && exec {sys.executable} -m vllm_snapshot restore {snapshot} "
+              f"--port {free_port()}")
+    p = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script], capture_output=True,
+                       text=True, timeout=120, env=engine_env(), cwd=ROOT)
+    refused_before_criu(p, 3, before)
+    assert str(target) in p.stderr and "changed since the snapshot was created" in p.stderr, p.stderr
+    assert b"# appended" not in target.read_bytes()  # the host never saw the change
     port = free_port()
     r = cli("restore", str(snapshot), "--port", str(port), "--detach", "--json", timeout=120)
     assert r.returncode == 0, r.stderr

@@ -45,6 +45,7 @@ def site(tmp_path: Path) -> Path:
                                    "vllm/_C.so": b"\x7fELF..."})
     _install(s, "tokenizers", "0.22.0", {"tokenizers/__init__.py": b"t = 2\n"}, top_level="tokenizers")
     _install(s, "unrelated", "1.0", {"unrelated/__init__.py": b"u = 3\n"})
+    _install(s, "vllm-snapshot", "0.1.0", {"vllm_snapshot/__init__.py": b"v = 4\n"})
     return s
 
 
@@ -53,9 +54,9 @@ def _paths(table: bytes) -> dict[str, list[str]]:
 
 
 def test_pins_the_distributions_of_the_imported_modules_only(site: Path):
-    pinned = codeid.record(["tokenizers", "json"], [str(site)])
+    pinned = codeid.record(["tokenizers", "json", "vllm_snapshot"], [str(site)])
     names = _paths(pinned.table)
-    # vllm always; tokenizers imported; unrelated not; the RECORD itself and .pyc not pinned
+    # vllm always; tokenizers imported; unrelated not; this tool never; RECORD and .pyc not pinned
     assert set(names) == {"vllm", "tokenizers"}
     assert sorted(names["vllm"]) == sorted(["vllm-0.32.0.dist-info/METADATA", "vllm/__init__.py", "vllm/_C.so",
                                             "vllm/entrypoints/run_batch.py"])

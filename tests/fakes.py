@@ -132,6 +132,7 @@ class FakeTools(SnapshotTools):
         #: path -> the error its restore raises (from ``stage``)
         self.refuse: dict[Path, BaseException] = {}
         self.refuse_all: BaseException | None = None
+        self.corrupt_images: BaseException | None = None  # raised by the background checksum verdict
         self.offer = Offer(64 << 30, "MemAvailable 64.00 GiB")
         self.device = "cpu"
 
@@ -338,6 +339,21 @@ class FakeTools(SnapshotTools):
         if self.refuse_all is not None:
             raise self.refuse_all
         return Path("/stage")
+
+    def stage_checking(self, snapshot: Path, m: Manifest):
+        stage = self.stage(snapshot, m)
+        tools = self
+
+        class _Checking:
+            def wait(self) -> None:
+                tools._call("checksums")
+                if tools.corrupt_images is not None:
+                    raise tools.corrupt_images
+
+            def cancel(self) -> None:
+                tools._call("checksums.cancel")
+
+        return stage, _Checking()
 
     def unstage(self, stage: Path) -> None:
         self._call("unstage")

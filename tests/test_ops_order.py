@@ -41,8 +41,8 @@ def test_restore_happy_path_order():
     c = t.calls
     order = ["snapshot_lock", "open_snapshot", "host_identity", "check_external_mounts", "port_free", "check_tree_files",
              "verify_model:quick", "stage", "put_back_remaps", "new_channel", "criu_lock", "listeners_taken",
-             "restore_tree", "adopt", "unstage", "engine.oracle", "engine.serve", "http_health", "http_canary",
-             "register", "record_restore"]
+             "restore_tree", "adopt", "unstage", "engine.oracle", "checksums", "engine.serve", "http_health",
+             "http_canary", "register", "record_restore"]
     assert [x for x in c if x in order] == order
     assert r.pid == 5151 and r.url == "http://127.0.0.1:8123" and not engine.killed
     assert t.registered[0].port == 8123
@@ -56,7 +56,7 @@ def test_restore_of_an_isolated_snapshot_order():
     r, engine = _restore(t)
     c = t.calls
     order = ["port_free", "stage", "new_channel", "criu_lock", "restore_tree", "adopt", "engine.oracle",
-             "serve_engine", "engine.serve", "http_health", "http_canary", "register"]
+             "checksums", "serve_engine", "engine.serve", "http_health", "http_canary", "register"]
     assert [x for x in c if x in order] == order
     assert "listeners_taken" not in c
     assert t.restore_opts.network_lock == "skip"
@@ -102,6 +102,27 @@ def test_create_refuses_a_tree_that_is_not_network_isolated():
     with pytest.raises(UnsnapshottableError, match="not in an isolated, loopback-only network namespace"):
         _create(t)
     assert "dump" not in t.calls and "publish" not in t.calls and t.engine.killed
+
+
+def test_restore_image_checksum_mismatch_found_after_criu_kills_the_tree_before_any_bind():
+    """Uncompressed images are verified while CRIU restores from their hard links; the verdict
+    comes before the port is bound: a mismatch kills the restored tree, nothing is served."""
+    from vllm_snapshot.errors import CorruptSnapshotError
+
+    t = FakeTools(manifest=isolated_manifest())
+    t.corrupt_images = CorruptSnapshotError("image pages-1.img fails its checksum")
+    with pytest.raises(CorruptSnapshotError, match="pages-1.img"):
+        _restore(t)
+    assert _before(t.calls, "restore_tree", "checksums") and _before(t.calls, "engine.oracle", "checksums")
+    assert not {"serve_engine", "engine.serve", "http_health", "register"} & set(t.calls)
+    assert t.engine.killed and "unstage_all" in t.calls
+
+
+def test_restore_failure_before_the_verdict_stops_the_checksum_thread():
+    t = FakeTools(manifest=isolated_manifest(), oracles=[make_oracle(logprob=-9.0)])
+    with pytest.raises(OracleMismatchError):
+        _restore(t)
+    assert "checksums.cancel" in t.calls and "checksums" not in t.calls
 
 
 def test_restore_uses_the_recorded_criu_flags():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,8 +166,10 @@ def _unpack_one(src_dir: Path, dst_dir: Path, img: ImageFile) -> None:
         raise CorruptSnapshotError(f"image {src} fails its checksum (BLAKE3 of {raw} raw bytes differs)")
 
 
-def verify(src_dir: Path, images: tuple[ImageFile, ...]) -> None:
-    """Check every image's checksum without writing anything. Raises CorruptSnapshotError."""
+def verify(src_dir: Path, images: tuple[ImageFile, ...], cancel: threading.Event | None = None) -> None:
+    """Check every image's checksum without writing anything (files in parallel, largest
+    first). ``cancel`` (set by another thread) stops the check early, raising
+    CorruptSnapshotError("cancelled"). Raises CorruptSnapshotError."""
     def one(img: ImageFile) -> None:
         src = src_dir / stored_name(img)
         h = blake3.blake3()
@@ -175,6 +178,8 @@ def verify(src_dir: Path, images: tuple[ImageFile, ...]) -> None:
             with open(src, "rb") as f:
                 reader = f if img.compression == "none" else zstandard.ZstdDecompressor().stream_reader(f, read_size=CHUNK)
                 while chunk := reader.read(CHUNK):
+                    if cancel is not None and cancel.is_set():
+                        raise CorruptSnapshotError(f"checksum verification of {src} cancelled")
                     h.update(chunk)
                     raw += len(chunk)
         except zstandard.ZstdError as e:
@@ -186,6 +191,73 @@ def verify(src_dir: Path, images: tuple[ImageFile, ...]) -> None:
 
     with ThreadPoolExecutor(_workers()) as ex:
         list(ex.map(one, sorted(images, key=lambda i: -i.raw_bytes)))
+
+
+class Checking:
+    """The checksums of a snapshot's uncompressed images, verified in a background thread
+    while CRIU restores from their hard links (:func:`link_stage`). :meth:`wait` is the
+    decision: it blocks until every checksum was verified and raises CorruptSnapshotError on
+    a mismatch; restore calls it before the HTTP port is bound, so nothing unverified is
+    served. :meth:`cancel` stops the thread early (a failed restore) and waits for it."""
+
+    def __init__(self, src_dir: Path, images: tuple[ImageFile, ...]) -> None:
+        self._cancel = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(src_dir, images), daemon=True,
+                                        name="vllm-snapshot-checksums")
+        self._thread.start()
+
+    def _run(self, src_dir: Path, images: tuple[ImageFile, ...]) -> None:
+        try:
+            verify(src_dir, images, self._cancel)
+        except BaseException as e:  # noqa: BLE001 - handed to wait()
+            self._error = e
+
+    def wait(self) -> None:
+        """Block until done. Raises CorruptSnapshotError (a mismatch, or cancelled)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def cancel(self) -> None:
+        """Stop the verification and wait for its thread (at most one chunk per worker)."""
+        self._cancel.set()
+        self._thread.join()
+
+
+class Verified:
+    """A :class:`Checking` whose checksums were already verified (a compressed snapshot's images
+    are verified while they are decompressed): :meth:`wait` and :meth:`cancel` return at once."""
+
+    def wait(self) -> None:
+        """Nothing left to verify."""
+
+    def cancel(self) -> None:
+        """Nothing to stop."""
+
+
+def link_stage(src_dir: Path, images: tuple[ImageFile, ...], parent: Path) -> Path:
+    """Stage uncompressed images as hard links (copies across file systems) in a new private
+    dir under ``parent``, WITHOUT verifying them: the caller verifies concurrently
+    (:class:`Checking`) and must decide before serving. Returns the staging dir. Raises
+    ValueError for a compressed image, CorruptSnapshotError for a missing one (staging
+    removed)."""
+    if any(i.compression != "none" for i in images):
+        raise ValueError("link_stage stages uncompressed images only")
+    stage = Path(tempfile.mkdtemp(prefix=f"{STAGE_PREFIX}{os.getpid()}-", dir=parent))
+    try:
+        for img in images:
+            src = src_dir / stored_name(img)
+            try:
+                os.link(os.path.abspath(src), stage / img.name)
+            except FileNotFoundError as e:
+                raise CorruptSnapshotError(f"image file {src} is missing") from e
+            except OSError:
+                shutil.copyfile(src, stage / img.name)
+    except BaseException:
+        remove_staging(stage)
+        raise
+    return stage
 
 
 def staging_parent(raw_bytes: int, fallback: Path, images: tuple[ImageFile, ...] = ()) -> Path:

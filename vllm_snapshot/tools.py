@@ -220,6 +220,14 @@ class SnapshotTools(Protocol):
     def stage(self, snapshot: Path, m: Manifest) -> Path:
         """Verified raw images in a staging dir. Raises CorruptSnapshotError."""
 
+    def stage_checking(self, snapshot: Path, m: Manifest):
+        """Raw images in a staging dir, and their checksum verification (an object with
+        ``wait()``, raising CorruptSnapshotError on a mismatch, and ``cancel()``): for an
+        uncompressed snapshot the images are hard-linked at once and verified in the background
+        while CRIU restores; a compressed snapshot's are verified while decompressed (``wait``
+        returns at once). Saved files (``files/``) are verified before returning. Raises
+        CorruptSnapshotError."""
+
     def unstage(self, stage: Path) -> None: ...
 
     def unstage_all(self, near: Path) -> None:
@@ -759,6 +767,22 @@ class LocalTools(SnapshotTools):
             archive.remove_staging(stage)
             raise
         return stage
+
+    def stage_checking(self, snapshot: Path, m: Manifest):
+        from . import archive, layout
+
+        sd = layout.SnapshotDir(snapshot)
+        raw = sum(i.raw_bytes for i in m.images)
+        parent = archive.staging_parent(raw, snapshot.parent, m.images)
+        if any(i.compression != "none" for i in m.images):
+            return self.stage(snapshot, m), archive.Verified()
+        archive.verify(sd.files, m.extra_files)
+        stage = archive.link_stage(sd.images, m.images, parent)
+        try:
+            return stage, archive.Checking(sd.images, m.images)
+        except BaseException:
+            archive.remove_staging(stage)
+            raise
 
     def unstage(self, stage: Path) -> None:
         from . import archive

@@ -7,12 +7,15 @@ recorded CRIU flags known -> host identity field by field -> the HTTP port free 
 tree had open or mapped -> model files (re-hashing last: a taken port is found in
 milliseconds, not after every model byte was read).
 
-:func:`restore` -- validate -> stage (image checksums; meanwhile the code identity of
-:mod:`vllm_snapshot.codeid`, decided before CRIU) -> put back link-remap files -> fresh
+:func:`restore` -- validate -> stage (compressed images: decompressed and verified; uncompressed:
+hard-linked; meanwhile the code identity of :mod:`vllm_snapshot.codeid`, decided before CRIU)
+-> put back link-remap files -> fresh
 channel -> CRIU restore with the recorded flags (into a fresh network namespace) -> adopt the
-tree -> (CUDA: wake) -> oracle inside the engine -> only then bind -> /health -> HTTP canary ->
-registry. Any failure kills the tree, releases the port, removes staging; a failing cleanup is
-reported together with its cause.
+tree -> (CUDA: wake) -> oracle inside the engine -> the image checksums' verdict (uncompressed
+images are verified in a background thread while CRIU restores from their hard links and the
+oracle runs) -> only then bind -> /health -> HTTP canary -> registry. Any failure kills the
+tree, releases the port, removes staging; a failing cleanup is reported together with its
+cause.
 
 Network: a snapshot made with ``engine.network`` ``isolated`` (every snapshot since the engine
 got its own network namespace) is restored into a fresh namespace that CRIU creates, holding
@@ -209,12 +212,13 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
     engine: Engine | None = None
     code_check = None
     placement = None
+    checking = None
     try:
         # the code identity check (~0.1 s of stat calls) runs while the images are staged and is
         # decided before CRIU starts
         code_check = _pool().submit(t.check_code, snapshot, m)
-        with rep.phase("stage", "verifying checksums and staging images"):
-            stage = t.stage(snapshot, m)
+        with rep.phase("stage", "staging images (checksums verified alongside CRIU)"):
+            stage, checking = t.stage_checking(snapshot, m)
             placed = t.put_back_remaps(snapshot, m)
         with rep.phase("code_check", "checking the Python files the engine imports from"):
             raise_code_changed(code_check.result())
@@ -275,6 +279,11 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
             if diffs:
                 raise OracleMismatchError("the restored engine's oracle differs; refusing to serve:\n  " + "\n  ".join(diffs),
                                           details={"expected": m.oracle.model_dump(), "actual": got.model_dump()})
+        # The decision on the images' checksums, verified while CRIU and the oracle ran: before
+        # anything is bound (a mismatch kills the restored tree; nothing unverified is served).
+        with rep.phase("checksums", "image checksums"):
+            checking.wait()
+            checking = None
         url = ports.url(req.host, req.port, fe.scheme)
         with rep.phase("bind", f"binding {ports.fmt_addr(req.host, req.port)}"):
             if isolated:  # bound here, in the host's namespace, and handed to the engine
@@ -301,6 +310,8 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
         if code_check is not None:
             code_check.cancel()
         steps = []
+        if checking is not None:
+            steps.append(("stop the checksum verification", checking.cancel))
         if engine is not None:
             eng = engine
             steps += [("stop the restored engine", eng.kill), ("close the engine channel", eng.close)]

@@ -324,6 +324,11 @@ async def run(spec: dict) -> int:
                     # scans what was allocated since (vLLM freezes at the same point itself; a
                     # frozen object is never freed, as after vLLM's own freeze).
                     gc.freeze()
+                    # the children (EngineCore, workers): gc, malloc_trim, zero KV pages out
+                    from .prep import prepare_children
+
+                    for r in await loop.run_in_executor(None, prepare_children):
+                        print(f"vllm-snapshot prepare-dump: {json.dumps(r)}", file=sys.stderr)
                     sys.stdout.flush()
                     sys.stderr.flush()
                     # what the code identity pins (vllm_snapshot.codeid): the distributions
@@ -395,6 +400,13 @@ def main() -> int:
         emit("error", kind="engine", message=f"{type(e).__name__}: {e}")
         return 1
 
+
+if __name__ == "__mp_main__":
+    # vLLM's children (spawned by multiprocessing) import this module under this name: their
+    # hook for prepare-dump (see .prep)
+    from .prep import install_child_hook
+
+    install_child_hook()
 
 if __name__ == "__main__":
     code = main()

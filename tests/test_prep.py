@@ -1,0 +1,76 @@
+"""Pre-dump preparation of the engine's children (vllm_snapshot.engine.prep): zero pages of a
+private anonymous mapping are given back without changing what the process reads, and the
+root reaches its children's hooks."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from vllm_snapshot.engine import prep
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _present_pages(addr: int, length: int) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    vec = (ctypes.c_ubyte * (length // prep.PAGE))()
+    assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(length), vec) == 0
+    return sum(v & 1 for v in vec)
+
+
+def test_drop_zero_pages_keeps_contents_and_frees_only_zero_pages():
+    n = 16
+    m = mmap.mmap(-1, n * prep.PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = (ctypes.c_char * len(m)).from_buffer(m)
+    addr = ctypes.addressof(buf)
+    m[:] = b"\0" * len(m)  # touch every page
+    m[3 * prep.PAGE + 17] = 7
+    m[10 * prep.PAGE + prep.PAGE - 1] = 9
+    before = bytes(m)
+    assert _present_pages(addr, len(m)) == n
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    # an unaligned range: only whole pages inside it are considered
+    dropped = prep.drop_zero_pages(addr + 5, len(m) - 5, prep._anon_private_ranges(), libc)
+    assert dropped == (n - 2 - 1) * prep.PAGE  # two data pages kept; the partial first page too
+    assert _present_pages(addr, len(m)) == 3
+    assert bytes(m) == before
+    del buf
+    m.close()
+
+
+def test_drop_zero_pages_ignores_memory_outside_anonymous_mappings():
+    m = mmap.mmap(-1, 4 * prep.PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = (ctypes.c_char * len(m)).from_buffer(m)
+    addr = ctypes.addressof(buf)
+    m[:] = b"\0" * len(m)
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert prep.drop_zero_pages(addr, len(m), [], libc) == 0
+    assert _present_pages(addr, len(m)) == 4
+    del buf
+    m.close()
+
+
+def test_root_reaches_a_child_hook_and_the_hook_closes_after_one_request():
+    code = ("import time; from vllm_snapshot.engine.prep import install_child_hook; install_child_hook(); "
+            "print('ready', flush=True); time.sleep(60)")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env)
+    try:
+        assert p.stdout.readline().strip() == b"ready"
+        (got,) = prep.prepare_children(timeout_s=30)
+        assert got["pid"] == p.pid and got["kv_zero_bytes"] == 0 and got["anon_before"] > 0
+        for _ in range(50):  # the listener is gone once it answered
+            if not prep.prepare_children(timeout_s=5):
+                break
+            time.sleep(0.05)
+        assert prep.prepare_children(timeout_s=5) == []
+    finally:
+        p.kill()
+        p.wait()

@@ -14,6 +14,8 @@ validated completion (phases: validate, stage, CRIU restore, oracle, bind, canar
 stored bytes; a bare ``criu restore`` of the same staged images (the overhead figure); the
 timings of ``vllm-snapshot --help`` and ``inspect``. Prints ratios; never asserts targets.
 ``--quick`` (CI smoke test): one compression, one restore, no bare CRIU run, no plot.
+``--big-model DIR``: the same for a second model in the same run (issue 22's target 7).
+Prints a table of issue 22's targets (value, target, met?) per model on stderr and in --md.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def bare_criu_restore(snap: Path) -> float:
         archive.remove_staging(stage)
 
 
-PHASES = ["validate", "stage", "criu_restore", "wake", "oracle", "bind", "http_ready", "canary"]
+PHASES = ["validate", "stage", "criu_restore", "wake", "oracle", "checksums", "bind", "http_ready", "canary"]
 
 
 def plot(res: dict, path: Path) -> None:
@@ -129,9 +131,131 @@ def plot(res: dict, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+#: Targets of issue 22, checked per model by :func:`targets` (printed, never asserted).
+SPEEDUP_TARGET = 30.0
+BIG_SPEEDUP_TARGET = 15.0
+OVERHEAD_TARGET_S = 0.3
+RAW_REDUCTION_TARGET = 0.30
+STORED_TARGET = 0.15
+ZSTD_SLOWDOWN_TARGET = 1.5
+CLI_TARGET_S = 0.3
+#: Raw image bytes of the demo snapshot before issue 22 (main at aced35d, 2026-11-30,
+#: `create` of the tiny model with the demo's engine args): the reference of target 3.
+DEMO_BASELINE_RAW = 1415497047
+
+
+def bench_model(model: Path, engine_args: list[str], comps: list[str], restores: int, quick: bool,
+                work: Path, snapshot: Path | None) -> tuple[dict, Path]:
+    """Cold start (and its memory), then per compression a create and ``restores`` restores
+    (and the first restored tree's memory), and a bare CRIU restore. Returns (result, the last
+    snapshot)."""
+    res: dict = {"model": str(model), "engine_args": engine_args, "runs": {}}
+    print(f"{model}: cold start -> first completion ...", file=sys.stderr)
+    mem: dict = {}
+    res["cold_start_s"] = round(demo.cold_start(Path(model), demo.free_port(), engine_args, mem), 3)
+    res["cold_memory"] = mem
+    print(f"  {res['cold_start_s']:.2f} s, RSS {mem.get('rss', 0) >> 20} MiB", file=sys.stderr)
+    snap = None
+    for comp in comps:
+        if snapshot and quick:
+            snap = snapshot.absolute()
+            m = manifest.read(snap)
+            comp = ",".join(sorted({i.compression for i in m.images}))
+            run = {"create_s": round(sum(m.timings.values()), 3), "create_phases": m.timings,
+                   "raw_bytes": m.sizes["raw"], "stored_bytes": m.sizes["stored"], "restores": [],
+                   "reused_snapshot": str(snap)}
+        else:
+            snap = work / f"snap-{Path(model).name}-{comp.replace(':', '-')}"
+            rep = Reporter()
+            t0 = time.monotonic()
+            m = ops.create(ops.CreateRequest(model=str(model), target=snap, engine_args=engine_args,
+                                             compression=archive.Compression.parse(comp)), rep).manifest
+            run = {"create_s": round(time.monotonic() - t0, 3), "create_phases": m.timings,
+                   "raw_bytes": m.sizes["raw"], "stored_bytes": m.sizes["stored"], "restores": []}
+        print(f"{comp}: create {run['create_s']:.2f} s, raw {m.sizes['raw']} B, stored {m.sizes['stored']} B",
+              file=sys.stderr)
+        for i in range(restores):
+            rep = Reporter()
+            t0 = time.monotonic()
+            r, engine = ops.restore(ops.RestoreRequest(snapshot=snap, port=demo.free_port()), rep)
+            total = time.monotonic() - t0
+            if i == 0:
+                run["restored_memory"] = demo.tree_memory(r.pid)
+            engine.kill(grace=15)
+            engine.close()
+            LocalTools().unregister(r.pid)
+            run["restores"].append({"to_validated_completion_s": round(total, 3), "phases": r.timings})
+            print(f"  restore {i + 1}: {total:.2f} s {r.timings}", file=sys.stderr)
+            time.sleep(1)
+        if not quick:
+            run["bare_criu_restore_s"] = round(bare_criu_restore(snap), 3)
+        res["runs"][comp] = run
+    for comp, run in res["runs"].items():
+        med = sorted(x["to_validated_completion_s"] for x in run["restores"])[len(run["restores"]) // 2]
+        run["restore_median_s"] = med
+        run["speedup_vs_cold"] = round(res["cold_start_s"] / med, 2)
+        run["stored_ratio"] = round(run["stored_bytes"] / max(1, run["raw_bytes"]), 4)
+        if "bare_criu_restore_s" in run:
+            crit = sorted(x["phases"].get("criu_restore", 0) for x in run["restores"])[len(run["restores"]) // 2]
+            run["overhead_vs_bare_criu_s"] = round(med - run["bare_criu_restore_s"], 3)
+            run["criu_phase_vs_bare_s"] = round(crit - run["bare_criu_restore_s"], 3)
+    return res, snap
+
+
+def targets(res: dict, help_s: float, inspect_s: float, baseline_raw: int | None, big: bool) -> list[tuple]:
+    """Rows (number, what, value text, target text, met: bool | None) of issue 22's targets for
+    one model's result; None = not measured in this run."""
+    runs = res["runs"]
+    plain = runs.get("none")
+    z = next((r for c, r in runs.items() if c.startswith("zstd")), None)
+    rows = []
+    if plain:
+        want = BIG_SPEEDUP_TARGET if big else SPEEDUP_TARGET
+        rows.append((7 if big else 1, "restore -> first validated completion vs cold start",
+                     f"{plain['speedup_vs_cold']:.1f}× ({plain['restore_median_s']:.2f} s vs {res['cold_start_s']:.2f} s)",
+                     f"≥ {want:.0f}×", plain["speedup_vs_cold"] >= want))
+        ov = plain.get("overhead_vs_bare_criu_s")
+        rows.append((2, "overhead beyond a bare `criu restore`",
+                     "–" if ov is None else f"{ov:.2f} s (bare {plain['bare_criu_restore_s']:.2f} s)",
+                     f"≤ {OVERHEAD_TARGET_S} s", None if ov is None else ov <= OVERHEAD_TARGET_S))
+        if baseline_raw:
+            red = 1 - plain["raw_bytes"] / baseline_raw
+            rows.append((3, "raw image bytes vs before issue 22",
+                         f"{plain['raw_bytes'] / 2**20:.0f} MiB vs {baseline_raw / 2**20:.0f} MiB: -{100 * red:.1f}%",
+                         f"≥ {100 * RAW_REDUCTION_TARGET:.0f}% less", red >= RAW_REDUCTION_TARGET))
+        else:
+            rows.append((3, "raw image bytes", f"{plain['raw_bytes'] / 2**20:.0f} MiB (no baseline)", "–", None))
+    if z:
+        rows.append((4, "zstd: stored / raw", f"{100 * z['stored_ratio']:.1f}%", f"≤ {100 * STORED_TARGET:.0f}%",
+                     z["stored_ratio"] <= STORED_TARGET))
+        if plain:
+            slow = z["restore_median_s"] / plain["restore_median_s"]
+            rows.append((4, "zstd restore / uncompressed restore", f"{slow:.2f}×", f"≤ {ZSTD_SLOWDOWN_TARGET}×",
+                         slow <= ZSTD_SLOWDOWN_TARGET))
+    rows.append((5, "`inspect` / `--help` (whole process, median of 5)", f"{inspect_s:.2f} s / {help_s:.2f} s",
+                 f"≤ {CLI_TARGET_S} s", inspect_s <= CLI_TARGET_S and help_s <= CLI_TARGET_S))
+    rm = (plain or z or {}).get("restored_memory")
+    cm = res.get("cold_memory")
+    if rm and cm:
+        rows.append((6, "restored engine RSS vs cold engine RSS (PSS)",
+                     f"{rm['rss'] / 2**20:.0f} vs {cm['rss'] / 2**20:.0f} MiB ({rm['pss'] / 2**20:.0f} vs {cm['pss'] / 2**20:.0f})",
+                     "≤ cold", rm["rss"] <= cm["rss"]))
+    return rows
+
+
+def targets_md(rows: list[tuple]) -> list[str]:
+    out = ["| # | target | measured | target | met? |", "|---|---|---|---|---|"]
+    for n, what, val, want, met in rows:
+        out.append(f"| {n} | {what} | {val} | {want} | {'–' if met is None else ('yes' if met else 'no')} |")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--big-model", type=Path, default=None,
+                    help="a second, big model measured in the same run (target 7), e.g. from "
+                         "`python -m vllm_snapshot.tiny_model --out DIR --hidden 2048 --layers 16 --intermediate 7168`")
     ap.add_argument("--restores", type=int, default=3)
     ap.add_argument("--compress", action="append", default=None)
     ap.add_argument("--quick", action="store_true")
@@ -139,6 +263,7 @@ def main() -> int:
     ap.add_argument("--md", type=Path)
     ap.add_argument("--plot", type=Path)
     ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--load", default="", help="what else ran on the machine (written into --md)")
     ap.add_argument("--snapshot", type=Path, default=None,
                     help="with --quick: restore this existing snapshot instead of creating one")
     ap.add_argument("engine_args", nargs="*")
@@ -154,79 +279,49 @@ def main() -> int:
     restores = 1 if a.quick else a.restores
     work = Path(tempfile.mkdtemp(prefix="vllm-snapshot-bench-", dir=a.workdir or "/var/tmp"))
     os.chmod(work, 0o700)
-    res: dict = {"host": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
-                 "model": str(model), "engine_args": engine_args, "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-                 "quick": a.quick, "runs": {}}
+    when = time.strftime("%Y-%m-%d %H:%M:%S")
     try:
-        print("cold start -> first completion ...", file=sys.stderr)
-        res["cold_start_s"] = round(demo.cold_start(Path(model), demo.free_port()), 3)
-        print(f"  {res['cold_start_s']:.2f} s", file=sys.stderr)
-        for comp in comps:
-            if a.snapshot and a.quick:
-                snap = a.snapshot.absolute()
-                m = manifest.read(snap)
-                comp = ",".join(sorted({i.compression for i in m.images}))
-                run = {"create_s": round(sum(m.timings.values()), 3), "create_phases": m.timings,
-                       "raw_bytes": m.sizes["raw"], "stored_bytes": m.sizes["stored"], "restores": [],
-                       "reused_snapshot": str(snap)}
-            else:
-                snap = work / f"snap-{comp.replace(':', '-')}"
-                rep = Reporter()
-                t0 = time.monotonic()
-                m = ops.create(ops.CreateRequest(model=str(model), target=snap, engine_args=engine_args,
-                                                 compression=archive.Compression.parse(comp)), rep).manifest
-                run = {"create_s": round(time.monotonic() - t0, 3), "create_phases": m.timings,
-                       "raw_bytes": m.sizes["raw"], "stored_bytes": m.sizes["stored"], "restores": []}
-            print(f"{comp}: create {run['create_s']:.2f} s, raw {m.sizes['raw']} B, stored {m.sizes['stored']} B",
-                  file=sys.stderr)
-            for i in range(restores):
-                rep = Reporter()
-                t0 = time.monotonic()
-                r, engine = ops.restore(ops.RestoreRequest(snapshot=snap, port=demo.free_port()), rep)
-                total = time.monotonic() - t0
-                engine.kill(grace=15)
-                engine.close()
-                LocalTools().unregister(r.pid)
-                run["restores"].append({"to_validated_completion_s": round(total, 3), "phases": r.timings})
-                print(f"  restore {i + 1}: {total:.2f} s {r.timings}", file=sys.stderr)
-                time.sleep(1)
-            if not a.quick:
-                run["bare_criu_restore_s"] = round(bare_criu_restore(snap), 3)
-            res["runs"][comp] = run
+        res, snap = bench_model(Path(model), engine_args, comps, restores, a.quick, work, a.snapshot)
+        res.update({"host": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
+                    "when": when, "quick": a.quick, "load": a.load})
         cli = [sys.executable, "-m", "vllm_snapshot"]
         res["help_s"] = round(timed_cmd(cli + ["--help"]), 3)
         res["inspect_s"] = round(timed_cmd(cli + ["inspect", str(snap)]), 3)
+        is_demo = a.model is None and not a.engine_args
+        res["targets"] = targets(res, res["help_s"], res["inspect_s"], DEMO_BASELINE_RAW if is_demo else None, False)
+        if a.big_model:
+            big, _ = bench_model(a.big_model, engine_args, comps, restores, a.quick, work, None)
+            big["targets"] = targets(big, res["help_s"], res["inspect_s"], None, True)
+            res["big"] = big
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    # ratios
-    for comp, run in res["runs"].items():
-        med = sorted(x["to_validated_completion_s"] for x in run["restores"])[len(run["restores"]) // 2]
-        run["restore_median_s"] = med
-        run["speedup_vs_cold"] = round(res["cold_start_s"] / med, 2)
-        run["stored_ratio"] = round(run["stored_bytes"] / max(1, run["raw_bytes"]), 4)
-        if "bare_criu_restore_s" in run:
-            crit = sorted(x["phases"].get("criu_restore", 0) for x in run["restores"])[len(run["restores"]) // 2]
-            run["overhead_vs_bare_criu_s"] = round(med - run["bare_criu_restore_s"], 3)
-            run["criu_phase_vs_bare_s"] = round(crit - run["bare_criu_restore_s"], 3)
     text = json.dumps(res, indent=2)
     print(text)
+    for r in [res, res.get("big")]:
+        if r:
+            print(f"\ntargets, {r['model']}:", file=sys.stderr)
+            print("\n".join(targets_md(r["targets"])), file=sys.stderr)
     if a.json_out:
         a.json_out.write_text(text)
     if a.md:
         lines = [f"\n### Run {res['when']} ({'quick' if a.quick else 'full'}; {res['host']['cpus']} CPUs, kernel {res['host']['kernel']})\n",
-                 f"Model `{res['model']}`, engine args `{' '.join(engine_args)}`. "
-                 f"Cold start -> first completion: **{res['cold_start_s']:.2f} s**. "
-                 f"`--help` {res['help_s']:.2f} s, `inspect` {res['inspect_s']:.2f} s (medians of 5).\n",
-                 "| compression | create s | raw MiB | stored MiB | stored % | restore -> validated completion s (median) | speed-up vs cold | bare criu restore s | overhead s |",
-                 "|---|---|---|---|---|---|---|---|---|"]
-        for comp, run in res["runs"].items():
-            lines.append(f"| {comp} | {run['create_s']:.1f} | {run['raw_bytes'] / 2**20:.0f} | {run['stored_bytes'] / 2**20:.0f} | "
-                         f"{100 * run['stored_ratio']:.1f} | {run['restore_median_s']:.2f} | {run['speedup_vs_cold']:.1f}× | "
-                         f"{run.get('bare_criu_restore_s', float('nan')):.2f} | {run.get('overhead_vs_bare_criu_s', float('nan')):.2f} |")
-        lines.append("")
-        lines.append("Restore phases (seconds, each restore): " + "; ".join(
-            f"{comp}: " + ", ".join(json.dumps(x["phases"]) for x in run["restores"]) for comp, run in res["runs"].items()))
-        lines.append("")
+                 f"Load: {a.load or 'not recorded'}. `--help` {res['help_s']:.2f} s, `inspect` {res['inspect_s']:.2f} s (medians of 5).\n"]
+        for r in [res, res.get("big")]:
+            if not r:
+                continue
+            lines += [f"Model `{r['model']}`, engine args `{' '.join(r['engine_args'])}`. "
+                      f"Cold start -> first completion: **{r['cold_start_s']:.2f} s**.\n",
+                      *targets_md(r["targets"]), "",
+                      "| compression | create s | raw MiB | stored MiB | stored % | restore -> validated completion s (median) | speed-up vs cold | bare criu restore s | overhead s |",
+                      "|---|---|---|---|---|---|---|---|---|"]
+            for comp, run in r["runs"].items():
+                lines.append(f"| {comp} | {run['create_s']:.1f} | {run['raw_bytes'] / 2**20:.0f} | {run['stored_bytes'] / 2**20:.0f} | "
+                             f"{100 * run['stored_ratio']:.1f} | {run['restore_median_s']:.2f} | {run['speedup_vs_cold']:.1f}× | "
+                             f"{run.get('bare_criu_restore_s', float('nan')):.2f} | {run.get('overhead_vs_bare_criu_s', float('nan')):.2f} |")
+            lines.append("")
+            lines.append("Restore phases (seconds, each restore): " + "; ".join(
+                f"{comp}: " + ", ".join(json.dumps(x["phases"]) for x in run["restores"]) for comp, run in r["runs"].items()))
+            lines.append("")
         with open(a.md, "a") as f:
             f.write("\n".join(lines) + "\n")
     if a.plot and not a.quick:

@@ -40,9 +40,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cold_start(model: Path, port: int) -> float:
-    """Seconds from launching ``vllm.entrypoints.openai.api_server`` (same engine args) to its
-    first successful completion; the server is stopped afterwards. Raises EngineError."""
+def tree_memory(pid: int) -> dict:
+    """``{"rss", "pss", "processes"}`` (bytes) of process ``pid`` and its descendants
+    (psutil; PSS divides shared pages among their sharers)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    procs = [root, *root.children(recursive=True)]
+    rss = pss = 0
+    for p in procs:
+        try:
+            mi = p.memory_full_info()
+        except psutil.Error:
+            continue
+        rss += mi.rss
+        pss += getattr(mi, "pss", mi.rss)
+    return {"rss": rss, "pss": pss, "processes": len(procs)}
+
+
+def cold_start(model: Path, port: int, engine_args: list[str] | None = None, memory: dict | None = None) -> float:
+    """Seconds from launching ``vllm.entrypoints.openai.api_server`` (``engine_args``, default
+    the demo's) to its first successful completion; the server is stopped afterwards. With
+    ``memory`` (a dict), :func:`tree_memory` of the server's tree after that completion is put
+    into it. Raises EngineError."""
     import getpass
     import shutil
     import tempfile
@@ -57,7 +77,7 @@ def cold_start(model: Path, port: int) -> float:
         os.makedirs(inductor, mode=0o700, exist_ok=True)
         os.symlink(inductor, os.path.join(tmp, f"torchinductor_{getpass.getuser()}"))
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS]
+            "--host", "127.0.0.1", "--port", str(port), *(engine_args or ENGINE_ARGS)]
     t0 = time.monotonic()
     p = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -70,7 +90,10 @@ def cold_start(model: Path, port: int) -> float:
                 status, _ = _http_json(f"http://127.0.0.1:{port}/v1/completions", {
                     "model": tiny_model.SERVED_NAME, "prompt": "Hello", "max_tokens": 1}, timeout=5)
                 if status == 200:
-                    return time.monotonic() - t0
+                    took = time.monotonic() - t0
+                    if memory is not None:
+                        memory.update(tree_memory(p.pid))
+                    return took
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.25)

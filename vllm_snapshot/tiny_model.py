@@ -51,13 +51,21 @@ def is_complete(path: Path) -> bool:
         return False
 
 
-def generate(out: Path) -> Path:
-    """Write the tiny model to ``out`` atomically (temp sibling, then rename) and return it.
-
-    Raises OSError when ``out``'s parent cannot be written. Imports torch/transformers/tokenizers.
-    """
-    if is_complete(out):
-        return out
+def generate(out: Path, hidden: int = 128, layers: int = 2, heads: int = 2, intermediate: int | None = None) -> Path:
+    """Write a random-weight Llama (default: the tiny model) to ``out`` atomically (temp
+    sibling, then rename) and return it. ``hidden`` = heads x 64 (vLLM's CPU attention head
+    size); ``intermediate`` defaults to 2 x hidden (256 for the tiny model), one KV head.
+    Weights are float32: about 4 x layers x (2 x hidden^2 + 3 x hidden x intermediate) bytes;
+    benchmarks use ``hidden=2048, layers=16, heads=32, intermediate=7168`` (3.1 GiB, issue 22).
+    Raises OSError when ``out``'s parent cannot be written. Imports torch/transformers/tokenizers."""
+    intermediate = intermediate or 2 * hidden
+    stamp = GENERATOR_VERSION if (hidden, layers, heads, intermediate) == (128, 2, 2, 256) else \
+        f"{GENERATOR_VERSION} hidden={hidden} layers={layers} heads={heads} intermediate={intermediate}"
+    try:
+        if (out / STAMP).read_text().strip() == stamp:
+            return out
+    except OSError:
+        pass
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -83,10 +91,10 @@ def generate(out: Path) -> Path:
         torch.manual_seed(0)
         config = LlamaConfig(
             vocab_size=tok.get_vocab_size(),
-            hidden_size=128,
-            intermediate_size=256,
-            num_hidden_layers=2,
-            num_attention_heads=2,
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
             num_key_value_heads=1,
             head_dim=64,
             max_position_embeddings=512,
@@ -97,7 +105,7 @@ def generate(out: Path) -> Path:
         )
         model = LlamaForCausalLM(config)
         model.save_pretrained(tmp, safe_serialization=True)
-        (tmp / STAMP).write_text(GENERATOR_VERSION + "\n")
+        (tmp / STAMP).write_text(stamp + "\n")
         for p in tmp.iterdir():
             os.chmod(p, 0o644)
         os.chmod(tmp, 0o755)
@@ -113,8 +121,12 @@ def generate(out: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=default_model_dir())
+    ap.add_argument("--hidden", type=int, default=128, help="hidden size (= heads x 64)")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--intermediate", type=int, default=None, help="MLP size (default 2 x hidden)")
     args = ap.parse_args(argv)
-    path = generate(args.out)
+    path = generate(args.out, hidden=args.hidden, layers=args.layers, heads=args.hidden // 64,
+                    intermediate=args.intermediate)
     print(json.dumps({"model": str(path)}))
     return 0
 

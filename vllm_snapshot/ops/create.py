@@ -5,7 +5,8 @@
 2. per-snapshot lock, private temp dir beside the target;
 3. model digest; scrubbed environment; engine start (PID + mount namespace) -> oracle;
 4. CUDA: sleep rehearsal (sleep, wake, reload, oracle must match, sleep again);
-5. prepare-dump (app prebuilt, parent-death signal cleared);
+5. prepare-dump (app prebuilt, parent-death signal cleared, GC heap frozen, children prepared:
+   gc, malloc_trim, all-zero KV-cache pages given back -- see engine/prep.py);
 6. inventory (refuse what CRIU cannot restore), channel keys, link-remap watch;
 7. CRIU dump (host-wide lock), tree gone, link-remap files saved;
 8. checksums / compression; code identity (:mod:`vllm_snapshot.codeid`: the files of the

@@ -118,9 +118,33 @@ def test_restore_image_checksum_mismatch_found_after_criu_kills_the_tree_before_
     assert t.engine.killed and "unstage_all" in t.calls
 
 
-def test_restore_failure_before_the_verdict_stops_the_checksum_thread():
+def test_restore_failure_before_the_verdict_waits_for_it_after_the_tree_is_stopped():
+    """Intact images: the original failure is reported; the verdict was awaited only after the
+    restored engine was killed."""
     t = FakeTools(manifest=isolated_manifest(), oracles=[make_oracle(logprob=-9.0)])
     with pytest.raises(OracleMismatchError):
+        _restore(t)
+    assert "checksums" in t.calls and t.engine.killed and "serve_engine" not in t.calls
+
+
+def test_criu_failure_on_corrupt_images_reports_the_checksum():
+    """CRIU (or the engine) failing on corrupt images: the checksum mismatch is the error, with
+    the failure it caused in its message."""
+    from vllm_snapshot.errors import CorruptSnapshotError
+
+    t = FakeTools(manifest=isolated_manifest(), fail={"restore_tree": CriuError("criu restore failed: see log")})
+    t.corrupt_images = CorruptSnapshotError("image pages-1.img fails its checksum")
+    with pytest.raises(CorruptSnapshotError, match="pages-1.img") as ei:
+        _restore(t)
+    assert "criu restore failed" in str(ei.value) and isinstance(ei.value.__cause__, CriuError)
+    assert "unstage_all" in t.calls and "register" not in t.calls
+
+
+def test_interrupted_restore_stops_the_checksum_thread():
+    from vllm_snapshot.errors import Interrupted
+
+    t = FakeTools(manifest=isolated_manifest(), fail={"restore_tree": Interrupted("signal 2")})
+    with pytest.raises(Interrupted):
         _restore(t)
     assert "checksums.cancel" in t.calls and "checksums" not in t.calls
 

@@ -43,7 +43,7 @@ from typing import Callable
 
 from .. import criu, frontend, identity, interrupts, mountpolicy, oracle, ports, resources
 from ..errors import (BusyError, CorruptSnapshotError, CriuError, EngineError, IncompatibleHostError,
-                      InsufficientResources, OracleMismatchError, UsageError)
+                      InsufficientResources, Interrupted, OracleMismatchError, UsageError)
 from ..manifest import Manifest
 from ..progress import Reporter
 from ..registry import Entry
@@ -310,8 +310,6 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
         if code_check is not None:
             code_check.cancel()
         steps = []
-        if checking is not None:
-            steps.append(("stop the checksum verification", checking.cancel))
         if engine is not None:
             eng = engine
             steps += [("stop the restored engine", eng.kill), ("close the engine channel", eng.close)]
@@ -323,7 +321,28 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
         steps.append(("remove link-remap files put back", lambda: t.cleanup_remaps(placed)))
         if placement is not None:
             steps.append(("remove the engine's cgroup", placement.remove))
+        corrupt: list[CorruptSnapshotError] = []
+        if checking is not None:
+            if isinstance(e, Exception) and not isinstance(e, Interrupted):
+                # a failure while the checksums were still being verified (CRIU, the engine, the
+                # oracle) may come from corrupt images: their verdict names the cause
+                pending = checking
+
+                def verdict() -> None:
+                    try:
+                        pending.wait()
+                    except CorruptSnapshotError as ce:
+                        corrupt.append(ce)
+
+                steps.append(("finish the checksum verification", verdict))
+            else:  # interrupted: stop it
+                steps.append(("stop the checksum verification", checking.cancel))
         run_cleanups(e, steps)
+        if corrupt:
+            ce = corrupt[0]
+            ce.message = f"{ce.message}\n(the restore had already failed: {type(e).__name__}: {e}; the restored tree was stopped)"
+            ce.args = (ce.message,)
+            raise ce from e
         raise
 
 

@@ -289,10 +289,16 @@ def main() -> int:
         res["inspect_s"] = round(timed_cmd(cli + ["inspect", str(snap)]), 3)
         is_demo = a.model is None and not a.engine_args
         res["targets"] = targets(res, res["help_s"], res["inspect_s"], DEMO_BASELINE_RAW if is_demo else None, False)
+        if a.json_out:  # the first model's results survive a failure of the second
+            a.json_out.write_text(json.dumps(res, indent=2))
         if a.big_model:
-            big, _ = bench_model(a.big_model, engine_args, comps, restores, a.quick, work, None)
-            big["targets"] = targets(big, res["help_s"], res["inspect_s"], None, True)
-            res["big"] = big
+            try:
+                big, _ = bench_model(a.big_model, engine_args, comps, restores, a.quick, work, None)
+                big["targets"] = targets(big, res["help_s"], res["inspect_s"], None, True)
+                res["big"] = big
+            except Exception as e:  # noqa: BLE001 - report the first model anyway
+                res["big_error"] = f"{type(e).__name__}: {e}"
+                print(f"big model failed: {res['big_error']}", file=sys.stderr)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     text = json.dumps(res, indent=2)

@@ -385,10 +385,11 @@ def test_restore_in_a_small_memory_cgroup_is_refused_before_criu(snapshot):
                 time.sleep(0.1)
 
 
-def test_changed_vllm_source_file_refused_before_criu(snapshot, tmp_path):
+def test_changed_vllm_source_file_refused_before_the_bind(snapshot, tmp_path):
     """Code identity (issue 15 item 3): a source file of the installed vLLM that the engine
     never imported (so neither open nor mapped at dump) has a line appended after create:
-    restore refuses before CRIU, naming the file; unchanged, the same snapshot restores.
+    restore refuses before the port is bound (the check runs alongside CRIU and the oracle;
+    the restored tree is killed), naming the file; unchanged, the same snapshot restores.
 
     The change is made where only that restore sees it: a copy with the appended line is
     bind-mounted over the real file in a private mount namespace (``unshare --mount``) in which
@@ -408,7 +409,10 @@ def test_changed_vllm_source_file_refused_before_criu(snapshot, tmp_path):
               f"--port {free_port()}")
     p = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script], capture_output=True,
                        text=True, timeout=120, env=engine_env(), cwd=ROOT)
-    refused_before_criu(p, 3, before)
+    # decided alongside CRIU and the oracle, before the bind: the restored tree is killed
+    assert p.returncode == 3, p.stderr[-3000:]
+    assert "binding" not in p.stderr and "Traceback" not in p.stderr
+    assert engine_pids(10, before) - before == set()
     assert str(target) in p.stderr and "changed since the snapshot was created" in p.stderr, p.stderr
     assert b"# appended" not in target.read_bytes()  # the host never saw the change
     port = free_port()

@@ -537,22 +537,24 @@ def test_cuda_create_checks_plugin_helper_and_driver_before_the_engine_starts():
 
 # ------------------------------------------------------------------ code identity (issue 15 item 3)
 
-def test_changed_python_files_refuse_before_criu_and_leave_no_staging():
+def test_changed_python_files_refuse_before_the_bind_and_leave_nothing():
+    """The code identity runs alongside staging, CRIU and the oracle (like the image checksums)
+    and is decided before anything is bound: a changed file kills the restored tree."""
     t = FakeTools()
     t.code_problems = ["/venv/site-packages/vllm/entrypoints/run_batch.py (vllm 0.32.0) changed since the snapshot was created"]
     with pytest.raises(IncompatibleHostError, match="run_batch.py") as ei:
         _restore(t)
     assert "re-create" in ei.value.hint
     c = t.calls
-    assert "check_code" in c
-    assert "restore_tree" not in c and "criu_lock" not in c and "register" not in c
-    assert "unstage_all" in c  # the staged images are removed
+    assert "check_code" in c and t.engine is not None and t.engine.killed
+    assert not {"engine.serve", "serve_engine", "http_health", "register"} & set(c)
+    assert "unstage_all" in c  # staging removed
 
 
-def test_code_check_is_decided_before_criu():
+def test_code_check_runs_on_every_restore_and_an_unchanged_tree_serves():
     t = FakeTools()
-    _restore(t)
-    assert _before(t.calls, "check_code", "restore_tree")
+    r, engine = _restore(t)
+    assert "check_code" in t.calls and not engine.killed and "register" in t.calls
 
 
 def test_create_pins_the_code_the_engine_imported():

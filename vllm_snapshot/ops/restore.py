@@ -8,12 +8,13 @@ tree had open or mapped -> model files (re-hashing last: a taken port is found i
 milliseconds, not after every model byte was read).
 
 :func:`restore` -- validate -> stage (compressed images: decompressed and verified; uncompressed:
-hard-linked; meanwhile the code identity of :mod:`vllm_snapshot.codeid`, decided before CRIU)
--> put back link-remap files -> fresh
+hard-linked; meanwhile the code identity of :mod:`vllm_snapshot.codeid` starts) -> put back
+link-remap files -> fresh
 channel -> CRIU restore with the recorded flags (into a fresh network namespace) -> adopt the
 tree -> (CUDA: wake) -> oracle inside the engine -> the image checksums' verdict (uncompressed
 images are verified in a background thread while CRIU restores from their hard links and the
-oracle runs) -> only then bind -> /health -> HTTP canary -> registry. Any failure kills the
+oracle runs) -> the code identity's verdict (a changed Python file kills the tree) -> only
+then bind -> /health -> HTTP canary -> registry. Any failure kills the
 tree, releases the port, removes staging; a failing cleanup is reported together with its
 cause.
 
@@ -214,14 +215,12 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
     placement = None
     checking = None
     try:
-        # the code identity check (~0.1 s of stat calls) runs while the images are staged and is
-        # decided before CRIU starts
+        # the code identity check (0.1-0.6 s of stat calls) runs alongside staging, CRIU and the
+        # oracle, like the image checksums; it is decided with them, before anything is bound
         code_check = _pool().submit(t.check_code, snapshot, m)
         with rep.phase("stage", "staging images (checksums verified alongside CRIU)"):
             stage, checking = t.stage_checking(snapshot, m)
             placed = t.put_back_remaps(snapshot, m)
-        with rep.phase("code_check", "checking the Python files the engine imports from"):
-            raise_code_changed(code_check.result())
         isolated = m.engine.network == "isolated"
         channel = t.new_channel(log_file)
         with t.criu_lock():
@@ -284,6 +283,8 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
         with rep.phase("checksums", "image checksums"):
             checking.wait()
             checking = None
+        with rep.phase("code_check", "checking the Python files the engine imports from"):
+            raise_code_changed(code_check.result())
         url = ports.url(req.host, req.port, fe.scheme)
         with rep.phase("bind", f"binding {ports.fmt_addr(req.host, req.port)}"):
             if isolated:  # bound here, in the host's namespace, and handed to the engine

@@ -124,7 +124,44 @@ echo "$CRIU_SRC/lib" > "$site/pycriu-vllm-snapshot.pth"
 "$VENV/bin/python" -c 'import pycriu, pycriu.rpc_pb2' || { echo "pycriu is not importable from the venv" >&2; exit 1; }
 ln -sfn "$VENV" "$ROOT/.venv"
 
+# ---------------------------------------------------------------- engine user
+# The engine tree runs as this unprivileged system user with no capabilities (README
+# "Privileges"; vllm_snapshot/privilege.py). Its HOME holds vLLM's and torch inductor's compile
+# caches (reused by every create), owned by it; nothing else of the cache is writable to it.
+ENGINE_USER=vllm-snapshot
+ENGINE_HOME=/var/lib/vllm-snapshot-engine
+if ! getent passwd "$ENGINE_USER" >/dev/null; then
+  log "creating the system user $ENGINE_USER (home $ENGINE_HOME)"
+  useradd --system --user-group --home-dir "$ENGINE_HOME" --no-create-home --shell /usr/sbin/nologin \
+    --comment "vllm-snapshot engine" "$ENGINE_USER"
+fi
+ENGINE_HOME=$(getent passwd "$ENGINE_USER" | cut -d: -f6)
+install -d -o "$ENGINE_USER" -g "$(id -g "$ENGINE_USER")" -m 0700 "$ENGINE_HOME"
+# The engine runs this venv's interpreter, its standard library and this checkout (editable
+# install). When one of them lies below a directory the engine user cannot traverse (a pyenv
+# Python or a clone under /root, mode 0700), grant that user search permission (x, not read:
+# it cannot list the directory) on exactly those directories with an ACL, and say so.
+grant_traverse() {  # $1 = a path the engine user must reach
+  local d=$1 dirs=()
+  while [ "$d" != / ] && [ -n "$d" ]; do d=$(dirname "$d"); dirs=("$d" "${dirs[@]}"); done
+  for d in "${dirs[@]}"; do
+    if ! runuser -u "$ENGINE_USER" -- test -x "$d"; then
+      apt_install acl
+      log "granting $ENGINE_USER search permission (ACL u:$ENGINE_USER:x) on $d"
+      setfacl -m "u:$ENGINE_USER:x" "$d"
+    fi
+  done
+}
+base_prefix=$("$VENV/bin/python" -c 'import sys; print(sys.base_prefix)')
+for p in "$(readlink -f "$VENV/bin/python")" "$base_prefix/lib" "$ROOT/vllm_snapshot"; do
+  grant_traverse "$p"
+  runuser -u "$ENGINE_USER" -- test -r "$p" || {
+    echo "$p is not readable by the engine user $ENGINE_USER; make it readable (chmod -R a+rX)" >&2; exit 1; }
+done
+
 # ---------------------------------------------------------------- tiny model
 "$VENV/bin/python" -m vllm_snapshot.tiny_model --out "$CACHE/models/tiny-llama" >/dev/null 2>"$CACHE/tiny-model.log" \
   || { tail -n 30 "$CACHE/tiny-model.log" >&2; exit 1; }
-log "ready: venv=$VENV criu=$CRIU_BIN model=$CACHE/models/tiny-llama"
+# the venv and the models: readable, not writable, by the engine user (whatever the umask was)
+chmod -R a+rX,go-w "$VENV" "$CACHE/models"
+log "ready: venv=$VENV criu=$CRIU_BIN model=$CACHE/models/tiny-llama engine user=$ENGINE_USER"

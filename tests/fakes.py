@@ -16,13 +16,14 @@ from vllm_snapshot import manifest as mf
 from vllm_snapshot.criu import DumpOptions, RestoreOptions
 from vllm_snapshot.cgroups import Placement
 from vllm_snapshot.inventory import Inventory
-from vllm_snapshot.manifest import CodeIdentity, ExternalMount, ImageFile, Manifest, ModelFile
+from vllm_snapshot.manifest import CodeIdentity, EngineUser, ExternalMount, ImageFile, Manifest, ModelFile
 from vllm_snapshot.model_digest import ModelCheck
+from vllm_snapshot.privilege import Creds, User
 from vllm_snapshot.registry import Entry
 from vllm_snapshot.resources import Offer
 from vllm_snapshot.tools import Engine, EngineChannel, SnapshotTools
 
-from helpers import make_manifest, make_oracle
+from helpers import ENGINE_USER, make_manifest, make_oracle
 
 HOST = {"vllm": "0.32.0", "torch": "2.13.0+cpu", "kernel": "6.18.0", "machine_id": "abc"}
 
@@ -135,6 +136,14 @@ class FakeTools(SnapshotTools):
         self.corrupt_images: BaseException | None = None  # raised by the background checksum verdict
         self.offer = Offer(64 << 30, "MemAvailable 64.00 GiB")
         self.device = "cpu"
+        #: what engine_user returns (name replaced by the one asked for)
+        self.user = User(ENGINE_USER.name, ENGINE_USER.uid, ENGINE_USER.gid, ENGINE_USER.groups, ENGINE_USER.home)
+        #: engine_access's answer: {"model"|"code"|"home": [problems]}
+        self.access: dict[str, list[str]] = {}
+        #: user_problems's answer
+        self.user_identity: list[str] = []
+        #: tree_creds's answer; None: every tree process runs as self.user with no capability
+        self.creds: dict[int, Creds] | None = None
 
     def _call(self, name: str) -> None:
         self.calls.append(name)
@@ -166,6 +175,27 @@ class FakeTools(SnapshotTools):
 
     def code_paths(self) -> dict[str, Path]:
         return {"Python environment": Path("/venv")}
+
+    def engine_user(self, name: str) -> User:
+        self._call("engine_user")
+        return User(name, self.user.uid, self.user.gid, self.user.groups, self.user.home)
+
+    def engine_access(self, user: User, model_dir: Path) -> dict[str, list[str]]:
+        self._call("engine_access")
+        return {"model": [], "code": [], "home": [], **self.access}
+
+    def user_problems(self, u: EngineUser) -> list[str]:
+        self._call("user_problems")
+        return list(self.user_identity)
+
+    def tree_creds(self, root_pid: int) -> dict[int, Creds]:
+        self._call("tree_creds")
+        if self.creds is not None:
+            return dict(self.creds)
+        u = self.user
+        ok = Creds(uids=(u.uid,) * 4, gids=(u.gid,) * 4, groups=u.groups, cap_inh=0, cap_prm=0, cap_eff=0,
+                   cap_bnd=0, cap_amb=0, no_new_privs=1)
+        return {root_pid: ok, root_pid + 1: ok}
 
     def engine_device(self) -> str:
         return self.device

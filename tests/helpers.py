@@ -33,6 +33,11 @@ def make_oracle(**over) -> Oracle:
     return Oracle(**base)
 
 
+#: The engine user of fake manifests and FakeTools (uid/gid of a typical system user).
+ENGINE_USER = manifest.EngineUser(name="vllm-snapshot", uid=990, gid=990, groups=(990,),
+                                  home="/var/lib/vllm-snapshot-engine")
+
+
 def manifest_fields(**over) -> dict:
     """Keyword arguments for a plausible, valid :class:`manifest.Manifest` (unsealed)."""
     pages = b"\x01" * 8192
@@ -44,7 +49,8 @@ def manifest_fields(**over) -> dict:
         host={"vllm": "0.32.0", "torch": "2.13.0+cpu", "kernel": "6.18.0", "machine_id": "abc"},
         engine=manifest.EngineInfo(
             kind="cpu", sleep_level=0, engine_args=("--max-model-len", "512"),
-            env_hashes={"VLLM_CPU_KVCACHE_SPACE": "0123456789abcdef"}, full_state_captured=True),
+            env_hashes={"VLLM_CPU_KVCACHE_SPACE": "0123456789abcdef"}, full_state_captured=True,
+            user=ENGINE_USER),
         model=manifest.ModelIdentity(
             requested="/models/tiny", path="/models/tiny", served_name="tiny",
             files=(manifest.ModelFile(path="model.safetensors", size=100, blake3=b3(b"m"),

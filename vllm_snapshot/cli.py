@@ -95,6 +95,7 @@ def create(
     sleep_level: int = typer.Option(2, "--sleep-level", min=0, max=2, help="GPU: sleep level before the dump (CPU engines are captured whole)."),
     compress: str = typer.Option("none", "--compress", help="none (default: fastest restore) | zstd | zstd:LEVEL (~5x smaller, restore decompresses)"),
     keep_env: List[str] = typer.Option([], "--keep-env", help="Pass this (otherwise scrubbed) variable to the engine."),
+    user: str = typer.Option("vllm-snapshot", "--user", help="Unprivileged user the engine tree runs as (no capabilities; made by setup)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Stream the engine log to stderr."),
     as_json: bool = typer.Option(False, "--json", help="Print the manifest as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output."),
@@ -121,7 +122,7 @@ def create(
     req = ops.CreateRequest(
         model=model, target=snapshot_dir, engine_args=engine_args,
         oracle_prompt=oracle_prompt or oracle.DEFAULT_PROMPT, sleep_level=sleep_level,
-        compression=archive.Compression.parse(compress), keep_env=tuple(keep_env),
+        compression=archive.Compression.parse(compress), keep_env=tuple(keep_env), user=user,
         engine_log=_stderr_sink if verbose else None)
     render.show(ops.create(req, _reporter(quiet, as_json)), as_json, quiet)
 

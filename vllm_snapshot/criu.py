@@ -526,9 +526,45 @@ class _env:
                 os.environ[k] = v
 
 
+CAP_SYS_RESOURCE = 24
+#: ``criu swrk`` run with other real ids (see :func:`dump_real_ids`)
+RUID_WRAPPER = Path(__file__).resolve().parent / "criu_ruid.sh"
+
+
+def dump_real_ids(tree_status: str, own_status: str) -> tuple[int, int] | None:
+    """The real (uid, gid) CRIU's dump must run with, from ``/proc/ROOT/status`` of the tree
+    and ``/proc/self/status``: None normally; the tree's real ids when it runs as a non-root
+    user and we (root) lack CAP_SYS_RESOURCE, as root in many containers does. CRIU 4.2.1
+    reads each process's rlimits with prlimit(2) (criu/cr-dump.c ``dump_task_rlimits``), which
+    on another process needs CAP_SYS_RESOURCE or the target's real, effective and saved ids
+    equal to the caller's real ids (prlimit(2)). CRIU then runs as that user with our
+    capabilities kept in its ambient set and ``--unprivileged`` (a real uid that differs from
+    the effective one makes libxtables, which CRIU's nftables probe loads, exit with 111).
+    Pure."""
+    from .privilege import parse_status
+
+    tree, own = parse_status(tree_status), parse_status(own_status)
+    if tree.uids[0] == 0 or own.cap_eff & (1 << CAP_SYS_RESOURCE):
+        return None
+    return tree.uids[0], tree.gids[0]
+
+
+def own_caps_setpriv() -> str:
+    """Our effective capabilities as setpriv(1) wants them (``+chown,+dac_override,...``;
+    ``setpriv --list-caps`` lists the names in capability-number order). Raises OSError."""
+    import subprocess
+
+    from .privilege import parse_status
+
+    names = subprocess.run(["setpriv", "--list-caps"], capture_output=True, text=True, check=True).stdout.split()
+    eff = parse_status(Path("/proc/self/status").read_text()).cap_eff
+    return ",".join(f"+{n}" for i, n in enumerate(names) if eff & (1 << i))
+
+
 @dataclass
 class Criu:
-    """Runs CRIU over RPC (pycriu, ``criu swrk``) with a given binary.
+    """Runs CRIU over RPC (pycriu, ``criu swrk``) with a given binary. ``real_ids`` (uid,
+    gid): run it with these real ids (:func:`dump_real_ids`; through :data:`RUID_WRAPPER`).
 
     ``dump`` and ``restore`` raise :class:`CriuError` carrying the log excerpt.
     """
@@ -537,6 +573,7 @@ class Criu:
     env: dict = field(default_factory=dict)
     keep_log_dir: Path | None = None
     timeout_s: float | None = None
+    real_ids: tuple[int, int] | None = None
 
     def _client(self):
         try:
@@ -546,8 +583,20 @@ class Criu:
                 "pycriu is not importable", hint="run scripts/setup.sh (it adds pycriu to the venv)"
             ) from e
         c = pycriu.criu()
-        c.use_binary(self.binary)
+        if self.real_ids is not None:
+            if not os.access(RUID_WRAPPER, os.X_OK):
+                raise EnvironmentProblem(f"{RUID_WRAPPER} is not executable",
+                                         hint="reinstall vllm-snapshot (the file's mode must be 0755)")
+            c.use_binary(str(RUID_WRAPPER))
+        else:
+            c.use_binary(self.binary)
         return c, pycriu
+
+    def _call_env(self) -> dict[str, str]:
+        if self.real_ids is None:
+            return dict(self.env)
+        return {**self.env, "VLLM_SNAPSHOT_CRIU_BINARY": self.binary, "VLLM_SNAPSHOT_CRIU_CAPS": own_caps_setpriv(),
+                "VLLM_SNAPSHOT_CRIU_RUID": str(self.real_ids[0]), "VLLM_SNAPSHOT_CRIU_RGID": str(self.real_ids[1])}
 
     def _failed(self, what: str, work_dir: Path, log_name: str, lead: str | None = None) -> CriuError:
         log = work_dir / log_name
@@ -586,7 +635,7 @@ class Criu:
         timer = threading.Timer(limit, kill)
         timer.daemon = True
         try:
-            with deferred(), _env(self.env):
+            with deferred(), _env(self._call_env()):
                 timer.start()
                 try:
                     return getattr(c, what)()
@@ -619,6 +668,8 @@ class Criu:
             c.opts.images_dir_fd = dfd
             c.opts.work_dir_fd = wfd
             dump_rpc(opts, c.opts)
+            if self.real_ids is not None:  # CRIU runs as the tree's user (with capabilities)
+                c.opts.unprivileged = True
             self._call(c, pycriu, "dump", work_dir, DUMP_LOG, floor=opts.timeout_s + 120.0 if opts.timeout_s else 0.0)
         finally:
             os.close(dfd)

@@ -63,6 +63,19 @@ class ModelIdentity(_Strict):
     revision: str | None = None
 
 
+class EngineUser(_Strict):
+    """The unprivileged user the engine tree ran as (:mod:`vllm_snapshot.privilege`): name,
+    uid, primary gid, supplementary gids (sorted) and HOME. Every process of the tree had
+    exactly these ids, no capability and NoNewPrivs set; restore refuses when ``name`` does
+    not map to the same ids on the restoring host, and checks the restored tree has them."""
+
+    name: str
+    uid: int = Field(gt=0)
+    gid: int = Field(ge=0)
+    groups: tuple[int, ...]
+    home: str
+
+
 class EngineInfo(_Strict):
     """Engine kind (cpu/cuda), sleep level used before the dump (0 = full state captured),
     the engine args (secrets redacted). ``env_hashes`` is always empty now: the restored
@@ -74,7 +87,11 @@ class EngineInfo(_Strict):
     ``lo`` (checked from outside before the dump: no other interface, no route out), so the
     engine was offline at create and every restore gets a fresh namespace (no loopback port
     collisions; the supervisor passes it the listening socket). ``host`` (the default, for
-    snapshots made before) -- it shared the host's namespace."""
+    snapshots made before) -- it shared the host's namespace.
+
+    ``user``: the unprivileged user the tree ran as; None for snapshots made before engines
+    dropped privileges (their tree runs as root with every capability: restore still restores
+    them, with a warning, and ``inspect`` says so)."""
 
     kind: Literal["cpu", "cuda"]
     sleep_level: int = Field(ge=0, le=2)
@@ -82,6 +99,7 @@ class EngineInfo(_Strict):
     env_hashes: dict[str, str]
     full_state_captured: bool
     network: Literal["host", "isolated"] = "host"
+    user: EngineUser | None = None
 
 
 class TreeFile(_Strict):

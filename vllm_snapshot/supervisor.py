@@ -86,14 +86,18 @@ def redact_args(args: list[str]) -> list[str]:
     return out
 
 
-def scrubbed_env(base: dict[str, str], keep: tuple[str, ...] = ()) -> dict[str, str]:
+def scrubbed_env(base: dict[str, str], keep: tuple[str, ...] = (), user=None) -> dict[str, str]:
     """The engine's environment: allow-listed names from ``base``, secrets dropped unless named
-    in ``keep``, plus ``HF_HUB_OFFLINE=1`` / ``TRANSFORMERS_OFFLINE=1`` (never download)."""
+    in ``keep``, plus ``HF_HUB_OFFLINE=1`` / ``TRANSFORMERS_OFFLINE=1`` (never download). With
+    ``user`` (a :class:`vllm_snapshot.privilege.User`, the engine user) HOME, USER and LOGNAME
+    are that user's, so vLLM's and torch's caches under ``~/.cache`` are the user's own."""
     env = {}
     for k, v in base.items():
         allowed = k in ENV_ALLOW_EXACT or k.startswith(ENV_ALLOW_PREFIX)
         if (allowed and not is_secret_name(k)) or k in keep:
             env[k] = v
+    if user is not None:
+        env.update(HOME=user.home, USER=user.name, LOGNAME=user.name)
     env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
     env["HF_HUB_OFFLINE"] = "1"
     env["TRANSFORMERS_OFFLINE"] = "1"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 import urllib.error
@@ -26,8 +27,9 @@ from . import paths
 from .criu import DumpOptions, RestoreOptions
 from .cgroups import Placement
 from .inventory import Inventory
-from .manifest import CodeIdentity, ExternalMount, ImageFile, Manifest, ModelFile
+from .manifest import CodeIdentity, EngineUser, ExternalMount, ImageFile, Manifest, ModelFile
 from .model_digest import ModelCheck
+from .privilege import Creds, User
 from .registry import Entry
 from .resources import Offer
 
@@ -93,6 +95,22 @@ class SnapshotTools(Protocol):
 
     def code_paths(self) -> dict[str, Path]:
         """What the engine must see besides the model: ``{what: path}``."""
+
+    def engine_user(self, name: str) -> User:
+        """The unprivileged user the engine tree will run as. Raises EnvironmentProblem (no
+        such user) or UsageError (root)."""
+
+    def engine_access(self, user: User, model_dir: Path) -> dict[str, list[str]]:
+        """What ``user`` cannot do that the engine needs: ``{"model": [...], "code": [...],
+        "home": [...]}`` (empty lists = fine): every model file readable, the Python
+        environment and packages readable and not writable, HOME writable. Raises
+        EnvironmentProblem when the check cannot run."""
+
+    def user_problems(self, u: EngineUser) -> list[str]:
+        """Why the recorded engine user is not the same user on this host (empty = same)."""
+
+    def tree_creds(self, root_pid: int) -> dict[int, Creds]:
+        """pid -> credentials (/proc/PID/status) of ``root_pid`` and its descendants."""
 
     def engine_device(self) -> str:
         """``"cpu"`` or ``"cuda"``: what the installed vLLM build will run the engine on (a CPU
@@ -323,6 +341,15 @@ class SnapshotTools(Protocol):
     def sleep(self, seconds: float) -> None: ...
 
 
+def _chown_root(top: Path) -> None:
+    """``chown -R 0:0 top`` without following links (files a CRIU run as the engine user wrote)."""
+    for d, dirs, files in os.walk(top):
+        for n in [*dirs, *files]:
+            p = os.path.join(d, n)
+            if os.lstat(p).st_uid != 0 or os.lstat(p).st_gid != 0:
+                os.lchown(p, 0, 0)
+
+
 def _sha256(path: Path) -> str:
     import hashlib
 
@@ -451,6 +478,45 @@ class LocalTools(SnapshotTools):
     def code_paths(self) -> dict[str, Path]:
         return {"Python environment": Path(sys.prefix).resolve(),
                 "vllm_snapshot package": Path(__file__).resolve().parent}
+
+    def engine_user(self, name: str) -> User:
+        from . import privilege
+        from .errors import EnvironmentProblem, UsageError
+
+        try:
+            u = privilege.lookup(name)
+        except KeyError:
+            hint = privilege.USERADD_HINT if name == privilege.DEFAULT_USER else f"create the user {name} or pick another --user"
+            raise EnvironmentProblem(f"the engine user {name!r} does not exist on this host", hint=hint) from None
+        if u.uid == 0:
+            raise UsageError(f"--user {name}: the engine tree would run as root with every capability",
+                             hint=f"use an unprivileged user (default: {privilege.DEFAULT_USER})")
+        return u
+
+    def engine_access(self, user: User, model_dir: Path) -> dict[str, list[str]]:
+        from . import privilege
+        from .errors import EnvironmentProblem
+
+        py = privilege.python_paths()
+        try:
+            model = privilege.access_problems(user, read=[model_dir])
+            code = privilege.access_problems(user, reach=list(py.values()),
+                                             nowrite=[py[k] for k in py if k.endswith(("environment", "package"))])
+            home = privilege.access_problems(user, write=[Path(user.home)])
+        except (OSError, ValueError, subprocess.SubprocessError) as e:
+            raise EnvironmentProblem(f"cannot check what the engine user {user.name} can read: {e}") from e
+        return {"model": model, "code": code, "home": home}
+
+    def user_problems(self, u: EngineUser) -> list[str]:
+        from . import privilege
+
+        return privilege.identity_problems(u.name, u.uid, u.gid, u.groups)
+
+    def tree_creds(self, root_pid: int) -> dict[int, Creds]:
+        from . import privilege
+        from .procs import tree
+
+        return privilege.tree_creds(p.pid for p in tree(root_pid))
 
     def engine_device(self) -> str:
         from . import gpu
@@ -690,10 +756,19 @@ class LocalTools(SnapshotTools):
         from . import criu, layout, locks
 
         runner = self._runner(kind)
+        try:
+            runner.real_ids = criu.dump_real_ids(Path(f"/proc/{opts.pid}/status").read_text(),
+                                                 Path("/proc/self/status").read_text())
+        except (OSError, ValueError):
+            pass  # the tree is gone: CRIU says so
         if kind == "cuda":  # again right before CRIU: the engine ran for minutes since create began
             self._cuda_preflight(runner.env)
-        with locks.criu_lock():
-            runner.dump(opts, work_dir / layout.IMAGES, work_dir)
+        try:
+            with locks.criu_lock():
+                runner.dump(opts, work_dir / layout.IMAGES, work_dir)
+        finally:
+            if runner.real_ids is not None:  # what CRIU wrote as the engine user: root's again
+                _chown_root(work_dir)
         if kind == "cuda":
             criu.check_cuda_run(work_dir / layout.DUMP_LOG, "dump")
 

@@ -379,15 +379,29 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, _term)
     spec = json.loads(sys.argv[1])
+    user = spec.get("user")
     if os.getpid() == 1:  # our own PID + mount + network namespace (always, when launched by create)
-        from .mounts import make_private
+        from .mounts import link_inductor_cache, make_private
         from .net import loopback_up
 
         try:
-            make_private()
+            make_private(link_inductor=user is None)
             loopback_up()
         except OSError as e:
             emit("error", kind="engine", message=str(e))
+            return 1
+    if user is not None:
+        # the namespaces are set up: the rest of the tree (vLLM, the HTTP server) runs as the
+        # engine user with no capability (vllm_snapshot/privilege.py), for good
+        from ..privilege import drop_to
+
+        try:
+            drop_to(int(user["uid"]), int(user["gid"]), [int(g) for g in user["groups"]])
+            set_parent_death_signal(signal.SIGKILL)  # the uid change cleared --kill-child's
+            if os.getpid() == 1:
+                link_inductor_cache()
+        except OSError as e:
+            emit("error", kind="engine", message=f"cannot run the engine as {user['name']}: {e}")
             return 1
     try:
         # Plain asyncio, not uvloop: libuv >= 1.45 opens io_uring instances, which CRIU

@@ -375,14 +375,16 @@ def _spec_model() -> str | None:
         return None
 
 
-def make_private(needed: list[str] | None = None) -> list[str]:
+def make_private(needed: list[str] | None = None, link_inductor: bool = True) -> list[str]:
     """Apply the mount policy in this (new, private) mount namespace: detach every mount
     :func:`classify` marks ``detach``, then mount private tmpfs on /dev/shm and ENGINE_TMPDIR
     (which must exist: the supervisor creates it). ``needed`` defaults to :func:`needed_paths`
     for the model of the engine spec (``sys.argv[1]``), this process's environment, and the
     files it has open or mapped. Returns the mount points detached. Raises OSError when a
     private tmpfs cannot be mounted. ``refuse`` entries are left alone here: create refuses
-    them on the host before the engine starts (:func:`vllm_snapshot.mountpolicy.check_create`)."""
+    them on the host before the engine starts (:func:`vllm_snapshot.mountpolicy.check_create`).
+    ``link_inductor=False`` leaves :func:`link_inductor_cache` to the caller (the engine root
+    calls it once it runs as the engine user, who must own the cache)."""
     libc = ctypes.CDLL(None, use_errno=True)
     if needed is None:
         needed = needed_paths(_spec_model(), dict(os.environ), _open_and_mapped())
@@ -403,13 +405,20 @@ def make_private(needed: list[str] | None = None) -> list[str]:
         if libc.mount(b"tmpfs", mp.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=1777") != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"cannot mount a private tmpfs on {mp}: {os.strerror(err)}")
+    if link_inductor:
+        link_inductor_cache()
+    return detached
+
+
+def link_inductor_cache() -> None:
+    """Create ``$TORCHINDUCTOR_CACHE_DIR`` (0700, as the calling user) and link
+    ``ENGINE_TMPDIR/torchinductor_$USER`` to it (see the module doc). Raises OSError."""
     inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if inductor:
         import getpass
 
         os.makedirs(inductor, mode=0o700, exist_ok=True)
         os.symlink(inductor, os.path.join(ENGINE_TMPDIR, f"torchinductor_{getpass.getuser()}"))
-    return detached
 
 
 def _peel_proc(libc) -> None:

@@ -1,13 +1,16 @@
 """``create``: the steps, in order (each side effect through :class:`SnapshotTools`).
 
 1. preconditions: root, CRIU >= 4.2, sleep level, model dir resolvable and visible to the
-   engine's mount namespace, target absent, CPU KV cache sized -- all before the engine starts;
+   engine's mount namespace, the engine user exists, target absent, CPU KV cache sized, the
+   model, the Python environment and HOME usable by the engine user -- all before the engine
+   starts;
 2. per-snapshot lock, private temp dir beside the target;
 3. model digest; scrubbed environment; engine start (PID + mount namespace) -> oracle;
 4. CUDA: sleep rehearsal (sleep, wake, reload, oracle must match, sleep again);
 5. prepare-dump (app prebuilt, parent-death signal cleared, GC heap frozen, children prepared:
    gc, malloc_trim, all-zero KV-cache pages given back -- see engine/prep.py);
-6. inventory (refuse what CRIU cannot restore), channel keys, link-remap watch;
+6. inventory (refuse what CRIU cannot restore, and a tree not running as the engine user
+   with no capability and NoNewPrivs), channel keys, link-remap watch;
 7. CRIU dump (host-wide lock), tree gone, link-remap files saved;
 8. checksums / compression; code identity (:mod:`vllm_snapshot.codeid`: the files of the
    distributions the engine imported from, pinned by stat); host identity; manifest (pure
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .. import __version__, criu, layout, manifest, mountpolicy, oracle, snapkey
+from .. import __version__, criu, layout, manifest, mountpolicy, oracle, privilege, snapkey
 from ..engine.mounts import PRIVATE as PRIVATE_MOUNTS
 from ..archive import DEFAULT_COMPRESSION, Compression
 from ..errors import CriuError, EngineError, EnvironmentProblem, OracleMismatchError, UnsnapshottableError, UsageError
@@ -57,6 +60,8 @@ class CreateRequest:
     compression: Compression = field(default_factory=lambda: Compression.parse(DEFAULT_COMPRESSION))
     keep_env: tuple[str, ...] = ()
     engine_log: Callable[[bytes], None] | None = None
+    #: the unprivileged user the engine tree runs as (vllm_snapshot/privilege.py)
+    user: str = privilege.DEFAULT_USER
 
 
 def check_cpu_kv_cache(engine_args: list[str], env: dict[str, str], device: str) -> None:
@@ -173,7 +178,8 @@ def create(req: CreateRequest, rep: Reporter, tools: SnapshotTools | None = None
     target = t.canonical(req.target)
     model_dir, revision = t.resolve_model(req.model, arg_value(req.engine_args, "--revision"))
     check_visible({"model": model_dir, **t.code_paths()}, [Path(p) for p in PRIVATE_MOUNTS])
-    t.check_mounts(model_dir, scrubbed_env(t.environ(), req.keep_env))
+    user = t.engine_user(req.user)
+    t.check_mounts(model_dir, scrubbed_env(t.environ(), req.keep_env, user))
     inside = next((p for p in target.parents if t.path_exists(p / layout.MANIFEST)), None)
     if inside is not None:
         raise UsageError(f"{target} is inside the snapshot {inside}; a snapshot cannot hold another",
@@ -183,10 +189,40 @@ def create(req: CreateRequest, rep: Reporter, tools: SnapshotTools | None = None
                          hint="choose another --snapshot-dir/--name, or delete the old one first")
     device = t.engine_device()
     check_cpu_kv_cache(req.engine_args, t.environ(), device)
+    check_access(user, model_dir, t.engine_access(user, model_dir))
     if device == "cuda":
         t.check_cuda_ready()  # CRIU's plugin + our helper reach the driver, before minutes of engine start
     with t.snapshot_lock(target, shared=False, must_exist=False):
-        return _create_locked(t, req, rep, target, model_dir, revision, criu_ver)
+        return _create_locked(t, req, rep, target, model_dir, revision, criu_ver, user)
+
+
+def check_access(user: privilege.User, model_dir: Path, problems: dict[str, list[str]]) -> None:
+    """Refuse, before the engine starts, what the engine user cannot read or write (``problems``
+    from :meth:`SnapshotTools.engine_access`), with the remedy. Pure. Raises UsageError (the
+    model) or EnvironmentProblem (the Python environment, HOME)."""
+    if problems.get("model"):
+        raise UsageError(
+            f"the engine runs as {user.name} (uid {user.uid}), which cannot read the model at {model_dir}:\n  "
+            + "\n  ".join(problems["model"][:5]),
+            hint=f"make it readable to that user, e.g. `setfacl -R -m u:{user.name}:rX {model_dir}` plus "
+                 f"`setfacl -m u:{user.name}:x` on each parent directory (or chmod -R o+rX), or move the model to "
+                 "a readable place such as /var/cache/vllm-snapshot/models")
+    if problems.get("code"):
+        raise EnvironmentProblem(
+            f"the engine user {user.name} must be able to read (and not write) the Python environment and "
+            "vllm-snapshot's code:\n  " + "\n  ".join(problems["code"][:5]),
+            hint="install vllm-snapshot where every user can read it (not under /root: its checkout is imported by "
+                 "the engine), root-owned and not writable by others; `vllm-snapshot doctor` checks it")
+    if problems.get("home"):
+        raise EnvironmentProblem(
+            f"the engine user {user.name} needs a writable HOME for vLLM's compile cache:\n  "
+            + "\n  ".join(problems["home"]),
+            hint=f"run scripts/setup.sh, or: install -d -o {user.name} -g {user.gid} -m 0700 {user.home}")
+
+
+def engine_user_record(user: privilege.User) -> manifest.EngineUser:
+    """The manifest's record of ``user``. Pure."""
+    return manifest.EngineUser(name=user.name, uid=user.uid, gid=user.gid, groups=user.groups, home=user.home)
 
 
 def _start_engine(t: SnapshotTools, req: CreateRequest, spec: dict, env: dict[str, str], tmp: Path) -> tuple[Engine, dict]:
@@ -221,7 +257,8 @@ def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, revisio
                    host: dict[str, str], inv: Inventory, inherit: dict[str, str], dump_opts: criu.DumpOptions,
                    externals: tuple, images: tuple, extra: tuple, timings: dict[str, float],
                    created_at: str, key: manifest.SnapshotKey | None = None,
-                   code: manifest.CodeIdentity | None = None) -> manifest.Manifest:
+                   code: manifest.CodeIdentity | None = None,
+                   engine_user: manifest.EngineUser | None = None) -> manifest.Manifest:
     """The manifest of a finished dump (unsealed). Pure."""
     return manifest.Manifest(
         schema_version=manifest.SCHEMA_VERSION,
@@ -230,7 +267,7 @@ def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, revisio
         host=host,
         engine=manifest.EngineInfo(
             kind=info["kind"], sleep_level=sleep_level, engine_args=tuple(redact_args(req.engine_args)),
-            env_hashes={}, full_state_captured=(sleep_level == 0), network="isolated"),
+            env_hashes={}, full_state_captured=(sleep_level == 0), network="isolated", user=engine_user),
         model=manifest.ModelIdentity(
             requested=req.model, path=str(model_dir), served_name=info["served_model_name"],
             files=files, total_bytes=sum(f.size for f in files), revision=revision),
@@ -252,7 +289,7 @@ def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, revisio
 
 
 def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: Path, model_dir: Path,
-                   revision: str | None, criu_ver: str) -> Created:
+                   revision: str | None, criu_ver: str, user: privilege.User) -> Created:
     for gone in t.reclaim(target.parent):
         rep.info(f"removed a leftover of a killed command: {gone}")
     tmp = t.prepare_target(target)
@@ -262,9 +299,11 @@ def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: 
     try:
         with rep.phase("model_digest", "hashing model files"):
             files = t.digest_model(model_dir)
-        env = scrubbed_env(t.environ(), req.keep_env)
+        env = scrubbed_env(t.environ(), req.keep_env, user)
+        who = engine_user_record(user)
         spec = {"model": str(model_dir), "engine_args": list(req.engine_args),
-                "oracle_prompt": req.oracle_prompt, "sleep_level": req.sleep_level}
+                "oracle_prompt": req.oracle_prompt, "sleep_level": req.sleep_level,
+                "user": who.model_dump(mode="json")}
         if revision is not None and arg_value(req.engine_args, "--served-model-name") is None:
             spec["served_model_name"] = req.model  # serve a Hugging Face id by its id, as `vllm serve` does
         with rep.phase("engine_start", "starting engine (load, compile, warm-up)"):
@@ -290,6 +329,12 @@ def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: 
             externals = t.external_mounts(engine.root_pid)
             gpu_id = {"gpu_uuid_used": t.gpu_used(inv)} if info["kind"] == "cuda" else {}
             check_offline(inv)
+            wrong = privilege.tree_problems(t.tree_creds(engine.root_pid), who.uid, who.gid, who.groups, inv.pids)
+            if wrong:
+                raise UnsnapshottableError(f"the engine tree does not run as {who.name} without privileges:\n  "
+                                           + "\n  ".join(wrong[:10]),
+                                           hint="the engine root drops them itself (vllm_snapshot/privilege.py); "
+                                                "its log says why it did not")
             if gpu_id:  # the GPU state goes through host RAM into the images
                 t.check_dump_room(inv, gpu_id["gpu_uuid_used"], tmp)
         # the tree's network namespace holds only its own processes: no network lock to take
@@ -317,7 +362,7 @@ def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: 
             req=req, target=target, model_dir=model_dir, revision=revision, files=files, info=info, recorded=recorded,
             sleep_level=sleep_level, env=env, criu_ver=criu_ver, host={**host, **gpu_id},
             inv=inv, inherit=inherit, dump_opts=dump_opts, externals=externals, images=images, extra=extra,
-            timings=rep.timings, key=key, code=code,
+            timings=rep.timings, key=key, code=code, engine_user=who,
             created_at=_dt.datetime.fromtimestamp(t.now(), _dt.timezone.utc).isoformat(timespec="seconds"))
         with rep.phase("publish", "publishing"):
             m = manifest.seal(m.model_copy(update={"timings": dict(rep.timings)}))

@@ -3,7 +3,8 @@
 
 :func:`validate` -- every check before CRIU, metadata first (podman reads metadata before the
 payload): trust (owner, modes, members) -> manifest (schema, digest) -> layout (stat) ->
-recorded CRIU flags known -> host identity field by field -> the HTTP port free -> files the
+recorded CRIU flags known -> host identity field by field -> the engine user (same name, uid,
+gid and groups here) -> the HTTP port free -> files the
 tree had open or mapped -> model files (re-hashing last: a taken port is found in
 milliseconds, not after every model byte was read).
 
@@ -11,12 +12,12 @@ milliseconds, not after every model byte was read).
 hard-linked; meanwhile the code identity of :mod:`vllm_snapshot.codeid` starts) -> put back
 link-remap files -> fresh
 channel -> CRIU restore with the recorded flags (into a fresh network namespace) -> adopt the
-tree -> (CUDA: wake) -> oracle inside the engine -> the image checksums' verdict (uncompressed
-images are verified in a background thread while CRIU restores from their hard links and the
-oracle runs) -> the code identity's verdict (a changed Python file kills the tree) -> only
-then bind -> /health -> HTTP canary -> registry. Any failure kills the
-tree, releases the port, removes staging; a failing cleanup is reported together with its
-cause.
+tree -> its credentials are the recorded ones -> (CUDA: wake) -> oracle inside the engine ->
+the image checksums' verdict (uncompressed images are verified in a background thread while
+CRIU restores from their hard links and the oracle runs) -> the code identity's verdict (a
+changed Python file kills the tree) -> only then bind -> /health -> HTTP canary -> registry.
+Any failure kills the tree, releases the port, removes staging; a failing cleanup is reported
+together with its cause.
 
 Network: a snapshot made with ``engine.network`` ``isolated`` (every snapshot since the engine
 got its own network namespace) is restored into a fresh namespace that CRIU creates, holding
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .. import criu, frontend, identity, interrupts, mountpolicy, oracle, ports, resources
+from .. import criu, frontend, identity, interrupts, mountpolicy, oracle, ports, privilege, resources
 from ..errors import (BusyError, CorruptSnapshotError, CriuError, EngineError, IncompatibleHostError,
                       InsufficientResources, Interrupted, OracleMismatchError, UsageError)
 from ..manifest import Manifest
@@ -55,6 +56,9 @@ from .cleanup import run_cleanups
 RESTORE_ORACLE_TIMEOUT_S = 300.0
 BIND_TIMEOUT_S = 120.0
 HEALTH_POLL_S = 0.05
+#: Restore's warning for a snapshot made before engines dropped privileges (no engine user).
+LEGACY_ROOT_NOTE = ("this snapshot was made before engines ran unprivileged: its engine tree runs as root "
+                    "with every capability; re-create it to run as an unprivileged user")
 
 
 @dataclass
@@ -117,6 +121,18 @@ def validate(snapshot: Path, verify_model: str = "quick", allow: frozenset[str] 
             "this host differs from the one the snapshot was created on:\n  " + "\n  ".join(map(str, hard)),
             hint="restore on a matching host, or re-create the snapshot here",
             details=[d.__dict__ for d in hard])
+    if m.engine.user is None:
+        warnings.append(LEGACY_ROOT_NOTE)
+    else:
+        who = t.user_problems(m.engine.user)
+        if who:
+            u = m.engine.user
+            raise IncompatibleHostError(
+                f"the snapshot's engine runs as {u.name} (uid {u.uid}, gid {u.gid}), which is not the same user "
+                "on this host:\n  " + "\n  ".join(who),
+                hint=f"give {u.name} uid {u.uid} and gid {u.gid} again (e.g. useradd --system --uid {u.uid} "
+                     f"--gid {u.gid} {u.name}), or re-create the snapshot on this host",
+                details={"engine_user": who})
     mount_problems = t.check_external_mounts(m.criu.external_mounts)
     if mount_problems:
         raise IncompatibleHostError(
@@ -258,6 +274,13 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
                 f"(recorded {len(m.criu.tree_pids)}), root {got_tree[:1] or ['gone']} "
                 f"(recorded {list(m.criu.tree_commands[:1])}); stopped it",
                 hint="re-run the restore; if it repeats, re-create the snapshot")
+        if m.engine.user is not None:  # CRIU restores the dumped credentials: check, never assume
+            u = m.engine.user
+            wrong = privilege.tree_problems(t.tree_creds(pid), u.uid, u.gid, u.groups)
+            if wrong:
+                raise CriuError("the restored tree does not run with the recorded credentials "
+                                f"({m.engine.user.name}, no capability, NoNewPrivs); stopped it:\n  "
+                                + "\n  ".join(wrong[:10]), hint="re-create the snapshot with this CRIU")
         engine.send("attach")  # from now on the tree dies with us until `serve` decides
         engine.wait_event("attached", RESTORE_ORACLE_TIMEOUT_S)
         t.unstage(stage)

@@ -36,6 +36,7 @@ from ..errors import (CorruptSnapshotError, CriuError, EngineError, Incompatible
 from ..manifest import Manifest, ModelFile
 from ..progress import Reporter
 from ..results import Served
+from ..privilege import DEFAULT_USER
 from ..supervisor import scrubbed_env
 from ..tools import Engine, LocalTools, SnapshotTools
 from .create import CreateRequest, arg_value, check_engine_args, check_keep_env, create
@@ -73,6 +74,9 @@ class ServeRequest:
     #: front-end option tokens (:mod:`vllm_snapshot.frontend`), applied at restore: not part
     #: of the key, never given to a build
     frontend: tuple[str, ...] = ()
+    #: the unprivileged user a build's engine runs as (its HOME is in the engine environment,
+    #: hence in the key)
+    user: str = DEFAULT_USER
 
 
 def _published(t: SnapshotTools, root: Path) -> list[tuple[Path, Manifest]]:
@@ -107,7 +111,7 @@ def compute_key(t: SnapshotTools, req: ServeRequest, model_dir: Path, snaps: lis
     normalized = _normalized(t, snaps, req, host.get("vllm", ""))
     known: tuple[ModelFile, ...] = tuple(f for _, m in snaps if m.model.path == str(model_dir) for f in m.model.files)
     files = t.digest_model(model_dir, known)
-    env = scrubbed_env(t.environ(), req.keep_env)
+    env = scrubbed_env(t.environ(), req.keep_env, t.engine_user(req.user))
     key = snapkey.build(requested_model=req.model, engine_args=req.engine_args, normalized=normalized,
                         model_identity=req.model if hf_id else str(model_dir), keep_env=req.keep_env,
                         model_files=files, oracle_prompt=req.oracle_prompt, sleep_level=req.sleep_level,
@@ -242,7 +246,7 @@ def _find_or_build(t: SnapshotTools, req: ServeRequest, rep: Reporter, model_dir
         rep.info(f"building snapshot {target.name} (cold start, oracle, dump)")
         created = create(CreateRequest(model=req.model, target=target, engine_args=list(req.engine_args),
                                        oracle_prompt=req.oracle_prompt, sleep_level=req.sleep_level,
-                                       compression=req.compression, keep_env=req.keep_env,
+                                       compression=req.compression, keep_env=req.keep_env, user=req.user,
                                        engine_log=req.create_log), rep, tools=t)
         warnings = []
         if created.manifest.key is None or created.manifest.key.value != key.value:

@@ -106,6 +106,12 @@ def main() -> int:
     spec = json.loads(sys.argv[1])
     make_private()
     loopback_up()
+    user = spec.get("user")
+    if user:  # as the real engine root does (vllm_snapshot/engine/main.py)
+        from vllm_snapshot.privilege import drop_to
+
+        drop_to(int(user["uid"]), int(user["gid"]), [int(g) for g in user["groups"]])
+        set_parent_death_signal(signal.SIGKILL)
     if os.environ.get("VLLM_FAKE_CUDA_CHILD"):
         start_cuda_child()
     prompt = spec["oracle_prompt"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_snapshot import cli, doctor
+from vllm_snapshot import cli, doctor, privilege
 from vllm_snapshot.doctor import Check
 from vllm_snapshot.errors import EnvironmentProblem
 from vllm_snapshot.gpu import GpuInfo
@@ -62,6 +62,10 @@ class FakeProbes(doctor.Probes):
     helper: tuple[int, str] = (0, "usage: cuda-checkpoint --action {lock,checkpoint,restore,unlock} --pid PID\n")
     ran: list = field(default_factory=list)
     left: list = field(default_factory=list)
+    user: object = field(default_factory=lambda: privilege.User("vllm-snapshot", 990, 990, (990,),
+                                                                "/var/lib/vllm-snapshot-engine"))
+    denied: list = field(default_factory=list)  # paths the engine user cannot use
+    user_writable: list = field(default_factory=list)  # paths it can write
     mounts: str = ("22 1 254:0 / / rw - ext4 /dev/vda rw\n"
                    "30 22 7:0 / /mnt/x rw - ext4 /dev/loop0 rw\n"
                    "31 22 0:40 / /sys/fs/bpf rw - bpf bpf rw\n")
@@ -140,6 +144,18 @@ class FakeProbes(doctor.Probes):
 
     def leftovers(self, snapshot_root: str) -> list[str]:
         return list(self.left)
+
+    def engine_user(self, name: str):
+        return self.user
+
+    def user_access(self, user, read: Sequence[str] = (), reach: Sequence[str] = (), nowrite: Sequence[str] = (),
+                    write: Sequence[str] = ()) -> list[str]:
+        self.ran.append(["user_access", user.name, tuple(read), tuple(reach), tuple(nowrite), tuple(write)])
+        return [x for x in self.denied if x in (*read, *reach, *write)] + \
+            [f"can write {x}" for x in nowrite if x in self.user_writable]
+
+    def python_paths(self) -> dict[str, str]:
+        return {"Python environment": "/venv", "vllm package": "/venv/lib/vllm"}
 
 
 def _by_name(checks) -> dict[str, Check]:
@@ -491,3 +507,36 @@ def test_mounts_are_listed_with_what_the_engine_namespace_does_with_them():
     fuse = FakeProbes(mounts="22 1 254:0 / / rw - ext4 /dev/vda rw\n40 22 0:50 / /root rw - fuse.sshfs h:/ rw\n")
     c = _by_name(doctor.run_checks(fuse))
     assert not c["mounts-refused"].ok and "/root (fuse.sshfs)" in c["mounts-refused"].detail
+
+
+def test_engine_user_checks():
+    by = _by_name(doctor.run_checks(FakeProbes()))
+    assert by["engine-user"].ok and "uid 990" in by["engine-user"].detail
+    assert by["engine-user:python"].ok and by["engine-user:home"].ok
+    assert "engine-user:models" not in by  # no model store on this fake host
+
+    checks = doctor.run_checks(FakeProbes(user=None))
+    by = _by_name(checks)
+    assert not by["engine-user"].ok and "useradd --system" in by["engine-user"].remedy
+    assert "engine-user" in _failed_errors(checks) and doctor.exit_code(checks) == 11
+
+    p = FakeProbes(denied=["/venv/lib/vllm", "/var/lib/vllm-snapshot-engine"], user_writable=["/venv"])
+    by = _by_name(doctor.run_checks(p))
+    assert not by["engine-user:python"].ok and "/venv/lib/vllm" in by["engine-user:python"].detail
+    assert "can write /venv" in by["engine-user:python"].detail
+    assert not by["engine-user:home"].ok and "install -d -o vllm-snapshot" in by["engine-user:home"].remedy
+    root = FakeProbes(user=privilege.User("vllm-snapshot", 0, 0, (0,), "/root"))
+    assert not _by_name(doctor.run_checks(root))["engine-user"].ok
+
+
+def test_engine_user_reads_the_model_store():
+    @dataclass
+    class WithStore(FakeProbes):
+        def is_dir(self, path: str) -> bool:
+            return path == "/var/cache/vllm-snapshot/models"
+
+    by = _by_name(doctor.run_checks(WithStore()))
+    assert by["engine-user:models"].ok
+    by = _by_name(doctor.run_checks(WithStore(denied=["/var/cache/vllm-snapshot/models"])))
+    c = by["engine-user:models"]
+    assert not c.ok and c.severity == "warning" and "setfacl" in c.remedy

@@ -143,6 +143,16 @@ class Probes(Protocol):
         """Staging dirs of killed restores and temp dirs of killed creates near
         ``snapshot_root``, /dev/shm and the staging dir (what ``prune`` would remove)."""
 
+    def engine_user(self, name: str):
+        """:func:`privilege.lookup` of ``name``, None when there is no such user."""
+
+    def user_access(self, user, read: Sequence[str] = (), reach: Sequence[str] = (), nowrite: Sequence[str] = (),
+                    write: Sequence[str] = ()) -> list[str]:
+        """:func:`privilege.access_problems` as ``user``; a check that cannot run is one problem."""
+
+    def python_paths(self) -> dict[str, str]:
+        """:func:`privilege.python_paths` as text."""
+
 
 class RealProbes(Probes):
     """:class:`Probes` for this host."""
@@ -248,6 +258,30 @@ class RealProbes(Probes):
         except OSError:
             pass
         return [str(p) for p in out]
+
+
+    def engine_user(self, name: str):
+        from . import privilege
+
+        try:
+            return privilege.lookup(name)
+        except KeyError:
+            return None
+
+    def user_access(self, user, read: Sequence[str] = (), reach: Sequence[str] = (), nowrite: Sequence[str] = (),
+                    write: Sequence[str] = ()) -> list[str]:
+        from . import privilege
+
+        try:
+            return privilege.access_problems(user, read=[Path(x) for x in read], reach=[Path(x) for x in reach],
+                                             nowrite=[Path(x) for x in nowrite], write=[Path(x) for x in write])
+        except (OSError, ValueError, subprocess.SubprocessError) as e:
+            return [f"the check as {user.name} could not run: {e}"]
+
+    def python_paths(self) -> dict[str, str]:
+        from . import privilege
+
+        return {k: str(v) for k, v in privilege.python_paths().items()}
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -591,10 +625,46 @@ def _check_gpu(p: Probes, criu_binary: str | None) -> list[Check]:
     return out
 
 
+def _check_engine_user(p: Probes) -> list[Check]:
+    """The engine user (:data:`privilege.DEFAULT_USER`): exists and is not root; can read
+    (and not write) the Python environment the engine imports; has a writable HOME (compile
+    caches); can read the model store (``$VLLM_SNAPSHOT_CACHE/models``) when there is one."""
+    from . import privilege
+
+    name = privilege.DEFAULT_USER
+    u = p.engine_user(name)
+    if u is None:
+        return [Check("engine-user", False, "error", f"the engine user {name} does not exist (the engine tree runs "
+                      "as it, without capabilities)", privilege.USERADD_HINT)]
+    if u.uid == 0:
+        return [Check("engine-user", False, "error", f"the engine user {name} has uid 0: the engine would run as root",
+                      f"userdel {name}, then: {privilege.USERADD_HINT}")]
+    out = [Check("engine-user", True, "error", f"{name} (uid {u.uid}, gid {u.gid}, HOME {u.home})")]
+    py = p.python_paths()
+    probs = p.user_access(u, reach=list(py.values()),
+                          nowrite=[v for k, v in py.items() if k.endswith(("environment", "package"))])
+    out.append(Check("engine-user:python", not probs, "error",
+                     "; ".join(probs[:3]) if probs else f"can read, not write, {py.get('Python environment', '?')}",
+                     "" if not probs else "install vllm-snapshot and its venv where every user can read them (root-owned, mode 0755; "
+                     "scripts/setup.sh grants search permission on a /root ancestor with an ACL)"))
+    probs = p.user_access(u, write=[u.home])
+    out.append(Check("engine-user:home", not probs, "error",
+                     "; ".join(probs) if probs else f"{u.home} is writable (vLLM's compile cache)",
+                     "" if not probs else f"install -d -o {name} -g {u.gid} -m 0700 {u.home}"))
+    store = os.path.join(p.env("VLLM_SNAPSHOT_CACHE") or "/var/cache/vllm-snapshot", "models")
+    if p.is_dir(store):
+        probs = p.user_access(u, read=[store])
+        out.append(Check("engine-user:models", not probs, "warning",
+                         "; ".join(probs[:3]) if probs else f"can read every model under {store}",
+                         "" if not probs else f"chmod -R a+rX {store}, or setfacl -R -m u:{name}:rX {store}"))
+    return out
+
+
 def run_checks(probes: Probes | None = None, *, snapshot_root: str = DEFAULT_SNAPSHOT_ROOT) -> list[Check]:
     """Every check, in a fixed order: root/capabilities, CRIU (version, ``criu check``,
     features), io_uring, kernel, glibc, snapshot root (permissions, free space), /dev/shm,
-    helper programs, vLLM, pycriu, and on GPU hosts the GPU, driver, CRIU CUDA plugin and
+    helper programs, vLLM, pycriu, the engine user (exists, reads the venv and the model
+    store, writable HOME), and on GPU hosts the GPU, driver, CRIU CUDA plugin and
     cuda-checkpoint helper."""
     p = probes or RealProbes()
     checks: list[Check] = []
@@ -611,6 +681,7 @@ def run_checks(probes: Probes | None = None, *, snapshot_root: str = DEFAULT_SNA
     checks += _check_mounts(p)
     checks += _check_programs(p)
     checks += _check_python(p)
+    checks += _check_engine_user(p)
     checks += _check_gpu(p, binary)
     return checks
 

@@ -84,3 +84,22 @@ def write_snapshot_dir(path: Path, m: manifest.Manifest | None = None) -> manife
     os.chmod(path, 0o700)
     manifest.write_atomic(m, path)
     return m
+
+
+def readable_by_engine(path) -> None:
+    """Let the unprivileged engine user read ``path`` (a model a test made under a root-only
+    temp dir): search permission (o+x, not read) on each of its ancestors below /tmp or /var/tmp,
+    and ``a+rX`` on ``path`` and everything in it. Snapshot dirs beside it stay 0700."""
+    import stat as _stat
+
+    path = Path(path)
+    for base in (Path("/tmp"), Path("/var/tmp")):
+        if base in path.parents:
+            for p in [q for q in path.parents if base in q.parents]:
+                os.chmod(p, _stat.S_IMODE(os.stat(p).st_mode) | 0o001)
+    for d, dirs, files in os.walk(path):
+        os.chmod(d, _stat.S_IMODE(os.stat(d).st_mode) | 0o555)
+        for f in files:
+            fp = os.path.join(d, f)
+            if not os.path.islink(fp):
+                os.chmod(fp, _stat.S_IMODE(os.stat(fp).st_mode) | 0o444)

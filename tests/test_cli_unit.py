@@ -211,3 +211,14 @@ def test_console_script_entry_point_is_main():
     assert data["project"]["scripts"]["vllm-snapshot"] == "vllm_snapshot.cli:main"
     p = subprocess.run([sys.executable, "-m", "vllm_snapshot", "--help"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and "restore" in p.stdout
+
+
+def test_inspect_says_who_the_engine_runs_as(tmp_path, capsys):
+    write_snapshot_dir(tmp_path / "snap")
+    code, out, err = _run_main(capsys, "inspect", str(tmp_path / "snap"))
+    assert code == 0 and "vllm-snapshot (uid 990, gid 990), no capabilities" in out
+    legacy = make_manifest(engine=manifest.EngineInfo(kind="cpu", sleep_level=0, engine_args=(), env_hashes={},
+                                                      full_state_captured=True))
+    write_snapshot_dir(tmp_path / "old", legacy)
+    code, out, err = _run_main(capsys, "inspect", str(tmp_path / "old"))
+    assert code == 0 and "root with every capability" in " ".join(out.split())

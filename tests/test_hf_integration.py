@@ -13,6 +13,7 @@ import pytest
 from vllm_snapshot import manifest as mf
 
 from conftest import ENGINE_ARGS, TINY, cli, engine_env
+from helpers import readable_by_engine
 from test_integration import free_port, post
 
 pytestmark = pytest.mark.integration
@@ -27,6 +28,7 @@ def test_hf_id_served_by_its_id_at_its_revision(tmp_path):
         shutil.copy2(f, snap_dir / f.name)
     (hub / "models--acme--tiny" / "refs").mkdir()
     (hub / "models--acme--tiny" / "refs" / "main").write_text(REV)
+    readable_by_engine(hub)  # the engine runs as the unprivileged engine user
     env = {**engine_env(), "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
     args = [a for a in ENGINE_ARGS]
     i = args.index("--served-model-name")

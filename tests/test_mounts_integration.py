@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ENGINE_ARGS, ROOT, TINY
+from helpers import readable_by_engine
 
 pytestmark = pytest.mark.integration
 
@@ -252,6 +253,7 @@ def test_vllm_model_on_loop_disk_with_nested_disk_and_unrelated_mounts(disks, re
     p = _host_like(disks)
     for f in TINY.iterdir():
         shutil.copy2(f, p["model"] / f.name)
+    readable_by_engine(p["model"])  # the engine runs as the unprivileged engine user
     snaps = disks.base / "snaps"
     port = _free_port()
     request.addfinalizer(lambda: _cli(snaps, "stop", "--port", str(port), timeout=120))
@@ -319,6 +321,7 @@ def test_vllm_container_like_file_binds_over_etc_hosts(disks, request):
     lower.mkdir()
     for f in TINY.iterdir():
         shutil.copy2(f, lower / f.name)
+    readable_by_engine(lower)  # the engine runs as the unprivileged engine user (and $BASE/model is below it)
     model = disks.base / "model"
     disks.image("node", size="32M")
     port = _free_port()

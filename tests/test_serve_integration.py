@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ENGINE_ARGS, ROOT, TINY, cli, engine_env
+from helpers import readable_by_engine
 from test_integration import free_port, port_accepts, post
 
 pytestmark = pytest.mark.integration
@@ -44,6 +45,7 @@ def test_serve_builds_then_restores_refuses_no_build_and_rebuilds_after_a_model_
     root = _private_dir(tmp_path / "store")
     model = tmp_path / "models" / "tiny-copy"
     shutil.copytree(TINY, model)
+    readable_by_engine(model)  # the engine runs as the unprivileged engine user
     port = free_port()
     # 1. nothing there: builds (cold start), then restores and serves
     p = _serve(root, model, port)

@@ -198,6 +198,9 @@ def manifest_table(m: Manifest, path: str) -> None:
     t.add_row("model", f"{m.model.requested}  [dim]({m.model.path}, {len(m.model.files)} files, {human_bytes(m.model.total_bytes)})[/]")
     t.add_row("served as", m.model.served_name)
     t.add_row("engine args", " ".join(m.engine.engine_args) or "[dim](none)[/]")
+    u = m.engine.user
+    t.add_row("runs as", f"{u.name} (uid {u.uid}, gid {u.gid}), no capabilities, NoNewPrivs" if u is not None else
+              "[yellow]root with every capability (made before engines ran unprivileged; re-create it)[/]")
     if m.key is not None:
         t.add_row("key", m.key.value + "  [dim](normalized args: "
                   + (", ".join(f"{k}={v}" for k, v in m.key.normalized_args.items()) or "all defaults") + ")[/]")

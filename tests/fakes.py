@@ -142,6 +142,8 @@ class FakeTools(SnapshotTools):
         self.access: dict[str, list[str]] = {}
         #: user_problems's answer
         self.user_identity: list[str] = []
+        #: paths unreadable_by says the engine user cannot read
+        self.user_unreadable: list[str] = []
         #: tree_creds's answer; None: every tree process runs as self.user with no capability
         self.creds: dict[int, Creds] | None = None
 
@@ -196,6 +198,10 @@ class FakeTools(SnapshotTools):
         ok = Creds(uids=(u.uid,) * 4, gids=(u.gid,) * 4, groups=u.groups, cap_inh=0, cap_prm=0, cap_eff=0,
                    cap_bnd=0, cap_amb=0, no_new_privs=1)
         return {root_pid: ok, root_pid + 1: ok}
+
+    def unreadable_by(self, u: EngineUser, paths: list[Path]) -> list[str]:
+        self._call("unreadable_by")
+        return [f"cannot read {p}: Permission denied" for p in paths if str(p) in self.user_unreadable]
 
     def engine_device(self) -> str:
         return self.device

@@ -455,6 +455,14 @@ def test_api_key_tls_and_cors_given_at_restore(snapshot, tmp_path):
     import urllib.request
 
     cert, keyfile = self_signed(tmp_path)
+    # the engine (the unprivileged engine user) opens them: the key readable to its group only
+    from helpers import readable_by_engine
+    from vllm_snapshot.privilege import DEFAULT_USER
+    import pwd
+
+    readable_by_engine(cert)
+    os.chown(keyfile, 0, pwd.getpwnam(DEFAULT_USER).pw_gid)
+    os.chmod(keyfile, 0o640)
     key = "rk-" + os.urandom(12).hex()
     port = free_port()
     log = tmp_path / "engine.log"

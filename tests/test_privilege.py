@@ -264,3 +264,19 @@ def test_engine_user_record_roundtrips():
 
     u = User(ENGINE_USER.name, ENGINE_USER.uid, ENGINE_USER.gid, ENGINE_USER.groups, ENGINE_USER.home)
     assert engine_user_record(u) == ENGINE_USER
+
+
+def test_restore_refuses_tls_files_the_engine_user_cannot_read_before_criu(monkeypatch):
+    from vllm_snapshot import frontend
+    from vllm_snapshot.ops.restore import tls_files
+
+    assert tls_files(["--ssl-keyfile", "/k", "--ssl-certfile=/c", "--root-path", "/x"]) == ["/k", "/c"]
+    t = FakeTools()
+    t.user_unreadable = ["/etc/ssl/private/k.pem"]
+    # the key pair itself is fine (frontend.check loads it as root); only the engine user cannot read it
+    monkeypatch.setattr(frontend, "check", lambda args, env=None: frontend.Frontend(args=list(args), tls=True))
+    with pytest.raises(UsageError) as e:
+        ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8123, frontend=(
+            "--ssl-keyfile", "/etc/ssl/private/k.pem", "--ssl-certfile", "/etc/ssl/c.pem")), Reporter(), tools=t)
+    assert "cannot read the TLS files" in e.value.message and "/etc/ssl/private/k.pem" in e.value.message
+    assert "chgrp vllm-snapshot" in e.value.hint and "restore_tree" not in t.calls

@@ -112,6 +112,9 @@ class SnapshotTools(Protocol):
     def tree_creds(self, root_pid: int) -> dict[int, Creds]:
         """pid -> credentials (/proc/PID/status) of ``root_pid`` and its descendants."""
 
+    def unreadable_by(self, u: EngineUser, paths: list[Path]) -> list[str]:
+        """Which of ``paths`` (files) the recorded engine user cannot read (human lines)."""
+
     def engine_device(self) -> str:
         """``"cpu"`` or ``"cuda"``: what the installed vLLM build will run the engine on (a CPU
         build of vLLM runs on CPU even on a GPU host)."""
@@ -517,6 +520,15 @@ class LocalTools(SnapshotTools):
         from .procs import tree
 
         return privilege.tree_creds(p.pid for p in tree(root_pid))
+
+    def unreadable_by(self, u: EngineUser, paths: list[Path]) -> list[str]:
+        from . import privilege
+        from .errors import EnvironmentProblem
+
+        try:
+            return privilege.access_problems(privilege.User(u.name, u.uid, u.gid, u.groups, u.home), read=paths)
+        except (OSError, ValueError, subprocess.SubprocessError) as e:
+            raise EnvironmentProblem(f"cannot check what the engine user {u.name} can read: {e}") from e
 
     def engine_device(self) -> str:
         from . import gpu

@@ -117,3 +117,16 @@ def clone_snapshot(snapshot, tmp_path):
         os.chmod(tmp_path, 0o700)
         return d
     return make
+
+
+@pytest.fixture()
+def engine_tmp():
+    """A temp dir the unprivileged engine user can search (0711, under /var/tmp), for models and
+    TLS files a test makes: pytest's own tmp dirs are root-only, and every pytest session that
+    starts resets /tmp/pytest-of-root to 0700, so a search bit added there does not stay."""
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="vsnap-engine-", dir="/var/tmp"))
+    os.chmod(d, 0o711)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

@@ -20,8 +20,8 @@ pytestmark = pytest.mark.integration
 REV = "0123456789abcdef0123456789abcdef01234567"
 
 
-def test_hf_id_served_by_its_id_at_its_revision(tmp_path):
-    hub = tmp_path / "hub"
+def test_hf_id_served_by_its_id_at_its_revision(tmp_path, engine_tmp):
+    hub = engine_tmp / "hub"
     snap_dir = hub / "models--acme--tiny" / "snapshots" / REV
     snap_dir.mkdir(parents=True)
     for f in TINY.iterdir():

@@ -444,7 +444,7 @@ def _request(url: str, key: str | None = None, method: str = "GET", headers: dic
         return e.code, dict(e.headers)
 
 
-def test_api_key_tls_and_cors_given_at_restore(snapshot, tmp_path):
+def test_api_key_tls_and_cors_given_at_restore(snapshot, tmp_path, engine_tmp):
     """Issue 15 item 1: the session snapshot was created with VLLM_API_KEY planted in create's
     environment (not in any image: test_no_planted_secret_in_images). At restore the key comes
     from VLLM_API_KEY, TLS and CORS from vLLM's own options: 401 without the key, 200 with it,
@@ -454,7 +454,7 @@ def test_api_key_tls_and_cors_given_at_restore(snapshot, tmp_path):
 
     import urllib.request
 
-    cert, keyfile = self_signed(tmp_path)
+    cert, keyfile = self_signed(engine_tmp)
     # the engine (the unprivileged engine user) opens them: the key readable to its group only
     from helpers import readable_by_engine
     from vllm_snapshot.privilege import DEFAULT_USER

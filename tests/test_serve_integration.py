@@ -41,9 +41,9 @@ def _private_dir(p: Path) -> Path:
     return p
 
 
-def test_serve_builds_then_restores_refuses_no_build_and_rebuilds_after_a_model_change(tmp_path):
+def test_serve_builds_then_restores_refuses_no_build_and_rebuilds_after_a_model_change(tmp_path, engine_tmp):
     root = _private_dir(tmp_path / "store")
-    model = tmp_path / "models" / "tiny-copy"
+    model = engine_tmp / "models" / "tiny-copy"
     shutil.copytree(TINY, model)
     readable_by_engine(model)  # the engine runs as the unprivileged engine user
     port = free_port()

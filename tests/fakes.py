@@ -124,6 +124,7 @@ class FakeTools(SnapshotTools):
         self.externals: list[ExternalMount] = []
         self.mount_problems: list[str] = []
         self.code_problems: list[str] = []  # what check_code finds
+        self.missing_caps: list[int] = []  # what caps_missing finds
         self.restored_tree: list[str] | None = None
         self.uuids: list[str] = ["GPU-fake-0"]
         self.model_files: tuple[ModelFile, ...] | None = None
@@ -185,6 +186,10 @@ class FakeTools(SnapshotTools):
     def engine_access(self, user: User, model_dir: Path) -> dict[str, list[str]]:
         self._call("engine_access")
         return {"model": [], "code": [], "home": [], **self.access}
+
+    def caps_missing(self, snapshot: Path, m: Manifest) -> list[int]:
+        self._call("caps_missing")
+        return list(self.missing_caps)
 
     def user_problems(self, u: EngineUser) -> list[str]:
         self._call("user_problems")

@@ -280,3 +280,34 @@ def test_restore_refuses_tls_files_the_engine_user_cannot_read_before_criu(monke
             "--ssl-keyfile", "/etc/ssl/private/k.pem", "--ssl-certfile", "/etc/ssl/c.pem")), Reporter(), tools=t)
     assert "cannot read the TLS files" in e.value.message and "/etc/ssl/private/k.pem" in e.value.message
     assert "chgrp vllm-snapshot" in e.value.hint and "restore_tree" not in t.calls
+
+
+def test_caps_beyond_names_what_a_legacy_root_tree_held_that_the_restorer_lacks():
+    from vllm_snapshot.privilege import caps_beyond
+
+    full = "Uid:\t0 0 0 0\nGid:\t0 0 0 0\nCapInh:\t0\nCapPrm:\t000001ffffffffff\nCapEff:\t000001ffffffffff\n" \
+           "CapBnd:\t000001ffffffffff\nCapAmb:\t0\nNoNewPrivs:\t0\n"
+    narrow = full.replace("CapPrm:\t000001ffffffffff", "CapPrm:\t0000000000000001")  # only CAP_CHOWN
+    legacy = {"cap_prm": [0xffffffff, 0x1ff], "cap_eff": [0xffffffff, 0x1ff], "cap_inh": [0, 0]}
+    assert caps_beyond(legacy, full) == []
+    assert caps_beyond(legacy, narrow)[:3] == [1, 2, 3] and 0 not in caps_beyond(legacy, narrow)
+    assert caps_beyond({"cap_prm": [0, 0], "cap_eff": [0, 0], "cap_inh": [0, 0]}, narrow) == []  # today's engines
+    assert privilege.cap_name(25) == "CAP_SYS_TIME" and privilege.cap_name(40) == "CAP_CHECKPOINT_RESTORE"
+
+
+def test_legacy_snapshot_refused_before_criu_when_the_restorer_lacks_its_capabilities():
+    from pathlib import Path
+
+    from vllm_snapshot import ops
+    from vllm_snapshot.errors import EnvironmentProblem
+    from vllm_snapshot.progress import Reporter
+
+    from fakes import FakeTools, isolated_manifest
+
+    m = isolated_manifest()
+    m = m.model_copy(update={"engine": m.engine.model_copy(update={"user": None})})
+    t = FakeTools(manifest=m)
+    t.missing_caps = [21, 25]
+    with pytest.raises(EnvironmentProblem, match="capabilities this restore does not have") as ei:
+        ops.restore(ops.RestoreRequest(snapshot=Path("/snaps/tiny"), port=8123), Reporter(), tools=t)
+    assert "re-create" in ei.value.hint and "restore_tree" not in t.calls and "stage" not in t.calls

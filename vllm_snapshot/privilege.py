@@ -138,6 +138,34 @@ def parse_status(text: str) -> Creds:
         raise ValueError(f"/proc status without {e.args[0]}") from e
 
 
+#: Capability names by number (linux/include/uapi/linux/capability.h, 0-40).
+CAP_NAMES = ("chown", "dac_override", "dac_read_search", "fowner", "fsetid", "kill", "setgid", "setuid", "setpcap",
+             "linux_immutable", "net_bind_service", "net_broadcast", "net_admin", "net_raw", "ipc_lock", "ipc_owner",
+             "sys_module", "sys_rawio", "sys_chroot", "sys_ptrace", "sys_pacct", "sys_admin", "sys_boot", "sys_nice",
+             "sys_resource", "sys_time", "sys_tty_config", "mknod", "lease", "audit_write", "audit_control",
+             "setfcap", "mac_override", "mac_admin", "syslog", "wake_alarm", "block_suspend", "audit_read",
+             "perfmon", "bpf", "checkpoint_restore")
+
+
+def cap_name(n: int) -> str:
+    """``CAP_SYS_TIME`` for 25; ``cap_N`` past the table. Pure."""
+    return f"CAP_{CAP_NAMES[n].upper()}" if n < len(CAP_NAMES) else f"cap_{n}"
+
+
+def caps_beyond(core_creds: dict, own_status: str) -> list[int]:
+    """Capability numbers the dumped root process held (``creds`` of CRIU's ``core-PID.img``:
+    ``cap_prm``/``cap_eff``/``cap_inh`` as [low 32 bits, high 32 bits]) that this process has
+    not in its permitted set (``/proc/self/status`` text). CRIU restores a task's capabilities
+    with capset(2), which cannot grant what the restorer lacks: CRIU 4.2.1 then logs "Unable to
+    restore capabilities" and its restore hangs (measured under the units' bounding set). Pure."""
+    def val(v) -> int:
+        return (int(v[0]) | int(v[1]) << 32) if isinstance(v, (list, tuple)) else int(v or 0)
+
+    held = val(core_creds.get("cap_prm")) | val(core_creds.get("cap_eff")) | val(core_creds.get("cap_inh"))
+    own = parse_status(own_status).cap_prm
+    return [n for n in range(64) if held >> n & 1 and not own >> n & 1]
+
+
 def creds_problems(pid: int, c: Creds, uid: int, gid: int, groups: Iterable[int]) -> list[str]:
     """What in process ``pid``'s credentials differs from the engine user's (``uid``,
     ``gid``, supplementary ``groups``) with no capability at all and NoNewPrivs set. Pure."""

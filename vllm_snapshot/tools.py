@@ -109,6 +109,11 @@ class SnapshotTools(Protocol):
     def user_problems(self, u: EngineUser) -> list[str]:
         """Why the recorded engine user is not the same user on this host (empty = same)."""
 
+    def caps_missing(self, snapshot: Path, m: Manifest) -> list[int]:
+        """Capabilities the dumped engine root held that this process cannot give back
+        (:func:`vllm_snapshot.privilege.caps_beyond` over the root's CRIU core image; [] when
+        the image cannot be read: CRIU then decides)."""
+
     def tree_creds(self, root_pid: int) -> dict[int, Creds]:
         """pid -> credentials (/proc/PID/status) of ``root_pid`` and its descendants."""
 
@@ -509,6 +514,28 @@ class LocalTools(SnapshotTools):
         except (OSError, ValueError, subprocess.SubprocessError) as e:
             raise EnvironmentProblem(f"cannot check what the engine user {user.name} can read: {e}") from e
         return {"model": model, "code": code, "home": home}
+
+    def caps_missing(self, snapshot: Path, m: Manifest) -> list[int]:
+        from . import privilege
+
+        root = 1 if m.criu.pid_namespace else m.criu.root_pid  # the images name namespace PIDs
+        img = next((i for i in m.images if i.name.split(".")[0] == f"core-{root}"), None)
+        if img is None:
+            return []
+        try:
+            import pycriu
+            import zstandard
+
+            raw = (snapshot / "images" / img.name).read_bytes()
+            if img.compression == "zstd":
+                raw = zstandard.ZstdDecompressor().decompress(raw, max_output_size=img.raw_bytes or (64 << 20))
+            import io
+
+            creds = pycriu.images.load(io.BytesIO(raw))["entries"][0]["thread_core"]["creds"]
+            return privilege.caps_beyond(creds, Path("/proc/self/status").read_text())
+        except Exception:  # noqa: BLE001 - an unreadable image is CRIU's to report
+            return []
+
 
     def user_problems(self, u: EngineUser) -> list[str]:
         from . import privilege

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Callable
 
 from .. import criu, frontend, identity, interrupts, mountpolicy, oracle, ports, privilege, resources
-from ..errors import (BusyError, CorruptSnapshotError, CriuError, EngineError, IncompatibleHostError,
+from ..errors import (BusyError, CorruptSnapshotError, CriuError, EngineError, EnvironmentProblem, IncompatibleHostError,
                       InsufficientResources, Interrupted, OracleMismatchError, UsageError)
 from ..manifest import Manifest
 from ..progress import Reporter
@@ -139,6 +139,13 @@ def validate(snapshot: Path, verify_model: str = "quick", allow: frozenset[str] 
             hint="restore on a matching host, or re-create the snapshot here",
             details=[d.__dict__ for d in hard])
     if m.engine.user is None:
+        missing = t.caps_missing(snapshot, m)
+        if missing:  # CRIU would log "Unable to restore capabilities" and hang (docs/operations.md)
+            raise EnvironmentProblem(
+                f"this snapshot's engine runs as root with capabilities this restore does not have "
+                f"({', '.join(map(privilege.cap_name, missing))}; e.g. a systemd CapabilityBoundingSet=): CRIU "
+                "could not give them back", hint="re-create the snapshot (engines now run unprivileged, with no capability), "
+                                       "or restore it outside the narrower bounding set")
         warnings.append(LEGACY_ROOT_NOTE)
     else:
         who = t.user_problems(m.engine.user)

@@ -412,6 +412,22 @@ def _http_json(url: str, body: dict | None = None, timeout: float = 30.0,
         return e.code, e.read().decode(errors="replace")
 
 
+def _remove_empty_cgroups() -> list[str]:
+    """:func:`vllm_snapshot.cgroups.remove_empty` under the host-wide CRIU lock, which every
+    restore holds from creating its engine's cgroup until CRIU has put the tree in it: an empty
+    leaf seen under that lock is an exited engine's, never one about to be entered (seen without
+    it: two clones restored at once, one's reclaim removed the other's new leaf). When a CRIU
+    run holds the lock, nothing is removed now; a later command does it."""
+    from . import cgroups, locks
+    from .errors import BusyError
+
+    try:
+        with locks.criu_lock(wait_s=0):
+            return cgroups.remove_empty()
+    except BusyError:
+        return []
+
+
 class LocalTools(SnapshotTools):
     """:class:`SnapshotTools` over this host. ``engine_argv`` replaces the engine root's command
     (tests run a protocol-speaking fake engine through it)."""
@@ -1043,10 +1059,8 @@ class LocalTools(SnapshotTools):
             except psutil.Error:
                 pass
         if not dry_run:
-            from . import cgroups
-
             gone += [str(p) for p in locks.clean_stale()]
-            gone += [f"empty cgroup {p}" for p in cgroups.remove_empty()]
+            gone += [f"empty cgroup {p}" for p in _remove_empty_cgroups()]
         return gone
 
     def key_lock(self, key: str, on_wait: Callable[[str], None]) -> AbstractContextManager:
@@ -1090,10 +1104,10 @@ class LocalTools(SnapshotTools):
         registry.unregister(pid)
 
     def stop_engine(self, entry: Entry) -> float:
-        from . import cgroups, registry
+        from . import registry
 
         took = registry.stop(entry)
-        cgroups.remove_empty()
+        _remove_empty_cgroups()
         return took
 
     def engine_owning(self, pid: int, entries: list[Entry]) -> Entry | None:

@@ -156,3 +156,25 @@ def test_option_table_matches_vllms_parser():
         assert flag in by_flag, flag
     # and vLLM types what we pass as text: JSON lists, ints
     assert got["origins"] == ["https://a"] and got["count"] == 10
+
+
+def test_switch_to_the_serving_snapshot_with_other_front_end_options_restarts_it():
+    """A new-user trial rotated the API key with `switch` to the snapshot already serving: it
+    said "switched" and kept the old key. The registry keeps a salted digest of the options."""
+    from vllm_snapshot.registry import Entry
+
+    t = FakeTools(manifest=isolated_manifest())
+    t.environ = lambda: {"VLLM_API_KEY": "new"}
+    old_fp = frontend.fingerprint(["--api-key", "old"])
+    assert frontend.same_settings(["--api-key", "old"], old_fp) and not frontend.same_settings(["--api-key", "new"], old_fp)
+    assert "old" not in old_fp
+    t.entries = [Entry(snapshot=str(SNAP), pid=77, supervisor_pid=0, host="127.0.0.1", port=8123, started_at=0.0,
+                       mode="detached", frontend=old_fp)]
+    ops.switch(SNAP, None, 8123, None, Reporter(), tools=t)
+    assert "stop_engine" in t.calls and "restore_tree" in t.calls and t.canary_key == "new"
+    # the same options again: nothing to do
+    t2 = FakeTools(manifest=isolated_manifest())
+    t2.entries = [Entry(snapshot=str(SNAP), pid=77, supervisor_pid=0, host="127.0.0.1", port=8123, started_at=0.0,
+                        mode="detached", frontend=frontend.fingerprint(["--uvicorn-log-level", "warning"]))]
+    ops.switch(SNAP, None, 8123, None, Reporter(), tools=t2, frontend=("--uvicorn-log-level", "warning"))
+    assert "stop_engine" not in t2.calls

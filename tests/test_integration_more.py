@@ -563,3 +563,23 @@ def test_detached_engine_outlives_the_cgroup_it_was_launched_from(snapshot, tmp_
                 pass
     assert not any((Path("/sys/fs/cgroup") / h / "vllm-snapshot" / f"{snapshot.name}-{port}").exists()
                    for h in ("memory", "pids", "unified"))
+
+
+def test_a_serving_engine_missing_from_this_registry_is_not_an_orphan(snapshot, tmp_path):
+    """An engine registered in another run dir (another VLLM_SNAPSHOT_RUN_DIR, or a wiped /run)
+    that serves is somebody's live server: `prune` here must not kill it as a leftover (seen
+    in a new-user trial: it did)."""
+    port = free_port()
+    r = cli("restore", str(snapshot), "--port", str(port), "--detach", "--json", timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    pid = json.loads(r.stdout)["pid"]
+    try:
+        other = tmp_path / "other-run"
+        other.mkdir(mode=0o700)
+        p = cli("prune", "--json", env={**engine_env(), "VLLM_SNAPSHOT_RUN_DIR": str(other)}, timeout=60)
+        assert p.returncode == 0, p.stderr
+        assert f"orphaned engine tree PID {pid}" not in p.stdout
+        time.sleep(0.5)
+        assert psutil.pid_exists(pid) and port_accepts(port)
+    finally:
+        cli("stop", "--port", str(port), check=True)

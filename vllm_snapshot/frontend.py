@@ -104,6 +104,26 @@ class Frontend:
         return out
 
 
+def fingerprint(args: list[str], salt: str | None = None) -> str:
+    """``SALT:DIGEST``: a salted BLAKE3 of the front-end tokens (API key included), so that
+    ``switch`` can tell whether an engine already serves with exactly these settings without
+    anything recording the key itself. ``salt``: 16 hex digits, random when None. Pure when
+    ``salt`` is given."""
+    import blake3
+
+    salt = salt or os.urandom(8).hex()
+    return f"{salt}:{blake3.blake3((salt + json.dumps(list(args))).encode()).hexdigest()[:32]}"
+
+
+def same_settings(args: list[str], fp: str) -> bool:
+    """True when ``fp`` (a :func:`fingerprint`) was made from exactly ``args``; an empty ``fp``
+    (an engine registered before fingerprints) counts as "no options". Pure."""
+    if not fp:
+        return not args
+    salt = fp.split(":", 1)[0] if ":" in fp else ""
+    return bool(salt) and fingerprint(args, salt) == fp
+
+
 def _flag(token: str) -> str:
     return token.split("=", 1)[0]
 

@@ -40,6 +40,8 @@ class Entry:
     scheme: str = "http"
     #: the cgroup a detached engine was placed in (:mod:`vllm_snapshot.cgroups`), else ""
     cgroup: str = ""
+    #: salted digest of the front-end options it serves with (:func:`vllm_snapshot.frontend.fingerprint`)
+    frontend: str = ""
 
     @property
     def url(self) -> str:
@@ -163,13 +165,33 @@ def _is_engine_root(p: psutil.Process) -> bool:
     return False
 
 
+def _serving_pids() -> set[int]:
+    """PIDs holding a listening TCP socket of this (the host's) network namespace: a served
+    engine holds the one its restore bound and handed over; a never-served orphan has none."""
+    try:
+        return {c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.pid}
+    except (psutil.Error, OSError):
+        return set()
+
+
+def _serves(p: psutil.Process, serving: set[int]) -> bool:
+    try:
+        return p.pid in serving or any(c.pid in serving for c in p.children(recursive=True))
+    except psutil.Error:
+        return False
+
+
 def orphans() -> list[psutil.Process]:
-    """Engine trees nobody owns: an engine root that is not registered and whose parent is
-    gone (reparented to init or a subreaper) -- what a SIGKILLed restore leaves when CRIU
-    finished after its supervisor died. A create's engine (child of ``unshare``), a restore in
-    progress (child of its restore) and every registered engine are never listed."""
+    """Engine trees nobody owns: an engine root that is not registered, whose parent is gone
+    (reparented to init or a subreaper) and that serves nothing -- what a SIGKILLed restore
+    leaves when CRIU finished after its supervisor died (the tree never got its listening
+    socket). A create's engine (child of ``unshare``), a restore in progress (child of its
+    restore), every registered engine and every serving engine are never listed: an engine
+    that serves but is missing from *this* registry (another ``VLLM_SNAPSHOT_RUN_DIR``, a wiped
+    /run) is somebody's live server, not a leftover."""
     known = {e.pid for e in entries()}
     out = []
+    serving: set[int] | None = None
     for p in psutil.process_iter(["ppid"]):
         if p.pid in known or not _is_engine_root(p):
             continue
@@ -179,5 +201,8 @@ def orphans() -> list[psutil.Process]:
         except psutil.Error:
             parent = ""
         if ppid in (0, 1) or parent in REAPERS:
-            out.append(p)
+            if serving is None:
+                serving = _serving_pids()
+            if not _serves(p, serving):
+                out.append(p)
     return out

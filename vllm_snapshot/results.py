@@ -47,6 +47,8 @@ class Restored:
     frontend: tuple[str, ...] = ()
     #: the cgroup of its own a detached engine runs in (vllm_snapshot.cgroups), else ""
     cgroup: str = ""
+    #: salted digest of the front-end options (registry only; never shown)
+    frontend_fp: str = ""
 
     def to_json(self) -> dict:
         return {"snapshot": self.snapshot, "pid": self.pid, "url": self.url, "timings": self.timings,

@@ -147,7 +147,8 @@ def status(tools: SnapshotTools | None = None) -> Engines:
     """``status``: the registry's live engines, each with its URL and the cgroup it runs in
     now (read from /proc: detached engines have one of their own)."""
     t = tools or LocalTools()
-    return Engines([{**e.__dict__, "url": e.url, "cgroup": t.cgroup_of(e.pid)} for e in t.engines()])
+    return Engines([{**{k: v for k, v in e.__dict__.items() if k != "frontend"}, "url": e.url,
+                     "cgroup": t.cgroup_of(e.pid)} for e in t.engines()])
 
 
 def stop_engines(snapshot: Path | None, port: int | None, tools: SnapshotTools | None = None,
@@ -194,12 +195,14 @@ def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, r
 
     t = tools or LocalTools()
     t.require_root()
-    fe.check(list(frontend), t.environ())
+    wanted = fe.check(list(frontend), t.environ())
     snapshot = t.canonical(snapshot)
     old = [e for e in t.engines() if e.port == port]
     host = host or (old[0].host if old else "127.0.0.1")
-    if old and all(t.canonical(Path(e.snapshot)) == snapshot and e.host == host for e in old):
-        rep.info(f"{snapshot.name} already serves on port {port} (PID {old[0].pid}); nothing to switch")
+    if old and all(t.canonical(Path(e.snapshot)) == snapshot and e.host == host for e in old) \
+            and all(fe.same_settings(wanted.args, e.frontend) for e in old):
+        rep.info(f"{snapshot.name} already serves on port {port} (PID {old[0].pid}) with these front-end "
+                  "options; nothing to switch")
         return Switched(str(snapshot), port, old[0].pid, old[0].url, 0.0, 0.0, 0.0, [], host)
     with rep.phase("validate_target", f"validating {snapshot.name} before touching port {port}"):
         with t.snapshot_lock(snapshot, shared=True):

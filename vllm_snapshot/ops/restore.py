@@ -220,7 +220,7 @@ def restore(req: RestoreRequest, rep: Reporter, tools: SnapshotTools | None = No
             t.register(Entry(snapshot=str(snapshot), pid=r.pid, supervisor_pid=0 if req.detach else os.getpid(),
                              host=req.host, port=req.port, started_at=t.now(),
                              mode="detached" if req.detach else "foreground",
-                             scheme=r.url.split(":", 1)[0], cgroup=r.cgroup))
+                             scheme=r.url.split(":", 1)[0], cgroup=r.cgroup, frontend=r.frontend_fp))
             t.record_restore(snapshot, [w for w in r.warnings if w.startswith("identity override")])
         except OSError as e:  # bookkeeping only: never fail a served restore for it
             rep.info(f"could not record the engine in the registry: {e}")
@@ -360,7 +360,8 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
                 raise OracleMismatchError("the HTTP canary differs from the oracle; stopped the engine:\n  " + "\n  ".join(diffs))
         interrupts.hold()  # serving, validated: see restore()
         return Restored(str(snapshot), pid, url, m.model.served_name, dict(rep.timings), warnings, req.detach,
-                        tuple(fe.describe()), placement.cgroup if placement and placement.leaves else ""), engine
+                        tuple(fe.describe()), placement.cgroup if placement and placement.leaves else "",
+                        frontend.fingerprint(fe.args)), engine
     except BaseException as e:
         if code_check is not None:
             code_check.cancel()

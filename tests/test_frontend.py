@@ -28,7 +28,10 @@ def test_split_keeps_engine_args_and_takes_front_end_options_with_their_values()
     (["--ssl-cert-reqs", "2"], "mutual TLS"),
     (["--middleware", "x.y"], "middleware"),
     (["--port", "9"], "restore's own option"),
-    (["--api-k", "x"], "not an option restore can apply"),  # abbreviations are refused, not guessed
+    (["--api-k", "x"], r"unknown option --api-k \(did you mean --api-key\?\)"),  # abbreviations: refused
+    (["--prot", "9"], r"did you mean --port\?"),  # a typo of restore's own option
+    (["--detatch"], r"did you mean --detach\?"),
+    (["--bogus-flag"], "engine options are frozen"),
 ])
 def test_engine_options_and_unusable_settings_are_refused(bad, needle):
     with pytest.raises(UsageError, match=needle):

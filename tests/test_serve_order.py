@@ -198,3 +198,16 @@ def test_switch_model_builds_before_stopping_the_old_engine_then_reuses_the_snap
     t.entries = []
     sw, path = ops.switch_model(req, None, True, Rec(), tools=t)
     assert path == "restored" and sw.snapshot == str(built) and "launch_engine" not in t.calls
+
+
+def test_no_build_names_the_other_snapshots_in_the_error_and_its_details():
+    """A new-user trial: `serve --no-build --json` said the other snapshots were "listed above",
+    but nothing was listed in JSON mode. The error itself names them, and --json has them."""
+    t = _tools()
+    _serve(t)  # a snapshot with ARGS
+    with pytest.raises(UsageError) as ei:
+        _serve(t, build="never", engine_args=[*ARGS, "--max-num-seqs", "3"])
+    e = ei.value
+    (built,) = t.snapshots
+    assert f"not {built.name}:" in e.message and "listed above" not in e.message
+    assert e.details["not_matching"][0]["snapshot"] == str(built) and e.details["not_matching"][0]["why"]

@@ -73,6 +73,10 @@ REFUSED = {
     "--uds": "a unix socket listener (restore binds --host/--port)",
 }
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+#: restore's/serve's/switch's own options (typer parses them; a misspelt one reaches us)
+OWN_OPTIONS = ("--host", "--port", "--detach", "--log-file", "--verify-model", "--allow-mismatch", "--json",
+               "--quiet", "--no-build", "--rebuild", "--model", "--rollback", "--no-rollback", "--keep-env",
+               "--oracle-prompt", "--sleep-level", "--compress", "--verbose")
 #: systemd credential name read for the API key when ``VLLM_API_KEY`` is unset
 #: (``LoadCredential=vllm-api-key:/etc/vllm-snapshot/NAME.key``; systemd.exec(5), "Credentials")
 CREDENTIAL = "vllm-api-key"
@@ -211,6 +215,12 @@ def refuse_engine_options(args: list[str], where: str = "restore") -> None:
                              hint=f"give {name} before any --")
         if not tok.startswith("-"):
             raise UsageError(f"unexpected argument {tok!r}", hint="front-end options are --flag [value]")
+        import difflib
+
+        near = difflib.get_close_matches(name, [*OPTIONS, *OWN_OPTIONS], n=1, cutoff=0.75)
+        if near:  # a typo, not an engine option: say so instead of sending the user to re-create
+            raise UsageError(f"unknown option {name} (did you mean {near[0]}?)",
+                             hint=f"`vllm-snapshot {where} --help` lists its options")
         raise UsageError(
             f"{name} is not an option {where} can apply: engine options are frozen in the snapshot at create",
             hint="front-end options (API key, TLS, CORS, --root-path, logging) are accepted here; for engine "

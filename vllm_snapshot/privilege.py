@@ -282,7 +282,17 @@ for p in spec["read"]:
             if os.path.exists(f):  # a dangling link is the model digest's business
                 os.close(os.open(f, os.O_RDONLY))
     except OSError as e:
-        out.append(f"cannot read {e.filename or p}: {e.strerror}")
+        f = e.filename or p
+        why = f"cannot read {f}: {e.strerror}"
+        d = os.path.dirname(os.path.abspath(f))
+        blocked = None
+        while d and d != "/":  # the outermost directory this user cannot pass is the one to fix
+            if not os.access(d, os.X_OK):
+                blocked = d
+            d = os.path.dirname(d)
+        if blocked:
+            why += f" (the directory {blocked} is not searchable by this user)"
+        out.append(why)
 for p in spec["exec"]:
     try:
         os.stat(p)

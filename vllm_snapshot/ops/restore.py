@@ -242,7 +242,8 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
             if unreadable:
                 u = m.engine.user.name
                 raise UsageError(f"the engine runs as {u}, which cannot read the TLS files:\n  " + "\n  ".join(unreadable),
-                                 hint=f"make them readable to {u} only, e.g. `chgrp {u} FILE && chmod 0640 FILE`")
+                                 hint=f"make them readable to {u} only, e.g. `chgrp {u} FILE && chmod 0640 FILE`, and "
+                                      f"every directory above them searchable to it (e.g. `setfacl -m u:{u}:x DIR`)")
         short = resources.check(m.sizes["raw"], t.memory_offer(req.detach))
         if short:
             raise InsufficientResources(short, hint="free memory (stop other engines: vllm-snapshot status / stop), "

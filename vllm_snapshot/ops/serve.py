@@ -231,9 +231,10 @@ def _find_or_build(t: SnapshotTools, req: ServeRequest, rep: Reporter, model_dir
             if errors:
                 raise errors[-1]
             raise UsageError(f"no snapshot under {req.root} matches {req.model} with these engine args on this "
-                             f"host (key {key.value[:12]})" + (f"; {len(others)} other snapshot(s) of this model "
-                                                               "differ (listed above)" if others else ""),
-                             hint="run without --no-build to build one (a cold start), or `vllm-snapshot create`")
+                             f"host (key {key.value[:12]})" + "".join(
+                                 f"\n  not {Path(o['snapshot']).name}: {o['why']}" for o in others),
+                             hint="run without --no-build to build one (a cold start), or `vllm-snapshot create`",
+                             details={"key": key.value, "not_matching": others})
         earlier = [(p, r) for p, _ in matching if (r := t.refusal(p)) is not None]
         if req.build == "auto" and len(earlier) >= MAX_REFUSED_PER_KEY:
             reasons = "\n  ".join(f"{p.name}: {r['reason']}" for p, r in earlier[:MAX_REFUSED_PER_KEY])

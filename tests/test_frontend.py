@@ -58,8 +58,9 @@ def test_api_key_from_a_systemd_credential(tmp_path: Path):
 
 def test_tls_pair_is_loaded_before_criu(tmp_path: Path):
     cert, key = self_signed(tmp_path)
-    fe = frontend.check(["--ssl-certfile", str(cert), "--ssl-keyfile", str(key)], {})
+    fe = frontend.check(["--ssl-keyfile", str(key), f"--ssl-certfile={cert}", "--root-path", "/x"], {})
     assert fe.tls and fe.scheme == "https" and "TLS" in fe.describe()
+    assert fe.files == [str(key), str(cert)]  # what the engine user must be able to read
     with pytest.raises(UsageError, match="both --ssl-keyfile and --ssl-certfile"):
         frontend.check(["--ssl-certfile", str(cert)], {})
     with pytest.raises(UsageError, match="no readable file"):

@@ -268,13 +268,11 @@ def test_engine_user_record_roundtrips():
 
 def test_restore_refuses_tls_files_the_engine_user_cannot_read_before_criu(monkeypatch):
     from vllm_snapshot import frontend
-    from vllm_snapshot.ops.restore import tls_files
-
-    assert tls_files(["--ssl-keyfile", "/k", "--ssl-certfile=/c", "--root-path", "/x"]) == ["/k", "/c"]
     t = FakeTools()
     t.user_unreadable = ["/etc/ssl/private/k.pem"]
     # the key pair itself is fine (frontend.check loads it as root); only the engine user cannot read it
-    monkeypatch.setattr(frontend, "check", lambda args, env=None: frontend.Frontend(args=list(args), tls=True))
+    monkeypatch.setattr(frontend, "check", lambda args, env=None: frontend.Frontend(
+        args=list(args), tls=True, files=["/etc/ssl/private/k.pem", "/etc/ssl/c.pem"]))
     with pytest.raises(UsageError) as e:
         ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8123, frontend=(
             "--ssl-keyfile", "/etc/ssl/private/k.pem", "--ssl-certfile", "/etc/ssl/c.pem")), Reporter(), tools=t)

@@ -118,6 +118,8 @@ class Placement:
     name: str
     leaves: dict[str, Path] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
+    #: the hierarchies the leaves were made in (by :func:`create`)
+    hierarchies: list[Hierarchy] = field(default_factory=list)
     _back: dict[str, Path] = field(default_factory=dict)
 
     @property
@@ -128,7 +130,7 @@ class Placement:
     def enter(self) -> None:
         """Move this process (all its threads) into the leaves, remembering where it was."""
         mine = parse_proc_cgroup(Path("/proc/self/cgroup").read_text())
-        for h in hierarchies():
+        for h in self.hierarchies:
             if h.key in self.leaves:
                 self._back[h.key] = h.path(mine.get(h.key, "/"))
                 _write(self.leaves[h.key] / "cgroup.procs", str(os.getpid()))
@@ -170,7 +172,7 @@ def create(name: str) -> Placement:
         if not any((h.mount / PARENT / name).exists() for h in hs):
             break
         name = f"{base}-{n}"
-    p = Placement(name)
+    p = Placement(name, hierarchies=hs)
     for h in hs:
         if not h.writable:
             p.skipped.append(f"{h.mount} (read-only)")

@@ -305,13 +305,12 @@ def restore(
     Front-end options of `vllm serve` may follow (--api-key or VLLM_API_KEY, --ssl-keyfile/
     --ssl-certfile/--ssl-ca-certs, --allowed-origins/-methods/-headers, --root-path,
     --uvicorn-log-level, --enable-log-requests, ...); engine options are frozen in the snapshot."""
-    from . import frontend, ops, render
+    from . import ops, render
 
     _root_only("restore")
-    extra = list(ctx.args)
+    extra = list(ctx.args)  # front-end options: ops.restore checks them (frontend.check) before CRIU
     if extra and extra[0] == "--":
         extra = extra[1:]
-    frontend.refuse_engine_options(extra)
     _interruptible()
     if verify_model not in ("quick", "full"):
         raise UsageError("--verify-model must be quick or full")

@@ -64,11 +64,9 @@ class Pinned:
 def record_digest(path: Path) -> str:
     """``sha256=<urlsafe b64, unpadded>`` of a file's content, as a wheel RECORD writes it.
     Raises OSError."""
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return "sha256=" + base64.urlsafe_b64encode(h.digest()).rstrip(b"=").decode()
+        digest = hashlib.file_digest(f, "sha256").digest()
+    return "sha256=" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
 
 def _top_levels(dist: metadata.Distribution) -> set[str]:

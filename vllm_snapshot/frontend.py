@@ -86,11 +86,13 @@ CREDENTIAL = "vllm-api-key"
 class Frontend:
     """What :func:`check` made of the front-end tokens. ``args``: the tokens to hand to the
     engine (with ``VLLM_API_KEY`` turned into ``--api-key``); ``api_keys``: the keys the
-    canary may present (first one used); ``tls``: the server speaks HTTPS."""
+    canary may present (first one used); ``tls``: the server speaks HTTPS; ``files``: the TLS
+    files the engine opens when it starts serving."""
 
     args: list[str] = field(default_factory=list)
     api_keys: list[str] = field(default_factory=list)
     tls: bool = False
+    files: list[str] = field(default_factory=list)
 
     @property
     def scheme(self) -> str:
@@ -132,57 +134,55 @@ def _flag(token: str) -> str:
     return token.split("=", 1)[0]
 
 
+def _walk(args: list[str]):
+    """Each option of ``args`` as ``(name, tokens, values)``: ``tokens`` the slice it took as
+    given, ``values`` its values (``[]`` for a switch) -- or ``None`` for a token that is not a
+    front-end option (then ``tokens`` is that one token). A value is the ``=`` part, else the
+    next token (arity 1), else every following token up to the next ``-``-prefixed one (``+``,
+    as argparse reads ``nargs="+"``). Pure."""
+    i = 0
+    while i < len(args):
+        tok = args[i]
+        name = _flag(tok)
+        start, i = i, i + 1
+        if name not in OPTIONS:
+            yield name, [tok], None
+            continue
+        arity = OPTIONS[name][1]
+        vals = [tok.split("=", 1)[1]] if "=" in tok else []
+        if "=" not in tok and arity == 1 and i < len(args):
+            vals.append(args[i])
+            i += 1
+        elif "=" not in tok and arity == "+":
+            while i < len(args) and not args[i].startswith("-"):
+                vals.append(args[i])
+                i += 1
+        yield name, args[start:i], vals
+
+
 def split(args: list[str]) -> tuple[list[str], list[str]]:
     """``(front-end tokens, the rest)`` of ``vllm serve``-style ``args``, order kept within
     each. Pure. A front-end option's values go with it (``--api-key A B``: every following
     token up to the next ``-``-prefixed one)."""
     front: list[str] = []
     rest: list[str] = []
-    i = 0
-    while i < len(args):
-        tok = args[i]
-        name = _flag(tok)
-        if name not in OPTIONS:
-            rest.append(tok)
-            i += 1
-            continue
-        _dest, arity = OPTIONS[name]
-        front.append(tok)
-        i += 1
-        if "=" in tok or arity == 0:
-            continue
-        if arity == 1:
-            if i < len(args):
-                front.append(args[i])
-                i += 1
-            continue
-        while i < len(args) and not args[i].startswith("-"):
-            front.append(args[i])
-            i += 1
+    for _name, tokens, vals in _walk(args):
+        (rest if vals is None else front).extend(tokens)
     return front, rest
 
 
 def values(args: list[str]) -> dict[str, list[str] | bool]:
     """dest -> values (list) or switch state (bool), last one wins. Raises UsageError."""
     out: dict[str, list[str] | bool] = {}
-    i = 0
-    while i < len(args):
-        tok = args[i]
-        name = _flag(tok)
-        if name not in OPTIONS:
-            raise UsageError(f"{tok!r} is not a front-end option")
+    for name, tokens, vals in _walk(args):
+        if vals is None:
+            raise UsageError(f"{tokens[0]!r} is not a front-end option")
         dest, arity = OPTIONS[name]
-        i += 1
         if arity == 0:
-            if "=" in tok:
+            if vals:
                 raise UsageError(f"{name} takes no value")
             out[dest] = not name.startswith("--no-")
             continue
-        vals = [tok.split("=", 1)[1]] if "=" in tok else []
-        if not vals:
-            while i < len(args) and (arity == 1 or not args[i].startswith("--")) and (arity == "+" or not vals):
-                vals.append(args[i])
-                i += 1
         if not vals or any(v == "" for v in vals):
             raise UsageError(f"{name} needs a value")
         out[dest] = vals
@@ -193,21 +193,10 @@ def refuse_engine_options(args: list[str], where: str = "restore") -> None:
     """Raise UsageError naming the first option of ``args`` that is not a front-end option
     (an engine option: frozen in the snapshot), a refused front-end setting, or a stray value.
     Values of known options are skipped by their arity. Pure."""
-    i = 0
-    while i < len(args):
-        tok = args[i]
-        name = _flag(tok)
-        i += 1
-        if name in OPTIONS:
-            _dest, arity = OPTIONS[name]
-            if "=" in tok or arity == 0:
-                continue
-            if arity == 1:
-                i += 1
-                continue
-            while i < len(args) and not args[i].startswith("--"):
-                i += 1
+    for name, tokens, vals in _walk(args):
+        if vals is not None:
             continue
+        tok = tokens[0]
         if name in REFUSED:
             raise UsageError(f"{name}: {REFUSED[name]}", hint="leave it out")
         if name in ("--host", "--port"):
@@ -256,6 +245,7 @@ def check(args: list[str], environ: dict[str, str] | None = None) -> Frontend:
         for p in vals.get(dest) or []:  # type: ignore[union-attr]
             if not os.path.isfile(p) or not os.access(p, os.R_OK):
                 raise UsageError(f"--{dest.replace('_', '-')} {p}: no readable file there")
+            out.files.append(p)
     if certfile:
         try:
             ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(certfile, keyfile)

@@ -354,7 +354,8 @@ def _chown_root(top: Path) -> None:
     for d, dirs, files in os.walk(top):
         for n in [*dirs, *files]:
             p = os.path.join(d, n)
-            if os.lstat(p).st_uid != 0 or os.lstat(p).st_gid != 0:
+            st = os.lstat(p)
+            if st.st_uid != 0 or st.st_gid != 0:
                 os.lchown(p, 0, 0)
 
 
@@ -551,7 +552,6 @@ class LocalTools(SnapshotTools):
             return privilege.caps_beyond(creds, Path("/proc/self/status").read_text())
         except Exception:  # noqa: BLE001 - an unreadable image is CRIU's to report
             return []
-
 
     def user_problems(self, u: EngineUser) -> list[str]:
         from . import privilege

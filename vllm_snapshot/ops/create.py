@@ -103,6 +103,7 @@ def check_engine_args(engine_args: list[str]) -> None:
     (:func:`vllm_snapshot.engine.main.unrestorable`) stays the authority, abbreviations
     included. Pure. Raises UsageError."""
     from ..engine.main import EARLY_REFUSED
+    from ..frontend import OPTIONS
 
     for a in engine_args:
         flag = a.split("=", 1)[0]
@@ -112,17 +113,13 @@ def check_engine_args(engine_args: list[str]) -> None:
         if flag in RESTORE_OWNED_ARGS:
             raise UsageError(f"{flag} is not an engine arg here: the snapshot's engine binds nothing until restore",
                              hint=f"pass {flag} to `vllm-snapshot restore`, serve or switch instead")
-        if flag in AT_RESTORE:
+        if flag in EARLY_REFUSED and flag in OPTIONS:  # a front-end option: restore owns it
             raise UsageError(f"{flag} is not taken at create: {EARLY_REFUSED[flag]}",
                              hint=f"create without it; then `vllm-snapshot restore NAME {flag} ...` (or serve/switch)"
                                   + (", or VLLM_API_KEY in restore's environment" if flag == "--api-key" else ""))
         if flag in EARLY_REFUSED:
             raise UsageError(f"{flag}: {EARLY_REFUSED[flag]}; a snapshot made with it could never be restored "
                              "or validated", hint=f"create without {flag}")
-
-
-#: Refused at create because restore owns them (vllm_snapshot.frontend): secrets and TLS.
-AT_RESTORE = ("--api-key", "--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs")
 
 
 def check_keep_env(keep_env: tuple[str, ...]) -> None:

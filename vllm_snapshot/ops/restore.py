@@ -91,23 +91,6 @@ def _pool():
     return _POOL
 
 
-#: Front-end options naming files the engine itself opens when it starts serving.
-TLS_FILE_FLAGS = ("--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs")
-
-
-def tls_files(args: list[str]) -> list[str]:
-    """The paths given to :data:`TLS_FILE_FLAGS` in front-end tokens (``--flag V`` or
-    ``--flag=V``). Pure."""
-    out = []
-    for i, a in enumerate(args):
-        flag, eq, val = a.partition("=")
-        if flag in TLS_FILE_FLAGS:
-            v = val if eq else (args[i + 1] if i + 1 < len(args) else "")
-            if v:
-                out.append(v)
-    return out
-
-
 def validate(snapshot: Path, verify_model: str = "quick", allow: frozenset[str] = frozenset(),
              check_images: bool = False, port: tuple[str, int] | None = None,
              tools: SnapshotTools | None = None) -> tuple[Manifest, list[str]]:
@@ -236,9 +219,8 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
     with rep.phase("validate", "validating snapshot, host and model"):
         fe = frontend.check(list(req.frontend), t.environ())  # the options' values and files, before CRIU
         m, warnings = validate(snapshot, req.verify_model, req.allow, port=(req.host, req.port), tools=t)
-        tls = tls_files(fe.args)
-        if tls and m.engine.user is not None:  # the unprivileged engine opens them when it serves
-            unreadable = t.unreadable_by(m.engine.user, [Path(p) for p in tls])
+        if fe.files and m.engine.user is not None:  # the unprivileged engine opens them when it serves
+            unreadable = t.unreadable_by(m.engine.user, [Path(p) for p in fe.files])
             if unreadable:
                 u = m.engine.user.name
                 raise UsageError(f"the engine runs as {u}, which cannot read the TLS files:\n  " + "\n  ".join(unreadable),

@@ -74,3 +74,27 @@ def test_root_reaches_a_child_hook_and_the_hook_closes_after_one_request():
     finally:
         p.kill()
         p.wait()
+
+
+def test_kv_cache_of_a_frozen_model_runner_is_found_and_its_zero_pages_given_back():
+    # vLLM's EngineCore gc.freeze()s its start-up heap; with the worker in that process (CPU,
+    # UniProcExecutor) the model runner is in the permanent generation, which gc.get_objects()
+    # does not list. Run in a child: the test freezes the GC.
+    code = """
+import gc, json, torch
+from vllm_snapshot.engine import prep
+class CPUModelRunner:
+    pass
+r = CPUModelRunner()
+r.kv_caches = [torch.zeros(16 << 20 >> 2, dtype=torch.float32)]  # 16 MiB: its own mmap
+r.kv_caches[0][5] = 1.0
+gc.collect(); gc.freeze()
+assert r not in gc.get_objects()
+out = prep.prepare_self()
+print(json.dumps({**out, "frozen": gc.get_freeze_count(), "sum": float(r.kv_caches[0].sum())}))
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    got = __import__("json").loads(subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                                                  capture_output=True, text=True, timeout=120).stdout)
+    assert got["kv_zero_bytes"] >= (16 << 20) - 3 * prep.PAGE  # all but the page holding the 1.0 (and edges)
+    assert got["sum"] == 1.0 and got["frozen"] > 0

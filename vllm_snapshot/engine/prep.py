@@ -89,13 +89,27 @@ def _anon_private_ranges() -> list[tuple[int, int]]:
     return out
 
 
+def _tracked_objects() -> list:
+    """Every object the garbage collector tracks, the frozen ones included: vLLM's EngineCore
+    ``gc.freeze()``s its start-up heap (the model runner with it, when the worker runs in the
+    EngineCore process), and ``gc.get_objects()`` does not list the permanent generation. The
+    frozen set is unfrozen for the walk and frozen again (with whatever else is tracked now)."""
+    if not gc.get_freeze_count():
+        return gc.get_objects()
+    gc.unfreeze()
+    try:
+        return gc.get_objects()
+    finally:
+        gc.freeze()
+
+
 def _kv_cache_tensors() -> list:
     """The CPU KV cache tensors of this process's vLLM model runner(s): the tensors in a
     ``kv_caches`` list attribute of an object whose class name ends in ``ModelRunner``."""
     import torch
 
     seen, out = set(), []
-    for o in gc.get_objects():
+    for o in _tracked_objects():
         if not type(o).__name__.endswith("ModelRunner"):
             continue
         kvs = getattr(o, "kv_caches", None)

@@ -257,3 +257,28 @@ def test_missing_images_dir_is_refused(tmp_path):
 
 def test_staging_parent_falls_back_when_too_big(tmp_path):
     assert archive.staging_parent(1 << 60, tmp_path) == tmp_path
+
+
+def test_background_verification_hashes_at_the_lowest_priority(tmp_path, monkeypatch):
+    # restore verifies in the background while CRIU restores: the hashing threads yield the CPUs
+    import os
+    import threading
+
+    from blake3 import blake3 as real_blake3
+
+    src = tmp_path / "img"
+    src.mkdir()
+    (src / "pages-1.img").write_bytes(os.urandom(1 << 16))
+    images = archive.pack(src, archive.Compression("none", 0))
+    seen = []
+
+    def hasher(*a, **kw):
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return real_blake3(*a, **kw)
+
+    monkeypatch.setattr(archive.blake3, "blake3", hasher)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    archive.verify(src, images)
+    archive.Checking(src, images).wait()
+    assert seen == [mine, 19]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine

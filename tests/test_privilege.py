@@ -309,3 +309,20 @@ def test_legacy_snapshot_refused_before_criu_when_the_restorer_lacks_its_capabil
     with pytest.raises(EnvironmentProblem, match="capabilities this restore does not have") as ei:
         ops.restore(ops.RestoreRequest(snapshot=Path("/snaps/tiny"), port=8123), Reporter(), tools=t)
     assert "re-create" in ei.value.hint and "restore_tree" not in t.calls and "stage" not in t.calls
+
+
+@pytest.mark.parametrize("extra,want", [([], privilege.DEFAULT_USER), (["--user", "svc"], "svc")])
+def test_serve_builds_as_the_user_it_is_given(monkeypatch, tmp_path, extra, want):
+    # `serve` builds a snapshot when none matches: its engine runs as --user, like create's
+    from vllm_snapshot import cli
+
+    got = []
+
+    def fake_serve(req, rep):
+        got.append(req)
+        raise UsageError("stop here")
+
+    monkeypatch.setenv("VLLM_SNAPSHOT_ROOT", str(tmp_path))
+    monkeypatch.setattr(ops, "serve", fake_serve)
+    assert cli.main(["serve", "/models/tiny", *extra, "--", "--dtype", "float32"]) == 2
+    assert [r.user for r in got] == [want] and got[0].engine_args == ["--dtype", "float32"]

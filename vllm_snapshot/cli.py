@@ -389,6 +389,7 @@ def serve(
     sleep_level: int = typer.Option(2, "--sleep-level", min=0, max=2, help="GPU: sleep level before the dump."),
     compress: str = typer.Option("none", "--compress", help="Compression of a snapshot built now."),
     keep_env: List[str] = typer.Option([], "--keep-env", help="Pass this (otherwise scrubbed) variable to the engine."),
+    user: str = typer.Option("vllm-snapshot", "--user", help="Unprivileged user a build's engine tree runs as (its HOME is part of the key)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Stream the engine log of a build to stderr."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (which path, timings)."),
     quiet: bool = typer.Option(False, "--quiet", "-q"),
@@ -437,7 +438,7 @@ def serve(
         detach=detach, log_file=log_file, verify_model=verify_model,
         build="never" if no_build else "always" if rebuild else "auto",
         oracle_prompt=oracle_prompt or oracle.DEFAULT_PROMPT, sleep_level=sleep_level,
-        compression=archive.Compression.parse(compress), keep_env=tuple(keep_env),
+        compression=archive.Compression.parse(compress), keep_env=tuple(keep_env), user=user,
         engine_log=_stderr_sink, create_log=_stderr_sink if verbose else None, frontend=tuple(front))
     served, engine = ops.serve(req, rep)
     render.show(served, as_json, quiet)

@@ -134,7 +134,7 @@ def inspect(
 ) -> None:
     """Show a snapshot's manifest: versions, model, engine args, oracle, sizes, timings."""
     from . import manifest, render
-    from .results import Inspected
+    from .inspected import Inspected
 
     snapshot_dir = _resolve(snapshot).absolute()
     # only the manifest is read (strict schema + digest); nothing of the payload is used or run

@@ -1,18 +1,23 @@
 """Rendering: rich tables and lines for humans, stable JSON for scripts. The one place that
 prints results (progress lines are :mod:`vllm_snapshot.progress`'s; error lines are
-``cli.main``'s). :func:`show` takes any :mod:`vllm_snapshot.results` object."""
+``cli.main``'s). :func:`show` takes any :mod:`vllm_snapshot.results` object.
+
+rich is imported by the functions that draw tables, not here: ``--json`` and the one-line
+results never pay for it; nor are the result classes imported (issue 22, target 5: ``inspect``
+start-up)."""
 
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.table import Table
+if TYPE_CHECKING:
+    from rich.console import Console
 
-from . import results as R
-from .manifest import Manifest
+    from . import results as R
+    from .manifest import Manifest
 
 JSON_SCHEMA_VERSION = 1
 
@@ -20,6 +25,8 @@ JSON_SCHEMA_VERSION = 1
 def _console() -> Console:
     """A terminal-width console; 140 columns when stdout is not a terminal (piped into a log or
     `less`), where rich's 80-column default wraps every table cell."""
+    from rich.console import Console
+
     return Console() if sys.stdout.isatty() else Console(width=140)
 
 
@@ -38,7 +45,7 @@ def show(result, as_json: bool = False, quiet: bool = False) -> None:
     if as_json:
         emit_json(result.to_json())
         return
-    fn = _HUMAN.get(type(result))
+    fn = _HUMAN.get(type(result).__name__)
     if fn is None:  # pragma: no cover - every result type has a renderer (tested)
         raise TypeError(f"no renderer for {type(result).__name__}")
     fn(result, quiet)
@@ -140,6 +147,7 @@ def _doctor(r: R.DoctorReport, quiet: bool) -> None:
     """A table: mark (✓ passed, ✗ failed error, ! failed warning, i failed info), name,
     detail, remedy; then a one-line verdict."""
     from rich.markup import escape
+    from rich.table import Table
 
     c = _console()
     t = Table(title="vllm-snapshot doctor", title_justify="left")
@@ -174,10 +182,12 @@ def _demo(r: R.DemoReport, quiet: bool) -> None:
     _line("engine stopped.")
 
 
+#: result class name -> human renderer (by name: importing :mod:`results` builds every result
+#: dataclass, which ``inspect`` does not need)
 _HUMAN = {
-    R.Created: _created, R.Inspected: _inspected, R.Verified: _verified, R.Restored: _restored,
-    R.Listed: _listed, R.Deleted: _deleted, R.Pruned: _pruned, R.Engines: _engines, R.Stopped: _stopped,
-    R.Switched: _switched, R.DoctorReport: _doctor, R.DemoReport: _demo, R.Served: _served,
+    "Created": _created, "Inspected": _inspected, "Verified": _verified, "Restored": _restored,
+    "Listed": _listed, "Deleted": _deleted, "Pruned": _pruned, "Engines": _engines, "Stopped": _stopped,
+    "Switched": _switched, "DoctorReport": _doctor, "DemoReport": _demo, "Served": _served,
 }
 
 
@@ -188,6 +198,8 @@ def emit_json(obj: dict) -> None:
 
 def manifest_table(m: Manifest, path: str) -> None:
     """Print the manifest of the snapshot at ``path`` as tables."""
+    from rich.table import Table
+
     c = _console()
     t = Table(title=f"snapshot {path}", show_header=False, title_justify="left")
     t.add_column(style="bold")
@@ -241,6 +253,8 @@ def manifest_table(m: Manifest, path: str) -> None:
 
 def timings_table(title: str, timings: dict[str, float]) -> None:
     """Print ``{phase: seconds}`` as a table with a total."""
+    from rich.table import Table
+
     c = _console()
     p = Table(title=title, title_justify="left")
     p.add_column("phase", style="bold")
@@ -259,6 +273,8 @@ def _when(ts: float | None) -> str:
 
 def snapshot_list(rows: list[dict], root: str) -> None:
     """Print ``list`` rows as a table."""
+    from rich.table import Table
+
     c = _console()
     if not rows:
         c.print(f"no snapshots under {root}")
@@ -281,6 +297,8 @@ def snapshot_list(rows: list[dict], root: str) -> None:
 
 def engine_list(rows: list[dict]) -> None:
     """Print ``status`` rows as a table."""
+    from rich.table import Table
+
     c = _console()
     if not rows:
         c.print("no restored engines running")

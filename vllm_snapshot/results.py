@@ -4,25 +4,17 @@ into a table/lines for humans or a versioned JSON object; ``to_json()`` is the J
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .manifest import Manifest
+from .inspected import Inspected  # noqa: F401 - a result like the others; its own module keeps `inspect` light
+
+if TYPE_CHECKING:  # annotations only: importing results must not build the pydantic models
+    from .manifest import Manifest
 
 
 @dataclass(frozen=True)
 class Created:
     """A published snapshot: its directory and manifest."""
-
-    snapshot: str
-    manifest: Manifest
-
-    def to_json(self) -> dict:
-        return {"snapshot": self.snapshot, "manifest": self.manifest.model_dump(mode="json")}
-
-
-@dataclass(frozen=True)
-class Inspected:
-    """A snapshot's manifest, read and checked (schema, digest), not validated against the host."""
 
     snapshot: str
     manifest: Manifest

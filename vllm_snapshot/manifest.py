@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Literal
+from typing import Iterator, Literal
 
 import blake3
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -24,7 +25,9 @@ MANIFEST_NAME = "manifest.json"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, strict=False)
+    # defer_build: the validators are compiled on first use, not at import; reading a manifest
+    # then compiles one (Manifest's, nested models inline) instead of one per model class
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, strict=False, defer_build=True)
 
 
 class ImageFile(_Strict):
@@ -239,6 +242,24 @@ def write_atomic(m: Manifest, directory: Path) -> Path:
     return path
 
 
+@contextmanager
+def _without_pydantic_plugins() -> Iterator[None]:
+    """pydantic's documented switch ``PYDANTIC_DISABLE_PLUGINS``, set while a validator is
+    compiled: before its first validator pydantic looks for plugins in the entry points of
+    every installed distribution (importlib.metadata's import and ~160 files: ~25 ms of
+    ``inspect``'s start-up), and these models use none. typer builds its option adapters the
+    same way."""
+    prev = os.environ.get("PYDANTIC_DISABLE_PLUGINS")
+    os.environ["PYDANTIC_DISABLE_PLUGINS"] = "1"
+    try:
+        yield
+    finally:
+        if prev is None:
+            os.environ.pop("PYDANTIC_DISABLE_PLUGINS", None)
+        else:
+            os.environ["PYDANTIC_DISABLE_PLUGINS"] = prev
+
+
 def _loc(err: dict) -> str:
     return "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"])
 
@@ -264,6 +285,9 @@ def parse(text: str, source: str = MANIFEST_NAME) -> Manifest:
             f"{source}: $.schema_version is {sv!r}; this vllm-snapshot reads version {SCHEMA_VERSION}",
             hint="use the vllm-snapshot version that created the snapshot, or re-create it",
         )
+    if not Manifest.__pydantic_complete__:  # deferred (defer_build): compiled on the first read
+        with _without_pydantic_plugins():
+            Manifest.model_rebuild()
     try:
         # strict: no coercion of "1" to 1, 1.0 to 1, true to 1, ... (JSON arrays stay tuples)
         m = Manifest.model_validate_json(text, strict=True)

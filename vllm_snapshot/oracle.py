@@ -27,7 +27,7 @@ DEFAULT_PROMPT = "Once upon a time"
 class TopLogprob(BaseModel):
     """One of the top-k alternatives: token id and its logprob (natural log)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, defer_build=True)
     token_id: int
     logprob: float
 
@@ -35,7 +35,7 @@ class TopLogprob(BaseModel):
 class Oracle(BaseModel):
     """Greedy one-token result of ``prompt``: token id, decoded text, logprob, top-5."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, defer_build=True)
     prompt: str
     token_id: int
     text: str

@@ -38,13 +38,31 @@ from vllm_snapshot.tools import LocalTools  # noqa: E402
 from vllm_snapshot.progress import Reporter  # noqa: E402
 
 
-def timed_cmd(argv: list[str], n: int = 5) -> float:
-    """Median wall seconds of running ``argv`` ``n`` times (output discarded)."""
+REPO = Path(__file__).resolve().parent.parent
+
+#: ``vllm-snapshot ARGS`` as the console script pip writes runs it (``from vllm_snapshot.cli
+#: import main; sys.exit(main())``), here on this checkout's code
+CONSOLE_SCRIPT = "import sys; from vllm_snapshot.cli import main; sys.argv[0] = 'vllm-snapshot'; sys.exit(main())"
+
+
+def cli_env() -> dict[str, str]:
+    """The environment of a user's ``vllm-snapshot``: this checkout first on the path, and
+    bytecode caching on (an installed package has its .pyc files; with PYTHONDONTWRITEBYTECODE
+    inherited, every run would compile the package's sources again)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def timed_cmd(argv: list[str], n: int = 5, env: dict[str, str] | None = None) -> float:
+    """Median wall seconds of running ``argv`` ``n`` times (output discarded), each the whole
+    process; one untimed run first (writes missing .pyc files, warms the page cache)."""
     ts = []
-    for _ in range(n):
+    for i in range(n + 1):
         t0 = time.monotonic()
-        subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
-        ts.append(time.monotonic() - t0)
+        subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False, env=env)
+        if i:
+            ts.append(time.monotonic() - t0)
     return sorted(ts)[len(ts) // 2]
 
 
@@ -204,7 +222,8 @@ def bench_model(model: Path, engine_args: list[str], comps: list[str], restores:
     return res, snap
 
 
-def targets(res: dict, help_s: float, inspect_s: float, baseline_raw: int | None, big: bool) -> list[tuple]:
+def targets(res: dict, help_s: float, inspect_s: float, baseline_raw: int | None, big: bool,
+            inspect_json_s: float | None = None) -> list[tuple]:
     """Rows (number, what, value text, target text, met: bool | None) of issue 22's targets for
     one model's result; None = not measured in this run."""
     runs = res["runs"]
@@ -234,8 +253,10 @@ def targets(res: dict, help_s: float, inspect_s: float, baseline_raw: int | None
             slow = z["restore_median_s"] / plain["restore_median_s"]
             rows.append((4, "zstd restore / uncompressed restore", f"{slow:.2f}×", f"≤ {ZSTD_SLOWDOWN_TARGET}×",
                          slow <= ZSTD_SLOWDOWN_TARGET))
-    rows.append((5, "`inspect` / `--help` (whole process, median of 5)", f"{inspect_s:.2f} s / {help_s:.2f} s",
-                 f"≤ {CLI_TARGET_S} s", inspect_s <= CLI_TARGET_S and help_s <= CLI_TARGET_S))
+    ij = inspect_s if inspect_json_s is None else inspect_json_s
+    rows.append((5, "`inspect` (`--json`) / `--help` (whole process, median of 5)",
+                 f"{inspect_s:.2f} s ({ij:.2f} s) / {help_s:.2f} s",
+                 f"≤ {CLI_TARGET_S} s", max(inspect_s, ij, help_s) <= CLI_TARGET_S))
     rm = (plain or z or {}).get("restored_memory")
     cm = res.get("cold_memory")
     if rm and cm:
@@ -289,17 +310,19 @@ def main() -> int:
         res, snap = bench_model(Path(model), engine_args, comps, restores, a.quick, work, a.snapshot)
         res.update({"host": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
                     "when": when, "quick": a.quick, "load": a.load})
-        cli = [sys.executable, "-m", "vllm_snapshot"]
-        res["help_s"] = round(timed_cmd(cli + ["--help"]), 3)
-        res["inspect_s"] = round(timed_cmd(cli + ["inspect", str(snap)]), 3)
+        cli, env = [sys.executable, "-c", CONSOLE_SCRIPT], cli_env()
+        res["help_s"] = round(timed_cmd(cli + ["--help"], env=env), 3)
+        res["inspect_s"] = round(timed_cmd(cli + ["inspect", str(snap)], env=env), 3)
+        res["inspect_json_s"] = round(timed_cmd(cli + ["inspect", str(snap), "--json"], env=env), 3)
         is_demo = a.model is None and not a.engine_args
-        res["targets"] = targets(res, res["help_s"], res["inspect_s"], DEMO_BASELINE_RAW if is_demo else None, False)
+        res["targets"] = targets(res, res["help_s"], res["inspect_s"], DEMO_BASELINE_RAW if is_demo else None, False,
+                                 res["inspect_json_s"])
         if a.json_out:  # the first model's results survive a failure of the second
             a.json_out.write_text(json.dumps(res, indent=2))
         if a.big_model:
             try:
                 big, _ = bench_model(a.big_model, engine_args, a.big_compress or comps, restores, a.quick, work, None)
-                big["targets"] = targets(big, res["help_s"], res["inspect_s"], None, True)
+                big["targets"] = targets(big, res["help_s"], res["inspect_s"], None, True, res["inspect_json_s"])
                 res["big"] = big
             except Exception as e:  # noqa: BLE001 - report the first model anyway
                 res["big_error"] = f"{type(e).__name__}: {e}"
@@ -316,7 +339,8 @@ def main() -> int:
         a.json_out.write_text(text)
     if a.md:
         lines = [f"\n### Run {res['when']} ({'quick' if a.quick else 'full'}; {res['host']['cpus']} CPUs, kernel {res['host']['kernel']})\n",
-                 f"Load: {a.load or 'not recorded'}. `--help` {res['help_s']:.2f} s, `inspect` {res['inspect_s']:.2f} s (medians of 5).\n"]
+                 f"Load: {a.load or 'not recorded'}. `--help` {res['help_s']:.2f} s, `inspect` {res['inspect_s']:.2f} s, "
+                 f"`inspect --json` {res['inspect_json_s']:.2f} s (whole processes as the console script runs them, medians of 5).\n"]
         for r in [res, res.get("big")]:
             if not r:
                 continue

@@ -211,6 +211,20 @@ def test_delete_forgets_the_last_restore(tmp_path, monkeypatch):
     assert store.last_restore(snap) is None and not snap.exists()
 
 
+def test_a_refused_snapshot_that_was_never_restored_is_listed(tmp_path, monkeypatch, capsys):
+    # serve records a refusal with "last_restore": null; list and prune read it
+    monkeypatch.setenv("VLLM_SNAPSHOT_STATE_DIR", str(tmp_path / "state"))
+    root = tmp_path / "root"
+    snap = root / "s"
+    write_snapshot_dir(snap)
+    (snap / "images").mkdir()
+    store.record_refusal(snap, "engine-failed", "engine exited while starting the server")
+    assert store.last_restore(snap) is None
+    assert cli.main(["--root", str(root), "list", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["snapshots"][0]
+    assert row["last_restore"] is None and row["name"] == "s"
+
+
 def test_delete_never_removes_a_directory_that_only_has_a_manifest_json(tmp_path, monkeypatch):
     """A typo'd path to a web app (its manifest.json) must not be wiped."""
     monkeypatch.setenv("VLLM_SNAPSHOT_STATE_DIR", str(tmp_path / "state"))

@@ -214,12 +214,13 @@ def refusal(snapshot: Path) -> dict | None:
 
 
 def last_restore(snapshot: Path) -> float | None:
-    """Unix time of the last successful restore, or None."""
+    """Unix time of the last successful restore, or None (never restored: no state file, or
+    one that ``serve`` wrote with ``"last_restore": null`` when it refused the snapshot)."""
     import json
 
     try:
         return float(json.loads(_state_file(snapshot).read_text())["last_restore"])
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 

@@ -221,7 +221,8 @@ def check(args: list[str], environ: dict[str, str] | None = None) -> Frontend:
     comes from ``--api-key``, else ``VLLM_API_KEY`` in ``environ``, else the systemd credential
     :data:`CREDENTIAL` (a file in ``$CREDENTIALS_DIRECTORY``). TLS needs both
     ``--ssl-keyfile`` and ``--ssl-certfile``, which must load together (Python's ``ssl``);
-    ``--ssl-ca-certs`` must be readable; CORS lists are JSON lists of strings. Raises
+    ``--ssl-ca-certs`` must be readable PEM, ``--ssl-ciphers`` an OpenSSL cipher list that selects
+    at least one cipher; CORS lists are JSON lists of strings. Raises
     UsageError naming the option and what to do."""
     refuse_engine_options(args)
     vals = values(args)
@@ -253,6 +254,22 @@ def check(args: list[str], environ: dict[str, str] | None = None) -> Frontend:
             raise UsageError(f"--ssl-certfile {certfile} / --ssl-keyfile {keyfile} do not load as a TLS key pair: {e}",
                              hint="give a PEM certificate and the private key that belongs to it") from e
         out.tls = True
+    # what uvicorn does with them when it builds its SSL context (uvicorn/config.py
+    # create_ssl_context): a bad value would otherwise fail after CRIU, the oracle and the bind
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    for ca in vals.get("ssl_ca_certs") or []:  # type: ignore[union-attr]
+        try:
+            ctx.load_verify_locations(ca)
+        except (ssl.SSLError, OSError) as e:
+            raise UsageError(f"--ssl-ca-certs {ca}: not PEM CA certificates ({e})",
+                             hint="give a file of PEM certificates, or leave the option out") from e
+    for ciphers in vals.get("ssl_ciphers") or []:  # type: ignore[union-attr]
+        try:
+            ctx.set_ciphers(ciphers)
+        except ssl.SSLError as e:
+            raise UsageError(f"--ssl-ciphers {ciphers!r}: OpenSSL selects no cipher from it ({e})",
+                             hint="give an OpenSSL cipher list, e.g. 'ECDHE+AESGCM', or leave the option out "
+                                  "for uvicorn's default") from e
     for dest in ("allowed_origins", "allowed_methods", "allowed_headers"):
         for v in vals.get(dest) or []:  # type: ignore[union-attr]
             try:

@@ -10,7 +10,7 @@ import pytest
 from vllm_snapshot import snapkey
 
 from vllm_snapshot import ops
-from vllm_snapshot.errors import (BusyError, CriuError, IncompatibleHostError, OracleMismatchError,
+from vllm_snapshot.errors import (BusyError, CriuError, EngineError, IncompatibleHostError, OracleMismatchError,
                                   UsageError)
 from vllm_snapshot.progress import Reporter
 
@@ -570,3 +570,30 @@ def test_verify_reports_changed_python_files():
     t.code_problems = ["/x/torch/__init__.py (torch 2.13.0) is missing"]
     with pytest.raises(IncompatibleHostError, match="torch/__init__.py"):
         ops.verify(SNAP, tools=t)
+
+
+def test_a_detached_engine_that_dies_before_health_is_reported_with_its_log(tmp_path):
+    # our end of a detached engine's log pipe is /dev/null: the error quotes the log file
+    log = tmp_path / "tiny-8123.log"
+    log.write_text("INFO starting\n" + "x\n" * 30 + "ssl.SSLError: ('No cipher can be selected.',)\n")
+    from fakes import FakeEngine
+
+    class Dying(FakeEngine):
+        def alive(self) -> bool:
+            return "http_health" not in self.calls
+
+    class Tools(FakeTools):
+        def adopt(self, pid, channel, echo):
+            super().adopt(pid, channel, echo)
+            self.engine.__class__ = Dying
+            return self.engine
+
+    t = Tools()
+    t.health_after = 10**6  # never healthy
+    with pytest.raises(EngineError) as ei:
+        _restore(t, detach=True, log_file=log)
+    e = ei.value
+    assert "starting the server" in e.message and "No cipher can be selected" in e.message
+    assert "INFO starting" not in e.message  # the last 20 lines only
+    assert e.hint == f"full engine log: {log}" and e.details == {"stage": "server-start", "log": str(log)}
+    assert t.engine.killed

@@ -211,3 +211,24 @@ def test_no_build_names_the_other_snapshots_in_the_error_and_its_details():
     (built,) = t.snapshots
     assert f"not {built.name}:" in e.message and "listed above" not in e.message
     assert e.details["not_matching"][0]["snapshot"] == str(built) and e.details["not_matching"][0]["why"]
+
+
+def test_a_server_that_does_not_start_with_front_end_options_is_not_held_against_the_snapshot():
+    # the oracle matched, then the server died (e.g. a TLS setting uvicorn rejects): not the
+    # snapshot's fault, and a new build would die the same way
+    from vllm_snapshot.errors import EngineError
+    from vllm_snapshot.ops.restore import SERVER_START
+
+    t = _tools()
+    first, _ = _serve(t)
+    (built,) = t.snapshots
+    t.refuse_all = EngineError("engine exited while starting the server", hint="full engine log: /x.log",
+                               details={"stage": SERVER_START, "log": "/x.log"})
+    with pytest.raises(EngineError) as e:
+        _serve(t, frontend=("--root-path", "/api"))
+    assert "check the front-end options" in e.value.hint and "/x.log" in e.value.hint
+    assert t.refusals == {} and list(t.snapshots) == [built]  # not marked unusable, nothing built
+    # without front-end options the same failure counts against the snapshot, as before
+    with pytest.raises(EngineError):
+        _serve(t)
+    assert str(built) in t.refusals

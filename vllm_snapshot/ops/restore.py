@@ -182,6 +182,30 @@ def verify(snapshot: Path, allow: frozenset[str] = frozenset(), tools: SnapshotT
     return Verified(str(snapshot), len(m.images), len(m.model.files), warnings)
 
 
+#: ``details["stage"]`` of an EngineError raised after the oracle matched, while the engine
+#: started its HTTP server: what fails there is the front-end options' (TLS, ...) or the host's,
+#: not the snapshot's, so ``serve`` does not hold it against the snapshot.
+SERVER_START = "server-start"
+
+
+def _exited_while_serving(engine, log_file: Path | None) -> EngineError:
+    """The error for an engine that died between the bind and ``/health``: the last lines of
+    its log (a detached engine's is ``log_file``: our end of its log pipe is /dev/null) and
+    where the whole log is (``details``: ``{"stage": SERVER_START, "log": path or None}``)."""
+    tail = engine.log_tail()
+    if log_file is not None:
+        try:
+            with open(log_file, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 16384))
+                tail = b"\n".join(f.read().splitlines()[-20:]).decode(errors="replace")
+        except OSError:
+            pass
+    return EngineError("engine exited while starting the server" + (f"; its log ends:\n{tail}" if tail.strip() else ""),
+                       hint=f"full engine log: {log_file}" if log_file is not None else None,
+                       details={"stage": SERVER_START, "log": str(log_file) if log_file is not None else None})
+
+
 def restore(req: RestoreRequest, rep: Reporter, tools: SnapshotTools | None = None) -> tuple[Restored, Engine]:
     """Validate, stage, CRIU-restore, replay the oracle inside the engine, and only then bind
     ``host:port`` and serve; then a canary request over HTTP. Returns the result and the live
@@ -203,7 +227,7 @@ def restore(req: RestoreRequest, rep: Reporter, tools: SnapshotTools | None = No
             t.register(Entry(snapshot=str(snapshot), pid=r.pid, supervisor_pid=0 if req.detach else os.getpid(),
                              host=req.host, port=req.port, started_at=t.now(),
                              mode="detached" if req.detach else "foreground",
-                             scheme=r.url.split(":", 1)[0], cgroup=r.cgroup, frontend=r.frontend_fp))
+                             scheme=r.url.split(":", 1)[0], cgroup=r.cgroup, frontend=r.frontend_fp, auth=r.auth))
             t.record_restore(snapshot, [w for w in r.warnings if w.startswith("identity override")])
         except OSError as e:  # bookkeeping only: never fail a served restore for it
             rep.info(f"could not record the engine in the registry: {e}")
@@ -333,9 +357,10 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
             deadline = t.clock() + BIND_TIMEOUT_S
             while not t.http_health(url):
                 if not engine.alive():
-                    raise EngineError(f"engine exited while starting the server\n{engine.log_tail()}")
+                    raise _exited_while_serving(engine, log_file)
                 if t.clock() > deadline:
-                    raise EngineError(f"server did not become healthy within {BIND_TIMEOUT_S:.0f} s")
+                    raise EngineError(f"server did not become healthy within {BIND_TIMEOUT_S:.0f} s",
+                                      details={"stage": SERVER_START})
                 t.sleep(HEALTH_POLL_S)
         with rep.phase("canary", "canary request over HTTP"):
             diffs = t.http_canary(url, m, fe.api_keys[0] if fe.api_keys else None)
@@ -344,7 +369,7 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
         interrupts.hold()  # serving, validated: see restore()
         return Restored(str(snapshot), pid, url, m.model.served_name, dict(rep.timings), warnings, req.detach,
                         tuple(fe.describe()), placement.cgroup if placement and placement.leaves else "",
-                        frontend.fingerprint(fe.args)), engine
+                        frontend.fingerprint(fe.args), bool(fe.api_keys)), engine
     except BaseException as e:
         if code_check is not None:
             code_check.cancel()

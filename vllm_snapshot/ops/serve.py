@@ -35,6 +35,7 @@ from ..errors import (CorruptSnapshotError, CriuError, EngineError, Incompatible
                       OracleMismatchError, SnapshotError, UsageError)
 from ..manifest import Manifest, ModelFile
 from ..progress import Reporter
+from .restore import SERVER_START
 from ..results import Served
 from ..privilege import DEFAULT_USER
 from ..supervisor import scrubbed_env
@@ -223,6 +224,12 @@ def _find_or_build(t: SnapshotTools, req: ServeRequest, rep: Reporter, model_dir
             try:
                 return "restored", use(p), refused, [], others
             except REFUSALS as e:
+                if req.frontend and isinstance(e, EngineError) and (e.details or {}).get("stage") == SERVER_START:
+                    # the oracle matched: the snapshot is good; a server that does not start
+                    # with these front-end options would not start from a new build either
+                    raise EngineError(e.message, hint=(e.hint + "; " if e.hint else "") +
+                                      "the snapshot matched its oracle: check the front-end options "
+                                      "(TLS, CORS, ...) given to serve", details=e.details) from e
                 _refuse(t, rep, p, e, refused)
                 errors.append(e)
         for o in others:

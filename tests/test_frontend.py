@@ -3,6 +3,8 @@ before CRIU without vLLM, and the order of restore/switch/serve through FakeTool
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 
 import pytest
@@ -70,6 +72,12 @@ def test_tls_pair_is_loaded_before_criu(tmp_path: Path):
     _cert2, key2 = self_signed(other_dir)
     with pytest.raises(UsageError, match="do not load as a TLS key pair"):
         frontend.check(["--ssl-certfile", str(cert), "--ssl-keyfile", str(key2)], {})
+    tls = ["--ssl-certfile", str(cert), "--ssl-keyfile", str(key)]
+    assert frontend.check(tls + ["--ssl-ciphers", "ECDHE+AESGCM", "--ssl-ca-certs", str(cert)], {}).tls
+    with pytest.raises(UsageError, match="selects no cipher"):  # uvicorn's set_ciphers would fail after the bind
+        frontend.check(tls + ["--ssl-ciphers", "NOTACIPHER"], {})
+    with pytest.raises(UsageError, match="not PEM CA certificates"):
+        frontend.check(tls + ["--ssl-ca-certs", str(key)], {})
 
 
 @pytest.mark.parametrize("bad,needle", [
@@ -182,3 +190,37 @@ def test_switch_to_the_serving_snapshot_with_other_front_end_options_restarts_it
                         mode="detached", frontend=frontend.fingerprint(["--uvicorn-log-level", "warning"]))]
     ops.switch(SNAP, None, 8123, None, Reporter(), tools=t2, frontend=("--uvicorn-log-level", "warning"))
     assert "stop_engine" not in t2.calls
+
+
+@pytest.mark.parametrize("auth,scheme,given,refused", [
+    (True, "http", (), "an API key"),
+    (False, "https", ("--api-key", "k"), "TLS (https)"),
+    (True, "https", (), "an API key and TLS (https)"),
+    (True, "http", ("--api-key", "k2"), None),  # a new key: fine
+    (False, "http", (), None),
+])
+def test_switch_refuses_to_drop_the_api_key_or_tls_of_the_engine_it_replaces(tmp_path, auth, scheme, given, refused):
+    """A trial switched an engine that required a key over TLS without options: the port then
+    served plain HTTP to anyone. The registry records whether a key is required (not the key)."""
+    from vllm_snapshot.registry import Entry
+
+    t = FakeTools(manifest=isolated_manifest())
+    t.environ = lambda: {}
+    t.entries = [Entry(snapshot="/snaps/other", pid=77, supervisor_pid=0, host="127.0.0.1", port=8123, started_at=0.0,
+                       mode="detached", scheme=scheme, auth=auth)]
+    if refused:
+        with pytest.raises(UsageError, match=re.escape(f"requires {refused}; the switch would serve without")) as e:
+            ops.switch(SNAP, None, 8123, None, Reporter(), tools=t, frontend=given)
+        assert "stop --port 8123" in e.value.hint
+        assert "stop_engine" not in t.calls and "restore_tree" not in t.calls
+    else:
+        ops.switch(SNAP, None, 8123, None, Reporter(), tools=t, frontend=given)
+        assert "stop_engine" in t.calls and "restore_tree" in t.calls
+
+
+def test_restore_registers_whether_an_api_key_is_required():
+    t = FakeTools(manifest=isolated_manifest())
+    ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8123, frontend=("--api-key", "k")), Reporter(), tools=t)
+    ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8124), Reporter(), tools=t)
+    assert [(e.port, e.auth) for e in t.registered] == [(8123, True), (8124, False)]
+    assert all("k" not in e.frontend for e in t.registered)  # a salted digest, hex

@@ -42,6 +42,9 @@ class Entry:
     cgroup: str = ""
     #: salted digest of the front-end options it serves with (:func:`vllm_snapshot.frontend.fingerprint`)
     frontend: str = ""
+    #: True when it requires an API key (never the key itself): ``switch`` refuses to replace it
+    #: with an engine that requires none
+    auth: bool = False
 
     @property
     def url(self) -> str:

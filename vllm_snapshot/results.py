@@ -41,6 +41,8 @@ class Restored:
     cgroup: str = ""
     #: salted digest of the front-end options (registry only; never shown)
     frontend_fp: str = ""
+    #: requires an API key (registry only)
+    auth: bool = False
 
     def to_json(self) -> dict:
         return {"snapshot": self.snapshot, "pid": self.pid, "url": self.url, "timings": self.timings,

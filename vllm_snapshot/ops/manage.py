@@ -198,6 +198,14 @@ def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, r
     wanted = fe.check(list(frontend), t.environ())
     snapshot = t.canonical(snapshot)
     old = [e for e in t.engines() if e.port == port]
+    dropped = [what for what, had, has in (("an API key", any(e.auth for e in old), bool(wanted.api_keys)),
+                                           ("TLS (https)", any(e.scheme == "https" for e in old), wanted.tls))
+               if had and not has]
+    if dropped:
+        raise UsageError(f"the engine on port {port} requires {' and '.join(dropped)}; the switch would serve "
+                         "without: refused, nothing was stopped",
+                         hint="give switch the same --api-key (or VLLM_API_KEY) and --ssl-* options; to serve "
+                              f"without them on purpose, `vllm-snapshot stop --port {port}` first, then restore")
     host = host or (old[0].host if old else "127.0.0.1")
     if old and all(t.canonical(Path(e.snapshot)) == snapshot and e.host == host for e in old) \
             and all(fe.same_settings(wanted.args, e.frontend) for e in old):

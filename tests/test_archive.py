@@ -59,10 +59,17 @@ def _make_images(d: Path) -> dict[str, bytes]:
     return files
 
 
+#: kinds beside the ``--compress`` specs: ``zstd-legacy`` is one zstd frame per file (the format
+#: before frames, which snapshots made by older versions have); ``zstd-small`` cuts the pages
+#: image into several 16 KiB frames
+KINDS = {"zstd-legacy": Compression("zstd", 1, frame_bytes=0), "zstd-small": Compression("zstd", 3, frame_bytes=16 << 10)}
+ZSTD_KINDS = ["zstd", "zstd-legacy", "zstd-small"]
+
+
 def _packed(tmp_path: Path, kind: str):
     snap = tmp_path / "snap" / "images"
     files = _make_images(snap)
-    comp = Compression.parse(kind)
+    comp = KINDS.get(kind) or Compression.parse(kind)
     images = archive.pack(snap, comp)
     return snap, files, images
 
@@ -79,7 +86,7 @@ def _raw_of(img_dir: Path, name: str) -> bytes:
 
 # ----------------------------------------------------------------------------- round trip
 
-@pytest.mark.parametrize("kind", ["none", "zstd", "zstd:9"])
+@pytest.mark.parametrize("kind", ["none", "zstd", "zstd:9", "zstd-legacy", "zstd-small"])
 def test_pack_then_unpack_round_trip(tmp_path, kind):
     snap, files, images = _packed(tmp_path, kind)
     zstd = kind.startswith("zstd")
@@ -88,7 +95,12 @@ def test_pack_then_unpack_round_trip(tmp_path, kind):
         data = files[img.name]
         assert img.raw_bytes == len(data)
         assert img.blake3 == blake3.blake3(data).hexdigest()
-        assert img.compression == ("zstd" if zstd else "none")
+        assert img.compression == ("none" if not zstd else "zstd" if kind == "zstd-legacy" else "zstd-frames")
+        if img.compression == "zstd-frames":
+            assert sum(f.raw_bytes for f in img.frames) == img.raw_bytes
+            assert all(f.raw_bytes <= (16 << 10 if kind == "zstd-small" else archive.FRAME_BYTES) for f in img.frames)
+            if kind == "zstd-small" and img.name == PAGES:
+                assert len(img.frames) == 8  # 128 KiB in 16 KiB frames
         stored = snap / archive.stored_name(img)
         assert stored.stat().st_size == img.stored_bytes
         assert stat.S_IMODE(stored.stat().st_mode) == 0o600
@@ -147,7 +159,7 @@ def _check_all(snap: Path, images, parent: Path) -> None:
     archive.remove_staging(stage)
 
 
-@pytest.mark.parametrize("kind", ["none", "zstd"])
+@pytest.mark.parametrize("kind", ["none", *ZSTD_KINDS])
 def test_truncated_pages_image_is_refused_by_layout(tmp_path, kind):
     snap, _, images = _packed(tmp_path, kind)
     img = next(i for i in images if i.name == PAGES)
@@ -164,7 +176,7 @@ def test_truncated_pages_image_is_refused_by_layout(tmp_path, kind):
     assert os.listdir(parent) == []
 
 
-@pytest.mark.parametrize("kind", ["none", "zstd"])
+@pytest.mark.parametrize("kind", ["none", *ZSTD_KINDS])
 @pytest.mark.parametrize("where", [0.1, 0.5, 0.97])
 def test_one_flipped_byte_in_pages_image_is_refused(tmp_path, kind, where):
     snap, _, images = _packed(tmp_path, kind)
@@ -186,7 +198,7 @@ def test_one_flipped_byte_in_pages_image_is_refused(tmp_path, kind, where):
     assert os.listdir(parent) == []  # no staging dir left behind
 
 
-@pytest.mark.parametrize("kind", ["none", "zstd"])
+@pytest.mark.parametrize("kind", ["none", *ZSTD_KINDS])
 def test_missing_inventory_is_refused(tmp_path, kind):
     snap, _, images = _packed(tmp_path, kind)
     img = next(i for i in images if i.name == "inventory.img")
@@ -202,7 +214,7 @@ def test_missing_inventory_is_refused(tmp_path, kind):
         archive.verify(snap, images)
 
 
-@pytest.mark.parametrize("kind", ["none", "zstd"])
+@pytest.mark.parametrize("kind", ["none", *ZSTD_KINDS])
 def test_unexpected_extra_file_is_refused(tmp_path, kind):
     snap, _, images = _packed(tmp_path, kind)
     (snap / "pages-2.img").write_bytes(b"\x00" * 4096)
@@ -282,3 +294,113 @@ def test_background_verification_hashes_at_the_lowest_priority(tmp_path, monkeyp
     archive.Checking(src, images).wait()
     assert seen == [mine, 19]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+
+
+# ----------------------------------------------------------------------------- frames, background unpack
+
+def _flip(p: Path, off: int) -> None:
+    with open(p, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_unpacking_stages_small_images_first_and_pages_in_the_background(tmp_path):
+    snap, files, images = _packed(tmp_path, "zstd-small")
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    u = archive.Unpacking(snap, images, stage)
+    # the constructor returns with every image but the pages staged and verified
+    for n, data in files.items():
+        if n != PAGES:
+            assert (stage / n).read_bytes() == data
+    u.ready()
+    assert (stage / PAGES).read_bytes() == files[PAGES]
+    assert sorted(os.listdir(stage)) == sorted(files)  # no .part left
+    u.wait()
+    u.cancel()  # after the fact: harmless
+
+
+@pytest.mark.parametrize("frame", [0, 3, 7])
+def test_a_corrupted_frame_is_refused_before_the_pages_image_exists(tmp_path, frame):
+    """One flipped byte in one frame of the pages image: ready() (what CRIU waits for before it
+    reads memory) and wait() (the verdict before the bind) refuse it, naming the file and the
+    frame; the pages image never appears under its own name, so CRIU cannot read it."""
+    snap, _, images = _packed(tmp_path, "zstd-small")
+    img = next(i for i in images if i.name == PAGES)
+    p = snap / archive.stored_name(img)
+    off = sum(f.stored_bytes for f in img.frames[:frame]) + img.frames[frame].stored_bytes // 2
+    _flip(p, off)
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    u = archive.Unpacking(snap, images, stage)
+    with pytest.raises(CorruptSnapshotError, match=rf"{p}.*frame {frame}"):
+        u.ready()
+    with pytest.raises(CorruptSnapshotError, match=f"frame {frame}"):
+        u.wait()
+    assert not (stage / PAGES).exists()
+    # the synchronous unpack and the full verification refuse it too
+    parent = _stage_parent(tmp_path)
+    with pytest.raises(CorruptSnapshotError, match=str(p)):
+        archive.unpack(snap, images, parent)
+    assert os.listdir(parent) == []
+    with pytest.raises(CorruptSnapshotError, match=str(p)):
+        archive.verify(snap, images)
+
+
+def test_a_corrupted_small_image_is_refused_by_the_constructor(tmp_path):
+    snap, _, images = _packed(tmp_path, "zstd")
+    img = next(i for i in images if i.name == "core-1.img")
+    _flip(snap / archive.stored_name(img), img.stored_bytes // 2)
+    parent = _stage_parent(tmp_path)
+    with pytest.raises(CorruptSnapshotError, match="core-1.img"):
+        archive.start_unpack(snap, images, parent)
+    assert os.listdir(parent) == []  # staging removed
+
+
+def test_swapped_frames_are_refused(tmp_path):
+    # two valid frames of the right sizes, in the wrong order: each frame's checksum is its own
+    snap, files, images = _packed(tmp_path, "zstd-small")
+    img = next(i for i in images if i.name == PAGES)
+    sizes = [f.stored_bytes for f in img.frames]
+    i = next(k for k in range(len(sizes) - 1) if sizes[k] == sizes[k + 1] and
+             img.frames[k].blake3 != img.frames[k + 1].blake3)
+    p = snap / archive.stored_name(img)
+    data = bytearray(p.read_bytes())
+    a = sum(sizes[:i])
+    n = sizes[i]
+    data[a:a + n], data[a + n:a + 2 * n] = data[a + n:a + 2 * n], data[a:a + n]
+    p.write_bytes(bytes(data))
+    with pytest.raises(CorruptSnapshotError, match=f"frame {i}"):
+        archive.unpack(snap, images, _stage_parent(tmp_path))
+
+
+def test_legacy_pages_image_unpacks_in_the_background(tmp_path):
+    snap, files, images = _packed(tmp_path, "zstd-legacy")
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    u = archive.Unpacking(snap, images, stage)
+    u.ready()
+    for n, data in files.items():
+        assert (stage / n).read_bytes() == data
+
+
+def test_unpacking_cancel_stops_and_joins(tmp_path):
+    snap, _, images = _packed(tmp_path, "zstd-small")
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    u = archive.Unpacking(snap, images, stage)
+    u.cancel()
+    assert not u._thread.is_alive()
+
+
+def test_framed_stored_file_is_one_zstd_stream(tmp_path):
+    # the frames concatenate into a valid zstd stream: `zstd -d` (any zstd tool) reads it
+    import zstandard
+
+    snap, files, images = _packed(tmp_path, "zstd-small")
+    img = next(i for i in images if i.name == PAGES)
+    with open(snap / archive.stored_name(img), "rb") as f:
+        r = zstandard.ZstdDecompressor().stream_reader(f, read_across_frames=True)
+        assert b"".join(iter(lambda: r.read(1 << 16), b"")) == files[PAGES]

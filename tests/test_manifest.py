@@ -251,3 +251,41 @@ def test_network_isolated_round_trips_and_unknown_values_are_refused(tmp_path):
     doc = _doc(m)
     doc["engine"]["network"] = "bridge"
     assert "$.engine.network" in _parse_err(doc)
+
+
+# ----------------------------------------------------------------------------- zstd frames
+
+def _framed(raw=(8, 5), stored=(4, 3)) -> manifest.ImageFile:
+    frames = tuple(manifest.Frame(raw_bytes=r, stored_bytes=s, blake3="ab" * 32) for r, s in zip(raw, stored))
+    return manifest.ImageFile(name="pages-1.img", raw_bytes=sum(raw), stored_bytes=sum(stored),
+                              blake3="cd" * 32, compression="zstd-frames", frames=frames)
+
+
+def test_frames_round_trip_and_are_absent_from_unframed_images(tmp_path):
+    m = make_manifest()
+    m = manifest.seal(m.model_copy(update={"images": (*m.images, _framed())}))
+    doc = json.loads(manifest.to_json(m))
+    assert all("frames" not in i for i in doc["images"][:-1])  # older manifests read the same
+    assert [f["raw_bytes"] for f in doc["images"][-1]["frames"]] == [8, 5]
+    manifest.write_atomic(m, tmp_path)
+    assert manifest.read(tmp_path) == m
+
+
+@pytest.mark.parametrize("change", [
+    {"raw_bytes": 14}, {"stored_bytes": 6}, {"frames": None}, {"compression": "zstd"},
+])
+def test_frames_that_do_not_add_up_are_refused(change):
+    img = _framed().model_dump(mode="json")
+    img.update(change)
+    m = make_manifest()
+    doc = json.loads(manifest.to_json(m))
+    doc["images"].append(img)
+    doc["digest"] = manifest.blake3.blake3(manifest._canonical(doc)).hexdigest()
+    assert "$.images" in _parse_err(doc)
+
+
+def test_frames_on_an_unframed_image_are_refused():
+    doc = _doc()
+    doc["images"][0]["frames"] = []
+    doc["digest"] = manifest.blake3.blake3(manifest._canonical(doc)).hexdigest()
+    assert "$.images[0]" in _parse_err(doc)

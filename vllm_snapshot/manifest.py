@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Iterator, Literal
 
 import blake3
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SerializationInfo, ValidationError, model_serializer, model_validator
 
 from .errors import CorruptSnapshotError
 from .oracle import Oracle
@@ -30,15 +30,48 @@ class _Strict(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, strict=False, defer_build=True)
 
 
+class Frame(_Strict):
+    """One independent zstd frame of a ``zstd-frames`` image, in file order: the bytes it
+    decompresses to, its stored (compressed) bytes and the BLAKE3 of those stored bytes (hex),
+    so each frame is verified before it is decompressed, in parallel with the others."""
+
+    raw_bytes: int = Field(ge=0)
+    stored_bytes: int = Field(gt=0)
+    blake3: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
 class ImageFile(_Strict):
     """One CRIU image file: name in ``images/``, raw and stored bytes, BLAKE3 of the raw
-    bytes (hex), and its compression (``none`` or ``zstd``; stored as ``NAME.zst``)."""
+    bytes (hex), and its compression: ``none``; ``zstd`` (one zstd frame, stored as
+    ``NAME.zst``; made by versions before frames); ``zstd-frames`` (stored as ``NAME.zst``: the
+    concatenation of the independent zstd frames listed in ``frames``, a valid zstd stream).
+
+    ``frames`` is absent from the JSON unless set, so manifests without framed images read
+    exactly as before; versions that predate ``zstd-frames`` refuse a manifest holding them
+    (``compression`` is not one they know, ``frames`` is an unknown field)."""
 
     name: str
     raw_bytes: int = Field(ge=0)
     stored_bytes: int = Field(ge=0)
     blake3: str = Field(pattern=r"^[0-9a-f]{64}$")
-    compression: Literal["none", "zstd"] = "none"
+    compression: Literal["none", "zstd", "zstd-frames"] = "none"
+    frames: tuple[Frame, ...] | None = None
+
+    @model_validator(mode="after")
+    def _frames_add_up(self) -> "ImageFile":
+        if (self.compression == "zstd-frames") != (self.frames is not None):
+            raise ValueError("frames are listed exactly for zstd-frames images")
+        if self.frames is not None and (sum(f.raw_bytes for f in self.frames) != self.raw_bytes
+                                        or sum(f.stored_bytes for f in self.frames) != self.stored_bytes):
+            raise ValueError("the frames' raw and stored bytes do not add up to the image's")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_frames(self, handler, info: SerializationInfo) -> dict:
+        d = handler(self)
+        if self.frames is None:
+            d.pop("frames", None)
+        return d
 
 
 class ModelFile(_Strict):

@@ -425,9 +425,12 @@ class FakeTools(SnapshotTools):
     def check_gpu_capacity(self, m: Manifest) -> None:
         self._call("check_gpu_capacity")
 
-    def restore_tree(self, kind: str, opts: RestoreOptions, stage: Path) -> int:
+    def restore_tree(self, kind: str, opts: RestoreOptions, stage: Path,
+                     before_memory: Callable[[], None] | None = None) -> int:
         self.restore_opts = opts
         self._call("restore_tree")
+        if before_memory is not None:
+            before_memory()
         return 5151
 
     def adopt(self, pid: int, channel: EngineChannel, echo: Callable[[bytes], None] | None) -> Engine:

@@ -399,3 +399,97 @@ def test_cuda_restore_log_refuses_a_logged_restore_failure():
     with pytest.raises(CriuError, match="restore of the GPU state failed: CUDA_ERROR_OUT_OF_MEMORY"):
         criu.check_cuda_log(ok + "Error: cuda_plugin: RESUME_DEVICES RESTORE failed with CUDA_ERROR_OUT_OF_MEMORY\n",
                             "restore")
+
+
+# ----------------------------------------------------------------------------- restore notifications
+
+def _fake_criu(script: list[str], fail_at: str | None = None):
+    """A swrk stand-in on a socketpair: reads the restore request, sends one NOTIFY per name in
+    ``script`` and records the answers, then answers the restore (failed when a notification
+    was answered with failure, as CRIU aborts then)."""
+    import socket
+    import threading
+
+    pycriu = pytest.importorskip("pycriu")
+    rpc = pycriu.rpc
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    seen: dict = {"acks": []}
+
+    def serve() -> None:
+        req = rpc.criu_req()
+        req.ParseFromString(theirs.recv(1 << 20))
+        seen["notify_scripts"] = req.opts.notify_scripts
+        ok = True
+        for name in script:
+            msg = rpc.criu_resp()
+            msg.type = rpc.NOTIFY
+            msg.success = True
+            msg.notify.script = name
+            theirs.send(msg.SerializeToString())
+            ack = rpc.criu_req()
+            ack.ParseFromString(theirs.recv(1 << 20))
+            seen["acks"].append((name, ack.type == rpc.NOTIFY and ack.notify_success))
+            if not ack.notify_success:
+                ok = False
+                break
+        resp = rpc.criu_resp()
+        resp.type = rpc.RESTORE
+        resp.success = ok
+        if ok:
+            resp.restore.pid = 4242
+        theirs.send(resp.SerializeToString())
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+
+    class Comm:
+        def connect(self, daemon):
+            return ours
+
+        def disconnect(self):
+            ours.close()
+
+    class C:
+        opts = rpc.criu_opts()
+        _comm = Comm()
+
+    C.opts.images_dir_fd = 3
+    C.opts.notify_scripts = True
+    return C(), pycriu, seen, th
+
+
+NOTES = ["pre-restore", "setup-namespaces", "post-setup-namespaces", "post-restore", "pre-resume"]
+
+
+def test_restore_waits_for_before_memory_at_post_setup_namespaces():
+    c, pycriu, seen, th = _fake_criu(NOTES)
+    calls = []
+    resp = criu._restore_notified(c, pycriu, lambda: calls.append(len(seen["acks"])), [])
+    th.join(5)
+    assert resp.pid == 4242 and seen["notify_scripts"]
+    assert calls == [2]  # called once, when post-setup-namespaces arrived (two answered before)
+    assert seen["acks"] == [(n, True) for n in NOTES]
+
+
+def test_a_failing_before_memory_aborts_criu_and_is_kept():
+    from vllm_snapshot.errors import CorruptSnapshotError
+
+    c, pycriu, seen, th = _fake_criu(NOTES)
+    failed: list = []
+
+    def bad() -> None:
+        raise CorruptSnapshotError("frame 3 fails its checksum")
+
+    with pytest.raises(pycriu.CRIUException):
+        criu._restore_notified(c, pycriu, bad, failed)
+    th.join(5)
+    assert seen["acks"][-1] == ("post-setup-namespaces", False)  # CRIU is told to abort
+    assert [type(e) for e in failed] == [CorruptSnapshotError]
+
+
+def test_without_the_notification_before_memory_runs_after_criu():
+    c, pycriu, seen, th = _fake_criu(["pre-restore", "post-restore"])
+    calls = []
+    resp = criu._restore_notified(c, pycriu, lambda: calls.append("late"), [])
+    th.join(5)
+    assert resp.pid == 4242 and calls == ["late"]

@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -610,10 +611,11 @@ class Criu:
             hint=f"full log: {kept}" if kept else f"the CRIU log could not be kept ({log})",
             details={"log": str(kept) if kept else None})
 
-    def _call(self, c, pycriu, what: str, work_dir: Path, log_name: str, floor: float = 0.0):
-        """Run ``c.dump()``/``c.restore()`` with signals deferred (:mod:`interrupts`) and a
-        watchdog that SIGKILLs CRIU's ``swrk`` process after :attr:`timeout_s` (at least
-        ``floor`` seconds: never before CRIU's own freeze timeout). Raises CriuError."""
+    def _call(self, c, pycriu, what: str, work_dir: Path, log_name: str, floor: float = 0.0, run=None):
+        """Run ``c.dump()``/``c.restore()`` (or ``run()`` in their stead) with signals deferred
+        (:mod:`interrupts`) and a watchdog that SIGKILLs CRIU's ``swrk`` process after
+        :attr:`timeout_s` (at least ``floor`` seconds: never before CRIU's own freeze
+        timeout). Raises CriuError."""
         import signal
         import threading
 
@@ -638,7 +640,7 @@ class Criu:
             with deferred(), _env(self._call_env()):
                 timer.start()
                 try:
-                    return getattr(c, what)()
+                    return run() if run is not None else getattr(c, what)()
                 finally:
                     timer.cancel()
         except Exception as e:  # noqa: BLE001 - pycriu raises CRIUException, or anything on a killed swrk
@@ -675,21 +677,28 @@ class Criu:
             os.close(dfd)
             os.close(wfd)
 
-    def restore(self, opts: RestoreOptions, images_dir: Path, work_dir: Path) -> int:
+    def restore(self, opts: RestoreOptions, images_dir: Path, work_dir: Path,
+                before_memory: Callable[[], None] | None = None) -> int:
         """Restore the tree from ``images_dir`` as a child of this process (restore-sibling,
-        detached); returns the restored root's host PID. Raises CriuError (log kept); after a
-        failure, a half-restored tree left as our child is killed. Signals are deferred for
-        the whole call; an interruption right after it kills the restored tree."""
+        detached); returns the restored root's host PID. ``before_memory``: called while CRIU
+        waits at its ``post-setup-namespaces`` notification, after the namespaces exist and
+        before any task maps its memory (reads a pages image); only for a tree with
+        namespaces of its own (else CRIU sends no such notification: the caller must not
+        pass it). When it raises, CRIU is told to abort and that exception is raised. Raises
+        CriuError (log kept); after a failure, a half-restored tree left as our child is
+        killed. Signals are deferred for the whole call; an interruption right after it kills
+        the restored tree."""
         from .interrupts import deferred
 
         try:
             with deferred():
-                return self._restore(opts, images_dir, work_dir)
+                return self._restore(opts, images_dir, work_dir, before_memory)
         except BaseException:
             kill_restored_children()
             raise
 
-    def _restore(self, opts: RestoreOptions, images_dir: Path, work_dir: Path) -> int:
+    def _restore(self, opts: RestoreOptions, images_dir: Path, work_dir: Path,
+                 before_memory: Callable[[], None] | None = None) -> int:
         c, pycriu = self._client()
         dfd = os.open(images_dir, os.O_DIRECTORY)
         wfd = os.open(work_dir, os.O_DIRECTORY)
@@ -697,11 +706,74 @@ class Criu:
             c.opts.images_dir_fd = dfd
             c.opts.work_dir_fd = wfd
             restore_rpc(opts, c.opts)
-            resp = self._call(c, pycriu, "restore", work_dir, RESTORE_LOG)
+            if before_memory is None:
+                resp = self._call(c, pycriu, "restore", work_dir, RESTORE_LOG)
+            else:
+                failed: list[BaseException] = []
+                c.opts.notify_scripts = True
+                try:
+                    resp = self._call(c, pycriu, "restore", work_dir, RESTORE_LOG,
+                                      run=lambda: _restore_notified(c, pycriu, before_memory, failed))
+                except CriuError:
+                    if failed:  # CRIU aborted because we said so: ours is the cause
+                        raise failed[0] from None
+                    raise
             return int(resp.pid)
         finally:
             os.close(dfd)
             os.close(wfd)
+
+
+#: The CRIU notification after which tasks map their memory (criu/cr-restore.c: the root task
+#: waits for CR_STATE_FORKING, switched to only after the ``post-setup-namespaces`` scripts).
+BEFORE_MEMORY_NOTIFY = "post-setup-namespaces"
+
+
+def _restore_notified(c, pycriu, before_memory: Callable[[], None], failed: list[BaseException]):
+    """pycriu's ``restore()`` with ``notify_scripts`` set: answer CRIU's notifications (every
+    one succeeds, except :data:`BEFORE_MEMORY_NOTIFY` when ``before_memory`` raises: its
+    exception goes into ``failed`` and CRIU is told the script failed, so it aborts). Returns
+    CRIU's restore response; raises pycriu's CRIUException like ``restore()``."""
+    import socket
+
+    rpc = pycriu.rpc
+    req = rpc.criu_req()
+    req.type = rpc.RESTORE
+    req.opts.MergeFrom(c.opts)
+    seen = False
+    try:
+        s = c._comm.connect(False)
+        try:
+            s.send(req.SerializeToString())
+            while True:
+                buf = s.recv(len(s.recv(1, socket.MSG_TRUNC | socket.MSG_PEEK)))
+                resp = rpc.criu_resp()
+                resp.ParseFromString(buf)
+                if resp.type != rpc.NOTIFY:
+                    break
+                ok = True
+                if resp.notify.script == BEFORE_MEMORY_NOTIFY and not seen:
+                    seen = True
+                    try:
+                        before_memory()
+                    except BaseException as e:  # noqa: BLE001 - raised by the caller
+                        failed.append(e)
+                        ok = False
+                ack = rpc.criu_req()
+                ack.type = rpc.NOTIFY
+                ack.notify_success = ok
+                s.send(ack.SerializeToString())
+        finally:
+            c._comm.disconnect()
+    except Exception as e:  # noqa: BLE001 - as pycriu reports a broken channel
+        import importlib
+
+        raise importlib.import_module("pycriu.criu").CRIUExceptionInternal(req.type, str(e)) from e
+    if not resp.success:
+        raise pycriu.CRIUExceptionExternal(req.type, resp.type, resp.cr_errno)
+    if not seen:  # no namespaces after all: CRIU opened every pages image, so each was staged whole
+        before_memory()
+    return resp.restore
 
 
 def kill_restored_children() -> list[int]:

@@ -250,9 +250,11 @@ class SnapshotTools(Protocol):
         """Raw images in a staging dir, and their checksum verification (an object with
         ``wait()``, raising CorruptSnapshotError on a mismatch, and ``cancel()``): for an
         uncompressed snapshot the images are hard-linked at once and verified in the background
-        while CRIU restores; a compressed snapshot's are verified while decompressed (``wait``
-        returns at once). Saved files (``files/``) are verified before returning. Raises
-        CorruptSnapshotError."""
+        while CRIU restores; a compressed snapshot's small images are unpacked and verified
+        before returning and its memory pages images in the background
+        (:class:`vllm_snapshot.archive.Unpacking`: the object also has ``ready()``, which the
+        caller must call before CRIU reads a pages image). Saved files (``files/``) are
+        verified before returning. Raises CorruptSnapshotError."""
 
     def unstage(self, stage: Path) -> None: ...
 
@@ -276,8 +278,11 @@ class SnapshotTools(Protocol):
         will need free (:func:`vllm_snapshot.gpu.required_restore_bytes`). Call right before
         CRIU (after ``switch`` stopped the old engine)."""
 
-    def restore_tree(self, kind: str, opts: RestoreOptions, stage: Path) -> int:
-        """CRIU restore as our child; returns the root's host PID. For ``cuda``: every CUDA
+    def restore_tree(self, kind: str, opts: RestoreOptions, stage: Path,
+                     before_memory: Callable[[], None] | None = None) -> int:
+        """CRIU restore as our child; returns the root's host PID. ``before_memory``: called
+        once the tree's namespaces exist, before CRIU reads any pages image (a tree with
+        namespaces only; its exception aborts CRIU and is raised). For ``cuda``: every CUDA
         process of the restored tree must be ``running`` (else the tree is killed). Raises
         CriuError."""
 
@@ -543,9 +548,14 @@ class LocalTools(SnapshotTools):
             import pycriu
             import zstandard
 
-            raw = (snapshot / "images" / img.name).read_bytes()
-            if img.compression == "zstd":
-                raw = zstandard.ZstdDecompressor().decompress(raw, max_output_size=img.raw_bytes or (64 << 20))
+            from .archive import stored_name
+
+            raw = (snapshot / "images" / stored_name(img)).read_bytes()
+            if img.compression != "none":
+                import io as _io
+
+                r = zstandard.ZstdDecompressor().stream_reader(_io.BytesIO(raw), read_across_frames=True)
+                raw = b"".join(iter(lambda: r.read(1 << 20), b""))
             import io
 
             creds = pycriu.images.load(io.BytesIO(raw))["entries"][0]["thread_core"]["creds"]
@@ -904,9 +914,9 @@ class LocalTools(SnapshotTools):
         sd = layout.SnapshotDir(snapshot)
         raw = sum(i.raw_bytes for i in m.images)
         parent = archive.staging_parent(raw, snapshot.parent, m.images)
-        if any(i.compression != "none" for i in m.images):
-            return self.stage(snapshot, m), archive.Verified()
         archive.verify(sd.files, m.extra_files)
+        if any(i.compression != "none" for i in m.images):
+            return archive.start_unpack(sd.images, m.images, parent)
         stage = archive.link_stage(sd.images, m.images, parent)
         try:
             return stage, archive.Checking(sd.images, m.images)
@@ -966,12 +976,13 @@ class LocalTools(SnapshotTools):
         total, free, _used = gpu.memory(uuid)
         gpu.check_free_memory(gpu.required_restore_bytes(m.engine.engine_args, total), free, gpu=uuid)
 
-    def restore_tree(self, kind: str, opts: RestoreOptions, stage: Path) -> int:
+    def restore_tree(self, kind: str, opts: RestoreOptions, stage: Path,
+                     before_memory: Callable[[], None] | None = None) -> int:
         from . import criu, gpu, layout
         from .procs import tree
 
         runner = self._runner(kind)
-        pid = runner.restore(opts, stage, stage)
+        pid = runner.restore(opts, stage, stage, before_memory)
         if kind == "cuda":
             try:
                 criu.check_cuda_run(stage / layout.RESTORE_LOG, "restore")

@@ -295,14 +295,27 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
                 placement = t.engine_cgroup(f"{snapshot.name}-{req.port}")
                 if placement.skipped:
                     rep.info("the engine stays in this command's cgroup in: " + ", ".join(placement.skipped))
+            # A compressed snapshot's memory pages images are still being unpacked (and
+            # verified, frame by frame): CRIU waits for them once the tree's namespaces exist,
+            # before any task maps its memory; a tree without namespaces waits before CRIU.
+            ready = getattr(checking, "ready", None)
+            if ready is not None and not isolated:
+                with rep.phase("unpack", "unpacking the memory images"):
+                    ready()
+                ready = None
             with rep.phase("criu_restore", "CRIU restore"):
                 if placement is not None:
                     placement.enter()  # CRIU and every process it forks are born there
                 try:
-                    pid = t.restore_tree(m.engine.kind, opts, stage)
+                    if ready is None:
+                        pid = t.restore_tree(m.engine.kind, opts, stage)
+                    else:
+                        pid = t.restore_tree(m.engine.kind, opts, stage, before_memory=ready)
                 finally:
                     if placement is not None:
                         placement.leave()
+            if hasattr(checking, "waited_s"):  # how long CRIU waited for the unpacking, of criu_restore
+                rep.timings["unpack_wait"] = round(checking.waited_s, 3)
         engine = t.adopt(pid, channel, None if req.detach else req.engine_log)
         channel = None
         got_tree = t.tree_commands(pid)

@@ -110,7 +110,7 @@ def bare_criu_restore(snap: Path) -> float:
         archive.remove_staging(stage)
 
 
-PHASES = ["validate", "stage", "criu_restore", "wake", "oracle", "checksums", "bind", "http_ready", "canary"]
+PHASES = ["validate", "stage", "unpack", "unpack_wait", "criu_restore", "wake", "oracle", "checksums", "bind", "http_ready", "canary"]
 
 
 def plot(res: dict, path: Path) -> None:
@@ -124,7 +124,7 @@ def plot(res: dict, path: Path) -> None:
     except ImportError:
         print("matplotlib not installed: no plot", file=sys.stderr)
         return
-    colors = dict(zip(["cold start", *PHASES], plt.get_cmap("tab10").colors))
+    colors = dict(zip(["cold start", *PHASES], plt.get_cmap("tab20").colors))
     rows = [("cold start", {"cold start": res["cold_start_s"]})]
     for comp, run in res["runs"].items():
         med = sorted(run["restores"], key=lambda x: x["to_validated_completion_s"])[len(run["restores"]) // 2]

@@ -135,6 +135,8 @@ class FakeTools(SnapshotTools):
         self.refuse: dict[Path, BaseException] = {}
         self.refuse_all: BaseException | None = None
         self.corrupt_images: BaseException | None = None  # raised by the background checksum verdict
+        self.unpacking = False  # stage_checking returns an Unpacking (a compressed snapshot: ready() before memory)
+        self.corrupt_frame: BaseException | None = None  # raised by that ready()
         self.offer = Offer(64 << 30, "MemAvailable 64.00 GiB")
         self.device = "cpu"
         #: what engine_user returns (name replaced by the one asked for)
@@ -394,7 +396,15 @@ class FakeTools(SnapshotTools):
             def cancel(self) -> None:
                 tools._call("checksums.cancel")
 
-        return stage, _Checking()
+        class _Unpacking(_Checking):  # a compressed snapshot: the pages images still unpacking
+            waited_s = 0.0
+
+            def ready(self) -> None:
+                tools._call("unpack_ready")
+                if tools.corrupt_frame is not None:
+                    raise tools.corrupt_frame
+
+        return stage, (_Unpacking() if self.unpacking else _Checking())
 
     def unstage(self, stage: Path) -> None:
         self._call("unstage")

@@ -18,6 +18,7 @@ import psutil
 import pytest
 import zstandard
 
+from vllm_snapshot import archive
 from vllm_snapshot import manifest as mf
 
 from conftest import ENGINE_ARGS, PLANTED_SECRETS, ROOT, TINY, cli, engine_env
@@ -89,7 +90,7 @@ def test_flipped_byte_in_pages_refused(clone_snapshot):
     pages = max((snap / "images").glob("pages-*"), key=lambda x: x.stat().st_size)
     _break_link(pages)
     before_manifest = (snap / "manifest.json").read_bytes()
-    raw = bytearray(zstandard.ZstdDecompressor().decompressobj().decompress(pages.read_bytes())) \
+    raw = bytearray(zstandard.ZstdDecompressor().stream_reader(pages.read_bytes(), read_across_frames=True).read()) \
         if pages.suffix == ".zst" else bytearray(pages.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     data = zstandard.ZstdCompressor(level=1).compress(bytes(raw)) if pages.suffix == ".zst" else bytes(raw)
@@ -140,7 +141,7 @@ def test_no_planted_secret_in_images(snapshot):
     scanned = 0
     for f in sorted((snapshot / "images").iterdir()):
         with open(f, "rb") as fh:
-            reader = dctx.stream_reader(fh) if f.suffix == ".zst" else fh
+            reader = dctx.stream_reader(fh, read_across_frames=True) if f.suffix == ".zst" else fh
             tail = b""
             while chunk := reader.read(8 << 20):
                 buf = tail + chunk
@@ -583,3 +584,68 @@ def test_a_serving_engine_missing_from_this_registry_is_not_an_orphan(snapshot, 
         assert psutil.pid_exists(pid) and port_accepts(port)
     finally:
         cli("stop", "--port", str(port), check=True)
+
+
+# ----------------------------------------------------------------------------- compressed snapshots
+
+@pytest.fixture(scope="module")
+def zstd_snapshots(snapshot, tmp_path_factory):
+    """Compressed copies of the session snapshot (images re-packed, manifest resealed):
+    ``frames`` as create writes them today, ``legacy`` one zstd frame per file as versions
+    before frames wrote them (such snapshots must still restore)."""
+    d = tmp_path_factory.mktemp("zstd")
+    os.chmod(d, 0o700)
+    out = {}
+    for name, comp in (("frames", archive.Compression("zstd", 1)),
+                       ("legacy", archive.Compression("zstd", 1, frame_bytes=0))):
+        z = d / name
+        subprocess.run(["cp", "-al", str(snapshot), str(z)], check=True)
+        images = archive.pack(z / "images", comp)
+        reseal(z, images=images, sizes={**mf.read(z).sizes, "stored": sum(i.stored_bytes for i in images)})
+        out[name] = z
+    return out
+
+
+@pytest.mark.parametrize("kind", ["frames", "legacy"])
+def test_compressed_snapshot_restores_and_serves(zstd_snapshots, kind):
+    snap = zstd_snapshots[kind]
+    m = mf.read(snap)
+    assert {i.compression for i in m.images} == {"zstd-frames" if kind == "frames" else "zstd"}
+    port = free_port()
+    r = cli("restore", str(snap), "--port", str(port), "--detach", "--json", timeout=300)
+    try:
+        assert r.returncode == 0, r.stderr[-3000:]
+        timings = json.loads(r.stdout)["timings"]
+        assert "unpack_wait" in timings or "unpack" in timings, timings
+        assert port_accepts(port)
+    finally:
+        cli("stop", "--port", str(port), timeout=120)
+    assert not list(Path("/dev/shm").glob("vllm-snapshot-stage-*"))
+
+
+def test_corrupted_frame_refused_before_anything_serves(zstd_snapshots, tmp_path):
+    """One flipped byte in one frame of the largest pages image: the frame fails its checksum
+    while CRIU waits (before any memory is restored); restore exits 5 naming the image and the
+    frame, the tree CRIU had begun is gone, the port was never bound, no staging is left."""
+    snap = tmp_path / "bad"
+    subprocess.run(["cp", "-a", str(zstd_snapshots["frames"]), str(snap)], check=True)
+    m = mf.read(snap)
+    img = max((i for i in m.images if i.name.startswith("pages-")), key=lambda i: i.raw_bytes)
+    n = len(img.frames) // 2
+    off = sum(f.stored_bytes for f in img.frames[:n]) + img.frames[n].stored_bytes // 2
+    p = snap / "images" / archive.stored_name(img)
+    with open(p, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0x40]))
+    before = engine_pids()
+    port = free_port()
+    r = cli("restore", str(snap), "--port", str(port), timeout=300)
+    assert r.returncode == 5, f"exit {r.returncode}\n{r.stderr[-3000:]}"
+    assert "Traceback" not in r.stderr and "binding" not in r.stderr
+    assert p.name in r.stderr and f"frame {n}" in r.stderr and "checksum" in r.stderr
+    assert engine_pids(10, before) - before == set()
+    with socket.socket() as s:  # the port was never bound
+        s.bind(("127.0.0.1", port))
+    assert not list(Path("/dev/shm").glob("vllm-snapshot-stage-*"))

@@ -597,3 +597,38 @@ def test_a_detached_engine_that_dies_before_health_is_reported_with_its_log(tmp_
     assert "INFO starting" not in e.message  # the last 20 lines only
     assert e.hint == f"full engine log: {log}" and e.details == {"stage": "server-start", "log": str(log)}
     assert t.engine.killed
+
+
+# ------------------------------------------------------------------ compressed snapshots
+
+def test_compressed_isolated_restore_unpacks_while_criu_starts():
+    """The pages images unpack while CRIU starts: CRIU calls ready() (its post-setup-namespaces
+    notification) before any task maps memory; the restore goes on only after it."""
+    t = FakeTools(manifest=isolated_manifest())
+    t.unpacking = True
+    r, engine = _restore(t)
+    order = ["stage", "criu_lock", "restore_tree", "unpack_ready", "adopt", "engine.oracle", "checksums",
+             "serve_engine", "register"]
+    assert [x for x in t.calls if x in order] == order
+    assert "unpack_wait" in r.timings
+
+
+def test_compressed_restore_without_namespaces_unpacks_before_criu():
+    t = FakeTools()
+    t.unpacking = True
+    _restore(t)
+    assert _before(t.calls, "unpack_ready", "restore_tree") and _before(t.calls, "criu_lock", "unpack_ready")
+
+
+@pytest.mark.parametrize("isolated", [True, False])
+def test_a_corrupted_frame_stops_the_restore_before_anything_serves(isolated):
+    from vllm_snapshot.errors import CorruptSnapshotError
+
+    t = FakeTools(manifest=isolated_manifest()) if isolated else FakeTools()
+    t.unpacking = True
+    t.corrupt_frame = t.corrupt_images = CorruptSnapshotError("image pages-1.img.zst fails its checksum (frame 3)")
+    with pytest.raises(CorruptSnapshotError, match="frame 3") as ei:
+        _restore(t)
+    assert "already failed" not in ei.value.message  # reported once, not as the cause of itself
+    assert not {"adopt", "engine.oracle", "serve_engine", "engine.serve", "http_health", "register"} & set(t.calls)
+    assert "unstage_all" in t.calls

@@ -314,8 +314,10 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
                 finally:
                     if placement is not None:
                         placement.leave()
-            if hasattr(checking, "waited_s"):  # how long CRIU waited for the unpacking, of criu_restore
-                rep.timings["unpack_wait"] = round(checking.waited_s, 3)
+            if hasattr(checking, "waited_s"):  # CRIU held for the unpacking: its own phase (timings add up)
+                waited = round(checking.waited_s, 3)
+                rep.timings["criu_restore"] = round(rep.timings.get("criu_restore", 0.0) - waited, 3)
+                rep.timings["unpack_wait"] = waited
         engine = t.adopt(pid, channel, None if req.detach else req.engine_log)
         channel = None
         got_tree = t.tree_commands(pid)
@@ -409,7 +411,8 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
                     try:
                         pending.wait()
                     except CorruptSnapshotError as ce:
-                        corrupt.append(ce)
+                        if ce is not e:  # an Unpacking's ready() raised it: it is e already
+                            corrupt.append(ce)
 
                 steps.append(("finish the checksum verification", verdict))
             else:  # interrupted: stop it

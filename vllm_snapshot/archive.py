@@ -39,10 +39,11 @@ from .manifest import Frame, ImageFile
 
 CHUNK = 4 << 20  # bytes per read
 DEFAULT_LEVEL = 3
-#: The default for ``create --compress``. Measured on the tiny-model CPU engine (1.3 GiB raw,
-#: docs/benchmarks.md): ``none`` restores in ~2.2 s (checksums over hard-linked images), zstd:3
-#: stores 18% of raw (242 MiB) but its decompression makes restore ~5 s on 2 cores. Start time
-#: is what this tool exists for, so ``none`` is the default; zstd is one flag away.
+#: The default for ``create --compress``. Measured on the tiny-model CPU engine (950 MiB raw,
+#: docs/benchmarks.md, "Compressed images"): ``none`` restores in ~1.5 s (checksums over
+#: hard-linked images), zstd:3 stores 17.5% of raw but restore takes ~2.8 s on 2 busy cores
+#: (1.85x: decompression is CPU work CRIU waits for). Start time is what this tool exists for,
+#: so ``none`` is the default; zstd is one flag away.
 DEFAULT_COMPRESSION = "none"
 
 

@@ -232,3 +232,31 @@ def test_a_server_that_does_not_start_with_front_end_options_is_not_held_against
     with pytest.raises(EngineError):
         _serve(t)
     assert str(built) in t.refusals
+
+
+@pytest.mark.parametrize("keep,older_than_s,want", [
+    (1, None, {"a1", "a2", "b1"}),        # all but the newest per model
+    (None, 2.5 * 86400, {"a1", "b1"}),    # older than 2.5 days, whatever the model
+    (1, 2.5 * 86400, {"a1", "b1"}),       # both: older AND not the newest of its model
+    (1, 0.5 * 86400, {"a1", "a2", "b1"}),
+    (0, 10 * 86400, set()),               # nothing is that old
+])
+def test_prune_keep_always_keeps_the_newest(keep, older_than_s, want):
+    """A trial read `prune --keep 1 --older-than 1m` as "keep the newest, delete the old ones":
+    it deleted the only snapshot of every model (the two rules were a union)."""
+    import datetime as dt
+
+    from vllm_snapshot.ops.manage import prune
+
+    t = _tools()
+    now = dt.datetime.fromtimestamp(t.now(), dt.timezone.utc)
+    _serve(t)  # one built snapshot: the template manifest
+    (tmpl_path,) = t.snapshots
+    tmpl = t.snapshots.pop(tmpl_path)
+    for name, model, days in (("a1", "/models/a", 4), ("a2", "/models/a", 1), ("a3", "/models/a", 0),
+                              ("b1", "/models/b", 3), ("b2", "/models/b", 0.1)):
+        t.snapshots[ROOT / name] = tmpl.model_copy(update={
+            "created_at": (now - dt.timedelta(days=days)).isoformat(),
+            "model": tmpl.model.model_copy(update={"path": model})})
+    res = prune(ROOT, keep, older_than_s, dry_run=True, tools=t)
+    assert {Path(p).name for p in res.deleted} == want

@@ -100,10 +100,12 @@ def parse_duration(text: str) -> float:
 
 def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: bool,
           tools: SnapshotTools | None = None, unusable: bool = False) -> Pruned:
-    """Select snapshots under ``root`` beyond the ``keep`` newest per model and/or older than
-    ``older_than_s`` seconds and/or (``unusable``) those this host cannot restore (a refusal
-    ``serve`` recorded, host identity, model files, an unreadable manifest: ``list``'s ✗);
-    delete them unless ``dry_run``; skip those with running engines.
+    """Select snapshots under ``root`` beyond the ``keep`` newest per model, or older than
+    ``older_than_s`` seconds (with both: beyond the ``keep`` newest *and* older: ``--keep`` always
+    keeps the newest, as restic's ``--keep-last`` with ``--keep-within`` does), and/or
+    (``unusable``) those this host cannot restore (a refusal ``serve`` recorded, host identity,
+    model files, an unreadable manifest: ``list``'s ✗); delete them unless ``dry_run``; skip
+    those with running engines.
     Always removes what killed commands left (temp dirs of crashed creates, staging dirs of
     killed restores, stale lock files); without ``keep``/``older_than_s`` only that."""
     t = tools or LocalTools()
@@ -117,15 +119,17 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
     victims: set[Path] = set()
     if unusable:
         victims |= {p for p in t.list_snapshots(root) if not describe(p, t)["compatible"]}
+    aged: set[Path] = {p for _, _, p in rows}
     if keep is not None:
         by_model: dict[str, list] = {}
         for model, created, p in rows:
             by_model.setdefault(model, []).append((created, p))
-        for items in by_model.values():
-            victims |= {p for _, p in sorted(items, reverse=True)[keep:]}
+        aged = {p for items in by_model.values() for _, p in sorted(items, reverse=True)[keep:]}
     if older_than_s is not None:
         now = t.now()
-        victims |= {p for _, created, p in rows if now - created > older_than_s}
+        aged &= {p for _, created, p in rows if now - created > older_than_s}
+    if keep is not None or older_than_s is not None:
+        victims |= aged
     deleted, kept = [], []
     for p in sorted(victims):
         if _engines_of(t, p):

@@ -459,3 +459,32 @@ def test_log_file_fifo_refused(tmp_path):
     os.mkfifo(tmp_path / "fifo")
     with pytest.raises(UsageError, match="not a regular file|cannot be written"):
         LocalTools().check_log_file(tmp_path / "fifo")
+
+
+@pytest.mark.parametrize("value", ["bogus", "0", "-5", "inf"])
+def test_a_bad_criu_timeout_is_a_usage_error_before_anything_runs(value, monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("VLLM_SNAPSHOT_CRIU_TIMEOUT", value)
+    assert cli.main(["restore", str(tmp_path), "--port", "18999"]) == 2
+    assert "VLLM_SNAPSHOT_CRIU_TIMEOUT" in capsys.readouterr().err
+    monkeypatch.setenv("VLLM_SNAPSHOT_CRIU_TIMEOUT", "90")
+    from vllm_snapshot import criu
+
+    assert criu.env_timeout() == 90.0
+
+
+@pytest.mark.parametrize("flag", ["--hf-token", "--hf-token=hf_x", "--hf-tok"])
+def test_create_refuses_a_hugging_face_token(flag):
+    # the engine runs offline; the token would only end up in the images
+    from vllm_snapshot.ops.create import check_engine_args
+
+    with pytest.raises(UsageError, match="Hugging Face token"):
+        check_engine_args(["--dtype", "float32", flag] + ([] if "=" in flag else ["hf_x"]))
+
+
+def test_an_incomplete_snapshot_gets_a_hint_that_works(tmp_path):
+    from vllm_snapshot import layout
+
+    (tmp_path / "images").mkdir()
+    with pytest.raises(CorruptSnapshotError) as e:
+        layout.open_trusted(tmp_path)
+    assert f"rm -r {tmp_path}" in e.value.hint

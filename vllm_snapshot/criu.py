@@ -562,6 +562,22 @@ def own_caps_setpriv() -> str:
     return ",".join(f"+{n}" for i, n in enumerate(names) if eff & (1 << i))
 
 
+def env_timeout() -> float:
+    """``$VLLM_SNAPSHOT_CRIU_TIMEOUT`` (seconds, > 0), else :data:`DEFAULT_TIMEOUT_S`. Raises
+    UsageError for a value that is not a positive number."""
+    text = os.environ.get("VLLM_SNAPSHOT_CRIU_TIMEOUT") or ""
+    if not text:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise UsageError(f"VLLM_SNAPSHOT_CRIU_TIMEOUT={text!r}: expected a positive number of seconds",
+                         hint=f"unset it for the default ({DEFAULT_TIMEOUT_S:.0f} s), or give e.g. 900")
+    return value
+
+
 @dataclass
 class Criu:
     """Runs CRIU over RPC (pycriu, ``criu swrk``) with a given binary. ``real_ids`` (uid,
@@ -621,7 +637,7 @@ class Criu:
 
         from .interrupts import deferred
 
-        limit = self.timeout_s or float(os.environ.get("VLLM_SNAPSHOT_CRIU_TIMEOUT") or DEFAULT_TIMEOUT_S)
+        limit = self.timeout_s or env_timeout()
         limit = max(limit, floor)
         fired = threading.Event()
 

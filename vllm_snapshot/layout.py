@@ -100,7 +100,8 @@ def open_trusted(path: Path) -> SnapshotDir:
             raise UsageError(f"{path} is not a snapshot (no {MANIFEST}, no {IMAGES}/)",
                              hint="name a directory made by `vllm-snapshot create` (`vllm-snapshot list` shows them)")
         raise CorruptSnapshotError(f"{path} is an incomplete snapshot (no {MANIFEST})",
-                                   hint="delete it and create it again")
+                                   hint=f"remove the directory (`rm -r {path}`: `vllm-snapshot delete` deletes only "
+                                        "snapshots with a manifest) and create it again")
     check_dir_safety(path)
     check_file_modes(path)
     extra = sorted(set(os.listdir(path)) - MEMBERS)

@@ -113,6 +113,11 @@ def check_engine_args(engine_args: list[str]) -> None:
         if flag in RESTORE_OWNED_ARGS:
             raise UsageError(f"{flag} is not an engine arg here: the snapshot's engine binds nothing until restore",
                              hint=f"pass {flag} to `vllm-snapshot restore`, serve or switch instead")
+        if flag.startswith("--hf-t") and "--hf-token".startswith(flag):  # argparse takes abbreviations
+            raise UsageError("--hf-token would put a Hugging Face token into the snapshot's memory (the images), "
+                             "and the engine never downloads: it runs offline",
+                             hint="download the model first (e.g. `huggingface-cli download`), then create "
+                                  "without --hf-token")
         if flag in EARLY_REFUSED and flag in OPTIONS:  # a front-end option: restore owns it
             raise UsageError(f"{flag} is not taken at create: {EARLY_REFUSED[flag]}",
                              hint=f"create without it; then `vllm-snapshot restore NAME {flag} ...` (or serve/switch)"
@@ -167,6 +172,7 @@ def create(req: CreateRequest, rep: Reporter, tools: SnapshotTools | None = None
     """
     t = tools or LocalTools()
     t.require_root()
+    criu.env_timeout()  # a bad $VLLM_SNAPSHOT_CRIU_TIMEOUT is a usage error now, not after minutes
     criu_ver = t.criu_version()
     if req.sleep_level not in (0, 1, 2):
         raise UsageError("--sleep-level must be 0, 1 or 2")

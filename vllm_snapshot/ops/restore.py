@@ -215,6 +215,7 @@ def restore(req: RestoreRequest, rep: Reporter, tools: SnapshotTools | None = No
     EngineError, OracleMismatchError."""
     t = tools or LocalTools()
     t.require_root()
+    criu.env_timeout()  # a bad $VLLM_SNAPSHOT_CRIU_TIMEOUT is a usage error now, not after minutes
     snapshot = t.canonical(req.snapshot)
     served = False
     try:

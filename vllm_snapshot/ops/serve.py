@@ -148,7 +148,7 @@ def why_not(m: Manifest, key, files: tuple[ModelFile, ...], host: dict[str, str]
             said.append("engine args differ (" + "; ".join(args[:5]) + ")" if args else
                         "the model path, oracle prompt or sleep level differ")
         else:
-            said.append(f"made for another {snapkey.PART_WORDS[p]}")
+            said.append(f"{snapkey.PART_WORDS[p]} differ{'s' if p in ('env', 'host') else ''}")
     return "; ".join(said)
 
 

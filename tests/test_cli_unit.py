@@ -72,12 +72,24 @@ def test_inspect_of_a_missing_dir_exits_2_with_one_line(tmp_path):
     assert "Traceback" not in p.stderr and p.stdout == ""
 
 
-def test_inspect_of_a_dir_without_manifest_exits_5(tmp_path):
+@pytest.mark.parametrize("cmd", ["inspect", "verify"])
+def test_a_dir_that_is_not_a_snapshot_exits_2_and_an_incomplete_one_5(tmp_path, cmd):
+    # the same rule for every command: a wrong argument (a file, an empty or foreign directory)
+    # is a usage error; a snapshot directory (images/) without its manifest is damaged
     (tmp_path / "empty").mkdir()
-    p = subprocess.run([sys.executable, "-m", "vllm_snapshot", "inspect", str(tmp_path / "empty")],
-                       capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert p.returncode == 5
-    assert p.stderr.startswith("error [corrupt-snapshot]:") and "manifest.json not found" in p.stderr
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "half" / "images").mkdir(parents=True)
+    os.chmod(tmp_path / "half", 0o700)
+
+    def run(d):
+        return subprocess.run([sys.executable, "-m", "vllm_snapshot", cmd, str(tmp_path / d)],
+                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+    for d, code, words in (("empty", 2, "is not a snapshot"), ("afile", 2, "is not a directory"),
+                           ("half", 5, "incomplete snapshot")):
+        p = run(d)
+        assert p.returncode == code, (d, p.stderr)
+        assert words in p.stderr, (d, p.stderr)
 
 
 def test_restore_of_a_missing_snapshot_leaves_no_lock_file(tmp_path):

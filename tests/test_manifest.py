@@ -57,7 +57,12 @@ def test_write_atomic_replaces_an_existing_manifest_keeping_mode(tmp_path):
     assert stat.S_IMODE(os.stat(tmp_path / manifest.MANIFEST_NAME).st_mode) == 0o600
 
 
-def test_read_missing_manifest_is_corrupt(tmp_path):
+def test_read_missing_manifest_is_corrupt_in_a_snapshot_dir_else_a_usage_error(tmp_path):
+    from vllm_snapshot.errors import UsageError
+
+    with pytest.raises(UsageError, match="is not a snapshot"):
+        manifest.read(tmp_path)
+    (tmp_path / "images").mkdir()
     with pytest.raises(CorruptSnapshotError, match="not found"):
         manifest.read(tmp_path)
 

@@ -95,6 +95,9 @@ def open_trusted(path: Path) -> SnapshotDir:
     no unexpected top-level member -- and return the snapshot's :class:`SnapshotDir`.
     Raises UsageError (missing), CorruptSnapshotError (untrusted or unexpected content)."""
     path = path.absolute()
+    if os.path.lexists(path) and not path.is_symlink() and not path.is_dir():
+        raise UsageError(f"{path} is not a directory (a snapshot is a directory)",
+                         hint="name a directory made by `vllm-snapshot create` (`vllm-snapshot list` shows them)")
     if path.is_dir() and not path.is_symlink() and not (path / MANIFEST).exists():
         if not (path / IMAGES).exists():  # not ours at all: a wrong argument, not a damaged snapshot
             raise UsageError(f"{path} is not a snapshot (no {MANIFEST}, no {IMAGES}/)",

@@ -354,7 +354,10 @@ def read(directory: Path) -> Manifest:
     except UnicodeDecodeError as e:
         raise CorruptSnapshotError(f"{path} is not UTF-8 text: {e}") from e
     except FileNotFoundError as e:
+        if not os.path.lexists(directory / "images"):  # not ours at all: a wrong argument (as layout.open_trusted)
+            raise UsageError(f"{directory} is not a snapshot (no {MANIFEST_NAME}, no images/)",
+                             hint="name a directory made by `vllm-snapshot create` (`vllm-snapshot list` shows them)") from e
         raise CorruptSnapshotError(
-            f"{path} not found: not a snapshot, or an incomplete one",
+            f"{path} not found: an incomplete snapshot",
         ) from e
     return parse(text, str(path))

@@ -504,6 +504,9 @@ class FakeTools(SnapshotTools):
     def engines(self) -> list[Entry]:
         return list(self.entries)
 
+    def orphan_pids(self) -> list[int]:
+        return list(getattr(self, "orphans", []))
+
     def register(self, entry: Entry) -> None:
         self._call("register")
         self.registered.append(entry)

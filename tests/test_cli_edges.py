@@ -488,3 +488,18 @@ def test_an_incomplete_snapshot_gets_a_hint_that_works(tmp_path):
     with pytest.raises(CorruptSnapshotError) as e:
         layout.open_trusted(tmp_path)
     assert f"rm -r {tmp_path}" in e.value.hint
+
+
+def test_status_names_engine_trees_nobody_owns(capsys):
+    # a trial SIGKILLed a restore mid-CRIU: its frozen tree held 1.3 GiB and status said nothing
+    from fakes import FakeTools
+    from vllm_snapshot import render
+    from vllm_snapshot.ops.manage import status
+
+    t = FakeTools()
+    t.orphans = [26423]
+    r = status(tools=t)
+    assert r.to_json() == {"engines": [], "orphans": [26423]}
+    render.show(r, False, False)
+    out = capsys.readouterr()
+    assert "root PID 26423" in out.out + out.err and "prune" in out.out + out.err

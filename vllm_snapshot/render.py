@@ -130,6 +130,10 @@ def _pruned(r: R.Pruned, quiet: bool) -> None:
 
 def _engines(r: R.Engines, quiet: bool) -> None:
     engine_list(r.engines)
+    if r.orphans:
+        _line(f"{len(r.orphans)} engine tree(s) nobody owns (what a killed restore left: frozen or "
+              f"half-restored, not serving): root PID {', '.join(map(str, r.orphans))}; "
+              "`vllm-snapshot prune` removes them")
 
 
 def _stopped(r: R.Stopped, quiet: bool) -> None:

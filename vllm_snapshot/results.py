@@ -128,12 +128,14 @@ class Pruned:
 
 @dataclass(frozen=True)
 class Engines:
-    """``status``: restored engines on this host (registry rows with ``url``)."""
+    """``status``: restored engines on this host (registry rows with ``url``), and the root
+    PIDs of engine trees nobody owns (``orphans``)."""
 
     engines: list[dict]
+    orphans: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return {"engines": self.engines}
+        return {"engines": self.engines, "orphans": self.orphans}
 
 
 @dataclass(frozen=True)

@@ -327,6 +327,10 @@ class SnapshotTools(Protocol):
 
     def engines(self) -> list[Entry]: ...
 
+    def orphan_pids(self) -> list[int]:
+        """Root PIDs of engine trees nobody owns (what a SIGKILLed restore leaves: see
+        :func:`vllm_snapshot.registry.orphans`); ``reclaim`` (every prune) kills them."""
+
     def register(self, entry: Entry) -> None: ...
 
     def unregister(self, pid: int) -> None: ...
@@ -1103,6 +1107,11 @@ class LocalTools(SnapshotTools):
         from . import registry
 
         return registry.entries()
+
+    def orphan_pids(self) -> list[int]:
+        from . import registry
+
+        return [p.pid for p in registry.orphans()]
 
     def register(self, entry: Entry) -> None:
         from . import registry

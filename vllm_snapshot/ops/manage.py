@@ -149,10 +149,11 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
 
 def status(tools: SnapshotTools | None = None) -> Engines:
     """``status``: the registry's live engines, each with its URL and the cgroup it runs in
-    now (read from /proc: detached engines have one of their own)."""
+    now (read from /proc: detached engines have one of their own), and the root PIDs of
+    engine trees nobody owns (a killed restore's: ``prune`` removes them)."""
     t = tools or LocalTools()
     return Engines([{**{k: v for k, v in e.__dict__.items() if k != "frontend"}, "url": e.url,
-                     "cgroup": t.cgroup_of(e.pid)} for e in t.engines()])
+                     "cgroup": t.cgroup_of(e.pid)} for e in t.engines()], t.orphan_pids())
 
 
 def stop_engines(snapshot: Path | None, port: int | None, tools: SnapshotTools | None = None,

@@ -503,3 +503,9 @@ def test_status_names_engine_trees_nobody_owns(capsys):
     render.show(r, False, False)
     out = capsys.readouterr()
     assert "root PID 26423" in out.out + out.err and "prune" in out.out + out.err
+
+
+@pytest.mark.parametrize("argv", [["stop", "--port", "99999"], ["stop", "--port", "0"], ["demo", "--port", "99999"]])
+def test_port_numbers_are_range_checked(argv, capsys):
+    assert cli.main(argv) == 2
+    assert "--port" in capsys.readouterr().err

@@ -226,7 +226,7 @@ def status(as_json: bool = typer.Option(False, "--json")) -> None:
 @app.command()
 def stop(
     snapshot: Optional[str] = typer.Argument(None, help="Stop engines restored from this snapshot."),
-    port: Optional[int] = typer.Option(None, "--port", help="Stop the engines serving on this port."),
+    port: Optional[int] = typer.Option(None, "--port", min=1, max=65535, help="Stop the engines serving on this port."),
     pid: Optional[int] = typer.Option(None, "--pid", help="Stop the engine with this root PID (see status)."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -449,7 +449,7 @@ def serve(
 @app.command()
 def demo(
     snapshot_dir: Optional[Path] = typer.Option(None, "--snapshot-dir", help="Default: ROOT/demo-tiny-llama"),
-    port: int = typer.Option(0, "--port", help="0 = pick a free port."),
+    port: int = typer.Option(0, "--port", min=0, max=65535, help="0 = pick a free port."),
     skip_cold: bool = typer.Option(False, "--skip-cold", help="Do not measure a cold start for comparison."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:

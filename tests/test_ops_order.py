@@ -632,3 +632,23 @@ def test_a_corrupted_frame_stops_the_restore_before_anything_serves(isolated):
     assert "already failed" not in ei.value.message  # reported once, not as the cause of itself
     assert not {"adopt", "engine.oracle", "serve_engine", "engine.serve", "http_health", "register"} & set(t.calls)
     assert "unstage_all" in t.calls
+
+
+def test_reclaimed_lock_files_are_one_line_and_leftovers_one_each():
+    # a trial saw 30 "removed a leftover of a killed command: ...lock" lines before one restore
+    from vllm_snapshot.ops.restore import report_reclaimed
+
+    class Rec(Reporter):
+        def __init__(self):
+            super().__init__()
+            self.lines = []
+
+        def info(self, msg):
+            self.lines.append(msg)
+
+    rep = Rec()
+    report_reclaimed(rep, ["/dev/shm/vllm-snapshot-stage-99-x", "orphaned engine tree PID 7",
+                           *(f"/run/vllm-snapshot/locks/{i:032x}.lock" for i in range(30))])
+    assert rep.lines == ["removed a leftover of a killed command: /dev/shm/vllm-snapshot-stage-99-x",
+                         "removed a leftover of a killed command: orphaned engine tree PID 7",
+                         "removed 30 lock file(s) of snapshot paths that no longer exist"]

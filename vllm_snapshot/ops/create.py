@@ -293,8 +293,9 @@ def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, revisio
 
 def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: Path, model_dir: Path,
                    revision: str | None, criu_ver: str, user: privilege.User) -> Created:
-    for gone in t.reclaim(target.parent):
-        rep.info(f"removed a leftover of a killed command: {gone}")
+    from .restore import report_reclaimed
+
+    report_reclaimed(rep, t.reclaim(target.parent))
     tmp = t.prepare_target(target)
     engine: Engine | None = None
     remaps: list[Path] = []

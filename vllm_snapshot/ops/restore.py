@@ -238,9 +238,20 @@ def restore(req: RestoreRequest, rep: Reporter, tools: SnapshotTools | None = No
     return r, engine
 
 
+def report_reclaimed(rep: Reporter, gone: list[str]) -> None:
+    """Say what ``reclaim`` removed: each leftover of a killed command on a line of its own;
+    lock files of snapshot paths that no longer exist (bookkeeping, not a failure: a deleted or
+    renamed snapshot leaves one) in one line with their count."""
+    locks = [g for g in gone if g.endswith(".lock")]
+    for g in gone:
+        if not g.endswith(".lock"):
+            rep.info(f"removed a leftover of a killed command: {g}")
+    if locks:
+        rep.info(f"removed {len(locks)} lock file(s) of snapshot paths that no longer exist")
+
+
 def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapshot: Path) -> tuple[Restored, Engine]:
-    for gone in t.reclaim(snapshot.parent):
-        rep.info(f"removed a leftover of a killed command: {gone}")
+    report_reclaimed(rep, t.reclaim(snapshot.parent))
     with rep.phase("validate", "validating snapshot, host and model"):
         fe = frontend.check(list(req.frontend), t.environ())  # the options' values and files, before CRIU
         m, warnings = validate(snapshot, req.verify_model, req.allow, port=(req.host, req.port), tools=t)

@@ -616,8 +616,10 @@ def test_compressed_isolated_restore_unpacks_while_criu_starts():
 def test_compressed_restore_without_namespaces_unpacks_before_criu():
     t = FakeTools()
     t.unpacking = True
-    _restore(t)
+    r, _engine = _restore(t)
     assert _before(t.calls, "unpack_ready", "restore_tree") and _before(t.calls, "criu_lock", "unpack_ready")
+    # CRIU was not held: the wait is the "unpack" phase, and nothing is taken out of CRIU's
+    assert "unpack" in r.timings and "unpack_wait" not in r.timings and r.timings["criu_restore"] >= 0
 
 
 @pytest.mark.parametrize("isolated", [True, False])

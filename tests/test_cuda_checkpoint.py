@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import skip_on_gpu_host
+
 from vllm_snapshot import cuda_checkpoint as cc
 from vllm_snapshot.errors import EnvironmentProblem
 
@@ -311,7 +313,7 @@ def test_wrapper_runs_from_path_like_criu_does(tmp_path):
     cp = subprocess.run(["cuda-checkpoint", "-h"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                         text=True, env=_env_with(d), cwd=tmp_path, timeout=60)
     if os.path.isdir("/proc/driver/nvidia/gpus"):
-        pytest.skip("a GPU host: -h may succeed here")
+        skip_on_gpu_host("-h may succeed here")
     assert cp.returncode == 3, cp.stdout
     assert cp.stdout.startswith("cuda-checkpoint: unavailable: ") and "--action" not in cp.stdout
     cp = subprocess.run(["cuda-checkpoint", "--get-state", "--pid", str(2**31 - 1)], stdout=subprocess.PIPE,

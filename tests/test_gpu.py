@@ -7,6 +7,8 @@ import subprocess
 
 import pytest
 
+from conftest import skip_on_gpu_host
+
 from vllm_snapshot import gpu, identity
 from vllm_snapshot.errors import BusyError, CriuError, EnvironmentProblem, UnsnapshottableError
 
@@ -87,7 +89,7 @@ def test_cpu_host_returns_none_without_running_anything(tmp_path):
 
 def test_this_host_without_gpu_returns_none():
     if os.path.isdir(gpu.PROC_GPUS):
-        pytest.skip("this host has NVIDIA GPUs")
+        skip_on_gpu_host("this host has NVIDIA GPUs")
     assert gpu.gpu_identity() is None
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import skip_on_gpu_host
+
 ROOT = Path(__file__).resolve().parent.parent
 CHECK = ROOT / "scripts" / "gpu_check.sh"
 CARRY = ROOT / "scripts" / "gpu_carry.sh"
@@ -48,7 +50,7 @@ def _fake_program(d: Path, name: str, script: str) -> None:
 
 def test_no_gpu_is_not_run_not_fail(tmp_path):
     if any(shutil.which("nvidia-smi", path=p) for p in ("/usr/sbin", "/usr/bin", "/sbin", "/bin")):
-        pytest.skip("this host has nvidia-smi")
+        skip_on_gpu_host("this host has nvidia-smi")
     cp = _run_check(tmp_path, [])
     assert cp.returncode == 3, cp.stdout + cp.stderr
     assert "GPU_CHECK: NOT RUN" in cp.stdout and "FAIL" not in cp.stdout

@@ -509,3 +509,27 @@ def test_status_names_engine_trees_nobody_owns(capsys):
 def test_port_numbers_are_range_checked(argv, capsys):
     assert cli.main(argv) == 2
     assert "--port" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ -h, -q (new-user trial)
+
+@pytest.mark.parametrize("command", ["create", "restore", "serve", "switch", "inspect", "verify", "list",
+                                     "delete", "prune", "stop", "status", "doctor", "demo"])
+def test_dash_h_is_help_for_every_command(command, capsys):
+    # `vllm serve -h` works; ours took -h as a model or snapshot name, or refused it
+    assert cli.main([command, "-h"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"Usage: vllm-snapshot {command} ") and "--help" in out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="delete checks root first")
+def test_delete_quiet_prints_nothing_and_deletes(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("VLLM_SNAPSHOT_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("VLLM_SNAPSHOT_RUN_DIR", str(tmp_path / "run"))
+    for flag in ("-q", "--quiet"):
+        snap = tmp_path / f"s{flag}"
+        write_snapshot_dir(snap)
+        (snap / "images").mkdir()
+        assert cli.main(["delete", str(snap), flag]) == 0
+        out = capsys.readouterr()
+        assert not snap.exists() and out.out == "" and out.err == ""

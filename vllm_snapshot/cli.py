@@ -24,6 +24,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     # plain click help: the rich help renderer imports markdown-it and costs ~0.2 s per call
     rich_markup_mode=None,
+    # -h as well, like `vllm serve -h` (every command inherits it from the group's context)
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 _STATE: dict = {"debug": False, "json": False, "root": None, "interruptible": False}
@@ -188,12 +190,15 @@ def delete(
     snapshot: str = typer.Argument(..., help="Snapshot name (under the root) or directory."),
     force: bool = typer.Option(False, "--force", help="Stop engines restored from it first."),
     as_json: bool = typer.Option(False, "--json"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing when it succeeds (errors still go to stderr)."),
 ) -> None:
     """Delete a snapshot. Refuses while an engine restored from it runs, unless --force."""
     from . import ops, render
 
     _root_only("delete")
-    render.show(ops.delete(_resolve(snapshot), force), as_json)
+    result = ops.delete(_resolve(snapshot), force)
+    if not quiet or as_json:
+        render.show(result, as_json)
 
 
 @app.command()

@@ -507,6 +507,9 @@ class FakeTools(SnapshotTools):
     def orphan_pids(self) -> list[int]:
         return list(getattr(self, "orphans", []))
 
+    def empty_engine_cgroups(self) -> list[str]:
+        return list(getattr(self, "empty_cgroups", []))
+
     def register(self, entry: Entry) -> None:
         self._call("register")
         self.registered.append(entry)

@@ -82,3 +82,62 @@ def test_offer_under_a_limited_parent(tmp_path, monkeypatch):
     monkeypatch.setattr(resources, "mem_available", lambda: 64 << 30)
     got = resources.offer("/vllm-snapshot/_")
     assert got.available == (1 << 30) - (256 << 20) and "/vllm-snapshot" in got.why
+
+
+# --- engine cgroups left empty: status and doctor name them, prune removes them ----------------
+
+def test_empty_leaves_lists_only_leaves_without_processes(tmp_path):
+    h = cgroups.Hierarchy("memory", tmp_path, "/", True)
+    for leaf, procs in (("gone-8000", ""), ("live-8001", "4242\n"), ("gone-8002", "\n")):
+        (tmp_path / cgroups.PARENT / leaf).mkdir(parents=True)
+        (tmp_path / cgroups.PARENT / leaf / "cgroup.procs").write_text(procs)
+    (tmp_path / cgroups.PARENT / "a-file").write_text("")
+    ro = cgroups.Hierarchy("pids", tmp_path, "/", False)  # a read-only hierarchy is not ours to clean
+    assert cgroups.empty_leaves([h, ro]) == [tmp_path / cgroups.PARENT / "gone-8000",
+                                             tmp_path / cgroups.PARENT / "gone-8002"]
+
+
+def _real_empty_leaf(name: str):
+    """A leaf made by cgroups.create in this host's real hierarchies (what a killed engine
+    leaves), or None where no hierarchy is writable."""
+    import os
+
+    if os.geteuid() != 0:
+        return None
+    p = cgroups.create(name)
+    return p if p.leaves else None
+
+
+def test_status_doctor_and_prune_see_a_real_empty_engine_cgroup(tmp_path, monkeypatch, capsys):
+    import json
+    import os
+    import uuid
+
+    import pytest
+
+    from vllm_snapshot import cli, doctor
+
+    if os.geteuid() != 0:
+        pytest.skip("makes cgroups (root)")
+    monkeypatch.setenv("VLLM_SNAPSHOT_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("VLLM_SNAPSHOT_RUN_DIR", str(tmp_path / "run"))
+    p = _real_empty_leaf("test-leftover-" + uuid.uuid4().hex[:6])
+    assert p is not None, "no writable cgroup hierarchy here: the detached-engine cgroups cannot work either"
+    try:
+        leaves = {str(v) for v in p.leaves.values()}
+        # status: in words and in --json (was: 'no restored engines' and nothing else)
+        assert cli.main(["status"]) == 0
+        out = capsys.readouterr().out
+        assert "engine cgroup(s) left empty" in out and all(leaf in out for leaf in leaves)
+        assert cli.main(["status", "--json"]) == 0
+        assert leaves <= set(json.loads(capsys.readouterr().out)["empty_cgroups"])
+        # doctor's leftovers check
+        left = doctor.RealProbes().leftovers(str(tmp_path / "root"))
+        assert all(f"empty engine cgroup {leaf}" in left for leaf in leaves), left
+        # prune removes it, and says what it removed
+        assert cli.main(["--root", str(tmp_path / "root"), "prune"]) == 0
+        assert not any(v.exists() for v in p.leaves.values())
+        out = capsys.readouterr().out
+        assert all(leaf in out for leaf in leaves), out
+    finally:
+        p.remove(wait_s=0)

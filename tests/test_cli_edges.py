@@ -499,7 +499,7 @@ def test_status_names_engine_trees_nobody_owns(capsys):
     t = FakeTools()
     t.orphans = [26423]
     r = status(tools=t)
-    assert r.to_json() == {"engines": [], "orphans": [26423]}
+    assert r.to_json() == {"engines": [], "orphans": [26423], "empty_cgroups": []}
     render.show(r, False, False)
     out = capsys.readouterr()
     assert "root PID 26423" in out.out + out.err and "prune" in out.out + out.err

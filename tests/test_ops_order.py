@@ -654,3 +654,22 @@ def test_reclaimed_lock_files_are_one_line_and_leftovers_one_each():
     assert rep.lines == ["removed a leftover of a killed command: /dev/shm/vllm-snapshot-stage-99-x",
                          "removed a leftover of a killed command: orphaned engine tree PID 7",
                          "removed 30 lock file(s) of snapshot paths that no longer exist"]
+
+
+def test_reclaimed_empty_cgroups_are_one_line_not_blamed_on_a_killed_command():
+    # an engine that exited left its cgroup; the next restore said "a leftover of a killed command"
+    from vllm_snapshot.ops.restore import report_reclaimed
+
+    class Rec(Reporter):
+        def __init__(self):
+            super().__init__()
+            self.lines = []
+
+        def info(self, msg):
+            self.lines.append(msg)
+
+    rep = Rec()
+    report_reclaimed(rep, ["empty cgroup /sys/fs/cgroup/memory/vllm-snapshot/tiny-8000",
+                           "empty cgroup /sys/fs/cgroup/unified/vllm-snapshot/tiny-8000"])
+    assert rep.lines == ["removed 2 engine cgroup(s) left empty by engines that exited: "
+                         "/sys/fs/cgroup/memory/vllm-snapshot/tiny-8000, /sys/fs/cgroup/unified/vllm-snapshot/tiny-8000"]

@@ -195,22 +195,31 @@ def create(name: str) -> Placement:
     return p
 
 
-def remove_empty() -> list[str]:
-    """Remove empty leaves under ``vllm-snapshot/`` in every hierarchy (engines that exited);
-    their paths."""
-    gone = []
-    for h in hierarchies():
+def empty_leaves(hs: list[Hierarchy] | None = None) -> list[Path]:
+    """The leaves under ``vllm-snapshot/`` that hold no process (in every writable hierarchy of
+    ``hs``, default :func:`hierarchies`): what engines that exited or were killed left. Only
+    reads; unreadable leaves are left out."""
+    found = []
+    for h in hierarchies() if hs is None else hs:
         parent = h.mount / PARENT
         if not h.writable or not parent.is_dir():
             continue
-        for leaf in parent.iterdir():
-            if not leaf.is_dir():
-                continue
+        for leaf in sorted(parent.iterdir()):
             try:
-                if (leaf / "cgroup.procs").read_text().strip():
-                    continue
-                leaf.rmdir()
-                gone.append(str(leaf))
+                if leaf.is_dir() and not (leaf / "cgroup.procs").read_text().strip():
+                    found.append(leaf)
             except OSError:
                 continue
+    return found
+
+
+def remove_empty() -> list[str]:
+    """Remove :func:`empty_leaves` (engines that exited); the paths removed."""
+    gone = []
+    for leaf in empty_leaves():
+        try:
+            leaf.rmdir()  # EBUSY when a process entered it since it was read
+            gone.append(str(leaf))
+        except OSError:
+            continue
     return gone

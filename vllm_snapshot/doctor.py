@@ -141,7 +141,8 @@ class Probes(Protocol):
 
     def leftovers(self, snapshot_root: str) -> list[str]:
         """Staging dirs of killed restores and temp dirs of killed creates near
-        ``snapshot_root``, /dev/shm and the staging dir (what ``prune`` would remove)."""
+        ``snapshot_root``, /dev/shm and the staging dir, orphaned engine trees, engine cgroups
+        left empty (what ``prune`` would remove)."""
 
     def engine_user(self, name: str):
         """:func:`privilege.lookup` of ``name``, None when there is no such user."""
@@ -255,6 +256,12 @@ class RealProbes(Probes):
             pass
         try:
             out += store.stale_temps(root)
+        except OSError:
+            pass
+        from . import cgroups
+
+        try:
+            out += [f"empty engine cgroup {p}" for p in cgroups.empty_leaves()]
         except OSError:
             pass
         return [str(p) for p in out]
@@ -493,7 +500,7 @@ def _check_mounts(p: Probes) -> list[Check]:
 def _check_leftovers(p: Probes, root: str) -> Check:
     left = p.leftovers(root)
     if not left:
-        return Check("leftovers", True, "warning", "no leftovers of killed creates or restores")
+        return Check("leftovers", True, "warning", "no leftovers of killed creates or restores, no empty engine cgroups")
     return Check("leftovers", False, "warning",
                  f"{len(left)} leftover(s) of killed commands hold disk or RAM: " + ", ".join(left[:5])
                  + (" ..." if len(left) > 5 else ""),

@@ -134,6 +134,9 @@ def _engines(r: R.Engines, quiet: bool) -> None:
         _line(f"{len(r.orphans)} engine tree(s) nobody owns (what a killed restore left: frozen or "
               f"half-restored, not serving): root PID {', '.join(map(str, r.orphans))}; "
               "`vllm-snapshot prune` removes them")
+    if r.empty_cgroups:
+        _line(f"{len(r.empty_cgroups)} engine cgroup(s) left empty by engines that exited or were killed: "
+              f"{', '.join(r.empty_cgroups)}; `vllm-snapshot prune` removes them")
 
 
 def _stopped(r: R.Stopped, quiet: bool) -> None:

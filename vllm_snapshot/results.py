@@ -128,14 +128,16 @@ class Pruned:
 
 @dataclass(frozen=True)
 class Engines:
-    """``status``: restored engines on this host (registry rows with ``url``), and the root
-    PIDs of engine trees nobody owns (``orphans``)."""
+    """``status``: restored engines on this host (registry rows with ``url``), the root PIDs of
+    engine trees nobody owns (``orphans``) and the paths of engine cgroups left empty
+    (``empty_cgroups``)."""
 
     engines: list[dict]
     orphans: list[int] = field(default_factory=list)
+    empty_cgroups: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return {"engines": self.engines, "orphans": self.orphans}
+        return {"engines": self.engines, "orphans": self.orphans, "empty_cgroups": self.empty_cgroups}
 
 
 @dataclass(frozen=True)

@@ -331,6 +331,10 @@ class SnapshotTools(Protocol):
         """Root PIDs of engine trees nobody owns (what a SIGKILLed restore leaves: see
         :func:`vllm_snapshot.registry.orphans`); ``reclaim`` (every prune) kills them."""
 
+    def empty_engine_cgroups(self) -> list[str]:
+        """Paths of engine cgroups no process is in any more (an engine that exited or was
+        killed; :func:`vllm_snapshot.cgroups.empty_leaves`); ``reclaim`` removes them."""
+
     def register(self, entry: Entry) -> None: ...
 
     def unregister(self, pid: int) -> None: ...
@@ -1107,6 +1111,11 @@ class LocalTools(SnapshotTools):
         from . import registry
 
         return [p.pid for p in registry.orphans()]
+
+    def empty_engine_cgroups(self) -> list[str]:
+        from . import cgroups
+
+        return [str(p) for p in cgroups.empty_leaves()]
 
     def register(self, entry: Entry) -> None:
         from . import registry

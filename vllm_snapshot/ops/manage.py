@@ -149,11 +149,13 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
 
 def status(tools: SnapshotTools | None = None) -> Engines:
     """``status``: the registry's live engines, each with its URL and the cgroup it runs in
-    now (read from /proc: detached engines have one of their own), and the root PIDs of
-    engine trees nobody owns (a killed restore's: ``prune`` removes them)."""
+    now (read from /proc: detached engines have one of their own), the root PIDs of engine
+    trees nobody owns (a killed restore's) and the engine cgroups no process is in any more (an
+    engine that exited or was killed): ``prune`` removes both."""
     t = tools or LocalTools()
     return Engines([{**{k: v for k, v in e.__dict__.items() if k != "frontend"}, "url": e.url,
-                     "cgroup": t.cgroup_of(e.pid)} for e in t.engines()], t.orphan_pids())
+                     "cgroup": t.cgroup_of(e.pid)} for e in t.engines()], t.orphan_pids(),
+                   t.empty_engine_cgroups())
 
 
 def stop_engines(snapshot: Path | None, port: int | None, tools: SnapshotTools | None = None,

@@ -240,12 +240,17 @@ def restore(req: RestoreRequest, rep: Reporter, tools: SnapshotTools | None = No
 
 def report_reclaimed(rep: Reporter, gone: list[str]) -> None:
     """Say what ``reclaim`` removed: each leftover of a killed command on a line of its own;
-    lock files of snapshot paths that no longer exist (bookkeeping, not a failure: a deleted or
-    renamed snapshot leaves one) in one line with their count."""
+    engine cgroups left empty (by an engine that exited, was stopped outside vllm-snapshot or
+    killed: not necessarily a killed command) in one line; lock files of snapshot paths that no
+    longer exist (bookkeeping, not a failure: a deleted or renamed snapshot leaves one) in one
+    line with their count."""
     locks = [g for g in gone if g.endswith(".lock")]
+    cgroups = [g.removeprefix("empty cgroup ") for g in gone if g.startswith("empty cgroup ")]
     for g in gone:
-        if not g.endswith(".lock"):
+        if not g.endswith(".lock") and not g.startswith("empty cgroup "):
             rep.info(f"removed a leftover of a killed command: {g}")
+    if cgroups:
+        rep.info(f"removed {len(cgroups)} engine cgroup(s) left empty by engines that exited: {', '.join(cgroups)}")
     if locks:
         rep.info(f"removed {len(locks)} lock file(s) of snapshot paths that no longer exist")
 

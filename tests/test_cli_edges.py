@@ -533,3 +533,24 @@ def test_delete_quiet_prints_nothing_and_deletes(tmp_path, monkeypatch, capsys):
         assert cli.main(["delete", str(snap), flag]) == 0
         out = capsys.readouterr()
         assert not snap.exists() and out.out == "" and out.err == ""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a command as another user")
+def test_a_snapshot_another_user_may_not_read_is_a_permission_error_not_missing(engine_tmp):
+    # the engine user ran `inspect /var/lib/vllm-snapshot/NAME` and was told it "does not exist"
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    top = engine_tmp / "root-only"  # engine_tmp: searchable by the engine user (0711)
+    snap = top / "s"
+    write_snapshot_dir(snap)
+    os.chmod(top, 0o700)
+    for args in (["inspect", str(snap)], ["inspect", "--json", str(snap)]):
+        # the engine user setup made: it can run the venv's interpreter and read the checkout
+        cp = subprocess.run(["runuser", "-u", "vllm-snapshot", "--", sys.executable, "-m", "vllm_snapshot", *args],
+                            capture_output=True, text=True, timeout=120, cwd=root,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+        assert cp.returncode == 11, cp.stdout + cp.stderr
+        assert f"cannot look at {snap}: permission denied" in cp.stdout + cp.stderr
+        assert "does not exist" not in cp.stdout + cp.stderr

@@ -126,6 +126,11 @@ def check_dir_safety(path: Path) -> None:
         st = os.lstat(path)
     except FileNotFoundError as e:
         raise UsageError(f"{path} does not exist") from e
+    except PermissionError as e:
+        from .errors import EnvironmentProblem
+
+        raise EnvironmentProblem(f"cannot look at {path}: permission denied (uid {uid}); snapshot directories "
+                                 "are root's (0700)", hint="run it with sudo, as root") from e
     if stat.S_ISLNK(st.st_mode):
         raise CorruptSnapshotError(f"{path} is a symlink; refusing to trust it")
     if not stat.S_ISDIR(st.st_mode):

@@ -145,7 +145,9 @@ def snapshot_lock(snapshot: Path, shared: bool = False, must_exist: bool = True)
 
     if not snapshot.absolute().parent.is_dir():
         raise UsageError(f"{snapshot.absolute().parent} does not exist")
-    if must_exist and not os.path.lexists(snapshot):
+    from . import paths
+
+    if must_exist and not paths.lexists(snapshot):
         raise UsageError(f"snapshot {snapshot} does not exist")
     return lock(snapshot_lock_path(snapshot), f"snapshot {snapshot}", shared=shared, label=str(snapshot.absolute()))
 

@@ -345,7 +345,9 @@ def read(directory: Path) -> Manifest:
     path = directory / MANIFEST_NAME
     from .errors import UsageError
 
-    if not os.path.lexists(directory):
+    from . import paths
+
+    if not paths.lexists(directory):
         raise UsageError(f"snapshot {directory} does not exist")
     if not os.path.isdir(directory):
         raise UsageError(f"{directory} is not a directory (a snapshot is a directory)")

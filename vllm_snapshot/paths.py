@@ -77,3 +77,21 @@ def ensure_private_dir(d: Path) -> Path:
     """Create ``d`` (and parents) with mode 0700 if missing; return it. Raises OSError."""
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     return d
+
+
+def lexists(path: Path | str) -> bool:
+    """``os.path.lexists`` that tells "absent" from "not allowed to look": True when ``path``
+    exists (a dangling link too), False when it or a parent does not. Raises EnvironmentProblem
+    (exit 11) when a parent directory cannot be searched by this user -- a snapshot under a
+    root-only (0700) directory is not "missing" for a non-root user, it is not theirs to read."""
+    try:
+        os.lstat(path)
+        return True
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except PermissionError as e:
+        from .errors import EnvironmentProblem
+
+        raise EnvironmentProblem(f"cannot look at {path}: permission denied (uid {os.geteuid()}); snapshot "
+                                 "directories and the snapshot root are root's (0700)",
+                                 hint="run it with sudo, as root") from e

@@ -554,3 +554,24 @@ def test_a_snapshot_another_user_may_not_read_is_a_permission_error_not_missing(
         assert cp.returncode == 11, cp.stdout + cp.stderr
         assert f"cannot look at {snap}: permission denied" in cp.stdout + cp.stderr
         assert "does not exist" not in cp.stdout + cp.stderr
+
+
+def test_list_and_status_never_cut_a_reason_or_a_path(capsys):
+    # the trial: list and status truncated the reason and the path an operator needs ("…")
+    from vllm_snapshot import render
+
+    why = "model files differ: " + ", ".join(f"/models/llama/model-{i:05d}-of-00042.safetensors changed" for i in range(6))
+    render.snapshot_list([{"name": "llama", "model": "/models/llama", "key": "abcdef0123456789", "created": "2026-12-01T10:00",
+                           "kind": "cpu", "sleep_level": 0, "raw_bytes": 1, "stored_bytes": 1, "compatible": False,
+                           "why": why, "last_restore": None}], "/var/lib/vllm-snapshot")
+    out = capsys.readouterr().out
+    assert "…" not in out and f"✗ llama: {why}\n" in out
+    path = "/var/lib/vllm-snapshot/" + "a-very-long-snapshot-name-" * 6
+    cg = "/vllm-snapshot/" + "b" * 150
+    render.engine_list([{"snapshot": path, "pid": 4242, "url": "http://127.0.0.1:8000", "started_at": None,
+                         "mode": "detached", "cgroup": cg}])
+    out = capsys.readouterr().out
+    assert "…" not in out
+    cells = [line.split("│")[1:-1] for line in out.splitlines() if line.startswith("│")]
+    column = ["".join(c[i].strip() for c in cells) for i in range(6)]  # a folded cell, joined again
+    assert column[0] == path and column[5] == cg, column

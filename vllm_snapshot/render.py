@@ -288,10 +288,12 @@ def snapshot_list(rows: list[dict], root: str) -> None:
         return
     t = Table(title=f"snapshots under {root}", title_justify="left")
     for col in ("name", "model", "key", "created", "kind", "sleep", "raw", "stored", "here", "last restore"):
-        t.add_column(col)
+        t.add_column(col, overflow="fold")  # a narrow terminal wraps a cell, never cuts it
+    refused = []
     for r in rows:
-        why = r["why"] if len(r["why"]) <= 70 else r["why"][:69] + "…"
-        here = "[green]✓[/]" if r["compatible"] else f"[red]✗[/] {why}"
+        here = "[green]✓[/]" if r["compatible"] else "[red]✗[/] (below)"
+        if not r["compatible"]:
+            refused.append((r["name"], r["why"]))
         model = (r["model"] or "-").rstrip("/").rsplit("/", 1)[-1]
         created = (r["created"] or "-")[:16].replace("T", " ")
         t.add_row(r["name"], model, (r.get("key") or "-")[:12], created, str(r["kind"] or "-"),
@@ -300,6 +302,8 @@ def snapshot_list(rows: list[dict], root: str) -> None:
                   human_bytes(r["stored_bytes"]) if r["stored_bytes"] is not None else "-",
                   here, _when(r["last_restore"]))
     c.print(t)
+    for name, why in refused:  # whole, on lines of their own: what an operator copies or greps
+        c.print(f"✗ {name}: {why}", markup=False, highlight=False, soft_wrap=True)
 
 
 def engine_list(rows: list[dict]) -> None:
@@ -312,7 +316,7 @@ def engine_list(rows: list[dict]) -> None:
         return
     t = Table(title="restored engines", title_justify="left")
     for col in ("snapshot", "pid", "url", "started", "mode", "cgroup"):
-        t.add_column(col)
+        t.add_column(col, overflow="fold")  # a narrow terminal wraps a path, never cuts it
     for r in rows:
         t.add_row(r["snapshot"], str(r["pid"]), r["url"], _when(r["started_at"]), r["mode"], r.get("cgroup") or "?")
     c.print(t)

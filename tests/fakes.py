@@ -468,6 +468,10 @@ class FakeTools(SnapshotTools):
         self._call("snapshot_lock")
         return nullcontext()
 
+    def disk_room(self, target: Path, model_dir: Path) -> tuple[tuple[str, int] | None, int]:
+        self._call("disk_room")
+        return getattr(self, "room", (None, 1 << 50))
+
     def list_snapshots(self, root: Path) -> list[Path]:
         self._call("list_snapshots")
         if self.snapshots is not None:

@@ -673,3 +673,36 @@ def test_reclaimed_empty_cgroups_are_one_line_not_blamed_on_a_killed_command():
                            "empty cgroup /sys/fs/cgroup/unified/vllm-snapshot/tiny-8000"])
     assert rep.lines == ["removed 2 engine cgroup(s) left empty by engines that exited: "
                          "/sys/fs/cgroup/memory/vllm-snapshot/tiny-8000, /sys/fs/cgroup/unified/vllm-snapshot/tiny-8000"]
+
+
+def test_create_refuses_before_the_engine_when_the_last_snapshot_of_the_model_would_not_fit():
+    # the trial: a full disk was found only at the dump, after the whole cold start
+    from vllm_snapshot.errors import EnvironmentProblem
+    from vllm_snapshot.ops.create import check_disk_room
+
+    t = FakeTools()
+    t.room = (("/var/lib/vllm-snapshot/tiny-old", 1300 << 20), 200 << 20)
+    with pytest.raises(EnvironmentProblem) as e:
+        ops.create(ops.CreateRequest(model="/models/tiny", target=SNAP, engine_args=["--kv-cache-memory-bytes", "64M"]),
+                   Reporter(), tools=t)
+    assert f"200.0 MiB free on the filesystem of {SNAP.parent}" in e.value.message and "1.3 GiB" in e.value.message
+    assert "tiny-old" in e.value.message and "disk_room" in t.calls
+    assert "launch_engine" not in t.calls and "prepare_target" not in t.calls
+    check_disk_room(Path("/snaps/new"), ("/snaps/old", 100), 100)  # it fits: nothing refused
+    check_disk_room(Path("/snaps/new"), None, 0)  # no earlier snapshot: no estimate, nothing refused
+
+
+def test_disk_room_reads_the_newest_snapshot_of_the_model_beside_the_target(tmp_path):
+    import json
+
+    from helpers import write_snapshot_dir
+
+    from vllm_snapshot.tools import LocalTools
+
+    root = tmp_path / "root"
+    write_snapshot_dir(root / "old")
+    m = json.loads((root / "old" / "manifest.json").read_text())
+    prev, free = LocalTools().disk_room(root / "new", Path(m["model"]["path"]))
+    assert prev == (str(root / "old"), m["sizes"]["raw"]) and free > 0
+    assert LocalTools().disk_room(root / "new", tmp_path / "another-model")[0] is None
+    assert LocalTools().disk_room(tmp_path / "missing" / "new", tmp_path)[0] is None  # a root not made yet

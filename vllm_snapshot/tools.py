@@ -302,6 +302,10 @@ class SnapshotTools(Protocol):
 
     def list_snapshots(self, root: Path) -> list[Path]: ...
 
+    def disk_room(self, target: Path, model_dir: Path) -> tuple[tuple[str, int] | None, int]:
+        """(``(path, raw image bytes)`` of the newest readable snapshot of ``model_dir`` beside
+        ``target`` or None, bytes free on the filesystem that will hold ``target``)."""
+
     def delete_snapshot(self, snapshot: Path) -> None: ...
 
     def clean_stale_temps(self, root: Path) -> list[Path]:
@@ -1039,6 +1043,26 @@ class LocalTools(SnapshotTools):
         from . import store
 
         return store.list_snapshots(root)
+
+    def disk_room(self, target: Path, model_dir: Path) -> tuple[tuple[str, int] | None, int]:
+        from . import manifest, store
+        from .errors import SnapshotError
+
+        parent = target.parent
+        newest = None
+        if parent.is_dir():
+            for p in store.list_snapshots(parent):
+                try:
+                    m = manifest.read(p)
+                except (SnapshotError, OSError):
+                    continue
+                if m.model.path == str(model_dir) and (newest is None or m.created_at > newest[0]):
+                    newest = (m.created_at, str(p), int(m.sizes.get("raw", 0)))
+        probe = parent
+        while not probe.exists() and probe != probe.parent:  # the root may not exist yet
+            probe = probe.parent
+        st = os.statvfs(probe)
+        return (newest[1:] if newest else None), st.f_bavail * st.f_frsize
 
     def delete_snapshot(self, snapshot: Path) -> None:
         from . import locks, store

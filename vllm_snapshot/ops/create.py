@@ -190,6 +190,7 @@ def create(req: CreateRequest, rep: Reporter, tools: SnapshotTools | None = None
     if t.path_exists(target):
         raise UsageError(f"{target} already exists; refusing to overwrite a snapshot",
                          hint="choose another --snapshot-dir/--name, or delete the old one first")
+    check_disk_room(target, *t.disk_room(target, model_dir))  # not after minutes of cold start
     device = t.engine_device()
     check_cpu_kv_cache(req.engine_args, t.environ(), device)
     check_access(user, model_dir, t.engine_access(user, model_dir))
@@ -197,6 +198,25 @@ def create(req: CreateRequest, rep: Reporter, tools: SnapshotTools | None = None
         t.check_cuda_ready()  # CRIU's plugin + our helper reach the driver, before minutes of engine start
     with t.snapshot_lock(target, shared=False, must_exist=False):
         return _create_locked(t, req, rep, target, model_dir, revision, criu_ver, user)
+
+
+def check_disk_room(target: Path, previous: tuple[str, int] | None, free: int) -> None:
+    """Refuse a create whose images would not fit, before the engine starts: ``previous`` is
+    (path, raw image bytes) of the newest earlier snapshot of the same model beside ``target``
+    (None: no estimate, nothing refused), ``free`` the bytes free on ``target``'s filesystem.
+    An engine's images are about its resident memory, so the last snapshot of the model is the
+    estimate (engine args may differ: the message says so). Pure. Raises EnvironmentProblem
+    (exit 11, as running out of space at the dump does)."""
+    from ..render import human_bytes
+
+    if previous is None or free >= previous[1]:
+        return
+    raise EnvironmentProblem(
+        f"{human_bytes(free)} free on the filesystem of {target.parent}, but the last snapshot of this model "
+        f"({previous[0]}) holds {human_bytes(previous[1])} of images: the dump would run out of space after the "
+        "whole cold start. Nothing was started.",
+        hint="free space there (`vllm-snapshot prune --keep 1`, or delete that snapshot if it is the one being "
+             "replaced), or choose another --snapshot-dir/--root")
 
 
 def check_access(user: privilege.User, model_dir: Path, problems: dict[str, list[str]]) -> None:

@@ -181,7 +181,15 @@ def test_timeshare_script_switches_between_a_model_form_and_a_snapshot(snapshot,
     assert p.returncode == 0, p.stdout + p.stderr
     lines = p.stdout.splitlines()
     assert lines[0].startswith("switch 1 -> model=") and lines[1].startswith(f"switch 2 -> {other}:"), p.stdout
-    assert lines[-1].startswith("3 switches: median")
+    # each switch: the whole command (the model form's key computation included) and, within
+    # it, the time the port was not served
+    import re
+
+    for line in lines[:3]:
+        m = re.search(r": ([0-9.]+) s \(port not served: ([0-9.]+) s\)$", line)
+        assert m and float(m[1]) >= float(m[2]) > 0, line
+    assert lines[-2].startswith("3 switches, whole switch command: median")
+    assert lines[-1].startswith("3 switches, port not served: median")
     assert sorted(x.name for x in snap_root.iterdir()) == before  # found by key: nothing built
     assert not port_accepts(port)  # the script stops the last engine
     assert os.path.exists(snapshot / "manifest.json")

@@ -1,18 +1,26 @@
-"""scripts/gpu_check.sh, gpu_check_tree.py and gpu_carry.sh: what can run without a GPU.
+"""scripts/gpu_check.sh, gpu_check_lib.sh, gpu_check_tree.py and gpu_carry.sh: what can run
+without a GPU.
 
-The device check itself needs a GPU machine; here: both shell scripts parse (and are
-shellcheck-clean when shellcheck is installed), the script says NOT RUN -- never FAIL -- where
-it cannot run (no GPU, a gVisor kernel), the carry holds pycriu and stays under the 64 MiB
-limit, and part C's harness runs its whole sequence through real CRIU with the fake driver
-(tests/fakecuda), so a harness bug is found here and not with the GPU's scarce minutes.
+The device check itself needs a GPU machine; here: the shell scripts parse and are
+shellcheck-clean; the verdict (gpu_check_lib.sh ``verdict``) says PASS only when part C's CRIU
+dump, restore and wake passed and nothing failed or was not run -- fed every combination of
+other results it never says PASS without them; a ``[N/A]`` memory reading (MIG) is no arithmetic
+error; the diagnostics come back as two files; the script says NOT RUN -- never FAIL -- where it
+cannot run (no GPU, a gVisor kernel); the carry holds CRIU, ``ip``, pycriu and python3.12 wheels
+of what the harness imports, under the 64 MiB limit; and a dry run of the whole script with the
+fake driver (tests/fakecuda) installs the carried wheels, exports the carried ``ip`` to CRIU,
+and runs part C through real CRIU, so a harness bug is found here and not with the GPU's
+scarce minutes.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -21,31 +29,147 @@ from conftest import skip_on_gpu_host
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECK = ROOT / "scripts" / "gpu_check.sh"
+LIB = ROOT / "scripts" / "gpu_check_lib.sh"
 CARRY = ROOT / "scripts" / "gpu_carry.sh"
 TREE = ROOT / "scripts" / "gpu_check_tree.py"
+VENV_PY = Path(os.environ.get("VLLM_SNAPSHOT_CACHE", "/var/cache/vllm-snapshot")) / "venv" / "bin" / "python"
+
+#: part C's steps whose PASS the verdict requires (names as gpu_check_tree.py prints them)
+C_REQUIRED = ["C criu dump (product's LocalTools.dump)", "C criu restore (product's LocalTools.restore_tree)",
+              "C wake (create + map at the same VA)", "C same output after restore + wake"]
 
 
-@pytest.mark.parametrize("script", [CHECK, CARRY])
+@pytest.mark.parametrize("script", [CHECK, LIB, CARRY])
 def test_scripts_parse_and_are_shellcheck_clean(script):
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True, timeout=30).returncode == 0
     sc = shutil.which("shellcheck")
-    if not sc:
-        pytest.skip("shellcheck is not installed")
-    cp = subprocess.run([sc, str(script)], capture_output=True, text=True, timeout=60)
+    assert sc, "shellcheck is not installed: run scripts/setup.sh (it installs it)"
+    cp = subprocess.run([sc, "-x", str(script)], capture_output=True, text=True, timeout=60)
     assert cp.returncode == 0, cp.stdout
 
 
-def _run_check(tmp_path, path_dirs: list[Path]) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "GPU_CHECK_BUDGET_S")}
-    env["PATH"] = ":".join([*map(str, path_dirs), "/usr/sbin", "/usr/bin", "/sbin", "/bin"])
-    env["OUT"] = str(tmp_path / "out")
-    return subprocess.run(["bash", str(CHECK)], capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+# ---------------------------------------------------------------- the verdict (H2)
+
+def _verdict(tmp_path, rows: list[tuple[str, str]]) -> tuple[int, str]:
+    f = tmp_path / "results.tsv"
+    f.write_text("".join(f"{st}\t{name}\tdetail of {name}\n" for st, name in rows))
+    cp = subprocess.run(["bash", str(CHECK), "--verdict", str(f)], capture_output=True, text=True, timeout=30)
+    return cp.returncode, cp.stdout.strip().splitlines()[-1] if cp.stdout.strip() else cp.stderr
+
+
+PART_A = [("PASS", "helper -h"), ("PASS", "A lock"), ("PASS", "A checkpoint"), ("PASS", "A same checksum after restore")]
+
+
+@pytest.mark.parametrize("rows, code, says", [
+    # H2: part A alone used to say PASS
+    (PART_A, 3, "NOT RUN (CRIU did not checkpoint and restore a CUDA process"),
+    (PART_A + [("SKIP", "C/B criu dump/restore")], 3, "NOT RUN (C/B criu dump/restore"),
+    (PART_A + [("NOTRUN", "C/B CRIU")], 3, "NOT RUN (C/B CRIU: detail of C/B CRIU"),
+    (PART_A + [("NOTRUN", "C product invocation")], 3, "NOT RUN (C product invocation"),
+    (PART_A + [("PASS", n) for n in C_REQUIRED], 0, "GPU_CHECK: PASS"),
+    (PART_A + [("PASS", n) for n in C_REQUIRED] + [("INFO", "B criu CLI")], 0, "GPU_CHECK: PASS"),
+    (PART_A + [("PASS", n) for n in C_REQUIRED] + [("FAIL", "B criu restore")], 1, "GPU_CHECK: FAIL (1 failed)"),
+    (PART_A + [("PASS", n) for n in C_REQUIRED] + [("NOTRUN", "C/B criu check")], 3, "NOT RUN (C/B criu check"),
+    (PART_A + [("PASS", n) for n in C_REQUIRED] + [("SKIP", "anything")], 3, "NOT RUN (anything"),
+    ([("DRYRUN", "fake driver")] + [("PASS", n) for n in C_REQUIRED], 3, "NOT RUN (dry run: fake driver"),
+    ([("PASS", n) for n in C_REQUIRED[:3]], 3, "not passed: C same output after restore + wake"),
+    ([("PASS", n) for n in C_REQUIRED[1:]], 3, "not passed: C criu dump"),
+    ([("FAIL", C_REQUIRED[0])] + [("PASS", n) for n in C_REQUIRED[1:]], 1, "GPU_CHECK: FAIL (1 failed)"),
+    ([("PASS", n) for n in C_REQUIRED] + [("BOGUS", "x")], 1, "GPU_CHECK: FAIL (1 failed)"),
+    ([], 3, "GPU_CHECK: NOT RUN"),
+])
+def test_verdict(tmp_path, rows, code, says):
+    got, line = _verdict(tmp_path, rows)
+    assert (got, says in line) == (code, True), line
+
+
+def test_no_criu_run_is_never_pass(tmp_path):
+    """Every combination of statuses for everything but part C's CRIU steps: never PASS."""
+    names = ["helper -h", "A lock", "A checkpoint", "C/B criu check", "C tree started", "C sleep (unmap + release, VA kept)",
+             "B criu dump", "B criu restore"]
+    seen = set()
+    for statuses in itertools.product(["PASS", "INFO", "FAIL", "NOTRUN", "SKIP"], repeat=3):
+        for pick in itertools.combinations(names, 3):
+            rows = list(zip(statuses, pick))
+            got, line = _verdict(tmp_path, rows)
+            assert got != 0 and "PASS" != line.split(": ", 1)[-1], (rows, line)
+            seen.add(got)
+            break  # one pick per status combination keeps this under a few seconds
+    assert seen == {1, 3}
+
+
+def test_verdict_needs_a_results_file():
+    cp = subprocess.run(["bash", str(CHECK), "--verdict", "/nonexistent/results.tsv"], capture_output=True, text=True,
+                        timeout=30)
+    assert cp.returncode == 2 and "no such file" in cp.stderr
+
+
+# ---------------------------------------------------------------- library functions (L6, M2)
+
+def _lib(tmp_path, body: str, path_dirs: list[Path] = ()) -> subprocess.CompletedProcess:
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    (tmp_path / "work").mkdir(exist_ok=True)
+    script = (f"set -uo pipefail; . {LIB}; START=$(date +%s); MIB=256; OUT={out}; WORK={tmp_path / 'work'}; "
+              f"LOG=$OUT/gpu_check.log; RESULTS_FILE=$OUT/results.tsv; : >$RESULTS_FILE; {body}")
+    env = {**os.environ, "PATH": ":".join([*map(str, path_dirs), os.environ["PATH"]])}
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, env=env)
 
 
 def _fake_program(d: Path, name: str, script: str) -> None:
     d.mkdir(exist_ok=True)
     (d / name).write_text("#!/bin/sh\n" + script)
     (d / name).chmod(0o755)
+
+
+def test_memory_reading_n_a_is_no_arithmetic_error(tmp_path):
+    """L6: under MIG nvidia-smi answers memory.used with [N/A]; the check says so (INFO), it
+    does not abort on a bash arithmetic error."""
+    _fake_program(tmp_path / "bin", "nvidia-smi", 'echo "[N/A]"\n')
+    cp = _lib(tmp_path, 'a=$(gpu_used_mib); b=$(gpu_used_mib); echo "got=[$a]"; '
+                        'mem_moved "A GPU memory released" "$a" "$b" down; echo rc=$?; cat $RESULTS_FILE',
+              [tmp_path / "bin"])
+    assert "got=[]" in cp.stdout and "rc=0" in cp.stdout, cp.stdout + cp.stderr
+    assert "INFO\tA GPU memory released\tnot measurable" in cp.stdout
+    assert "syntax error" not in cp.stderr and "operand expected" not in cp.stderr, cp.stderr
+
+
+def test_memory_reading_numbers_are_checked(tmp_path):
+    cp = _lib(tmp_path, 'mem_moved "down ok" 1000 700 down; mem_moved "down short" 1000 900 down; '
+                        'mem_moved "up ok" 700 1000 up; cat $RESULTS_FILE')
+    assert "PASS\tdown ok\t" in cp.stdout and "FAIL\tdown short\t" in cp.stdout and "PASS\tup ok\t" in cp.stdout
+
+
+def test_pack_leaves_two_files(tmp_path):
+    """M2: the device returns at most 8 files; everything but gpu_check.log goes into one archive,
+    a file over 4 MiB as its last 4 MiB."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "gpu_check.log").write_text("the log\n")
+    for i in range(14):
+        (out / f"diag-{i}.txt").write_text(f"diagnostic {i}\n")
+    (out / "kept").mkdir()
+    (out / "kept" / "criu-dump.log").write_text("kept log\n")
+    (out / "big.log").write_bytes(b"a" * (5 << 20) + b"THE END")
+    cp = _lib(tmp_path, "pack")
+    assert cp.returncode == 0, cp.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.log", "gpu_check.tgz"]
+    with tarfile.open(out / "gpu_check.tgz") as t:
+        names = {n.removeprefix("./") for n in t.getnames()}
+        assert {f"diag-{i}.txt" for i in range(14)} | {"kept/criu-dump.log", "big.log", "results.tsv"} <= names
+        big = t.extractfile("./big.log").read()
+    assert len(big) == 4 << 20 and big.endswith(b"THE END")
+    assert (out / "gpu_check.log").read_text().startswith("the log\n")
+
+
+# ---------------------------------------------------------------- preconditions
+
+def _run_check(tmp_path, path_dirs: list[Path], extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "GPU_CHECK_BUDGET_S")}
+    env["PATH"] = ":".join([*map(str, path_dirs), "/usr/sbin", "/usr/bin", "/sbin", "/bin"])
+    env["OUT"] = str(tmp_path / "out")
+    env.update(extra_env or {})
+    return subprocess.run(["bash", str(CHECK)], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
 
 
 def test_no_gpu_is_not_run_not_fail(tmp_path):
@@ -56,6 +180,7 @@ def test_no_gpu_is_not_run_not_fail(tmp_path):
     assert "GPU_CHECK: NOT RUN" in cp.stdout and "FAIL" not in cp.stdout
     assert "NOTRUN  precondition: no GPU: nvidia-smi is not installed" in cp.stdout
     assert "GPU_CHECK: NOT RUN" in (tmp_path / "out" / "gpu_check.log").read_text()
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["gpu_check.log", "gpu_check.tgz"]
 
 
 def test_gvisor_kernel_is_not_run_before_anything_else(tmp_path):
@@ -68,54 +193,210 @@ def test_gvisor_kernel_is_not_run_before_anything_else(tmp_path):
     assert "FAIL" not in cp.stdout
 
 
-@pytest.mark.integration
-def test_carry_holds_criu_plugin_libraries_and_pycriu_under_the_limit(tmp_path):
+# ---------------------------------------------------------------- the carry (H3)
+
+def _build_carry(tmp_path: Path, python_version: str) -> Path:
     src = Path(os.environ.get("VLLM_SNAPSHOT_CACHE", "/var/cache/vllm-snapshot")) / "criu-4.2.1"
-    if not (src / "criu" / "criu").is_file():
-        pytest.skip("scripts/setup.sh has not built CRIU here")
+    assert (src / "criu" / "criu").is_file(), "scripts/setup.sh has not built CRIU here"
     (tmp_path / "scripts").mkdir()
     shutil.copy(CARRY, tmp_path / "scripts" / "gpu_carry.sh")  # it writes <its repo>/.criu-carry
     cp = subprocess.run(["bash", str(tmp_path / "scripts" / "gpu_carry.sh"), str(src)], capture_output=True,
-                        text=True, timeout=300)
+                        text=True, timeout=300, env={**os.environ, "GPU_CARRY_PYTHON": python_version})
     assert cp.returncode == 0, cp.stdout + cp.stderr
-    carry = tmp_path / ".criu-carry"
-    for f in ("bin/criu", "plugins/cuda_plugin.so", "python/pycriu/__init__.py", "python/pycriu/rpc_pb2.py",
+    return tmp_path / ".criu-carry"
+
+
+def _harness_third_party() -> set[str]:
+    """Distributions outside the standard library that the harness's imports of vllm_snapshot
+    load (in the setup venv, where they are installed)."""
+    code = ("import sys, importlib.metadata as m\n"
+            "before = set(sys.modules)\n"
+            "from vllm_snapshot import criu, layout, mountpolicy, privilege, supervisor, inventory\n"
+            "from vllm_snapshot.engine import mounts, net\n"
+            "from vllm_snapshot.procs import tree\n"
+            "from vllm_snapshot.tools import LocalTools\n"
+            "from vllm_snapshot.errors import SnapshotError\n"
+            "tops = {n.split('.')[0] for n in set(sys.modules) - before} - set(sys.stdlib_module_names) - {'vllm_snapshot'}\n"
+            "dists = m.packages_distributions()\n"
+            "print(' '.join(sorted({d.lower().replace('_', '-') for t in tops for d in dists.get(t, [])})))\n")
+    cp = subprocess.run([str(VENV_PY), "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert cp.returncode == 0, cp.stderr
+    return set(cp.stdout.split())
+
+
+@pytest.mark.integration
+def test_carry_holds_criu_ip_pycriu_and_py312_wheels_under_the_limit(tmp_path):
+    carry = _build_carry(tmp_path, "3.12")
+    for f in ("bin/criu", "bin/ip", "plugins/cuda_plugin.so", "python/pycriu/__init__.py", "python/pycriu/rpc_pb2.py",
               "MANIFEST", ".gitignore"):
         assert (carry / f).is_file(), f
+    assert [p.name for p in (carry / "plugins").iterdir()] == ["cuda_plugin.so"]  # -L loads every .so there
+    wheels = sorted(p.name for p in (carry / "wheels").glob("*.whl"))
+    dists = {w.split("-")[0].replace("_", "-").lower() for w in wheels}
+    # what the harness imports beyond the GPU image's packages (psutil and protobuf are in it)
+    assert _harness_third_party() - {"psutil", "protobuf"} <= dists, (wheels, _harness_third_party())
+    for w in wheels:  # pure Python, or CPython 3.12 manylinux x86_64
+        tags = w.removesuffix(".whl").split("-")[-3:]
+        assert tags[0] in ("py3", "cp312") and (tags[2] == "any" or "manylinux" in tags[2] and "x86_64" in tags[2]), w
     total = sum(p.stat().st_size for p in carry.rglob("*") if p.is_file())
-    assert total <= 60 * 2**20  # the 64 MiB carry limit, with room for the repo
-    # the carried pycriu is importable on its own path (part C puts it first on PYTHONPATH)
+    tracked = subprocess.run(["git", "ls-files", "-z"], capture_output=True, cwd=ROOT, check=True).stdout.split(b"\0")
+    repo = sum((ROOT / os.fsdecode(f)).stat().st_size for f in tracked if f and (ROOT / os.fsdecode(f)).is_file())
+    assert total <= 60 * 2**20 and total + repo <= 64 * 2**20, (total, repo)  # the 64 MiB carry limit, repo included
+    # the carried pycriu is importable on its own path (part C puts it on PYTHONPATH)
     cp = subprocess.run([sys.executable, "-c", "import pycriu, sys; print(pycriu.__file__)"], capture_output=True,
                         text=True, env={**os.environ, "PYTHONPATH": str(carry / "python")}, timeout=60)
     assert cp.stdout.strip() == str(carry / "python" / "pycriu" / "__init__.py"), cp.stderr
+    cp = subprocess.run([str(carry / "bin" / "ip"), "-V"], capture_output=True, text=True, timeout=30)
+    assert cp.returncode == 0 and "iproute2" in cp.stdout, cp.stdout + cp.stderr
+
+
+# ---------------------------------------------------------------- the dry run through real CRIU
+
+@pytest.mark.integration
+def test_dry_run_of_the_whole_check_with_the_fake_driver(tmp_path):
+    """gpu_check.sh end to end on this CPU host (GPU_CHECK_FAKE=1): the carried wheels (for this
+    venv's Python) installed with pip --no-index --target and used, the carried `ip` run by CRIU
+    through CR_IP_TOOL, part C through real CRIU as the engine user with the product's scrubbed
+    environment, the diagnostics packed into two files, and the verdict NOT RUN (no GPU: never
+    PASS), with every part C step PASS."""
+    pyver = subprocess.run([str(VENV_PY), "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    carry = _build_carry(tmp_path, pyver)
+    real_ip = carry / "bin" / "ip.real"
+    (carry / "bin" / "ip").rename(real_ip)
+    ip_log = tmp_path / "ip.calls"
+    _fake_program(carry / "bin", "ip", f'echo "$*" >>{ip_log}\nexec {real_ip} "$@"\n')  # who runs the carried ip
+    fc = tmp_path / "fakecuda"
+    fc.mkdir()
+    out = tmp_path / "out"
+    cp = _run_check(tmp_path, [], {"GPU_CHECK_FAKE": "1", "GPU_CHECK_CARRY": str(carry), "PYTHON": str(VENV_PY),
+                                   "GPU_CHECK_MIB": "4", "FAKE_CUDA_DIR": str(fc), "HF_TOKEN": "not-for-the-engine"})
+    assert cp.returncode == 3, cp.stdout + cp.stderr
+    last = cp.stdout.strip().splitlines()[-1]
+    assert last.startswith("GPU_CHECK: NOT RUN (dry run: fake driver"), cp.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.log", "gpu_check.tgz"]
+    files = {}
+    with tarfile.open(out / "gpu_check.tgz") as t:
+        for m in t.getmembers():
+            if m.isfile():
+                files[m.name.removeprefix("./")] = t.extractfile(m).read().decode(errors="replace")
+    results = [ln.split("\t") for ln in files["results.tsv"].splitlines()]
+    assert [r[0] for r in results if r[0] not in ("PASS", "DRYRUN")] == [], results
+    names = [r[1] for r in results]
+    for step in ("C/B criu check", "C/B ip runs here", "C product modules import", "C engine user", "C tree started",
+                 "C tree runs as the engine user", "C root has no CUDA", "C child is a running CUDA process",
+                 "C sleep (unmap + release, VA kept)", "C inventory + external mounts (create's checks)", *C_REQUIRED,
+                 "C restored tree runs as the engine user"):
+        assert step in names, (step, names)
+    imported = dict((r[1], r[2]) for r in results)["C product modules import"]
+    assert "/site/pydantic/__init__.py" in imported  # the carried wheel, not the venv's pydantic
+    assert "as uid " in dict((r[1], r[2]) for r in results)["C tree started"]
+    # CRIU ran the carried ip (CR_IP_TOOL) to save the engine's network namespace
+    assert "addr save" in ip_log.read_text() and "route save" in ip_log.read_text()
+    # the engine ran with the product's scrubbed environment: no secret, no test knob
+    env_line = next(ln for ln in files["partC.txt"].splitlines() if ln.startswith("engine environment (names):"))
+    assert "HF_TOKEN" not in env_line and "FAKE_CUDA_DIR" not in env_line and "HF_HUB_OFFLINE" in env_line
+    calls = [c.split()[0] for c in (fc / "calls.log").read_text().splitlines() if not c.startswith("get-restore-tid")]
+    assert calls == ["lock", "checkpoint", "restore", "unlock"]
+    env_txt = files["environment.txt"]  # L7
+    for section in ("## /proc/self/mountinfo", "## LD_LIBRARY_PATH", "## ldconfig -p | grep -E 'libcuda|libnvidia-ml'",
+                    "## command -v ip"):
+        assert section in env_txt, section
+    assert "pydantic " in env_txt and "blake3 " in env_txt
+    for f in ("partC-dump.log", "partC-restore.log"):
+        assert "cuda_plugin: initialized" in files[f]
 
 
 @pytest.mark.integration
 def test_part_c_harness_through_real_criu_with_the_fake_driver(tmp_path):
-    """The whole part C sequence on this CPU host: product CRIU env/flags/timeout/mount policy,
-    PID + mount namespace, non-CUDA root + 'CUDA' child, sleep, dump, restore, the product's
-    log and state checks, wake, same output."""
+    """The whole part C sequence on this CPU host: the product's LocalTools.dump/restore_tree,
+    its mount policy, scrubbed environment and privilege drop; PID + mount + network namespace,
+    non-CUDA root + 'CUDA' child with a reserved-but-unmapped VA range (level-2 sleep), dump,
+    restore, the product's log, state and credential checks, wake at the same VA, same output."""
     from vllm_snapshot import criu
 
     binary = criu.find_criu()
-    plugin = criu.find_cuda_plugin(binary)
     fc = tmp_path / "fakecuda"
     fc.mkdir()
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'tests' / 'fakecuda'}:{ROOT}", "FAKE_CUDA_DIR": str(fc),
            "CRIU_FAULT": "138"}
-    cp = subprocess.run([sys.executable, str(TREE), "--criu", binary, "--plugin-dir", str(plugin.parent),
+    before = set(Path("/var/lib/vllm-snapshot-gpu-check").glob("tree.*"))
+    cp = subprocess.run([sys.executable, str(TREE), "--criu", binary, "--user", "vllm-snapshot",
                          "--out", str(tmp_path / "out"), "--mib", "4", "--fake"],
                         capture_output=True, text=True, env=env, timeout=300)
     results = [ln for ln in cp.stdout.splitlines() if ln.startswith("RESULT ")]
     assert cp.returncode == 0, cp.stdout + cp.stderr
     assert results and all(r.startswith("RESULT PASS") for r in results), results
     names = " | ".join(results)
-    for step in ("root has no CUDA", "child is a running CUDA process", "criu dump (swrk, product env)",
-                 "criu restore (swrk, product env, product checks)", "same output after restore + wake"):
+    for step in ("root has no CUDA", "child is a running CUDA process", "tree runs as the engine user",
+                 "sleep (unmap + release, VA kept)", *C_REQUIRED, "restored tree runs as the engine user"):
         assert step in names
     calls = [c for c in (fc / "calls.log").read_text().splitlines() if not c.startswith("get-restore-tid")]
     assert [c.split()[0] for c in calls] == ["lock", "checkpoint", "restore", "unlock"]
     assert "timeoutMs=" in calls[0] and calls[0].split("timeoutMs=")[1].split()[0] != "10000"  # not CRIU's 10 s
-    assert not list(ROOT.glob(".gpu-check-tree.*"))  # its work dir is gone
+    assert set(Path("/var/lib/vllm-snapshot-gpu-check").glob("tree.*")) == before  # its work dir is gone
     for log in ("partC-dump.log", "partC-restore.log"):
         assert "cuda_plugin: initialized" in (tmp_path / "out" / log).read_text()
+
+
+# ---------------------------------------------------------------- the fake VMM (M3's stand-in)
+
+FAKE_VMM_SEQUENCE = r"""
+import ctypes
+from pathlib import Path
+from cuda.bindings import driver as cu
+ok = cu.CUresult.CUDA_SUCCESS
+bad = cu.CUresult.CUDA_ERROR_INVALID_VALUE
+assert cu.cuInit(0) == (ok,)
+_, dev = cu.cuDeviceGet(0)
+assert cu.cuCtxSetCurrent(cu.cuDevicePrimaryCtxRetain(dev)[1]) == (ok,)
+prop = cu.CUmemAllocationProp()
+prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+size = cu.cuMemGetAllocationGranularity(prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)[1]
+err, va = cu.cuMemAddressReserve(size, 0, 0, 0)
+assert err == ok
+acc = cu.CUmemAccessDesc()
+acc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+acc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+
+def create_and_map():
+    e, h = cu.cuMemCreate(size, prop, 0)
+    assert e == ok
+    assert cu.cuMemMap(va, size, 0, h, 0) == (ok,)
+    assert cu.cuMemcpyHtoD(va, b"x" * 8, 8) == (bad,)  # not accessible before cuMemSetAccess
+    assert cu.cuMemSetAccess(va, size, [acc], 1) == (ok,)
+    return h
+
+h = create_and_map()
+assert cu.cuMemcpyHtoD(va, b"weights!", 8) == (ok,)
+buf = bytearray(8)
+assert cu.cuMemcpyDtoH(buf, va, 8) == (ok,) and bytes(buf) == b"weights!"
+e, h2 = cu.cuMemCreate(size, prop, 0)
+assert cu.cuMemMap(va, size, 0, h2, 0) == (bad,)  # already mapped
+assert cu.cuMemMap(va + size, size, 0, h2, 0) == (bad,)  # outside the reservation
+# sleep level 2: unmap + release, the reservation stays
+assert cu.cuMemUnmap(va, size) == (ok,) and cu.cuMemRelease(h) == (ok,)
+assert cu.cuMemcpyDtoH(buf, va, 8) == (bad,)
+maps = Path("/proc/self/maps").read_text()
+assert any(ln.startswith(f"{va:x}-") and ln.split()[1].startswith("---") for ln in maps.splitlines())
+h = create_and_map()  # wake: at the same VA
+assert cu.cuMemcpyDtoH(buf, va, 8) == (ok,) and bytes(buf) == bytes(8)  # fresh memory: the reload's job
+assert cu.cuMemUnmap(va, size) == (ok,) and cu.cuMemRelease(h) == (ok,) and cu.cuMemRelease(h2) == (ok,)
+# a range the kernel no longer holds as a reservation cannot be mapped (what a reservation
+# lost in a restore would look like), even while this module's tables still list it
+ctypes.CDLL(None).munmap(ctypes.c_void_p(va), ctypes.c_size_t(size))
+e, h = cu.cuMemCreate(size, prop, 0)
+assert cu.cuMemMap(va, size, 0, h, 0) == (bad,)
+print("fake VMM ok")
+"""
+
+
+def test_fake_vmm_keeps_the_reservation_and_checks_the_driver_rules():
+    """The fake driver's VMM calls (what part C's child makes in a dry run) follow the real
+    driver's rules, so a child that released its reservation at sleep could not re-map at wake.
+    In a process of its own: the fake ``cuda`` package must not shadow anything in this one."""
+    cp = subprocess.run([sys.executable, "-c", FAKE_VMM_SEQUENCE], capture_output=True, text=True, timeout=60,
+                        env={**os.environ, "PYTHONPATH": str(ROOT / "tests" / "fakecuda")})
+    assert cp.returncode == 0 and "fake VMM ok" in cp.stdout, cp.stdout + cp.stderr

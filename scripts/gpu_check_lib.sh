@@ -9,7 +9,7 @@
 # part C's steps below must be there as PASS, else the best verdict is NOT RUN.
 VERDICT_REQUIRED=("C criu dump" "C criu restore" "C wake" "C same output after restore + wake")
 verdict() {
-  local file=$1 st name detail fails=0 notrun=0 dry=0 req missing=() reasons=() n=0
+  local file=$1 st name detail fails=0 notrun=0 dry=0 req missing=() reasons=() n=0 joined
   local -A passed=()
   while IFS=$'\t' read -r st name detail; do
     [ -n "$st" ] || continue
@@ -31,8 +31,12 @@ verdict() {
     echo "GPU_CHECK: FAIL ($fails failed)"; return 1
   fi
   if [ "$notrun" -gt 0 ] || [ "$dry" -eq 1 ] || [ "${#missing[@]}" -gt 0 ] || [ "$n" -eq 0 ]; then
-    [ "${#missing[@]}" -gt 0 ] && reasons+=("CRIU did not checkpoint and restore a CUDA process through the product's invocation (not passed: $(IFS=,; echo "${missing[*]}"))")
-    echo "GPU_CHECK: NOT RUN ($(IFS=';'; echo "${reasons[*]}"))"; return 3
+    if [ "${#missing[@]}" -gt 0 ]; then
+      joined=$(printf '%s, ' "${missing[@]}")
+      reasons+=("CRIU did not checkpoint and restore a CUDA process through the product's invocation (not passed: ${joined%, })")
+    fi
+    joined=$(printf '%s; ' "${reasons[@]}")
+    echo "GPU_CHECK: NOT RUN (${joined%; })"; return 3
   fi
   echo "GPU_CHECK: PASS"; return 0
 }

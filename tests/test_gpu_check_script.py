@@ -400,3 +400,58 @@ def test_fake_vmm_keeps_the_reservation_and_checks_the_driver_rules():
     cp = subprocess.run([sys.executable, "-c", FAKE_VMM_SEQUENCE], capture_output=True, text=True, timeout=60,
                         env={**os.environ, "PYTHONPATH": str(ROOT / "tests" / "fakecuda")})
     assert cp.returncode == 0 and "fake VMM ok" in cp.stdout, cp.stdout + cp.stderr
+
+
+CONTRACT = r"""
+import importlib.util, inspect, re, sys
+from cuda.bindings import driver as real
+spec = importlib.util.spec_from_file_location("fakedriver", sys.argv[1])
+fake = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(fake)
+sys.path.insert(0, sys.argv[2])
+import gpu_check_tree
+used = sorted(set(re.findall(r"\bcu\.(\w+)", gpu_check_tree.CHILD)))
+problems = []
+for name in used:
+    for mod, what in ((real, "cuda-bindings"), (fake, "the fake")):
+        if not hasattr(mod, name):
+            problems.append(f"{what} has no {name}")
+    if name.startswith("cu") and callable(getattr(real, name, None)) and hasattr(fake, name):
+        doc = (getattr(real, name).__doc__ or "").split("\n")[0]
+        want = [p.strip().split(":")[0].split()[-1] for p in doc[doc.index("(") + 1: doc.rindex(")")].split(",") if p.strip()]
+        got = list(inspect.signature(getattr(fake, name)).parameters)
+        if want != got:
+            problems.append(f"{name}: cuda-bindings takes {want}, the fake {got}")
+import ast
+for node in ast.walk(ast.parse(gpu_check_tree.CHILD)):
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "cu" and node.func.attr.startswith("cu")):
+        doc = (getattr(real, node.func.attr).__doc__ or "").split("\n")[0]
+        n = len([p for p in doc[doc.index("(") + 1: doc.rindex(")")].split(",") if p.strip()])
+        if len(node.args) + len(node.keywords) != n:
+            problems.append(f"line {node.lineno}: {node.func.attr} called with {len(node.args) + len(node.keywords)} "
+                            f"arguments, cuda-bindings takes {n}")
+for cls, attrs in (("CUmemAllocationProp", ("type", "location", "allocFlags")), ("CUmemAccessDesc", ("location", "flags"))):
+    for mod, what in ((real, "cuda-bindings"), (fake, "the fake")):
+        obj = getattr(mod, cls)()
+        problems += [f"{what} {cls} has no {a}" for a in attrs if not hasattr(obj, a)]
+        problems += [f"{what} {cls}.location has no {a}" for a in ("type", "id") if not hasattr(obj.location, a)]
+for enum, member in (("CUmemAllocationType", "CU_MEM_ALLOCATION_TYPE_PINNED"), ("CUmemLocationType", "CU_MEM_LOCATION_TYPE_DEVICE"),
+                     ("CUmemAccess_flags", "CU_MEM_ACCESS_FLAGS_PROT_READWRITE"),
+                     ("CUmemAllocationGranularity_flags", "CU_MEM_ALLOC_GRANULARITY_MINIMUM"),
+                     ("CUmemAllocationCompType", "CU_MEM_ALLOCATION_COMP_NONE")):
+    if int(getattr(getattr(real, enum), member)) != int(getattr(getattr(fake, enum), member)):
+        problems.append(f"{enum}.{member} differs")
+print(len(used), "calls and types checked")
+print("\n".join(problems))
+sys.exit(1 if problems else 0)
+"""
+
+
+def test_the_childs_driver_calls_match_cuda_bindings_and_the_fake():
+    """What part C's child calls exists in the real cuda-bindings (a dev extra; its import needs
+    no GPU) with the fake's parameter names, so the dry run exercises the calls the GPU run
+    makes."""
+    cp = subprocess.run([str(VENV_PY), "-c", CONTRACT, str(ROOT / "tests" / "fakecuda" / "cuda" / "bindings" / "driver.py"),
+                         str(ROOT / "scripts")], capture_output=True, text=True, timeout=120)
+    assert cp.returncode == 0, cp.stdout + cp.stderr

@@ -94,7 +94,7 @@ def _restore_tid(pid):
     return None
 
 
-def cuInit(flags):
+def cuInit(Flags):
     global _inited
     if os.environ.get("FAKE_CUDA_INIT") == "fail":
         return (CUresult.CUDA_ERROR_NO_DEVICE,)

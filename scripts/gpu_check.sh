@@ -99,7 +99,6 @@ cleanup() {
   rm -rf "$WORK"
 }
 
-
 summary_and_exit() {
   local code=$1 v
   [ "$code" -ne 0 ] && [ "$code" -ne 3 ] && result FAIL "gpu_check.sh" "stopped early (exit $code): see gpu_check.log"

@@ -253,6 +253,30 @@ def test_carry_holds_criu_ip_pycriu_and_py312_wheels_under_the_limit(tmp_path):
 
 # ---------------------------------------------------------------- the dry run through real CRIU
 
+def test_no_carried_criu_is_not_run_with_the_reason(tmp_path):
+    """H2: without .criu-carry the check used to SKIP parts C and B and could say PASS."""
+    cp = _run_check(tmp_path, [], {"GPU_CHECK_FAKE": "1", "GPU_CHECK_CARRY": str(tmp_path / "none"),
+                                   "PYTHON": str(VENV_PY)})
+    assert cp.returncode == 3, cp.stdout + cp.stderr
+    assert "NOTRUN  C/B CRIU: no carried CRIU at" in cp.stdout
+    assert "CRIU did not checkpoint and restore a CUDA process" in cp.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.integration
+def test_too_little_time_for_part_c_is_not_run(tmp_path):
+    carry = _build_carry(tmp_path, _venv_python_version())
+    cp = _run_check(tmp_path, [], {"GPU_CHECK_FAKE": "1", "GPU_CHECK_CARRY": str(carry), "PYTHON": str(VENV_PY),
+                                   "GPU_CHECK_BUDGET_S": "100"})
+    assert cp.returncode == 3, cp.stdout + cp.stderr
+    assert "NOTRUN  C product invocation: too little time left" in cp.stdout, cp.stdout
+    assert "PASS    C criu dump" not in cp.stdout and "C tree started" not in cp.stdout
+
+
+def _venv_python_version() -> str:
+    return subprocess.run([str(VENV_PY), "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
 @pytest.mark.integration
 def test_dry_run_of_the_whole_check_with_the_fake_driver(tmp_path):
     """gpu_check.sh end to end on this CPU host (GPU_CHECK_FAKE=1): the carried wheels (for this
@@ -260,9 +284,7 @@ def test_dry_run_of_the_whole_check_with_the_fake_driver(tmp_path):
     through CR_IP_TOOL, part C through real CRIU as the engine user with the product's scrubbed
     environment, the diagnostics packed into two files, and the verdict NOT RUN (no GPU: never
     PASS), with every part C step PASS."""
-    pyver = subprocess.run([str(VENV_PY), "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
-                           capture_output=True, text=True, check=True).stdout.strip()
-    carry = _build_carry(tmp_path, pyver)
+    carry = _build_carry(tmp_path, _venv_python_version())
     real_ip = carry / "bin" / "ip.real"
     (carry / "bin" / "ip").rename(real_ip)
     ip_log = tmp_path / "ip.calls"

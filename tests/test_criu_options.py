@@ -493,3 +493,20 @@ def test_without_the_notification_before_memory_runs_after_criu():
     resp = criu._restore_notified(c, pycriu, lambda: calls.append("late"), [])
     th.join(5)
     assert resp.pid == 4242 and calls == ["late"]
+
+
+def test_log_excerpt_leaves_out_the_cuda_plugins_benign_not_cuda_lines(tmp_path):
+    """Review gpu-path-2 L2: every non-CUDA process of a CUDA dump/restore makes CRIU 4.2.1's
+    plugin log an ``Error`` line; they must not push the real error out of the excerpt. A line
+    where our helper says it cannot reach the driver (``unavailable:``) is kept."""
+    benign = ("(00.1) Error (plugins/cuda/cuda_plugin.c:221): cuda_plugin: Failed to launch cuda-checkpoint "
+              "to retrieve restore tid: cuda-checkpoint: no CUDA in process {}")
+    real = "(00.2) Error (criu/files-reg.c:2136): Can't open file dev/nvidiactl on restore"
+    lines = ["(00.0) info"] * 5 + [real] + [benign.format(i) for i in range(40)]
+    unavailable = ("(00.3) Error (plugins/cuda/cuda_plugin.c:221): cuda_plugin: Failed to launch cuda-checkpoint "
+                   "to retrieve restore tid: cuda-checkpoint: unavailable: cuInit: CUDA_ERROR_NO_DEVICE")
+    log = tmp_path / "criu-restore.log"
+    log.write_text("\n".join(lines + [unavailable]) + "\n")
+    out = criu.log_excerpt(log, context=2)
+    assert real in out and unavailable in out
+    assert "no CUDA in process" not in out

@@ -236,11 +236,26 @@ def version_ok(version: str) -> bool:
     return tuple(parts) >= MIN_VERSION
 
 
+#: What CRIU 4.2.1's CUDA plugin logs as an ``Error`` for every process that is not a CUDA
+#: process (``plugins/cuda/cuda_plugin.c:221``: ``--get-restore-tid`` exited non-zero, which
+#: the plugin reads as "skip this task"): one line per non-CUDA process of every CUDA dump and
+#: restore, benign unless our helper says it could not reach the driver (``unavailable:``).
+BENIGN_CUDA_ERROR = "Failed to launch cuda-checkpoint to retrieve restore tid"
+
+
+def _benign(line: str) -> bool:
+    from .cuda_checkpoint import UNAVAILABLE
+
+    return BENIGN_CUDA_ERROR in line and UNAVAILABLE not in line
+
+
 def log_excerpt(log_path: Path, context: int = 4, limit: int = 30) -> str:
     """The ``Error`` lines of a CRIU log with ``context`` lines before each (at most ``limit``
-    lines). Returns "" when the log is missing."""
+    lines). The CUDA plugin's benign "not a CUDA process" lines (:data:`BENIGN_CUDA_ERROR`)
+    are left out, so they cannot push the real error out of the excerpt. Returns "" when the
+    log is missing."""
     try:
-        lines = log_path.read_text(errors="replace").splitlines()
+        lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if not _benign(ln)]
     except OSError:
         return ""
     keep: list[int] = []

@@ -307,3 +307,28 @@ def test_cuda_preflight_runs_the_helper_criu_would_run(tmp_path):
         LocalTools()._cuda_preflight(env)
     helper.write_text("#!/bin/sh\necho 'usage: cuda-checkpoint --action {lock,checkpoint,restore,unlock} --pid PID'\n")
     LocalTools()._cuda_preflight(env)
+
+
+def test_capacity_check_reads_the_utilization_the_engine_parsed_abbreviations_included(monkeypatch):
+    """Review gpu-path-2 L3: argparse takes ``--gpu-mem 0.5`` for --gpu-memory-utilization; the
+    capacity check must read the value the engine used (the manifest's normalized args), not
+    fall back to 0.9 and refuse a restore that fits."""
+    from fakes import HOST
+    from helpers import make_manifest
+    from vllm_snapshot import manifest as mf
+    from vllm_snapshot.tools import LocalTools
+
+    base = make_manifest()
+    key = mf.SnapshotKey(value="0" * 64, parts={}, raw_args="0" * 64,
+                         normalized_args={"gpu_memory_utilization": "0.5"})
+    m = make_manifest(engine=base.engine.model_copy(update={"kind": "cuda", "engine_args": ("--gpu-mem", "0.5")}),
+                      host={**HOST, "gpu_uuid_used": "GPU-a"}, key=key)
+    monkeypatch.setattr(gpu, "memory", lambda uuid: (100 * GIB, 60 * GIB, 40 * GIB))  # 60 % free
+    LocalTools().check_gpu_capacity(m)  # needs 50 GiB: fits
+    tight = m.model_copy(update={"key": key.model_copy(update={"normalized_args": {"gpu_memory_utilization": "0.7"}})})
+    with pytest.raises(BusyError, match=r"needs 70\.00 GiB"):
+        LocalTools().check_gpu_capacity(tight)
+    # snapshots made before keys existed: the abbreviation in the recorded args
+    assert gpu.gpu_memory_utilization(["--gpu-mem", "0.5"]) == 0.5
+    assert gpu.gpu_memory_utilization(["--gpu_memory_utilization=0.25"]) == 0.25
+    assert gpu.gpu_memory_utilization(["--gpu-memory-utilization", "0.5", "--dtype", "half"], {}) == 0.9

@@ -22,7 +22,7 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .errors import BusyError, EnvironmentProblem
@@ -222,24 +222,56 @@ def used_gpu(cuda_pids: Sequence[int], device_files: Sequence[str], uuids: dict[
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
-def required_restore_bytes(engine_args: Sequence[str], total_bytes: int) -> int:
+def gpu_memory_utilization(engine_args: Sequence[str], normalized: Mapping[str, str] | None = None) -> float:
+    """The engine's ``--gpu-memory-utilization`` (a fraction). ``normalized``: the args as
+    vLLM's parser normalized them at create (``manifest.key.normalized_args``: ``{dest: JSON
+    text}`` of the options that differ from their default), which settles abbreviations
+    (``--gpu-mem 0.5``) and ``--gpu_memory_utilization`` the way the engine read them. Without
+    it (snapshots made before keys existed), the last flag in ``engine_args`` that vLLM's
+    argparse would take for it -- the full name or an abbreviation (no other ``vllm serve``
+    option starts with ``--gpu``), dashes or underscores. Default :data:`DEFAULT_GPU_MEMORY_UTILIZATION`.
+    Pure. Raises ValueError for a value that is not a number in (0, 1]."""
+    import json
+
+    raw: str | None = None
+    if normalized is not None:
+        text = normalized.get("gpu_memory_utilization")
+        raw = None if text is None else str(json.loads(text))
+    else:
+        full = "--gpu-memory-utilization"
+        args = list(engine_args)
+        for i, a in enumerate(args):
+            flag, eq, value = a.partition("=")
+            flag = "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag
+            if len(flag) < len("--gpu") or not full.startswith(flag):
+                continue
+            if eq:
+                raw = value
+            elif i + 1 < len(args):
+                raw = args[i + 1]
+    try:
+        util = DEFAULT_GPU_MEMORY_UTILIZATION if raw is None else float(raw)
+    except ValueError:
+        raise ValueError(f"--gpu-memory-utilization {raw!r} is not a number") from None
+    if not 0 < util <= 1:
+        raise ValueError(f"--gpu-memory-utilization {raw} is not in (0, 1]")
+    return util
+
+
+def required_restore_bytes(engine_args: Sequence[str], total_bytes: int,
+                           normalized: Mapping[str, str] | None = None) -> int:
     """GPU memory (bytes) a restored engine needs free before CRIU runs: what vLLM itself
     requests at start-up, ``ceil(total_memory * gpu_memory_utilization)`` (vLLM 0.32
     ``v1/worker/utils.py:724`` ``request_memory``; it refuses to start below that). A restored
     engine holds its sleeping state again and wake re-allocates weights and KV cache of the
     sizes it profiled at create, which fit that budget. ``engine_args`` are the recorded
-    ``vllm serve`` args (``--gpu-memory-utilization``, default 0.9); ``total_bytes`` is the
-    GPU's total memory (the same GPU model: the identity check compares ``gpu_name``). Pure.
-    Raises ValueError for a utilization that is not a number in (0, 1]."""
+    ``vllm serve`` args and ``normalized`` their normalized form (see
+    :func:`gpu_memory_utilization`, default 0.9); ``total_bytes`` is the GPU's total memory
+    (the same GPU model: the identity check compares ``gpu_name``). Pure. Raises ValueError
+    for a utilization that is not a number in (0, 1]."""
     import math
 
-    from .ops.create import arg_value
-
-    raw = arg_value(list(engine_args), "--gpu-memory-utilization")
-    util = DEFAULT_GPU_MEMORY_UTILIZATION if raw is None else float(raw)
-    if not 0 < util <= 1:
-        raise ValueError(f"--gpu-memory-utilization {raw} is not in (0, 1]")
-    return math.ceil(total_bytes * util)
+    return math.ceil(total_bytes * gpu_memory_utilization(engine_args, normalized))
 
 
 MEMORY_QUERY_ARGS: tuple[str, ...] = ("--query-gpu=uuid,memory.total,memory.free,memory.used",

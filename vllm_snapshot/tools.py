@@ -981,7 +981,8 @@ class LocalTools(SnapshotTools):
             return
         uuid = m.host.get("gpu_uuid_used", "")
         total, free, _used = gpu.memory(uuid)
-        gpu.check_free_memory(gpu.required_restore_bytes(m.engine.engine_args, total), free, gpu=uuid)
+        need = gpu.required_restore_bytes(m.engine.engine_args, total, m.key.normalized_args if m.key else None)
+        gpu.check_free_memory(need, free, gpu=uuid)
 
     def restore_tree(self, kind: str, opts: RestoreOptions, stage: Path,
                      before_memory: Callable[[], None] | None = None) -> int:

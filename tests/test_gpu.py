@@ -73,10 +73,24 @@ def test_identity_fields_without_memory(gpu_host):
     assert ident == {
         "gpu_driver": "580.95.05",
         "gpu_name": "NVIDIA H200;NVIDIA H200",
-        "gpu_uuid": "GPU-0c4a1b2e-1111-2222-3333-444455556666;GPU-ffff1b2e-1111-2222-3333-444455556666",
     }
     host = identity.collect("4.2.1", gpu=ident)
-    assert host["gpu_uuid"] == ident["gpu_uuid"] and host["criu"] == "4.2.1"
+    assert host["gpu_name"] == ident["gpu_name"] and host["criu"] == "4.2.1"
+
+
+def test_replacing_a_gpu_the_engine_did_not_use_keeps_the_identity(gpu_host):
+    """Review gpu-path-2 L8: the identity pinned every GPU's UUID, so swapping an unused GPU
+    blocked restore; the used one is pinned by gpu_uuid_used. Name and driver stay compared,
+    and a snapshot that recorded every UUID (``gpu_uuid``) is not held to it."""
+    other = H200.replace("GPU-0c4a", "GPU-ffff")
+    at_create = identity.collect("4.2.1", gpu=gpu.gpu_identity(FakeRunner(H200 + other), **gpu_host))
+    swapped = identity.collect("4.2.1", gpu=gpu.gpu_identity(FakeRunner(H200 + other.replace("GPU-ffff", "GPU-eeee")),
+                                                            **gpu_host))
+    assert identity.compare(at_create, swapped) == []
+    legacy = {**at_create, "gpu_uuid": "GPU-0c4a1b2e-1111-2222-3333-444455556666;GPU-ffff1b2e"}
+    assert identity.compare(legacy, swapped) == []
+    newer = identity.collect("4.2.1", gpu=gpu.gpu_identity(FakeRunner(H200.replace("580.95.05", "590.1")), **gpu_host))
+    assert [d.field for d in identity.compare(at_create, newer)] == ["gpu_driver", "gpu_name"]
 
 
 def test_cpu_host_returns_none_without_running_anything(tmp_path):

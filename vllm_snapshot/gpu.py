@@ -120,13 +120,16 @@ def query(runner: Runner | None = None, *, which: Callable[[str], str | None] = 
 
 def identity_fields(gpus: Sequence[GpuInfo]) -> dict[str, str]:
     """Host-identity fields for ``gpus`` (pure): ``gpu_driver`` (driver version, e.g.
-    ``580.95.05``), ``gpu_name`` and ``gpu_uuid`` (one entry per GPU in index order, joined
-    with ``;``). Memory is left out on purpose: it changes from minute to minute."""
+    ``580.95.05``) and ``gpu_name`` (one entry per GPU in index order, joined with ``;``).
+    Memory is left out on purpose: it changes from minute to minute. The GPUs' UUIDs are left
+    out too: the one GPU a snapshot's tree used is pinned by ``gpu_uuid_used`` (recorded at
+    create, required on the restoring host), so replacing a GPU the engine never used does not
+    block a restore (snapshots made before recorded every UUID as ``gpu_uuid``, which
+    :func:`vllm_snapshot.identity.compare` no longer compares)."""
     drivers = sorted({g.driver for g in gpus})
     return {
         "gpu_driver": ";".join(drivers),
         "gpu_name": ";".join(g.name for g in gpus),
-        "gpu_uuid": ";".join(g.uuid for g in gpus),
     }
 
 

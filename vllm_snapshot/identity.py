@@ -120,10 +120,17 @@ class Difference:
         return s + (" (overridden)" if self.overridden else "")
 
 
+#: Fields older snapshots recorded that are no longer compared: ``gpu_uuid`` joined the UUIDs
+#: of every GPU of the host, so replacing a GPU the engine never used blocked every restore;
+#: the GPU the tree used is pinned by ``gpu_uuid_used`` (checked to be on the restoring host).
+NOT_COMPARED: frozenset[str] = frozenset({"gpu_uuid"})
+
+
 def compare(
     expected: dict[str, str], actual: dict[str, str], overrides: frozenset[str] = frozenset()
 ) -> list[Difference]:
-    """Every field that differs (missing on either side counts as ``"absent"``). Pure.
+    """Every field that differs (missing on either side counts as ``"absent"``), except
+    :data:`NOT_COMPARED`. Pure.
 
     Fields named in ``overrides`` are still reported, with ``overridden=True``.
     Raises ValueError when ``overrides`` names a field outside :data:`OVERRIDABLE`.
@@ -132,7 +139,7 @@ def compare(
     if bad:
         raise ValueError(f"cannot override {sorted(bad)}; overridable: {sorted(OVERRIDABLE)}")
     diffs = []
-    for key in sorted(set(expected) | set(actual)):
+    for key in sorted((set(expected) | set(actual)) - NOT_COMPARED):
         e, a = expected.get(key, "absent"), actual.get(key, "absent")
         if e != a:
             diffs.append(Difference(key, e, a, key in overrides))

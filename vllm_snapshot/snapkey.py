@@ -105,8 +105,11 @@ def env_part(env: Mapping[str, str], keep: Iterable[str] = ()) -> str:
 
 def host_part(host: Mapping[str, str]) -> str:
     """Digest of the host identity fields restore compares (``gpu_uuid_used`` is a fact of the
-    dump, not of the host, and is left out). Pure."""
-    return _h({k: v for k, v in host.items() if k != "gpu_uuid_used"})
+    dump, not of the host, and is left out, as are the fields restore no longer compares:
+    :data:`vllm_snapshot.identity.NOT_COMPARED`). Pure."""
+    from .identity import NOT_COMPARED
+
+    return _h({k: v for k, v in host.items() if k != "gpu_uuid_used" and k not in NOT_COMPARED})
 
 
 PARTS = ("model", "engine", "env", "host")

@@ -40,6 +40,7 @@ class FakeEngine(Engine):
         self.kind = kind
         self.oracles = list(oracles or [make_oracle()])
         self.sent: list[str] = []
+        self.timeouts: dict[str, float] = {}  # event -> the last timeout waited for it (seconds)
         self.killed = False
         self.closed = False
         self._alive = True
@@ -53,6 +54,7 @@ class FakeEngine(Engine):
         self.calls.append(f"engine.{cmd}")
 
     def wait_event(self, name: str, timeout: float) -> dict:
+        self.timeouts[name] = timeout
         if name == "initialized":
             return {"event": name, "oracle": self._next_oracle(),
                     "info": {"kind": self.kind, "vllm": "x", "torch": "y", "served_model_name": "tiny",

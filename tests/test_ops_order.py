@@ -240,6 +240,25 @@ def test_cuda_restore_wakes_before_the_oracle():
     assert t.engine.sent == ["attach", "wake", "oracle", "serve"]
 
 
+def test_cuda_restore_waits_for_the_wake_as_long_as_the_rehearsal_allowed():
+    """Review gpu-path-2 M4: restore waited 300 s for ``woken`` where create's rehearsal waits
+    600 s, so a model whose reload took 300-600 s at create never restored. Now: at least the
+    rehearsal's allowance, and twice the rehearsal's measured wake (recorded at create)."""
+    from vllm_snapshot.ops.create import WAKE_TIMEOUT_S
+
+    t = FakeTools(kind="cuda")
+    m = _create(t).manifest
+    assert m.engine.rehearsal_wake_s == 1.0  # FakeTools' clock: one tick per call
+    assert t.engine.timeouts["woken"] == WAKE_TIMEOUT_S
+    engine = m.engine.model_copy(update={"kind": "cuda", "sleep_level": 2, "full_state_captured": False})
+    r = FakeTools(manifest=manifest_with(engine=engine))
+    _restore(r)
+    assert r.engine.timeouts["woken"] == WAKE_TIMEOUT_S
+    slow = FakeTools(manifest=manifest_with(engine=engine.model_copy(update={"rehearsal_wake_s": 450.0})))
+    _restore(slow)
+    assert slow.engine.timeouts["woken"] == 900.0
+
+
 # ------------------------------------------------------------------ create
 
 def test_create_happy_path_order_and_scrubbed_env():

@@ -127,7 +127,11 @@ class EngineInfo(_Strict):
 
     ``user``: the unprivileged user the tree ran as; None for snapshots made before engines
     dropped privileges (their tree runs as root with every capability: restore still restores
-    them, with a warning, and ``inspect`` says so)."""
+    them, with a warning, and ``inspect`` says so).
+
+    ``rehearsal_wake_s``: seconds the wake (weights reloaded at sleep level 2) of create's
+    sleep rehearsal took; restore waits for its own wake at least twice that (None: no
+    rehearsal, or a snapshot made before it was recorded)."""
 
     kind: Literal["cpu", "cuda"]
     sleep_level: int = Field(ge=0, le=2)
@@ -136,6 +140,7 @@ class EngineInfo(_Strict):
     full_state_captured: bool
     network: Literal["host", "isolated"] = "host"
     user: EngineUser | None = None
+    rehearsal_wake_s: float | None = Field(default=None, ge=0)
 
 
 class TreeFile(_Strict):

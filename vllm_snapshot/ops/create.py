@@ -260,12 +260,15 @@ def _start_engine(t: SnapshotTools, req: CreateRequest, spec: dict, env: dict[st
         raise
 
 
-def _rehearse_sleep(engine: Engine, level: int, recorded: oracle.Oracle) -> None:
-    """sleep -> wake (reload) -> oracle must match -> sleep again. Raises OracleMismatchError."""
+def _rehearse_sleep(engine: Engine, level: int, recorded: oracle.Oracle, clock: Callable[[], float]) -> float:
+    """sleep -> wake (reload) -> oracle must match -> sleep again. Returns the seconds the wake
+    took (``clock``: monotonic seconds). Raises OracleMismatchError, EngineError."""
     engine.send("sleep", level=level)
     engine.wait_event("slept", SLEEP_TIMEOUT_S)
+    t0 = clock()
     engine.send("wake")
     engine.wait_event("woken", WAKE_TIMEOUT_S)
+    woke_s = clock() - t0
     engine.send("oracle")
     again = oracle.Oracle.model_validate(engine.wait_event("oracle", SLEEP_TIMEOUT_S)["oracle"])
     diffs = oracle.compare(recorded, again)
@@ -273,6 +276,14 @@ def _rehearse_sleep(engine: Engine, level: int, recorded: oracle.Oracle) -> None
         raise OracleMismatchError("sleep/wake rehearsal changed the oracle: " + "; ".join(diffs))
     engine.send("sleep", level=level)
     engine.wait_event("slept", SLEEP_TIMEOUT_S)
+    return woke_s
+
+
+def wake_timeout_s(m: manifest.Manifest) -> float:
+    """Seconds a restore waits for its engine's wake: as long as create's rehearsal was allowed
+    (:data:`WAKE_TIMEOUT_S`), and at least twice what the rehearsal's wake took (a reload on a
+    busier host). Pure."""
+    return max(WAKE_TIMEOUT_S, 2 * (m.engine.rehearsal_wake_s or 0.0))
 
 
 def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, revision: str | None, files: tuple, info: dict,
@@ -281,7 +292,8 @@ def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, revisio
                    externals: tuple, images: tuple, extra: tuple, timings: dict[str, float],
                    created_at: str, key: manifest.SnapshotKey | None = None,
                    code: manifest.CodeIdentity | None = None,
-                   engine_user: manifest.EngineUser | None = None) -> manifest.Manifest:
+                   engine_user: manifest.EngineUser | None = None,
+                   rehearsal_wake_s: float | None = None) -> manifest.Manifest:
     """The manifest of a finished dump (unsealed). Pure."""
     return manifest.Manifest(
         schema_version=manifest.SCHEMA_VERSION,
@@ -290,7 +302,8 @@ def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, revisio
         host=host,
         engine=manifest.EngineInfo(
             kind=info["kind"], sleep_level=sleep_level, engine_args=tuple(redact_args(req.engine_args)),
-            env_hashes={}, full_state_captured=(sleep_level == 0), network="isolated", user=engine_user),
+            env_hashes={}, full_state_captured=(sleep_level == 0), network="isolated", user=engine_user,
+            rehearsal_wake_s=rehearsal_wake_s),
         model=manifest.ModelIdentity(
             requested=req.model, path=str(model_dir), served_name=info["served_model_name"],
             files=files, total_bytes=sum(f.size for f in files), revision=revision),
@@ -341,9 +354,10 @@ def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: 
                             normalized=info["normalized_args"], model_files=files, oracle_prompt=req.oracle_prompt,
                             sleep_level=req.sleep_level, env=env, host=host)
         sleep_level = req.sleep_level if info["kind"] == "cuda" else 0
+        woke_s = None
         if sleep_level:
             with rep.phase("sleep", f"sleep level {sleep_level} (rehearsal: wake, reload, oracle)"):
-                _rehearse_sleep(engine, sleep_level, recorded)
+                woke_s = round(_rehearse_sleep(engine, sleep_level, recorded, t.clock), 3)
         engine.send("prepare-dump")
         ready = engine.wait_event("dump-ready", DUMP_READY_TIMEOUT_S)
         with rep.phase("inventory", "checking the tree for what CRIU cannot restore"):
@@ -386,7 +400,7 @@ def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: 
             req=req, target=target, model_dir=model_dir, revision=revision, files=files, info=info, recorded=recorded,
             sleep_level=sleep_level, env=env, criu_ver=criu_ver, host={**host, **gpu_id},
             inv=inv, inherit=inherit, dump_opts=dump_opts, externals=externals, images=images, extra=extra,
-            timings=rep.timings, key=key, code=code, engine_user=who,
+            timings=rep.timings, key=key, code=code, engine_user=who, rehearsal_wake_s=woke_s,
             created_at=_dt.datetime.fromtimestamp(t.now(), _dt.timezone.utc).isoformat(timespec="seconds"))
         with rep.phase("publish", "publishing"):
             m = manifest.seal(m.model_copy(update={"timings": dict(rep.timings)}))

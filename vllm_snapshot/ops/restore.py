@@ -52,6 +52,7 @@ from ..registry import Entry
 from ..results import Restored, Verified
 from ..tools import Engine, LocalTools, SnapshotTools
 from .cleanup import run_cleanups
+from .create import wake_timeout_s
 
 RESTORE_ORACLE_TIMEOUT_S = 300.0
 BIND_TIMEOUT_S = 120.0
@@ -360,7 +361,7 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
         if m.engine.sleep_level:
             with rep.phase("wake", "waking engine (reload weights, reset prefix cache)"):
                 engine.send("wake")
-                engine.wait_event("woken", RESTORE_ORACLE_TIMEOUT_S)
+                engine.wait_event("woken", wake_timeout_s(m))
         with rep.phase("oracle", "replaying the oracle inside the engine"):
             engine.send("oracle")
             got = oracle.Oracle.model_validate(engine.wait_event("oracle", RESTORE_ORACLE_TIMEOUT_S)["oracle"])

@@ -202,22 +202,59 @@ def test_truncated_file_refuses(model_dir):
     _refuses(model_dir, rec, "quick")
 
 
-def test_added_files_are_reported_without_refusing(model_dir):
+def test_added_files_that_cannot_change_the_engine_are_ignored(model_dir):
+    """Issue 29 / review gpu-path-2 M5, one policy: dot-directories (``huggingface-cli download
+    --local-dir`` leaves ``.cache/huggingface``), dot-files and docs are not the model."""
     rec = model_digest.digest_dir(model_dir)
     (model_dir / "README.md").write_text("hi")
-    (model_dir / "sub" / "new.bin").write_bytes(b"\x00" * 10)
-    (model_dir / ".git" / "ORIG_HEAD").write_text("x")  # skipped dir: not reported
+    (model_dir / "LICENSE").write_text("MIT")
+    (model_dir / ".gitattributes").write_text("*.safetensors filter=lfs")
+    (model_dir / ".cache" / "huggingface" / "download").mkdir(parents=True)
+    (model_dir / ".cache" / "huggingface" / "download" / "model.safetensors.metadata").write_text("x")
+    (model_dir / ".git" / "ORIG_HEAD").write_text("x")
     check = model_digest.verify(model_dir, rec)
-    assert check.added == ("README.md", "sub/new.bin")
+    assert check.added == (".gitattributes", "LICENSE", "README.md")
     assert check.rehashed == ()
+    # nor are they hashed at create (or in serve's key)
+    assert [f.path for f in model_digest.digest_dir(model_dir)] == [f.path for f in rec]
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("model-00002-of-00002.safetensors", "weights"), ("sub/new.bin", "weights"), ("extra.pt", "weights"),
+    ("model.safetensors.index.json", "weights"), ("generation_config.json", "config"),
+    ("tokenizer_config.json", "tokenizer"), ("merges.txt", "tokenizer"), ("notes.txt", "file"),
+    ("modeling_x.py", "code"),
+])
+def test_an_added_weight_config_or_tokenizer_file_refuses_naming_it(model_dir, name, kind):
+    """Review gpu-path-2 M5: restore only warned of an added shard, though vLLM's loader globs
+    ``*.safetensors`` in the model dir (the level-2 wake reloads that way) and a cold start
+    would load it. Anything added that the policy does not ignore refuses (fail closed)."""
+    rec = model_digest.digest_dir(model_dir)
+    (model_dir / name).parent.mkdir(parents=True, exist_ok=True)
+    (model_dir / name).write_bytes(b"\x00" * 10)
+    e = _refuses(model_dir, rec, "quick", name)
+    assert f"{name} ({kind})" in e.message and "added since the snapshot was made" in e.message
+    assert e.details["added"] == [name] and "serve --rebuild" in e.hint and "move it out of" in e.hint
 
 
 def test_added_files_are_listed_in_details_when_refusing(model_dir):
     rec = model_digest.digest_dir(model_dir)
     (model_dir / "README.md").write_text("hi")
+    (model_dir / "new.safetensors").write_text("x")
     (model_dir / "config.json").write_text('{"hidden_size": 64}')
     e = _refuses(model_dir, rec, "quick", "config.json")
-    assert e.details["added"] == ["README.md"] and e.details["changed"] == ["config.json"]
+    assert e.details["added"] == ["new.safetensors"] and e.details["changed"] == ["config.json"]
+
+
+def test_recorded_docs_of_an_older_snapshot_are_not_held_against_it(model_dir):
+    """Snapshots made before the policy recorded README and the like: a changed or removed one
+    no longer refuses (it cannot change the engine)."""
+    (model_dir / "README.md").write_text("v1")
+    rec = model_digest.digest_dir(model_dir)
+    old = rec + (model_digest.ModelFile(path="README.md", size=2, blake3="0" * 64, mtime_ns=1, ctime_ns=1,
+                                        inode=1, device=1),)
+    (model_dir / "README.md").unlink()
+    assert model_digest.verify(model_dir, old, "full").rehashed == tuple(f.path for f in rec)
 
 
 def test_full_mode_rehashes_everything(model_dir):

@@ -86,6 +86,57 @@ def test_changed_model_file_builds_anew_and_names_the_file():
     assert any("model files differ (changed: model.safetensors)" in line for line in rep.lines), rep.lines
 
 
+def _with(t: FakeTools, *paths: str) -> None:
+    """The model dir of ``t``'s snapshots with files ``paths`` added."""
+    (built,) = t.snapshots
+    t.model_files = t.snapshots[built].model.files + tuple(
+        ModelFile(path=p, size=1, blake3="2" * 64, mtime_ns=9, ctime_ns=9, inode=9 + i, device=4)
+        for i, p in enumerate(paths))
+
+
+def test_added_docs_and_dot_dirs_keep_the_key_and_restore():
+    """Issue 29 "two policies": a file restore ignores must not cost serve a cold rebuild."""
+    t = _tools()
+    a, _ = _serve(t)
+    _with(t, "README.md", ".cache/huggingface/download/model.safetensors.metadata")
+    b, _ = _serve(t)
+    assert b.path == "restored" and b.key == a.key and len(t.snapshots) == 1
+
+
+def test_an_added_weight_file_refuses_serve_naming_it_and_rebuild_builds():
+    """Issue 29 / review gpu-path-2 M5: an added shard is refused by restore, so serve refuses it
+    too (naming it and the way out), instead of building a second snapshot silently."""
+    t = _tools()
+    _serve(t)
+    _with(t, "model-00002-of-00002.safetensors")
+    t.calls.clear()
+    with pytest.raises(ModelChangedError, match=r"model-00002-of-00002.safetensors \(weights\)") as ei:
+        _serve(t)
+    assert "serve --rebuild" in ei.value.hint and len(t.snapshots) == 1 and "launch_engine" not in t.calls
+    with pytest.raises(ModelChangedError):
+        _serve(t, build="never")
+    b, _ = _serve(t, build="always")
+    assert b.path == "built" and len(t.snapshots) == 2
+
+
+def test_a_snapshot_that_recorded_a_readme_still_matches_when_it_changes():
+    """Manifests made before the policy recorded docs; their key is recomputed without them."""
+    t = _tools()
+    _with_readme = FakeTools().manifest.model.files + (
+        ModelFile(path="README.md", size=1, blake3="3" * 64, mtime_ns=9, ctime_ns=9, inode=7, device=4),)
+    t.model_files = _with_readme
+    a, _ = _serve(t)
+    (built,) = t.snapshots
+    m = t.snapshots[built]
+    legacy_parts = {**m.key.parts, "model": snapkey._h(sorted((f.path, f.size, f.blake3) for f in _with_readme))}
+    t.snapshots[built] = m.model_copy(update={"model": m.model.model_copy(update={"files": _with_readme}),
+                                              "key": m.key.model_copy(update={"parts": legacy_parts,
+                                                                              "value": snapkey.combine(legacy_parts)})})
+    t.model_files = FakeTools().manifest.model.files  # README.md edited: no longer hashed at all
+    b, _ = _serve(t)
+    assert b.path == "restored" and len(t.snapshots) == 1
+
+
 def test_refused_snapshot_is_recorded_and_a_new_one_built():
     t = _tools()
     a, _ = _serve(t)

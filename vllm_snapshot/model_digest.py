@@ -6,13 +6,24 @@ threaded over an mmap) and its size, mtime_ns, ctime_ns, inode and device are ke
 re-hash and only a content difference refuses (so ``touch`` alone never refuses). ``full`` mode
 re-hashes everything. A metadata-only fingerprint (safetensors headers, first KiB of each
 tensor) misses changes past the fingerprinted bytes; hashing every byte cannot.
+
+**One policy for added files, for every command** (restore, verify, ``serve``'s key, switch):
+what cannot change the engine is not part of a model's identity (:func:`ignored`: dot-files
+and dot-directories such as ``.cache/huggingface`` or ``.git``, ``__pycache__``, docs such as
+README, LICENSE, ``*.md``, images); it is neither hashed nor compared, nor part of the key. Any
+other file added to the model directory after create refuses (:func:`verify` raises naming it
+and its kind): vLLM's loader globs ``*.safetensors``/``*.bin``/``*.pt`` in the model
+directory (it filters only when an index file exists; vLLM 0.32 ``default_loader.py``), and
+the level-2 wake reloads the weights that way, so an added shard can be loaded by a restored
+engine though the snapshot's oracle never saw it; an added config or tokenizer file changes
+what a cold start would build. Unknown kinds refuse too (fail closed).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Literal
 
 import blake3
@@ -21,6 +32,46 @@ from .errors import ModelChangedError, UsageError
 from .manifest import ModelFile
 
 SKIP_DIRS = {".git", "__pycache__"}
+#: File name stems (before the first dot, any case) of documents: they cannot change the engine.
+DOC_STEMS = frozenset({"readme", "license", "licence", "notice", "copying", "changelog", "citation", "authors",
+                       "contributing", "use_policy", "model_card"})
+#: Suffixes of documents and pictures (a model card's figures): they cannot change the engine.
+DOC_SUFFIXES = frozenset({".md", ".rst", ".pdf", ".png", ".jpg", ".jpeg", ".gif", ".svg", ".webp"})
+#: The kinds :func:`kind` names, by suffix or name (vLLM 0.32's loader patterns, HF names).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".npz",
+                    ".index.json")
+_TOKENIZER_PREFIXES = ("tokenizer", "vocab", "merges", "special_tokens_map", "added_tokens", "chat_template",
+                       "spiece", "sentencepiece")
+_TOKENIZER_SUFFIXES = (".model", ".tiktoken", ".jinja")
+
+
+def ignored(rel: str) -> bool:
+    """True when the model file at ``rel`` (a path relative to the model directory, ``/``
+    separated) cannot change the engine, so it is not part of the model's identity: under a
+    dot-directory or ``__pycache__``, a dot-file, or a document (:data:`DOC_STEMS`,
+    :data:`DOC_SUFFIXES`). vLLM and transformers read weights, config and tokenizer files by
+    name or by glob from the model directory, and ``glob`` skips dot-files. Pure."""
+    parts = PurePosixPath(rel).parts
+    if not parts or any(p.startswith(".") or p in SKIP_DIRS for p in parts):
+        return True
+    name = parts[-1].lower()
+    return name.split(".", 1)[0] in DOC_STEMS or PurePosixPath(name).suffix in DOC_SUFFIXES
+
+
+def kind(rel: str) -> str:
+    """What the model file at ``rel`` is, in words: ``weights`` (and weight index),
+    ``tokenizer``, ``config``, ``code`` (a model's own Python, run with
+    ``--trust-remote-code``), or ``file`` (unknown: refused like the others). Pure."""
+    name = PurePosixPath(rel).name.lower()
+    if name.endswith(_WEIGHT_SUFFIXES):
+        return "weights"
+    if name.startswith(_TOKENIZER_PREFIXES) or name.endswith(_TOKENIZER_SUFFIXES):
+        return "tokenizer"
+    if name.endswith((".json", ".yaml", ".yml")):
+        return "config"
+    if name.endswith(".py"):
+        return "code"
+    return "file"
 
 
 def hash_file(path: Path) -> str:
@@ -32,13 +83,15 @@ def hash_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _walk(root: Path) -> list[Path]:
+def _walk(root: Path, keep_ignored: bool = False) -> list[Path]:
+    """Regular files under ``root``, sorted, without dot-directories and ``__pycache__``, and
+    without the other :func:`ignored` files unless ``keep_ignored``."""
     out = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in SKIP_DIRS)
         for f in sorted(filenames):
             p = Path(dirpath) / f
-            if p.is_file():
+            if p.is_file() and (keep_ignored or not ignored(str(p.relative_to(root)))):
                 out.append(p)
     return out
 
@@ -74,8 +127,8 @@ def _stat_key(st: os.stat_result) -> tuple[int, int, int, int, int]:
 
 
 def digest_dir(root: Path, known: tuple[ModelFile, ...] = ()) -> tuple[ModelFile, ...]:
-    """Hash every regular file under ``root`` (sorted, following symlinks as the hub cache
-    uses them). Returns ModelFile entries with paths relative to ``root``. A file whose path
+    """Hash every regular file under ``root`` that is not :func:`ignored` (sorted, following
+    symlinks as the hub cache uses them). Returns ModelFile entries with paths relative to ``root``. A file whose path
     and full stat (size, mtime_ns, ctime_ns, inode, device) equal one of ``known`` (records
     of earlier digests, e.g. from manifests) takes that record's digest instead of being read
     again -- the rule restore's quick check uses. Raises OSError."""
@@ -100,17 +153,20 @@ def digest_dir(root: Path, known: tuple[ModelFile, ...] = ()) -> tuple[ModelFile
 
 @dataclass(frozen=True)
 class ModelCheck:
-    """Outcome of :func:`verify`: files re-hashed, files added (reported, not refused)."""
+    """Outcome of :func:`verify`: files re-hashed; ``added``: files added since create that
+    the policy ignores (:func:`ignored`; outside dot-directories, which are not walked)."""
 
     rehashed: tuple[str, ...]
     added: tuple[str, ...]
 
 
 def verify(root: Path, recorded: tuple[ModelFile, ...], mode: Literal["quick", "full"] = "quick") -> ModelCheck:
-    """Check ``root`` against ``recorded``.
+    """Check ``root`` against ``recorded`` (records of :func:`ignored` files, which snapshots
+    made before this policy hold, are not checked).
 
-    Raises ModelChangedError naming every file whose content differs or that is missing
-    (details: ``{"changed": [...], "missing": [...], "added": [...]}``).
+    Raises ModelChangedError naming every file whose content differs, that is missing, or that
+    was added and is not :func:`ignored` (with its :func:`kind`); details: ``{"changed":
+    [...], "missing": [...], "added": [...]}``.
     """
     if not root.is_dir():
         raise ModelChangedError(f"the model directory {root} does not exist (moved or deleted after create)",
@@ -118,6 +174,8 @@ def verify(root: Path, recorded: tuple[ModelFile, ...], mode: Literal["quick", "
                                 details={"changed": [], "missing": [f.path for f in recorded], "added": []})
     changed, missing, rehashed = [], [], []
     for f in recorded:
+        if ignored(f.path):
+            continue
         p = root / f.path
         try:
             st = p.stat()
@@ -132,16 +190,24 @@ def verify(root: Path, recorded: tuple[ModelFile, ...], mode: Literal["quick", "
         if st.st_size != f.size or hash_file(p) != f.blake3:
             changed.append(f.path)
     known = {f.path for f in recorded}
-    added = tuple(str(p.relative_to(root)) for p in _walk(root) if str(p.relative_to(root)) not in known) if root.is_dir() else ()
-    if changed or missing:
+    new = [str(p.relative_to(root)) for p in _walk(root, keep_ignored=True) if str(p.relative_to(root)) not in known]
+    added = [n for n in new if not ignored(n)]
+    if changed or missing or added:
         parts = []
         if changed:
             parts.append("content changed: " + ", ".join(changed))
         if missing:
             parts.append("missing: " + ", ".join(missing))
+        if added:
+            parts.append("added since the snapshot was made: " + ", ".join(f"{n} ({kind(n)})" for n in added))
+        hint = "re-create the snapshot from the current model files"
+        if added and not (changed or missing):
+            hint = (f"move {'it' if len(added) == 1 else 'them'} out of {root} (a cold start or the level-2 wake "
+                    "would load added weights, config or tokenizer files), or re-create the snapshot from the model "
+                    "as it is now (`vllm-snapshot serve --rebuild ...` or `create`)")
         raise ModelChangedError(
             f"model files under {root} differ from the snapshot's: " + "; ".join(parts),
-            hint="re-create the snapshot from the current model files",
-            details={"changed": changed, "missing": missing, "added": list(added)},
+            hint=hint,
+            details={"changed": changed, "missing": missing, "added": added},
         )
-    return ModelCheck(tuple(rehashed), added)
+    return ModelCheck(tuple(rehashed), tuple(n for n in new if ignored(n)))

@@ -85,8 +85,12 @@ def memoizable(engine_args: Iterable[str]) -> bool:
 
 
 def model_part(files) -> str:
-    """Digest of a model's content from its ModelFile records (path, size, BLAKE3). Pure."""
-    return _h(sorted((f.path, f.size, f.blake3) for f in files))
+    """Digest of a model's content from its ModelFile records (path, size, BLAKE3), without
+    the files that cannot change the engine (:func:`vllm_snapshot.model_digest.ignored`:
+    manifests made before that policy recorded them). Pure."""
+    from .model_digest import ignored
+
+    return _h(sorted((f.path, f.size, f.blake3) for f in files if not ignored(f.path)))
 
 
 def engine_part(requested_model: str, normalized: Mapping[str, str], oracle_prompt: str, sleep_level: int) -> str:
@@ -113,6 +117,20 @@ def host_part(host: Mapping[str, str]) -> str:
 
 
 PARTS = ("model", "engine", "env", "host")
+
+
+def parts_of(m) -> dict[str, str]:
+    """The key parts of the manifest ``m`` (which has a key) as this version computes them:
+    ``model`` and ``host`` again from the manifest's own records (the model files' policy and
+    the host fields compared may have changed since it was made: a snapshot must not need a
+    rebuild for that), ``engine`` and ``env`` as recorded. Pure."""
+    return {**m.key.parts, "model": model_part(m.model.files), "host": host_part(m.host)}
+
+
+def key_of(m) -> str:
+    """The key of the manifest ``m`` (which has a key) as this version computes it
+    (:func:`parts_of`). Pure."""
+    return combine(parts_of(m))
 
 
 def combine(parts: Mapping[str, str]) -> str:

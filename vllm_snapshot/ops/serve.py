@@ -16,6 +16,11 @@ Steps, in order (each side effect through :class:`SnapshotTools`):
 4. none left: with ``--no-build`` refuse; else ``create`` a new snapshot
    (``<model>-<key prefix>``) and restore it.
 
+Model files follow the one policy of :mod:`vllm_snapshot.model_digest`: what cannot change the
+engine (dot-directories, docs) is not in the key; a weight, config or tokenizer file added to
+the model directory since a snapshot of it was made refuses (naming it; ``--rebuild`` builds a
+snapshot of the model as it is now) instead of a silent cold rebuild.
+
 Refusals that make ``serve`` move on to another snapshot or build: host identity, model files,
 corrupt snapshot, oracle mismatch, CRIU or engine failure at restore. A busy port, a usage error,
 a missing host prerequisite or an interruption stop ``serve`` as they stop ``restore``. After
@@ -34,6 +39,7 @@ from ..archive import DEFAULT_COMPRESSION, Compression
 from ..errors import (CorruptSnapshotError, CriuError, EngineError, IncompatibleHostError, ModelChangedError,
                       OracleMismatchError, SnapshotError, UsageError)
 from ..manifest import Manifest, ModelFile
+from ..model_digest import ignored, kind
 from ..progress import Reporter
 from .restore import SERVER_START
 from ..results import Served
@@ -128,10 +134,10 @@ def why_not(m: Manifest, key, files: tuple[ModelFile, ...], host: dict[str, str]
     if m.key is None:
         return "made before snapshot keys existed (re-create it, or restore it by name)"
     said = []
-    for p in snapkey.differing_parts(m.key.parts, key.parts):
+    for p in snapkey.differing_parts(snapkey.parts_of(m), key.parts):
         if p == "model":
-            was = {f.path: f.blake3 for f in m.model.files}
-            now = {f.path: f.blake3 for f in files}
+            was = {f.path: f.blake3 for f in m.model.files if not ignored(f.path)}
+            now = {f.path: f.blake3 for f in files if not ignored(f.path)}
             changed = sorted(k for k in was if k in now and was[k] != now[k])
             gone = sorted(set(was) - set(now))
             new = sorted(set(now) - set(was))
@@ -150,6 +156,21 @@ def why_not(m: Manifest, key, files: tuple[ModelFile, ...], host: dict[str, str]
         else:
             said.append(f"{snapkey.PART_WORDS[p]} differ{'s' if p in ('env', 'host') else ''}")
     return "; ".join(said)
+
+
+def added_since(m: Manifest, key, files: tuple[ModelFile, ...]) -> list[str]:
+    """The model files ``serve`` refuses for the snapshot ``m`` of the same model directory:
+    those added since ``m`` was made (not :func:`~vllm_snapshot.model_digest.ignored`) when
+    they are the only difference from ``key`` -- every file ``m`` recorded is there unchanged
+    and every other key part is equal. Empty otherwise (another model, other args or host:
+    a snapshot of its own). Pure."""
+    if m.key is None or snapkey.differing_parts(snapkey.parts_of(m), key.parts) != ["model"]:
+        return []
+    was = {f.path: f.blake3 for f in m.model.files if not ignored(f.path)}
+    now = {f.path: f.blake3 for f in files if not ignored(f.path)}
+    if any(now.get(p) != b for p, b in was.items()):
+        return []
+    return sorted(set(now) - set(was))
 
 
 def _name_for(t: SnapshotTools, root: Path, model: str, model_dir: Path, hf_id: bool, key: str) -> Path:
@@ -214,12 +235,12 @@ def _find_or_build(t: SnapshotTools, req: ServeRequest, rep: Reporter, model_dir
     Returns (``"restored"`` | ``"built"``, what ``use`` returned, refused, warnings, others)."""
     with t.key_lock(key.value, rep.info):
         snaps = _published(t, req.root)  # again: a serve we waited for may have built it
-        matching = sorted((x for x in snaps if x[1].key is not None and x[1].key.value == key.value),
+        matching = sorted((x for x in snaps if x[1].key is not None and snapkey.key_of(x[1]) == key.value),
                           key=lambda x: x[1].created_at, reverse=True)
         refused: list[dict] = []
         errors: list[SnapshotError] = []
         others = [{"snapshot": str(p), "why": why_not(m, key, files, host)} for p, m in snaps
-                  if m.model.path == str(model_dir) and (m.key is None or m.key.value != key.value)]
+                  if m.model.path == str(model_dir) and (m.key is None or snapkey.key_of(m) != key.value)]
         for p, m in [] if req.build == "always" else matching:
             try:
                 return "restored", use(p), refused, [], others
@@ -232,6 +253,16 @@ def _find_or_build(t: SnapshotTools, req: ServeRequest, rep: Reporter, model_dir
                                       "(TLS, CORS, ...) given to serve", details=e.details) from e
                 _refuse(t, rep, p, e, refused)
                 errors.append(e)
+        for p, m in [] if req.build == "always" else snaps:
+            added = added_since(m, key, files) if m.model.path == str(model_dir) else []
+            if added:  # the one model-file policy (model_digest): restore would refuse them too
+                raise ModelChangedError(
+                    f"files were added to {model_dir} since the snapshot {p.name} was made: "
+                    + ", ".join(f"{n} ({kind(n)})" for n in added),
+                    hint=f"move {'it' if len(added) == 1 else 'them'} out of the model directory (a cold start would "
+                         "load added weights, config or tokenizer files), or build a snapshot of the model as it is "
+                         "now with `serve --rebuild`",
+                    details={"snapshot": str(p), "changed": [], "missing": [], "added": added})
         for o in others:
             rep.info(f"not {Path(o['snapshot']).name}: {o['why']}")
         if req.build == "never":

@@ -434,6 +434,18 @@ class FakeTools(SnapshotTools):
     def ports_held_by(self, pid: int) -> set[int]:
         return set()
 
+    def gpu_lock(self, uuid: str, on_wait: Callable[[str], None]) -> AbstractContextManager:
+        from contextlib import contextmanager
+
+        @contextmanager
+        def held():
+            self._call(f"gpu_lock:{uuid}")
+            try:
+                yield
+            finally:
+                self.calls.append("gpu_unlock")
+        return held()
+
     def check_gpu_capacity(self, m: Manifest) -> None:
         self._call("check_gpu_capacity")
 

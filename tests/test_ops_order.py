@@ -15,7 +15,7 @@ from vllm_snapshot.errors import (BusyError, CriuError, EngineError, Incompatibl
 from vllm_snapshot.progress import Reporter
 
 from fakes import HOST, FakeTools, isolated_manifest, manifest_with
-from helpers import make_oracle
+from helpers import make_manifest, make_oracle
 
 SNAP = Path("/snaps/tiny")
 
@@ -535,6 +535,27 @@ def test_cuda_restore_checks_gpu_capacity_before_criu():
     with pytest.raises(BusyError):
         _restore(busy)
     assert "restore_tree" not in busy.calls and "unstage_all" in busy.calls
+
+
+def test_cuda_restore_holds_the_gpu_lock_from_the_capacity_check_until_the_engine_woke():
+    """Review gpu-path-2 M6: two restores onto one GPU both passed the capacity check (the
+    memory is taken at the wake, after the CRIU lock); the GPU's lock spans both. Taken before
+    the CRIU lock (a waiter does not block restores onto other GPUs), released on failure."""
+    engine = manifest_with().engine.model_copy(update={"kind": "cuda", "sleep_level": 2, "full_state_captured": False})
+    m = make_manifest(engine=engine, host={**HOST, "gpu_uuid_used": "GPU-fake-0"})
+    t = FakeTools(manifest=m)
+    _restore(t)
+    c = t.calls
+    order = ["gpu_lock:GPU-fake-0", "criu_lock", "check_gpu_capacity", "restore_tree", "engine.wake", "gpu_unlock",
+             "engine.oracle", "engine.serve"]
+    assert [x for x in c if x in order] == order
+    failed = FakeTools(manifest=m, fail={"restore_tree": CriuError("criu restore failed")})
+    with pytest.raises(CriuError):
+        _restore(failed)
+    assert failed.calls.count("gpu_unlock") == 1 and _before(failed.calls, "restore_tree", "gpu_unlock")
+    cpu = FakeTools()
+    _restore(cpu)
+    assert not any(x.startswith("gpu_lock") for x in cpu.calls)
 
 
 def test_cuda_create_checks_plugin_helper_and_driver_before_the_engine_starts():

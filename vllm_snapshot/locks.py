@@ -1,4 +1,5 @@
-"""Advisory locks (flock): per snapshot, and host-wide around CRIU runs.
+"""Advisory locks (flock): per snapshot, per snapshot key, per GPU, and host-wide around CRIU
+runs.
 
 flock locks vanish with their holder, so a lock left by a dead process is taken over safely
 without any stale-file logic. When a lock is busy, the holders are found through
@@ -109,12 +110,12 @@ def remove_lock_file(snapshot: Path) -> None:
 def clean_stale() -> list[Path]:
     """Remove lock files of snapshot paths that no longer exist and that nobody holds (taken
     exclusively first, so a racing command is never left holding a removed file). Returns what
-    was removed. Key locks of ``serve`` (``key-*.lock``) are not snapshot paths: they are left
-    alone (one small file per key)."""
+    was removed. Key locks of ``serve`` (``key-*.lock``) and GPU locks (``gpu-*.lock``) are
+    not snapshot paths: they are left alone (one small file per key or GPU)."""
     removed = []
     d = paths.run_dir() / "locks"
     for f in d.glob("*.lock") if d.is_dir() else []:
-        if f.name.startswith("key-"):
+        if f.name.startswith(("key-", "gpu-")):
             continue
         try:
             target = f.read_text().strip()
@@ -172,6 +173,34 @@ def key_lock(key: str, on_wait=None, wait_s: float = KEY_WAIT_S) -> Iterator[Non
             if on_wait is not None:
                 who = ", ".join(holders(path)) or "another process"
                 on_wait(f"waiting for {who}: it is building or restoring the snapshot for this key ({key[:12]})")
+            held.enter_context(lock(path, what, wait_s=wait_s, label=label))
+        yield
+
+
+#: How long a CUDA restore waits for another one onto the same GPU (seconds): that one holds
+#: the GPU's lock until its engine woke, and a wake may take twice create's rehearsal allowance
+#: (:func:`vllm_snapshot.ops.create.wake_timeout_s`), after its CRIU restore.
+GPU_WAIT_S = 1800.0
+
+
+@contextmanager
+def gpu_lock(uuid: str, on_wait=None, wait_s: float = GPU_WAIT_S) -> Iterator[None]:
+    """Exclusive lock of one GPU (``locks/gpu-<sha256 of the UUID>.lock``): a CUDA restore holds
+    it from its capacity check until its engine has woken (the memory is taken at the wake, or
+    by CRIU at sleep level 0), so two restores onto one GPU cannot both pass the check and one
+    die at the wake. When busy, ``on_wait(message)`` names the holder, then waits up to
+    ``wait_s`` seconds. Raises BusyError after that."""
+    import hashlib
+
+    path = paths.run_dir() / "locks" / f"gpu-{hashlib.sha256(uuid.encode()).hexdigest()[:32]}.lock"
+    what, label = f"GPU {uuid}", f"gpu {uuid}"
+    with ExitStack() as held:
+        try:
+            held.enter_context(lock(path, what, label=label))
+        except BusyError:
+            if on_wait is not None:
+                who = ", ".join(holders(path)) or "another process"
+                on_wait(f"waiting for {who}: it is restoring an engine onto GPU {uuid} (until that engine has woken)")
             held.enter_context(lock(path, what, wait_s=wait_s, label=label))
         yield
 

@@ -273,6 +273,11 @@ class SnapshotTools(Protocol):
     def ports_held_by(self, pid: int) -> set[int]:
         """TCP ports the tree rooted at ``pid`` listens on."""
 
+    def gpu_lock(self, uuid: str, on_wait: Callable[[str], None]) -> AbstractContextManager:
+        """Exclusive lock of the GPU ``uuid`` (:func:`vllm_snapshot.locks.gpu_lock`), held by a
+        CUDA restore from its capacity check until its engine has woken; ``on_wait`` hears who
+        holds it before waiting. Raises BusyError after the wait."""
+
     def check_gpu_capacity(self, m: Manifest) -> None:
         """CUDA snapshot: raise BusyError unless the GPU it used has the memory the engine
         will need free (:func:`vllm_snapshot.gpu.required_restore_bytes`). Call right before
@@ -973,6 +978,11 @@ class LocalTools(SnapshotTools):
         except (psutil.Error, OSError):
             return set()
         return {c.laddr.port for c in conns if c.pid in pids and c.status == psutil.CONN_LISTEN and c.laddr}
+
+    def gpu_lock(self, uuid: str, on_wait: Callable[[str], None]) -> AbstractContextManager:
+        from . import locks
+
+        return locks.gpu_lock(uuid, on_wait)
 
     def check_gpu_capacity(self, m: Manifest) -> None:
         from . import gpu

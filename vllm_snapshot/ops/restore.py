@@ -39,6 +39,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -284,6 +285,7 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
     code_check = None
     placement = None
     checking = None
+    gpu_held = ExitStack()  # CUDA: the GPU's lock, from the capacity check until the engine has woken
     try:
         # the code identity check (0.1-0.6 s of stat calls) runs alongside staging, CRIU and the
         # oracle, like the image checksums; it is decided with them, before anything is bound
@@ -293,6 +295,8 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
             placed = t.put_back_remaps(snapshot, m)
         isolated = m.engine.network == "isolated"
         channel = t.new_channel(log_file)
+        if m.engine.kind == "cuda":  # taken before the CRIU lock: waiting for it never blocks other GPUs' restores
+            gpu_held.enter_context(t.gpu_lock(m.host.get("gpu_uuid_used", ""), rep.info))
         with t.criu_lock():
             # Host-network snapshots (made before engines had a network namespace of their
             # own): checked under the host-wide CRIU lock, so a concurrent restore of the same
@@ -360,6 +364,7 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
             with rep.phase("wake", "waking engine (reload weights, reset prefix cache)"):
                 engine.send("wake")
                 engine.wait_event("woken", wake_timeout_s(m))
+        gpu_held.close()  # the engine holds its GPU memory now: another restore's capacity check sees it
         with rep.phase("oracle", "replaying the oracle inside the engine"):
             engine.send("oracle")
             got = oracle.Oracle.model_validate(engine.wait_event("oracle", RESTORE_ORACLE_TIMEOUT_S)["oracle"])
@@ -413,6 +418,7 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
         steps.append(("remove link-remap files put back", lambda: t.cleanup_remaps(placed)))
         if placement is not None:
             steps.append(("remove the engine's cgroup", placement.remove))
+        steps.append(("release the GPU lock", gpu_held.close))  # after the tree (and its GPU memory) is gone
         corrupt: list[CorruptSnapshotError] = []
         if checking is not None:
             if isinstance(e, Exception) and not isinstance(e, Interrupted):

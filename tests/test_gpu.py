@@ -346,3 +346,38 @@ def test_capacity_check_reads_the_utilization_the_engine_parsed_abbreviations_in
     assert gpu.gpu_memory_utilization(["--gpu-mem", "0.5"]) == 0.5
     assert gpu.gpu_memory_utilization(["--gpu_memory_utilization=0.25"]) == 0.25
     assert gpu.gpu_memory_utilization(["--gpu-memory-utilization", "0.5", "--dtype", "half"], {}) == 0.9
+
+
+class _Runner:
+    """Stands in for criu.Criu in LocalTools.restore_tree: records whether CRIU ran."""
+
+    env = {"PATH": "/helper:/usr/bin", "CRIU_LIBS_DIR": "/plugins"}
+
+    def __init__(self):
+        self.restored = False
+
+    def restore(self, opts, images_dir, work_dir, before_memory=None):
+        self.restored = True
+        return 4242
+
+
+def test_cuda_restore_probes_the_helper_before_criu(monkeypatch, tmp_path):
+    """Review gpu-path-2 L1: the dump probes the helper before CRIU, the restore found a helper
+    that cannot reach the driver only after CRIU had restored the whole tree."""
+    from vllm_snapshot.tools import LocalTools
+
+    runner = _Runner()
+    asked: list[list[str]] = []
+
+    def helper(env):
+        def run(args):
+            asked.append(list(args))
+            return 3, "cuda-checkpoint: unavailable: cuInit: CUDA_ERROR_NO_DEVICE"
+        return run
+
+    monkeypatch.setattr(LocalTools, "_runner", lambda self, kind: runner)
+    monkeypatch.setattr(LocalTools, "_helper", staticmethod(helper))
+    with pytest.raises(EnvironmentProblem, match="cannot checkpoint here .*CUDA_ERROR_NO_DEVICE"):
+        LocalTools().restore_tree("cuda", None, tmp_path)
+    assert asked == [["-h"]] and not runner.restored
+    assert LocalTools().restore_tree("cpu", None, tmp_path) == 4242 and asked == [["-h"]]

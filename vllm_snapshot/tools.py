@@ -287,9 +287,10 @@ class SnapshotTools(Protocol):
                      before_memory: Callable[[], None] | None = None) -> int:
         """CRIU restore as our child; returns the root's host PID. ``before_memory``: called
         once the tree's namespaces exist, before CRIU reads any pages image (a tree with
-        namespaces only; its exception aborts CRIU and is raised). For ``cuda``: every CUDA
-        process of the restored tree must be ``running`` (else the tree is killed). Raises
-        CriuError."""
+        namespaces only; its exception aborts CRIU and is raised). For ``cuda``: before CRIU,
+        the ``cuda-checkpoint`` CRIU will run must reach the driver (EnvironmentProblem, as
+        :meth:`check_cuda_ready`); after it, every CUDA process of the restored tree must be
+        ``running`` (else the tree is killed). Raises CriuError, EnvironmentProblem."""
 
     def adopt(self, pid: int, channel: EngineChannel, echo: Callable[[bytes], None] | None) -> Engine: ...
 
@@ -1000,6 +1001,8 @@ class LocalTools(SnapshotTools):
         from .procs import tree
 
         runner = self._runner(kind)
+        if kind == "cuda":  # as at dump: a helper that cannot reach the driver fails here, not after CRIU
+            self._cuda_preflight(runner.env)
         pid = runner.restore(opts, stage, stage, before_memory)
         if kind == "cuda":
             try:

@@ -15,6 +15,7 @@ from typing import Callable
 from vllm_snapshot import manifest as mf
 from vllm_snapshot.criu import DumpOptions, RestoreOptions
 from vllm_snapshot.cgroups import Placement
+from vllm_snapshot.gpu import GpuUse
 from vllm_snapshot.inventory import Inventory
 from vllm_snapshot.manifest import CodeIdentity, EngineUser, ExternalMount, ImageFile, Manifest, ModelFile
 from vllm_snapshot.model_digest import ModelCheck
@@ -218,9 +219,9 @@ class FakeTools(SnapshotTools):
     def check_cuda_ready(self) -> None:
         self._call("check_cuda_ready")
 
-    def gpu_used(self, inv: Inventory) -> str:
+    def gpu_used(self, inv: Inventory) -> GpuUse:
         self._call("gpu_used")
-        return "GPU-fake-0"
+        return GpuUse("GPU-fake-0", (2,))  # the tree's second process (namespace PID 2) has CUDA
 
     def gpu_uuids(self) -> list[str]:
         return list(self.uuids)
@@ -450,8 +451,9 @@ class FakeTools(SnapshotTools):
         self._call("check_gpu_capacity")
 
     def restore_tree(self, kind: str, opts: RestoreOptions, stage: Path,
-                     before_memory: Callable[[], None] | None = None) -> int:
+                     before_memory: Callable[[], None] | None = None, cuda_pids: tuple[int, ...] = ()) -> int:
         self.restore_opts = opts
+        self.restore_cuda_pids = cuda_pids
         self._call("restore_tree")
         if before_memory is not None:
             before_memory()

@@ -57,7 +57,7 @@ def test_switch_rolls_back_when_the_new_engine_fails_and_says_so():
     t.entries = [_old()]
     tries = []
 
-    def restore_tree(kind, opts, stage, before_memory=None):
+    def restore_tree(kind, opts, stage, before_memory=None, cuda_pids=()):
         tries.append(opts)
         t.calls.append("restore_tree")
         if len(tries) == 1:

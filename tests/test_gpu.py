@@ -158,9 +158,9 @@ def test_gpu_minors_and_used_gpu():
     files = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia3"]
     assert gpu.gpu_minors(files) == {3}
     assert gpu.used_gpu([11, 12], files, {3: "GPU-abc"}) == "GPU-abc"
-    with pytest.raises(UnsnapshottableError, match="no process of its tree"):
+    with pytest.raises(UnsnapshottableError, match="no process of its tree has a CUDA context"):
         gpu.used_gpu([], [], {3: "GPU-abc"})
-    with pytest.raises(UnsnapshottableError, match="uses 2 GPUs"):
+    with pytest.raises(UnsnapshottableError, match="nvidia-smi lists none of its CUDA processes .* 2 GPU device files"):
         gpu.used_gpu([11], files + ["/dev/nvidia4"], {3: "a", 4: "b"})
     with pytest.raises(EnvironmentProblem, match="UUID"):
         gpu.used_gpu([11], files, {})
@@ -300,7 +300,7 @@ def test_restored_cuda_processes_must_be_running():
         gpu.restored_states([10], lambda args: (127, "cannot run cuda-checkpoint: No such file"))
     gone = gpu.restored_states([10], lambda args: (1, "cuda-checkpoint: --get-restore-tid --pid 10: no such process: 10"))
     assert gone == [(10, "gone")]
-    with pytest.raises(CriuError, match="PID 10 is gone"):
+    with pytest.raises(CriuError, match=r"not every CUDA process of it is running: PID 10 exited \(expected running\)"):
         gpu.check_restored([(11, "running"), *gone])
 
 
@@ -381,3 +381,109 @@ def test_cuda_restore_probes_the_helper_before_criu(monkeypatch, tmp_path):
         LocalTools().restore_tree("cuda", None, tmp_path)
     assert asked == [["-h"]] and not runner.restored
     assert LocalTools().restore_tree("cpu", None, tmp_path) == 4242 and asked == [["-h"]]
+
+
+# ---- review gpu-path-2 M1, L4, L5: CUDA processes told from NVML holders; only they are probed
+
+EIGHT = [f"/dev/nvidia{i}" for i in range(8)] + ["/dev/nvidiactl", "/dev/nvidia-uvm"]
+
+
+def test_compute_apps_parse_and_query():
+    text = "101, GPU-aaaa\n102, GPU-bbbb\nNo running processes found\n\n"
+    assert gpu.parse_compute_apps(text) == [(101, "GPU-aaaa"), (102, "GPU-bbbb")]
+    runner = FakeRunner("101, GPU-aaaa\n")
+    assert gpu.compute_apps(runner, which=lambda n: "/x/nvidia-smi") == [(101, "GPU-aaaa")]
+    assert runner.calls == [["/x/nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader,nounits"]]
+
+
+def test_the_gpu_is_the_one_the_driver_lists_the_cuda_context_on_not_every_nvml_handle():
+    """vLLM's usage-stats thread takes an NVML handle of every GPU (torch's NVML device count):
+    the tree then holds /dev/nvidia0..7 and used to be refused as "uses 8 GPUs"."""
+    uuids = {i: f"GPU-{i}" for i in range(8)}
+    assert gpu.used_gpu([101], EIGHT, uuids, [(101, "GPU-3"), (555, "GPU-0")]) == "GPU-3"
+    with pytest.raises(UnsnapshottableError, match="CUDA contexts on 2 GPUs"):
+        gpu.used_gpu([101, 102], EIGHT, uuids, [(101, "GPU-3"), (102, "GPU-4")])
+    # nvidia-smi lists none of them (another PID namespace): the device files decide
+    assert gpu.used_gpu([101], ["/dev/nvidiactl", "/dev/nvidia5"], uuids, [(7, "GPU-0")]) == "GPU-5"
+
+
+class _Inv:
+    pids = (100, 101, 102)
+    commands = ("vllm serve (API server)", "VLLM::EngineCore", "python -c tokenizer")
+    nvidia_files = tuple(EIGHT)
+
+
+def _local_gpu_tools(monkeypatch, cuda: set[int]):
+    """LocalTools whose helper finds a CUDA context in ``cuda`` only, over fake nvidia-smi
+    (PID 101 on GPU-3) and /proc (namespace PID = host PID - 99)."""
+    from vllm_snapshot import procs
+    from vllm_snapshot.tools import LocalTools
+
+    asked: list[int] = []
+
+    def helper(env):
+        def run(args):
+            pid = int(args[-1])
+            asked.append(pid)
+            if pid in cuda:
+                return 0, f"{pid}\n"
+            return 1, f"cuda-checkpoint: --get-restore-tid --pid {pid} failed: CUDA_ERROR_INVALID_VALUE\n"
+        return run
+
+    monkeypatch.setattr(LocalTools, "_runner", lambda self, kind: _Runner())
+    monkeypatch.setattr(LocalTools, "_helper", staticmethod(helper))
+    monkeypatch.setattr(gpu, "compute_apps", lambda: [(101, "GPU-3")])
+    monkeypatch.setattr(gpu, "uuids_by_minor", lambda: {i: f"GPU-{i}" for i in range(8)})
+    monkeypatch.setattr(procs, "ns_pid", lambda pid: pid - 99)
+    return LocalTools(), asked
+
+
+def test_create_refuses_a_process_holding_nvidia_files_without_a_cuda_context(monkeypatch):
+    """Review gpu-path-2 M1: CRIU's CUDA plugin skips a process without a CUDA context (its
+    --get-restore-tid fails), and CRIU then fails on its /dev/nvidia* files with no hint.
+    Refused before CRIU, naming it."""
+    inv = type("Inv", (_Inv,), {"cuda_pids": (100, 101)})()
+    t, asked = _local_gpu_tools(monkeypatch, cuda={101})
+    with pytest.raises(UnsnapshottableError, match=r"without a CUDA context.*PID 100 \(vllm serve \(API server\)\)") as ei:
+        t.gpu_used(inv)
+    assert "PID 101" not in ei.value.message and "VLLM_NO_USAGE_STATS=1" in ei.value.hint
+    assert asked == [100, 101]
+
+
+def test_create_picks_the_gpu_of_the_cuda_context_and_records_its_processes(monkeypatch):
+    inv = type("Inv", (_Inv,), {"cuda_pids": (101,)})()
+    t, _ = _local_gpu_tools(monkeypatch, cuda={101})
+    assert t.gpu_used(inv) == gpu.GpuUse("GPU-3", (2,))  # not "uses 8 GPUs"; namespace PID 2
+
+
+def test_restore_probes_only_the_recorded_cuda_processes(monkeypatch, tmp_path):
+    """Review gpu-path-2 L4: each probe is a driver attach (0.4-2.7 s): only the processes that
+    had CUDA at the dump are asked. L5: one of them without CUDA state, or exited, fails."""
+    from vllm_snapshot import criu, procs
+
+    t, asked = _local_gpu_tools(monkeypatch, cuda={101})
+    monkeypatch.setattr(criu, "check_cuda_run", lambda log, what: None)
+    monkeypatch.setattr(procs, "tree", lambda pid: [type("P", (), {"pid": p})() for p in (4242, 100, 101, 102)])
+    states = {101: "running"}
+
+    def helper(env):
+        def run(args):
+            if args == ["-h"]:
+                return 0, "usage: cuda-checkpoint --action ..."
+            pid = int(args[-1])
+            asked.append(pid)
+            if pid not in states:
+                return 1, f"cuda-checkpoint: --get-restore-tid --pid {pid} failed: CUDA_ERROR_INVALID_VALUE\n"
+            return (0, f"{pid}\n") if args[0] == "--get-restore-tid" else (0, states[pid] + "\n")
+        return run
+
+    monkeypatch.setattr(type(t), "_helper", staticmethod(helper))
+    assert t.restore_tree("cuda", None, tmp_path, cuda_pids=(2,)) == 4242
+    assert asked == [101, 101]  # --get-restore-tid and --get-state of PID 101 only
+    asked.clear()
+    monkeypatch.setattr(criu, "kill_restored_children", lambda: [])
+    states.clear()  # PID 101 came back without CUDA state
+    with pytest.raises(CriuError, match=r"PID 101 is without CUDA state \(expected running\)"):
+        t.restore_tree("cuda", None, tmp_path, cuda_pids=(2,))
+    with pytest.raises(CriuError, match="1 of its processes have CUDA state where the dump had 2"):
+        gpu.check_restored([(101, "running")], expected=2)

@@ -34,10 +34,16 @@ FAKE_ENGINE = (sys.executable, str(Path(__file__).resolve().parent / "fake_engin
 
 class FakeGpuTools(LocalTools):
     """This host's real side effects, except the GPU evidence: the fake CUDA engine holds no
-    /dev/nvidia* device (there is none here), so the GPU it "uses" is declared."""
+    /dev/nvidia* device (there is none here), so every process of the tree is asked, through
+    the real helper and the fake driver, whether it has a CUDA context (the real gpu_used asks
+    the /dev/nvidia* holders), and the GPU it "uses" is declared."""
 
     def gpu_used(self, inv):
-        return "GPU-fake-0000"
+        from vllm_snapshot import gpu
+        from vllm_snapshot.procs import ns_pid
+
+        cuda, _ = gpu.cuda_processes(inv.pids, self._helper(self._runner("cuda").env))
+        return gpu.GpuUse("GPU-fake-0000", tuple(sorted(ns_pid(p) for p in cuda)))
 
     def gpu_uuids(self):
         return ["GPU-fake-0000"]
@@ -135,6 +141,12 @@ def test_gpu_create_rehearses_then_sleeps_and_restore_wakes_before_oracle(tmp_pa
         # CRIU's RESUME_DEVICES_LATE ran restore + unlock through the helper; the state is running
         assert calls(fake_cuda)[2:] == ["restore CUDA_SUCCESS", "unlock CUDA_SUCCESS"]
         assert (fake_cuda / "state").read_text() == "0"
+        # the CUDA child was recorded by its namespace PID, and after CRIU only it was probed
+        # (review gpu-path-2 L4: one driver attach per probe), not the non-CUDA root
+        assert m.criu.cuda_pids == (2,)
+        log = (fake_cuda / "calls.log").read_text().splitlines()
+        after = log[next(i for i, ln in enumerate(log) if ln.startswith("unlock ")) + 1:]
+        assert [ln.split()[0] for ln in after] == ["get-restore-tid"] and after[0].endswith("CUDA_SUCCESS")
     finally:
         engine.kill(grace=5)
         engine.close()
@@ -144,7 +156,7 @@ def test_gpu_create_rehearses_then_sleeps_and_restore_wakes_before_oracle(tmp_pa
 def test_gpu_dump_refused_when_the_helper_cannot_reach_the_driver(tmp_path, fake_tools, monkeypatch):
     monkeypatch.setenv("FAKE_CUDA_INIT", "fail")  # e.g. no driver/GPU for the helper's Python
     snap = tmp_path / "nodrv"
-    with pytest.raises(EnvironmentProblem, match="unavailable: cuInit: CUDA_ERROR_NO_DEVICE"):
+    with pytest.raises(EnvironmentProblem, match="unavailable: .*cuInit: CUDA_ERROR_NO_DEVICE"):
         ops.create(ops.CreateRequest(model=str(TINY), target=snap), Reporter(), tools=fake_tools)
     assert not snap.exists() and our_children() == []
 
@@ -205,3 +217,17 @@ def test_gpu_sleep_level_0_captures_everything(tmp_path, fake_tools):
     m = ops.create(ops.CreateRequest(model=str(TINY), target=snap, sleep_level=0), Reporter(), tools=fake_tools).manifest
     assert m.engine.sleep_level == 0 and m.engine.full_state_captured
     assert calls_in_log(snap) == ["prepare-dump"]
+
+
+def test_gpu_restore_refused_before_criu_when_the_helper_cannot_reach_the_driver(tmp_path, fake_tools, fake_cuda,
+                                                                                 monkeypatch):
+    """Review gpu-path-2 L1: the restore probes the helper CRIU will run before CRIU, as the dump
+    does; before, CRIU restored the whole tree with its plugin disabled and only the log check
+    after it refused."""
+    snap = tmp_path / "gpu"
+    ops.create(ops.CreateRequest(model=str(TINY), target=snap), Reporter(), tools=fake_tools)
+    monkeypatch.setenv("FAKE_CUDA_INIT", "fail")
+    with pytest.raises(EnvironmentProblem, match="cannot checkpoint here .*cuInit: CUDA_ERROR_NO_DEVICE"):
+        ops.restore(ops.RestoreRequest(snapshot=snap, port=free_port(), detach=True), Reporter(), tools=fake_tools)
+    assert not (tmp_path / "criu-restore.log").exists() and our_children() == []
+    assert "restore " not in (fake_cuda / "calls.log").read_text()  # CRIU's plugin never ran a GPU restore

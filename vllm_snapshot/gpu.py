@@ -202,20 +202,116 @@ def uuids_by_minor(proc_gpus: str = PROC_GPUS) -> dict[int, str]:
     return out
 
 
-def used_gpu(cuda_pids: Sequence[int], device_files: Sequence[str], uuids: dict[int, str]) -> str:
-    """The UUID of the one GPU a CUDA engine tree uses. Raises UnsnapshottableError when no
-    process holds CUDA (vLLM fell back to CPU?) or the tree uses several GPUs (TP1 only),
-    EnvironmentProblem when the GPU's UUID is unknown. Pure."""
+@dataclass(frozen=True)
+class GpuUse:
+    """What a CUDA engine tree uses at the dump: ``uuid`` of its one GPU and ``cuda_pids``, the
+    PIDs of the processes with a CUDA context **in the tree's PID namespace** (as the images
+    name them; a restore probes only these, found again by their namespace PID)."""
+
+    uuid: str
+    cuda_pids: tuple[int, ...]
+
+
+APPS_UUID_QUERY_ARGS: tuple[str, ...] = ("--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader,nounits")
+
+
+def parse_compute_apps(text: str) -> list[tuple[int, str]]:
+    """``(pid, gpu_uuid)`` of each process nvidia-smi lists with a CUDA context (the output of
+    :data:`APPS_UUID_QUERY_ARGS`; one process may be listed once per GPU). Lines that are not
+    ``PID, UUID`` (e.g. ``No running processes found``) are skipped. Pure."""
+    out = []
+    for line in text.splitlines():
+        pid, _, uuid = (x.strip() for x in line.partition(","))
+        if pid.isdigit() and uuid.startswith(("GPU-", "MIG-")):
+            out.append((int(pid), uuid))
+    return out
+
+
+def compute_apps(runner: Runner | None = None, *,
+                 which: Callable[[str], str | None] = shutil.which) -> list[tuple[int, str]]:
+    """The compute processes the driver knows (:func:`parse_compute_apps` of nvidia-smi): the
+    driver's own record of which GPU holds each CUDA context (NVML-only processes, which only
+    opened ``/dev/nvidia*``, are not listed). PIDs are those of nvidia-smi's PID namespace.
+    Raises EnvironmentProblem when nvidia-smi fails."""
+    return parse_compute_apps(_smi(APPS_UUID_QUERY_ARGS, runner, which))
+
+
+def cuda_processes(holders: Sequence[int], run: "HelperRun") -> tuple[list[int], list[int]]:
+    """``(cuda, skipped)``: which of ``holders`` (host PIDs holding ``/dev/nvidia*``) have a
+    CUDA context, asked as CRIU's CUDA plugin asks (``cuda-checkpoint --get-restore-tid``; exit
+    0: a CUDA process), and which the plugin would skip (exit 1). A process that holds only NVML
+    descriptors (vLLM's usage-stats thread; torch's NVML device count) is skipped by the plugin
+    (CRIU 4.2.1 ``cuda_plugin.c:415-420``), and CRIU then fails on its ``/dev/nvidia*`` file
+    with no hint. Holders that exited meanwhile are in neither list. Raises EnvironmentProblem
+    when the helper cannot reach the driver (exit 3) or cannot run."""
+    from .cuda_checkpoint import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE
+
+    cuda, skipped = [], []
+    for pid in holders:
+        rc, text = run(["--get-restore-tid", "--pid", str(pid)])
+        if rc == EXIT_OK:
+            cuda.append(pid)
+        elif rc == EXIT_FAILED and "no such process" in text:
+            continue
+        elif rc == EXIT_FAILED:
+            skipped.append(pid)
+        elif rc == EXIT_UNAVAILABLE:
+            raise EnvironmentProblem(f"cannot tell the engine's CUDA processes: {text.strip()}",
+                                     hint="run `vllm-snapshot doctor` on this host")
+        else:
+            raise EnvironmentProblem(f"cannot tell the engine's CUDA processes: cuda-checkpoint exited {rc}: "
+                                     f"{text.strip()[:300]}")
+    return cuda, skipped
+
+
+def refuse_skipped(skipped: Sequence[int], commands: dict[int, str]) -> None:
+    """Refuse (UnsnapshottableError naming each PID and its command) a tree in which processes
+    hold ``/dev/nvidia*`` without a CUDA context (``skipped`` of :func:`cuda_processes`): CRIU's
+    CUDA plugin would skip them and the dump would fail on their device files. Pure."""
+    from .errors import UnsnapshottableError
+
+    if skipped:
+        raise UnsnapshottableError(
+            "processes of the engine tree hold NVIDIA device files (/dev/nvidia*) without a CUDA context, which "
+            "CRIU's CUDA plugin skips and CRIU cannot dump: "
+            + "; ".join(f"PID {p} ({commands.get(p, '?')[:100]})" for p in skipped),
+            hint="NVML queries leave such descriptors open (vLLM's usage-stats thread: set VLLM_NO_USAGE_STATS=1 "
+                 "and DO_NOT_TRACK=1 for the engine); check what opens them in that process",
+            details={"pids": list(skipped)})
+
+
+def used_gpu(cuda_pids: Sequence[int], device_files: Sequence[str], uuids: dict[int, str],
+             apps: Sequence[tuple[int, str]] = ()) -> str:
+    """The UUID of the one GPU a CUDA engine tree uses. ``cuda_pids``: its processes with a
+    CUDA context (host PIDs); ``apps``: :func:`compute_apps`. The driver's compute-apps record
+    decides, as vLLM's own snapshot runtime decides (``vllm/snapshot/runtime.py``): a process
+    that merely opened a GPU's device file through NVML does not use it. Only when nvidia-smi
+    lists none of ``cuda_pids`` (PIDs of another PID namespace, as in a container) do the GPU
+    device files of the tree (``device_files``, ``/dev/nvidiaN`` -> ``uuids`` by minor) decide.
+    Raises UnsnapshottableError when no process holds CUDA (vLLM fell back to CPU?) or the tree
+    uses several GPUs (TP1 only), EnvironmentProblem when the GPU's UUID is unknown. Pure."""
     from .errors import UnsnapshottableError
 
     if not cuda_pids:
-        raise UnsnapshottableError("the engine reports CUDA, but no process of its tree has a /dev/nvidia* device "
-                                   "open: there is no GPU state to checkpoint",
+        raise UnsnapshottableError("the engine reports CUDA, but no process of its tree has a CUDA context: there "
+                                   "is no GPU state to checkpoint",
                                    hint="check that vLLM sees the GPU (CUDA_VISIBLE_DEVICES, the driver)")
+    wanted = set(cuda_pids)
+    listed = sorted({u for p, u in apps if p in wanted})
+    if len(listed) == 1:
+        return listed[0]
+    if listed:
+        raise UnsnapshottableError(f"the engine tree has CUDA contexts on {len(listed)} GPUs ({', '.join(listed)}); "
+                                   "a snapshot holds exactly one (TP1)",
+                                   hint="restrict the engine to one GPU with CUDA_VISIBLE_DEVICES")
     minors = sorted(gpu_minors(device_files))
     if len(minors) != 1:
-        raise UnsnapshottableError(f"the engine tree uses {len(minors)} GPUs (/dev/nvidia{minors}); a snapshot holds "
-                                   "exactly one (TP1)", hint="restrict the engine to one GPU with CUDA_VISIBLE_DEVICES")
+        raise UnsnapshottableError(f"cannot tell which GPU the engine uses: nvidia-smi lists none of its CUDA "
+                                   f"processes (PIDs {sorted(wanted)}: another PID namespace?) and the tree holds "
+                                   f"{len(minors)} GPU device files (/dev/nvidia{minors}); a snapshot holds exactly "
+                                   "one GPU (TP1)",
+                                   hint="run vllm-snapshot where nvidia-smi sees the host's PIDs, or let the engine "
+                                        "see one GPU only (CUDA_VISIBLE_DEVICES; VLLM_NO_USAGE_STATS=1)")
     if minors[0] not in uuids:
         raise EnvironmentProblem(f"the UUID of GPU /dev/nvidia{minors[0]} is unknown (no {PROC_GPUS}/*/information)")
     return uuids[minors[0]]
@@ -363,13 +459,19 @@ def mem_available(meminfo: str) -> int:
 HelperRun = Callable[[Sequence[str]], "tuple[int, str]"]
 
 
-def restored_states(pids: Sequence[int], run: HelperRun) -> list[tuple[int, str]]:
+#: The state :func:`restored_states` reports for a recorded CUDA process the driver finds no
+#: CUDA context in after the restore.
+NO_CUDA = "without CUDA state"
+
+
+def restored_states(pids: Sequence[int], run: HelperRun, recorded: bool = False) -> list[tuple[int, str]]:
     """``(pid, state)`` of every CUDA process among ``pids`` (host PIDs of a restored tree), as
     our ``cuda-checkpoint`` reports them: ``--get-restore-tid`` exit 0 marks a CUDA process
-    (exit 1: none, or ``gone`` when the process vanished), then ``--get-state``. A helper that
-    cannot reach the driver (exit 3) or cannot run at all (any other exit) raises
-    EnvironmentProblem. States: running, locked, checkpointed, failed, gone, or
-    ``unknown (<message>)``."""
+    (exit 1: none, or ``gone`` when the process vanished), then ``--get-state``. ``recorded``:
+    ``pids`` are the processes that had CUDA at the dump, so one without CUDA now is reported
+    (:data:`NO_CUDA`) instead of left out. A helper that cannot reach the driver (exit 3) or
+    cannot run at all (any other exit) raises EnvironmentProblem. States: running, locked,
+    checkpointed, failed, gone, :data:`NO_CUDA`, or ``unknown (<message>)``."""
     from .cuda_checkpoint import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE
 
     out = []
@@ -382,6 +484,8 @@ def restored_states(pids: Sequence[int], run: HelperRun) -> list[tuple[int, str]
             out.append((pid, "gone"))
             continue
         if rc == EXIT_FAILED:
+            if recorded:
+                out.append((pid, NO_CUDA))
             continue  # the driver says: not a CUDA process
         if rc != EXIT_OK:
             raise EnvironmentProblem(f"cannot check the restored CUDA processes: cuda-checkpoint exited {rc}: "
@@ -391,22 +495,30 @@ def restored_states(pids: Sequence[int], run: HelperRun) -> list[tuple[int, str]
     return out
 
 
-def check_restored(states: Sequence[tuple[int, str]]) -> None:
-    """Raise CriuError unless at least one CUDA process was found and every one is
-    ``running``. CRIU 4.2.1 only logs a failed RESUME_DEVICES_LATE hook (criu/cr-restore.c:
-    2259-2274) and resumes the tree anyway, so a process whose GPU state was not restored or
-    unlocked comes back locked and blocks on its next CUDA call. Pure."""
+def check_restored(states: Sequence[tuple[int, str]], expected: int | None = None) -> None:
+    """Raise CriuError unless at least one CUDA process was found (``expected``: exactly that
+    many, the CUDA processes recorded at the dump) and every one is ``running``. CRIU 4.2.1
+    only logs a failed RESUME_DEVICES_LATE hook (criu/cr-restore.c: 2259-2274) and resumes the
+    tree anyway, so a process whose GPU state was not restored or unlocked comes back locked
+    and blocks on its next CUDA call.
+
+    ``gone`` is a failure: a process of the just-restored tree that exited before its GPU state
+    could be checked -- a recorded CUDA process (or, for snapshots that did not record them,
+    any process of the tree) -- means the engine is not the one recorded; fail closed. Pure."""
     from .errors import CriuError
 
-    cuda = [(p, s) for p, s in states if s != "gone"]
     bad = [(p, s) for p, s in states if s != "running"]
-    if not cuda:
-        raise CriuError("CRIU restored the tree, but no process of it has CUDA state: the GPU state was not restored",
-                        hint="see the CRIU restore log (grep cuda_plugin)")
     if bad:
-        raise CriuError("CRIU restored the tree, but the GPU state of " + ", ".join(f"PID {p} is {s}" for p, s in bad)
+        said = [f"PID {p} exited" if s == "gone" else f"PID {p} is {s}" for p, s in bad]
+        raise CriuError("CRIU restored the tree, but not every CUDA process of it is running: " + ", ".join(said)
                         + " (expected running); stopped the tree",
                         hint="see the CRIU restore log (grep cuda_plugin); free GPU memory or check the GPU, then retry")
+    if not states:
+        raise CriuError("CRIU restored the tree, but no process of it has CUDA state: the GPU state was not restored",
+                        hint="see the CRIU restore log (grep cuda_plugin)")
+    if expected is not None and len(states) != expected:
+        raise CriuError(f"CRIU restored the tree, but {len(states)} of its processes have CUDA state where the dump "
+                        f"had {expected}; stopped the tree", hint="see the CRIU restore log (grep cuda_plugin)")
 
 
 def engine_device(dists: Callable[[str], str | None] | None = None, proc_gpus: str = PROC_GPUS) -> str:

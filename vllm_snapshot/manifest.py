@@ -190,6 +190,10 @@ class CriuInfo(_Strict):
     external_mounts: tuple[ExternalMount, ...] = ()
     #: CRIU ``--timeout`` (seconds) of the dump; None: CRIU's default (10 s) was used
     freeze_timeout_s: int | None = Field(default=None, gt=0)
+    #: CUDA: the processes with a CUDA context at the dump, by their PID in the tree's PID
+    #: namespace (restore checks the GPU state of these); empty: not CUDA, or made before
+    #: they were recorded (restore then asks about every process of the tree)
+    cuda_pids: tuple[int, ...] = ()
 
 
 class SnapshotKey(_Strict):

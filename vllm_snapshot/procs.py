@@ -21,6 +21,20 @@ def tree(pid: int) -> list[psutil.Process]:
         return []
 
 
+def ns_pid(pid: int, proc: str = "/proc") -> int | None:
+    """``pid`` (a PID of our namespace) as its own innermost PID namespace names it: the last
+    field of ``NSpid`` in ``/proc/PID/status`` (the PID CRIU's images record for a tree in a
+    PID namespace of its own). None when the process is gone or the line is missing."""
+    try:
+        with open(f"{proc}/{pid}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def command(p: psutil.Process, limit: int = 200) -> str:
     """A process's command line with whitespace squeezed (``"?"`` when unreadable)."""
     try:

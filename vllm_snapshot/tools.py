@@ -26,6 +26,7 @@ from typing import Callable, Protocol
 from . import paths
 from .criu import DumpOptions, RestoreOptions
 from .cgroups import Placement
+from .gpu import GpuUse
 from .inventory import Inventory
 from .manifest import CodeIdentity, EngineUser, ExternalMount, ImageFile, Manifest, ModelFile
 from .model_digest import ModelCheck
@@ -129,9 +130,12 @@ class SnapshotTools(Protocol):
         redirected by a config file) and the ``cuda-checkpoint`` CRIU would run, which must
         reach the driver's checkpoint API (NVIDIA r570+). Raises EnvironmentProblem."""
 
-    def gpu_used(self, inv: Inventory) -> str:
-        """UUID of the one GPU a CUDA engine tree holds. Raises UnsnapshottableError (no CUDA
-        holder, several GPUs), EnvironmentProblem."""
+    def gpu_used(self, inv: Inventory) -> GpuUse:
+        """The one GPU a CUDA engine tree uses and its processes with a CUDA context
+        (:class:`vllm_snapshot.gpu.GpuUse`): every ``/dev/nvidia*`` holder is asked as CRIU's
+        plugin asks (:func:`vllm_snapshot.gpu.cuda_processes`), the GPU comes from the driver's
+        compute apps (:func:`vllm_snapshot.gpu.used_gpu`). Raises UnsnapshottableError (a holder
+        without a CUDA context, named; no CUDA process; several GPUs), EnvironmentProblem."""
 
     def gpu_uuids(self) -> list[str]:
         """UUIDs of this host's GPUs ([] without)."""
@@ -284,13 +288,15 @@ class SnapshotTools(Protocol):
         CRIU (after ``switch`` stopped the old engine)."""
 
     def restore_tree(self, kind: str, opts: RestoreOptions, stage: Path,
-                     before_memory: Callable[[], None] | None = None) -> int:
+                     before_memory: Callable[[], None] | None = None, cuda_pids: tuple[int, ...] = ()) -> int:
         """CRIU restore as our child; returns the root's host PID. ``before_memory``: called
         once the tree's namespaces exist, before CRIU reads any pages image (a tree with
         namespaces only; its exception aborts CRIU and is raised). For ``cuda``: before CRIU,
         the ``cuda-checkpoint`` CRIU will run must reach the driver (EnvironmentProblem, as
         :meth:`check_cuda_ready`); after it, every CUDA process of the restored tree must be
-        ``running`` (else the tree is killed). Raises CriuError, EnvironmentProblem."""
+        ``running`` (else the tree is killed): those recorded at the dump (``cuda_pids``, PIDs
+        in the tree's namespace; each probe costs a driver attach), or every process when none
+        were recorded. Raises CriuError, EnvironmentProblem."""
 
     def adopt(self, pid: int, channel: EngineChannel, echo: Callable[[bytes], None] | None) -> Engine: ...
 
@@ -601,10 +607,14 @@ class LocalTools(SnapshotTools):
 
         return gpu.engine_device()
 
-    def gpu_used(self, inv: Inventory) -> str:
+    def gpu_used(self, inv: Inventory) -> GpuUse:
         from . import gpu
+        from .procs import ns_pid
 
-        return gpu.used_gpu(inv.cuda_pids, inv.nvidia_files, gpu.uuids_by_minor())
+        cuda, skipped = gpu.cuda_processes(inv.cuda_pids, self._helper(self._runner("cuda").env))
+        gpu.refuse_skipped(skipped, dict(zip(inv.pids, inv.commands)))
+        uuid = gpu.used_gpu(cuda, inv.nvidia_files, gpu.uuids_by_minor(), gpu.compute_apps() if cuda else ())
+        return GpuUse(uuid, tuple(sorted(n for p in cuda if (n := ns_pid(p)) is not None)))
 
     def gpu_uuids(self) -> list[str]:
         from . import gpu
@@ -996,9 +1006,9 @@ class LocalTools(SnapshotTools):
         gpu.check_free_memory(need, free, gpu=uuid)
 
     def restore_tree(self, kind: str, opts: RestoreOptions, stage: Path,
-                     before_memory: Callable[[], None] | None = None) -> int:
+                     before_memory: Callable[[], None] | None = None, cuda_pids: tuple[int, ...] = ()) -> int:
         from . import criu, gpu, layout
-        from .procs import tree
+        from .procs import ns_pid, tree
 
         runner = self._runner(kind)
         if kind == "cuda":  # as at dump: a helper that cannot reach the driver fails here, not after CRIU
@@ -1007,7 +1017,13 @@ class LocalTools(SnapshotTools):
         if kind == "cuda":
             try:
                 criu.check_cuda_run(stage / layout.RESTORE_LOG, "restore")
-                gpu.check_restored(gpu.restored_states([p.pid for p in tree(pid)], self._helper(runner.env)))
+                pids, helper = [p.pid for p in tree(pid)], self._helper(runner.env)
+                if cuda_pids:  # only the recorded CUDA processes: one driver attach each
+                    wanted = set(cuda_pids)
+                    states = gpu.restored_states([p for p in pids if ns_pid(p) in wanted], helper, recorded=True)
+                    gpu.check_restored(states, expected=len(wanted))
+                else:
+                    gpu.check_restored(gpu.restored_states(pids, helper))
             except BaseException:
                 criu.kill_restored_children()
                 raise

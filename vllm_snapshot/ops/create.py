@@ -293,7 +293,7 @@ def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, revisio
                    created_at: str, key: manifest.SnapshotKey | None = None,
                    code: manifest.CodeIdentity | None = None,
                    engine_user: manifest.EngineUser | None = None,
-                   rehearsal_wake_s: float | None = None) -> manifest.Manifest:
+                   rehearsal_wake_s: float | None = None, cuda_pids: tuple[int, ...] = ()) -> manifest.Manifest:
     """The manifest of a finished dump (unsealed). Pure."""
     return manifest.Manifest(
         schema_version=manifest.SCHEMA_VERSION,
@@ -313,7 +313,7 @@ def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, revisio
             root_pid=dump_opts.pid, tree_pids=inv.pids, tree_commands=inv.commands,
             dump_argv=tuple(criu.dump_argv(dump_opts, str(target / layout.IMAGES))),
             listeners=tuple(inv.listeners), tree_files=tuple(inv.files), external_mounts=tuple(externals),
-            freeze_timeout_s=dump_opts.timeout_s),
+            freeze_timeout_s=dump_opts.timeout_s, cuda_pids=tuple(cuda_pids)),
         images=images,
         extra_files=extra,
         sizes={"raw": sum(i.raw_bytes for i in images), "stored": sum(i.stored_bytes for i in images),
@@ -365,7 +365,8 @@ def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: 
             inherit = t.channel_keys(engine.root_pid)
             before = t.watch_remaps(inv.deleted_files)
             externals = t.external_mounts(engine.root_pid)
-            gpu_id = {"gpu_uuid_used": t.gpu_used(inv)} if info["kind"] == "cuda" else {}
+            use = t.gpu_used(inv) if info["kind"] == "cuda" else None  # refuses NVML-only holders
+            gpu_id = {"gpu_uuid_used": use.uuid} if use is not None else {}
             check_offline(inv)
             wrong = privilege.tree_problems(t.tree_creds(engine.root_pid), who.uid, who.gid, who.groups, inv.pids)
             if wrong:
@@ -401,6 +402,7 @@ def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: 
             sleep_level=sleep_level, env=env, criu_ver=criu_ver, host={**host, **gpu_id},
             inv=inv, inherit=inherit, dump_opts=dump_opts, externals=externals, images=images, extra=extra,
             timings=rep.timings, key=key, code=code, engine_user=who, rehearsal_wake_s=woke_s,
+            cuda_pids=use.cuda_pids if use is not None else (),
             created_at=_dt.datetime.fromtimestamp(t.now(), _dt.timezone.utc).isoformat(timespec="seconds"))
         with rep.phase("publish", "publishing"):
             m = manifest.seal(m.model_copy(update={"timings": dict(rep.timings)}))

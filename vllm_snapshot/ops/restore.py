@@ -327,7 +327,7 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
                 if placement is not None:
                     placement.enter()  # CRIU and every process it forks are born there
                 try:
-                    pid = t.restore_tree(m.engine.kind, opts, stage, before_memory=ready)
+                    pid = t.restore_tree(m.engine.kind, opts, stage, before_memory=ready, cuda_pids=m.criu.cuda_pids)
                 finally:
                     if placement is not None:
                         placement.leave()

@@ -540,14 +540,15 @@ def test_cuda_restore_checks_gpu_capacity_before_criu():
 def test_cuda_restore_holds_the_gpu_lock_from_the_capacity_check_until_the_engine_woke():
     """Review gpu-path-2 M6: two restores onto one GPU both passed the capacity check (the
     memory is taken at the wake, after the CRIU lock); the GPU's lock spans both. Taken before
-    the CRIU lock (a waiter does not block restores onto other GPUs), released on failure."""
+    staging and the CRIU lock (a waiter holds no staged images and does not block restores onto
+    other GPUs), released on failure."""
     engine = manifest_with().engine.model_copy(update={"kind": "cuda", "sleep_level": 2, "full_state_captured": False})
     m = make_manifest(engine=engine, host={**HOST, "gpu_uuid_used": "GPU-fake-0"})
     t = FakeTools(manifest=m)
     _restore(t)
     c = t.calls
-    order = ["gpu_lock:GPU-fake-0", "criu_lock", "check_gpu_capacity", "restore_tree", "engine.wake", "gpu_unlock",
-             "engine.oracle", "engine.serve"]
+    order = ["verify_model:quick", "gpu_lock:GPU-fake-0", "stage", "criu_lock", "check_gpu_capacity", "restore_tree",
+             "engine.wake", "gpu_unlock", "engine.oracle", "engine.serve"]
     assert [x for x in c if x in order] == order
     failed = FakeTools(manifest=m, fail={"restore_tree": CriuError("criu restore failed")})
     with pytest.raises(CriuError):

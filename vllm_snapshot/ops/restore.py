@@ -287,6 +287,10 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
     checking = None
     gpu_held = ExitStack()  # CUDA: the GPU's lock, from the capacity check until the engine has woken
     try:
+        if m.engine.kind == "cuda":
+            # before staging (a waiter holds no staged images in RAM) and before the CRIU lock (a
+            # waiter never blocks restores onto other GPUs); held until the engine has woken
+            gpu_held.enter_context(t.gpu_lock(m.host.get("gpu_uuid_used", ""), rep.info))
         # the code identity check (0.1-0.6 s of stat calls) runs alongside staging, CRIU and the
         # oracle, like the image checksums; it is decided with them, before anything is bound
         code_check = _pool().submit(t.check_code, snapshot, m)
@@ -295,8 +299,6 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
             placed = t.put_back_remaps(snapshot, m)
         isolated = m.engine.network == "isolated"
         channel = t.new_channel(log_file)
-        if m.engine.kind == "cuda":  # taken before the CRIU lock: waiting for it never blocks other GPUs' restores
-            gpu_held.enter_context(t.gpu_lock(m.host.get("gpu_uuid_used", ""), rep.info))
         with t.criu_lock():
             # Host-network snapshots (made before engines had a network namespace of their
             # own): checked under the host-wide CRIU lock, so a concurrent restore of the same

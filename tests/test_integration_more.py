@@ -69,6 +69,17 @@ def test_changed_model_byte_refused(clone_snapshot, tmp_path):
     os.utime(model / "config.json")
     ok = cli("verify", str(snap), timeout=120)
     assert ok.returncode == 0, ok.stderr
+    # one policy for added files (issue 29): docs and dot-dirs ignored, an added shard refused
+    (model / "NOTES.md").write_text("notes")
+    (model / ".cache" / "huggingface").mkdir(parents=True)
+    (model / ".cache" / "huggingface" / ".gitignore").write_text("*")
+    ok = cli("verify", str(snap), timeout=120)
+    assert ok.returncode == 0 and "NOTES.md" not in ok.stdout + ok.stderr, ok.stderr
+    (model / "model-00002-of-00002.safetensors").write_bytes(b"\x00" * 64)
+    p = cli("restore", str(snap), "--port", str(free_port()), timeout=120)
+    refused_before_criu(p, 4, before)
+    assert "model-00002-of-00002.safetensors (weights)" in p.stderr
+    (model / "model-00002-of-00002.safetensors").unlink()
     w = model / "model.safetensors"
     data = bytearray(w.read_bytes())
     data[-5] ^= 0x01  # one element near the end

@@ -416,9 +416,10 @@ def test_cuda_create_records_the_gpu_used_and_restore_needs_it_here():
 
     t = FakeTools(kind="cuda")
     m = _create(t).manifest
-    assert m.host["gpu_uuid_used"] == "GPU-fake-0"
+    assert m.host["gpu_uuid_used"] == "GPU-fake-0" and m.criu.cuda_pids == (2,)
     ok = FakeTools(manifest=m)
     _restore(ok)
+    assert ok.restore_cuda_pids == (2,)  # restore probes the recorded CUDA processes only
     gone = FakeTools(manifest=m)
     gone.uuids = ["GPU-other"]
     with pytest.raises(IncompatibleHostError, match="gpu_uuid_used"):

@@ -117,6 +117,12 @@ def test_an_added_weight_file_refuses_serve_naming_it_and_rebuild_builds():
         _serve(t, build="never")
     b, _ = _serve(t, build="always")
     assert b.path == "built" and len(t.snapshots) == 2
+    # another file added later: named against the snapshot closest to the files now (the rebuilt one)
+    t.model_files = t.model_files + (ModelFile(path="tokenizer.json", size=1, blake3="4" * 64, mtime_ns=9,
+                                               ctime_ns=9, inode=99, device=4),)
+    with pytest.raises(ModelChangedError) as ei:
+        _serve(t)
+    assert ei.value.details["added"] == ["tokenizer.json"] and ei.value.details["snapshot"] == b.restored.snapshot
 
 
 def test_a_snapshot_that_recorded_a_readme_still_matches_when_it_changes():

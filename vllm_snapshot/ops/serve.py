@@ -253,16 +253,17 @@ def _find_or_build(t: SnapshotTools, req: ServeRequest, rep: Reporter, model_dir
                                       "(TLS, CORS, ...) given to serve", details=e.details) from e
                 _refuse(t, rep, p, e, refused)
                 errors.append(e)
-        for p, m in [] if req.build == "always" else snaps:
-            added = added_since(m, key, files) if m.model.path == str(model_dir) else []
-            if added:  # the one model-file policy (model_digest): restore would refuse them too
-                raise ModelChangedError(
-                    f"files were added to {model_dir} since the snapshot {p.name} was made: "
-                    + ", ".join(f"{n} ({kind(n)})" for n in added),
-                    hint=f"move {'it' if len(added) == 1 else 'them'} out of the model directory (a cold start would "
-                         "load added weights, config or tokenizer files), or build a snapshot of the model as it is "
-                         "now with `serve --rebuild`",
-                    details={"snapshot": str(p), "changed": [], "missing": [], "added": added})
+        near = [(p, a) for p, m in ([] if req.build == "always" else snaps)
+                if m.model.path == str(model_dir) and (a := added_since(m, key, files))]
+        if near:  # the one model-file policy (model_digest): restore would refuse them too
+            p, added = min(near, key=lambda x: len(x[1]))  # the snapshot closest to the files now
+            raise ModelChangedError(
+                f"files were added to {model_dir} since the snapshot {p.name} was made: "
+                + ", ".join(f"{n} ({kind(n)})" for n in added),
+                hint=f"move {'it' if len(added) == 1 else 'them'} out of the model directory (a cold start would "
+                     "load added weights, config or tokenizer files), or build a snapshot of the model as it is "
+                     "now with `serve --rebuild`",
+                details={"snapshot": str(p), "changed": [], "missing": [], "added": added})
         for o in others:
             rep.info(f"not {Path(o['snapshot']).name}: {o['why']}")
         if req.build == "never":

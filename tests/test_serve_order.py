@@ -239,6 +239,28 @@ def test_env_part_ignores_our_own_settings_but_not_engine_variables():
     assert snapkey.env_part({**base, "VLLM_CPU_KVCACHE_SPACE": "1"}) != snapkey.env_part(base)
 
 
+def test_env_part_covers_the_driver_location():
+    base = {"PATH": "/usr/bin", "LD_LIBRARY_PATH": "/usr/local/nvidia/lib64"}
+    assert snapkey.env_part({**base, "LD_LIBRARY_PATH": "/opt/nvidia/lib64"}) != snapkey.env_part(base)
+    assert snapkey.env_part({**base, "NVIDIA_DRIVER_CAPABILITIES": "compute,utility"}) != snapkey.env_part(base)
+
+
+def test_a_changed_ld_library_path_is_another_key_and_serve_says_so(monkeypatch):
+    """The driver found elsewhere (LD_LIBRARY_PATH reaches the engine): serve does not restore
+    the snapshot made with the old one, and says the engine environment differs, naming it."""
+    t = _tools()
+    env = {"PATH": "/usr/bin", "LD_LIBRARY_PATH": "/usr/local/nvidia/lib64"}
+    monkeypatch.setattr(t, "environ", lambda: dict(env))
+    a, _ = _serve(t)
+    (old,) = t.snapshots
+    env["LD_LIBRARY_PATH"] = "/opt/nvidia-580/lib64"
+    with pytest.raises(UsageError) as e:
+        _serve(t, build="never")
+    assert f"not {old.name}: the engine environment (" in e.value.message and "LD_LIBRARY_PATH" in e.value.message
+    b, _ = _serve(t)
+    assert b.path == "built" and b.key != a.key
+
+
 def test_switch_model_builds_before_stopping_the_old_engine_then_reuses_the_snapshot():
     from vllm_snapshot.registry import Entry
 

@@ -59,6 +59,22 @@ def test_scrubbed_env_forces_offline_and_no_io_uring():
     assert env["PYTHONUNBUFFERED"] == "1"
 
 
+def test_scrubbed_env_keeps_the_driver_location_and_nvidia_settings():
+    base = {**BASE, "LD_LIBRARY_PATH": "/usr/local/nvidia/lib64:/usr/local/nvidia/lib",
+            "NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "compute,utility"}
+    env = scrubbed_env(base)
+    for k in ("LD_LIBRARY_PATH", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES"):
+        assert env[k] == base[k], k
+    assert "LD_PRELOAD" not in env  # the loader's other knob is still dropped
+
+
+def test_scrubbed_env_turns_usage_stats_off_whatever_the_caller_says():
+    """vLLM's usage-stats thread opens NVML descriptors it never closes (GPU review 2, M1)."""
+    for base in ({}, {"VLLM_NO_USAGE_STATS": "0", "DO_NOT_TRACK": "0"}):
+        env = scrubbed_env(base, keep=("DO_NOT_TRACK",))
+        assert env["VLLM_NO_USAGE_STATS"] == "1" and env["DO_NOT_TRACK"] == "1"
+
+
 def test_offline_cannot_be_turned_off_even_with_keep():
     env = scrubbed_env({"HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0"},
                        keep=("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))

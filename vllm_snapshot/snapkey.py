@@ -11,8 +11,9 @@ mismatch can say *which* part differs):
   value differs from the parser's default, so ``--dtype=float32`` and ``--dtype float32``, or
   ``64M`` and ``67108864``, give one key), the requested model string (it is the served name
   unless ``--served-model-name``), the oracle prompt and the requested sleep level;
-* ``env``    -- the variables of the engine's scrubbed environment that vLLM, torch and the
-  math libraries read (``VLLM_*``, ``OMP_*``, ``CUDA_*``, …), values hashed;
+* ``env``    -- the variables of the engine's scrubbed environment that vLLM, torch, the
+  math libraries and the dynamic loader read (``VLLM_*``, ``OMP_*``, ``CUDA_*``, ``NVIDIA_*``,
+  ``LD_LIBRARY_PATH``, …), values hashed;
 * ``host``   -- the host identity fields restore compares (:func:`vllm_snapshot.identity.collect`,
   plus the GPU fields on CUDA hosts).
 
@@ -32,7 +33,10 @@ from typing import Iterable, Mapping
 import blake3
 
 #: Environment prefixes whose values change what the engine computes or allocates.
-ENV_PREFIXES = ("VLLM_", "OMP_", "MKL_", "KMP_", "TORCH", "PYTORCH_", "NCCL_", "CUDA_", "OPENBLAS_", "GLOO_")
+ENV_PREFIXES = ("VLLM_", "OMP_", "MKL_", "KMP_", "TORCH", "PYTORCH_", "NCCL_", "CUDA_", "OPENBLAS_", "GLOO_",
+                "NVIDIA_")
+#: Single variables of the key: which driver (and other libraries) the engine loads.
+ENV_EXACT = frozenset({"LD_LIBRARY_PATH"})
 #: vllm-snapshot's own settings (``VLLM_SNAPSHOT``, ``VLLM_SNAPSHOT_ROOT``, ``_CACHE``, …): where
 #: things live, never what the engine computes -- not part of the key.
 ENV_IGNORED_PREFIX = "VLLM_SNAPSHOT"
@@ -100,11 +104,12 @@ def engine_part(requested_model: str, normalized: Mapping[str, str], oracle_prom
 
 
 def env_part(env: Mapping[str, str], keep: Iterable[str] = ()) -> str:
-    """Digest of the engine environment's state-changing variables (see :data:`ENV_PREFIXES`)
-    and of every variable passed on purpose (``--keep-env``). Pure."""
+    """Digest of the engine environment's state-changing variables (see :data:`ENV_PREFIXES`,
+    :data:`ENV_EXACT`) and of every variable passed on purpose (``--keep-env``). Pure."""
     keep = set(keep)
     return _h({k: blake3.blake3(v.encode()).hexdigest() for k, v in sorted(env.items())
-               if k in keep or (k.startswith(ENV_PREFIXES) and not k.startswith(ENV_IGNORED_PREFIX))})
+               if k in keep or k in ENV_EXACT
+               or (k.startswith(ENV_PREFIXES) and not k.startswith(ENV_IGNORED_PREFIX))})
 
 
 def host_part(host: Mapping[str, str]) -> str:
@@ -144,7 +149,7 @@ def differing_parts(a: Mapping[str, str], b: Mapping[str, str]) -> list[str]:
 
 
 PART_WORDS = {"model": "the model files", "engine": "the engine args, oracle prompt or sleep level",
-              "env": "the engine environment (VLLM_*, OMP_*, CUDA_*, …)",
+              "env": "the engine environment (VLLM_*, OMP_*, CUDA_*, NVIDIA_*, LD_LIBRARY_PATH, …)",
               "host": "this host (driver, kernel, vLLM, torch, CRIU, CPU, …)"}
 
 

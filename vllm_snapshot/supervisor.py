@@ -31,10 +31,20 @@ from .errors import EngineError
 
 #: Environment variables passed to the engine (everything else is dropped: tokens, keys,
 #: cloud credentials never enter the engine's memory, hence never the snapshot).
+#: ``LD_LIBRARY_PATH`` and ``NVIDIA_*`` are kept so the engine finds the NVIDIA driver where
+#: ``vllm serve`` would (GKE-style hosts: ``/usr/local/nvidia/lib64`` found only through it);
+#: its directories are needed paths of the engine's mount namespace
+#: (:func:`vllm_snapshot.engine.mounts.driver_paths`) and part of the snapshot key.
 ENV_ALLOW_EXACT = frozenset({"PATH", "LANG", "LC_ALL", "TZ", "HOME", "TMPDIR", "USER", "LOGNAME",
                              "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "CUDA_VISIBLE_DEVICES",
-                             "VLLM_SNAPSHOT_CACHE"})
-ENV_ALLOW_PREFIX = ("VLLM_", "OMP_", "MKL_", "KMP_", "TORCH_", "PYTORCH_", "NCCL_", "CUDA_", "LC_")
+                             "VLLM_SNAPSHOT_CACHE", "LD_LIBRARY_PATH"})
+ENV_ALLOW_PREFIX = ("VLLM_", "OMP_", "MKL_", "KMP_", "TORCH_", "PYTORCH_", "NCCL_", "CUDA_", "LC_", "NVIDIA_")
+#: Set in every engine environment, whatever the caller's: vLLM's usage-stats thread (on by
+#: default) calls NVML through torch and never shuts it down, leaving ``/dev/nvidia*``
+#: descriptors without a CUDA context in the tree (CRIU's CUDA plugin skips such a process and
+#: the dump fails on the device, or create counts every GPU as used); it would also try to
+#: reach the network, which the engine's namespace does not have.
+ENV_FORCED = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 SECRET_MARKERS = ("SECRET", "PASSWORD", "API_KEY", "APIKEY", "CREDENTIAL", "PRIVATE")
 
 
@@ -88,7 +98,8 @@ def redact_args(args: list[str]) -> list[str]:
 
 def scrubbed_env(base: dict[str, str], keep: tuple[str, ...] = (), user=None) -> dict[str, str]:
     """The engine's environment: allow-listed names from ``base``, secrets dropped unless named
-    in ``keep``, plus ``HF_HUB_OFFLINE=1`` / ``TRANSFORMERS_OFFLINE=1`` (never download). With
+    in ``keep``, plus ``HF_HUB_OFFLINE=1`` / ``TRANSFORMERS_OFFLINE=1`` (never download) and
+    :data:`ENV_FORCED` (no usage stats: no NVML descriptors left open). With
     ``user`` (a :class:`vllm_snapshot.privilege.User`, the engine user) HOME, USER and LOGNAME
     are that user's, so vLLM's and torch's caches under ``~/.cache`` are the user's own."""
     env = {}
@@ -101,6 +112,7 @@ def scrubbed_env(base: dict[str, str], keep: tuple[str, ...] = (), user=None) ->
     env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
     env["HF_HUB_OFFLINE"] = "1"
     env["TRANSFORMERS_OFFLINE"] = "1"
+    env.update(ENV_FORCED)
     env["PYTHONUNBUFFERED"] = "1"
     from .engine.mounts import ENGINE_TMPDIR
 

@@ -66,6 +66,7 @@ class FakeProbes(doctor.Probes):
                                                                 "/var/lib/vllm-snapshot-engine"))
     denied: list = field(default_factory=list)  # paths the engine user cannot use
     user_writable: list = field(default_factory=list)  # paths it can write
+    environ: dict = field(default_factory=dict)
     mounts: str = ("22 1 254:0 / / rw - ext4 /dev/vda rw\n"
                    "30 22 7:0 / /mnt/x rw - ext4 /dev/loop0 rw\n"
                    "31 22 0:40 / /sys/fs/bpf rw - bpf bpf rw\n")
@@ -137,7 +138,7 @@ class FakeProbes(doctor.Probes):
         return self.gpu_list or []
 
     def env(self, name: str) -> str | None:
-        return None
+        return self.environ.get(name)
 
     def mountinfo(self) -> str:
         return self.mounts
@@ -507,6 +508,14 @@ def test_mounts_are_listed_with_what_the_engine_namespace_does_with_them():
     fuse = FakeProbes(mounts="22 1 254:0 / / rw - ext4 /dev/vda rw\n40 22 0:50 / /root rw - fuse.sshfs h:/ rw\n")
     c = _by_name(doctor.run_checks(fuse))
     assert not c["mounts-refused"].ok and "/root (fuse.sshfs)" in c["mounts-refused"].detail
+
+
+def test_mounts_show_the_driver_directory_on_ld_library_path_as_external():
+    gke = "22 1 254:0 / / rw - ext4 /dev/vda rw\n40 22 254:1 /home/kubernetes/bin/nvidia /usr/local/nvidia ro - ext4 /dev/vdb rw\n"
+    c = _by_name(doctor.run_checks(FakeProbes(mounts=gke, environ={"LD_LIBRARY_PATH": "/usr/local/nvidia/lib64"})))
+    assert "/usr/local/nvidia (ext4): holds /usr/local/nvidia/lib64" in c["mounts-external"].detail
+    c = _by_name(doctor.run_checks(FakeProbes(mounts=gke)))
+    assert "/usr/local/nvidia (ext4)" in c["mounts-detached"].detail
 
 
 def test_engine_user_checks():

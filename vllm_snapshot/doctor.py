@@ -480,7 +480,8 @@ def _check_mounts(p: Probes) -> list[Check]:
     text = p.mountinfo()
     if not text:
         return [Check("mounts", False, "warning", "cannot read /proc/self/mountinfo", "run as root")]
-    got = M.classify(M.parse_mountinfo(text), M.needed_paths(None, {"HOME": p.env("HOME") or "/root"}))
+    env = {"HOME": p.env("HOME") or "/root", "LD_LIBRARY_PATH": p.env("LD_LIBRARY_PATH") or ""}
+    got = M.classify(M.parse_mountinfo(text), M.needed_paths(None, env))  # the driver included
 
     def fmt(action: str, why: bool) -> list[str]:
         return list(dict.fromkeys(f"{m.mount_point} ({m.fs_type})" + (f": {r}" if why else "")

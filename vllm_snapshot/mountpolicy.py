@@ -111,8 +111,8 @@ def create_refusals(mountinfo: str, needed: list[str]) -> list[str]:
     return M.refusals(M.classify(M.parse_mountinfo(mountinfo), needed))
 
 
-REFUSE_HINT = ("copy the model (or venv/cache) to a local disk directory outside /dev/shm and "
-               "the engine's TMPDIR, not on FUSE or an automount, and pass that path")
+REFUSE_HINT = ("copy the model (or venv/cache, or the LD_LIBRARY_PATH directory) to a local disk directory "
+               "outside /dev/shm and the engine's TMPDIR, not on FUSE or an automount, and pass that path")
 
 
 def check_create(model_dir: str, env: dict[str, str], mountinfo: str | None = None) -> list[tuple[M.Mount, str, str]]:

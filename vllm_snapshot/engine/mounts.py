@@ -20,7 +20,8 @@ So the policy (:func:`classify`) is:
   are replaced by private tmpfs (CRIU dumps tmpfs *content*: without this a snapshot held the
   host's /dev/shm, i.e. other processes' shared memory);
 * ``external``: mounts that hold a needed path (model, Python and venv, vllm_snapshot, caches,
-  the working directory, whatever the engine root has open or mapped), their ancestors (lazy
+  the working directory, whatever the engine root has open or mapped, and the NVIDIA driver as
+  the dynamic loader finds it: :func:`driver_paths`), their ancestors (lazy
   detach of a parent takes its children along), and the name-service file binds of containers
   (/etc/hosts, /etc/resolv.conf, /etc/hostname: the engine should resolve names as the host
   it runs on does). CRIU gets them as ``--external mnt[MOUNTPOINT]:COOKIE`` and binds the same
@@ -310,11 +311,110 @@ CACHE_VARS = ("TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT", "VLLM_CONFIG_ROOT", 
               "TORCH_HOME", "VLLM_SNAPSHOT_CACHE")
 
 
+#: The NVIDIA user-space driver libraries vLLM and torch load by name (CUDA driver API, NVML).
+DRIVER_LIBS = ("libcuda.so.1", "libnvidia-ml.so.1")
+#: The dynamic loader's cache: a container has its own (written by its runtime's ldconfig hook),
+#: and every process the engine starts later (vLLM's spawned children) reads it.
+LD_CACHE = "/etc/ld.so.cache"
+LDCONFIG_CANDIDATES = ("/sbin/ldconfig", "/usr/sbin/ldconfig", "/usr/bin/ldconfig")
+
+
+def parse_ldconfig(text: str) -> dict[str, list[str]]:
+    """``ldconfig -p`` output -> ``{soname: [path, ...]}`` in cache order (the order the dynamic
+    loader tries them; every architecture listed is kept). Lines that do not parse are skipped.
+    Pure."""
+    out: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        left, sep, path = line.strip().partition(" => ")
+        if not sep or not path.startswith("/"):
+            continue
+        name = left.split(" (", 1)[0].strip()
+        if name:
+            out.setdefault(name, []).append(path.strip())
+    return out
+
+
+def ld_library_dirs(env: dict[str, str]) -> list[str]:
+    """The absolute directories of ``env["LD_LIBRARY_PATH"]``, in order, without repeats (the
+    loader also splits on ``;``; empty and relative entries, which it resolves against the
+    working directory of each process, are left out). Pure."""
+    out: list[str] = []
+    for d in env.get("LD_LIBRARY_PATH", "").replace(";", ":").split(":"):
+        if d.startswith("/") and d not in out:
+            out.append(d)
+    return out
+
+
+def ldconfig_cache() -> str:
+    """``ldconfig -p`` of this host (the dynamic loader's cache, read from /etc/ld.so.cache);
+    empty text when there is no ldconfig (musl) or it fails within 10 s."""
+    import shutil
+    import subprocess
+
+    for exe in (*LDCONFIG_CANDIDATES, shutil.which("ldconfig")):
+        if exe and os.access(exe, os.X_OK):
+            try:
+                p = subprocess.run([exe, "-p"], capture_output=True, text=True, timeout=10,
+                                   env={"LC_ALL": "C", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+            except (OSError, subprocess.TimeoutExpired):
+                return ""
+            return p.stdout if p.returncode == 0 else ""
+    return ""
+
+
+def driver_library_paths(env: dict[str, str], ldconfig_text: str) -> list[str]:
+    """Where the dynamic loader looks for :data:`DRIVER_LIBS` in a process with ``env``: in
+    each ``LD_LIBRARY_PATH`` directory, then the cache entries (``ldconfig -p`` text). Every
+    candidate, not only the first (a later one is used when an earlier one is missing or cannot
+    be loaded; a missing one keeps no mount). Absolute paths as found, symlinks not resolved.
+    Pure."""
+    cache = parse_ldconfig(ldconfig_text)
+    out: list[str] = []
+    for lib in DRIVER_LIBS:
+        for p in [os.path.join(d, lib) for d in ld_library_dirs(env)] + cache.get(lib, []):
+            if p not in out:
+                out.append(p)
+    return out
+
+
+def nvidia_devices(dev: str = "/dev") -> list[str]:
+    """The ``DEV/nvidia*`` entries of this host, sorted (device nodes -- in a container possibly
+    bind mounts of the host's -- and the ``nvidia-caps`` directory); empty without a GPU."""
+    import glob
+
+    return sorted(glob.glob(os.path.join(glob.escape(dev), "nvidia*")))
+
+
+def driver_paths(env: dict[str, str], ldconfig_text: str | None = None, devices: list[str] | None = None) -> list[str]:
+    """Paths the engine needs to reach the NVIDIA driver as ``vllm serve`` would with ``env``:
+    the loader's cache (:data:`LD_CACHE`), every ``LD_LIBRARY_PATH`` directory (GKE-style
+    hosts keep the driver in its own mount, e.g. ``/usr/local/nvidia``, found through it), each
+    place the loader looks for a driver library (:func:`driver_library_paths`;
+    nvidia-container-toolkit bind-mounts each library as a single *file*) with its directory
+    (other driver libraries loaded later, e.g. the PTX JIT, sit beside it) and, symlinks
+    resolved, the file and directory it points to, and the GPU device entries. ``ldconfig_text``
+    defaults to :func:`ldconfig_cache`, ``devices`` to :func:`nvidia_devices`. Paths that do
+    not exist keep no mount."""
+    if ldconfig_text is None:
+        ldconfig_text = ldconfig_cache()
+    out = [LD_CACHE, *ld_library_dirs(env)]
+    for p in driver_library_paths(env, ldconfig_text):
+        real = os.path.realpath(p)
+        for q in (p, os.path.dirname(p), real, os.path.dirname(real)):
+            if q not in out:
+                out.append(q)
+    for d in nvidia_devices() if devices is None else devices:
+        if d not in out:
+            out.append(d)
+    return out
+
+
 def needed_paths(model: str | None, env: dict[str, str], extra: tuple[str, ...] | list[str] = ()) -> list[str]:
     """Paths the engine needs to see: the model, this Python (prefix, base prefix, executable),
     the vllm_snapshot, vllm and torch packages, caches named by ``env`` (plus HOME/.cache),
-    the working directory and ``extra``. Each as given and with symlinks resolved. Finds the
-    packages without importing them."""
+    the working directory, the NVIDIA driver as the dynamic loader would find it with ``env``
+    (:func:`driver_paths`: this host's loader cache and GPU devices) and ``extra``.
+    Each as given and with symlinks resolved. Finds the packages without importing them."""
     out: list[str] = []
     import importlib.util
 
@@ -337,6 +437,8 @@ def needed_paths(model: str | None, env: dict[str, str], extra: tuple[str, ...] 
         _add_path(out, os.getcwd())
     except OSError:
         pass
+    for p in driver_paths(env):
+        _add_path(out, p)
     for p in extra:
         _add_path(out, p)
     return [p for p in out if not any(_under(p, priv) for priv in PRIVATE) or p == model]

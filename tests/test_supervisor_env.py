@@ -66,6 +66,7 @@ def test_scrubbed_env_keeps_the_driver_location_and_nvidia_settings():
     for k in ("LD_LIBRARY_PATH", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES"):
         assert env[k] == base[k], k
     assert "LD_PRELOAD" not in env  # the loader's other knob is still dropped
+    assert "NVIDIA_API_KEY" not in scrubbed_env({"NVIDIA_API_KEY": "nvapi-x"})  # NGC key: a secret
 
 
 def test_scrubbed_env_turns_usage_stats_off_whatever_the_caller_says():

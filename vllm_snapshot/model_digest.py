@@ -4,7 +4,9 @@ At create every regular file under the model directory is hashed in full (BLAKE3
 threaded over an mmap) and its size, mtime_ns, ctime_ns, inode and device are kept. At restore
 (``quick`` mode) a file whose stat is unchanged is trusted; any stat change triggers a full
 re-hash and only a content difference refuses (so ``touch`` alone never refuses). ``full`` mode
-re-hashes everything. A metadata-only fingerprint (safetensors headers, first KiB of each
+re-hashes everything. Around the engine's reading of the files (create's cold start, a
+level-2 wake at restore) :func:`stat_pins` and :func:`recheck` make sure the digest still
+describes what it read. A metadata-only fingerprint (safetensors headers, first KiB of each
 tensor) misses changes past the fingerprinted bytes; hashing every byte cannot.
 
 **One policy for added files, for every command** (restore, verify, ``serve``'s key, switch):
@@ -211,3 +213,105 @@ def verify(root: Path, recorded: tuple[ModelFile, ...], mode: Literal["quick", "
             details={"changed": changed, "missing": missing, "added": added},
         )
     return ModelCheck(tuple(rehashed), tuple(n for n in new if ignored(n)))
+
+
+# ---------------------------------------------------------------- the window while the engine reads
+#
+# A digest describes the bytes the engine loaded only if no file changed between the hash and
+# the end of the engine's reading: ``create`` hashes before the cold start (~1 min) and dumps
+# after it; a level-2 wake at restore reloads the weights from disk after restore checked them.
+# :func:`stat_pins` records the stat a check saw, :func:`recheck` compares after the reading:
+# a file whose stat changed is re-hashed. A content difference refuses. An equal content
+# refuses too when the file's last change (ctime) may have fallen while the engine was reading
+# (``since_ns`` onwards): a file changed and put back then holds the hashed bytes again, but the
+# engine may have read the other ones -- exactly the change-and-roll-back the digest must not
+# miss. An equal content whose last change came before the engine began reading is accepted
+# (a ``touch``, or a re-download of the same bytes, before the engine started). ctime cannot
+# be set by a user (unlike mtime) and Linux file systems update it on every write, truncate,
+# chmod and rename of the inode.
+
+#: A ctime this close to ``since_ns`` counts as made while the engine read: some file systems
+#: keep coarse timestamps (ext3: seconds; the kernel's clock for them lags by a tick).
+CTIME_SLACK_NS = 1_000_000_000
+
+
+def stat_pins(root: Path, files: tuple[ModelFile, ...]) -> tuple[ModelFile, ...]:
+    """``files`` (each keeping the digest it must have) with the stat each has under ``root``
+    now -- take it *before* the check of their content, so that :func:`recheck` later sees
+    any change made after it. A file that cannot be stat'ed keeps its recorded stat (the check
+    that follows reports it missing). Raises nothing."""
+    out = []
+    for f in files:
+        try:
+            st = (root / f.path).stat()
+        except OSError:
+            out.append(f)
+            continue
+        out.append(f.model_copy(update={"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
+                                        "inode": st.st_ino, "device": st.st_dev}))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Drift:
+    """What :func:`compare_pinned` found, as paths relative to the model dir: ``changed``
+    (content differs from the pinned digest), ``rewritten`` (content equal again, but last
+    changed while the engine read), ``missing``, and ``rehashed`` (every file whose stat
+    differed, so it was read again)."""
+
+    changed: tuple[str, ...] = ()
+    rewritten: tuple[str, ...] = ()
+    missing: tuple[str, ...] = ()
+    rehashed: tuple[str, ...] = ()
+
+    @property
+    def refuses(self) -> bool:
+        return bool(self.changed or self.rewritten or self.missing)
+
+
+def compare_pinned(root: Path, pinned: tuple[ModelFile, ...], since_ns: int) -> Drift:
+    """Compare the files under ``root`` with ``pinned`` (digest + the stat seen when they were
+    checked); ``since_ns``: the wall-clock time (ns since the epoch, as ``st_ctime_ns``) from
+    which the engine may have read them. A file with the pinned stat (size, mtime_ns,
+    ctime_ns, inode, device) is not read; any other is re-hashed (see the section's comment
+    for the rule). Raises OSError for a file that exists but cannot be read."""
+    changed, rewritten, missing, rehashed = [], [], [], []
+    for f in pinned:
+        p = root / f.path
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            missing.append(f.path)
+            continue
+        if _stat_key(st) == (f.size, f.mtime_ns, f.ctime_ns, f.inode, f.device):
+            continue
+        rehashed.append(f.path)
+        if st.st_size != f.size or hash_file(p) != f.blake3:
+            changed.append(f.path)
+        elif st.st_ctime_ns >= since_ns - CTIME_SLACK_NS:
+            rewritten.append(f.path)
+    return Drift(tuple(changed), tuple(rewritten), tuple(missing), tuple(rehashed))
+
+
+def recheck(root: Path, pinned: tuple[ModelFile, ...], since_ns: int, *, during: str, hint: str) -> tuple[str, ...]:
+    """:func:`compare_pinned`, refusing any drift. ``during`` says when the files were read
+    (e.g. "while the engine loaded them"), ``hint`` what to do; both go into the error.
+    Returns the paths re-hashed (stat changed, content and timing fine).
+
+    Raises ModelChangedError (details: ``{"changed", "rewritten", "missing"}``, lists of
+    paths) naming every file, or OSError for a file that cannot be read."""
+    d = compare_pinned(root, pinned, since_ns)
+    if not d.refuses:
+        return d.rehashed
+    parts = []
+    if d.changed:
+        parts.append("content changed: " + ", ".join(d.changed))
+    if d.rewritten:
+        parts.append("changed and put back (the same content again, but its last change came after the engine "
+                     "began reading, so what it read is unknown): " + ", ".join(d.rewritten))
+    if d.missing:
+        parts.append("missing: " + ", ".join(d.missing))
+    raise ModelChangedError(
+        f"model files under {root} changed {during}; the digest would not describe the weights the engine "
+        "loaded: " + "; ".join(parts),
+        hint=hint, details={"changed": list(d.changed), "rewritten": list(d.rewritten), "missing": list(d.missing)})

@@ -246,6 +246,16 @@ class FakeTools(SnapshotTools):
         self._call("digest_model")
         return self.model_files if self.model_files is not None else self.manifest.model.files
 
+    def model_stats(self, model_dir: Path, files: tuple[ModelFile, ...]) -> tuple[ModelFile, ...]:
+        self._call("model_stats")
+        return files
+
+    def recheck_model(self, model_dir: Path, pinned: tuple[ModelFile, ...], since_ns: int, during: str,
+                      hint: str) -> tuple[str, ...]:
+        self.rechecked = (pinned, since_ns)
+        self._call("recheck_model")
+        return ()
+
     def normalize_engine_args(self, engine_args: list[str]) -> dict[str, str]:
         self._call("normalize_engine_args")
         if "--bogus" in engine_args:

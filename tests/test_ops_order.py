@@ -259,6 +259,41 @@ def test_cuda_restore_waits_for_the_wake_as_long_as_the_rehearsal_allowed():
     assert slow.engine.timeouts["woken"] == 900.0
 
 
+def _cuda_manifest(level: int):
+    return manifest_with(engine=manifest_with().engine.model_copy(update={"kind": "cuda", "sleep_level": level,
+                                                                         "full_state_captured": False}))
+
+
+def test_level2_restore_rechecks_the_model_after_the_wake_before_the_bind():
+    """Issue 29 S1: the wake reloads the weights from disk after the model check; the files are
+    compared with the stats that check saw (taken before it) once the engine is woken."""
+    t = FakeTools(manifest=_cuda_manifest(2))
+    _restore(t)
+    c = t.calls
+    order = ["model_stats", "verify_model:quick", "restore_tree", "engine.wake", "recheck_model", "engine.oracle",
+             "engine.serve", "register"]
+    assert [x for x in c if x in order] == order
+    pinned, since_ns = t.rechecked
+    assert pinned == t.manifest.model.files and since_ns == int(t.now() * 1e9)
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_no_recheck_when_the_wake_reads_nothing_from_disk(level):
+    t = FakeTools(manifest=_cuda_manifest(level) if level else manifest_with())
+    _restore(t)
+    assert "recheck_model" not in t.calls and "engine.serve" in t.calls
+
+
+def test_model_changed_at_the_wake_refuses_before_anything_serves():
+    from vllm_snapshot.errors import ModelChangedError
+
+    t = FakeTools(manifest=_cuda_manifest(2), fail={"recheck_model": ModelChangedError("model.safetensors changed")})
+    with pytest.raises(ModelChangedError):
+        _restore(t)
+    assert "engine.oracle" not in t.calls and "engine.serve" not in t.calls and "register" not in t.calls
+    assert t.engine.killed and "unstage_all" in t.calls
+
+
 # ------------------------------------------------------------------ create
 
 def test_create_happy_path_order_and_scrubbed_env():
@@ -330,6 +365,32 @@ def test_survivors_of_the_dump_fail_the_create():
     with pytest.raises(EngineError, match="survived the dump"):
         _create(t)
     assert "publish" not in t.calls and t.discarded
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+def test_create_rechecks_the_model_after_the_engine_loaded_it_before_the_dump(kind):
+    """Issue 29 S1: the digest taken before the cold start is compared again once the engine
+    has read the files (its start and, on GPU, the rehearsal's wake), before the dump."""
+    t = FakeTools(kind=kind)
+    res = _create(t)
+    c = t.calls
+    assert _before(c, "digest_model", "launch_engine") and _before(c, "launch_engine", "recheck_model")
+    assert _before(c, "recheck_model", "dump")
+    if kind == "cuda":  # after the rehearsal's wake (reload) and its last sleep
+        assert max(i for i, x in enumerate(c) if x.startswith("engine.sleep")) < c.index("recheck_model")
+        assert _before(c, "engine.wake", "recheck_model")
+    pinned, since_ns = t.rechecked
+    assert pinned == res.manifest.model.files and since_ns == int(t.now() * 1e9)
+
+
+def test_model_changed_while_the_engine_loaded_refuses_the_create():
+    from vllm_snapshot.errors import ModelChangedError
+
+    t = FakeTools(fail={"recheck_model": ModelChangedError("model.safetensors changed")})
+    with pytest.raises(ModelChangedError):
+        _create(t)
+    assert "dump" not in t.calls and "publish" not in t.calls
+    assert t.engine.killed and t.discarded == [SNAP.parent / ".tiny.tmp-x"]
 
 
 # ------------------------------------------------------------------ management

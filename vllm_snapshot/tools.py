@@ -154,6 +154,15 @@ class SnapshotTools(Protocol):
     def digest_model(self, model_dir: Path, known: tuple[ModelFile, ...] = ()) -> tuple[ModelFile, ...]:
         """Every model file's digest; files whose stat equals a ``known`` record reuse its digest."""
 
+    def model_stats(self, model_dir: Path, files: tuple[ModelFile, ...]) -> tuple[ModelFile, ...]:
+        """``files`` with the stat each has now (:func:`vllm_snapshot.model_digest.stat_pins`)."""
+
+    def recheck_model(self, model_dir: Path, pinned: tuple[ModelFile, ...], since_ns: int, during: str,
+                      hint: str) -> tuple[str, ...]:
+        """Refuse a model file changed since ``pinned`` was taken, while the engine may have
+        read it (from ``since_ns``; :func:`vllm_snapshot.model_digest.recheck`). Returns the
+        paths re-hashed. Raises ModelChangedError."""
+
     def normalize_engine_args(self, engine_args: list[str]) -> dict[str, str]:
         """``vllm serve`` args normalized by vLLM's parser (:func:`vllm_snapshot.snapkey.normalize_args`;
         imports vLLM). Raises UsageError for args vLLM rejects."""
@@ -642,6 +651,17 @@ class LocalTools(SnapshotTools):
         from . import model_digest
 
         return model_digest.digest_dir(model_dir, known)
+
+    def model_stats(self, model_dir: Path, files: tuple[ModelFile, ...]) -> tuple[ModelFile, ...]:
+        from . import model_digest
+
+        return model_digest.stat_pins(model_dir, files)
+
+    def recheck_model(self, model_dir: Path, pinned: tuple[ModelFile, ...], since_ns: int, during: str,
+                      hint: str) -> tuple[str, ...]:
+        from . import model_digest
+
+        return model_digest.recheck(model_dir, pinned, since_ns, during=during, hint=hint)
 
     def normalize_engine_args(self, engine_args: list[str]) -> dict[str, str]:
         import contextlib

@@ -10,7 +10,9 @@
 5. prepare-dump (app prebuilt, parent-death signal cleared, GC heap frozen, children prepared:
    gc, malloc_trim, all-zero KV-cache pages given back -- see engine/prep.py);
 6. inventory (refuse what CRIU cannot restore, and a tree not running as the engine user
-   with no capability and NoNewPrivs), channel keys, link-remap watch;
+   with no capability and NoNewPrivs), channel keys, link-remap watch; model re-check (a file
+   whose stat changed since the digest is re-hashed; a change the engine may have read
+   refuses: :func:`vllm_snapshot.model_digest.recheck`);
 7. CRIU dump (host-wide lock), tree gone, link-remap files saved;
 8. checksums / compression; code identity (:mod:`vllm_snapshot.codeid`: the files of the
    distributions the engine imported from, pinned by stat); host identity; manifest (pure
@@ -167,8 +169,9 @@ def create(req: CreateRequest, rep: Reporter, tools: SnapshotTools | None = None
     """Launch the engine, record the oracle, dump it with CRIU, publish the snapshot.
 
     Returns :class:`Created`. Raises UsageError (bad args, target exists),
-    EnvironmentProblem, EngineError, CriuError, UnsnapshottableError, OracleMismatchError. On
-    any failure no snapshot is published and no engine process is left.
+    EnvironmentProblem, EngineError, CriuError, UnsnapshottableError, OracleMismatchError,
+    ModelChangedError (a model file changed while the engine loaded it). On any failure no
+    snapshot is published and no engine process is left.
     """
     t = tools or LocalTools()
     t.require_root()
@@ -343,6 +346,7 @@ def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: 
                 "user": who.model_dump(mode="json")}
         if revision is not None and arg_value(req.engine_args, "--served-model-name") is None:
             spec["served_model_name"] = req.model  # serve a Hugging Face id by its id, as `vllm serve` does
+        loading_since_ns = int(t.now() * 1e9)  # the engine may read the model files from here on
         with rep.phase("engine_start", "starting engine (load, compile, warm-up)"):
             engine, init = _start_engine(t, req, spec, env, tmp)
         info = init["info"]
@@ -376,6 +380,12 @@ def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: 
                                                 "its log says why it did not")
             if gpu_id:  # the GPU state goes through host RAM into the images
                 t.check_dump_room(inv, gpu_id["gpu_uuid_used"], tmp)
+        # the digest must describe the bytes the engine loaded (read during the start and, on
+        # GPU, at the rehearsal's wake): what changed since the hash is re-hashed now
+        with rep.phase("model_recheck", "checking the model files did not change while the engine loaded them"):
+            t.recheck_model(model_dir, files, loading_since_ns, during="between the hash and the dump, while the "
+                            "engine loaded them", hint="nothing was published; keep the model directory unchanged "
+                            "while create runs (stop what writes to it: a download, a sync) and run create again")
         # the tree's network namespace holds only its own processes: no network lock to take
         # (criu.NETWORK_LOCK_ISOLATED says why)
         dump_opts = criu.DumpOptions(pid=engine.root_pid, external=mountpolicy.dump_args(externals),

@@ -12,7 +12,8 @@ milliseconds, not after every model byte was read).
 hard-linked; meanwhile the code identity of :mod:`vllm_snapshot.codeid` starts) -> put back
 link-remap files -> fresh
 channel -> CRIU restore with the recorded flags (into a fresh network namespace) -> adopt the
-tree -> its credentials are the recorded ones -> (CUDA: wake) -> oracle inside the engine ->
+tree -> its credentials are the recorded ones -> (CUDA: wake; level 2: the model files re-checked
+against the stats validation saw, :func:`vllm_snapshot.model_digest.recheck`) -> oracle inside the engine ->
 the image checksums' verdict (uncompressed images are verified in a background thread while
 CRIU restores from their hard links and the oracle runs) -> the code identity's verdict (a
 changed Python file kills the tree) -> only then bind -> /health -> HTTP canary -> registry.
@@ -95,10 +96,11 @@ def _pool():
 
 def validate(snapshot: Path, verify_model: str = "quick", allow: frozenset[str] = frozenset(),
              check_images: bool = False, port: tuple[str, int] | None = None,
-             tools: SnapshotTools | None = None) -> tuple[Manifest, list[str]]:
+             tools: SnapshotTools | None = None, pins: list | None = None) -> tuple[Manifest, list[str]]:
     """Every check a restore makes before CRIU, in the order of the module doc; ``port``
     (host, port) is probed before the model files are re-hashed; ``check_images`` adds every
-    image checksum (``verify``). Returns (manifest, warnings). Raises UsageError,
+    image checksum (``verify``); ``pins`` receives the model files' stats as the check saw
+    them (:func:`vllm_snapshot.model_digest.stat_pins`). Returns (manifest, warnings). Raises UsageError,
     CorruptSnapshotError, IncompatibleHostError, ModelChangedError, BusyError,
     EnvironmentProblem."""
     t = tools or LocalTools()
@@ -157,6 +159,8 @@ def validate(snapshot: Path, verify_model: str = "quick", allow: frozenset[str] 
         raise IncompatibleHostError(
             "files the engine had open or mapped changed since the snapshot was created:\n  " + "\n  ".join(problems),
             hint="restore with the same venv/libraries, or re-create the snapshot")
+    if pins is not None:  # before the check: a change made after it shows in the stat
+        pins.extend(t.model_stats(Path(m.model.path), m.model.files))
     t.verify_model(Path(m.model.path), m.model.files, verify_model)  # added files: refused or ignored
     return m, warnings
 
@@ -259,7 +263,8 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
     report_reclaimed(rep, t.reclaim(snapshot.parent))
     with rep.phase("validate", "validating snapshot, host and model"):
         fe = frontend.check(list(req.frontend), t.environ())  # the options' values and files, before CRIU
-        m, warnings = validate(snapshot, req.verify_model, req.allow, port=(req.host, req.port), tools=t)
+        pins: list = []  # the model files' stats as checked: a level-2 wake reloads from them
+        m, warnings = validate(snapshot, req.verify_model, req.allow, port=(req.host, req.port), tools=t, pins=pins)
         if fe.files and m.engine.user is not None:  # the unprivileged engine opens them when it serves
             unreadable = t.unreadable_by(m.engine.user, [Path(p) for p in fe.files])
             if unreadable:
@@ -364,8 +369,14 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
             rep.info(f"could not remove link-remap files put back for CRIU: {e}")
         if m.engine.sleep_level:
             with rep.phase("wake", "waking engine (reload weights, reset prefix cache)"):
+                reload_since_ns = int(t.now() * 1e9)
                 engine.send("wake")
                 engine.wait_event("woken", wake_timeout_s(m))
+                if m.engine.sleep_level >= 2:  # it read the weights from disk: still the checked ones?
+                    t.recheck_model(Path(m.model.path), tuple(pins), reload_since_ns,
+                                    during="since restore checked them (the wake reloaded the weights from them)",
+                                    hint="nothing serves; keep the model directory unchanged while restoring and "
+                                         "restore again (if the change is meant, re-create the snapshot)")
         gpu_held.close()  # the engine holds its GPU memory now: another restore's capacity check sees it
         with rep.phase("oracle", "replaying the oracle inside the engine"):
             engine.send("oracle")

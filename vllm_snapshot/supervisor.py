@@ -25,7 +25,7 @@ from typing import IO, Callable
 
 import psutil
 
-from .engine.protocol import FD_EVENTS, ROLES, decode, encode_command
+from .engine.protocol import FD_EVENTS, FD_LOG, ROLES, decode, encode_command
 from .procs import set_parent_death_signal, tree, wait_gone
 from .errors import EngineError
 
@@ -158,6 +158,7 @@ class Channel:
             log_r = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
         else:
             log_r, log_w = os.pipe()
+            _set_append(log_w)  # a no-op on a pipe, but the dumped flags: see _set_append
         return cls(ctl_r, ctl_w, log_r, log_w, ev_r, ev_w)
 
     def engine_ends(self) -> dict[str, int]:
@@ -183,6 +184,57 @@ class Channel:
         for fd in (self.ctl_r, self.ctl_w, self.log_r, self.log_w, self.ev_r, self.ev_w):
             _close(fd)
         self.ctl_r = self.ctl_w = self.log_r = self.log_w = self.ev_r = self.ev_w = -1
+
+
+def _set_append(fd: int) -> None:
+    """Add O_APPEND to ``fd``'s open file description. On the engine's log pipe at create it
+    changes no write (a pipe has no offset) but it is in the flags CRIU dumps, and CRIU 4.2.1
+    restores an ``--inherit-fd`` pipe by re-opening the fd it is handed
+    (``open("/proc/self/fd/N", dumped flags)``, criu/pipes.c ``reopen_pipe``): a new open file
+    description at offset 0 with the dumped flags, not ours. Without O_APPEND among them a
+    detached engine's ``--log-file`` is written from its first byte, over the previous run's
+    log. Raises OSError."""
+    import fcntl
+
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
+
+
+def append_restored_log(root_pid: int, ours: int) -> bool:
+    """Make a restored engine's log fd (``FD_LOG``, shared by the whole tree) append, when we
+    handed it a log file (``ours``: our fd of it) and its snapshot was made before the log pipe
+    was dumped with O_APPEND (see :func:`_set_append`): its description is then CRIU's re-open,
+    at offset 0 without O_APPEND. Takes the engine's fd with ``pidfd_getfd`` (Linux >= 5.6,
+    ptrace rights: root) and sets O_APPEND on it, before the engine is sent any command (a
+    restored engine idles until ``attach``). Returns True when it changed the flags; False when
+    there was nothing to do or it could not (the log is then overwritten as before: never a
+    reason to fail a restore)."""
+    import ctypes
+    import fcntl
+    import stat as _stat
+
+    try:
+        mine = os.fstat(ours)
+        if not _stat.S_ISREG(mine.st_mode):
+            return False  # foreground: a pipe to us
+        pidfd = os.pidfd_open(root_pid)
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = libc.syscall(438, pidfd, FD_LOG, 0)  # SYS_pidfd_getfd, same number on every arch
+            if fd < 0:
+                return False
+        finally:
+            os.close(pidfd)
+        try:
+            theirs = os.fstat(fd)
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            if (theirs.st_dev, theirs.st_ino) != (mine.st_dev, mine.st_ino) or flags & os.O_APPEND:
+                return False
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_APPEND)
+            return True
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
 
 
 def _close(fd: int) -> None:
@@ -435,6 +487,7 @@ def launch(spec: dict, env: dict[str, str], log_sinks: list[Callable[[bytes], No
 def restored_handle(root_pid: int, ch: Channel, log_sinks: list[Callable[[bytes], None]]) -> EngineHandle:
     """Handle for a tree CRIU restored as our child, talking over ``ch`` (whose engine ends
     CRIU handed to the tree; they are closed here). The handle owns our ends from now on."""
+    append_restored_log(root_pid, ch.log_w)  # a snapshot made before its log pipe was O_APPEND
     ch.close_engine_ends()
     pump = LogPump(ch.log_r, log_sinks)
     pump.start()

@@ -143,7 +143,8 @@ def test_gpu_create_rehearses_then_sleeps_and_restore_wakes_before_oracle(tmp_pa
         assert (fake_cuda / "state").read_text() == "0"
         # the CUDA child was recorded by its namespace PID, and after CRIU only it was probed
         # (review gpu-path-2 L4: one driver attach per probe), not the non-CUDA root
-        assert m.criu.cuda_pids == (2,)
+        # (its number depends on what the root forked before it -- the mount policy runs ldconfig)
+        assert len(m.criu.cuda_pids) == 1 and m.criu.cuda_pids[0] > 1
         log = (fake_cuda / "calls.log").read_text().splitlines()
         after = log[next(i for i, ln in enumerate(log) if ln.startswith("unlock ")) + 1:]
         assert [ln.split()[0] for ln in after] == ["get-restore-tid"] and after[0].endswith("CUDA_SUCCESS")

@@ -774,8 +774,8 @@ def test_reclaimed_empty_cgroups_are_one_line_not_blamed_on_a_killed_command():
     rep = Rec()
     report_reclaimed(rep, ["empty cgroup /sys/fs/cgroup/memory/vllm-snapshot/tiny-8000",
                            "empty cgroup /sys/fs/cgroup/unified/vllm-snapshot/tiny-8000"])
-    assert rep.lines == ["removed 2 engine cgroup(s) left empty by engines that exited: "
-                         "/sys/fs/cgroup/memory/vllm-snapshot/tiny-8000, /sys/fs/cgroup/unified/vllm-snapshot/tiny-8000"]
+    assert rep.lines == ["removed the empty cgroups of 1 engine(s) that exited: tiny-8000 "
+                         "(under /vllm-snapshot in 2 hierarchy path(s))"]
 
 
 def test_create_refuses_before_the_engine_when_the_last_snapshot_of_the_model_would_not_fit():

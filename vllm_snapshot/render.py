@@ -134,9 +134,11 @@ def _engines(r: R.Engines, quiet: bool) -> None:
         _line(f"{len(r.orphans)} engine tree(s) nobody owns (what a killed restore left: frozen or "
               f"half-restored, not serving): root PID {', '.join(map(str, r.orphans))}; "
               "`vllm-snapshot prune` removes them")
-    if r.empty_cgroups:
-        _line(f"{len(r.empty_cgroups)} engine cgroup(s) left empty by engines that exited or were killed: "
-              f"{', '.join(r.empty_cgroups)}; `vllm-snapshot prune` removes them")
+    if r.empty_cgroups:  # one leaf per hierarchy: named once, by the engine's leaf name
+        names = sorted({c.rstrip("/").rsplit("/", 1)[-1] for c in r.empty_cgroups})
+        _line(f"{len(names)} engine cgroup(s) left empty by engines that exited or were killed: "
+              f"/vllm-snapshot/{{{','.join(names)}}} (in {len(r.empty_cgroups)} hierarchy path(s); --json lists "
+              "them); `vllm-snapshot prune` removes them")
 
 
 def _stopped(r: R.Stopped, quiet: bool) -> None:

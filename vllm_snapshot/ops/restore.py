@@ -253,8 +253,10 @@ def report_reclaimed(rep: Reporter, gone: list[str]) -> None:
     for g in gone:
         if not g.endswith(".lock") and not g.startswith("empty cgroup "):
             rep.info(f"removed a leftover of a killed command: {g}")
-    if cgroups:
-        rep.info(f"removed {len(cgroups)} engine cgroup(s) left empty by engines that exited: {', '.join(cgroups)}")
+    if cgroups:  # one leaf per hierarchy (v1 controllers, v2): named once, by the engine's leaf name
+        names = sorted({Path(c).name for c in cgroups})
+        rep.info(f"removed the empty cgroups of {len(names)} engine(s) that exited: {', '.join(names)} "
+                 f"(under /vllm-snapshot in {len(cgroups)} hierarchy path(s))")
     if locks:
         rep.info(f"removed {len(locks)} lock file(s) of snapshot paths that no longer exist")
 

@@ -575,3 +575,22 @@ def test_list_and_status_never_cut_a_reason_or_a_path(capsys):
     cells = [line.split("│")[1:-1] for line in out.splitlines() if line.startswith("│")]
     column = ["".join(c[i].strip() for c in cells) for i in range(6)]  # a folded cell, joined again
     assert column[0] == path and column[5] == cg, column
+
+
+def test_a_closed_pipe_is_exit_141_not_an_internal_error(tmp_path):
+    # `inspect NAME | head -1` exited 1 ("internal" in the exit-code table): rich's own handler
+    import subprocess
+    import sys
+
+    snap = tmp_path / "s"
+    write_snapshot_dir(snap)
+    root = Path(__file__).resolve().parent.parent
+    for args in (["inspect", str(snap)], ["inspect", "--json", str(snap)]):
+        r, w = os.pipe()
+        os.close(r)  # the reader is gone before the first line is written
+        try:
+            cp = subprocess.run([sys.executable, "-m", "vllm_snapshot", *args], stdout=w, stderr=subprocess.PIPE,
+                                text=True, timeout=120, cwd=root)
+        finally:
+            os.close(w)
+        assert cp.returncode == 141 and cp.stderr == "", (args, cp.returncode, cp.stderr)

@@ -560,6 +560,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `list | head -1`: the reader went away; not an internal error
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        except OSError:
+            pass
+        return 141  # 128 + SIGPIPE, what a shell reports for a program its pipe closed on
     except PermissionError as e:
         from .errors import EnvironmentProblem
 

@@ -27,7 +27,11 @@ def _console() -> Console:
     `less`), where rich's 80-column default wraps every table cell."""
     from rich.console import Console
 
-    return Console() if sys.stdout.isatty() else Console(width=140)
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:  # `list | head -1`: rich exits 1, "internal" in our table
+            raise BrokenPipeError  # cli.main: quiet, exit 141 as a shell reports a closed pipe
+
+    return _Console() if sys.stdout.isatty() else _Console(width=140)
 
 
 def human_bytes(n: float) -> str:
@@ -203,6 +207,7 @@ _HUMAN = {
 def emit_json(obj: dict) -> None:
     """Print ``obj`` with ``schema_version`` added, as sorted, indented JSON on stdout."""
     sys.stdout.write(json.dumps({"schema_version": JSON_SCHEMA_VERSION, **obj}, indent=2, sort_keys=True) + "\n")
+    sys.stdout.flush()  # a closed pipe raises here, inside the command (exit 141), not at exit
 
 
 def manifest_table(m: Manifest, path: str) -> None:

@@ -560,18 +560,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # `list | head -1`: the reader went away; not an internal error
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-        except OSError:
-            pass
-        return 141  # 128 + SIGPIPE, what a shell reports for a program its pipe closed on
     except PermissionError as e:
         from .errors import EnvironmentProblem
 
         return main_error(EnvironmentProblem(f"permission denied: {e.filename or e}",
                                              hint="vllm-snapshot needs root for snapshots, CRIU and the engine registry"))
     except Exception as e:  # noqa: BLE001 - last resort: one line, traceback with --debug
+        if type(e).__name__ == "PipeClosed":  # render.PipeClosed (`list | head -1`): not an internal error
+            try:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+            except OSError:
+                pass
+            return 141  # 128 + SIGPIPE, what a shell reports for a program its pipe closed on
         from .interrupts import fired
 
         if fired() is not None and not _STATE["debug"]:

@@ -22,6 +22,22 @@ if TYPE_CHECKING:
 JSON_SCHEMA_VERSION = 1
 
 
+class PipeClosed(Exception):
+    """stdout's reader went away (``list | head -1``). Not an OSError on purpose: typer turns
+    EPIPE into exit 1, "internal" in our exit-code table; :func:`vllm_snapshot.cli.main`
+    turns this into 141, as a shell reports a program whose pipe closed."""
+
+
+def _write(text: str) -> None:
+    """Write ``text`` to stdout and flush (a closed pipe raises :class:`PipeClosed` here, inside
+    the command, not at exit)."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError as e:
+        raise PipeClosed() from e
+
+
 def _console() -> Console:
     """A terminal-width console; 140 columns when stdout is not a terminal (piped into a log or
     `less`), where rich's 80-column default wraps every table cell."""
@@ -29,7 +45,7 @@ def _console() -> Console:
 
     class _Console(Console):
         def on_broken_pipe(self) -> None:  # `list | head -1`: rich exits 1, "internal" in our table
-            raise BrokenPipeError  # cli.main: quiet, exit 141 as a shell reports a closed pipe
+            raise PipeClosed()
 
     return _Console() if sys.stdout.isatty() else _Console(width=140)
 
@@ -56,8 +72,7 @@ def show(result, as_json: bool = False, quiet: bool = False) -> None:
 
 
 def _line(text: str) -> None:
-    sys.stdout.write(text + "\n")
-    sys.stdout.flush()
+    _write(text + "\n")
 
 
 def _token_text(text: str) -> str:
@@ -206,8 +221,7 @@ _HUMAN = {
 
 def emit_json(obj: dict) -> None:
     """Print ``obj`` with ``schema_version`` added, as sorted, indented JSON on stdout."""
-    sys.stdout.write(json.dumps({"schema_version": JSON_SCHEMA_VERSION, **obj}, indent=2, sort_keys=True) + "\n")
-    sys.stdout.flush()  # a closed pipe raises here, inside the command (exit 141), not at exit
+    _write(json.dumps({"schema_version": JSON_SCHEMA_VERSION, **obj}, indent=2, sort_keys=True) + "\n")
 
 
 def manifest_table(m: Manifest, path: str) -> None:

@@ -594,3 +594,18 @@ def test_a_closed_pipe_is_exit_141_not_an_internal_error(tmp_path):
         finally:
             os.close(w)
         assert cp.returncode == 141 and cp.stderr == "", (args, cp.returncode, cp.stderr)
+
+
+@pytest.mark.parametrize("argv", [["restore", "x", "--root", "/tmp", "--port", "8000"], ["list", "--root", "/tmp"],
+                                  ["status", "--debug"], ["serve", "/m", "--root=/tmp", "--dtype", "float32"]])
+def test_a_global_option_after_the_command_says_where_it_goes(argv, capsys):
+    # a trial: `restore NAME --root DIR` was "not an option restore can apply" or "does not exist"
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "is an option of vllm-snapshot itself: put it before the command" in err
+
+
+def test_global_options_before_the_command_and_engine_args_after_dashdash_are_fine(tmp_path, capsys):
+    assert cli.main(["--root", str(tmp_path), "list"]) == 0
+    cli._global_options_first(["serve", "/m", "--", "--root-path", "/api"])  # vLLM's, after --
+    cli._global_options_first(["serve", "/m", "--root-path", "/api"])  # a front-end option, not --root

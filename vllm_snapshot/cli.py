@@ -515,6 +515,25 @@ def _click_command(argv: list[str]):
     return typer.main.get_command(one)
 
 
+GLOBAL_OPTIONS = ("--root", "--debug")
+
+
+def _global_options_first(argv: list[str]) -> None:
+    """Refuse a global option written after the command (``restore NAME --root DIR``): it was
+    taken as an engine option, or the snapshot was looked up under the default root. Raises
+    UsageError naming the right place."""
+    head = argv[:argv.index("--")] if "--" in argv else argv
+    cmd_at = next((i for i, a in enumerate(head) if not a.startswith("-")
+                   and not (i and head[i - 1] == "--root")), None)
+    if cmd_at is None:
+        return
+    for a in head[cmd_at + 1:]:
+        opt = a.split("=", 1)[0]
+        if opt in GLOBAL_OPTIONS:
+            raise UsageError(f"{opt} is an option of vllm-snapshot itself: put it before the command",
+                             hint=f"vllm-snapshot {opt} ... {head[cmd_at]} ...")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry: run the app, map errors to exit codes (see errors.py)."""
     try:  # typer >= 0.29 vendors its own click
@@ -535,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     _STATE["json"] = "--json" in (argv[:argv.index("--")] if "--" in argv else argv)  # after --: vLLM's
     cmd = _click_command(argv)
     try:
+        _global_options_first(argv)
         rv = cmd.main(args=argv, prog_name="vllm-snapshot", standalone_mode=False)
         return rv if isinstance(rv, int) else 0
     except typer.Exit as e:

@@ -323,6 +323,8 @@ def snapshot_list(rows: list[dict], root: str) -> None:
                   human_bytes(r["stored_bytes"]) if r["stored_bytes"] is not None else "-",
                   here, _when(r["last_restore"]))
     c.print(t)
+    _line("here: ✓ = this host's identity and the model files fit (a stat of each model file, re-hashed when it "
+          "changed); image checksums are read by `verify` and by every restore before it serves")
     for name, why in refused:  # whole, on lines of their own: what an operator copies or greps
         c.print(f"✗ {name}: {why}", markup=False, highlight=False, soft_wrap=True)
 

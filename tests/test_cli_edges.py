@@ -609,3 +609,13 @@ def test_global_options_before_the_command_and_engine_args_after_dashdash_are_fi
     assert cli.main(["--root", str(tmp_path), "list"]) == 0
     cli._global_options_first(["serve", "/m", "--", "--root-path", "/api"])  # vLLM's, after --
     cli._global_options_first(["serve", "/m", "--root-path", "/api"])  # a front-end option, not --root
+
+
+def test_host_given_as_a_name_says_which_address_to_give():
+    # a trial: `--host localhost` got "not a numeric address (Name or service not known)"
+    from vllm_snapshot import ports
+
+    with pytest.raises(UsageError) as e:
+        ports.bind_listener("localhost", 0)
+    assert "'localhost' is a name" in e.value.message and "127.0.0.1" in e.value.message
+    assert e.value.hint in ("--host 127.0.0.1", "--host ::1")

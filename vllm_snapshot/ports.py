@@ -72,6 +72,15 @@ def bind_listener(host: str, port: int, listen: bool = True) -> socket.socket:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
     except socket.gaierror as e:
+        try:  # a name: say which addresses it stands for here (/etc/hosts first, as the resolver does)
+            addrs = sorted({i[4][0] for i in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)})
+        except (socket.gaierror, UnicodeError):
+            addrs = []
+        if addrs:
+            raise UsageError(f"--host {host!r} is a name; give the address to listen on ({host} is "
+                             f"{' and '.join(addrs)} here): the URL, the engine registry and a later switch "
+                             "name the port by one address",
+                             hint=f"--host {addrs[0]}") from e
         raise UsageError(f"--host {host!r} is not a numeric IPv4/IPv6 address ({e.strerror})",
                          hint="use e.g. 127.0.0.1, 0.0.0.0 or ::1") from e
     fam, _type, _proto, _canon, addr = infos[0]

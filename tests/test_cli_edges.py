@@ -619,3 +619,26 @@ def test_host_given_as_a_name_says_which_address_to_give():
         ports.bind_listener("localhost", 0)
     assert "'localhost' is a name" in e.value.message and "127.0.0.1" in e.value.message
     assert e.value.hint in ("--host 127.0.0.1", "--host ::1")
+
+
+def test_a_failure_after_a_signal_is_reported_as_the_interruption(monkeypatch, capsys):
+    # a trial: Ctrl-C during `CRIU dump` reached CRIU too (one process group), which died; the
+    # command cleaned up but said "CRIU dump failed" (exit 7) instead of interrupted (130)
+    import signal
+
+    from vllm_snapshot import interrupts
+
+    def dump_cut_by_sigint(*a, **k):
+        interrupts._state["fired"] = signal.SIGINT  # what the handler records
+        raise CriuError("CRIU dump failed; log excerpt: (00.742236) page-xfer: p 0x556c", hint="full log: /x.log")
+
+    monkeypatch.setattr(ops, "verify", dump_cut_by_sigint)
+    monkeypatch.setattr(cli, "_root_only", lambda what: None)
+    assert cli.main(["--root", "/tmp", "verify", "some-name"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted by SIGINT" in err and "CRIU dump failed" in err and "full log: /x.log" in err
+    interrupts.reset()
+    assert cli.main(["--root", "/tmp", "verify", "some-name"]) == 130  # fired again by the fake
+    interrupts.reset()
+    monkeypatch.setattr(ops, "verify", lambda *a, **k: (_ for _ in ()).throw(CriuError("plain failure")))
+    assert cli.main(["--root", "/tmp", "verify", "some-name"]) == 7  # no signal: CRIU's own code

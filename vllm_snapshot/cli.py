@@ -534,6 +534,20 @@ def _global_options_first(argv: list[str]) -> None:
                              hint=f"vllm-snapshot {opt} ... {head[cmd_at]} ...")
 
 
+def _after_signal(e: SnapshotError, sig: SnapshotError | None) -> SnapshotError:
+    """The error to report: ``e``, or -- when a signal came first (``sig``, an Interrupted) --
+    the interruption, saying what ``e`` was: a terminal's Ctrl-C reaches the whole foreground
+    process group, CRIU and the engine included, so their failure is the signal's doing and the
+    command has cleaned up as for any interruption (exit 130, not the CRIU/engine code)."""
+    from .errors import Interrupted
+
+    if sig is None or isinstance(e, Interrupted):
+        return e
+    first = e.message.splitlines()[0] if e.message else type(e).__name__
+    return Interrupted(f"{sig.message} (the signal reached its child processes too; what they reported: {first})",
+                       hint=e.hint, details={**(sig.details or {}), "then": {"code": e.code, "message": e.message}})
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry: run the app, map errors to exit codes (see errors.py)."""
     try:  # typer >= 0.29 vendors its own click
@@ -576,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
             import traceback
 
             traceback.print_exc()
-        return main_error(e)
+        return main_error(_after_signal(e, interrupts.fired()))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -642,3 +642,38 @@ def test_a_failure_after_a_signal_is_reported_as_the_interruption(monkeypatch, c
     interrupts.reset()
     monkeypatch.setattr(ops, "verify", lambda *a, **k: (_ for _ in ()).throw(CriuError("plain failure")))
     assert cli.main(["--root", "/tmp", "verify", "some-name"]) == 7  # no signal: CRIU's own code
+
+
+HANDOFF_SCRIPT = r"""
+import os, signal, sys
+from vllm_snapshot import cli, ops, render
+
+class Engine:
+    def close(self):
+        pass
+
+def fake_restore(req, rep, tools=None):  # a detached engine now serves and is registered
+    return object(), Engine()
+
+def show(r, as_json=False, quiet=False):
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the result is printed
+    print("serving (engine PID 4242)")
+
+ops.restore = fake_restore
+render.show = show
+cli._root_only = lambda what: None
+cli._resolve = lambda ref: ref
+sys.argv = ["vllm-snapshot", "restore", "snap", "--port", "18999", "--detach", "-q"]
+sys.exit(cli.main())
+"""
+
+
+def test_a_signal_after_a_detached_engine_was_handed_off_does_not_say_interrupted():
+    # a trial: Ctrl-C right after `restore --detach` succeeded exited 130 with the engine serving
+    import subprocess
+    import sys
+
+    cp = subprocess.run([sys.executable, "-c", HANDOFF_SCRIPT], capture_output=True, text=True, timeout=120,
+                        cwd=Path(__file__).resolve().parent.parent)
+    assert cp.returncode == 0, (cp.returncode, cp.stdout, cp.stderr)
+    assert "serving (engine PID 4242)" in cp.stdout and "interrupted" not in cp.stderr

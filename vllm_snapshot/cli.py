@@ -283,13 +283,16 @@ def switch(
             raise UsageError(f"unexpected arguments {' '.join(engine_args)!r}: engine args go with --model MODEL",
                              hint="a snapshot's engine args are frozen at create; front-end options (API key, "
                                   "TLS, CORS, ...) are accepted after --")
-        render.show(ops.switch(_resolve(snapshot), host, port, log_file, _reporter(quiet, as_json), rollback,
-                               frontend=tuple(front)), as_json, quiet)
+        switched = ops.switch(_resolve(snapshot), host, port, log_file, _reporter(quiet, as_json), rollback,
+                              frontend=tuple(front))
+        _handed_off()
+        render.show(switched, as_json, quiet)
         return
     req = ops.ServeRequest(model=model, root=store.ensure_root(_root_dir()), engine_args=engine_args, port=port,
                            log_file=log_file, build="never" if no_build else "auto", detach=True,
                            frontend=tuple(front))
     switched, _path = ops.switch_model(req, host, rollback, _reporter(quiet, as_json))
+    _handed_off()
     render.show(switched, as_json, quiet)
 
 
@@ -328,6 +331,8 @@ def restore(
                              log_file=log_file, verify_model=verify_model,
                              allow=frozenset(allow_mismatch), engine_log=_stderr_sink, frontend=tuple(extra))
     r, engine = ops.restore(req, rep)
+    if detach:
+        _handed_off()
     render.show(r, as_json, quiet)
     _run_engine(r, engine, rep, lifecycle, detach)
 
@@ -342,6 +347,19 @@ def _lifecycle_reporter(quiet: bool, as_json: bool):
     if lifecycle.active:
         rep = NotifyingReporter(rep)  # STATUS=<phase> as each phase starts
     return rep, lifecycle
+
+
+def _handed_off() -> None:
+    """A detached engine serves and is registered: from here on SIGINT/SIGTERM/SIGHUP no longer
+    interrupt the command (it only prints and returns; exit 0). Before, a Ctrl-C in that last
+    moment exited 130 -- "interrupted, cleaned up" -- while the engine went on serving."""
+    import signal
+
+    from . import interrupts
+
+    if _STATE.get("interruptible"):  # the real command (an in-process call keeps its handlers)
+        for s in interrupts.SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
 
 
 def _run_engine(r, engine, rep, lifecycle, detach: bool) -> None:
@@ -447,6 +465,8 @@ def serve(
         compression=archive.Compression.parse(compress), keep_env=tuple(keep_env), user=user,
         engine_log=_stderr_sink, create_log=_stderr_sink if verbose else None, frontend=tuple(front))
     served, engine = ops.serve(req, rep)
+    if detach:
+        _handed_off()
     render.show(served, as_json, quiet)
     _run_engine(served.restored, engine, rep, lifecycle, detach)
 

@@ -97,8 +97,10 @@ def test_bind_listener_like_vllm_serve():
             ports.bind_listener("::1", v6.getsockname()[1])
     finally:
         v6.close()
-    with pytest.raises(UsageError, match="not a numeric"):
+    with pytest.raises(UsageError, match="'localhost' is a name; give the address"):
         ports.bind_listener("localhost", 0)
+    with pytest.raises(UsageError, match="not a numeric"):
+        ports.bind_listener("no such host", 0)  # not a name at all: never looked up
     with pytest.raises(UsageError, match="not an address of this host"):
         ports.bind_listener("192.0.2.1", 0)  # TEST-NET-1: never assigned here, nothing is sent
 

@@ -256,7 +256,7 @@ def test_a_changed_ld_library_path_is_another_key_and_serve_says_so(monkeypatch)
     env["LD_LIBRARY_PATH"] = "/opt/nvidia-580/lib64"
     with pytest.raises(UsageError) as e:
         _serve(t, build="never")
-    assert f"not {old.name}: the engine environment (" in e.value.message and "LD_LIBRARY_PATH" in e.value.message
+    assert f"not {old.name}: the engine environment differs (LD_LIBRARY_PATH changed)" in e.value.message
     b, _ = _serve(t)
     assert b.path == "built" and b.key != a.key
 
@@ -339,3 +339,17 @@ def test_prune_keep_always_keeps_the_newest(keep, older_than_s, want):
             "model": tmpl.model.model_copy(update={"path": model})})
     res = prune(ROOT, keep, older_than_s, dry_run=True, tools=t)
     assert {Path(p).name for p in res.deleted} == want
+
+
+def test_the_key_records_the_env_variables_by_name_so_a_mismatch_names_them():
+    # a trial: "the engine environment (VLLM_*, OMP_*, ...) differs" named no variable
+    from vllm_snapshot import snapkey
+
+    was = snapkey.env_record({"VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "2", "HF_TOKEN": "hf_x",
+                              "PATH": "/usr/bin"}, keep=("HF_TOKEN",))
+    assert set(was) == {"VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "HF_TOKEN"}  # PATH is not in the key
+    assert was["HF_TOKEN"] == "secret"  # a kept token: not even its digest is written
+    now = snapkey.env_record({"VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "4", "VLLM_NO_USAGE_STATS": "1",
+                              "HF_TOKEN": "hf_y"}, keep=("HF_TOKEN",))
+    assert snapkey.env_differences(was, now) == ["OMP_NUM_THREADS changed", "VLLM_NO_USAGE_STATS set now"]
+    assert snapkey.env_part({"OMP_NUM_THREADS": "2"}) == snapkey.env_part({"OMP_NUM_THREADS": "2", "PATH": "/x"})

@@ -201,12 +201,15 @@ class SnapshotKey(_Strict):
     digests ``parts`` (``model``, ``engine``, ``env``, ``host``); ``raw_args`` digests the
     engine args as given (with the model string and vLLM version) and ``normalized_args`` is
     what vLLM's parser made of them (``{dest: JSON text}``, secrets digested), so ``serve``
-    can reuse the normalization without importing vLLM."""
+    can reuse the normalization without importing vLLM. ``env``: the variables of the ``env``
+    part, ``{name: BLAKE3 hex of the value}`` (``"secret"`` for secret-looking names kept with
+    ``--keep-env``), so a mismatch can name the variables (empty in older snapshots)."""
 
     value: str = Field(pattern=r"^[0-9a-f]{64}$")
     parts: dict[str, str]
     raw_args: str = Field(pattern=r"^[0-9a-f]{64}$")
     normalized_args: dict[str, str]
+    env: dict[str, str] = Field(default_factory=dict)
 
 
 class CodeIdentity(_Strict):

@@ -103,13 +103,40 @@ def engine_part(requested_model: str, normalized: Mapping[str, str], oracle_prom
                "sleep_level": int(sleep_level)})
 
 
+def _env_values(env: Mapping[str, str], keep: Iterable[str] = ()) -> dict[str, str]:
+    keep = set(keep)
+    return {k: blake3.blake3(v.encode()).hexdigest() for k, v in sorted(env.items())
+            if k in keep or k in ENV_EXACT or (k.startswith(ENV_PREFIXES) and not k.startswith(ENV_IGNORED_PREFIX))}
+
+
 def env_part(env: Mapping[str, str], keep: Iterable[str] = ()) -> str:
     """Digest of the engine environment's state-changing variables (see :data:`ENV_PREFIXES`,
     :data:`ENV_EXACT`) and of every variable passed on purpose (``--keep-env``). Pure."""
-    keep = set(keep)
-    return _h({k: blake3.blake3(v.encode()).hexdigest() for k, v in sorted(env.items())
-               if k in keep or k in ENV_EXACT
-               or (k.startswith(ENV_PREFIXES) and not k.startswith(ENV_IGNORED_PREFIX))})
+    return _h(_env_values(env, keep))
+
+
+def env_record(env: Mapping[str, str], keep: Iterable[str] = ()) -> dict[str, str]:
+    """The variables of :func:`env_part`, ``{name: BLAKE3 hex of the value}`` -- ``"secret"``
+    for a secret-looking name (a token kept with ``--keep-env``: not even its digest is
+    written) -- for the manifest, so a mismatch names them (:func:`env_differences`). Pure."""
+    from .supervisor import is_secret_name
+
+    return {k: ("secret" if is_secret_name(k) else v) for k, v in _env_values(env, keep).items()}
+
+
+def env_differences(was: Mapping[str, str], now: Mapping[str, str]) -> list[str]:
+    """``["VLLM_X changed", "LD_LIBRARY_PATH added", ...]``: the variables that differ between
+    two :func:`env_record` dicts (a secret's change cannot be seen: its name is kept, not its
+    digest). Pure."""
+    out = []
+    for k in sorted(set(was) | set(now)):
+        if k not in was:
+            out.append(f"{k} set now")
+        elif k not in now:
+            out.append(f"{k} no longer set")
+        elif was[k] != now[k]:
+            out.append(f"{k} changed")
+    return out
 
 
 def host_part(host: Mapping[str, str]) -> str:
@@ -168,4 +195,4 @@ def build(*, requested_model: str, model_identity: str, engine_args: Iterable[st
              "env": env_part(env, keep_env), "host": host_part(host)}
     return SnapshotKey(value=combine(parts), parts=parts,
                        raw_args=raw_args_digest(requested_model, engine_args, host.get("vllm", "")),
-                       normalized_args=dict(normalized))
+                       normalized_args=dict(normalized), env=env_record(env, keep_env))

@@ -153,8 +153,13 @@ def why_not(m: Manifest, key, files: tuple[ModelFile, ...], host: dict[str, str]
                     for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
             said.append("engine args differ (" + "; ".join(args[:5]) + ")" if args else
                         "the model path, oracle prompt or sleep level differ")
+        elif p == "env" and m.key.env:
+            diffs = snapkey.env_differences(m.key.env, key.env)
+            said.append("the engine environment differs (" + "; ".join(diffs[:6]) + ")" if diffs else
+                        f"{snapkey.PART_WORDS[p]} differs (a variable kept with --keep-env whose value is not recorded)")
         else:
-            said.append(f"{snapkey.PART_WORDS[p]} differ{'s' if p in ('env', 'host') else ''}")
+            said.append(f"{snapkey.PART_WORDS[p]} differ{'s' if p in ('env', 'host') else ''}"
+                        + (" (a snapshot made before the variables were recorded)" if p == "env" else ""))
     return "; ".join(said)
 
 

@@ -677,3 +677,18 @@ def test_a_signal_after_a_detached_engine_was_handed_off_does_not_say_interrupte
                         cwd=Path(__file__).resolve().parent.parent)
     assert cp.returncode == 0, (cp.returncode, cp.stdout, cp.stderr)
     assert "serving (engine PID 4242)" in cp.stdout and "interrupted" not in cp.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="delete checks root first")
+def test_a_file_as_snapshot_or_as_root_is_a_usage_error_that_says_so(tmp_path, monkeypatch, capsys):
+    # a trial: `delete FILE` said "no manifest.json ... a directory" (exit 5); `--root FILE
+    # restore x` said "x does not exist"; `--root FILE prune` said "nothing to prune"
+    monkeypatch.setenv("VLLM_SNAPSHOT_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("VLLM_SNAPSHOT_RUN_DIR", str(tmp_path / "run"))
+    f = tmp_path / "afile"
+    f.write_text("hi")
+    assert cli.main(["delete", str(f)]) == 2
+    assert "is not a directory (a snapshot is a directory)" in capsys.readouterr().err and f.read_text() == "hi"
+    for argv in (["restore", "x", "--port", "18999"], ["prune", "--dry-run"], ["list"], ["inspect", "x"]):
+        assert cli.main(["--root", str(f), *argv]) == 2, argv
+        assert f"the snapshot root {f} is not a directory" in capsys.readouterr().err, argv

@@ -43,9 +43,15 @@ def _root(
 
 
 def _root_dir() -> Path:
+    """The snapshot root (``--root``, ``$VLLM_SNAPSHOT_ROOT``, the default). Raises UsageError
+    when it exists and is not a directory (every command: a file as --root made restore say
+    "NAME does not exist" and prune "nothing to prune")."""
     from . import paths
 
-    return paths.snapshot_root(_STATE["root"])
+    root = paths.snapshot_root(_STATE["root"])
+    if os.path.lexists(root) and not root.is_dir():
+        raise UsageError(f"the snapshot root {root} is not a directory", hint="check --root / VLLM_SNAPSHOT_ROOT")
+    return root
 
 
 def _resolve(ref: str) -> Path:

@@ -78,6 +78,8 @@ def delete(snapshot: Path, force: bool = False, tools: SnapshotTools | None = No
     if not t.path_exists(snapshot / manifest.MANIFEST_NAME):
         if not t.path_exists(snapshot):
             raise UsageError(f"{snapshot} does not exist")
+        if not snapshot.is_dir():  # the exit-code rule: a file is a usage error, as for inspect
+            raise UsageError(f"{snapshot} is not a directory (a snapshot is a directory)")
         raise CorruptSnapshotError(f"{snapshot} has no manifest.json; refusing to delete a directory that is not a snapshot")
     running = _engines_of(t, snapshot)
     if running and not force:

@@ -692,3 +692,18 @@ def test_a_file_as_snapshot_or_as_root_is_a_usage_error_that_says_so(tmp_path, m
     for argv in (["restore", "x", "--port", "18999"], ["prune", "--dry-run"], ["list"], ["inspect", "x"]):
         assert cli.main(["--root", str(f), *argv]) == 2, argv
         assert f"the snapshot root {f} is not a directory" in capsys.readouterr().err, argv
+
+
+def test_holders_are_named_by_their_script_and_engines_as_engines():
+    # a trial: "in use by 23096 (…/vllm-snapshot --root /var/tmp/trial-root )" lost the subcommand;
+    # a port held by our engine read "…engine.main {"model": "/var/cache/vllm-snapshot/models/tin"
+    from vllm_snapshot import procs
+
+    venv = "/var/cache/vllm-snapshot/venv/bin"
+    assert procs.brief([f"{venv}/python3.11", f"{venv}/vllm-snapshot", "--root", "/var/tmp/trial-root", "restore",
+                        "trial-b", "--port", "18031"]) == "vllm-snapshot --root /var/tmp/trial-root restore trial-b --port 18031"
+    assert procs.brief([f"{venv}/python", "-m", "vllm_snapshot.engine.main",
+                        '{"model": "/var/cache/vllm-snapshot/models/tiny-llama", "engine_args": []}']) \
+        == "vllm-snapshot engine (model /var/cache/vllm-snapshot/models/tiny-llama)"
+    assert procs.brief(["/usr/bin/python3", "-m", "http.server", "8000"]) == "python3 -m http.server 8000"
+    assert procs.brief(["sleep", "60"]) == "sleep 60"

@@ -18,7 +18,7 @@ from typing import Iterator
 
 from .errors import BusyError
 
-from . import paths
+from . import paths, procs
 
 
 def snapshot_lock_path(snapshot: Path) -> Path:
@@ -50,10 +50,11 @@ def holders(path: Path) -> list[str]:
         except (IndexError, ValueError):
             continue
         try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            raw = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            cmd = procs.brief([a for a in raw.split("\0") if a])[:200] or "?"
         except OSError:
             cmd = "?"
-        out.append(f"{pid} ({cmd[:120]})")
+        out.append(f"{pid} ({cmd})")
     return sorted(set(out))
 
 

@@ -96,8 +96,11 @@ def bind_listener(host: str, port: int, listen: bool = True) -> socket.socket:
             raise UsageError(f"--host {host} is not an address of this host: {e.strerror}") from e
         owner = port_owner(port, host)
         who = f" (held by PID {owner[0]}: {owner[1]})" if owner else ""
+        ours = bool(owner) and owner[1].startswith("vllm-snapshot engine")
         raise BusyError(f"port {fmt_addr(host, port)} is not free{who}: {e.strerror}",
-                        hint="choose another --port or stop what listens there") from e
+                        hint=(f"`vllm-snapshot status` shows that engine; `vllm-snapshot stop --port {port}` stops "
+                              f"it, `vllm-snapshot switch NAME --port {port}` replaces it" if ours else
+                              "choose another --port or stop what listens there")) from e
     return s
 
 

@@ -36,12 +36,37 @@ def ns_pid(pid: int, proc: str = "/proc") -> int | None:
 
 
 def command(p: psutil.Process, limit: int = 200) -> str:
-    """A process's command line with whitespace squeezed (``"?"`` when unreadable)."""
+    """A process's command line with whitespace squeezed, shortened to what an operator needs
+    (:func:`brief`; ``"?"`` when unreadable), at most ``limit`` characters."""
     try:
-        cmd = " ".join(" ".join(p.cmdline()).split()) or p.name()
+        argv = p.cmdline()
+        cmd = brief(argv) if argv else p.name()
     except (psutil.Error, OSError):
         cmd = "?"
     return cmd[:limit]
+
+
+def brief(argv: list[str]) -> str:
+    """A command line as an operator reads it: an interpreter running a script is named by the
+    script (``vllm-snapshot --root /r restore x``, not ``/long/venv/bin/python3.11
+    /long/venv/bin/vllm-snapshot ...``, whose first 120 characters held no subcommand), and a
+    vllm-snapshot engine root (``python -m vllm_snapshot.engine.main {JSON}``) as
+    ``vllm-snapshot engine (model M)``. Whitespace squeezed. Pure."""
+    import json
+
+    args = [" ".join(a.split()) for a in argv]
+    if "vllm_snapshot.engine.main" in args:
+        i = args.index("vllm_snapshot.engine.main")
+        try:
+            model = json.loads(argv[i + 1]).get("model", "?")
+        except (IndexError, ValueError, AttributeError):
+            model = "?"
+        return f"vllm-snapshot engine (model {model})"
+    if len(args) > 1 and os.path.basename(args[0]).startswith("python") and not args[1].startswith("-"):
+        args = [os.path.basename(args[1]), *args[2:]]
+    elif args:
+        args = [os.path.basename(args[0]) if args[0].startswith("/") else args[0], *args[1:]]
+    return " ".join(a for a in args if a)
 
 
 def _exited(p: psutil.Process) -> bool:

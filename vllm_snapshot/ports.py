@@ -11,7 +11,7 @@ from typing import Iterable
 import psutil
 
 from .errors import BusyError, UsageError
-from .procs import command
+from .procs import brief
 
 
 def url(host: str, port: int, scheme: str = "http") -> str:
@@ -44,7 +44,7 @@ def port_owner(port: int, host: str | None = None) -> tuple[int, str] | None:
         return None
     best = min(rank, key=lambda pid: rank[pid])
     try:
-        return best, command(psutil.Process(best), 120)
+        return best, brief(psutil.Process(best).cmdline())[:200] or "?"
     except psutil.Error:
         return best, "?"
 

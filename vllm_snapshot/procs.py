@@ -36,11 +36,11 @@ def ns_pid(pid: int, proc: str = "/proc") -> int | None:
 
 
 def command(p: psutil.Process, limit: int = 200) -> str:
-    """A process's command line with whitespace squeezed, shortened to what an operator needs
-    (:func:`brief`; ``"?"`` when unreadable), at most ``limit`` characters."""
+    """A process's command line with whitespace squeezed (``"?"`` when unreadable). This exact
+    form is recorded in manifests (``criu.tree_commands``) and compared at restore: messages
+    use :func:`brief` instead."""
     try:
-        argv = p.cmdline()
-        cmd = brief(argv) if argv else p.name()
+        cmd = " ".join(" ".join(p.cmdline()).split()) or p.name()
     except (psutil.Error, OSError):
         cmd = "?"
     return cmd[:limit]

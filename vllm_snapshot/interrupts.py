@@ -51,9 +51,37 @@ def reset() -> None:
 
 def install() -> None:
     """Turn SIGINT/SIGTERM/SIGHUP into :class:`Interrupted` for the rest of this process (main
-    thread only, as Python delivers signals there)."""
+    thread only, as Python delivers signals there). An :class:`Interrupted` that Python could
+    not propagate is not lost: see :func:`_unraisable`."""
+    import sys
+
     for s in SIGNALS:
         signal.signal(s, _handler)
+    if getattr(sys.unraisablehook, "__name__", "") != "_unraisable":
+        _state["next_hook"] = sys.unraisablehook
+        sys.unraisablehook = _unraisable
+
+
+def _unraisable(info) -> None:
+    """``sys.unraisablehook``: Python cannot raise out of an at-fork callback, a ``__del__`` or
+    a weakref callback; it reports the exception there and goes on. A signal whose handler ran
+    in such a place -- ``subprocess.Popen`` forks right after a phase starts, and logging's
+    at-fork lock callbacks run then -- would be lost, and the command would carry on (a create
+    SIGTERMed at "starting engine" published its snapshot, exit 0). The signal is delivered
+    again 50 ms later instead, where it can raise."""
+    import os
+    import threading
+
+    if isinstance(info.exc_value, Interrupted) and _state["fired"] is not None:
+        threading.Timer(0.05, os.kill, (os.getpid(), _state["fired"])).start()
+        return
+    _state.get("next_hook", _default_unraisable)(info)
+
+
+def _default_unraisable(info) -> None:
+    import sys
+
+    sys.__unraisablehook__(info)
 
 
 def hold() -> None:

@@ -20,7 +20,7 @@ from vllm_snapshot.inventory import Inventory
 from vllm_snapshot.manifest import CodeIdentity, EngineUser, ExternalMount, ImageFile, Manifest, ModelFile
 from vllm_snapshot.model_digest import ModelCheck
 from vllm_snapshot.privilege import Creds, User
-from vllm_snapshot.registry import Entry
+from vllm_snapshot.registry import Entry, StopReport
 from vllm_snapshot.resources import Offer
 from vllm_snapshot.tools import Engine, EngineChannel, SnapshotTools
 
@@ -366,11 +366,12 @@ class FakeTools(SnapshotTools):
         return self.offer
 
     def serve_engine(self, engine: Engine, host: str, port: int, die_with_parent: bool,
-                     frontend: tuple[str, ...] = ()) -> None:
+                     frontend: tuple[str, ...] = (), drain_s: float | None = None) -> None:
         self._call("serve_engine")
         self.served_frontend = tuple(frontend)
+        self.served_drain = drain_s
         engine.send("serve", host=host, port=port, die_with_parent=die_with_parent, handoff="fake-handoff",
-                    frontend=list(frontend))
+                    frontend=list(frontend), drain_s=drain_s)
 
     def engine_owning(self, pid: int, entries: list[Entry]) -> Entry | None:
         return next((e for e in entries if pid in (e.pid + 1, e.supervisor_pid)), None)  # root's child: root + 1
@@ -547,9 +548,10 @@ class FakeTools(SnapshotTools):
     def unregister(self, pid: int) -> None:
         self._call("unregister")
 
-    def stop_engine(self, entry: Entry) -> float:
+    def stop_engine(self, entry: Entry, drain_s: float | None = None) -> StopReport:
         self._call("stop_engine")
-        return 0.5
+        self.stop_drains = [*getattr(self, "stop_drains", []), drain_s]
+        return getattr(self, "stop_report", StopReport(0.5))
 
     # ---- time
     def clock(self) -> float:

@@ -30,6 +30,15 @@ app = typer.Typer(
 
 _STATE: dict = {"debug": False, "json": False, "root": None, "interruptible": False}
 PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
+DRAIN_HELP = ("Seconds the engine lets requests in flight finish when it is stopped (SIGTERM, `stop`, "
+              "`switch`): it takes no new connection meanwhile. Default $VLLM_SNAPSHOT_DRAIN_TIMEOUT, else 30.")
+
+
+def _drain(given: Optional[float]) -> float:
+    """``--drain-timeout`` or ``$VLLM_SNAPSHOT_DRAIN_TIMEOUT`` or the default (seconds)."""
+    from .registry import drain_timeout
+
+    return drain_timeout(given)
 
 
 @app.callback()
@@ -239,16 +248,21 @@ def stop(
     snapshot: Optional[str] = typer.Argument(None, help="Stop engines restored from this snapshot."),
     port: Optional[int] = typer.Option(None, "--port", min=1, max=65535, help="Stop the engines serving on this port."),
     pid: Optional[int] = typer.Option(None, "--pid", help="Stop the engine with this root PID (see status)."),
+    drain_timeout: Optional[float] = typer.Option(
+        None, "--drain-timeout", min=0, help="Seconds requests in flight may finish before they are cut "
+        "(default: the engine's own, given to restore/serve/switch; 30 unless set there)."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Stop restored engines (all of a snapshot, those on --port, or the one with --pid) and wait
-    until their memory is released."""
+    until their memory is released. Each drains first: it takes no new connection and lets the
+    requests in flight finish (at most --drain-timeout seconds; those still running then are cut)."""
     from . import ops, render
 
     if sum(x is not None for x in (snapshot, port, pid)) != 1:
         raise UsageError("give a snapshot, --port or --pid (exactly one of them)")
     _root_only("stop")
-    render.show(ops.stop_engines(_resolve(snapshot) if snapshot else None, port, pid=pid), as_json)
+    render.show(ops.stop_engines(_resolve(snapshot) if snapshot else None, port, pid=pid, drain_s=drain_timeout),
+                as_json)
 
 
 @app.command(context_settings=PASSTHROUGH)
@@ -263,13 +277,17 @@ def switch(
     rollback: bool = typer.Option(True, "--rollback/--no-rollback",
                                   help="If the new snapshot fails to restore, restore the old one again (default)."),
     no_build: bool = typer.Option(False, "--no-build", help="With --model: never build, use a valid snapshot or fail."),
+    drain_timeout: Optional[float] = typer.Option(
+        None, "--drain-timeout", min=0, help="Seconds the old engine lets requests in flight finish (default: its "
+        "own); also the new engine's drain timeout (default $VLLM_SNAPSHOT_DRAIN_TIMEOUT, else 30)."),
     as_json: bool = typer.Option(False, "--json"),
     quiet: bool = typer.Option(False, "--quiet", "-q"),
 ) -> None:
-    """Time-sharing: validate SNAPSHOT, stop whatever serves on PORT (memory released),
-    restore SNAPSHOT there (detached); roll back to the old engine if that fails. Reports the
-    measured switch time. With --model MODEL [-- engine args] the snapshot is the one `serve`
-    would use (built first, while the old engine keeps serving, when none is valid)."""
+    """Time-sharing: validate SNAPSHOT, stop whatever serves on PORT (it takes no new connection
+    and drains: requests in flight finish), restore SNAPSHOT there (detached) while it drains;
+    roll back to the old engine if that fails. Switches of one port run one after the other.
+    Reports the measured switch time. With --model MODEL [-- engine args] the snapshot is the
+    one `serve` would use (built first, while the old engine keeps serving, when none is valid)."""
     from . import frontend, ops, render, store
 
     _root_only("switch")
@@ -284,19 +302,20 @@ def switch(
     if (snapshot is None) == (model is None):
         raise UsageError("give a SNAPSHOT or --model MODEL (one of them, not both)")
     front, engine_args = frontend.split(engine_args)  # API key, TLS, CORS, ...: applied at restore
+    _drain(drain_timeout)  # a bad $VLLM_SNAPSHOT_DRAIN_TIMEOUT: a usage error before anything runs
     if model is None:
         if engine_args:
             raise UsageError(f"unexpected arguments {' '.join(engine_args)!r}: engine args go with --model MODEL",
                              hint="a snapshot's engine args are frozen at create; front-end options (API key, "
                                   "TLS, CORS, ...) are accepted after --")
         switched = ops.switch(_resolve(snapshot), host, port, log_file, _reporter(quiet, as_json), rollback,
-                              frontend=tuple(front))
+                              frontend=tuple(front), drain_s=drain_timeout)
         _handed_off()
         render.show(switched, as_json, quiet)
         return
     req = ops.ServeRequest(model=model, root=store.ensure_root(_root_dir()), engine_args=engine_args, port=port,
                            log_file=log_file, build="never" if no_build else "auto", detach=True,
-                           frontend=tuple(front))
+                           frontend=tuple(front), drain_s=_drain(drain_timeout))
     switched, _path = ops.switch_model(req, host, rollback, _reporter(quiet, as_json))
     _handed_off()
     render.show(switched, as_json, quiet)
@@ -312,6 +331,7 @@ def restore(
     log_file: Optional[Path] = typer.Option(None, "--log-file", help="With --detach: engine log file (default /var/log/vllm-snapshot/NAME-PORT.log)."),
     verify_model: str = typer.Option("quick", "--verify-model", help="quick (re-hash files whose stat changed) | full"),
     allow_mismatch: List[str] = typer.Option([], "--allow-mismatch", help="Identity field to tolerate (machine_id, cpu_model)."),
+    drain_timeout: Optional[float] = typer.Option(None, "--drain-timeout", min=0, help=DRAIN_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q"),
 ) -> None:
@@ -335,7 +355,8 @@ def restore(
     rep, lifecycle = _lifecycle_reporter(quiet, as_json)
     req = ops.RestoreRequest(snapshot=_resolve(snapshot), host=host, port=port, detach=detach,
                              log_file=log_file, verify_model=verify_model,
-                             allow=frozenset(allow_mismatch), engine_log=_stderr_sink, frontend=tuple(extra))
+                             allow=frozenset(allow_mismatch), engine_log=_stderr_sink, frontend=tuple(extra),
+                             drain_s=_drain(drain_timeout))
     r, engine = ops.restore(req, rep)
     if detach:
         _handed_off()
@@ -421,6 +442,7 @@ def serve(
     keep_env: List[str] = typer.Option([], "--keep-env", help="Pass this (otherwise scrubbed) variable to the engine."),
     user: str = typer.Option("vllm-snapshot", "--user", help="Unprivileged user a build's engine tree runs as (its HOME is part of the key)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Stream the engine log of a build to stderr."),
+    drain_timeout: Optional[float] = typer.Option(None, "--drain-timeout", min=0, help=DRAIN_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (which path, timings)."),
     quiet: bool = typer.Option(False, "--quiet", "-q"),
 ) -> None:
@@ -469,7 +491,8 @@ def serve(
         build="never" if no_build else "always" if rebuild else "auto",
         oracle_prompt=oracle_prompt or oracle.DEFAULT_PROMPT, sleep_level=sleep_level,
         compression=archive.Compression.parse(compress), keep_env=tuple(keep_env), user=user,
-        engine_log=_stderr_sink, create_log=_stderr_sink if verbose else None, frontend=tuple(front))
+        engine_log=_stderr_sink, create_log=_stderr_sink if verbose else None, frontend=tuple(front),
+        drain_s=_drain(drain_timeout))
     served, engine = ops.serve(req, rep)
     if detach:
         _handed_off()

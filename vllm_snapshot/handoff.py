@@ -79,12 +79,15 @@ class Handoff:
         self.sock.close()
 
 
-def serve_engine(engine, host: str, port: int, die_with_parent: bool, frontend: tuple[str, ...] = ()) -> None:
+def serve_engine(engine, host: str, port: int, die_with_parent: bool, frontend: tuple[str, ...] = (),
+                 drain_s: float | None = None) -> None:
     """Bind ``host:port`` here (the host's network namespace), send ``serve`` to ``engine``
     (an :class:`vllm_snapshot.tools.Engine` whose tree lives in its own namespace) and hand it
     the listening socket. ``frontend``: front-end option tokens the engine applies before it
     serves (:mod:`vllm_snapshot.frontend`; they may hold an API key: they travel only in the
-    control pipe). Our copy is closed afterwards: the engine holds the port alone.
+    control pipe). ``drain_s``: how long the engine lets requests in flight finish when it is
+    signalled to stop (seconds; None: the engine's default). Our copy is closed afterwards:
+    the engine holds the port alone.
     Raises BusyError/UsageError (the port), EngineError (the engine did not take it)."""
     from . import ports
 
@@ -96,7 +99,7 @@ def serve_engine(engine, host: str, port: int, die_with_parent: bool, frontend: 
             raise EngineError(f"cannot reach the engine's network namespace (PID {engine.root_pid}): {e}") from e
         try:
             engine.send("serve", host=host, port=port, die_with_parent=die_with_parent, handoff=handoff.name,
-                        frontend=list(frontend))
+                        frontend=list(frontend), **({} if drain_s is None else {"drain_s": float(drain_s)}))
             handoff.give(listener, alive=getattr(engine, "alive", lambda: True))
         finally:
             handoff.close()

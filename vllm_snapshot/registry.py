@@ -19,6 +19,15 @@ from . import paths, ports
 from .procs import tree, wait_gone
 
 
+#: How long ``stop`` lets in-flight HTTP requests finish by default (seconds);
+#: ``--drain-timeout`` / ``$VLLM_SNAPSHOT_DRAIN_TIMEOUT`` override it.
+DRAIN_S = 30.0
+DRAIN_ENV = "VLLM_SNAPSHOT_DRAIN_TIMEOUT"
+#: After the drain: how long an engine gets to shut its engine client, EngineCore and workers
+#: down (vLLM's teardown takes 1-2 s) before it is SIGKILLed (seconds).
+TEARDOWN_S = 10.0
+
+
 def _dir() -> Path:
     return paths.ensure_private_dir(paths.run_dir() / "engines")
 
@@ -45,29 +54,54 @@ class Entry:
     #: True when it requires an API key (never the key itself): ``switch`` refuses to replace it
     #: with an engine that requires none
     auth: bool = False
+    #: seconds it lets requests in flight finish when stopped (``restore --drain-timeout``);
+    #: ``stop``'s default. Kept in a file of its own beside the entry (``PID.drain``): a
+    #: vllm-snapshot from before this field removes an entry with a field it does not know
+    drain_s: float = DRAIN_S
 
     @property
     def url(self) -> str:
         return ports.url(self.host, self.port, self.scheme)
 
 
+#: Fields written to ``PID.json``; the others have files of their own (see Entry.drain_s).
+_JSON_FIELDS = ("snapshot", "pid", "supervisor_pid", "host", "port", "started_at", "mode", "create_time", "scheme",
+                "cgroup", "frontend", "auth")
+
+
+def _write(p: Path, text: str) -> None:
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(text)
+    os.chmod(tmp, 0o600)
+    os.rename(tmp, p)
+
+
 def register(e: Entry) -> Path:
-    """Write ``e`` atomically; returns its file."""
+    """Write ``e`` atomically (``PID.json``, and its drain timeout in ``PID.drain`` first);
+    returns the entry's file."""
     try:
         ct = psutil.Process(e.pid).create_time()
     except psutil.Error:
         ct = 0.0
     e = Entry(**{**asdict(e), "create_time": ct})
     p = _dir() / f"{e.pid}.json"
-    tmp = p.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(e)))
-    os.chmod(tmp, 0o600)
-    os.rename(tmp, p)
+    _write(p.with_suffix(".drain"), repr(float(e.drain_s)))
+    _write(p, json.dumps({k: v for k, v in asdict(e).items() if k in _JSON_FIELDS}))
     return p
 
 
 def unregister(pid: int) -> None:
     (_dir() / f"{pid}.json").unlink(missing_ok=True)
+    (_dir() / f"{pid}.drain").unlink(missing_ok=True)
+
+
+def _drain_of(f: Path) -> float:
+    """The drain timeout recorded beside the entry file ``f`` (the default when none is)."""
+    try:
+        v = float(f.with_suffix(".drain").read_text())
+        return v if v >= 0 else DRAIN_S
+    except (OSError, ValueError):
+        return DRAIN_S
 
 
 def _alive(e: Entry) -> bool:
@@ -83,21 +117,60 @@ def _alive(e: Entry) -> bool:
 def entries() -> list[Entry]:
     """Live entries, sorted by port; stale files (dead PIDs, reused PIDs) are removed."""
     out = []
-    for f in _dir().glob("*.json"):
+    d = _dir()
+    for f in d.glob("*.json"):
         try:
-            e = Entry(**json.loads(f.read_text()))
+            raw = json.loads(f.read_text())
+            # a field this version does not know (a newer vllm-snapshot's) is not a reason to
+            # forget a live engine
+            e = Entry(**{k: v for k, v in raw.items() if k in _JSON_FIELDS}, drain_s=_drain_of(f))
         except (OSError, ValueError, TypeError):
-            f.unlink(missing_ok=True)
+            unregister(int(f.stem)) if f.stem.isdigit() else f.unlink(missing_ok=True)
             continue
         if _alive(e):
             out.append(e)
         else:
+            unregister(e.pid)
+    for f in d.glob("*.drain"):  # an entry removed by a vllm-snapshot that knew no drain file
+        if not f.with_suffix(".json").exists():
             f.unlink(missing_ok=True)
     return sorted(out, key=lambda e: (e.port, e.pid))
 
 
-#: How long ``stop`` lets in-flight HTTP requests of a detached engine finish (seconds).
-DRAIN_S = 30.0
+def drain_timeout(given: float | None = None, environ: dict | None = None) -> float:
+    """The drain timeout in seconds: ``given`` (a command's ``--drain-timeout``), else
+    ``$VLLM_SNAPSHOT_DRAIN_TIMEOUT``, else :data:`DRAIN_S`. Raises UsageError for a negative,
+    non-finite or non-numeric value."""
+    import math
+
+    from .errors import UsageError
+
+    env = os.environ if environ is None else environ
+    raw, what = (given, "--drain-timeout") if given is not None else (env.get(DRAIN_ENV), DRAIN_ENV)
+    if raw is None or raw == "":
+        return DRAIN_S
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not math.isfinite(value) or value < 0:
+        raise UsageError(f"{what} {raw!r}: expected a number of seconds >= 0",
+                         hint="e.g. --drain-timeout 30 (0: cut requests in flight at once)")
+    return value
+
+
+@dataclass(frozen=True)
+class StopReport:
+    """How a stop went: ``seconds`` taken (until every process of the tree was gone);
+    ``drained``: every request in flight finished within the drain (False: the drain timeout
+    ran out); ``cut``: client connections still open on the engine's port when it ran out
+    (requests that got no complete answer); ``killed``: SIGKILL was needed (the engine did not
+    exit by itself within the drain and :data:`TEARDOWN_S`)."""
+
+    seconds: float
+    drained: bool = True
+    cut: int = 0
+    killed: bool = False
 
 
 def _client_connections(procs: list[psutil.Process], port: int) -> int:
@@ -111,33 +184,63 @@ def _client_connections(procs: list[psutil.Process], port: int) -> int:
                and c.status == psutil.CONN_ESTABLISHED)
 
 
-def stop(e: Entry, grace_s: float = 30.0, drain_s: float = DRAIN_S) -> float:
-    """Stop an engine and wait until every process of its tree is gone (memory released).
-    Returns seconds taken.
+def _listening(procs: list[psutil.Process], port: int) -> bool:
+    """Whether the tree still holds its listening socket on ``port`` (it accepts connections)."""
+    pids = {p.pid for p in procs}
+    try:
+        conns = psutil.net_connections("tcp")
+    except (psutil.Error, OSError):
+        return True
+    return any(c.pid in pids and c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in conns)
 
-    Foreground engines: SIGTERM to their supervisor (it stops the engine cleanly and exits 0,
-    so a service manager sees a clean stop), SIGKILL after ``grace_s``. Detached engines:
-    SIGTERM to the root (the HTTP server stops accepting), then, as soon as no request is in
-    flight on its port (at most ``drain_s``), SIGKILL of the tree -- vLLM's own shutdown of
-    EngineCore and workers takes 1-2 s and frees nothing the kernel does not free at once."""
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def stop(e: Entry, drain_s: float | None = None, teardown_s: float = TEARDOWN_S, poll_s: float = 0.05) -> StopReport:
+    """Stop an engine, draining it first, and wait until every process of its tree is gone
+    (memory released).
+
+    SIGTERM goes to the supervisor of a foreground engine (it forwards it and exits with the
+    engine's code: 0 for systemd) or to the root of a detached one. The engine then drains
+    (``engine/main.install_drain``): it closes its listening socket at once (no new
+    connection), lets requests in flight finish, and exits. A detached engine that no longer
+    listens and has no client connection left is SIGKILLed at once (vLLM's own teardown of
+    EngineCore and workers takes 1-2 s and frees nothing the kernel does not free at once).
+    When ``drain_s`` seconds (default: the engine's own, ``e.drain_s``) pass first, the requests still in
+    flight are counted as cut and a second SIGTERM makes the engine cancel them and exit; after
+    ``teardown_s`` more seconds what is left is SIGKILLed (also an engine of an older snapshot,
+    which aborts its requests at the first signal and then waits for their connections)."""
+    if drain_s is None:
+        drain_s = e.drain_s
     t0 = time.monotonic()
     procs = tree(e.pid)
     if not procs:
         unregister(e.pid)
-        return 0.0
+        return StopReport(0.0)
     foreground = bool(e.supervisor_pid and psutil.pid_exists(e.supervisor_pid))
-    try:
-        os.kill(e.supervisor_pid if foreground else e.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    if foreground:
-        alive_pids = set(wait_gone(procs, grace_s))
+    target = e.supervisor_pid if foreground else e.pid
+    _signal(target, signal.SIGTERM)
+    deadline = t0 + drain_s
+    drained, cut, killed = True, 0, False
+    while True:
+        alive_pids = set(wait_gone(procs, poll_s))
         alive = [p for p in procs if p.pid in alive_pids]
-    else:
-        deadline = time.monotonic() + drain_s
-        while time.monotonic() < deadline and _client_connections(procs, e.port):
-            time.sleep(0.05)
-        alive = procs
+        if not alive:
+            break
+        if not foreground and not _listening(alive, e.port) and not _client_connections(alive, e.port):
+            break  # drained: nothing left to lose
+        if time.monotonic() >= deadline:
+            cut = _client_connections(alive, e.port)
+            drained = cut == 0
+            _signal(target, signal.SIGTERM)  # the second one: cancel what is in flight, exit now
+            alive = [p for p in alive if p.pid in set(wait_gone(alive, teardown_s))]
+            killed = bool(alive)
+            break
     for p in alive:
         try:
             p.kill()
@@ -145,7 +248,7 @@ def stop(e: Entry, grace_s: float = 30.0, drain_s: float = DRAIN_S) -> float:
             pass
     wait_gone(alive, 10)
     unregister(e.pid)
-    return time.monotonic() - t0
+    return StopReport(time.monotonic() - t0, drained, cut, killed)
 
 
 #: Processes a dead parent's children are reparented to (init, and common subreapers).

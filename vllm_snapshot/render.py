@@ -163,6 +163,9 @@ def _engines(r: R.Engines, quiet: bool) -> None:
 def _stopped(r: R.Stopped, quiet: bool) -> None:
     for s_ in r.stopped:
         _line(f"stopped engine {s_['pid']} ({s_['snapshot']} on port {s_['port']}) in {s_['seconds']:.2f} s")
+        if not s_.get("drained", True):
+            _line(f"  the {s_['drain_s']:g} s drain ran out with {s_['cut']} request(s) in flight: they were cut "
+                  "(give a longer --drain-timeout to let them finish)")
 
 
 def _switched(r: R.Switched, quiet: bool) -> None:

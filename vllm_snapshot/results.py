@@ -43,6 +43,8 @@ class Restored:
     frontend_fp: str = ""
     #: requires an API key (registry only)
     auth: bool = False
+    #: seconds the engine lets requests in flight finish when it is stopped (registry, foreground)
+    drain_s: float = 30.0
 
     def to_json(self) -> dict:
         return {"snapshot": self.snapshot, "pid": self.pid, "url": self.url, "timings": self.timings,
@@ -142,7 +144,9 @@ class Engines:
 
 @dataclass(frozen=True)
 class Stopped:
-    """Engines stopped: ``[{"pid", "snapshot", "port", "seconds"}]``."""
+    """Engines stopped: ``[{"pid", "snapshot", "port", "seconds", "drain_s", "drained", "cut",
+    "killed"}]``: ``drain_s`` the drain timeout applied (seconds), ``drained`` False when it ran
+    out with ``cut`` requests in flight, ``killed`` when SIGKILL was needed after it."""
 
     stopped: list[dict]
 

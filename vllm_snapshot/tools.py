@@ -31,7 +31,7 @@ from .inventory import Inventory
 from .manifest import CodeIdentity, EngineUser, ExternalMount, ImageFile, Manifest, ModelFile
 from .model_digest import ModelCheck
 from .privilege import Creds, User
-from .registry import Entry
+from .registry import Entry, StopReport
 from .resources import Offer
 
 
@@ -240,11 +240,12 @@ class SnapshotTools(Protocol):
         """Raises BusyError/UsageError when ``host:port`` cannot be bound."""
 
     def serve_engine(self, engine: Engine, host: str, port: int, die_with_parent: bool,
-                     frontend: tuple[str, ...] = ()) -> None:
+                     frontend: tuple[str, ...] = (), drain_s: float | None = None) -> None:
         """Bind ``host:port`` in our (the host's) network namespace, send ``serve`` and hand the
         listening socket to the engine, whose tree has a network namespace of its own
         (:mod:`vllm_snapshot.handoff`); ``frontend``: option tokens the engine applies first
-        (:mod:`vllm_snapshot.frontend`). Raises BusyError/UsageError (port), EngineError."""
+        (:mod:`vllm_snapshot.frontend`); ``drain_s``: seconds the engine lets requests in flight
+        finish when signalled to stop. Raises BusyError/UsageError (port), EngineError."""
 
     def check_log_file(self, path: Path) -> None:
         """Raises UsageError when ``path`` cannot be an engine log file."""
@@ -364,8 +365,10 @@ class SnapshotTools(Protocol):
 
     def unregister(self, pid: int) -> None: ...
 
-    def stop_engine(self, entry: Entry) -> float:
-        """Stop one registered engine (and remove its cgroup, now empty); seconds taken."""
+    def stop_engine(self, entry: Entry, drain_s: float | None = None) -> StopReport:
+        """Stop one registered engine, draining it for up to ``drain_s`` seconds (default
+        :func:`vllm_snapshot.registry.drain_timeout`), and remove its cgroup, now empty
+        (:func:`vllm_snapshot.registry.stop`)."""
 
     def engine_owning(self, pid: int, entries: list[Entry]) -> Entry | None:
         """The entry whose engine tree holds ``pid`` (a descendant of its root) or whose
@@ -910,10 +913,10 @@ class LocalTools(SnapshotTools):
         return resources.offer(f"/{cgroups.PARENT}/_" if detached else None)
 
     def serve_engine(self, engine: Engine, host: str, port: int, die_with_parent: bool,
-                     frontend: tuple[str, ...] = ()) -> None:
+                     frontend: tuple[str, ...] = (), drain_s: float | None = None) -> None:
         from . import handoff
 
-        handoff.serve_engine(engine, host, port, die_with_parent, frontend)
+        handoff.serve_engine(engine, host, port, die_with_parent, frontend, drain_s)
 
     def check_log_file(self, path: Path) -> None:
         from .errors import UsageError
@@ -1201,12 +1204,12 @@ class LocalTools(SnapshotTools):
 
         registry.unregister(pid)
 
-    def stop_engine(self, entry: Entry) -> float:
+    def stop_engine(self, entry: Entry, drain_s: float | None = None) -> StopReport:
         from . import registry
 
-        took = registry.stop(entry)
+        report = registry.stop(entry, drain_s)
         _remove_empty_cgroups()
-        return took
+        return report
 
     def engine_owning(self, pid: int, entries: list[Entry]) -> Entry | None:
         import psutil

@@ -208,12 +208,50 @@ async def apply_frontend(engine, args, app, tokens: list[str]):
     return app
 
 
-async def serve(app, args, sock, host: str | None, port: int) -> None:
+#: What a ``serve`` without ``drain_s`` (an older supervisor) drains for on SIGTERM (seconds).
+DEFAULT_DRAIN_S = 30.0
+
+
+def install_drain(loop: asyncio.AbstractEventLoop, server, drain_s: float) -> None:
+    """Make SIGTERM/SIGINT drain the uvicorn ``server`` instead of vLLM's default (which stops
+    the engine client at once, ``shutdown_timeout`` 0: every request in flight is aborted and
+    its client gets an empty reply).
+
+    First signal: uvicorn's graceful shutdown (``server.should_exit``): the listening socket is
+    closed (no new connection; the port is free for the next engine), idle keep-alive
+    connections are closed, requests in flight run to completion for at most ``drain_s``
+    seconds (``config.timeout_graceful_shutdown``; uvicorn cancels what is left then), and
+    the engine client is shut down afterwards, with nothing left to abort. A second signal
+    cuts the drain short: the requests still running are cancelled now (``stop
+    --drain-timeout`` shorter than the engine's own bound sends it)."""
+    server.config.timeout_graceful_shutdown = drain_s
+    state = {"signals": 0}
+
+    def on_signal(signum: int) -> None:
+        state["signals"] += 1
+        busy = len(server.server_state.tasks)
+        if state["signals"] == 1:
+            print(f"vllm-snapshot: signal {signum}: draining: no new connections, {busy} request(s) in flight "
+                  f"may finish for up to {drain_s:g} s", file=sys.stderr, flush=True)
+            server.should_exit = True
+            return
+        print(f"vllm-snapshot: signal {signum} again: cancelling {busy} request(s) still in flight",
+              file=sys.stderr, flush=True)
+        server.should_exit = True
+        for task in list(server.server_state.tasks):
+            task.cancel(msg="vllm-snapshot: stopped before the request finished")
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(s, on_signal, s)
+
+
+async def serve(app, args, sock, host: str | None, port: int, drain_s: float = DEFAULT_DRAIN_S) -> None:
     """Serve ``app`` on the listening socket ``sock`` (bound to ``host:port`` by the supervisor
     in the host's network namespace) until SIGINT/SIGTERM: vLLM's ``setup_server`` checks
     without its bind, then its ``serve_http`` with the keyword arguments its
     ``build_and_serve`` passes (vllm 0.32 entrypoints/launchers/launcher.py; uvicorn serves on
-    given sockets)."""
+    given sockets). A signal drains (:func:`install_drain`): in-flight requests finish within
+    ``drain_s`` seconds, then this returns and the caller shuts the engine client down."""
     import vllm.envs as envs
     from vllm.entrypoints.launchers.launcher import serve_http, validate_api_server_args
     from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
@@ -229,14 +267,22 @@ async def serve(app, args, sock, host: str | None, port: int) -> None:
     log_config = get_uvicorn_log_config(args)
     if log_config is not None:
         kwargs["log_config"] = log_config
+    loop = asyncio.get_running_loop()
     try:
-        shutdown = await serve_http(
+        serving = loop.create_task(serve_http(
             app, sock=sock, enable_ssl_refresh=args.enable_ssl_refresh, host=args.host, port=args.port,
             log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
             timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE, ssl_keyfile=args.ssl_keyfile,
             ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
             ssl_ciphers=args.ssl_ciphers, h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
-            h11_max_header_count=args.h11_max_header_count, **kwargs)
+            h11_max_header_count=args.h11_max_header_count, **kwargs))
+        # serve_http sets app.state.server and installs its own SIGTERM/SIGINT handlers (abort
+        # the engine client at once) before its first await: replace them once it got there
+        while not serving.done() and getattr(app.state, "server", None) is None:
+            await asyncio.sleep(0)
+        if not serving.done():
+            install_drain(loop, app.state.server, drain_s)
+        shutdown = await serving
         await shutdown
     finally:
         sock.close()
@@ -356,7 +402,9 @@ async def run(spec: dict) -> int:
                         emit("error", kind="usage",
                              message=f"invalid front-end options: {argparse_reason(captured.getvalue())}")
                         return 2
-                    await serve(app, args, sock, cmd.get("host"), int(cmd["port"]))
+                    drain_s = cmd.get("drain_s")
+                    await serve(app, args, sock, cmd.get("host"), int(cmd["port"]),
+                                DEFAULT_DRAIN_S if drain_s is None else float(drain_s))
                     return 0
                 else:
                     emit("error", kind="protocol", message=f"unknown command {name!r}")

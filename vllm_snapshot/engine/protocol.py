@@ -17,9 +17,11 @@ Commands (``{"cmd": NAME, ...}``):
 * ``prepare-dump`` -- build the HTTP app, clear the parent-death signal; answered by ``dump-ready``.
 * ``attach`` -- first command to a restored tree: die with the supervisor (parent-death signal)
   until ``serve`` decides; answered by ``attached``.
-* ``serve`` ``{host, port, die_with_parent, handoff}`` -- serve the OpenAI API (the engine
-  outlives its supervisor only with ``die_with_parent`` false: ``--detach``); answered by
-  ``binding``. The engine lives in a network namespace of its own, so it does not bind
+* ``serve`` ``{host, port, die_with_parent, handoff, drain_s}`` -- serve the OpenAI API (the
+  engine outlives its supervisor only with ``die_with_parent`` false: ``--detach``); answered
+  by ``binding``. SIGTERM/SIGINT then drain: no new connection, requests in flight finish for
+  at most ``drain_s`` seconds (default 30), then the engine exits 0; a second signal cuts the
+  drain short. The engine lives in a network namespace of its own, so it does not bind
   ``host:port`` itself: the supervisor bound it in the host's namespace and waits on the
   abstract unix socket named ``handoff`` (which it created in the engine's namespace); the
   engine connects there and receives the listening socket (``SCM_RIGHTS``), see

@@ -161,10 +161,13 @@ def status(tools: SnapshotTools | None = None) -> Engines:
 
 
 def stop_engines(snapshot: Path | None, port: int | None, tools: SnapshotTools | None = None,
-                 pid: int | None = None) -> Stopped:
+                 pid: int | None = None, drain_s: float | None = None) -> Stopped:
     """Stop registered engines: every one restored from ``snapshot`` (clones included), those
     on ``port`` (on any host address), or the one whose root PID is ``pid``; wait until their
-    processes are gone. Raises UsageError when none matches."""
+    processes are gone. Each drains first (no new connection; requests in flight finish) for at
+    most ``drain_s`` seconds (default: the drain timeout it was restored with); requests still
+    in flight then are cut and counted (``cut`` in each row). Raises UsageError when none
+    matches."""
     t = tools or LocalTools()
     entries = t.engines()
     mine = _engines_of(t, snapshot, entries) if snapshot is not None else []
@@ -177,20 +180,75 @@ def stop_engines(snapshot: Path | None, port: int | None, tools: SnapshotTools |
             raise UsageError(f"PID {pid} is not an engine root: it belongs to the engine with root PID {owner.pid} "
                              f"({owner.snapshot}, port {owner.port})", hint=f"vllm-snapshot stop --pid {owner.pid}")
         raise UsageError(f"no restored engine matches {what}", hint="`vllm-snapshot status` lists them")
-    return Stopped([{"pid": e.pid, "snapshot": e.snapshot, "port": e.port, "seconds": round(t.stop_engine(e), 3)}
-                    for e in match])
+    rows = []
+    for e in match:
+        r = t.stop_engine(e, drain_s)
+        rows.append({"pid": e.pid, "snapshot": e.snapshot, "port": e.port, "seconds": round(r.seconds, 3),
+                     "drain_s": e.drain_s if drain_s is None else drain_s, "drained": r.drained, "cut": r.cut,
+                     "killed": r.killed})
+    return Stopped(rows)
+
+
+class _Stopping:
+    """The old engines of a ``switch`` being stopped in a thread of their own: each drains (no
+    new connection, requests in flight finish, for at most ``drain_s`` seconds) while the next
+    engine is restored. ``wait()`` joins it; ``reports`` holds each engine's StopReport."""
+
+    def __init__(self, t: SnapshotTools, old: list[Entry], drain_s: float | None) -> None:
+        import threading
+
+        self.reports: list = []
+        self.error: BaseException | None = None
+        self._began = threading.Event()
+
+        def run() -> None:
+            self._began.set()
+            try:
+                for e in old:
+                    self.reports.append(t.stop_engine(e, drain_s))
+            except BaseException as e:  # noqa: BLE001 - re-raised by wait()
+                self.error = e
+
+        self._thread = threading.Thread(target=run, name="vllm-snapshot-drain", daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> list:
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.reports
+
+    def wait_port(self, t: SnapshotTools, host: str, port: int) -> None:
+        """Until ``host:port`` can be bound (the old engines closed their listening sockets:
+        they drain now) or they are gone."""
+        self._began.wait()
+        while not self.done():
+            try:
+                t.port_free(host, port)
+                return
+            except BusyError:
+                t.sleep(0.05)
 
 
 def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, rep: Reporter,
-           rollback: bool = True, tools: SnapshotTools | None = None, frontend: tuple[str, ...] = ()) -> Switched:
+           rollback: bool = True, tools: SnapshotTools | None = None, frontend: tuple[str, ...] = (),
+           drain_s: float | None = None) -> Switched:
     """Serve ``snapshot`` on ``port`` instead of whatever serves there, never leaving the port
-    dark by mistake:
+    dark by mistake and never cutting an accepted request:
 
     1. the target is validated completely first (everything restore checks before CRIU except
        the port, which the old engine still holds): a typo, a changed model, a corrupt or
        incompatible snapshot refuse here and the old engine keeps serving;
-    2. the old engine is stopped (its memory released: one engine per GPU when time-sharing);
-    3. the target is restored detached on the old engine's host unless ``host`` is given;
+    2. the old engine is told to stop: it closes its listening socket at once and drains
+       (requests in flight finish, for at most its drain timeout; ``drain_s`` overrides it) in
+       the background;
+    3. as soon as the port is free, the target is restored detached on the old engine's host
+       unless ``host`` is given -- while the old one drains (a CUDA target waits until the old
+       engine is gone: its GPU memory must be free first; a restore refused for lack of memory
+       is tried again once the old engine is gone);
     4. if that fails and ``rollback`` (the default), the old snapshot is restored again on its
        host and port. The error then says which engine was stopped and what serves now
        (``details``: ``{"stopped": [...], "serving": {...} | None}``).
@@ -198,13 +256,24 @@ def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, r
     ``frontend``: front-end option tokens (API key, TLS, CORS, ...; :mod:`vllm_snapshot.frontend`)
     for the new engine -- and for the old one if it is rolled back (its own options are not
     recorded anywhere, secrets included). They are checked before the old engine is touched.
+    ``drain_s``: the old engine's drain (seconds; default its own) and the new one's (default
+    :func:`vllm_snapshot.registry.drain_timeout`).
 
-    Durations in seconds. Raises the errors of :func:`restore`."""
-    from .. import frontend as fe
-
+    Durations in seconds: ``stop_s`` until the restore could start (the old engine closed the
+    port), ``restore_s``, ``switch_s`` their sum. Raises the errors of :func:`restore`."""
     t = tools or LocalTools()
     t.require_root()
+    return _switch_locked(t, snapshot, host, port, log_file, rep, rollback, frontend, drain_s)
+
+
+def _switch_locked(t: SnapshotTools, snapshot: Path, host: str | None, port: int, log_file: Path | None,
+                   rep: Reporter, rollback: bool, frontend: tuple[str, ...], drain_s: float | None) -> Switched:
+    from .. import frontend as fe
+    from ..errors import InsufficientResources
+    from ..registry import drain_timeout
+
     wanted = fe.check(list(frontend), t.environ())
+    new_drain = drain_timeout(drain_s, t.environ())
     snapshot = t.canonical(snapshot)
     old = [e for e in t.engines() if e.port == port]
     dropped = [what for what, had, has in (("an API key", any(e.auth for e in old), bool(wanted.api_keys)),
@@ -234,33 +303,65 @@ def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, r
             raise BusyError("the target's recorded loopback ports are taken (the old engine keeps serving):\n  "
                             + "\n  ".join(taken), hint="stop what holds them, or re-create the snapshot")
     t0 = t.clock()
+    stopping = None
     if old:
-        with rep.phase("stop_previous", f"stopping the engine on port {port}"):
-            for e in old:
-                t.stop_engine(e)
+        drains = sorted({e.drain_s if drain_s is None else drain_s for e in old})
+        with rep.phase("stop_previous", f"stopping the engine on port {port}: it takes no new connection and "
+                                        f"drains (requests in flight finish, up to {drains[-1]:g} s)"):
+            stopping = _Stopping(t, old, drain_s)
+            if m.engine.kind == "cuda" or m.engine.network != "isolated":
+                stopping.wait()  # GPU memory / loopback listeners of the old tree: released first
+            else:
+                stopping.wait_port(t, host, port)
     t1 = t.clock()
     stopped = [{"pid": e.pid, "snapshot": e.snapshot, "host": e.host, "port": e.port} for e in old]
+    req = RestoreRequest(snapshot=snapshot, host=host, port=port, detach=True, log_file=log_file,
+                         frontend=tuple(frontend), drain_s=new_drain)
     try:
-        r, engine = restore(RestoreRequest(snapshot=snapshot, host=host, port=port, detach=True, log_file=log_file,
-                                           frontend=tuple(frontend)), rep, tools=t)
+        try:
+            r, engine = restore(req, rep, tools=t)
+        except InsufficientResources as err:
+            if stopping is None or stopping.done():
+                raise
+            rep.info(f"{err.message.splitlines()[0]}; waiting for the old engine to finish draining, then again")
+            stopping.wait()
+            r, engine = restore(req, rep, tools=t)
     except SnapshotError as err:
         # an interruption means "stop": no rollback then (the port ends free, the registry says so)
-        serving = _roll_back(t, old[0], rep, tuple(frontend)) if (old and rollback and not isinstance(err, Interrupted)) else None
+        if stopping is not None:
+            _finish(stopping, rep)
+        serving = _roll_back(t, old[0], rep, tuple(frontend), new_drain) \
+            if (old and rollback and not isinstance(err, Interrupted)) else None
         _explain_switch_failure(err, port, stopped, serving, rollback)
+        raise
+    except BaseException:
+        if stopping is not None:
+            _finish(stopping, rep)
         raise
     engine.close()
     t2 = t.clock()
+    if stopping is not None:
+        _finish(stopping, rep)
     return Switched(str(snapshot), port, r.pid, r.url, round(t1 - t0, 3), round(t2 - t1, 3),
                     round(t2 - t0, 3), [e.pid for e in old], host)
 
 
-def _roll_back(t: SnapshotTools, prev: Entry, rep: Reporter, frontend: tuple[str, ...] = ()) -> dict | None:
+def _finish(stopping: _Stopping, rep: Reporter) -> None:
+    """Wait for the old engines to be gone; say when their drain ran out with requests in flight."""
+    for r in stopping.wait():
+        if r.cut:
+            rep.info(f"the old engine's drain ran out with {r.cut} request(s) in flight: they were cut")
+
+
+def _roll_back(t: SnapshotTools, prev: Entry, rep: Reporter, frontend: tuple[str, ...] = (),
+               drain_s: float | None = None) -> dict | None:
     """Restore the engine a failed switch stopped (with the switch's front-end options); its
     serving record, or None."""
     try:
         with rep.phase("rollback", f"restoring {Path(prev.snapshot).name} again on port {prev.port}"):
             r, engine = restore(RestoreRequest(snapshot=Path(prev.snapshot), host=prev.host, port=prev.port,
-                                               detach=True, frontend=frontend), rep, tools=t)
+                                               detach=True, frontend=frontend,
+                                               drain_s=prev.drain_s if drain_s is None else drain_s), rep, tools=t)
         engine.close()
         return {"snapshot": prev.snapshot, "pid": r.pid, "url": r.url}
     except SnapshotError as e:

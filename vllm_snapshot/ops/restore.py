@@ -50,7 +50,7 @@ from ..errors import (BusyError, CorruptSnapshotError, CriuError, EngineError, E
                       InsufficientResources, Interrupted, OracleMismatchError, UsageError)
 from ..manifest import Manifest
 from ..progress import Reporter
-from ..registry import Entry
+from ..registry import DRAIN_S, TEARDOWN_S, Entry
 from ..results import Restored, Verified
 from ..tools import Engine, LocalTools, SnapshotTools
 from .cleanup import run_cleanups
@@ -79,6 +79,9 @@ class RestoreRequest:
     #: front-end option tokens (:mod:`vllm_snapshot.frontend`: API key, TLS, CORS, ...);
     #: ``VLLM_API_KEY`` of the environment is added by :func:`restore` when no key is given
     frontend: tuple[str, ...] = ()
+    #: seconds the engine lets requests in flight finish when it is stopped (SIGTERM, ``stop``):
+    #: :func:`vllm_snapshot.registry.drain_timeout`
+    drain_s: float = DRAIN_S
 
 
 _POOL = None
@@ -232,7 +235,8 @@ def restore(req: RestoreRequest, rep: Reporter, tools: SnapshotTools | None = No
             t.register(Entry(snapshot=str(snapshot), pid=r.pid, supervisor_pid=0 if req.detach else os.getpid(),
                              host=req.host, port=req.port, started_at=t.now(),
                              mode="detached" if req.detach else "foreground",
-                             scheme=r.url.split(":", 1)[0], cgroup=r.cgroup, frontend=r.frontend_fp, auth=r.auth))
+                             scheme=r.url.split(":", 1)[0], cgroup=r.cgroup, frontend=r.frontend_fp, auth=r.auth,
+                             drain_s=req.drain_s))
             t.record_restore(snapshot, [w for w in r.warnings if w.startswith("identity override")])
         except OSError as e:  # bookkeeping only: never fail a served restore for it
             rep.info(f"could not record the engine in the registry: {e}")
@@ -397,9 +401,11 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
         url = ports.url(req.host, req.port, fe.scheme)
         with rep.phase("bind", f"binding {ports.fmt_addr(req.host, req.port)}"):
             if isolated:  # bound here, in the host's namespace, and handed to the engine
-                t.serve_engine(engine, req.host, req.port, die_with_parent=not req.detach, frontend=tuple(fe.args))
+                t.serve_engine(engine, req.host, req.port, die_with_parent=not req.detach, frontend=tuple(fe.args),
+                               drain_s=req.drain_s)
             else:
-                engine.send("serve", host=req.host, port=req.port, die_with_parent=not req.detach, frontend=fe.args)
+                engine.send("serve", host=req.host, port=req.port, die_with_parent=not req.detach, frontend=fe.args,
+                            drain_s=req.drain_s)
             engine.wait_event("binding", BIND_TIMEOUT_S)
         with rep.phase("http_ready", "waiting for the HTTP server (/health)"):
             deadline = t.clock() + BIND_TIMEOUT_S
@@ -417,7 +423,7 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
         interrupts.hold()  # serving, validated: see restore()
         return Restored(str(snapshot), pid, url, m.model.served_name, dict(rep.timings), warnings, req.detach,
                         tuple(fe.describe()), placement.cgroup if placement and placement.leaves else "",
-                        frontend.fingerprint(fe.args), bool(fe.api_keys)), engine
+                        frontend.fingerprint(fe.args), bool(fe.api_keys), req.drain_s), engine
     except BaseException as e:
         if code_check is not None:
             code_check.cancel()
@@ -461,16 +467,23 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
 
 
 def serve_foreground(r: Restored, engine: Engine, on_signal_msg: Callable[[str], None] | None = None,
-                     stop_grace_s: float = 30.0, tools: SnapshotTools | None = None) -> int:
-    """Block until the restored engine exits; SIGINT/SIGTERM are forwarded to it as SIGTERM
-    (clean shutdown), then SIGKILL after ``stop_grace_s`` seconds. Returns the engine's exit
-    code; unregisters it."""
+                     stop_grace_s: float | None = None, tools: SnapshotTools | None = None) -> int:
+    """Block until the restored engine exits; every SIGINT/SIGTERM is forwarded to it as
+    SIGTERM: the first makes it drain (no new connection, requests in flight finish within
+    ``r.drain_s`` seconds) and exit 0, a second cuts the drain short. SIGKILL after
+    ``stop_grace_s`` seconds from the first signal (default ``r.drain_s`` + the engine's
+    teardown time, :data:`vllm_snapshot.registry.TEARDOWN_S`). Returns the engine's exit code
+    (137 when it had to be killed); unregisters it."""
     t = tools or LocalTools()
     stopping: dict[str, float | None] = {"at": None}
+    if stop_grace_s is None:
+        stop_grace_s = r.drain_s + TEARDOWN_S
 
     def _fwd(signum, frame):
         if on_signal_msg:
-            on_signal_msg(f"received signal {signum}; stopping the engine")
+            on_signal_msg(f"received signal {signum}; stopping the engine" + (
+                f" (draining: requests in flight may finish for up to {r.drain_s:g} s)" if stopping["at"] is None
+                else " now (requests still in flight are cut)"))
         stopping["at"] = stopping["at"] or time.monotonic()
         try:
             os.kill(engine.root_pid, signal.SIGTERM)

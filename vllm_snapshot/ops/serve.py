@@ -44,6 +44,7 @@ from ..progress import Reporter
 from .restore import SERVER_START
 from ..results import Served
 from ..privilege import DEFAULT_USER
+from ..registry import DRAIN_S
 from ..supervisor import scrubbed_env
 from ..tools import Engine, LocalTools, SnapshotTools
 from .create import CreateRequest, arg_value, check_engine_args, check_keep_env, create
@@ -84,6 +85,8 @@ class ServeRequest:
     #: the unprivileged user a build's engine runs as (its HOME is in the engine environment,
     #: hence in the key)
     user: str = DEFAULT_USER
+    #: seconds the engine lets requests in flight finish when stopped (RestoreRequest.drain_s)
+    drain_s: float = DRAIN_S
 
 
 def _published(t: SnapshotTools, root: Path) -> list[tuple[Path, Manifest]]:
@@ -318,12 +321,14 @@ def switch_model(req: ServeRequest, host: str | None, rollback: bool, rep: Repor
     model_dir, hf_id, key, files, host_id = _prepare(t, req, rep, check_port=False)  # the old engine holds it
     path, snapshot, _refused, _warnings, _others = _find_or_build(
         t, req, rep, model_dir, hf_id, key, files, host_id, lambda p: (validate(p, tools=t), p)[1])
-    return switch(snapshot, host, req.port, req.log_file, rep, rollback, tools=t, frontend=req.frontend), path
+    return switch(snapshot, host, req.port, req.log_file, rep, rollback, tools=t, frontend=req.frontend,
+                  drain_s=req.drain_s), path
 
 
 def _restore_req(req: ServeRequest, snapshot: Path) -> RestoreRequest:
     return RestoreRequest(snapshot=snapshot, host=req.host, port=req.port, verify_model=req.verify_model,
-                          detach=req.detach, log_file=req.log_file, engine_log=req.engine_log, frontend=req.frontend)
+                          detach=req.detach, log_file=req.log_file, engine_log=req.engine_log, frontend=req.frontend,
+                          drain_s=req.drain_s)
 
 
 def _refuse(t: SnapshotTools, rep: Reporter, p: Path, e: SnapshotError, refused: list[dict]) -> None:

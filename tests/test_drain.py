@@ -1,0 +1,236 @@
+"""Draining stop (issue 29, S2) without vLLM: the drain timeout's sources, ``registry.stop``
+against real processes that listen and hold a client connection, the engine's signal handling
+(``engine.main.install_drain``) on a real event loop, ``switch``'s port lock and what it says
+serves after a failure. End to end: tests/test_drain_integration.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from fakes import FakeTools, isolated_manifest
+
+from vllm_snapshot import locks, ops, registry
+from vllm_snapshot.errors import BusyError, CriuError, InsufficientResources, UsageError
+from vllm_snapshot.progress import Reporter
+from vllm_snapshot.registry import Entry, StopReport
+
+SNAP = Path("/snaps/new")
+
+
+# ------------------------------------------------------------------ the drain timeout
+
+def test_drain_timeout_comes_from_the_option_then_the_environment_then_the_default():
+    assert registry.drain_timeout(None, {}) == registry.DRAIN_S == 30.0
+    assert registry.drain_timeout(None, {registry.DRAIN_ENV: "7.5"}) == 7.5
+    assert registry.drain_timeout(2, {registry.DRAIN_ENV: "7.5"}) == 2.0
+    assert registry.drain_timeout(0, {}) == 0.0
+    for bad in ("-1", "soon", "nan", "inf"):
+        with pytest.raises(UsageError, match=registry.DRAIN_ENV):
+            registry.drain_timeout(None, {registry.DRAIN_ENV: bad})
+
+
+# ------------------------------------------------------------------ registry.stop on real processes
+
+#: A stand-in for an engine: listens on PORT, accepts one client; the first SIGTERM closes the
+#: listener (no new connection) and keeps the client's connection HOLD more seconds (a request
+#: finishing), then exits 0; a second SIGTERM exits at once. IGNORE=1: SIGTERM does nothing
+#: (an engine that never exits by itself).
+_SERVER = textwrap.dedent("""
+    import os, signal, socket, sys, time
+    port, hold, ignore = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3] == "1"
+    ls = socket.socket(); ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    ls.bind(("127.0.0.1", port)); ls.listen(8)
+    state = {"n": 0}
+    def term(sig, frame):
+        if ignore:
+            return
+        state["n"] += 1
+        if state["n"] > 1:
+            os._exit(0)
+        ls.close()
+    signal.signal(signal.SIGTERM, term)
+    print("ready", flush=True)
+    conn, _ = ls.accept()
+    while state["n"] == 0 or ignore:
+        time.sleep(0.01)
+    time.sleep(hold)
+    conn.close()
+    os._exit(0)
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture()
+def busy_server(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_SNAPSHOT_RUN_DIR", str(tmp_path / "run"))
+    started: list[tuple[subprocess.Popen, socket.socket]] = []
+
+    def start(hold: float, ignore: bool = False) -> tuple[Entry, socket.socket]:
+        port = _free_port()
+        p = subprocess.Popen([sys.executable, "-c", _SERVER, str(port), str(hold), "1" if ignore else "0"],
+                             stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "ready"
+        client = socket.create_connection(("127.0.0.1", port), timeout=5)
+        started.append((p, client))
+        deadline = time.monotonic() + 5
+        while not registry._client_connections(registry.tree(p.pid), port):  # accepted: in flight
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        return Entry("/snaps/x", p.pid, 0, "127.0.0.1", port, 0.0, "detached", drain_s=30.0), client
+
+    yield start
+    for p, client in started:
+        client.close()
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)
+
+
+def test_stop_waits_for_the_request_in_flight_then_returns(busy_server):
+    e, _client = busy_server(hold=1.0)
+    r = registry.stop(e, drain_s=20)
+    assert r.drained and r.cut == 0 and not r.killed
+    assert 0.9 < r.seconds < 10  # the request's second, not the 20 s drain
+    assert registry.tree(e.pid) == [] or registry.tree(e.pid)[0].status() == "zombie"
+
+
+def test_a_drain_that_runs_out_cuts_counts_and_ends_with_a_second_sigterm(busy_server):
+    e, _client = busy_server(hold=60.0)
+    r = registry.stop(e, drain_s=0.5)
+    assert not r.drained and r.cut == 1
+    assert not r.killed  # it exited on the second SIGTERM, no SIGKILL needed
+    assert r.seconds < 5
+
+
+def test_an_engine_that_never_exits_is_killed_after_the_drain_and_the_teardown(busy_server):
+    e, _client = busy_server(hold=60.0, ignore=True)
+    r = registry.stop(e, drain_s=0.3, teardown_s=0.5)
+    assert not r.drained and r.cut == 1 and r.killed
+    assert r.seconds < 5
+
+
+def test_stop_drains_for_the_engines_own_timeout_by_default(busy_server):
+    e, _client = busy_server(hold=60.0)
+    e = Entry(**{**e.__dict__, "drain_s": 0.4})
+    t0 = time.monotonic()
+    r = registry.stop(e)
+    assert not r.drained and time.monotonic() - t0 < 5
+
+
+# ------------------------------------------------------------------ the engine's signal handling
+
+def test_install_drain_first_signal_drains_second_cancels_what_is_in_flight():
+    from vllm_snapshot.engine.main import install_drain
+
+    async def scenario() -> tuple:
+        loop = asyncio.get_running_loop()
+        request = loop.create_task(asyncio.sleep(60))
+        server = SimpleNamespace(should_exit=False, force_exit=False,
+                                 config=SimpleNamespace(timeout_graceful_shutdown=None),
+                                 server_state=SimpleNamespace(tasks={request}))
+        install_drain(loop, server, 12.5)
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            await asyncio.sleep(0.2)
+            first = (server.should_exit, request.cancelled() or request.done(), server.config.timeout_graceful_shutdown)
+            os.kill(os.getpid(), signal.SIGTERM)
+            await asyncio.sleep(0.2)
+            return first, request.cancelled()
+        finally:
+            for s in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(s)
+            request.cancel()
+
+    first, cancelled = asyncio.run(scenario())
+    # the first signal: uvicorn's graceful shutdown with the drain timeout, the request runs on
+    assert first == (True, False, 12.5)
+    # the second: the request still in flight is cancelled now
+    assert cancelled
+
+
+# ------------------------------------------------------------------ switch
+
+def _old(port=8101, pid=77, snap="/snaps/old", drain_s=30.0):
+    return Entry(snap, pid, 0, "127.0.0.1", port, 0.0, "detached", drain_s=drain_s)
+
+
+def test_switch_drains_the_old_engine_and_gives_the_new_one_its_drain_timeout():
+    t = FakeTools(manifest=isolated_manifest())  # the port is handed over: serve_engine
+    t.entries = [_old(drain_s=45.0)]
+    t.environ = lambda: {registry.DRAIN_ENV: "12"}
+    ops.switch(SNAP, None, 8101, None, Reporter(), tools=t)
+    assert t.stop_drains == [None]  # the old engine drains for its own 45 s
+    assert t.served_drain == 12.0 and t.registered[0].drain_s == 12.0
+    t2 = FakeTools(manifest=isolated_manifest())
+    t2.entries = [_old()]
+    ops.switch(SNAP, None, 8101, None, Reporter(), tools=t2, drain_s=3)
+    assert t2.stop_drains == [3] and t2.served_drain == 3.0
+
+
+def test_switch_restores_again_once_the_old_engine_is_gone_when_memory_was_short():
+    t = FakeTools(manifest=isolated_manifest())
+    t.entries = [_old()]
+    tries = []
+    real = t.memory_offer
+    stop = t.stop_engine
+    t.stop_engine = lambda e, drain_s=None: (time.sleep(0.5), stop(e, drain_s))[1]  # still draining
+
+    def memory_offer(detached=False):
+        tries.append(detached)
+        if len(tries) == 1:
+            raise InsufficientResources("the snapshot needs 2.0 GiB, MemAvailable is 1.0 GiB")
+        return real(detached)
+
+    t.memory_offer = memory_offer
+    res = ops.switch(SNAP, None, 8101, None, Reporter(), tools=t)
+    assert len(tries) == 2 and res.pid == 5151 and t.calls.count("stop_engine") == 1
+
+
+def test_stop_reports_a_cut_drain(capsys):
+    from vllm_snapshot import render
+
+    t = FakeTools()
+    t.entries = [_old()]
+    t.stop_report = StopReport(2.0, drained=False, cut=3)
+    res = ops.stop_engines(None, 8101, tools=t, drain_s=2)
+    assert t.stop_drains == [2]
+    assert res.stopped[0] | {"seconds": 0} == {"pid": 77, "snapshot": "/snaps/old", "port": 8101, "seconds": 0,
+                                              "drain_s": 2, "drained": False, "cut": 3, "killed": False}
+    render.show(res, False)
+    assert "the 2 s drain ran out with 3 request(s) in flight: they were cut" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ the registry keeps the drain timeout
+
+def test_the_registry_keeps_the_drain_timeout_where_older_versions_do_not_choke_on_it(tmp_path, monkeypatch):
+    import json
+    from dataclasses import fields
+
+    monkeypatch.setenv("VLLM_SNAPSHOT_RUN_DIR", str(tmp_path))
+    f = registry.register(Entry("/snaps/x", os.getpid(), 0, "127.0.0.1", 8101, 0.0, "detached", drain_s=90.0))
+    raw = json.loads(f.read_text())
+    # what a vllm-snapshot without drain timeouts reads: Entry(**raw) with its own fields
+    assert set(raw) <= {x.name for x in fields(Entry)} - {"drain_s"}
+    assert [(e.pid, e.drain_s) for e in registry.entries()] == [(os.getpid(), 90.0)]
+    # a newer version's field does not make this one forget the engine
+    f.write_text(json.dumps({**raw, "from_the_future": 1}))
+    assert [e.pid for e in registry.entries()] == [os.getpid()]
+    # removed by an older version (the .json only): the drain file goes with the next read
+    f.unlink()
+    assert registry.entries() == [] and not list((tmp_path / "engines").iterdir())

@@ -1,0 +1,183 @@
+"""Stopping an engine that is busy (issue 29, S2), end to end (real engine + CRIU): ``stop``,
+SIGTERM to a foreground restore and ``switch`` drain -- no new connection, the requests in
+flight finish -- instead of aborting them and waiting 30 s for their connections; a drain
+timeout shorter than the request bounds the stop and says so; two switches of one port run
+one after the other and the second names what serves.
+
+The long request: ``n`` completions of ``max_tokens`` each with ``ignore_eos`` (4 s on an idle
+2-core box for n=96, max_tokens=500); each test checks that it was still in flight when the
+stop began, so a fast machine cannot make a test pass without exercising the drain. Traffic
+stays on loopback; every loop is bounded."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from conftest import ROOT, cli, engine_env
+from test_integration import free_port, port_accepts, wait_gone
+
+pytestmark = pytest.mark.integration
+
+N, MAX_TOKENS = 96, 500
+
+
+class LongRequest(threading.Thread):
+    """One completion of N x MAX_TOKENS tokens on ``port``, in a thread; ``status`` (HTTP code,
+    or the exception's name), ``body``, ``started``/``ended`` (monotonic seconds)."""
+
+    def __init__(self, port: int, timeout: float = 120) -> None:
+        super().__init__(daemon=True)
+        self.port, self.timeout = port, timeout
+        self.status: int | str | None = None
+        self.body: dict | None = None
+        self.started = self.ended = 0.0
+
+    def run(self) -> None:
+        body = {"model": "tiny-llama", "prompt": "Hello", "max_tokens": MAX_TOKENS, "ignore_eos": True, "n": N}
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        self.started = time.monotonic()
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                self.status, self.body = r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            self.status = e.code
+        except Exception as e:  # noqa: BLE001 - an empty reply, a reset: what a cut request gets
+            self.status = type(e).__name__
+        finally:
+            self.ended = time.monotonic()
+
+    def complete(self) -> bool:
+        """HTTP 200 with every completion at full length."""
+        return (self.status == 200 and self.body is not None and len(self.body["choices"]) == N
+                and self.body["usage"]["completion_tokens"] == N * MAX_TOKENS)
+
+
+def _busy(port: int) -> LongRequest:
+    """Start a long request and give the engine a second to take it."""
+    r = LongRequest(port)
+    r.start()
+    time.sleep(1.0)
+    assert r.is_alive(), f"the long request ended before the stop: {r.status}"
+    return r
+
+
+def _cleanup(port: int) -> None:
+    """Stop what serves on ``port`` at once (a test that failed may leave it busy)."""
+    if cli("stop", "--port", str(port), "--drain-timeout", "0", env=engine_env(), timeout=120).returncode == 2:
+        cli("stop", "--port", str(port), env=engine_env(), timeout=120)  # the code before --drain-timeout
+
+
+def _restore(snapshot, port: int, *extra: str) -> int:
+    p = cli("restore", str(snapshot), "--port", str(port), "--detach", "--json", *extra, env=engine_env(),
+            timeout=300, check=True)
+    return json.loads(p.stdout)["pid"]
+
+
+def test_stop_with_a_request_in_flight_lets_it_finish(clone_snapshot):
+    snap = clone_snapshot("drain-stop")
+    port = free_port()
+    pid = _restore(snap, port)
+    try:
+        req = _busy(port)
+        t0 = time.monotonic()
+        p = cli("stop", "--port", str(port), "--json", env=engine_env(), timeout=120)
+        took = time.monotonic() - t0
+        req.join(60)
+    finally:
+        _cleanup(port)
+    assert p.returncode == 0, p.stderr
+    row = json.loads(p.stdout)["stopped"][0]
+    assert req.ended > t0, "the request was not in flight when stop began"
+    assert req.complete(), f"the request was cut: {req.status}"
+    assert row["pid"] == pid and row["drained"] and row["cut"] == 0
+    # the old stop waited its whole 30 s drain, then SIGKILLed the engine and the request
+    assert took < 20, f"stop took {took:.1f} s"
+    assert wait_gone(pid, 5) and not port_accepts(port)
+
+
+def test_a_drain_timeout_shorter_than_the_request_bounds_the_stop(clone_snapshot):
+    snap = clone_snapshot("drain-short")
+    port = free_port()
+    pid = _restore(snap, port)
+    try:
+        req = _busy(port)
+        t0 = time.monotonic()
+        p = cli("stop", "--port", str(port), "--drain-timeout", "0.5", env=engine_env(), timeout=120)
+        took = time.monotonic() - t0
+        req.join(60)
+    finally:
+        _cleanup(port)
+    assert p.returncode == 0, p.stderr
+    assert "drain ran out with 1 request(s) in flight: they were cut" in p.stdout, p.stdout
+    assert req.ended > t0 and not req.complete()
+    assert not req.is_alive(), "the cut request's client is still waiting"
+    assert took < 15, f"stop took {took:.1f} s with a 0.5 s drain"
+    assert wait_gone(pid, 5)
+
+
+def test_sigterm_to_a_foreground_restore_drains_and_exits_0(clone_snapshot):
+    snap = clone_snapshot("drain-fg")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_snapshot", "restore", str(snap), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=engine_env(), cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 300
+        while not port_accepts(port):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the foreground restore never served"
+            time.sleep(0.2)
+        time.sleep(0.5)  # past the canary
+        req = _busy(port)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+        took = time.monotonic() - t0
+        req.join(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert proc.returncode == 0, err[-3000:]
+    assert req.ended > t0 and req.complete(), f"the request was cut: {req.status}"
+    assert "draining" in err
+    assert took < 20, f"the foreground restore took {took:.1f} s to stop"
+    assert not port_accepts(port)
+
+
+def test_switch_with_a_request_in_flight_does_not_cut_it(clone_snapshot):
+    a, b = clone_snapshot("drain-sw-a"), clone_snapshot("drain-sw-b")
+    port = free_port()
+    old = _restore(a, port)
+    try:
+        req = _busy(port)
+        t0 = time.monotonic()
+        p = cli("switch", str(b), "--port", str(port), "--json", env=engine_env(), timeout=300)
+        req.join(60)
+        assert p.returncode == 0, p.stderr
+        new = json.loads(p.stdout)["pid"]
+        assert req.ended > t0 and req.complete(), f"the switch cut the request: {req.status}"
+        assert wait_gone(old, 5)
+        st = json.loads(cli("status", "--json", env=engine_env(), check=True).stdout)["engines"]
+        assert [(e["pid"], e["snapshot"]) for e in st if e["port"] == port] == [(new, str(b))]
+        assert _complete_one(port)
+    finally:
+        _cleanup(port)
+
+
+def _complete_one(port: int) -> bool:
+    body = {"model": "tiny-llama", "prompt": "Hi", "max_tokens": 1}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return r.status == 200

@@ -499,6 +499,10 @@ class FakeTools(SnapshotTools):
         self._call("disk_room")
         return getattr(self, "room", (None, 1 << 50))
 
+    def port_lock(self, port: int, on_wait: Callable[[str], None]) -> AbstractContextManager:
+        self._call("port_lock")
+        return nullcontext()
+
     def list_snapshots(self, root: Path) -> list[Path]:
         self._call("list_snapshots")
         if self.snapshots is not None:

@@ -170,6 +170,24 @@ def _old(port=8101, pid=77, snap="/snaps/old", drain_s=30.0):
     return Entry(snap, pid, 0, "127.0.0.1", port, 0.0, "detached", drain_s=drain_s)
 
 
+def test_switch_takes_the_ports_lock_before_it_reads_what_serves():
+    t = FakeTools()
+    seen = []
+    t.port_lock = lambda port, on_wait: _recording_lock(seen, port)
+    engines = t.engines
+    t.engines = lambda: (seen.append(("engines",)), engines())[1]
+    t.entries = [_old()]
+    ops.switch(SNAP, None, 8101, None, Reporter(), tools=t)
+    assert seen[0] == ("lock", 8101) and ("engines",) in seen[1:]
+
+
+def _recording_lock(seen, port):
+    from contextlib import nullcontext
+
+    seen.append(("lock", port))
+    return nullcontext()
+
+
 def test_switch_drains_the_old_engine_and_gives_the_new_one_its_drain_timeout():
     t = FakeTools(manifest=isolated_manifest())  # the port is handed over: serve_engine
     t.entries = [_old(drain_s=45.0)]
@@ -202,6 +220,26 @@ def test_switch_restores_again_once_the_old_engine_is_gone_when_memory_was_short
     assert len(tries) == 2 and res.pid == 5151 and t.calls.count("stop_engine") == 1
 
 
+def test_a_failed_switch_names_the_engine_another_command_put_on_the_port():
+    """The loser of two switches (before the port lock): its restore and its rollback found the
+    port taken by the winner's engine; it said "nothing serves on port P now"."""
+    t = FakeTools(fail={"restore_tree": CriuError("CRIU restore failed")})
+    winner = _old(pid=91, snap="/snaps/winner")
+    reads = []
+
+    def engines():
+        reads.append(1)
+        return [_old()] if len(reads) == 1 else [winner]
+
+    t.engines = engines
+    with pytest.raises(CriuError) as ei:
+        ops.switch(SNAP, None, 8101, None, Reporter(), rollback=False, tools=t)
+    msg = ei.value.message
+    assert "nothing serves" not in msg
+    assert "/snaps/winner serves on port 8101 now (http://127.0.0.1:8101, PID 91" in msg
+    assert ei.value.details["serving"] == {"snapshot": "/snaps/winner", "pid": 91, "url": "http://127.0.0.1:8101"}
+
+
 def test_stop_reports_a_cut_drain(capsys):
     from vllm_snapshot import render
 
@@ -214,6 +252,38 @@ def test_stop_reports_a_cut_drain(capsys):
                                               "drain_s": 2, "drained": False, "cut": 3, "killed": False}
     render.show(res, False)
     assert "the 2 s drain ran out with 3 request(s) in flight: they were cut" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ the port lock
+
+def test_port_lock_makes_a_second_switch_wait_and_names_the_holder(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_SNAPSHOT_RUN_DIR", str(tmp_path))
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, sys, time
+        sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+        os.environ["VLLM_SNAPSHOT_RUN_DIR"] = {str(tmp_path)!r}
+        from vllm_snapshot import locks
+        with locks.port_lock(8101):
+            print("held", flush=True)
+            time.sleep(1.0)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        heard = []
+        t0 = time.monotonic()
+        with locks.port_lock(8101, heard.append):
+            waited = time.monotonic() - t0
+        assert len(heard) == 1 and f"{holder.pid} (" in heard[0] and "switching port 8101" in heard[0]
+        assert waited > 0.3
+        with pytest.raises(BusyError, match="port 8102"):
+            with locks.port_lock(8102):
+                with locks.port_lock(8102, wait_s=0.2):
+                    pass
+    finally:
+        holder.wait(10)
+    # another port is not held up, and the lock files are not taken for stale snapshot locks
+    assert sorted(p.name for p in (tmp_path / "locks").iterdir()) == ["port-8101.lock", "port-8102.lock"]
+    assert locks.clean_stale() == []
 
 
 # ------------------------------------------------------------------ the registry keeps the drain timeout

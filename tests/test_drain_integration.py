@@ -181,3 +181,34 @@ def _complete_one(port: int) -> bool:
                                  {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as r:
         return r.status == 200
+
+
+def test_two_switches_of_one_port_run_one_after_the_other(clone_snapshot):
+    """Before the port lock both read the same old engine, both stopped it, one restore lost the
+    port to the other, its rollback too, and it said "nothing serves on port P now" while the
+    winner's engine served."""
+    import re
+
+    a, b, c = clone_snapshot("sw2-a"), clone_snapshot("sw2-b"), clone_snapshot("sw2-c")
+    port = free_port()
+    first = _restore(a, port)
+    env = engine_env()
+    cmd = [sys.executable, "-m", "vllm_snapshot", "switch"]
+    try:
+        procs = [subprocess.Popen([*cmd, str(x), "--port", str(port)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for x in (b, c)]
+        outs = [p.communicate(timeout=600) for p in procs]
+        st = json.loads(cli("status", "--json", env=env, check=True).stdout)["engines"]
+        here = [(e["pid"], e["snapshot"]) for e in st if e["port"] == port]
+        # serialized: both succeed, the one that waited replaced the other's engine
+        assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+        served = [re.search(rf"switched port {port} to (\S+) \(engine PID (\d+)\)", o[0]) for o in outs]
+        assert all(served), [o[0] for o in outs]
+        waited = [i for i, o in enumerate(outs) if "it is switching port" in o[1]]
+        assert len(waited) == 1, [o[1] for o in outs]
+        later, earlier = served[waited[0]], served[1 - waited[0]]
+        assert here == [(int(later.group(2)), later.group(1))]
+        assert wait_gone(int(earlier.group(2)), 5) and wait_gone(first, 5)
+        assert _complete_one(port)
+    finally:
+        _cleanup(port)

@@ -111,12 +111,13 @@ def remove_lock_file(snapshot: Path) -> None:
 def clean_stale() -> list[Path]:
     """Remove lock files of snapshot paths that no longer exist and that nobody holds (taken
     exclusively first, so a racing command is never left holding a removed file). Returns what
-    was removed. Key locks of ``serve`` (``key-*.lock``) and GPU locks (``gpu-*.lock``) are
-    not snapshot paths: they are left alone (one small file per key or GPU)."""
+    was removed. Key locks of ``serve`` (``key-*.lock``), GPU locks (``gpu-*.lock``) and port
+    locks of ``switch`` (``port-*.lock``) are not snapshot paths: they are left alone (one small
+    file per key, GPU or port)."""
     removed = []
     d = paths.run_dir() / "locks"
     for f in d.glob("*.lock") if d.is_dir() else []:
-        if f.name.startswith(("key-", "gpu-")):
+        if f.name.startswith(("key-", "gpu-", "port-")):
             continue
         try:
             target = f.read_text().strip()
@@ -202,6 +203,31 @@ def gpu_lock(uuid: str, on_wait=None, wait_s: float = GPU_WAIT_S) -> Iterator[No
             if on_wait is not None:
                 who = ", ".join(holders(path)) or "another process"
                 on_wait(f"waiting for {who}: it is restoring an engine onto GPU {uuid} (until that engine has woken)")
+            held.enter_context(lock(path, what, wait_s=wait_s, label=label))
+        yield
+
+
+#: How long a ``switch`` waits for another ``switch`` of the same port (seconds): one that
+#: drains the old engine and restores the next takes seconds to a minute.
+PORT_WAIT_S = 600.0
+
+
+@contextmanager
+def port_lock(port: int, on_wait=None, wait_s: float = PORT_WAIT_S) -> Iterator[None]:
+    """Exclusive lock of one TCP port (``locks/port-<port>.lock``), held by ``switch`` from
+    reading which engine serves there until the next one serves (or the rollback ended), so
+    two switches of one port run one after the other: the second sees the first's engine as
+    the one it replaces. When busy, ``on_wait(message)`` names the holder, then waits up to
+    ``wait_s`` seconds. Raises BusyError after that."""
+    path = paths.run_dir() / "locks" / f"port-{int(port)}.lock"
+    what, label = f"port {port}", f"port {port}"
+    with ExitStack() as held:
+        try:
+            held.enter_context(lock(path, what, label=label))
+        except BusyError:
+            if on_wait is not None:
+                who = ", ".join(holders(path)) or "another process"
+                on_wait(f"waiting for {who}: it is switching port {port}")
             held.enter_context(lock(path, what, wait_s=wait_s, label=label))
         yield
 

@@ -341,6 +341,10 @@ class SnapshotTools(Protocol):
     def key_lock(self, key: str, on_wait: Callable[[str], None]) -> AbstractContextManager:
         """Exclusive lock of one snapshot key; ``on_wait`` hears who holds it before waiting."""
 
+    def port_lock(self, port: int, on_wait: Callable[[str], None]) -> AbstractContextManager:
+        """Exclusive lock of one TCP port (``switch``, :func:`vllm_snapshot.locks.port_lock`);
+        ``on_wait`` hears who holds it before waiting."""
+
     def record_refusal(self, snapshot: Path, code: str, reason: str) -> None:
         """Remember that ``serve`` refused ``snapshot`` here (shown by ``list``)."""
 
@@ -1158,6 +1162,11 @@ class LocalTools(SnapshotTools):
         from . import locks
 
         return locks.key_lock(key, on_wait)
+
+    def port_lock(self, port: int, on_wait: Callable[[str], None]) -> AbstractContextManager:
+        from . import locks
+
+        return locks.port_lock(port, on_wait)
 
     def record_refusal(self, snapshot: Path, code: str, reason: str) -> None:
         from . import store

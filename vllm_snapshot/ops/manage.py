@@ -239,6 +239,8 @@ def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, r
     """Serve ``snapshot`` on ``port`` instead of whatever serves there, never leaving the port
     dark by mistake and never cutting an accepted request:
 
+    0. the port's lock is taken (:func:`vllm_snapshot.locks.port_lock`): a second switch of the
+       same port waits, saying for whom, and then replaces the first one's engine;
     1. the target is validated completely first (everything restore checks before CRIU except
        the port, which the old engine still holds): a typo, a changed model, a corrupt or
        incompatible snapshot refuse here and the old engine keeps serving;
@@ -250,8 +252,8 @@ def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, r
        engine is gone: its GPU memory must be free first; a restore refused for lack of memory
        is tried again once the old engine is gone);
     4. if that fails and ``rollback`` (the default), the old snapshot is restored again on its
-       host and port. The error then says which engine was stopped and what serves now
-       (``details``: ``{"stopped": [...], "serving": {...} | None}``).
+       host and port. The error then says which engine was stopped and what serves now, read
+       from the registry (``details``: ``{"stopped": [...], "serving": {...} | None}``).
 
     ``frontend``: front-end option tokens (API key, TLS, CORS, ...; :mod:`vllm_snapshot.frontend`)
     for the new engine -- and for the old one if it is rolled back (its own options are not
@@ -260,10 +262,12 @@ def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, r
     :func:`vllm_snapshot.registry.drain_timeout`).
 
     Durations in seconds: ``stop_s`` until the restore could start (the old engine closed the
-    port), ``restore_s``, ``switch_s`` their sum. Raises the errors of :func:`restore`."""
+    port), ``restore_s``, ``switch_s`` their sum. Raises the errors of :func:`restore`,
+    BusyError (the port's lock, after :data:`vllm_snapshot.locks.PORT_WAIT_S`)."""
     t = tools or LocalTools()
     t.require_root()
-    return _switch_locked(t, snapshot, host, port, log_file, rep, rollback, frontend, drain_s)
+    with t.port_lock(port, rep.info):
+        return _switch_locked(t, snapshot, host, port, log_file, rep, rollback, frontend, drain_s)
 
 
 def _switch_locked(t: SnapshotTools, snapshot: Path, host: str | None, port: int, log_file: Path | None,
@@ -332,7 +336,9 @@ def _switch_locked(t: SnapshotTools, snapshot: Path, host: str | None, port: int
             _finish(stopping, rep)
         serving = _roll_back(t, old[0], rep, tuple(frontend), new_drain) \
             if (old and rollback and not isinstance(err, Interrupted)) else None
-        _explain_switch_failure(err, port, stopped, serving, rollback)
+        gone = {e.pid for e in old}
+        _explain_switch_failure(err, port, stopped, serving, rollback,
+                                [e for e in t.engines() if e.port == port and e.pid not in gone])
         raise
     except BaseException:
         if stopping is not None:
@@ -370,16 +376,25 @@ def _roll_back(t: SnapshotTools, prev: Entry, rep: Reporter, frontend: tuple[str
 
 
 def _explain_switch_failure(err: SnapshotError, port: int, stopped: list[dict], serving: dict | None,
-                            rollback: bool) -> None:
+                            rollback: bool, now: list[Entry] | None = None) -> None:
+    """Append to ``err`` what the failed switch stopped and what serves on ``port`` now:
+    ``serving`` (the rollback's engine), else the registry's engines on the port (``now``:
+    another command's, e.g. a restore that took the port meanwhile), else nothing."""
+    rolled_back = serving is not None
+    if not rolled_back and now:
+        e = now[0]
+        serving = {"snapshot": e.snapshot, "pid": e.pid, "url": e.url}
+        here = f"{e.snapshot} serves on port {port} now ({e.url}, PID {e.pid}: started by another command)"
+    else:
+        here = f"nothing serves on port {port} now" + ("" if rollback else " (--no-rollback)")
     if not stopped:
-        what = f"no engine of vllm-snapshot served on port {port} before"
-    elif serving:
+        what = f"no engine of vllm-snapshot served on port {port} before" + (f"; {here}" if now else "")
+    elif rolled_back:
         what = (f"the engine that served port {port} (PID {stopped[0]['pid']}, {stopped[0]['snapshot']}) was "
                 f"stopped and rolled back: {serving['snapshot']} serves on {serving['url']} again (PID {serving['pid']})")
     else:
         what = (f"the engine that served port {port} (PID {stopped[0]['pid']}, {stopped[0]['snapshot']}) was "
-                f"stopped; nothing serves on port {port} now"
-                + ("" if rollback else " (--no-rollback)") )
+                f"stopped; {here}")
     err.message = f"{err.message}\nswitch: {what}"
     err.args = (err.message,)
     err.details = {"cause": err.details, "stopped": stopped, "serving": serving}

@@ -5,14 +5,15 @@ timeout shorter than the request bounds the stop and says so; two switches of on
 one after the other and the second names what serves.
 
 The long request: ``n`` completions of ``max_tokens`` each with ``ignore_eos`` (4 s on an idle
-2-core box for n=96, max_tokens=500); each test checks that it was still in flight when the
-stop began, so a fast machine cannot make a test pass without exercising the drain. Traffic
+2-core box for n=96, max_tokens=500; n=192 fills 3/4 of the 64 MiB KV cache and takes ~8 s);
+each test checks that it was still in flight when the stop's SIGTERM was sent, so a fast
+machine cannot make a test pass without exercising the drain. Traffic
 stays on loopback; every loop is bounded."""
 
 from __future__ import annotations
 
 import json
-import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from test_integration import free_port, port_accepts, wait_gone
 
 pytestmark = pytest.mark.integration
 
-N, MAX_TOKENS = 96, 500
+N, MAX_TOKENS = 192, 500
 
 
 class LongRequest(threading.Thread):
@@ -92,13 +93,15 @@ def test_stop_with_a_request_in_flight_lets_it_finish(clone_snapshot):
         req = _busy(port)
         t0 = time.monotonic()
         p = cli("stop", "--port", str(port), "--json", env=engine_env(), timeout=120)
-        took = time.monotonic() - t0
+        t1 = time.monotonic()
         req.join(60)
     finally:
         _cleanup(port)
     assert p.returncode == 0, p.stderr
     row = json.loads(p.stdout)["stopped"][0]
-    assert req.ended > t0, "the request was not in flight when stop began"
+    took = t1 - t0
+    # stop's SIGTERM went out row["seconds"] before it returned
+    assert req.ended > t1 - row["seconds"], "the request had ended before the stop's SIGTERM"
     assert req.complete(), f"the request was cut: {req.status}"
     assert row["pid"] == pid and row["drained"] and row["cut"] == 0
     # the old stop waited its whole 30 s drain, then SIGKILLed the engine and the request
@@ -114,13 +117,16 @@ def test_a_drain_timeout_shorter_than_the_request_bounds_the_stop(clone_snapshot
         req = _busy(port)
         t0 = time.monotonic()
         p = cli("stop", "--port", str(port), "--drain-timeout", "0.5", env=engine_env(), timeout=120)
-        took = time.monotonic() - t0
+        t1 = time.monotonic()
         req.join(60)
     finally:
         _cleanup(port)
     assert p.returncode == 0, p.stderr
-    assert "drain ran out with 1 request(s) in flight: they were cut" in p.stdout, p.stdout
-    assert req.ended > t0 and not req.complete()
+    took = t1 - t0
+    stopped_in = float(re.search(r"stopped engine \d+ .* in ([\d.]+) s", p.stdout).group(1))
+    assert req.ended > t1 - stopped_in, "the request had ended before the stop's SIGTERM"
+    assert "the 0.5 s drain ran out with 1 request(s) in flight: they were cut" in p.stdout, p.stdout
+    assert not req.complete()
     assert not req.is_alive(), "the cut request's client is still waiting"
     assert took < 15, f"stop took {took:.1f} s with a 0.5 s drain"
     assert wait_gone(pid, 5)
@@ -161,12 +167,16 @@ def test_switch_with_a_request_in_flight_does_not_cut_it(clone_snapshot):
     old = _restore(a, port)
     try:
         req = _busy(port)
-        t0 = time.monotonic()
         p = cli("switch", str(b), "--port", str(port), "--json", env=engine_env(), timeout=300)
+        t1 = time.monotonic()
         req.join(60)
         assert p.returncode == 0, p.stderr
-        new = json.loads(p.stdout)["pid"]
-        assert req.ended > t0 and req.complete(), f"the switch cut the request: {req.status}"
+        res = json.loads(p.stdout)
+        new = res["pid"]
+        # the old engine got its SIGTERM at least switch_s (its stop + the new restore) before
+        # the switch returned
+        assert req.ended > t1 - res["switch_s"], "the request had ended before the switch stopped the old engine"
+        assert req.complete(), f"the switch cut the request: {req.status}"
         assert wait_gone(old, 5)
         st = json.loads(cli("status", "--json", env=engine_env(), check=True).stdout)["engines"]
         assert [(e["pid"], e["snapshot"]) for e in st if e["port"] == port] == [(new, str(b))]

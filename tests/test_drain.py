@@ -45,7 +45,7 @@ def test_drain_timeout_comes_from_the_option_then_the_environment_then_the_defau
 #: A stand-in for an engine: listens on PORT, accepts one client; the first SIGTERM closes the
 #: listener (no new connection) and keeps the client's connection HOLD more seconds (a request
 #: finishing), then exits 0; a second SIGTERM exits at once. IGNORE=1: SIGTERM does nothing
-#: (an engine that never exits by itself).
+#: (an engine that never exits by itself), with a child that ignores it too.
 _SERVER = textwrap.dedent("""
     import os, signal, socket, sys, time
     port, hold, ignore = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3] == "1"
@@ -60,6 +60,10 @@ _SERVER = textwrap.dedent("""
             os._exit(0)
         ls.close()
     signal.signal(signal.SIGTERM, term)
+    if ignore and os.fork() == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(60)
+        os._exit(0)
     print("ready", flush=True)
     conn, _ = ls.accept()
     while state["n"] == 0 or ignore:
@@ -120,9 +124,11 @@ def test_a_drain_that_runs_out_cuts_counts_and_ends_with_a_second_sigterm(busy_s
 
 def test_an_engine_that_never_exits_is_killed_after_the_drain_and_the_teardown(busy_server):
     e, _client = busy_server(hold=60.0, ignore=True)
-    r = registry.stop(e, drain_s=0.3, teardown_s=0.5)
+    assert len(registry.tree(e.pid)) == 2
+    r = registry.stop(e, drain_s=0.3, teardown_s=2.0)
     assert not r.drained and r.cut == 1 and r.killed
-    assert r.seconds < 5
+    assert r.seconds < 3.5  # the drain and one teardown wait, not one per process of the tree
+    assert registry.tree(e.pid) == [] or all(p.status() == "zombie" for p in registry.tree(e.pid))
 
 
 def test_stop_drains_for_the_engines_own_timeout_by_default(busy_server):
@@ -136,14 +142,17 @@ def test_stop_drains_for_the_engines_own_timeout_by_default(busy_server):
 # ------------------------------------------------------------------ the engine's signal handling
 
 def test_install_drain_first_signal_drains_second_cancels_what_is_in_flight():
+    from vllm_snapshot.engine import main
     from vllm_snapshot.engine.main import install_drain
 
     async def scenario() -> tuple:
         loop = asyncio.get_running_loop()
         request = loop.create_task(asyncio.sleep(60))
+        aborted = []
+        stalled = SimpleNamespace(transport=SimpleNamespace(abort=lambda: aborted.append(1)))
         server = SimpleNamespace(should_exit=False, force_exit=False,
                                  config=SimpleNamespace(timeout_graceful_shutdown=None),
-                                 server_state=SimpleNamespace(tasks={request}))
+                                 server_state=SimpleNamespace(tasks={request}, connections=[stalled]))
         install_drain(loop, server, 12.5)
         try:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -151,17 +160,20 @@ def test_install_drain_first_signal_drains_second_cancels_what_is_in_flight():
             first = (server.should_exit, request.cancelled() or request.done(), server.config.timeout_graceful_shutdown)
             os.kill(os.getpid(), signal.SIGTERM)
             await asyncio.sleep(0.2)
-            return first, request.cancelled()
+            cancelled, early = request.cancelled(), list(aborted)
+            await asyncio.sleep(main.CUT_GRACE_S + 0.3)
+            return first, (cancelled, early, aborted)
         finally:
             for s in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(s)
             request.cancel()
 
-    first, cancelled = asyncio.run(scenario())
+    first, (cancelled, early, aborted) = asyncio.run(scenario())
     # the first signal: uvicorn's graceful shutdown with the drain timeout, the request runs on
     assert first == (True, False, 12.5)
-    # the second: the request still in flight is cancelled now
-    assert cancelled
+    # the second: the request still in flight is cancelled now, and a connection still open
+    # CUT_GRACE_S later (its client stopped reading) is aborted
+    assert cancelled and early == [] and aborted == [1]
 
 
 # ------------------------------------------------------------------ switch

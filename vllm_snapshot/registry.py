@@ -238,7 +238,8 @@ def stop(e: Entry, drain_s: float | None = None, teardown_s: float = TEARDOWN_S,
             cut = _client_connections(alive, e.port)
             drained = cut == 0
             _signal(target, signal.SIGTERM)  # the second one: cancel what is in flight, exit now
-            alive = [p for p in alive if p.pid in set(wait_gone(alive, teardown_s))]
+            left = set(wait_gone(alive, teardown_s))
+            alive = [p for p in alive if p.pid in left]
             killed = bool(alive)
             break
     for p in alive:

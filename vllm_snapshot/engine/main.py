@@ -212,6 +212,19 @@ async def apply_frontend(engine, args, app, tokens: list[str]):
 DEFAULT_DRAIN_S = 30.0
 
 
+#: After the second signal: how long a cancelled request's connection may take to send its
+#: error response and close before it is aborted (seconds).
+CUT_GRACE_S = 1.0
+
+
+def _abort_connections(server) -> None:
+    """Abort the transport of every connection ``server`` (uvicorn) still has open."""
+    for conn in list(server.server_state.connections):
+        transport = getattr(conn, "transport", None)
+        if transport is not None:
+            transport.abort()
+
+
 def install_drain(loop: asyncio.AbstractEventLoop, server, drain_s: float) -> None:
     """Make SIGTERM/SIGINT drain the uvicorn ``server`` instead of vLLM's default (which stops
     the engine client at once, ``shutdown_timeout`` 0: every request in flight is aborted and
@@ -223,7 +236,9 @@ def install_drain(loop: asyncio.AbstractEventLoop, server, drain_s: float) -> No
     seconds (``config.timeout_graceful_shutdown``; uvicorn cancels what is left then), and
     the engine client is shut down afterwards, with nothing left to abort. A second signal
     cuts the drain short: the requests still running are cancelled now (``stop
-    --drain-timeout`` shorter than the engine's own bound sends it)."""
+    --drain-timeout`` shorter than the engine's own bound sends it), and the connections still
+    open :data:`CUT_GRACE_S` later are aborted (a client that stopped reading would hold the
+    shutdown until ``drain_s``)."""
     server.config.timeout_graceful_shutdown = drain_s
     state = {"signals": 0}
 
@@ -240,6 +255,9 @@ def install_drain(loop: asyncio.AbstractEventLoop, server, drain_s: float) -> No
         server.should_exit = True
         for task in list(server.server_state.tasks):
             task.cancel(msg="vllm-snapshot: stopped before the request finished")
+        # a connection whose client does not read keeps its unsent bytes (and the graceful
+        # shutdown waiting for it) forever: closed hard a second later
+        loop.call_later(CUT_GRACE_S, _abort_connections, server)
 
     for s in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(s, on_signal, s)

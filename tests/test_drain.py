@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 
 from fakes import FakeTools, isolated_manifest
@@ -104,6 +105,20 @@ def busy_server(tmp_path, monkeypatch):
         if p.poll() is None:
             p.kill()
         p.wait(10)
+
+
+def test_port_sockets_reads_the_trees_listener_and_connections_from_proc(busy_server):
+    e, client = busy_server(hold=30.0)
+    tree = registry.tree(e.pid)
+    assert registry._port_sockets(tree, e.port) == (True, 1)
+    assert registry._port_sockets(tree, e.port + 1 if e.port < 65535 else 1) == (False, 0)
+    os.kill(e.pid, signal.SIGTERM)  # it closes its listener; the request stays
+    deadline = time.monotonic() + 5
+    while registry._port_sockets(tree, e.port) != (False, 1):
+        assert time.monotonic() < deadline, registry._port_sockets(tree, e.port)
+        time.sleep(0.01)
+    # our own client socket has the same port as its peer, not as its local end: not counted
+    assert registry._port_sockets([psutil.Process()], e.port) == (False, 0)
 
 
 def test_stop_waits_for_the_request_in_flight_then_returns(busy_server):

@@ -173,25 +173,54 @@ class StopReport:
     killed: bool = False
 
 
+_TCP_LISTEN, _TCP_ESTABLISHED = "0A", "01"
+
+
+def _socket_inodes(procs: list[psutil.Process]) -> set[int]:
+    """Inodes of the sockets the processes ``procs`` have open (a process that exited has none)."""
+    out: set[int] = set()
+    for p in procs:
+        try:
+            fds = os.listdir(f"/proc/{p.pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{p.pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                out.add(int(target[8:-1]))
+    return out
+
+
+def _port_sockets(procs: list[psutil.Process], port: int) -> tuple[bool, int] | None:
+    """(whether the tree listens on TCP ``port``, how many established connections it has
+    there: requests in flight), from this network namespace's /proc/net/tcp{,6} (the served
+    socket lives in the host's namespace, bound by the restore) and the tree's own fds. None
+    when it cannot be told (a read failed): never taken for "drained"."""
+    inodes = _socket_inodes(procs)
+    listening, established = False, 0
+    try:
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as f:
+                next(f, None)
+                for line in f:
+                    cols = line.split()
+                    if len(cols) < 10 or int(cols[1].rsplit(":", 1)[1], 16) != port or int(cols[9]) not in inodes:
+                        continue
+                    listening |= cols[3] == _TCP_LISTEN
+                    established += cols[3] == _TCP_ESTABLISHED
+    except (OSError, ValueError, IndexError):
+        return None
+    return listening, established
+
+
 def _client_connections(procs: list[psutil.Process], port: int) -> int:
-    """Established TCP connections of the tree on its served ``port`` (requests in flight)."""
-    pids = {p.pid for p in procs}
-    try:
-        conns = psutil.net_connections("tcp")
-    except (psutil.Error, OSError):
-        return 0
-    return sum(1 for c in conns if c.pid in pids and c.laddr and c.laddr.port == port
-               and c.status == psutil.CONN_ESTABLISHED)
-
-
-def _listening(procs: list[psutil.Process], port: int) -> bool:
-    """Whether the tree still holds its listening socket on ``port`` (it accepts connections)."""
-    pids = {p.pid for p in procs}
-    try:
-        conns = psutil.net_connections("tcp")
-    except (psutil.Error, OSError):
-        return True
-    return any(c.pid in pids and c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in conns)
+    """Established TCP connections of the tree on its served ``port`` (requests in flight);
+    0 when they cannot be counted."""
+    got = _port_sockets(procs, port)
+    return got[1] if got is not None else 0
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -232,7 +261,7 @@ def stop(e: Entry, drain_s: float | None = None, teardown_s: float = TEARDOWN_S,
         alive = [p for p in procs if p.pid in alive_pids]
         if not alive:
             break
-        if not foreground and not _listening(alive, e.port) and not _client_connections(alive, e.port):
+        if not foreground and _port_sockets(alive, e.port) == (False, 0):
             break  # drained: nothing left to lose
         if time.monotonic() >= deadline:
             cut = _client_connections(alive, e.port)

@@ -707,3 +707,14 @@ def test_holders_are_named_by_their_script_and_engines_as_engines():
         == "vllm-snapshot engine (model /var/cache/vllm-snapshot/models/tiny-llama)"
     assert procs.brief(["/usr/bin/python3", "-m", "http.server", "8000"]) == "python3 -m http.server 8000"
     assert procs.brief(["sleep", "60"]) == "sleep 60"
+
+
+def test_a_switch_to_what_already_serves_says_nothing_was_switched(capsys):
+    # a trial: stderr said "nothing to switch", stdout "switched port 18020 ... = 0.00 s"
+    from vllm_snapshot import render
+    from vllm_snapshot.results import Switched
+
+    render.show(Switched("/s/trial-b", 18020, 4242, "http://127.0.0.1:18020", 0.0, 0.0, 0.0, [], unchanged=True))
+    assert capsys.readouterr().out == "port 18020 already serves /s/trial-b (engine PID 4242): nothing switched\n"
+    render.show(Switched("/s/trial-b", 18020, 4242, "http://127.0.0.1:18020", 0.5, 1.0, 1.5, [4000]))
+    assert capsys.readouterr().out.startswith("switched port 18020 to /s/trial-b (engine PID 4242): stop 0.50 s")

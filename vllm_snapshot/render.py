@@ -169,9 +169,13 @@ def _stopped(r: R.Stopped, quiet: bool) -> None:
 
 
 def _switched(r: R.Switched, quiet: bool) -> None:
-    if not quiet:
-        _line(f"switched port {r.port} to {r.snapshot} (engine PID {r.pid}): "
-              f"stop {r.stop_s:.2f} s + restore {r.restore_s:.2f} s = {r.switch_s:.2f} s")
+    if quiet:
+        return
+    if r.unchanged:  # a trial: "nothing to switch" on stderr, "switched port ... 0.00 s" on stdout
+        _line(f"port {r.port} already serves {r.snapshot} (engine PID {r.pid}): nothing switched")
+        return
+    _line(f"switched port {r.port} to {r.snapshot} (engine PID {r.pid}): "
+          f"stop {r.stop_s:.2f} s + restore {r.restore_s:.2f} s = {r.switch_s:.2f} s")
 
 
 def _doctor(r: R.DoctorReport, quiet: bool) -> None:

@@ -156,7 +156,8 @@ class Stopped:
 
 @dataclass(frozen=True)
 class Switched:
-    """A port switched to another snapshot; durations in seconds."""
+    """A port switched to another snapshot; durations in seconds. ``unchanged``: the snapshot
+    already served there with these front-end options, nothing was stopped or restored."""
 
     snapshot: str
     port: int
@@ -167,6 +168,7 @@ class Switched:
     switch_s: float
     stopped: list[int] = field(default_factory=list)
     host: str = "127.0.0.1"
+    unchanged: bool = False
 
     def to_json(self) -> dict:
         d = asdict(self)

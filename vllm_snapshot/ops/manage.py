@@ -293,7 +293,7 @@ def _switch_locked(t: SnapshotTools, snapshot: Path, host: str | None, port: int
             and all(fe.same_settings(wanted.args, e.frontend) for e in old):
         rep.info(f"{snapshot.name} already serves on port {port} (PID {old[0].pid}) with these front-end "
                   "options; nothing to switch")
-        return Switched(str(snapshot), port, old[0].pid, old[0].url, 0.0, 0.0, 0.0, [], host)
+        return Switched(str(snapshot), port, old[0].pid, old[0].url, 0.0, 0.0, 0.0, [], host, unchanged=True)
     with rep.phase("validate_target", f"validating {snapshot.name} before touching port {port}"):
         with t.snapshot_lock(snapshot, shared=True):
             # everything restore checks before CRIU, image checksums included, except the

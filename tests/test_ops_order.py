@@ -741,7 +741,7 @@ def test_a_corrupted_frame_stops_the_restore_before_anything_serves(isolated):
 
 def test_reclaimed_lock_files_are_one_line_and_leftovers_one_each():
     # a trial saw 30 "removed a leftover of a killed command: ...lock" lines before one restore
-    from vllm_snapshot.ops.restore import report_reclaimed
+    from vllm_snapshot.ops.cleanup import report_reclaimed
 
     class Rec(Reporter):
         def __init__(self):
@@ -761,7 +761,7 @@ def test_reclaimed_lock_files_are_one_line_and_leftovers_one_each():
 
 def test_reclaimed_empty_cgroups_are_one_line_not_blamed_on_a_killed_command():
     # an engine that exited left its cgroup; the next restore said "a leftover of a killed command"
-    from vllm_snapshot.ops.restore import report_reclaimed
+    from vllm_snapshot.ops.cleanup import report_reclaimed
 
     class Rec(Reporter):
         def __init__(self):

@@ -3,9 +3,11 @@ with the failure that caused them (never instead of it)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 from ..errors import SnapshotError
+from ..progress import Reporter
 
 
 def run_cleanups(cause: BaseException, steps: list[tuple[str, Callable[[], object]]]) -> list[str]:
@@ -26,3 +28,22 @@ def run_cleanups(cause: BaseException, steps: list[tuple[str, Callable[[], objec
         else:
             cause.add_note(text)
     return failures
+
+
+def report_reclaimed(rep: Reporter, gone: list[str]) -> None:
+    """Say what ``reclaim`` removed: each leftover of a killed command on a line of its own;
+    engine cgroups left empty (by an engine that exited, was stopped outside vllm-snapshot or
+    killed: not necessarily a killed command) in one line; lock files of snapshot paths that no
+    longer exist (bookkeeping, not a failure: a deleted or renamed snapshot leaves one) in one
+    line with their count."""
+    locks = [g for g in gone if g.endswith(".lock")]
+    cgroups = [g.removeprefix("empty cgroup ") for g in gone if g.startswith("empty cgroup ")]
+    for g in gone:
+        if not g.endswith(".lock") and not g.startswith("empty cgroup "):
+            rep.info(f"removed a leftover of a killed command: {g}")
+    if cgroups:  # one leaf per hierarchy (v1 controllers, v2): named once, by the engine's leaf name
+        names = sorted({Path(c).name for c in cgroups})
+        rep.info(f"removed the empty cgroups of {len(names)} engine(s) that exited: {', '.join(names)} "
+                 f"(under /vllm-snapshot in {len(cgroups)} hierarchy path(s))")
+    if locks:
+        rep.info(f"removed {len(locks)} lock file(s) of snapshot paths that no longer exist")

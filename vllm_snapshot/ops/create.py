@@ -39,7 +39,7 @@ from ..progress import Reporter
 from ..results import Created
 from ..supervisor import redact_args, scrubbed_env
 from ..tools import Engine, LocalTools, SnapshotTools
-from .cleanup import run_cleanups
+from .cleanup import report_reclaimed, run_cleanups
 
 ENGINE_START_TIMEOUT_S = 900.0
 SLEEP_TIMEOUT_S = 300.0
@@ -329,8 +329,6 @@ def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, revisio
 
 def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: Path, model_dir: Path,
                    revision: str | None, criu_ver: str, user: privilege.User) -> Created:
-    from .restore import report_reclaimed
-
     report_reclaimed(rep, t.reclaim(target.parent))
     tmp = t.prepare_target(target)
     engine: Engine | None = None

@@ -53,7 +53,7 @@ from ..progress import Reporter
 from ..registry import DRAIN_S, TEARDOWN_S, Entry
 from ..results import Restored, Verified
 from ..tools import Engine, LocalTools, SnapshotTools
-from .cleanup import run_cleanups
+from .cleanup import report_reclaimed, run_cleanups
 from .create import wake_timeout_s
 
 RESTORE_ORACLE_TIMEOUT_S = 300.0
@@ -244,25 +244,6 @@ def restore(req: RestoreRequest, rep: Reporter, tools: SnapshotTools | None = No
         if served and not req.detach:  # foreground: a signal that came meanwhile stops it now (it dies with us)
             interrupts.release()
     return r, engine
-
-
-def report_reclaimed(rep: Reporter, gone: list[str]) -> None:
-    """Say what ``reclaim`` removed: each leftover of a killed command on a line of its own;
-    engine cgroups left empty (by an engine that exited, was stopped outside vllm-snapshot or
-    killed: not necessarily a killed command) in one line; lock files of snapshot paths that no
-    longer exist (bookkeeping, not a failure: a deleted or renamed snapshot leaves one) in one
-    line with their count."""
-    locks = [g for g in gone if g.endswith(".lock")]
-    cgroups = [g.removeprefix("empty cgroup ") for g in gone if g.startswith("empty cgroup ")]
-    for g in gone:
-        if not g.endswith(".lock") and not g.startswith("empty cgroup "):
-            rep.info(f"removed a leftover of a killed command: {g}")
-    if cgroups:  # one leaf per hierarchy (v1 controllers, v2): named once, by the engine's leaf name
-        names = sorted({Path(c).name for c in cgroups})
-        rep.info(f"removed the empty cgroups of {len(names)} engine(s) that exited: {', '.join(names)} "
-                 f"(under /vllm-snapshot in {len(cgroups)} hierarchy path(s))")
-    if locks:
-        rep.info(f"removed {len(locks)} lock file(s) of snapshot paths that no longer exist")
 
 
 def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapshot: Path) -> tuple[Restored, Engine]:

@@ -161,6 +161,21 @@ KEY_WAIT_S = 3600.0
 
 
 @contextmanager
+def _waiting_lock(path: Path, what: str, label: str, why: str, on_wait, wait_s: float) -> Iterator[None]:
+    """:func:`lock` ``path`` at once, or -- when it is busy -- say ``"waiting for HOLDER: why"``
+    through ``on_wait`` and wait up to ``wait_s`` seconds. Raises BusyError after that."""
+    with ExitStack() as held:
+        try:
+            held.enter_context(lock(path, what, label=label))
+        except BusyError:
+            if on_wait is not None:
+                who = ", ".join(holders(path)) or "another process"
+                on_wait(f"waiting for {who}: {why}")
+            held.enter_context(lock(path, what, wait_s=wait_s, label=label))
+        yield
+
+
+@contextmanager
 def key_lock(key: str, on_wait=None, wait_s: float = KEY_WAIT_S) -> Iterator[None]:
     """Exclusive lock of one snapshot key (``locks/key-<key>.lock``): held by ``serve`` from
     its lookup until the snapshot is restored (or built, then restored), so two ``serve`` of
@@ -168,14 +183,7 @@ def key_lock(key: str, on_wait=None, wait_s: float = KEY_WAIT_S) -> Iterator[Non
     ``wait_s`` seconds. Raises BusyError after that."""
     path = paths.run_dir() / "locks" / f"key-{key[:32]}.lock"
     what, label = f"snapshot key {key[:12]}", f"key {key}"
-    with ExitStack() as held:
-        try:
-            held.enter_context(lock(path, what, label=label))
-        except BusyError:
-            if on_wait is not None:
-                who = ", ".join(holders(path)) or "another process"
-                on_wait(f"waiting for {who}: it is building or restoring the snapshot for this key ({key[:12]})")
-            held.enter_context(lock(path, what, wait_s=wait_s, label=label))
+    with _waiting_lock(path, what, label, f"it is building or restoring the snapshot for this key ({key[:12]})", on_wait, wait_s):
         yield
 
 
@@ -196,14 +204,7 @@ def gpu_lock(uuid: str, on_wait=None, wait_s: float = GPU_WAIT_S) -> Iterator[No
 
     path = paths.run_dir() / "locks" / f"gpu-{hashlib.sha256(uuid.encode()).hexdigest()[:32]}.lock"
     what, label = f"GPU {uuid}", f"gpu {uuid}"
-    with ExitStack() as held:
-        try:
-            held.enter_context(lock(path, what, label=label))
-        except BusyError:
-            if on_wait is not None:
-                who = ", ".join(holders(path)) or "another process"
-                on_wait(f"waiting for {who}: it is restoring an engine onto GPU {uuid} (until that engine has woken)")
-            held.enter_context(lock(path, what, wait_s=wait_s, label=label))
+    with _waiting_lock(path, what, label, f"it is restoring an engine onto GPU {uuid} (until that engine has woken)", on_wait, wait_s):
         yield
 
 
@@ -221,14 +222,7 @@ def port_lock(port: int, on_wait=None, wait_s: float = PORT_WAIT_S) -> Iterator[
     ``wait_s`` seconds. Raises BusyError after that."""
     path = paths.run_dir() / "locks" / f"port-{int(port)}.lock"
     what, label = f"port {port}", f"port {port}"
-    with ExitStack() as held:
-        try:
-            held.enter_context(lock(path, what, label=label))
-        except BusyError:
-            if on_wait is not None:
-                who = ", ".join(holders(path)) or "another process"
-                on_wait(f"waiting for {who}: it is switching port {port}")
-            held.enter_context(lock(path, what, wait_s=wait_s, label=label))
+    with _waiting_lock(path, what, label, f"it is switching port {port}", on_wait, wait_s):
         yield
 
 

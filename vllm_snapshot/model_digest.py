@@ -184,8 +184,7 @@ def verify(root: Path, recorded: tuple[ModelFile, ...], mode: Literal["quick", "
         except FileNotFoundError:
             missing.append(f.path)
             continue
-        same_stat = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev) == (
-            f.size, f.mtime_ns, f.ctime_ns, f.inode, f.device)
+        same_stat = _stat_key(st) == (f.size, f.mtime_ns, f.ctime_ns, f.inode, f.device)
         if mode == "quick" and same_stat:
             continue
         rehashed.append(f.path)

@@ -449,8 +449,8 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
 
 def serve_foreground(r: Restored, engine: Engine, on_signal_msg: Callable[[str], None] | None = None,
                      stop_grace_s: float | None = None, tools: SnapshotTools | None = None) -> int:
-    """Block until the restored engine exits; every SIGINT/SIGTERM is forwarded to it as
-    SIGTERM: the first makes it drain (no new connection, requests in flight finish within
+    """Block until the restored engine exits; every SIGINT/SIGTERM/SIGHUP (a closed terminal)
+    is forwarded to it as SIGTERM: the first makes it drain (no new connection, requests in flight finish within
     ``r.drain_s`` seconds) and exit 0, a second cuts the drain short. SIGKILL after
     ``stop_grace_s`` seconds from the first signal (default ``r.drain_s`` + the engine's
     teardown time, :data:`vllm_snapshot.registry.TEARDOWN_S`). Returns the engine's exit code
@@ -471,7 +471,9 @@ def serve_foreground(r: Restored, engine: Engine, on_signal_msg: Callable[[str],
         except ProcessLookupError:
             pass
 
-    old = {s: signal.signal(s, _fwd) for s in (signal.SIGINT, signal.SIGTERM)}
+    # SIGHUP too: it went to the interrupt handler, and the command exited 130 while the tree
+    # was still dying and its port still listening (a new-user trial)
+    old = {s: signal.signal(s, _fwd) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         while True:
             code = engine.reap(block=False)

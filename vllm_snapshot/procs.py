@@ -21,18 +21,26 @@ def tree(pid: int) -> list[psutil.Process]:
         return []
 
 
-def ns_pid(pid: int, proc: str = "/proc") -> int | None:
-    """``pid`` (a PID of our namespace) as its own innermost PID namespace names it: the last
-    field of ``NSpid`` in ``/proc/PID/status`` (the PID CRIU's images record for a tree in a
-    PID namespace of its own). None when the process is gone or the line is missing."""
+def ns_pids(pid: int, proc: str = "/proc") -> list[int]:
+    """The ``NSpid`` field of ``/proc/PID/status``: ``pid`` as each PID namespace from ours
+    inwards names it (one entry when it is in ours only). Empty when the process is gone or the
+    line is missing."""
     try:
         with open(f"{proc}/{pid}/status") as f:
             for line in f:
                 if line.startswith("NSpid:"):
-                    return int(line.split()[-1])
+                    return [int(x) for x in line.split()[1:]]
     except (OSError, ValueError):
-        return None
-    return None
+        return []
+    return []
+
+
+def ns_pid(pid: int, proc: str = "/proc") -> int | None:
+    """``pid`` (a PID of our namespace) as its own innermost PID namespace names it: the last
+    field of ``NSpid`` (:func:`ns_pids`; the PID CRIU's images record for a tree in a PID
+    namespace of its own). None when the process is gone or the line is missing."""
+    pids = ns_pids(pid, proc)
+    return pids[-1] if pids else None
 
 
 def command(p: psutil.Process, limit: int = 200) -> str:

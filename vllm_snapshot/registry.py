@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 
 from . import paths, ports
-from .procs import tree, wait_gone
+from .procs import ns_pids, tree, wait_gone
 
 
 #: How long ``stop`` lets in-flight HTTP requests finish by default (seconds);
@@ -290,15 +290,12 @@ def _is_engine_root(p: psutil.Process) -> bool:
     prompt) and it is PID 1 of its own PID namespace."""
     try:
         argv = p.cmdline()
-        if not argv or not argv[-1].startswith("{") or '"oracle_prompt"' not in argv[-1]:
-            return False
-        with open(f"/proc/{p.pid}/status") as f:
-            for line in f:
-                if line.startswith("NSpid:"):
-                    return line.split()[-1] == "1" and len(line.split()) > 2
     except (psutil.Error, OSError):
         return False
-    return False
+    if not argv or not argv[-1].startswith("{") or '"oracle_prompt"' not in argv[-1]:
+        return False
+    pids = ns_pids(p.pid)
+    return len(pids) > 1 and pids[-1] == 1
 
 
 def _serving_pids() -> set[int]:

@@ -52,7 +52,7 @@ from .errors import EngineError, EnvironmentProblem, UnsnapshottableError
 from .engine import net
 from .engine.mounts import PRIVATE as PRIVATE_MOUNTS
 from .manifest import TreeFile
-from .procs import command, tree
+from .procs import command, socket_inodes, tree
 
 #: Files up to this many bytes get a BLAKE3 content digest in their record.
 HASH_LIMIT_BYTES = 1 << 20
@@ -364,14 +364,9 @@ def _socket_owners(inodes: set[int]) -> dict[int, tuple[int, str]]:
         return found
     for p in psutil.process_iter():
         try:
-            for n in os.listdir(f"/proc/{p.pid}/fd"):
-                try:
-                    t = os.readlink(f"/proc/{p.pid}/fd/{n}")
-                except OSError:
-                    continue
-                if t.startswith("socket:[") and int(t[8:-1]) in inodes and int(t[8:-1]) not in found:
-                    found[int(t[8:-1])] = (p.pid, command(p, 120))
-        except (OSError, psutil.Error):
+            for ino in socket_inodes(p.pid) & inodes:
+                found.setdefault(ino, (p.pid, command(p, 120)))
+        except psutil.Error:
             continue
         if len(found) == len(inodes):
             break

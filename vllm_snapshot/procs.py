@@ -21,6 +21,24 @@ def tree(pid: int) -> list[psutil.Process]:
         return []
 
 
+def socket_inodes(pid: int) -> set[int]:
+    """Inodes of the sockets process ``pid`` has open (``socket:[N]`` links of its fds); empty
+    when it is gone or its fds cannot be read."""
+    out: set[int] = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            out.add(int(target[8:-1]))
+    return out
+
+
 def ns_pids(pid: int, proc: str = "/proc") -> list[int]:
     """The ``NSpid`` field of ``/proc/PID/status``: ``pid`` as each PID namespace from ours
     inwards names it (one entry when it is in ours only). Empty when the process is gone or the

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 
 from . import paths, ports
-from .procs import ns_pids, tree, wait_gone
+from .procs import ns_pids, socket_inodes, tree, wait_gone
 
 
 #: How long ``stop`` lets in-flight HTTP requests finish by default (seconds);
@@ -178,20 +178,7 @@ _TCP_LISTEN, _TCP_ESTABLISHED = "0A", "01"
 
 def _socket_inodes(procs: list[psutil.Process]) -> set[int]:
     """Inodes of the sockets the processes ``procs`` have open (a process that exited has none)."""
-    out: set[int] = set()
-    for p in procs:
-        try:
-            fds = os.listdir(f"/proc/{p.pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{p.pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                out.add(int(target[8:-1]))
-    return out
+    return set().union(*(socket_inodes(p.pid) for p in procs))
 
 
 def _port_sockets(procs: list[psutil.Process], port: int) -> tuple[bool, int] | None:

@@ -24,6 +24,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import paths
 from .errors import CorruptSnapshotError, UsageError
 
 MANIFEST = "manifest.json"
@@ -127,10 +128,7 @@ def check_dir_safety(path: Path) -> None:
     except FileNotFoundError as e:
         raise UsageError(f"{path} does not exist") from e
     except PermissionError as e:
-        from .errors import EnvironmentProblem
-
-        raise EnvironmentProblem(f"cannot look at {path}: permission denied (uid {uid}); snapshot directories "
-                                 "are root's (0700)", hint="run it with sudo, as root") from e
+        raise paths.not_allowed(path) from e
     if stat.S_ISLNK(st.st_mode):
         raise CorruptSnapshotError(f"{path} is a symlink; refusing to trust it")
     if not stat.S_ISDIR(st.st_mode):

@@ -90,8 +90,13 @@ def lexists(path: Path | str) -> bool:
     except (FileNotFoundError, NotADirectoryError):
         return False
     except PermissionError as e:
-        from .errors import EnvironmentProblem
+        raise not_allowed(path) from e
 
-        raise EnvironmentProblem(f"cannot look at {path}: permission denied (uid {os.geteuid()}); snapshot "
-                                 "directories and the snapshot root are root's (0700)",
-                                 hint="run it with sudo, as root") from e
+
+def not_allowed(path: Path | str):
+    """The EnvironmentProblem (exit 11) for a snapshot path this user may not look at
+    (``lstat`` refused: a parent directory it cannot search)."""
+    from .errors import EnvironmentProblem
+
+    return EnvironmentProblem(f"cannot look at {path}: permission denied (uid {os.geteuid()}); snapshot "
+                              "directories and the snapshot root are root's (0700)", hint="run it with sudo, as root")

@@ -118,8 +118,9 @@ tools() {
   apt_install iproute2
   # Test tools. The mount matrix (tests/test_mounts_integration.py) builds ext4, squashfs and
   # vfat images on loop devices; losetup/mount/unshare/nsenter come with util-linux; the shell
-  # scripts are linted with shellcheck (tests/test_gpu_check_script.py, test_setup_script.py).
-  apt_install e2fsprogs squashfs-tools dosfstools util-linux mount shellcheck
+  # scripts are linted with shellcheck (tests/test_gpu_check_script.py, test_setup_script.py);
+  # the systemd units are checked with systemd-analyze (tests/test_notify.py; package systemd).
+  apt_install e2fsprogs squashfs-tools dosfstools util-linux mount shellcheck systemd
 }
 step "system packages" tools
 

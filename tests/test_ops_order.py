@@ -739,19 +739,22 @@ def test_a_corrupted_frame_stops_the_restore_before_anything_serves(isolated):
     assert "unstage_all" in t.calls
 
 
+class _Lines(Reporter):
+    """A reporter that keeps its info lines."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def info(self, msg):
+        self.lines.append(msg)
+
+
 def test_reclaimed_lock_files_are_one_line_and_leftovers_one_each():
     # a trial saw 30 "removed a leftover of a killed command: ...lock" lines before one restore
     from vllm_snapshot.ops.cleanup import report_reclaimed
 
-    class Rec(Reporter):
-        def __init__(self):
-            super().__init__()
-            self.lines = []
-
-        def info(self, msg):
-            self.lines.append(msg)
-
-    rep = Rec()
+    rep = _Lines()
     report_reclaimed(rep, ["/dev/shm/vllm-snapshot-stage-99-x", "orphaned engine tree PID 7",
                            *(f"/run/vllm-snapshot/locks/{i:032x}.lock" for i in range(30))])
     assert rep.lines == ["removed a leftover of a killed command: /dev/shm/vllm-snapshot-stage-99-x",
@@ -763,15 +766,7 @@ def test_reclaimed_empty_cgroups_are_one_line_not_blamed_on_a_killed_command():
     # an engine that exited left its cgroup; the next restore said "a leftover of a killed command"
     from vllm_snapshot.ops.cleanup import report_reclaimed
 
-    class Rec(Reporter):
-        def __init__(self):
-            super().__init__()
-            self.lines = []
-
-        def info(self, msg):
-            self.lines.append(msg)
-
-    rep = Rec()
+    rep = _Lines()
     report_reclaimed(rep, ["empty cgroup /sys/fs/cgroup/memory/vllm-snapshot/tiny-8000",
                            "empty cgroup /sys/fs/cgroup/unified/vllm-snapshot/tiny-8000"])
     assert rep.lines == ["removed the empty cgroups of 1 engine(s) that exited: tiny-8000 "

@@ -33,16 +33,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vllm_snapshot import archive, criu, demo, layout, manifest, ops, tiny_model  # noqa
-from vllm_snapshot.tools import LocalTools  # noqa: E402
-from vllm_snapshot.progress import Reporter  # noqa: E402
+from vllm_snapshot.store import archive, layout, manifest
+from vllm_snapshot.checkpoint import criu
+from vllm_snapshot.cli import demo
+from vllm_snapshot import ops
+from vllm_snapshot.dev import tiny_model  # noqa
+from vllm_snapshot.effects.tools import LocalTools  # noqa: E402
+from vllm_snapshot.report.progress import Reporter  # noqa: E402
 
 
 REPO = Path(__file__).resolve().parent.parent
 
-#: ``vllm-snapshot ARGS`` as the console script pip writes runs it (``from vllm_snapshot.cli
+#: ``vllm-snapshot ARGS`` as the console script pip writes runs it (``from vllm_snapshot.cli.app
 #: import main; sys.exit(main())``), here on this checkout's code
-CONSOLE_SCRIPT = "import sys; from vllm_snapshot.cli import main; sys.argv[0] = 'vllm-snapshot'; sys.exit(main())"
+CONSOLE_SCRIPT = "import sys; from vllm_snapshot.cli.app import main; sys.argv[0] = 'vllm-snapshot'; sys.exit(main())"
 
 
 def cli_env() -> dict[str, str]:
@@ -278,7 +282,7 @@ def main() -> int:
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--big-model", type=Path, default=None,
                     help="a second, big model measured in the same run (target 7), e.g. from "
-                         "`python -m vllm_snapshot.tiny_model --out DIR --hidden 2048 --layers 16 --intermediate 7168`")
+                         "`python -m vllm_snapshot.dev.tiny_model --out DIR --hidden 2048 --layers 16 --intermediate 7168`")
     ap.add_argument("--restores", type=int, default=3)
     ap.add_argument("--compress", action="append", default=None)
     ap.add_argument("--big-compress", action="append", default=None,

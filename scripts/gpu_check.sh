@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prove the CUDA checkpoint path on a lent GPU machine: OUR cuda-checkpoint helper
-# (python -m vllm_snapshot.cuda_checkpoint) against the driver, and CRIU + its CUDA plugin
+# (python -m vllm_snapshot.checkpoint.cuda_checkpoint) against the driver, and CRIU + its CUDA plugin
 # checkpointing and restoring a CUDA process tree through the product's own calls.
 #
 # How to run it (about 6 minutes of device time with the machine's start; the script itself
@@ -167,7 +167,7 @@ fi
 } >"$OUT/environment.txt" 2>&1
 log "environment written to environment.txt (in gpu_check.tgz)"
 
-HELPER=("$PY" -W ignore -m vllm_snapshot.cuda_checkpoint)
+HELPER=("$PY" -W ignore -m vllm_snapshot.checkpoint.cuda_checkpoint)
 # helper ARGS...: stdout+stderr of the helper, its exit code; each run's wall time goes to the log
 helper() {
   local t0 rc
@@ -333,7 +333,7 @@ criu_setup() {
   log "== carried prerequisites (CRIU, ip, wheels, engine user)"
   cp "$CARRY/MANIFEST" "$OUT/criu-carry.MANIFEST" 2>/dev/null
   # a CRIU source layout (<src>/criu/criu, <src>/plugins/cuda/cuda_plugin.so): how the product
-  # pairs a binary with its plugin (vllm_snapshot.criu.find_cuda_plugin)
+  # pairs a binary with its plugin (vllm_snapshot.checkpoint.criu.find_cuda_plugin)
   CRIU_SRC=$WORK/criu-src
   mkdir -p "$CRIU_SRC/criu" "$CRIU_SRC/plugins/cuda"
   CRIU_BIN=$CRIU_SRC/criu/criu
@@ -391,14 +391,14 @@ criu_setup() {
   if ! out=$(PYTHONPATH="$C_PY_PATH${PYTHONPATH:+:$PYTHONPATH}" tmo 60 "$PY" -c '
 import sys; sys.path.insert(0, sys.argv[1])
 import pydantic, blake3, psutil, pycriu, google.protobuf
-from vllm_snapshot import mountpolicy, inventory, tools, supervisor, privilege
+from vllm_snapshot.checkpoint import mountpolicy, inventory; from vllm_snapshot.effects import tools; from vllm_snapshot.supervise import supervisor; from vllm_snapshot.host import privilege
 print("pydantic", pydantic.VERSION, "from", pydantic.__file__, "blake3", blake3.__version__, "psutil", psutil.__version__,
       "protobuf", google.protobuf.__version__)' "$REPO" 2>&1); then
     result NOTRUN "C product modules import" "with the carried wheels and pycriu: $(tail -c 400 <<<"$out")"
     return
   fi
   result PASS "C product modules import" "$out"
-  if ! HDIR=$("$PY" -c 'import sys; from vllm_snapshot.cuda_checkpoint import helper_dir; print(helper_dir(sys.argv[1]))' "$WORK/cache" 2>&1); then
+  if ! HDIR=$("$PY" -c 'import sys; from vllm_snapshot.checkpoint.cuda_checkpoint import helper_dir; print(helper_dir(sys.argv[1]))' "$WORK/cache" 2>&1); then
     result FAIL "C/B helper_dir" "$HDIR"; return
   fi
   out=$(PATH="$HDIR:$PATH" tmo 60 cuda-checkpoint -h 2>&1) && grep -q -- --action <<<"$out" \

@@ -4,21 +4,21 @@ vllm-snapshot's create and restore do, to prove on a GPU what the product's GPU 
 
 What is the product's and what is not:
 
-* CRIU runs through the product's own calls: :class:`vllm_snapshot.tools.LocalTools`
+* CRIU runs through the product's own calls: :class:`vllm_snapshot.effects.tools.LocalTools`
   ``dump("cuda", ...)`` and ``restore_tree("cuda", ...)`` (pycriu ``criu swrk``, the CUDA
   plugin paired with the binary given as ``$VLLM_SNAPSHOT_CRIU`` through ``CRIU_LIBS_DIR``, our
   ``cuda-checkpoint`` wrapper first on CRIU's ``PATH``, the helper probe before CRIU, CRIU with
   the tree's real ids where root lacks CAP_SYS_RESOURCE, the host-wide CRIU lock, the plugin log
   checks, and after the restore every CUDA process ``running``), with the options create and
-  restore build: the external mounts of :mod:`vllm_snapshot.mountpolicy`, the isolated network
-  lock, and :func:`vllm_snapshot.criu.freeze_timeout` for the tree :func:`inventory.inspect_tree`
+  restore build: the external mounts of :mod:`vllm_snapshot.checkpoint.mountpolicy`, the isolated network
+  lock, and :func:`vllm_snapshot.checkpoint.criu.freeze_timeout` for the tree :func:`inventory.inspect_tree`
   finds (the checks create makes before the dump).
 * The tree is PID 1 of its own PID + mount + network namespace, started with
   ``supervisor.launch``'s ``unshare`` arguments, with the product's engine environment
-  (:func:`vllm_snapshot.supervisor.scrubbed_env` for the engine user, plus
-  :func:`~vllm_snapshot.supervisor.engine_import_env`'s PYTHONPATH), cwd the work dir. Its root
+  (:func:`vllm_snapshot.host.envpolicy.scrubbed_env` for the engine user, plus
+  :func:`~vllm_snapshot.supervise.supervisor.engine_import_env`'s PYTHONPATH), cwd the work dir. Its root
   does what ``engine/main.py`` does before vLLM: :func:`vllm_snapshot.engine.mounts.make_private`
-  (the product's own needed paths), ``lo`` up, then :func:`vllm_snapshot.privilege.drop_to` the
+  (the product's own needed paths), ``lo`` up, then :func:`vllm_snapshot.host.privilege.drop_to` the
   engine user for good. It is a **non-CUDA root** (like vLLM's API process) with one CUDA child
   (like EngineCore); stdio opened inside the namespace, all other fds closed. A driver that the
   mount policy detached, or that the scrubbed environment cannot find, shows here as a child
@@ -204,7 +204,7 @@ detached = make_private(link_inductor=False)
 loopback_up()
 print("detached:", detached, flush=True)
 if spec["user"]:
-    from vllm_snapshot.privilege import drop_to
+    from vllm_snapshot.host.privilege import drop_to
     u = spec["user"]
     drop_to(u["uid"], u["gid"], u["groups"])
     link_inductor_cache()
@@ -310,11 +310,14 @@ def run(a, out: Path, work: Path, pkg: Path) -> int:
     try:
         import psutil
 
-        from vllm_snapshot import criu, layout, mountpolicy, privilege, supervisor  # noqa: F401 - imports checked
+        from vllm_snapshot.checkpoint import criu, mountpolicy
+        from vllm_snapshot.store import layout
+        from vllm_snapshot.host import envpolicy, privilege
+        from vllm_snapshot.supervise import supervisor  # noqa: F401 - imports checked
         from vllm_snapshot.engine.mounts import ENGINE_TMPDIR
         from vllm_snapshot.errors import SnapshotError
-        from vllm_snapshot.procs import tree
-        from vllm_snapshot.tools import LocalTools
+        from vllm_snapshot.host.procs import tree
+        from vllm_snapshot.effects.tools import LocalTools
     except ImportError as e:
         result("FAIL", "C harness imports", f"{e} (gpu_check.sh installs the carried wheels: run scripts/gpu_carry.sh "
                                             "and carry .criu-carry)")
@@ -343,7 +346,7 @@ def run(a, out: Path, work: Path, pkg: Path) -> int:
     if problems:
         result("FAIL", "C engine user can read the tree's code", "; ".join(problems)[:800])
         return 1
-    env = supervisor.engine_import_env(supervisor.scrubbed_env(dict(os.environ), user=user))
+    env = supervisor.engine_import_env(envpolicy.scrubbed_env(dict(os.environ), user=user))
     print("engine environment (names):", " ".join(sorted(env)), flush=True)
     os.makedirs(ENGINE_TMPDIR, mode=0o700, exist_ok=True)  # the private tmpfs' mount point (as supervisor.launch)
     spec = {"model": None, "child": str(work / "child.py"), "events": str(evf), "mib": a.mib,

@@ -114,7 +114,7 @@ step "CRIU check" choose_criu
 tools() {
   # Every engine runs in a network namespace of its own: CRIU saves and restores it with `ip`
   # (iproute2; criu/net.c). No iptables/nftables tool is needed: dump and restore run with
-  # --network-lock skip (vllm_snapshot/criu.py NETWORK_LOCK_ISOLATED says why).
+  # --network-lock skip (vllm_snapshot/checkpoint/criu.py NETWORK_LOCK_ISOLATED says why).
   apt_install iproute2
   # Test tools. The mount matrix (tests/test_mounts_integration.py) builds ext4, squashfs and
   # vfat images on loop devices; losetup/mount/unshare/nsenter come with util-linux; the shell
@@ -152,7 +152,7 @@ step "venv" venv
 
 # ---------------------------------------------------------------- engine user
 # The engine tree runs as this unprivileged system user with no capabilities (README
-# "Privileges"; vllm_snapshot/privilege.py). Its HOME holds vLLM's and torch inductor's compile
+# "Privileges"; vllm_snapshot/host/privilege.py). Its HOME holds vLLM's and torch inductor's compile
 # caches (reused by every create), owned by it; nothing else of the cache is writable to it.
 ENGINE_USER=${VLLM_SNAPSHOT_ENGINE_USER:-vllm-snapshot}
 ENGINE_HOME=${VLLM_SNAPSHOT_ENGINE_HOME:-/var/lib/vllm-snapshot-engine}
@@ -191,7 +191,7 @@ step "engine user" engine_user
 
 # ---------------------------------------------------------------- tiny model
 tiny_model() {
-  "$VENV/bin/python" -m vllm_snapshot.tiny_model --out "$CACHE/models/tiny-llama" >/dev/null 2>"$CACHE/tiny-model.log" \
+  "$VENV/bin/python" -m vllm_snapshot.dev.tiny_model --out "$CACHE/models/tiny-llama" >/dev/null 2>"$CACHE/tiny-model.log" \
     || { tail -n 30 "$CACHE/tiny-model.log" >&2; exit 1; }
   # the venv and the models: readable, not writable, by the engine user (whatever the umask was)
   chmod -R a+rX,go-w "$VENV" "$CACHE/models"

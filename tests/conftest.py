@@ -87,7 +87,7 @@ def _missing() -> str | None:
     if os.geteuid() != 0:
         return "needs root (CRIU)"
     try:
-        from vllm_snapshot import criu
+        from vllm_snapshot.checkpoint import criu
 
         b = criu.find_criu()
         if not criu.version_ok(criu.criu_version(b)):

@@ -22,7 +22,7 @@ from vllm_snapshot.engine.main import emit
 from vllm_snapshot.engine.mounts import make_private
 from vllm_snapshot.engine.net import loopback_up, receive_listener
 from vllm_snapshot.engine.protocol import decode
-from vllm_snapshot.procs import set_parent_death_signal
+from vllm_snapshot.host.procs import set_parent_death_signal
 
 CALLS: list[str] = []
 STATE = {"logprob": -1.25, "awake": True}
@@ -108,7 +108,7 @@ def main() -> int:
     loopback_up()
     user = spec.get("user")
     if user:  # as the real engine root does (vllm_snapshot/engine/main.py)
-        from vllm_snapshot.privilege import drop_to
+        from vllm_snapshot.host.privilege import drop_to
 
         drop_to(int(user["uid"]), int(user["gid"]), [int(g) for g in user["groups"]])
         set_parent_death_signal(signal.SIGKILL)

@@ -12,17 +12,17 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Callable
 
-from vllm_snapshot import manifest as mf
-from vllm_snapshot.criu import DumpOptions, RestoreOptions
-from vllm_snapshot.cgroups import Placement
-from vllm_snapshot.gpu import GpuUse
-from vllm_snapshot.inventory import Inventory
-from vllm_snapshot.manifest import CodeIdentity, EngineUser, ExternalMount, ImageFile, Manifest, ModelFile
-from vllm_snapshot.model_digest import ModelCheck
-from vllm_snapshot.privilege import Creds, User
-from vllm_snapshot.registry import Entry, StopReport
-from vllm_snapshot.resources import Offer
-from vllm_snapshot.tools import Engine, EngineChannel, SnapshotTools
+from vllm_snapshot.store import manifest as mf
+from vllm_snapshot.checkpoint.criu import DumpOptions, RestoreOptions
+from vllm_snapshot.host.cgroups import Placement
+from vllm_snapshot.checkpoint.gpu import GpuUse
+from vllm_snapshot.checkpoint.inventory import Inventory
+from vllm_snapshot.store.manifest import CodeIdentity, EngineUser, ExternalMount, ImageFile, Manifest, ModelFile
+from vllm_snapshot.store.model_digest import ModelCheck
+from vllm_snapshot.host.privilege import Creds, User
+from vllm_snapshot.store.registry import Entry, StopReport
+from vllm_snapshot.host.resources import Offer
+from vllm_snapshot.effects.tools import Engine, EngineChannel, SnapshotTools
 
 from helpers import ENGINE_USER, make_manifest, make_oracle
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import blake3
 
-from vllm_snapshot import manifest
-from vllm_snapshot.oracle import Oracle, TopLogprob
+from vllm_snapshot.store import manifest
+from vllm_snapshot.store.oracle import Oracle, TopLogprob
 
 
 def b3(data: bytes) -> str:

@@ -9,8 +9,8 @@ from pathlib import Path
 import blake3
 import pytest
 
-from vllm_snapshot import archive
-from vllm_snapshot.archive import Compression
+from vllm_snapshot.store import archive
+from vllm_snapshot.store.archive import Compression
 from vllm_snapshot.errors import CorruptSnapshotError, UsageError
 
 PAGES = "pages-1.img"

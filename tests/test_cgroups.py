@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vllm_snapshot import cgroups
+from vllm_snapshot.host import cgroups
 
 PROC = """9:name=systemd:/user.slice/session-3.scope
 4:memory:/process_api/abc
@@ -47,7 +47,7 @@ def test_detached_restore_checks_memory_where_the_engine_will_run():
     from pathlib import Path as P
 
     from vllm_snapshot import ops
-    from vllm_snapshot.progress import Reporter
+    from vllm_snapshot.report.progress import Reporter
 
     from fakes import FakeTools, isolated_manifest
 
@@ -61,7 +61,7 @@ def test_detached_restore_checks_memory_where_the_engine_will_run():
 
 def test_offer_under_a_limited_parent(tmp_path, monkeypatch):
     """resources.offer(under=...) reads the limit of that cgroup path's ancestors (v1 files)."""
-    from vllm_snapshot import resources
+    from vllm_snapshot.host import resources
 
     mnt = tmp_path / "memory"
     (mnt / "vllm-snapshot").mkdir(parents=True)
@@ -115,7 +115,7 @@ def test_status_doctor_and_prune_see_a_real_empty_engine_cgroup(tmp_path, monkey
 
     import pytest
 
-    from vllm_snapshot import cli, doctor
+    from vllm_snapshot.cli import app as cli, doctor
 
     if os.geteuid() != 0:
         pytest.skip("makes cgroups (root)")

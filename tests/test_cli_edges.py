@@ -12,10 +12,12 @@ import pytest
 
 from helpers import write_snapshot_dir
 
-from vllm_snapshot import archive, cli, locks, ops, store
+from vllm_snapshot.store import archive, locks, store
+from vllm_snapshot.cli import app as cli
+from vllm_snapshot import ops
 from vllm_snapshot.errors import BusyError, CorruptSnapshotError, CriuError, ModelChangedError, UsageError
-from vllm_snapshot.progress import Reporter
-from vllm_snapshot.registry import Entry
+from vllm_snapshot.report.progress import Reporter
+from vllm_snapshot.store.registry import Entry
 
 from fakes import FakeTools
 
@@ -133,7 +135,7 @@ def test_read_only_store_stages_in_the_staging_dir(tmp_path, monkeypatch):
     monkeypatch.setattr(archive, "_read_only", lambda p: Path(p) == ro)
     monkeypatch.setattr(archive, "_free", lambda p: 0 if str(p) == "/dev/shm" else 1 << 40)
     monkeypatch.setenv("VLLM_SNAPSHOT_STAGING_DIR", str(tmp_path / "stage"))
-    from vllm_snapshot.manifest import ImageFile
+    from vllm_snapshot.store.manifest import ImageFile
 
     imgs = (ImageFile(name="a.img", raw_bytes=10, stored_bytes=10, blake3="0" * 64),)
     assert archive.staging_parent(10, ro, imgs) == tmp_path / "stage"
@@ -283,7 +285,7 @@ def test_a_waiter_on_a_removed_lock_file_locks_the_new_one(tmp_path, monkeypatch
 def test_demo_cold_start_uses_its_own_temp_dir_and_removes_it(monkeypatch):
     import subprocess as sp
 
-    from vllm_snapshot import demo
+    from vllm_snapshot.cli import demo
     from vllm_snapshot.engine.mounts import ENGINE_TMPDIR
 
     seen = {}
@@ -346,7 +348,7 @@ def test_restored_tree_that_is_not_the_recorded_one_is_killed():
 
 
 def test_link_remap_put_back_refuses_a_different_file_and_rolls_back(tmp_path):
-    from vllm_snapshot import remaps
+    from vllm_snapshot.checkpoint import remaps
 
     files = tmp_path / "files"
     files.mkdir()
@@ -426,7 +428,7 @@ def test_delete_of_a_symlink_refuses_and_leaves_nothing(tmp_path, monkeypatch, c
 
 
 def test_a_directory_without_a_manifest_is_not_a_snapshot(tmp_path):
-    from vllm_snapshot import layout
+    from vllm_snapshot.store import layout
 
     d = tmp_path / "usr"
     d.mkdir()
@@ -440,7 +442,7 @@ def test_a_directory_without_a_manifest_is_not_a_snapshot(tmp_path):
 
 
 def test_log_file_must_be_a_writable_regular_file(tmp_path):
-    from vllm_snapshot.tools import LocalTools
+    from vllm_snapshot.effects.tools import LocalTools
 
     with pytest.raises(UsageError, match="pseudo filesystem"):
         LocalTools().check_log_file(Path("/proc/version"))
@@ -454,7 +456,7 @@ def test_json_after_double_dash_belongs_to_the_engine_args(capsys):
 
 
 def test_log_file_fifo_refused(tmp_path):
-    from vllm_snapshot.tools import LocalTools
+    from vllm_snapshot.effects.tools import LocalTools
 
     os.mkfifo(tmp_path / "fifo")
     with pytest.raises(UsageError, match="not a regular file|cannot be written"):
@@ -467,7 +469,7 @@ def test_a_bad_criu_timeout_is_a_usage_error_before_anything_runs(value, monkeyp
     assert cli.main(["restore", str(tmp_path), "--port", "18999"]) == 2
     assert "VLLM_SNAPSHOT_CRIU_TIMEOUT" in capsys.readouterr().err
     monkeypatch.setenv("VLLM_SNAPSHOT_CRIU_TIMEOUT", "90")
-    from vllm_snapshot import criu
+    from vllm_snapshot.checkpoint import criu
 
     assert criu.env_timeout() == 90.0
 
@@ -482,7 +484,7 @@ def test_create_refuses_a_hugging_face_token(flag):
 
 
 def test_an_incomplete_snapshot_gets_a_hint_that_works(tmp_path):
-    from vllm_snapshot import layout
+    from vllm_snapshot.store import layout
 
     (tmp_path / "images").mkdir()
     with pytest.raises(CorruptSnapshotError) as e:
@@ -493,7 +495,7 @@ def test_an_incomplete_snapshot_gets_a_hint_that_works(tmp_path):
 def test_status_names_engine_trees_nobody_owns(capsys):
     # a trial SIGKILLed a restore mid-CRIU: its frozen tree held 1.3 GiB and status said nothing
     from fakes import FakeTools
-    from vllm_snapshot import render
+    from vllm_snapshot.cli import render
     from vllm_snapshot.ops.manage import status
 
     t = FakeTools()
@@ -558,7 +560,7 @@ def test_a_snapshot_another_user_may_not_read_is_a_permission_error_not_missing(
 
 def test_list_and_status_never_cut_a_reason_or_a_path(capsys):
     # the trial: list and status truncated the reason and the path an operator needs ("…")
-    from vllm_snapshot import render
+    from vllm_snapshot.cli import render
 
     why = "model files differ: " + ", ".join(f"/models/llama/model-{i:05d}-of-00042.safetensors changed" for i in range(6))
     render.snapshot_list([{"name": "llama", "model": "/models/llama", "key": "abcdef0123456789", "created": "2026-12-01T10:00",
@@ -613,7 +615,7 @@ def test_global_options_before_the_command_and_engine_args_after_dashdash_are_fi
 
 def test_host_given_as_a_name_says_which_address_to_give():
     # a trial: `--host localhost` got "not a numeric address (Name or service not known)"
-    from vllm_snapshot import ports
+    from vllm_snapshot.host import ports
 
     with pytest.raises(UsageError) as e:
         ports.bind_listener("localhost", 0)
@@ -626,7 +628,7 @@ def test_a_failure_after_a_signal_is_reported_as_the_interruption(monkeypatch, c
     # command cleaned up but said "CRIU dump failed" (exit 7) instead of interrupted (130)
     import signal
 
-    from vllm_snapshot import interrupts
+    from vllm_snapshot.host import interrupts
 
     def dump_cut_by_sigint(*a, **k):
         interrupts._state["fired"] = signal.SIGINT  # what the handler records
@@ -646,7 +648,7 @@ def test_a_failure_after_a_signal_is_reported_as_the_interruption(monkeypatch, c
 
 HANDOFF_SCRIPT = r"""
 import os, signal, sys
-from vllm_snapshot import cli, ops, render
+from vllm_snapshot.cli import app as cli, render; from vllm_snapshot import ops
 
 class Engine:
     def close(self):
@@ -697,7 +699,7 @@ def test_a_file_as_snapshot_or_as_root_is_a_usage_error_that_says_so(tmp_path, m
 def test_holders_are_named_by_their_script_and_engines_as_engines():
     # a trial: "in use by 23096 (…/vllm-snapshot --root /var/tmp/trial-root )" lost the subcommand;
     # a port held by our engine read "…engine.main {"model": "/var/cache/vllm-snapshot/models/tin"
-    from vllm_snapshot import procs
+    from vllm_snapshot.host import procs
 
     venv = "/var/cache/vllm-snapshot/venv/bin"
     assert procs.brief([f"{venv}/python3.11", f"{venv}/vllm-snapshot", "--root", "/var/tmp/trial-root", "restore",
@@ -711,8 +713,8 @@ def test_holders_are_named_by_their_script_and_engines_as_engines():
 
 def test_a_switch_to_what_already_serves_says_nothing_was_switched(capsys):
     # a trial: stderr said "nothing to switch", stdout "switched port 18020 ... = 0.00 s"
-    from vllm_snapshot import render
-    from vllm_snapshot.results import Switched
+    from vllm_snapshot.cli import render
+    from vllm_snapshot.report.results import Switched
 
     render.show(Switched("/s/trial-b", 18020, 4242, "http://127.0.0.1:18020", 0.0, 0.0, 0.0, [], unchanged=True))
     assert capsys.readouterr().out == "port 18020 already serves /s/trial-b (engine PID 4242): nothing switched\n"

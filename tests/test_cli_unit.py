@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 from helpers import make_manifest, write_snapshot_dir
 
-from vllm_snapshot import cli, errors, manifest
+from vllm_snapshot.cli import app as cli
+from vllm_snapshot import errors
+from vllm_snapshot.store import manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,7 +34,7 @@ HEAVY = "[m for m in ('torch', 'vllm', 'pycriu', 'transformers') if m in sys.mod
 
 def test_help_imports_neither_torch_nor_vllm():
     p = _py("import sys, io, contextlib\n"
-            "from vllm_snapshot.cli import main\n"
+            "from vllm_snapshot.cli.app import main\n"
             "buf = io.StringIO()\n"
             "with contextlib.redirect_stdout(buf):\n"
             "    rc = main(['--help'])\n"
@@ -51,7 +53,7 @@ def test_python_dash_m_help_works():
 
 def test_subcommand_help_is_light():
     # one interpreter for all four: each help must exit 0 and none may pull in torch/vLLM
-    p = _py("import sys, io, contextlib\nfrom vllm_snapshot.cli import main\n"
+    p = _py("import sys, io, contextlib\nfrom vllm_snapshot.cli.app import main\n"
             "for cmd in ('create', 'restore', 'inspect', 'verify'):\n"
             "    buf = io.StringIO()\n"
             "    with contextlib.redirect_stdout(buf):\n"
@@ -141,7 +143,7 @@ def test_inspect_json_error_is_json(tmp_path, capsys):
 
 def test_inspect_does_not_import_heavy_modules(tmp_path):
     write_snapshot_dir(tmp_path / "snap", make_manifest())
-    p = _py("import sys, io, contextlib\nfrom vllm_snapshot.cli import main\n"
+    p = _py("import sys, io, contextlib\nfrom vllm_snapshot.cli.app import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             "    rc = main(['inspect', sys.argv[1], '--json'])\n"
             f"print(rc, {HEAVY})", str(tmp_path / "snap"))
@@ -184,7 +186,7 @@ def test_no_arguments_shows_help_without_an_internal_error(capsys):
 
 
 def test_internal_errors_are_one_line_without_debug(tmp_path, capsys, monkeypatch):
-    from vllm_snapshot import manifest as mmod
+    from vllm_snapshot.store import manifest as mmod
 
     def boom(_):
         raise RuntimeError("kaboom")
@@ -220,7 +222,7 @@ def test_console_script_entry_point_is_main():
     import tomllib
 
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert data["project"]["scripts"]["vllm-snapshot"] == "vllm_snapshot.cli:main"
+    assert data["project"]["scripts"]["vllm-snapshot"] == "vllm_snapshot.cli.app:main"
     p = subprocess.run([sys.executable, "-m", "vllm_snapshot", "--help"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and "restore" in p.stdout
 

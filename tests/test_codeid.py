@@ -1,4 +1,4 @@
-"""Code identity (vllm_snapshot.codeid) against a real, small site-packages built in a temp
+"""Code identity (vllm_snapshot.host.codeid) against a real, small site-packages built in a temp
 dir: two wheels-as-installed (dist-info with a RECORD of sha256 digests) and one unrelated
 distribution; no engine, no root."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_snapshot import codeid
+from vllm_snapshot.host import codeid
 
 
 def _rec(data: bytes) -> str:

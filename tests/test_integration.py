@@ -15,7 +15,7 @@ import urllib.request
 import psutil
 import pytest
 
-from vllm_snapshot import manifest as mf
+from vllm_snapshot.store import manifest as mf
 
 from conftest import ENGINE_ARGS, ROOT, TINY, cli, engine_env
 

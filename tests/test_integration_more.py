@@ -18,8 +18,8 @@ import psutil
 import pytest
 import zstandard
 
-from vllm_snapshot import archive
-from vllm_snapshot import manifest as mf
+from vllm_snapshot.store import archive
+from vllm_snapshot.store import manifest as mf
 
 from conftest import ENGINE_ARGS, PLANTED_SECRETS, ROOT, TINY, cli, engine_env
 from test_integration import engine_pids, free_port, port_accepts, post, stop, wait_gone
@@ -59,7 +59,7 @@ def test_changed_model_byte_refused(clone_snapshot, tmp_path):
     snap = clone_snapshot("model")
     model = tmp_path / "model-copy"
     shutil.copytree(TINY, model)
-    from vllm_snapshot import model_digest
+    from vllm_snapshot.store import model_digest
 
     m = mf.read(snap)
     files = model_digest.digest_dir(model)
@@ -307,7 +307,7 @@ def test_changed_mapped_library_refused_before_criu(clone_snapshot, tmp_path):
     copy = tmp_path / Path(lib.path).name
     shutil.copyfile(lib.path, copy)
     st = copy.stat()
-    from vllm_snapshot.inventory import file_record
+    from vllm_snapshot.checkpoint.inventory import file_record
 
     rec = file_record(str(copy))
     files = tuple(f if f is not lib else f.model_copy(update={"path": str(copy), "size": st.st_size,
@@ -351,7 +351,7 @@ def test_kill_9_create_in_late_phases_leaves_nothing(snap_root, phase):
 
 def _memory_cgroup(limit_bytes: int) -> Path:
     """A child of our own memory cgroup (v1 memory controller or v2) with ``limit_bytes``."""
-    from vllm_snapshot import resources
+    from vllm_snapshot.host import resources
 
     v2, v1 = resources._mounts(Path("/proc/self/mountinfo").read_text())
     for line in Path("/proc/self/cgroup").read_text().splitlines():
@@ -469,7 +469,7 @@ def test_api_key_tls_and_cors_given_at_restore(snapshot, tmp_path, engine_tmp):
     cert, keyfile = self_signed(engine_tmp)
     # the engine (the unprivileged engine user) opens them: the key readable to its group only
     from helpers import readable_by_engine
-    from vllm_snapshot.privilege import DEFAULT_USER
+    from vllm_snapshot.host.privilege import DEFAULT_USER
     import pwd
 
     readable_by_engine(cert)

@@ -19,8 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from vllm_snapshot import archive, locks
-from vllm_snapshot import manifest as mf
+from vllm_snapshot.store import archive, locks
+from vllm_snapshot.store import manifest as mf
 
 from conftest import ENGINE_ARGS, ROOT, TINY, cli, engine_env
 from test_integration import engine_pids, free_port, port_accepts

@@ -11,7 +11,9 @@ import time
 import pytest
 from pathlib import Path
 
-from vllm_snapshot import archive, criu, interrupts
+from vllm_snapshot.store import archive
+from vllm_snapshot.checkpoint import criu
+from vllm_snapshot.host import interrupts
 from vllm_snapshot.errors import CriuError, Interrupted
 
 
@@ -88,8 +90,9 @@ def test_a_signal_after_a_detached_restore_served_is_dropped_and_a_foreground_on
     after the registry learned of the engine."""
     import signal as _signal
 
-    from vllm_snapshot import interrupts, ops
-    from vllm_snapshot.progress import Reporter
+    from vllm_snapshot.host import interrupts
+    from vllm_snapshot import ops
+    from vllm_snapshot.report.progress import Reporter
 
     from fakes import FakeTools
 
@@ -116,7 +119,7 @@ def test_a_signal_after_a_detached_restore_served_is_dropped_and_a_foreground_on
 
 SWALLOWED = r"""
 import os, signal, sys, time
-from vllm_snapshot import interrupts
+from vllm_snapshot.host import interrupts
 from vllm_snapshot.errors import Interrupted
 
 interrupts.install()

@@ -1,4 +1,4 @@
-"""vllm_snapshot.inventory against small REAL process trees (no kernel mocks).
+"""vllm_snapshot.checkpoint.inventory against small REAL process trees (no kernel mocks).
 
 Every child is a ``python -c`` started with subprocess in its own session; it reports
 readiness (a JSON line) over a pipe and then sleeps. The ``spawn`` fixture SIGKILLs each
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_snapshot import inventory as inv
-from vllm_snapshot import ports
+from vllm_snapshot.checkpoint import inventory as inv
+from vllm_snapshot.host import ports
 from vllm_snapshot.errors import EngineError, UnsnapshottableError
 
 pytestmark = pytest.mark.timeout(60)

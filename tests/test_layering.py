@@ -1,7 +1,7 @@
 """The package's import graph (read from the source with ast, every import statement, function
--level ones included): no import cycle, and no module below the operations (``ops``) imports
-them -- only the command line (``cli``, ``demo``, ``__main__``) and ``ops`` itself do.
-docs/architecture.md draws the layers."""
+-level ones included): no import cycle, and every import points down the layers of
+:data:`LAYERS` (a module imports its own sub-package or a lower layer, never a higher one nor a
+sibling sub-package of the same layer). docs/architecture.md draws the layers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,45 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "vllm_snapshot"
-ABOVE_OPS = ("vllm_snapshot.cli", "vllm_snapshot.demo", "vllm_snapshot.__main__", "vllm_snapshot.ops")
+
+#: Each module's layer: the longest matching prefix wins. Lower numbers are further down; a
+#: module may import its own group (same prefix entry) or any lower layer.
+LAYERS = {
+    "vllm_snapshot": 0,  # the package face (__version__)
+    "vllm_snapshot.errors": 0, "vllm_snapshot.paths": 0, "vllm_snapshot.units": 0,
+    "vllm_snapshot.engine": 1,  # leaves shared by both sides of the engine channel (protocol, mounts, net, prep)
+    "vllm_snapshot.host": 2, "vllm_snapshot.dev": 2,
+    "vllm_snapshot.store": 3,
+    "vllm_snapshot.checkpoint": 4, "vllm_snapshot.fleet": 4,
+    "vllm_snapshot.supervise": 5,
+    "vllm_snapshot.engine.main": 6,  # the engine root's program: uses the front end and the key
+    "vllm_snapshot.report": 6,  # results and progress: what the operations hand the command line
+    "vllm_snapshot.effects": 7,
+    "vllm_snapshot.ops": 8,
+    "vllm_snapshot.cli": 9, "vllm_snapshot.__main__": 10,
+}
+
+
+def layer(module: str) -> tuple[str, int]:
+    """(the LAYERS prefix that places ``module``, its layer). Raises KeyError for a module no
+    prefix places (a new top-level module must be given its layer here)."""
+    best = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len, default=None)
+    if best is None or (best == "vllm_snapshot" and module != "vllm_snapshot"):
+        raise KeyError(f"{module} has no layer in tests/test_layering.py LAYERS")
+    return best, LAYERS[best]
+
+
+def upward(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that does not point down: ``"A -> B (layer a -> b)"``, sorted."""
+    out = []
+    for m, deps in graph.items():
+        gm, lm = layer(m)
+        for d in deps:
+            gd, ld = layer(d)
+            if gd == gm or ld < lm or ld == lm == 0:  # the base modules may use each other
+                continue
+            out.append(f"{m} -> {d} (layer {lm} -> {ld})")
+    return sorted(out)
 
 
 def modules() -> dict[str, Path]:
@@ -83,17 +121,24 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_sees_the_imports():
     g = import_graph()
-    assert "vllm_snapshot.ops.restore" in g["vllm_snapshot.cli"] or "vllm_snapshot.ops" in g["vllm_snapshot.cli"]
+    assert "vllm_snapshot.ops.restore" in g["vllm_snapshot.cli.app"] or "vllm_snapshot.ops" in g["vllm_snapshot.cli.app"]
     assert "vllm_snapshot.errors" in g["vllm_snapshot.ops.create"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the finder finds
+    # the layer rule finds an upward import and a sideways one (two sub-packages of one layer)
+    assert upward({"vllm_snapshot.host.procs": {"vllm_snapshot.ops.create"}, "vllm_snapshot.ops.create": set()}) == [
+        "vllm_snapshot.host.procs -> vllm_snapshot.ops.create (layer 2 -> 8)"]
+    assert upward({"vllm_snapshot.checkpoint.criu": {"vllm_snapshot.fleet.oci"}, "vllm_snapshot.fleet.oci": set()}) == [
+        "vllm_snapshot.checkpoint.criu -> vllm_snapshot.fleet.oci (layer 4 -> 4)"]
+
+
+def test_every_module_has_a_layer():
+    for m in import_graph():
+        layer(m)  # KeyError names the module
+
+
+def test_imports_point_down_the_layers():
+    assert upward(import_graph()) == []
 
 
 def test_no_import_cycle():
     assert cycles(import_graph()) == []
-
-
-def test_nothing_below_the_operations_imports_them():
-    g = import_graph()
-    bad = {m: sorted(t for t in deps if t.startswith("vllm_snapshot.ops"))
-           for m, deps in g.items() if not m.startswith(ABOVE_OPS)}
-    assert {m: d for m, d in bad.items() if d} == {}

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from vllm_snapshot import locks
+from vllm_snapshot.store import locks
 from vllm_snapshot.errors import BusyError
 
 
@@ -24,7 +24,7 @@ def test_a_second_restore_onto_one_gpu_waits_naming_the_holder(run_dir):
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent("""
             import sys
-            from vllm_snapshot import locks
+            from vllm_snapshot.store import locks
             with locks.gpu_lock("GPU-a"):
                 print("held", flush=True)
                 sys.stdin.read()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_snapshot import supervisor
+from vllm_snapshot.supervise import supervisor
 
 
 def _flags(pid: int, fd: int) -> int:

@@ -14,8 +14,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from vllm_snapshot import ops, supervisor
-from vllm_snapshot.progress import Reporter
+from vllm_snapshot import ops
+from vllm_snapshot.supervise import supervisor
+from vllm_snapshot.report.progress import Reporter
 
 from conftest import TINY, cli
 from test_gpu_sequencing import fake_cuda, fake_tools  # noqa: F401 - fixtures

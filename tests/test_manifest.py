@@ -10,7 +10,7 @@ import pytest
 from helpers import make_manifest, manifest_fields
 from pydantic import ValidationError
 
-from vllm_snapshot import manifest
+from vllm_snapshot.store import manifest
 from vllm_snapshot.errors import CorruptSnapshotError
 
 

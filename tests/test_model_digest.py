@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_snapshot import model_digest
+from vllm_snapshot.store import model_digest
 from vllm_snapshot.errors import ModelChangedError, UsageError
 
 # safetensors' numpy API writes the same file format as its torch API, without torch's ~3 s import

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_snapshot import model_digest
+from vllm_snapshot.store import model_digest
 from vllm_snapshot.errors import ModelChangedError
 
 WEIGHTS = "model.safetensors"

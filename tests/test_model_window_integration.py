@@ -18,7 +18,7 @@ import pytest
 
 from vllm_snapshot import ops
 from vllm_snapshot.errors import ModelChangedError
-from vllm_snapshot.progress import Reporter
+from vllm_snapshot.report.progress import Reporter
 
 from conftest import ENGINE_ARGS, ROOT, TINY, engine_env
 from helpers import readable_by_engine

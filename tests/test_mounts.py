@@ -64,7 +64,7 @@ def test_make_private_in_a_new_mount_namespace():
 
 # ---------------------------------------------------------------------------- mount policy
 
-from vllm_snapshot import mountpolicy as mp  # noqa: E402
+from vllm_snapshot.checkpoint import mountpolicy as mp  # noqa: E402
 from vllm_snapshot.engine import mounts as M  # noqa: E402
 
 #: A host like a real one: systemd pseudo mounts, vfat /boot/efi behind autofs, a snap

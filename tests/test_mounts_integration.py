@@ -165,7 +165,7 @@ def _kill(pid: int) -> None:
 
 
 def test_small_tree_detaches_unrelated_mounts_and_restores_external_ones(disks, request):
-    from vllm_snapshot import criu, mountpolicy
+    from vllm_snapshot.checkpoint import criu, mountpolicy
     from vllm_snapshot.engine import mounts as M
 
     p = _host_like(disks)

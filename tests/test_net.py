@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from vllm_snapshot import handoff, ports
+from vllm_snapshot.supervise import handoff
+from vllm_snapshot.host import ports
 from vllm_snapshot.engine import net
 from vllm_snapshot.errors import BusyError, EngineError, UsageError
 

@@ -15,8 +15,8 @@ import sys
 import psutil
 import pytest
 
-from vllm_snapshot import manifest as mf
-from vllm_snapshot.inventory import read_tcp_table
+from vllm_snapshot.store import manifest as mf
+from vllm_snapshot.checkpoint.inventory import read_tcp_table
 
 from conftest import ROOT, cli, engine_env
 from test_integration import free_port, post, wait_gone

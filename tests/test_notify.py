@@ -15,8 +15,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_snapshot import cli, notify, ops
-from vllm_snapshot.progress import NotifyingReporter, Reporter
+from vllm_snapshot.cli import app as cli
+from vllm_snapshot.host import notify
+from vllm_snapshot import ops
+from vllm_snapshot.report.progress import NotifyingReporter, Reporter
 
 ROOT = Path(__file__).resolve().parent.parent
 UNITS = ROOT / "scripts" / "systemd"
@@ -159,7 +161,7 @@ def test_notifying_reporter_without_socket_is_silent(monkeypatch):
 # --- the restore command's notifications (ops faked) ------------------------------------------
 
 def _fake_restored():
-    from vllm_snapshot.results import Restored
+    from vllm_snapshot.report.results import Restored
 
     return (Restored("/snap", 999, "http://127.0.0.1:8123", "tiny", {"validate": 0.1}, []),
             SimpleNamespace(close=lambda: None))
@@ -201,7 +203,7 @@ def test_restore_command_stopping_when_engine_exits_on_its_own(path_socket, monk
 
 
 def test_serve_command_notifies_ready_only_after_serve_returned(path_socket, monkeypatch, tmp_path):
-    from vllm_snapshot.results import Served
+    from vllm_snapshot.report.results import Served
 
     seen = {}
 
@@ -274,7 +276,7 @@ def test_restore_unit_keys():
     assert s["KillMode"] == "mixed" and s["KillSignal"] == "SIGTERM"
     # the engine drains (30 s by default), then gets 10 s to exit before the supervisor SIGKILLs
     # it; systemd must wait longer, with room for the cleanup
-    from vllm_snapshot import registry
+    from vllm_snapshot.store import registry
 
     assert int(s["TimeoutStopSec"]) >= registry.DRAIN_S + registry.TEARDOWN_S + 10
     assert s["SuccessExitStatus"] == "130"  # an interrupted restore cleaned up: a clean stop

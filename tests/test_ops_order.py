@@ -7,12 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from vllm_snapshot import snapkey
+from vllm_snapshot.store import snapkey
 
 from vllm_snapshot import ops
-from vllm_snapshot.errors import (BusyError, CriuError, EngineError, IncompatibleHostError, OracleMismatchError,
-                                  UsageError)
-from vllm_snapshot.progress import Reporter
+from vllm_snapshot.errors import (
+    BusyError,
+    CriuError,
+    EngineError,
+    IncompatibleHostError,
+    OracleMismatchError,
+    UsageError,
+)
+from vllm_snapshot.report.progress import Reporter
 
 from fakes import HOST, FakeTools, isolated_manifest, manifest_with
 from helpers import make_manifest, make_oracle
@@ -396,7 +402,7 @@ def test_model_changed_while_the_engine_loaded_refuses_the_create():
 # ------------------------------------------------------------------ management
 
 def test_switch_stops_the_old_engine_then_restores_detached():
-    from vllm_snapshot.registry import Entry
+    from vllm_snapshot.store.registry import Entry
 
     t = FakeTools()
     t.entries = [Entry("/snaps/old", 77, 0, "127.0.0.1", 8123, 0.0, "detached")]
@@ -406,7 +412,7 @@ def test_switch_stops_the_old_engine_then_restores_detached():
 
 
 def test_delete_refuses_while_an_engine_runs():
-    from vllm_snapshot.registry import Entry
+    from vllm_snapshot.store.registry import Entry
 
     t = FakeTools()
     t.path_exists = lambda p: True
@@ -425,7 +431,7 @@ def test_list_probes_the_host_once_and_never_rehashes_images():
 
 
 def test_external_mounts_go_to_criu_and_the_manifest_and_are_checked_before_criu():
-    from vllm_snapshot.manifest import ExternalMount
+    from vllm_snapshot.store.manifest import ExternalMount
 
     ext = ExternalMount(mount_point="/mnt/data", fs_type="ext4", source="/dev/loop0", root="/", major_minor="7:0",
                         cookie="vsnap-m0", identity_kind="uuid", identity="45ab")
@@ -497,7 +503,7 @@ def test_http_canary_sends_the_oracles_request_and_treats_garbage_as_a_mismatch(
     import threading
     from http.server import BaseHTTPRequestHandler, HTTPServer
 
-    from vllm_snapshot.tools import LocalTools
+    from vllm_snapshot.effects.tools import LocalTools
 
     m = manifest_with()
     replies = [{"choices": [{"text": m.oracle.text, "token_ids": [m.oracle.token_id],
@@ -535,7 +541,7 @@ def test_http_canary_sends_the_oracles_request_and_treats_garbage_as_a_mismatch(
 
 def test_not_enough_memory_refuses_before_staging_or_criu():
     from vllm_snapshot.errors import InsufficientResources
-    from vllm_snapshot.resources import Offer
+    from vllm_snapshot.host.resources import Offer
 
     t = FakeTools()
     t.offer = Offer(1000, "memory cgroup /x (v1): limit 0.00 GiB, in use 0.00 GiB, free 0.00 GiB")
@@ -547,7 +553,7 @@ def test_not_enough_memory_refuses_before_staging_or_criu():
 
 
 def _entry(pid: int, port: int, host: str = "127.0.0.1", snapshot: str = "/snaps/tiny"):
-    from vllm_snapshot.registry import Entry
+    from vllm_snapshot.store.registry import Entry
 
     return Entry(snapshot=snapshot, pid=pid, supervisor_pid=0, host=host, port=port, started_at=0.0, mode="detached")
 
@@ -570,7 +576,7 @@ def test_stop_one_clone_by_pid_or_all_of_a_snapshot():
 
 
 def test_cuda_create_checks_host_room_and_records_the_freeze_timeout():
-    from vllm_snapshot import criu
+    from vllm_snapshot.checkpoint import criu
     from vllm_snapshot.errors import UnsnapshottableError
 
     t = FakeTools(kind="cuda")
@@ -795,7 +801,7 @@ def test_disk_room_reads_the_newest_snapshot_of_the_model_beside_the_target(tmp_
 
     from helpers import write_snapshot_dir
 
-    from vllm_snapshot.tools import LocalTools
+    from vllm_snapshot.effects.tools import LocalTools
 
     root = tmp_path / "root"
     write_snapshot_dir(root / "old")

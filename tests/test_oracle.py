@@ -8,7 +8,7 @@ import pytest
 from helpers import make_oracle
 from pydantic import ValidationError
 
-from vllm_snapshot.oracle import LOGPROB_ABS_TOL, Oracle, TopLogprob, compare
+from vllm_snapshot.store.oracle import LOGPROB_ABS_TOL, Oracle, TopLogprob, compare
 
 
 def _top(*pairs):
@@ -142,7 +142,7 @@ def test_several_differences_are_all_reported():
 
 
 def test_http_canary_rule_compares_token_id_and_refuses_nan_and_garbage():
-    from vllm_snapshot.oracle import compare_http
+    from vllm_snapshot.store.oracle import compare_http
 
     o = Oracle(prompt="p", token_id=11, text=",", logprob=-1.25)
     assert compare_http(o, ",", -1.2501, 11) == []

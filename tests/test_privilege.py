@@ -13,11 +13,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_snapshot import criu, manifest as mf, ops, privilege
+from vllm_snapshot.checkpoint import criu
+from vllm_snapshot.store import manifest as mf
+from vllm_snapshot import ops
+from vllm_snapshot.host import privilege
 from vllm_snapshot.errors import CriuError, EnvironmentProblem, IncompatibleHostError, UnsnapshottableError, UsageError
-from vllm_snapshot.privilege import Creds, User
-from vllm_snapshot.progress import Reporter
-from vllm_snapshot.supervisor import scrubbed_env
+from vllm_snapshot.host.privilege import Creds, User
+from vllm_snapshot.report.progress import Reporter
+from vllm_snapshot.host.envpolicy import scrubbed_env
 
 from fakes import FakeTools
 from helpers import ENGINE_USER, make_manifest
@@ -245,7 +248,7 @@ def test_criu_runs_through_the_wrapper_with_real_ids():
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping privileges needs root")
 def test_drop_to_leaves_no_capability_and_sets_no_new_privs():
-    code = ("import os, sys, json; from vllm_snapshot.privilege import drop_to, parse_status;"
+    code = ("import os, sys, json; from vllm_snapshot.host.privilege import drop_to, parse_status;"
             "drop_to(65534, 65534, [65534]); c = parse_status(open('/proc/self/status').read());"
             "print(json.dumps([c.uids, c.gids, c.groups, c.cap_eff, c.cap_prm, c.cap_inh, c.cap_bnd, c.cap_amb,"
             " c.no_new_privs]));"
@@ -267,7 +270,7 @@ def test_engine_user_record_roundtrips():
 
 
 def test_restore_refuses_tls_files_the_engine_user_cannot_read_before_criu(monkeypatch):
-    from vllm_snapshot import frontend
+    from vllm_snapshot.supervise import frontend
     t = FakeTools()
     t.user_unreadable = ["/etc/ssl/private/k.pem"]
     # the key pair itself is fine (frontend.check loads it as root); only the engine user cannot read it
@@ -281,7 +284,7 @@ def test_restore_refuses_tls_files_the_engine_user_cannot_read_before_criu(monke
 
 
 def test_caps_beyond_names_what_a_legacy_root_tree_held_that_the_restorer_lacks():
-    from vllm_snapshot.privilege import caps_beyond
+    from vllm_snapshot.host.privilege import caps_beyond
 
     full = "Uid:\t0 0 0 0\nGid:\t0 0 0 0\nCapInh:\t0\nCapPrm:\t000001ffffffffff\nCapEff:\t000001ffffffffff\n" \
            "CapBnd:\t000001ffffffffff\nCapAmb:\t0\nNoNewPrivs:\t0\n"
@@ -298,7 +301,7 @@ def test_legacy_snapshot_refused_before_criu_when_the_restorer_lacks_its_capabil
 
     from vllm_snapshot import ops
     from vllm_snapshot.errors import EnvironmentProblem
-    from vllm_snapshot.progress import Reporter
+    from vllm_snapshot.report.progress import Reporter
 
     from fakes import FakeTools, isolated_manifest
 
@@ -314,7 +317,7 @@ def test_legacy_snapshot_refused_before_criu_when_the_restorer_lacks_its_capabil
 @pytest.mark.parametrize("extra,want", [([], privilege.DEFAULT_USER), (["--user", "svc"], "svc")])
 def test_serve_builds_as_the_user_it_is_given(monkeypatch, tmp_path, extra, want):
     # `serve` builds a snapshot when none matches: its engine runs as --user, like create's
-    from vllm_snapshot import cli
+    from vllm_snapshot.cli import app as cli
 
     got = []
 

@@ -15,8 +15,8 @@ import time
 import psutil
 import pytest
 
-from vllm_snapshot import manifest as mf
-from vllm_snapshot.privilege import DEFAULT_USER, parse_status
+from vllm_snapshot.store import manifest as mf
+from vllm_snapshot.host.privilege import DEFAULT_USER, parse_status
 
 from conftest import ENGINE_ARGS, TINY, cli
 from test_integration import engine_pids, free_port, port_accepts, stop

@@ -8,7 +8,10 @@ import inspect
 
 import pytest
 
-from vllm_snapshot import cuda_checkpoint, doctor, supervisor, tools
+from vllm_snapshot.checkpoint import cuda_checkpoint
+from vllm_snapshot.cli import doctor
+from vllm_snapshot.supervise import supervisor
+from vllm_snapshot.effects import tools
 
 import fakes
 from test_cuda_checkpoint import FakeDriver

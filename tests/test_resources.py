@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vllm_snapshot import resources
-from vllm_snapshot.resources import Offer
+from vllm_snapshot.host import resources
+from vllm_snapshot.host.resources import Offer
 
 GIB = 1 << 30
 

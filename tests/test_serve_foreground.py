@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 HARNESS = textwrap.dedent(r"""
     import os, signal, subprocess, sys, threading, time
     from types import SimpleNamespace
-    from vllm_snapshot import interrupts
+    from vllm_snapshot.host import interrupts
     from vllm_snapshot.ops.restore import serve_foreground
 
     SIG, GRACE, IGNORE_TERM = signal.Signals[sys.argv[1]], float(sys.argv[2]), sys.argv[3] == "1"

@@ -153,7 +153,7 @@ def test_normalization_by_vllms_parser_is_spelling_free_and_leaves_the_environme
     import os
 
     from vllm_snapshot.errors import UsageError
-    from vllm_snapshot.tools import LocalTools
+    from vllm_snapshot.effects.tools import LocalTools
 
     t = LocalTools()
     before = dict(os.environ)

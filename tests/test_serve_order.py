@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from vllm_snapshot import ops, snapkey
+from vllm_snapshot import ops
+from vllm_snapshot.store import snapkey
 from vllm_snapshot.errors import BusyError, ModelChangedError, OracleMismatchError, UsageError
 from vllm_snapshot.ops.serve import MAX_REFUSED_PER_KEY, why_not
-from vllm_snapshot.progress import Reporter
+from vllm_snapshot.report.progress import Reporter
 
 from fakes import FakeTools
-from vllm_snapshot.manifest import ModelFile
+from vllm_snapshot.store.manifest import ModelFile
 
 ROOT = Path("/snaps")
 ARGS = ["--kv-cache-memory-bytes", "64M"]
@@ -262,7 +263,7 @@ def test_a_changed_ld_library_path_is_another_key_and_serve_says_so(monkeypatch)
 
 
 def test_switch_model_builds_before_stopping_the_old_engine_then_reuses_the_snapshot():
-    from vllm_snapshot.registry import Entry
+    from vllm_snapshot.store.registry import Entry
 
     t = _tools()
     t.entries = [Entry(snapshot="/snaps/other", pid=99, supervisor_pid=0, host="127.0.0.1", port=8123,
@@ -343,7 +344,7 @@ def test_prune_keep_always_keeps_the_newest(keep, older_than_s, want):
 
 def test_the_key_records_the_env_variables_by_name_so_a_mismatch_names_them():
     # a trial: "the engine environment (VLLM_*, OMP_*, ...) differs" named no variable
-    from vllm_snapshot import snapkey
+    from vllm_snapshot.store import snapkey
 
     was = snapkey.env_record({"VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "2", "HF_TOKEN": "hf_x",
                               "PATH": "/usr/bin"}, keep=("HF_TOKEN",))

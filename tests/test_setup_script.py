@@ -50,7 +50,7 @@ def shell_scripts() -> list[Path]:
 def test_the_shell_scripts_are_found():
     names = {p.relative_to(ROOT).as_posix() for p in shell_scripts()}
     assert {".ci/run", "scripts/setup.sh", "scripts/gpu_check.sh", "scripts/gpu_carry.sh",
-            "scripts/timeshare.sh", "vllm_snapshot/criu_ruid.sh"} <= names
+            "scripts/timeshare.sh", "vllm_snapshot/checkpoint/criu_ruid.sh"} <= names
 
 
 @pytest.mark.parametrize("script", shell_scripts(), ids=lambda p: p.relative_to(ROOT).as_posix())
@@ -168,7 +168,7 @@ def test_setup_on_a_bare_machine_installs_what_it_needs_and_finishes(bare_machin
     assert pw.pw_dir == env["VLLM_SNAPSHOT_ENGINE_HOME"] and Path(pw.pw_dir).stat().st_uid == pw.pw_uid
     acl = subprocess.run(["getfacl", "-cp", str(checkout.parent)], capture_output=True, text=True, check=True).stdout
     assert f"user:{user}:--x" in acl, acl
-    assert subprocess.run(["runuser", "-u", user, "--", "test", "-r", str(checkout / "vllm_snapshot" / "cli.py")]).returncode == 0
+    assert subprocess.run(["runuser", "-u", user, "--", "test", "-r", str(checkout / "vllm_snapshot" / "cli" / "app.py")]).returncode == 0
     assert f"granting {user} search permission (ACL u:{user}:x) on {checkout.parent}" in err
     # the tiny model, and each step said how long it took
     assert (Path(env["VLLM_SNAPSHOT_CACHE"]) / "models" / "tiny-llama" / "config.json").is_file()

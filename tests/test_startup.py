@@ -17,19 +17,20 @@ import pytest
 import typer
 from helpers import write_snapshot_dir
 
-from vllm_snapshot import cli, render, results
+from vllm_snapshot.cli import app as cli, render
+from vllm_snapshot.report import results
 
 ROOT = Path(__file__).resolve().parent.parent
 
 #: never imported by `inspect` (nor by --help): the commands that create, restore and manage
 #: engines, and what they use
 NOT_FOR_INSPECT = (
-    "vllm_snapshot.ops", "vllm_snapshot.archive", "vllm_snapshot.criu", "vllm_snapshot.inventory",
-    "vllm_snapshot.supervisor", "vllm_snapshot.tools", "vllm_snapshot.doctor", "vllm_snapshot.privilege",
-    "vllm_snapshot.frontend", "vllm_snapshot.codeid", "vllm_snapshot.gpu", "vllm_snapshot.progress",
-    "vllm_snapshot.registry", "vllm_snapshot.cgroups", "vllm_snapshot.model_digest", "vllm_snapshot.snapkey",
-    # the other result dataclasses (~1 ms each to create): inspect's is vllm_snapshot.inspected
-    "vllm_snapshot.results",
+    "vllm_snapshot.ops", "vllm_snapshot.store.archive", "vllm_snapshot.checkpoint.criu", "vllm_snapshot.checkpoint.inventory",
+    "vllm_snapshot.supervise.supervisor", "vllm_snapshot.effects.tools", "vllm_snapshot.cli.doctor", "vllm_snapshot.host.privilege",
+    "vllm_snapshot.supervise.frontend", "vllm_snapshot.host.codeid", "vllm_snapshot.checkpoint.gpu", "vllm_snapshot.report.progress",
+    "vllm_snapshot.store.registry", "vllm_snapshot.host.cgroups", "vllm_snapshot.store.model_digest", "vllm_snapshot.store.snapkey",
+    # the other result dataclasses (~1 ms each to create): inspect's is vllm_snapshot.report.inspected
+    "vllm_snapshot.report.results",
     "psutil", "zstandard", "httpx", "requests", "torch", "vllm", "pycriu", "transformers",
     # typer's rich help renderer (rich_markup_mode=None keeps click's plain help)
     "markdown_it", "rich.markdown",
@@ -37,7 +38,7 @@ NOT_FOR_INSPECT = (
 #: --json prints JSON: no table, no rich at all
 NOT_FOR_JSON = ("rich",)
 #: a command's --help reads no snapshot: no manifest models, no digest, no table
-NOT_FOR_HELP = ("vllm_snapshot.manifest", "vllm_snapshot.render", "blake3", "rich")
+NOT_FOR_HELP = ("vllm_snapshot.store.manifest", "vllm_snapshot.cli.render", "blake3", "rich")
 #: nor does the top-level --help need pydantic (typer builds its option adapters, pydantic
 #: TypeAdapters, for the options it processes: `inspect --help` processes the group's)
 NOT_FOR_TOP_HELP = NOT_FOR_HELP + ("pydantic",)
@@ -47,7 +48,7 @@ NOT_FOR_TOP_HELP = NOT_FOR_HELP + ("pydantic",)
 CHILD = """
 import io, json, sys, contextlib
 sys.argv = ["vllm-snapshot", *sys.argv[1:]]
-from vllm_snapshot.cli import main
+from vllm_snapshot.cli.app import main
 out = io.StringIO()
 with contextlib.redirect_stdout(out):
     rc = main()

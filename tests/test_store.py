@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_snapshot import layout, store
+from vllm_snapshot.store import layout, store
 from vllm_snapshot.errors import CorruptSnapshotError, UsageError
 
 
@@ -225,7 +225,7 @@ def test_publish_refuses_when_target_appeared(base):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown")
 def test_check_file_modes_refuses_a_file_owned_by_another_user(tmp_path):
-    from vllm_snapshot import layout, store
+    from vllm_snapshot.store import layout, store
     from vllm_snapshot.errors import CorruptSnapshotError
 
     d = tmp_path / "snap"

@@ -7,9 +7,9 @@ import socket
 
 import pytest
 
-from vllm_snapshot import ports
+from vllm_snapshot.host import ports
 from vllm_snapshot.errors import BusyError
-from vllm_snapshot.supervisor import is_secret_name, redact_args, scrubbed_env
+from vllm_snapshot.host.envpolicy import is_secret_name, redact_args, scrubbed_env
 
 BASE = {
     "PATH": "/opt/bin:/usr/bin",
@@ -195,7 +195,7 @@ def test_redact_args_catches_abbreviations_and_every_value():
 def test_kill_reports_survivors(monkeypatch):
     import io
 
-    from vllm_snapshot import supervisor
+    from vllm_snapshot.supervise import supervisor
     from vllm_snapshot.errors import EngineError
 
     class P:
@@ -218,7 +218,7 @@ def test_engine_runs_the_supervisors_own_package():
     from pathlib import Path
 
     import vllm_snapshot
-    from vllm_snapshot.supervisor import engine_import_env
+    from vllm_snapshot.supervise.supervisor import engine_import_env
 
     here = str(Path(vllm_snapshot.__file__).resolve().parent.parent)
     assert engine_import_env({"PATH": "/bin"}) == {"PATH": "/bin", "PYTHONPATH": here}

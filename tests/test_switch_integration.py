@@ -29,7 +29,7 @@ def _complete(port: int, host: str = "127.0.0.1") -> str:
 
 
 def test_switch_bad_target_keeps_serving_and_failed_restore_rolls_back(clone_snapshot, tmp_path):
-    from vllm_snapshot import manifest as mf
+    from vllm_snapshot.store import manifest as mf
 
     a = clone_snapshot("sw-a")
     corrupt = clone_snapshot("sw-corrupt")

@@ -102,7 +102,7 @@ class InsufficientResources(SnapshotError):
 
 class Interrupted(SnapshotError):
     """SIGINT, SIGTERM or SIGHUP stopped the command; everything it had started was cleaned
-    up (see :mod:`vllm_snapshot.interrupts`)."""
+    up (see :mod:`vllm_snapshot.host.interrupts`)."""
 
     code, exit_code = "interrupted", 130
 

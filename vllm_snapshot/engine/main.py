@@ -20,7 +20,7 @@ import sys
 import threading
 import traceback
 
-from ..procs import set_parent_death_signal
+from ..host.procs import set_parent_death_signal
 from .protocol import FD_EVENTS, decode, encode_event
 
 _events = None
@@ -91,7 +91,7 @@ def parse_engine_args(model: str, engine_args: list[str]):
 #: Every parallel size of vLLM 0.32's engine args; a snapshot is of one device.
 PARALLEL_SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
                   "prefill_context_parallel_size", "decode_context_parallel_size")
-#: Front-end settings refused at create: secrets and TLS belong to restore (vllm_snapshot.frontend),
+#: Front-end settings refused at create: secrets and TLS belong to restore (vllm_snapshot.supervise.frontend),
 #: the rest can never be validated by the canary.
 FRONTEND_REFUSED = {
     "api_key": "an API key would be frozen into the snapshot's memory; give it to restore/serve instead "
@@ -180,13 +180,13 @@ async def prepare_app(engine, args):
 
 
 async def apply_frontend(engine, args, app, tokens: list[str]):
-    """Apply the front-end options given at restore (:mod:`vllm_snapshot.frontend`) to the
+    """Apply the front-end options given at restore (:mod:`vllm_snapshot.supervise.frontend`) to the
     create-time ``args``: vLLM's own parser (the one kept from create) parses ``tokens``; each
     option given replaces the create-time value; the OpenAI app is rebuilt with vLLM's
     ``build_app`` when an option it reads changed (API key, CORS, root path, ...), and request
     logging is switched on the engine client. Returns the app to serve. Raises SystemExit
     (argparse: bad value) or ValueError."""
-    from .. import frontend
+    from ..supervise import frontend
 
     if not tokens:
         return app
@@ -315,7 +315,7 @@ async def run(spec: dict) -> int:
     try:
         with contextlib.redirect_stderr(captured):
             args = parse_engine_args(spec["model"], list(spec.get("engine_args", [])))
-            from ..snapkey import normalize_args
+            from ..store.snapkey import normalize_args
 
             # the same function `serve` uses, so the key recorded here is the one it computes
             normalized = normalize_args(list(spec.get("engine_args", [])))
@@ -395,7 +395,7 @@ async def run(spec: dict) -> int:
                         print(f"vllm-snapshot prepare-dump: {json.dumps(r)}", file=sys.stderr)
                     sys.stdout.flush()
                     sys.stderr.flush()
-                    # what the code identity pins (vllm_snapshot.codeid): the distributions
+                    # what the code identity pins (vllm_snapshot.host.codeid): the distributions
                     # owning these modules, found on this sys.path
                     emit("dump-ready", modules=sorted({m.split(".", 1)[0] for m in list(sys.modules)}),
                          sys_path=list(sys.path))
@@ -458,8 +458,8 @@ def main() -> int:
             return 1
     if user is not None:
         # the namespaces are set up: the rest of the tree (vLLM, the HTTP server) runs as the
-        # engine user with no capability (vllm_snapshot/privilege.py), for good
-        from ..privilege import drop_to
+        # engine user with no capability (vllm_snapshot/host/privilege.py), for good
+        from ..host.privilege import drop_to
 
         try:
             drop_to(int(user["uid"]), int(user["gid"]), [int(g) for g in user["groups"]])

@@ -1,6 +1,6 @@
 """The engine's mount namespace: which host mounts it keeps, detaches, or hands to CRIU as
 external mounts (runs inside the namespace before vLLM starts; the parsing and the policy are
-pure and shared with the supervisor, see :mod:`vllm_snapshot.mountpolicy`).
+pure and shared with the supervisor, see :mod:`vllm_snapshot.checkpoint.mountpolicy`).
 
 A namespace made by ``unshare --mount`` starts as a copy of the host's, and CRIU dumps every
 mount of it. CRIU 4.2.1 can re-create only some file systems (criu/filesystems.c): proc,
@@ -484,7 +484,7 @@ def make_private(needed: list[str] | None = None, link_inductor: bool = True) ->
     for the model of the engine spec (``sys.argv[1]``), this process's environment, and the
     files it has open or mapped. Returns the mount points detached. Raises OSError when a
     private tmpfs cannot be mounted. ``refuse`` entries are left alone here: create refuses
-    them on the host before the engine starts (:func:`vllm_snapshot.mountpolicy.check_create`).
+    them on the host before the engine starts (:func:`vllm_snapshot.checkpoint.mountpolicy.check_create`).
     ``link_inductor=False`` leaves :func:`link_inductor_cache` to the caller (the engine root
     calls it once it runs as the engine user, who must own the cache)."""
     libc = ctypes.CDLL(None, use_errno=True)

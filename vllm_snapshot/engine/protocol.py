@@ -25,7 +25,7 @@ Commands (``{"cmd": NAME, ...}``):
   ``host:port`` itself: the supervisor bound it in the host's namespace and waits on the
   abstract unix socket named ``handoff`` (which it created in the engine's namespace); the
   engine connects there and receives the listening socket (``SCM_RIGHTS``), see
-  :mod:`vllm_snapshot.engine.net` and :mod:`vllm_snapshot.handoff`. Engines of snapshots made
+  :mod:`vllm_snapshot.engine.net` and :mod:`vllm_snapshot.supervise.handoff`. Engines of snapshots made
   before that (manifest ``engine.network`` ``host``) get no ``handoff`` and bind themselves.
 * ``exit`` -- exit cleanly.
 
@@ -34,7 +34,7 @@ Events (``{"event": NAME, ...}``):
 * ``initialized`` ``{oracle, info}`` -- the engine is up; ``info``: kind, vllm, torch, served_model_name.
 * ``oracle`` ``{oracle}``, ``slept``, ``woken``, ``attached``.
 * ``dump-ready`` ``{modules, sys_path}``: the top-level names of the engine root's
-  ``sys.modules`` and its ``sys.path`` (what :mod:`vllm_snapshot.codeid` pins).
+  ``sys.modules`` and its ``sys.path`` (what :mod:`vllm_snapshot.host.codeid` pins).
 * ``binding`` ``{address}`` -- the listening socket is bound; the HTTP server starts.
 * ``error`` ``{kind, message}`` -- the command failed (``kind`` ``usage``: bad engine args).
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import SnapshotError
-from ..progress import Reporter
+from ..report.progress import Reporter
 
 
 def run_cleanups(cause: BaseException, steps: list[tuple[str, Callable[[], object]]]) -> list[str]:

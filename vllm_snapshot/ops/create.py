@@ -12,9 +12,9 @@
 6. inventory (refuse what CRIU cannot restore, and a tree not running as the engine user
    with no capability and NoNewPrivs), channel keys, link-remap watch; model re-check (a file
    whose stat changed since the digest is re-hashed; a change the engine may have read
-   refuses: :func:`vllm_snapshot.model_digest.recheck`);
+   refuses: :func:`vllm_snapshot.store.model_digest.recheck`);
 7. CRIU dump (host-wide lock), tree gone, link-remap files saved;
-8. checksums / compression; code identity (:mod:`vllm_snapshot.codeid`: the files of the
+8. checksums / compression; code identity (:mod:`vllm_snapshot.host.codeid`: the files of the
    distributions the engine imported from, pinned by stat); host identity; manifest (pure
    :func:`build_manifest`); publish.
 
@@ -30,15 +30,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .. import __version__, criu, layout, manifest, mountpolicy, oracle, privilege, snapkey
+from .. import __version__
+from ..checkpoint import criu, mountpolicy
+from ..store import layout, manifest, oracle, snapkey
+from ..host import privilege
 from ..engine.mounts import PRIVATE as PRIVATE_MOUNTS
-from ..archive import DEFAULT_COMPRESSION, Compression
+from ..store.archive import DEFAULT_COMPRESSION, Compression
 from ..errors import CriuError, EngineError, EnvironmentProblem, OracleMismatchError, UnsnapshottableError, UsageError
-from ..inventory import Inventory
-from ..progress import Reporter
-from ..results import Created
-from ..supervisor import redact_args, scrubbed_env
-from ..tools import Engine, LocalTools, SnapshotTools
+from ..checkpoint.inventory import Inventory
+from ..report.progress import Reporter
+from ..report.results import Created
+from ..host.envpolicy import redact_args, scrubbed_env
+from ..effects.tools import Engine, LocalTools, SnapshotTools
 from .cleanup import report_reclaimed, run_cleanups
 
 ENGINE_START_TIMEOUT_S = 900.0
@@ -62,7 +65,7 @@ class CreateRequest:
     compression: Compression = field(default_factory=lambda: Compression.parse(DEFAULT_COMPRESSION))
     keep_env: tuple[str, ...] = ()
     engine_log: Callable[[bytes], None] | None = None
-    #: the unprivileged user the engine tree runs as (vllm_snapshot/privilege.py)
+    #: the unprivileged user the engine tree runs as (vllm_snapshot/host/privilege.py)
     user: str = privilege.DEFAULT_USER
 
 
@@ -105,7 +108,7 @@ def check_engine_args(engine_args: list[str]) -> None:
     (:func:`vllm_snapshot.engine.main.unrestorable`) stays the authority, abbreviations
     included. Pure. Raises UsageError."""
     from ..engine.main import EARLY_REFUSED
-    from ..frontend import OPTIONS
+    from ..supervise.frontend import OPTIONS
 
     for a in engine_args:
         flag = a.split("=", 1)[0]
@@ -210,7 +213,7 @@ def check_disk_room(target: Path, previous: tuple[str, int] | None, free: int) -
     An engine's images are about its resident memory, so the last snapshot of the model is the
     estimate (engine args may differ: the message says so). Pure. Raises EnvironmentProblem
     (exit 11, as running out of space at the dump does)."""
-    from ..render import human_bytes
+    from ..units import human_bytes
 
     if previous is None or free >= previous[1]:
         return
@@ -374,7 +377,7 @@ def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: 
             if wrong:
                 raise UnsnapshottableError(f"the engine tree does not run as {who.name} without privileges:\n  "
                                            + "\n  ".join(wrong[:10]),
-                                           hint="the engine root drops them itself (vllm_snapshot/privilege.py); "
+                                           hint="the engine root drops them itself (vllm_snapshot/host/privilege.py); "
                                                 "its log says why it did not")
             if gpu_id:  # the GPU state goes through host RAM into the images
                 t.check_dump_room(inv, gpu_id["gpu_uuid_used"], tmp)

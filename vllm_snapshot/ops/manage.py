@@ -7,12 +7,13 @@ import datetime as _dt
 import re
 from pathlib import Path
 
-from .. import identity, manifest
+from ..host import identity
+from ..store import manifest
 from ..errors import BusyError, CorruptSnapshotError, Interrupted, SnapshotError, UsageError
-from ..progress import Reporter
-from ..registry import Entry
-from ..results import Deleted, Engines, Listed, Pruned, Stopped, Switched
-from ..tools import LocalTools, SnapshotTools
+from ..report.progress import Reporter
+from ..store.registry import Entry
+from ..report.results import Deleted, Engines, Listed, Pruned, Stopped, Switched
+from ..effects.tools import LocalTools, SnapshotTools
 from .restore import RestoreRequest, restore, validate
 
 
@@ -239,7 +240,7 @@ def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, r
     """Serve ``snapshot`` on ``port`` instead of whatever serves there, never leaving the port
     dark by mistake and never cutting an accepted request:
 
-    0. the port's lock is taken (:func:`vllm_snapshot.locks.port_lock`): a second switch of the
+    0. the port's lock is taken (:func:`vllm_snapshot.store.locks.port_lock`): a second switch of the
        same port waits, saying for whom, and then replaces the first one's engine;
     1. the target is validated completely first (everything restore checks before CRIU except
        the port, which the old engine still holds): a typo, a changed model, a corrupt or
@@ -255,15 +256,15 @@ def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, r
        host and port. The error then says which engine was stopped and what serves now, read
        from the registry (``details``: ``{"stopped": [...], "serving": {...} | None}``).
 
-    ``frontend``: front-end option tokens (API key, TLS, CORS, ...; :mod:`vllm_snapshot.frontend`)
+    ``frontend``: front-end option tokens (API key, TLS, CORS, ...; :mod:`vllm_snapshot.supervise.frontend`)
     for the new engine -- and for the old one if it is rolled back (its own options are not
     recorded anywhere, secrets included). They are checked before the old engine is touched.
     ``drain_s``: the old engine's drain (seconds; default its own) and the new one's (default
-    :func:`vllm_snapshot.registry.drain_timeout`).
+    :func:`vllm_snapshot.store.registry.drain_timeout`).
 
     Durations in seconds: ``stop_s`` until the restore could start (the old engine closed the
     port), ``restore_s``, ``switch_s`` their sum. Raises the errors of :func:`restore`,
-    BusyError (the port's lock, after :data:`vllm_snapshot.locks.PORT_WAIT_S`)."""
+    BusyError (the port's lock, after :data:`vllm_snapshot.store.locks.PORT_WAIT_S`)."""
     t = tools or LocalTools()
     t.require_root()
     with t.port_lock(port, rep.info):
@@ -272,9 +273,9 @@ def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, r
 
 def _switch_locked(t: SnapshotTools, snapshot: Path, host: str | None, port: int, log_file: Path | None,
                    rep: Reporter, rollback: bool, frontend: tuple[str, ...], drain_s: float | None) -> Switched:
-    from .. import frontend as fe
+    from ..supervise import frontend as fe
     from ..errors import InsufficientResources
-    from ..registry import drain_timeout
+    from ..store.registry import drain_timeout
 
     wanted = fe.check(list(frontend), t.environ())
     new_drain = drain_timeout(drain_s, t.environ())

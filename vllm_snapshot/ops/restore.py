@@ -9,11 +9,11 @@ tree had open or mapped -> model files (re-hashing last: a taken port is found i
 milliseconds, not after every model byte was read).
 
 :func:`restore` -- validate -> stage (compressed images: decompressed and verified; uncompressed:
-hard-linked; meanwhile the code identity of :mod:`vllm_snapshot.codeid` starts) -> put back
+hard-linked; meanwhile the code identity of :mod:`vllm_snapshot.host.codeid` starts) -> put back
 link-remap files -> fresh
 channel -> CRIU restore with the recorded flags (into a fresh network namespace) -> adopt the
 tree -> its credentials are the recorded ones -> (CUDA: wake; level 2: the model files re-checked
-against the stats validation saw, :func:`vllm_snapshot.model_digest.recheck`) -> oracle inside the engine ->
+against the stats validation saw, :func:`vllm_snapshot.store.model_digest.recheck`) -> oracle inside the engine ->
 the image checksums' verdict (uncompressed images are verified in a background thread while
 CRIU restores from their hard links and the oracle runs) -> the code identity's verdict (a
 changed Python file kills the tree) -> only then bind -> /health -> HTTP canary -> registry.
@@ -26,7 +26,7 @@ only ``lo`` and the tree's own loopback listeners, so any number of restores of 
 run at once (clones) and no recorded loopback port can collide with anything. The HTTP port is
 bound by this process in the host's namespace (``--host``/``--port`` mean what they mean to
 ``vllm serve``) only after the oracle matched, and the listening socket is handed to the
-engine with the ``serve`` command (:mod:`vllm_snapshot.handoff`). A socket keeps the namespace
+engine with the ``serve`` command (:mod:`vllm_snapshot.supervise.handoff`). A socket keeps the namespace
 it was created in, so the engine accepts the host's connections while its own traffic stays in
 its namespace. This is simpler than the alternatives: a veth pair + NAT or a proxy would add
 an address plan, forwarding rules or a copy of every byte, and CRIU's ``--inherit-fd`` cannot
@@ -45,14 +45,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .. import criu, frontend, identity, interrupts, mountpolicy, oracle, ports, privilege, resources
-from ..errors import (BusyError, CorruptSnapshotError, CriuError, EngineError, EnvironmentProblem, IncompatibleHostError,
-                      InsufficientResources, Interrupted, OracleMismatchError, UsageError)
-from ..manifest import Manifest
-from ..progress import Reporter
-from ..registry import DRAIN_S, TEARDOWN_S, Entry
-from ..results import Restored, Verified
-from ..tools import Engine, LocalTools, SnapshotTools
+from ..checkpoint import criu, mountpolicy
+from ..supervise import frontend
+from ..host import identity, interrupts, ports, privilege, resources
+from ..store import oracle
+from ..errors import (
+    BusyError,
+    CorruptSnapshotError,
+    CriuError,
+    EngineError,
+    EnvironmentProblem,
+    IncompatibleHostError,
+    InsufficientResources,
+    Interrupted,
+    OracleMismatchError,
+    UsageError,
+)
+from ..store.manifest import Manifest
+from ..report.progress import Reporter
+from ..store.registry import DRAIN_S, TEARDOWN_S, Entry
+from ..report.results import Restored, Verified
+from ..effects.tools import Engine, LocalTools, SnapshotTools
 from .cleanup import report_reclaimed, run_cleanups
 from .create import wake_timeout_s
 
@@ -76,11 +89,11 @@ class RestoreRequest:
     detach: bool = False
     log_file: Path | None = None
     engine_log: Callable[[bytes], None] | None = None
-    #: front-end option tokens (:mod:`vllm_snapshot.frontend`: API key, TLS, CORS, ...);
+    #: front-end option tokens (:mod:`vllm_snapshot.supervise.frontend`: API key, TLS, CORS, ...);
     #: ``VLLM_API_KEY`` of the environment is added by :func:`restore` when no key is given
     frontend: tuple[str, ...] = ()
     #: seconds the engine lets requests in flight finish when it is stopped (SIGTERM, ``stop``):
-    #: :func:`vllm_snapshot.registry.drain_timeout`
+    #: :func:`vllm_snapshot.store.registry.drain_timeout`
     drain_s: float = DRAIN_S
 
 
@@ -103,7 +116,7 @@ def validate(snapshot: Path, verify_model: str = "quick", allow: frozenset[str] 
     """Every check a restore makes before CRIU, in the order of the module doc; ``port``
     (host, port) is probed before the model files are re-hashed; ``check_images`` adds every
     image checksum (``verify``); ``pins`` receives the model files' stats as the check saw
-    them (:func:`vllm_snapshot.model_digest.stat_pins`). Returns (manifest, warnings). Raises UsageError,
+    them (:func:`vllm_snapshot.store.model_digest.stat_pins`). Returns (manifest, warnings). Raises UsageError,
     CorruptSnapshotError, IncompatibleHostError, ModelChangedError, BusyError,
     EnvironmentProblem."""
     t = tools or LocalTools()
@@ -453,7 +466,7 @@ def serve_foreground(r: Restored, engine: Engine, on_signal_msg: Callable[[str],
     is forwarded to it as SIGTERM: the first makes it drain (no new connection, requests in flight finish within
     ``r.drain_s`` seconds) and exit 0, a second cuts the drain short. SIGKILL after
     ``stop_grace_s`` seconds from the first signal (default ``r.drain_s`` + the engine's
-    teardown time, :data:`vllm_snapshot.registry.TEARDOWN_S`). Returns the engine's exit code
+    teardown time, :data:`vllm_snapshot.store.registry.TEARDOWN_S`). Returns the engine's exit code
     (137 when it had to be killed); unregisters it."""
     t = tools or LocalTools()
     stopping: dict[str, float | None] = {"at": None}

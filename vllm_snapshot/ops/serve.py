@@ -7,7 +7,7 @@ Steps, in order (each side effect through :class:`SnapshotTools`):
 
 1. preconditions: root, engine args that restore could never use refused, model resolved,
    ``host:port`` free -- before anything is hashed or built;
-2. the **key** (:mod:`vllm_snapshot.snapkey`): engine args normalized (from a manifest made with
+2. the **key** (:mod:`vllm_snapshot.store.snapkey`): engine args normalized (from a manifest made with
    the same raw args and vLLM, else by vLLM's parser), model content digest (files whose stat a
    manifest recorded keep that digest), scrubbed environment, host identity;
 3. under the key's lock (a second ``serve`` of the same key waits, saying for whom): the
@@ -16,7 +16,7 @@ Steps, in order (each side effect through :class:`SnapshotTools`):
 4. none left: with ``--no-build`` refuse; else ``create`` a new snapshot
    (``<model>-<key prefix>``) and restore it.
 
-Model files follow the one policy of :mod:`vllm_snapshot.model_digest`: what cannot change the
+Model files follow the one policy of :mod:`vllm_snapshot.store.model_digest`: what cannot change the
 engine (dot-directories, docs) is not in the key; a weight, config or tokenizer file added to
 the model directory since a snapshot of it was made refuses (naming it; ``--rebuild`` builds a
 snapshot of the model as it is now) instead of a silent cold rebuild.
@@ -34,19 +34,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .. import frontend, oracle, snapkey
-from ..archive import DEFAULT_COMPRESSION, Compression
-from ..errors import (CorruptSnapshotError, CriuError, EngineError, IncompatibleHostError, ModelChangedError,
-                      OracleMismatchError, SnapshotError, UsageError)
-from ..manifest import Manifest, ModelFile
-from ..model_digest import ignored, kind
-from ..progress import Reporter
+from ..supervise import frontend
+from ..store import oracle, snapkey
+from ..store.archive import DEFAULT_COMPRESSION, Compression
+from ..errors import (
+    CorruptSnapshotError,
+    CriuError,
+    EngineError,
+    IncompatibleHostError,
+    ModelChangedError,
+    OracleMismatchError,
+    SnapshotError,
+    UsageError,
+)
+from ..store.manifest import Manifest, ModelFile
+from ..store.model_digest import ignored, kind
+from ..report.progress import Reporter
 from .restore import SERVER_START
-from ..results import Served
-from ..privilege import DEFAULT_USER
-from ..registry import DRAIN_S
-from ..supervisor import scrubbed_env
-from ..tools import Engine, LocalTools, SnapshotTools
+from ..report.results import Served
+from ..host.privilege import DEFAULT_USER
+from ..store.registry import DRAIN_S
+from ..host.envpolicy import scrubbed_env
+from ..effects.tools import Engine, LocalTools, SnapshotTools
 from .create import CreateRequest, arg_value, check_engine_args, check_keep_env, create
 from .manage import _first_lines
 from .restore import RestoreRequest, restore
@@ -79,7 +88,7 @@ class ServeRequest:
     keep_env: tuple[str, ...] = ()
     engine_log: Callable[[bytes], None] | None = None
     create_log: Callable[[bytes], None] | None = None
-    #: front-end option tokens (:mod:`vllm_snapshot.frontend`), applied at restore: not part
+    #: front-end option tokens (:mod:`vllm_snapshot.supervise.frontend`), applied at restore: not part
     #: of the key, never given to a build
     frontend: tuple[str, ...] = ()
     #: the unprivileged user a build's engine runs as (its HOME is in the engine environment,
@@ -113,7 +122,7 @@ def _normalized(t: SnapshotTools, snaps: list[tuple[Path, Manifest]], req: Serve
 
 def compute_key(t: SnapshotTools, req: ServeRequest, model_dir: Path, snaps: list[tuple[Path, Manifest]],
                 hf_id: bool = False):
-    """The :class:`~vllm_snapshot.manifest.SnapshotKey` ``serve`` looks for (as ``create`` will
+    """The :class:`~vllm_snapshot.store.manifest.SnapshotKey` ``serve`` looks for (as ``create`` will
     record it). Model files whose stat a manifest of the same model directory recorded are not
     read again. Raises UsageError (args vLLM rejects), OSError."""
     kind = t.engine_device()  # what create will record (a CPU build of vLLM on a GPU host is "cpu")
@@ -132,7 +141,7 @@ def compute_key(t: SnapshotTools, req: ServeRequest, model_dir: Path, snaps: lis
 def why_not(m: Manifest, key, files: tuple[ModelFile, ...], host: dict[str, str]) -> str:
     """One line: why a snapshot of the same model directory does not match ``key`` -- the parts
     that differ, with the model files and host fields named. Pure."""
-    from .. import identity
+    from ..host import identity
 
     if m.key is None:
         return "made before snapshot keys existed (re-create it, or restore it by name)"
@@ -168,7 +177,7 @@ def why_not(m: Manifest, key, files: tuple[ModelFile, ...], host: dict[str, str]
 
 def added_since(m: Manifest, key, files: tuple[ModelFile, ...]) -> list[str]:
     """The model files ``serve`` refuses for the snapshot ``m`` of the same model directory:
-    those added since ``m`` was made (not :func:`~vllm_snapshot.model_digest.ignored`) when
+    those added since ``m`` was made (not :func:`~vllm_snapshot.store.model_digest.ignored`) when
     they are the only difference from ``key`` -- every file ``m`` recorded is there unchanged
     and every other key part is equal. Empty otherwise (another model, other args or host:
     a snapshot of its own). Pure."""
@@ -312,7 +321,7 @@ def switch_model(req: ServeRequest, host: str | None, rollback: bool, rep: Repor
                  tools: SnapshotTools | None = None):
     """``switch --model MODEL [engine args]``: the snapshot of this key (validated, or built now
     -- while whatever serves on ``req.port`` keeps serving), then :func:`~.manage.switch` to
-    it. Returns (:class:`~vllm_snapshot.results.Switched`, path taken: ``restored`` when an
+    it. Returns (:class:`~vllm_snapshot.report.results.Switched`, path taken: ``restored`` when an
     existing snapshot was used, ``built``). Raises what :func:`serve` and ``switch`` raise."""
     from .manage import switch
     from .restore import validate

@@ -1,0 +1,685 @@
+"""The ``vllm-snapshot`` command line (typer). The ONLY place errors become exit codes.
+
+Heavy modules (torch, vllm, pycriu) are imported inside the commands that need them, so
+``--help`` and ``inspect`` stay fast.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from ..errors import SnapshotError, UsageError
+
+app = typer.Typer(
+    name="vllm-snapshot",
+    help="Checkpoint an initialized vLLM engine with CRIU and restore it in seconds, safely.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    # plain click help: the rich help renderer imports markdown-it and costs ~0.2 s per call
+    rich_markup_mode=None,
+    # -h as well, like `vllm serve -h` (every command inherits it from the group's context)
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+_STATE: dict = {"debug": False, "json": False, "root": None, "interruptible": False}
+PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
+DRAIN_HELP = ("Seconds the engine lets requests in flight finish when it is stopped (SIGTERM, `stop`, "
+              "`switch`): it takes no new connection meanwhile. Default $VLLM_SNAPSHOT_DRAIN_TIMEOUT, else 30.")
+
+
+def _drain(given: Optional[float]) -> float:
+    """``--drain-timeout`` or ``$VLLM_SNAPSHOT_DRAIN_TIMEOUT`` or the default (seconds)."""
+    from ..store.registry import drain_timeout
+
+    return drain_timeout(given)
+
+
+@app.callback()
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
+    root: Optional[Path] = typer.Option(None, "--root", envvar="VLLM_SNAPSHOT_ROOT",
+                                        help="Where named snapshots live (default /var/lib/vllm-snapshot as root)."),
+) -> None:
+    _STATE["debug"] = debug
+    _STATE["root"] = root
+
+
+def _root_dir() -> Path:
+    """The snapshot root (``--root``, ``$VLLM_SNAPSHOT_ROOT``, the default). Raises UsageError
+    when it exists and is not a directory (every command: a file as --root made restore say
+    "NAME does not exist" and prune "nothing to prune")."""
+    from .. import paths
+
+    root = paths.snapshot_root(_STATE["root"])
+    if os.path.lexists(root) and not root.is_dir():
+        raise UsageError(f"the snapshot root {root} is not a directory", hint="check --root / VLLM_SNAPSHOT_ROOT")
+    return root
+
+
+def _resolve(ref: str) -> Path:
+    """A snapshot NAME (under the root) or PATH -> its directory."""
+    from ..store import store
+
+    return store.resolve(ref, _root_dir())
+
+
+def _root_only(what: str) -> None:
+    """Commands that need root say so with the documented exit code (11), not with a
+    permission error halfway through or an empty answer."""
+    from ..errors import EnvironmentProblem
+
+    if os.geteuid() != 0:
+        raise EnvironmentProblem(f"vllm-snapshot {what} must run as root (CRIU, the engine namespaces, "
+                                 "the snapshot store and the engine registry are root's)", hint="run it with sudo")
+
+
+def _interruptible() -> None:
+    """SIGINT/SIGTERM/SIGHUP -> Interrupted (exit 130) after every cleanup ran. Installed by
+    ``main`` for the real command; create/restore/switch/demo make sure of it."""
+    from ..host import interrupts
+
+    if _STATE.get("interruptible"):
+        interrupts.install()
+
+
+def _reporter(quiet: bool, as_json: bool):
+    from ..report.progress import make_reporter
+
+    return make_reporter(quiet or as_json)
+
+
+def _stderr_sink(b: bytes) -> None:
+    try:
+        sys.stderr.buffer.write(b)
+        sys.stderr.buffer.flush()
+    except (OSError, ValueError):
+        pass
+
+
+@app.command(context_settings=PASSTHROUGH)
+def create(
+    ctx: typer.Context,
+    model: str = typer.Argument(..., help="Local model directory (or a Hugging Face id already in the local cache)."),
+    snapshot_dir: Optional[Path] = typer.Option(None, "--snapshot-dir", help="Where to publish the snapshot (a path); must not exist."),
+    name: Optional[str] = typer.Option(None, "--name", help="Store under the snapshot root with this name (default: the model directory's name)."),
+    oracle_prompt: str = typer.Option(None, "--oracle-prompt", help="Prompt of the one-token oracle."),
+    sleep_level: int = typer.Option(2, "--sleep-level", min=0, max=2, help="GPU: sleep level before the dump (CPU engines are captured whole)."),
+    compress: str = typer.Option("none", "--compress", help="none (default: fastest restore) | zstd | zstd:LEVEL (~5x smaller, restore decompresses)"),
+    keep_env: List[str] = typer.Option([], "--keep-env", help="Pass this (otherwise scrubbed) variable to the engine."),
+    user: str = typer.Option("vllm-snapshot", "--user", help="Unprivileged user the engine tree runs as (no capabilities; made by setup)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Stream the engine log to stderr."),
+    as_json: bool = typer.Option(False, "--json", help="Print the manifest as JSON."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output."),
+) -> None:
+    """Start an engine on MODEL offline, record its oracle, dump it with CRIU. Extra
+    arguments (optionally after --) are `vllm serve` engine args, checked by vLLM's parser."""
+    from ..store import archive, oracle, store
+    from .. import ops
+    from . import render
+
+    _root_only("create")
+    _interruptible()
+    engine_args = list(ctx.args)
+    if engine_args and engine_args[0] == "--":
+        engine_args = engine_args[1:]
+    if snapshot_dir is not None and name is not None:
+        raise UsageError("give --snapshot-dir PATH or --name NAME, not both")
+    if name is not None and not store.valid_name(name):
+        raise UsageError(f"--name {name!r} is not a valid snapshot name: use {store.NAME_RULE}",
+                         hint="or give a path with --snapshot-dir")
+    if snapshot_dir is None:
+        name = name or Path(model.rstrip("/")).name.replace("/", "--")
+        if not store.valid_name(name):
+            raise UsageError(f"cannot derive a snapshot name from {model!r}; pass --name or --snapshot-dir")
+        snapshot_dir = store.ensure_root(_root_dir()) / name
+    req = ops.CreateRequest(
+        model=model, target=snapshot_dir, engine_args=engine_args,
+        oracle_prompt=oracle_prompt or oracle.DEFAULT_PROMPT, sleep_level=sleep_level,
+        compression=archive.Compression.parse(compress), keep_env=tuple(keep_env), user=user,
+        engine_log=_stderr_sink if verbose else None)
+    render.show(ops.create(req, _reporter(quiet, as_json)), as_json, quiet)
+
+
+@app.command()
+def inspect(
+    snapshot: str = typer.Argument(..., help="Snapshot name (under the root) or directory."),
+    as_json: bool = typer.Option(False, "--json", help="Stable JSON instead of tables."),
+) -> None:
+    """Show a snapshot's manifest: versions, model, engine args, oracle, sizes, timings."""
+    from ..store import manifest
+    from . import render
+    from ..report.inspected import Inspected
+
+    snapshot_dir = _resolve(snapshot).absolute()
+    # only the manifest is read (strict schema + digest); nothing of the payload is used or run
+    render.show(Inspected(str(snapshot_dir), manifest.read(snapshot_dir)), as_json)
+
+
+@app.command()
+def verify(
+    snapshot: str = typer.Argument(..., help="Snapshot name (under the root) or directory."),
+    allow_mismatch: List[str] = typer.Option([], "--allow-mismatch", help="Identity field to tolerate (machine_id, cpu_model)."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Every restore check without restoring: permissions, manifest, host identity, all
+    image checksums, and a full re-hash of the model files."""
+    from .. import ops
+    from . import render
+
+    _root_only("verify")
+    render.show(ops.verify(_resolve(snapshot), frozenset(allow_mismatch)), as_json)
+
+
+@app.command()
+def doctor(
+    as_json: bool = typer.Option(False, "--json", help="Stable JSON instead of a table."),
+) -> None:
+    """Check this host: root, CRIU >= 4.2 (`criu check`, kernel features), io_uring, kernel,
+    glibc, snapshot root (--root) and /dev/shm, unshare/mount/tar, vLLM, pycriu, and on GPU hosts
+    the driver, CRIU's CUDA plugin and the cuda-checkpoint helper. Exit 0 when create and
+    restore can work, 11 when a check of severity error failed."""
+    from . import doctor as doctor_mod
+    from . import render
+    from ..report.results import DoctorReport
+
+    checks = doctor_mod.run_checks(snapshot_root=str(_root_dir()))
+    report = DoctorReport(checks, doctor_mod.exit_code(checks))
+    render.show(report, as_json)
+    raise typer.Exit(report.exit_code)
+
+
+@app.command("list")
+def list_cmd(as_json: bool = typer.Option(False, "--json")) -> None:
+    """Snapshots under the root: model, created, kind, sleep level, sizes, whether this host
+    can restore them (host identity and model files; `verify` checks everything), last restore."""
+    from .. import ops
+    from . import render
+
+    render.show(ops.list_snapshots(_root_dir()), as_json)
+
+
+@app.command()
+def delete(
+    snapshot: str = typer.Argument(..., help="Snapshot name (under the root) or directory."),
+    force: bool = typer.Option(False, "--force", help="Stop engines restored from it first."),
+    as_json: bool = typer.Option(False, "--json"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing when it succeeds (errors still go to stderr)."),
+) -> None:
+    """Delete a snapshot. Refuses while an engine restored from it runs, unless --force."""
+    from .. import ops
+    from . import render
+
+    _root_only("delete")
+    result = ops.delete(_resolve(snapshot), force)
+    if not quiet or as_json:
+        render.show(result, as_json)
+
+
+@app.command()
+def prune(
+    keep: Optional[int] = typer.Option(None, "--keep", min=0, help="Keep the N newest snapshots per model."),
+    older_than: Optional[str] = typer.Option(None, "--older-than", help="Delete snapshots older than this (e.g. 7d, 12h, 30m)."),
+    unusable: bool = typer.Option(False, "--unusable", help="Delete snapshots this host cannot restore (list's ✗)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Only print what would be deleted."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Delete snapshots under the root (never ones with a running engine): beyond --keep N
+    newest per model, --older-than a duration, and/or --unusable ones; always remove what killed commands left (temp dirs of crashed creates,
+    staging dirs of killed restores, stale lock files)."""
+    from .. import ops
+    from . import render
+
+    _root_only("prune")
+    older = ops.parse_duration(older_than) if older_than else None
+    render.show(ops.prune(_root_dir(), keep, older, dry_run, unusable=unusable), as_json)
+
+
+@app.command()
+def status(as_json: bool = typer.Option(False, "--json")) -> None:
+    """Engines restored on this host: snapshot, PID, address, started, mode."""
+    from .. import ops
+    from . import render
+
+    _root_only("status")
+    render.show(ops.status(), as_json)
+
+
+@app.command()
+def stop(
+    snapshot: Optional[str] = typer.Argument(None, help="Stop engines restored from this snapshot."),
+    port: Optional[int] = typer.Option(None, "--port", min=1, max=65535, help="Stop the engines serving on this port."),
+    pid: Optional[int] = typer.Option(None, "--pid", help="Stop the engine with this root PID (see status)."),
+    drain_timeout: Optional[float] = typer.Option(
+        None, "--drain-timeout", min=0, help="Seconds requests in flight may finish before they are cut "
+        "(default: the engine's own, given to restore/serve/switch; 30 unless set there)."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Stop restored engines (all of a snapshot, those on --port, or the one with --pid) and wait
+    until their memory is released. Each drains first: it takes no new connection and lets the
+    requests in flight finish (at most --drain-timeout seconds; those still running then are cut)."""
+    from .. import ops
+    from . import render
+
+    if sum(x is not None for x in (snapshot, port, pid)) != 1:
+        raise UsageError("give a snapshot, --port or --pid (exactly one of them)")
+    _root_only("stop")
+    render.show(ops.stop_engines(_resolve(snapshot) if snapshot else None, port, pid=pid, drain_s=drain_timeout),
+                as_json)
+
+
+@app.command(context_settings=PASSTHROUGH)
+def switch(
+    ctx: typer.Context,
+    snapshot: Optional[str] = typer.Argument(None, help="Snapshot to serve next (or --model MODEL [engine args])."),
+    port: int = typer.Option(..., "--port", min=1, max=65535),
+    model: Optional[str] = typer.Option(None, "--model", help="Serve MODEL with the engine args after -- "
+                                        "(the snapshot of that key; built first if none is valid)."),
+    host: Optional[str] = typer.Option(None, "--host", help="Default: the host of the engine being replaced (else 127.0.0.1)."),
+    log_file: Optional[Path] = typer.Option(None, "--log-file"),
+    rollback: bool = typer.Option(True, "--rollback/--no-rollback",
+                                  help="If the new snapshot fails to restore, restore the old one again (default)."),
+    no_build: bool = typer.Option(False, "--no-build", help="With --model: never build, use a valid snapshot or fail."),
+    drain_timeout: Optional[float] = typer.Option(
+        None, "--drain-timeout", min=0, help="Seconds the old engine lets requests in flight finish (default: its "
+        "own); also the new engine's drain timeout (default $VLLM_SNAPSHOT_DRAIN_TIMEOUT, else 30)."),
+    as_json: bool = typer.Option(False, "--json"),
+    quiet: bool = typer.Option(False, "--quiet", "-q"),
+) -> None:
+    """Time-sharing: validate SNAPSHOT, stop whatever serves on PORT (it takes no new connection
+    and drains: requests in flight finish), restore SNAPSHOT there (detached) while it drains;
+    roll back to the old engine if that fails. Switches of one port run one after the other.
+    Reports the measured switch time. With --model MODEL [-- engine args] the snapshot is the
+    one `serve` would use (built first, while the old engine keeps serving, when none is valid)."""
+    from ..supervise import frontend
+    from .. import ops
+    from . import render
+    from ..store import store
+
+    _root_only("switch")
+    _interruptible()
+    engine_args = list(ctx.args)
+    if engine_args and engine_args[0] == "--":
+        engine_args = engine_args[1:]
+    argv = _STATE.get("argv") or []
+    if model is not None and snapshot is not None and "--" in argv and snapshot in argv[argv.index("--") + 1:][:1]:
+        # click filled the optional SNAPSHOT with the first engine arg after --
+        engine_args, snapshot = [snapshot, *engine_args], None
+    if (snapshot is None) == (model is None):
+        raise UsageError("give a SNAPSHOT or --model MODEL (one of them, not both)")
+    front, engine_args = frontend.split(engine_args)  # API key, TLS, CORS, ...: applied at restore
+    _drain(drain_timeout)  # a bad $VLLM_SNAPSHOT_DRAIN_TIMEOUT: a usage error before anything runs
+    if model is None:
+        if engine_args:
+            raise UsageError(f"unexpected arguments {' '.join(engine_args)!r}: engine args go with --model MODEL",
+                             hint="a snapshot's engine args are frozen at create; front-end options (API key, "
+                                  "TLS, CORS, ...) are accepted after --")
+        switched = ops.switch(_resolve(snapshot), host, port, log_file, _reporter(quiet, as_json), rollback,
+                              frontend=tuple(front), drain_s=drain_timeout)
+        _handed_off()
+        render.show(switched, as_json, quiet)
+        return
+    req = ops.ServeRequest(model=model, root=store.ensure_root(_root_dir()), engine_args=engine_args, port=port,
+                           log_file=log_file, build="never" if no_build else "auto", detach=True,
+                           frontend=tuple(front), drain_s=_drain(drain_timeout))
+    switched, _path = ops.switch_model(req, host, rollback, _reporter(quiet, as_json))
+    _handed_off()
+    render.show(switched, as_json, quiet)
+
+
+@app.command(context_settings=PASSTHROUGH)
+def restore(
+    ctx: typer.Context,
+    snapshot: str = typer.Argument(..., help="Snapshot name (under the root) or directory."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to serve on (bound only after the oracle matched)."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535),
+    detach: bool = typer.Option(False, "--detach", help="Return once serving; print the engine PID."),
+    log_file: Optional[Path] = typer.Option(None, "--log-file", help="With --detach: engine log file (default /var/log/vllm-snapshot/NAME-PORT.log)."),
+    verify_model: str = typer.Option("quick", "--verify-model", help="quick (re-hash files whose stat changed) | full"),
+    allow_mismatch: List[str] = typer.Option([], "--allow-mismatch", help="Identity field to tolerate (machine_id, cpu_model)."),
+    drain_timeout: Optional[float] = typer.Option(None, "--drain-timeout", min=0, help=DRAIN_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    quiet: bool = typer.Option(False, "--quiet", "-q"),
+) -> None:
+    """Validate, restore with CRIU, check the oracle inside the engine, then serve the OpenAI
+    API on HOST:PORT. Fails closed: on any mismatch nothing serves and nothing is left.
+    Front-end options of `vllm serve` may follow (--api-key or VLLM_API_KEY, --ssl-keyfile/
+    --ssl-certfile/--ssl-ca-certs, --allowed-origins/-methods/-headers, --root-path,
+    --uvicorn-log-level, --enable-log-requests, ...); engine options are frozen in the snapshot."""
+    from .. import ops
+    from . import render
+
+    _root_only("restore")
+    extra = list(ctx.args)  # front-end options: ops.restore checks them (frontend.check) before CRIU
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    _interruptible()
+    if verify_model not in ("quick", "full"):
+        raise UsageError("--verify-model must be quick or full")
+    if log_file is not None and not detach:
+        raise UsageError("--log-file applies to --detach; in the foreground the engine log goes to stderr",
+                         hint="add --detach, or redirect stderr (2>>FILE)")
+    rep, lifecycle = _lifecycle_reporter(quiet, as_json)
+    req = ops.RestoreRequest(snapshot=_resolve(snapshot), host=host, port=port, detach=detach,
+                             log_file=log_file, verify_model=verify_model,
+                             allow=frozenset(allow_mismatch), engine_log=_stderr_sink, frontend=tuple(extra),
+                             drain_s=_drain(drain_timeout))
+    r, engine = ops.restore(req, rep)
+    if detach:
+        _handed_off()
+    render.show(r, as_json, quiet)
+    _run_engine(r, engine, rep, lifecycle, detach)
+
+
+def _lifecycle_reporter(quiet: bool, as_json: bool):
+    """(reporter, systemd lifecycle): under systemd (NOTIFY_SOCKET) each phase is a STATUS=."""
+    from ..host import notify
+    from ..report.progress import NotifyingReporter
+
+    rep = _reporter(quiet, as_json)
+    lifecycle = notify.ServiceLifecycle.from_env()
+    if lifecycle.active:
+        rep = NotifyingReporter(rep)  # STATUS=<phase> as each phase starts
+    return rep, lifecycle
+
+
+def _handed_off() -> None:
+    """A detached engine serves and is registered: from here on SIGINT/SIGTERM/SIGHUP no longer
+    interrupt the command (it only prints and returns; exit 0). Before, a Ctrl-C in that last
+    moment exited 130 -- "interrupted, cleaned up" -- while the engine went on serving."""
+    import signal
+
+    from ..host import interrupts
+
+    if _STATE.get("interruptible"):  # the real command (an in-process call keeps its handlers)
+        for s in interrupts.SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+
+
+def _run_engine(r, engine, rep, lifecycle, detach: bool) -> None:
+    """After a restore: detached -> return; foreground -> READY=1, serve until the engine
+    exits (SIGINT/SIGTERM stop it), exit with its code."""
+    from .. import ops
+
+    if detach:
+        engine.close()
+        return
+    # READY only now (oracle matched, port bound, canary passed); STOPPING on shutdown
+    lifecycle.ready(f"serving {r.served_name} on {r.url}")
+
+    def on_signal(msg: str) -> None:
+        lifecycle.stopping()
+        rep.info(msg)
+
+    code = ops.serve_foreground(r, engine, on_signal)
+    lifecycle.stopping()  # once: a no-op when a signal already said so
+    raise typer.Exit(code)
+
+
+def _pop_option(args: list[str], flag: str) -> tuple[list[str], str | None]:
+    """Remove ``flag V`` / ``flag=V`` from ``args``; (rest, last value or None). Pure."""
+    rest, val, i = [], None, 0
+    while i < len(args):
+        a = args[i]
+        if a == flag and i + 1 < len(args):
+            val, i = args[i + 1], i + 2
+            continue
+        if a.startswith(flag + "="):
+            val = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+        i += 1
+    return rest, val
+
+
+@app.command(context_settings=PASSTHROUGH)
+def serve(
+    ctx: typer.Context,
+    model: str = typer.Argument(..., help="Local model directory (or a Hugging Face id already in the local cache)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to serve on (bound only after the oracle matched)."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535),
+    detach: bool = typer.Option(False, "--detach", help="Return once serving; print the engine PID."),
+    log_file: Optional[Path] = typer.Option(None, "--log-file", help="With --detach: engine log file."),
+    no_build: bool = typer.Option(False, "--no-build", help="Restore a valid snapshot or fail; never cold-start."),
+    rebuild: bool = typer.Option(False, "--rebuild", help="Build a new snapshot even if a valid one exists."),
+    verify_model: str = typer.Option("quick", "--verify-model", help="quick | full"),
+    oracle_prompt: str = typer.Option(None, "--oracle-prompt", help="Prompt of the one-token oracle (part of the key)."),
+    sleep_level: int = typer.Option(2, "--sleep-level", min=0, max=2, help="GPU: sleep level before the dump."),
+    compress: str = typer.Option("none", "--compress", help="Compression of a snapshot built now."),
+    keep_env: List[str] = typer.Option([], "--keep-env", help="Pass this (otherwise scrubbed) variable to the engine."),
+    user: str = typer.Option("vllm-snapshot", "--user", help="Unprivileged user a build's engine tree runs as (its HOME is part of the key)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Stream the engine log of a build to stderr."),
+    drain_timeout: Optional[float] = typer.Option(None, "--drain-timeout", min=0, help=DRAIN_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (which path, timings)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q"),
+) -> None:
+    """Like `vllm serve MODEL [engine args]`: restore the snapshot made for exactly this model,
+    these args and this host (the key); if there is none or it is refused, build one (cold
+    start, oracle, dump) and restore that. The port is bound only after the oracle matched."""
+    from ..store import archive, oracle, store
+    from ..supervise import frontend
+    from .. import ops
+    from . import render
+
+    _root_only("serve")
+    _interruptible()
+    if no_build and rebuild:
+        raise UsageError("--no-build and --rebuild contradict each other")
+    if verify_model not in ("quick", "full"):
+        raise UsageError("--verify-model must be quick or full")
+    if log_file is not None and not detach:
+        raise UsageError("--log-file applies to --detach; in the foreground the engine log goes to stderr",
+                         hint="add --detach, or redirect stderr (2>>FILE)")
+    engine_args = list(ctx.args)
+    if engine_args and engine_args[0] == "--":
+        engine_args = engine_args[1:]
+    # front-end options (API key, TLS, CORS, ...) are applied at restore, never built into the snapshot
+    front, engine_args = frontend.split(engine_args)
+    # `vllm serve MODEL --port P ...` puts them among the engine args: they are serve's
+    engine_args, h = _pop_option(engine_args, "--host")
+    engine_args, p = _pop_option(engine_args, "--port")
+    try:
+        from typer._click.core import ParameterSource
+    except ImportError:  # pragma: no cover - older typer uses click itself
+        from click.core import ParameterSource
+    for flag, val, given in (("--host", h, host), ("--port", p, str(port))):
+        explicit = ctx.get_parameter_source(flag[2:]) not in (ParameterSource.DEFAULT, None)
+        if val is not None and explicit and val != given:
+            raise UsageError(f"{flag} is given twice with different values ({given} and {val})",
+                             hint=f"give {flag} once")
+    host = h if h is not None else host
+    if p is not None:
+        if not p.isdigit() or not 1 <= int(p) <= 65535:
+            raise UsageError(f"--port {p!r}: expected a port number 1-65535")
+        port = int(p)
+    if oracle_prompt is not None and not oracle_prompt.strip():
+        raise UsageError("--oracle-prompt is empty", hint="give a prompt, or leave the option out for the default")
+    rep, lifecycle = _lifecycle_reporter(quiet, as_json)
+    req = ops.ServeRequest(
+        model=model, root=store.ensure_root(_root_dir()), engine_args=engine_args, host=host, port=port,
+        detach=detach, log_file=log_file, verify_model=verify_model,
+        build="never" if no_build else "always" if rebuild else "auto",
+        oracle_prompt=oracle_prompt or oracle.DEFAULT_PROMPT, sleep_level=sleep_level,
+        compression=archive.Compression.parse(compress), keep_env=tuple(keep_env), user=user,
+        engine_log=_stderr_sink, create_log=_stderr_sink if verbose else None, frontend=tuple(front),
+        drain_s=_drain(drain_timeout))
+    served, engine = ops.serve(req, rep)
+    if detach:
+        _handed_off()
+    render.show(served, as_json, quiet)
+    _run_engine(served.restored, engine, rep, lifecycle, detach)
+
+
+@app.command()
+def demo(
+    snapshot_dir: Optional[Path] = typer.Option(None, "--snapshot-dir", help="Default: ROOT/demo-tiny-llama"),
+    port: int = typer.Option(0, "--port", min=0, max=65535, help="0 = pick a free port."),
+    skip_cold: bool = typer.Option(False, "--skip-cold", help="Do not measure a cold start for comparison."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """On the embedded tiny model: create a snapshot if none exists, measure a cold start,
+    restore, send one completion, print timings and the comparison, stop the engine."""
+    from . import demo as demo_mod
+    from . import render
+
+    _root_only("demo")
+    _interruptible()
+    render.show(demo_mod.run(snapshot_dir or _root_dir() / demo_mod.DEFAULT_NAME, port, skip_cold, as_json), as_json)
+
+
+def main_error(e: SnapshotError) -> int:
+    """Report ``e`` (one ``error [code]: message`` block + ``hint:`` on stderr, or the JSON
+    error object with ``--json``); return its exit code."""
+    if _STATE["json"]:
+        from .render import emit_json
+
+        emit_json({"error": e.to_json()})
+    else:
+        print(f"error [{e.code}]: {e.message}", file=sys.stderr)
+        if e.hint:
+            print(f"hint: {e.hint}", file=sys.stderr)
+    return e.exit_code
+
+
+def _subcommand(argv: list[str]) -> str | None:
+    """The command ``argv`` names after the group's own options (``--debug``, ``--root V``),
+    or None (no command, ``--help``, an unknown option or name)."""
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--debug" or a.startswith("--root="):
+            i += 1
+        elif a == "--root":
+            i += 2
+        elif a.startswith("-"):
+            return None
+        else:
+            return a
+    return None
+
+
+def _click_command(argv: list[str]):
+    """The click command that runs ``argv``. typer builds every command's parameters when it
+    makes the group (~10 ms of ``inspect``'s start-up, issue 22 target 5); when ``argv`` names
+    a command only that one is built, in a group that is otherwise the same (its options,
+    callback and settings). The group's own help, no arguments and an unknown name get the
+    whole group (its help lists every command; click suggests names)."""
+    name = _subcommand(argv)
+    only = [c for c in app.registered_commands
+            if name is not None and (c.name or typer.main.get_command_name(c.callback.__name__)) == name]
+    if not only:
+        return typer.main.get_command(app)
+    one = copy.copy(app)  # shares the callback and settings; app itself is left whole
+    one.registered_commands = only
+    return typer.main.get_command(one)
+
+
+GLOBAL_OPTIONS = ("--root", "--debug")
+
+
+def _global_options_first(argv: list[str]) -> None:
+    """Refuse a global option written after the command (``restore NAME --root DIR``): it was
+    taken as an engine option, or the snapshot was looked up under the default root. Raises
+    UsageError naming the right place."""
+    head = argv[:argv.index("--")] if "--" in argv else argv
+    cmd_at = next((i for i, a in enumerate(head) if not a.startswith("-")
+                   and not (i and head[i - 1] == "--root")), None)
+    if cmd_at is None:
+        return
+    for a in head[cmd_at + 1:]:
+        opt = a.split("=", 1)[0]
+        if opt in GLOBAL_OPTIONS:
+            raise UsageError(f"{opt} is an option of vllm-snapshot itself: put it before the command",
+                             hint=f"vllm-snapshot {opt} ... {head[cmd_at]} ...")
+
+
+def _after_signal(e: SnapshotError, sig: SnapshotError | None) -> SnapshotError:
+    """The error to report: ``e``, or -- when a signal came first (``sig``, an Interrupted) --
+    the interruption, saying what ``e`` was: a terminal's Ctrl-C reaches the whole foreground
+    process group, CRIU and the engine included, so their failure is the signal's doing and the
+    command has cleaned up as for any interruption (exit 130, not the CRIU/engine code)."""
+    from ..errors import Interrupted
+
+    if sig is None or isinstance(e, Interrupted):
+        return e
+    first = e.message.splitlines()[0] if e.message else type(e).__name__
+    return Interrupted(f"{sig.message} (the signal reached its child processes too; what they reported: {first})",
+                       hint=e.hint, details={**(sig.details or {}), "then": {"code": e.code, "message": e.message}})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry: run the app, map errors to exit codes (see errors.py)."""
+    try:  # typer >= 0.29 vendors its own click
+        from typer._click import exceptions as click_exc
+    except ImportError:  # pragma: no cover - older typer uses click itself
+        from click import exceptions as click_exc
+
+    from ..host import interrupts
+
+    # the real command installs the signal handlers (an in-process call from a test or a
+    # library keeps its own)
+    _STATE["interruptible"] = argv is None
+    if argv is None:
+        argv = sys.argv[1:]
+        interrupts.install()  # from the first moment: SIGTERM during start-up exits 130 too
+    interrupts.reset()
+    _STATE["argv"] = list(argv)
+    _STATE["json"] = "--json" in (argv[:argv.index("--")] if "--" in argv else argv)  # after --: vLLM's
+    cmd = _click_command(argv)
+    try:
+        _global_options_first(argv)
+        rv = cmd.main(args=argv, prog_name="vllm-snapshot", standalone_mode=False)
+        return rv if isinstance(rv, int) else 0
+    except typer.Exit as e:
+        return e.exit_code
+    except typer.Abort:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except click_exc.ClickException as e:
+        if _STATE["json"]:
+            from .render import emit_json
+
+            emit_json({"error": {"code": "usage", "exit_code": e.exit_code, "message": e.format_message(),
+                                 "hint": "see --help", "details": None}})
+        else:
+            e.show()
+        return e.exit_code
+    except SnapshotError as e:
+        if _STATE["debug"]:
+            import traceback
+
+            traceback.print_exc()
+        return main_error(_after_signal(e, interrupts.fired()))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except PermissionError as e:
+        from ..errors import EnvironmentProblem
+
+        return main_error(EnvironmentProblem(f"permission denied: {e.filename or e}",
+                                             hint="vllm-snapshot needs root for snapshots, CRIU and the engine registry"))
+    except Exception as e:  # noqa: BLE001 - last resort: one line, traceback with --debug
+        if type(e).__name__ == "PipeClosed":  # render.PipeClosed (`list | head -1`): not an internal error
+            try:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+            except OSError:
+                pass
+            return 141  # 128 + SIGPIPE, what a shell reports for a program its pipe closed on
+        from ..host.interrupts import fired
+
+        if fired() is not None and not _STATE["debug"]:
+            return main_error(fired())  # a signal surfaced as another exception (cleanup ran)
+        if _STATE["debug"] or "--debug" in argv:
+            raise
+        print(f"error [internal]: {type(e).__name__}: {e}\nhint: re-run with --debug for a traceback", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

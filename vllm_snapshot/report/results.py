@@ -1,0 +1,213 @@
+"""What commands return: frozen data, no live handles. :mod:`vllm_snapshot.cli.render` turns each
+into a table/lines for humans or a versioned JSON object; ``to_json()`` is the JSON body."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .inspected import Inspected  # noqa: F401 - a result like the others; its own module keeps `inspect` light
+
+if TYPE_CHECKING:  # annotations only: importing results must not build the pydantic models
+    from ..store.manifest import Manifest
+
+
+@dataclass(frozen=True)
+class Created:
+    """A published snapshot: its directory and manifest."""
+
+    snapshot: str
+    manifest: Manifest
+
+    def to_json(self) -> dict:
+        return {"snapshot": self.snapshot, "manifest": self.manifest.model_dump(mode="json")}
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A restored, validated, serving engine: root PID, URL, served model name, phase
+    timings (seconds), warnings (identity overrides, extra model files)."""
+
+    snapshot: str
+    pid: int
+    url: str
+    served_name: str
+    timings: dict[str, float]
+    warnings: list[str]
+    detached: bool = False
+    #: front-end settings applied at restore, in words, no secret values (frontend.Frontend.describe)
+    frontend: tuple[str, ...] = ()
+    #: the cgroup of its own a detached engine runs in (vllm_snapshot.host.cgroups), else ""
+    cgroup: str = ""
+    #: salted digest of the front-end options (registry only; never shown)
+    frontend_fp: str = ""
+    #: requires an API key (registry only)
+    auth: bool = False
+    #: seconds the engine lets requests in flight finish when it is stopped (registry, foreground)
+    drain_s: float = 30.0
+
+    def to_json(self) -> dict:
+        return {"snapshot": self.snapshot, "pid": self.pid, "url": self.url, "timings": self.timings,
+                "warnings": self.warnings, "oracle": "match", "frontend": list(self.frontend),
+                "cgroup": self.cgroup}
+
+
+@dataclass(frozen=True)
+class Verified:
+    """Every restore check passed, images and model fully re-hashed."""
+
+    snapshot: str
+    images: int
+    model_files: int
+    warnings: list[str]
+
+    def to_json(self) -> dict:
+        return {"snapshot": self.snapshot, "ok": True, "warnings": self.warnings}
+
+
+@dataclass(frozen=True)
+class Served:
+    """``serve``: which ``path`` was taken (``restored`` an existing snapshot, or ``built`` one
+    and restored it), the serving engine (:class:`Restored`), the snapshot key, the snapshots
+    refused on the way (``{"snapshot", "code", "reason"}``), warnings, every phase's duration
+    and the total (seconds)."""
+
+    path: str
+    restored: Restored
+    key: str
+    refused: list[dict]
+    warnings: list[str]
+    timings: dict[str, float]
+    total_s: float
+    #: snapshots of the same model directory with another key: ``{"snapshot", "why"}``
+    others: list[dict] = field(default_factory=list)
+    #: seconds of the restore that serves (validation to canary), without key or build
+    restore_s: float = 0.0
+
+    def to_json(self) -> dict:
+        r = self.restored
+        return {"path": self.path, "snapshot": r.snapshot, "key": self.key, "pid": r.pid, "url": r.url,
+                "served_name": r.served_name, "detached": r.detached, "oracle": "match", "refused": self.refused,
+                "warnings": [*r.warnings, *self.warnings], "timings": self.timings, "total_s": self.total_s,
+                "restore_s": self.restore_s, "not_matching": self.others}
+
+
+@dataclass(frozen=True)
+class Listed:
+    """``list`` rows (see :func:`vllm_snapshot.ops.manage.describe`) under ``root``."""
+
+    root: str
+    rows: list[dict]
+    root_exists: bool = True
+
+    def to_json(self) -> dict:
+        return {"root": self.root, "root_exists": self.root_exists, "snapshots": self.rows}
+
+
+@dataclass(frozen=True)
+class Deleted:
+    snapshot: str
+    stopped_pids: list[int]
+
+    def to_json(self) -> dict:
+        return {"deleted": self.snapshot, "stopped_pids": self.stopped_pids}
+
+
+@dataclass(frozen=True)
+class Pruned:
+    """Paths deleted (or that would be, with ``dry_run``), kept because an engine runs, and
+    leftover temp dirs removed."""
+
+    deleted: list[str]
+    kept_running: list[str]
+    temp_removed: list[str]
+    dry_run: bool = False
+
+    def to_json(self) -> dict:
+        return {"deleted": self.deleted, "kept_running": self.kept_running, "temp_removed": self.temp_removed,
+                "dry_run": self.dry_run}
+
+
+@dataclass(frozen=True)
+class Engines:
+    """``status``: restored engines on this host (registry rows with ``url``), the root PIDs of
+    engine trees nobody owns (``orphans``) and the paths of engine cgroups left empty
+    (``empty_cgroups``)."""
+
+    engines: list[dict]
+    orphans: list[int] = field(default_factory=list)
+    empty_cgroups: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"engines": self.engines, "orphans": self.orphans, "empty_cgroups": self.empty_cgroups}
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """Engines stopped: ``[{"pid", "snapshot", "port", "seconds", "drain_s", "drained", "cut",
+    "killed"}]``: ``drain_s`` the drain timeout applied (seconds), ``drained`` False when it ran
+    out with ``cut`` requests in flight, ``killed`` when SIGKILL was needed after it."""
+
+    stopped: list[dict]
+
+    def to_json(self) -> dict:
+        return {"stopped": self.stopped}
+
+
+@dataclass(frozen=True)
+class Switched:
+    """A port switched to another snapshot; durations in seconds. ``unchanged``: the snapshot
+    already served there with these front-end options, nothing was stopped or restored."""
+
+    snapshot: str
+    port: int
+    pid: int
+    url: str
+    stop_s: float
+    restore_s: float
+    switch_s: float
+    stopped: list[int] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    unchanged: bool = False
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.pop("port")
+        d["serving"] = {"snapshot": self.snapshot, "pid": self.pid, "url": self.url}
+        return d
+
+
+@dataclass(frozen=True)
+class DoctorReport:
+    """``doctor``: every check (``doctor.Check``) and the exit code they imply."""
+
+    checks: list[Any]
+    exit_code: int
+
+    def to_json(self) -> dict:
+        return {"ok": self.exit_code == 0, "exit_code": self.exit_code, "checks": [asdict(c) for c in self.checks]}
+
+
+@dataclass(frozen=True)
+class DemoReport:
+    """``demo``: create/restore timings (seconds), the completion, the measured speed-up."""
+
+    snapshot: str
+    url: str
+    completion: str
+    create_timings: dict[str, float]
+    restore_timings: dict[str, float]
+    restore_s: float
+    cold_s: float | None
+    raw_bytes: int
+    stored_bytes: int
+
+    def to_json(self) -> dict:
+        return {
+            "snapshot": self.snapshot, "url": self.url, "completion": self.completion,
+            "create_timings": self.create_timings, "create_s": round(sum(self.create_timings.values()), 3),
+            "restore_timings": self.restore_timings, "restore_to_validated_completion_s": round(self.restore_s, 3),
+            "cold_start_to_first_completion_s": round(self.cold_s, 3) if self.cold_s else None,
+            "speedup": round(self.cold_s / self.restore_s, 1) if self.cold_s else None,
+            "raw_image_bytes": self.raw_bytes, "stored_image_bytes": self.stored_bytes,
+        }

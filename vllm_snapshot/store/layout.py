@@ -1,0 +1,201 @@
+"""The layout of one snapshot directory, and the trust checks run once before anything in it
+is read. The one owner of member names (the manifest is the member list *inside* ``images/``
+and ``files/``; :data:`MEMBERS` is the list at the top level).
+
+Layout of a published snapshot ``DIR`` (dir 0700, files 0600)::
+
+    DIR/manifest.json      written last; its absence means "incomplete"
+    DIR/images/            CRIU images (``NAME`` or ``NAME.zst``), exactly those in the manifest
+    DIR/files/             host files CRIU consumes at restore (link-remap files, see
+                           :mod:`vllm_snapshot.checkpoint.remaps`), put back before each restore
+    DIR/code.json          the pinned files of the Python distributions the engine imported
+                           from (:mod:`vllm_snapshot.host.codeid`; digest in the manifest)
+    DIR/engine-create.log  the engine's log during create
+    DIR/criu-dump.log      CRIU's dump log
+    DIR/stats-dump         CRIU's dump statistics (protobuf)
+
+While a create runs, its temp dir also holds ``owner.pid`` (removed at publish).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import paths
+from ..errors import CorruptSnapshotError, UsageError
+
+MANIFEST = "manifest.json"
+IMAGES = "images"
+FILES = "files"
+CREATE_LOG = "engine-create.log"
+DUMP_LOG = "criu-dump.log"
+RESTORE_LOG = "criu-restore.log"
+STATS_DUMP = "stats-dump"
+CODE_TABLE = "code.json"
+OWNER_PID = "owner.pid"
+#: Every name a published snapshot may hold at its top level.
+MEMBERS = frozenset({MANIFEST, IMAGES, FILES, CREATE_LOG, DUMP_LOG, STATS_DUMP, CODE_TABLE})
+
+
+@dataclass(frozen=True)
+class SnapshotDir:
+    """Paths of one snapshot's members. Pure: building one touches nothing."""
+
+    path: Path
+
+    @property
+    def manifest(self) -> Path:
+        return self.path / MANIFEST
+
+    @property
+    def images(self) -> Path:
+        return self.path / IMAGES
+
+    @property
+    def files(self) -> Path:
+        return self.path / FILES
+
+    @property
+    def create_log(self) -> Path:
+        return self.path / CREATE_LOG
+
+    @property
+    def dump_log(self) -> Path:
+        return self.path / DUMP_LOG
+
+
+def not_a_snapshot(path: Path) -> str | None:
+    """Why ``path`` is not a vllm-snapshot snapshot directory (None when it is one, possibly a
+    damaged one): only a directory with an ``images/`` member and a ``manifest.json`` that is a
+    JSON object with this tool's top-level fields (``schema_version``, ``criu``, ``images``)
+    and no names outside :data:`MEMBERS` counts -- so ``delete``/``prune`` never remove a web
+    app's or another tool's directory that merely has a ``manifest.json``. Reads only the
+    manifest (at most 64 MiB)."""
+    import json
+
+    try:
+        if not (path / IMAGES).is_dir() or (path / IMAGES).is_symlink():
+            return f"it has no {IMAGES}/ directory"
+        extra = sorted(set(os.listdir(path)) - MEMBERS - {f".{MANIFEST}.tmp"})
+        if extra:
+            return "it holds " + ", ".join(extra[:5]) + " (a snapshot holds only " + ", ".join(sorted(MEMBERS)) + ")"
+        with open(path / MANIFEST, "rb") as f:
+            raw = json.loads(f.read(64 << 20))
+    except (OSError, ValueError) as e:
+        return f"its {MANIFEST} is not readable JSON ({e})"
+    if not isinstance(raw, dict) or not {"schema_version", "criu", "images"} <= set(raw):
+        return f"its {MANIFEST} is not a vllm-snapshot manifest"
+    return None
+
+
+def open_trusted(path: Path) -> SnapshotDir:
+    """Run the trust checks once -- :func:`check_dir_safety`, :func:`check_file_modes`, and
+    no unexpected top-level member -- and return the snapshot's :class:`SnapshotDir`.
+    Raises UsageError (missing), CorruptSnapshotError (untrusted or unexpected content)."""
+    path = path.absolute()
+    if os.path.lexists(path) and not path.is_symlink() and not path.is_dir():
+        raise UsageError(f"{path} is not a directory (a snapshot is a directory)",
+                         hint="name a directory made by `vllm-snapshot create` (`vllm-snapshot list` shows them)")
+    if path.is_dir() and not path.is_symlink() and not (path / MANIFEST).exists():
+        if not (path / IMAGES).exists():  # not ours at all: a wrong argument, not a damaged snapshot
+            raise UsageError(f"{path} is not a snapshot (no {MANIFEST}, no {IMAGES}/)",
+                             hint="name a directory made by `vllm-snapshot create` (`vllm-snapshot list` shows them)")
+        raise CorruptSnapshotError(f"{path} is an incomplete snapshot (no {MANIFEST})",
+                                   hint=f"remove the directory (`rm -r {path}`: `vllm-snapshot delete` deletes only "
+                                        "snapshots with a manifest) and create it again")
+    check_dir_safety(path)
+    check_file_modes(path)
+    extra = sorted(set(os.listdir(path)) - MEMBERS)
+    if extra:
+        raise CorruptSnapshotError(f"{path} holds unexpected members: {', '.join(extra)}",
+                                   hint="a snapshot holds only " + ", ".join(sorted(MEMBERS)))
+    return SnapshotDir(path)
+
+
+def check_dir_safety(path: Path) -> None:
+    """Refuse a snapshot dir we should not trust.
+
+    ``path`` and each parent must not be a symlink (``path`` itself), must be owned by us or
+    root, and must not be group/world-writable unless sticky and root-owned (like /tmp).
+    ``path`` itself must be mode 0700. Raises CorruptSnapshotError naming the path.
+    """
+    uid = os.geteuid()
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError as e:
+        raise UsageError(f"{path} does not exist") from e
+    except PermissionError as e:
+        raise paths.not_allowed(path) from e
+    if stat.S_ISLNK(st.st_mode):
+        raise CorruptSnapshotError(f"{path} is a symlink; refusing to trust it")
+    if not stat.S_ISDIR(st.st_mode):
+        raise CorruptSnapshotError(f"{path} is not a directory")
+    if st.st_uid != uid:
+        raise CorruptSnapshotError(f"{path} is owned by uid {st.st_uid}, not by us (uid {uid})")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise CorruptSnapshotError(
+            f"{path} has mode {stat.S_IMODE(st.st_mode):04o}; a snapshot holds process memory and must be 0700",
+            hint=f"chmod -R go-rwx {path}",
+        )
+    check_parents(path)
+
+
+def check_parent_symlinks(path: Path, stop_at_missing: bool = False) -> None:
+    """Every directory component of ``path`` as given: a symlink is trusted only when root owns
+    it (system layout such as /var/run -> /run); anyone else could redirect us. With
+    ``stop_at_missing`` the walk ends at the first component that does not exist (else that
+    raises FileNotFoundError). Raises CorruptSnapshotError naming the symlink."""
+    probe = Path(path.absolute().anchor)
+    for part in path.absolute().parts[1:-1]:
+        probe = probe / part
+        try:
+            lst = os.lstat(probe)
+        except FileNotFoundError:
+            if stop_at_missing:
+                return
+            raise
+        if stat.S_ISLNK(lst.st_mode) and lst.st_uid != 0:
+            raise CorruptSnapshotError(f"parent {probe} is a symlink owned by uid {lst.st_uid}; refusing to follow it")
+
+
+def check_parents(path: Path) -> None:
+    """The rule for the directories above a snapshot (restore applies it through
+    :func:`check_dir_safety`; create applies it to its target before anything starts, so it
+    never spends minutes on a snapshot restore would refuse): a symlink among them only when
+    root owns it, each owned by us or root, none writable by group/others unless sticky and
+    root-owned (like /tmp). Raises CorruptSnapshotError naming the directory."""
+    uid = os.geteuid()
+    check_parent_symlinks(path)
+    for parent in path.absolute().parent.resolve().joinpath("x").parents:
+        pst = os.stat(parent)
+        if pst.st_uid not in (0, uid):
+            raise CorruptSnapshotError(f"parent directory {parent} is owned by uid {pst.st_uid}")
+        writable = stat.S_IMODE(pst.st_mode) & 0o022
+        sticky_root = pst.st_mode & stat.S_ISVTX and pst.st_uid == 0
+        if writable and not sticky_root:
+            raise CorruptSnapshotError(f"parent directory {parent} is writable by group/others")
+
+
+def check_file_modes(path: Path) -> None:
+    """Refuse files/dirs inside a snapshot that are symlinks, owned by another user, or
+    readable by group/others."""
+    uid = os.geteuid()
+    for dirpath, dirnames, filenames in os.walk(path):
+        for n in dirnames + filenames:
+            p = Path(dirpath) / n
+            st = os.lstat(p)
+            if stat.S_ISLNK(st.st_mode):
+                raise CorruptSnapshotError(f"{p} is a symlink; snapshots hold none")
+            if st.st_uid != uid:
+                raise CorruptSnapshotError(f"{p} is owned by uid {st.st_uid}, not by us (uid {uid}); refusing to trust it",
+                                           hint=f"chown -R {uid} {path} if you trust its origin")
+            if stat.S_IMODE(st.st_mode) & 0o077:
+                raise CorruptSnapshotError(
+                    f"{p} has mode {stat.S_IMODE(st.st_mode):04o}; snapshot files must be private (0600/0700)",
+                    hint=f"chmod -R go-rwx {path}",
+                )
+
+

@@ -1,0 +1,259 @@
+"""The snapshot store: names under a root, temp dirs and atomic publish, listing, deletion,
+and per-snapshot bookkeeping kept outside snapshots (last restore). The layout of one snapshot
+directory and its trust checks live in :mod:`vllm_snapshot.store.layout`.
+
+A create writes into a hidden sibling ``.DIR.tmp-XXXX`` and publishes it with one rename.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from ..errors import UsageError
+
+from .layout import FILES, IMAGES, MANIFEST, OWNER_PID
+from .. import paths
+
+TMP_MARK = ".tmp-"
+#: A temp dir without ``owner.pid`` younger than this may be a create that has not written it
+#: yet: never removed as stale.
+NO_PID_GRACE_S = 60.0
+
+
+def prepare_target(target: Path) -> Path:
+    """Check ``target`` can be created, clean stale temp siblings, and return a new private
+    temp dir beside it (with ``images/`` and ``files/``). Raises UsageError."""
+    if os.path.lexists(target):
+        raise UsageError(f"{target} already exists; refusing to overwrite a snapshot",
+                         hint="choose another --snapshot-dir, or delete the old one first")
+    parent = target.parent
+    if not parent.exists():
+        raise UsageError(f"parent directory {parent} does not exist")
+    if not parent.is_dir():
+        raise UsageError(f"{parent} is not a directory")
+    from .layout import check_parents
+
+    check_parents(target)  # restore would refuse a snapshot there: say so before the engine starts
+    clean_stale_temps(parent)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}{TMP_MARK}", dir=parent))
+    except OSError as e:
+        raise UsageError(f"cannot create the snapshot in {parent}: {e.strerror}") from e
+    os.chmod(tmp, 0o700)
+    (tmp / OWNER_PID).write_text(str(os.getpid()))
+    (tmp / IMAGES).mkdir(mode=0o700)
+    (tmp / FILES).mkdir(mode=0o700)
+    return tmp
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def clean_stale_temps(parent: Path, name: str | None = None, min_age_s: float = 0.0) -> list[Path]:
+    """Remove leftover ``.NAME.tmp-*`` dirs of crashed creates whose owner PID (recorded in
+    ``owner.pid``) is dead. Returns what was removed."""
+    removed = stale_temps(parent, name, min_age_s)
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
+
+
+def stale_temps(parent: Path, name: str | None = None, min_age_s: float = 0.0) -> list[Path]:
+    """The ``.NAME.tmp-*`` dirs :func:`clean_stale_temps` would remove (owner dead)."""
+    removed = []
+    for p in parent.glob(f".{name or '*'}{TMP_MARK}*"):
+        if not p.is_dir() or p.is_symlink():
+            continue
+        try:
+            pid = int((p / OWNER_PID).read_text())
+        except (OSError, ValueError):
+            pid = 0
+        if pid and _pid_alive(pid):
+            continue
+        age = time.time() - p.stat().st_mtime
+        if age < min_age_s or (not pid and age < NO_PID_GRACE_S):
+            continue
+        removed.append(p)
+    return removed
+
+
+def publish(tmp: Path, target: Path) -> None:
+    """Atomically rename the finished temp dir to ``target`` and fsync the parent.
+
+    Raises UsageError when ``target`` appeared meanwhile."""
+    (tmp / OWNER_PID).unlink(missing_ok=True)
+    if os.path.lexists(target):
+        raise UsageError(f"{target} appeared while the snapshot was being created")
+    os.rename(tmp, target)
+    dfd = os.open(target.parent, os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+# ----------------------------------------------------------------------------- names, root
+
+def default_root() -> Path:
+    """Where named snapshots live (see :func:`vllm_snapshot.paths.snapshot_root`)."""
+    return paths.snapshot_root()
+
+
+NAME_RULE = "letters, digits, '.', '_' and '-', not starting with '.', at most 128 characters"
+
+
+def valid_name(name: str) -> bool:
+    """Names: letters, digits, ``.``, ``_``, ``-``; not starting with ``.``; <= 128 chars."""
+    import re
+
+    return bool(re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}", name))
+
+
+def canonical(path: str | Path) -> Path:
+    """The one identity of a snapshot path, used for every comparison, lock, registry entry
+    and deletion: absolute, with ``..`` and symlinked parent directories resolved (the final
+    component is kept as it is: a snapshot that *is* a symlink is refused by its trust check).
+    A parent symlink is followed only when root owns it (system layout such as
+    /var/run -> /run), as the trust check requires. Raises CorruptSnapshotError otherwise."""
+    from .layout import check_parent_symlinks
+
+    p = Path(path).absolute()
+    if p.name in ("", ".", ".."):
+        p = Path(os.path.realpath(p))
+    check_parent_symlinks(p, stop_at_missing=True)
+    return Path(os.path.realpath(p.parent)) / p.name
+
+
+def resolve(ref: str | Path, root: Path | None = None) -> Path:
+    """A snapshot reference -> its canonical directory (:func:`canonical`): a bare valid name
+    means ``ROOT/NAME``; anything with a ``/`` (or ``.``/``..``) is a path. Raises UsageError
+    for an invalid name."""
+    s = str(ref)
+    if "/" in s or s in (".", ".."):
+        return canonical(s)
+    if not valid_name(s):
+        raise UsageError(f"{s!r} is neither a path nor a valid snapshot name (letters, digits, . _ -)")
+    named = (root or default_root()) / s
+    local = Path(s).absolute()
+    if local.is_dir() and local != named:
+        if named.exists():
+            raise UsageError(f"{s!r} is ambiguous: both ./{s} and {named} exist",
+                             hint=f"write ./{s} for the directory here, or {named}")
+        return canonical(local)  # e.g. made by `create --snapshot-dir NAME` in this directory
+    return canonical(named)
+
+
+def ensure_root(root: Path) -> Path:
+    """Create the snapshot root (0700) if missing; return it. Raises UsageError when it
+    exists and is not a directory."""
+    from ..errors import UsageError
+
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"the snapshot root {root} is not a directory", hint="check --root / VLLM_SNAPSHOT_ROOT")
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return root
+
+
+def _state_file(snapshot: Path) -> Path:
+    import hashlib
+
+    key = hashlib.sha256(str(snapshot.absolute()).encode()).hexdigest()[:24]
+    d = paths.ensure_private_dir(paths.state_dir())
+    return d / f"{key}.json"
+
+
+def record_restore(snapshot: Path, overrides: list[str] | None = None) -> None:
+    """Remember when ``snapshot`` was last restored and which identity overrides that restore
+    used (outside the snapshot: it stays unchanged)."""
+    import json
+
+    p = _state_file(snapshot)
+    p.write_text(json.dumps({"snapshot": str(snapshot.absolute()), "last_restore": time.time(),
+                             "overrides": list(overrides or [])}))
+    os.chmod(p, 0o600)
+
+
+def record_refusal(snapshot: Path, code: str, reason: str) -> None:
+    """Remember that ``serve`` refused ``snapshot`` on this host (error ``code``, one-line
+    ``reason``), keeping its last-restore time; ``list`` shows it as unusable until a restore
+    of it succeeds again (:func:`record_restore` rewrites the record). The snapshot itself is
+    never written to."""
+    import json
+
+    p = _state_file(snapshot)
+    try:
+        state = json.loads(p.read_text())
+    except (OSError, ValueError):
+        state = {"snapshot": str(snapshot.absolute()), "last_restore": None, "overrides": []}
+    state["refused"] = {"at": time.time(), "code": code, "reason": reason}
+    p.write_text(json.dumps(state))
+    os.chmod(p, 0o600)
+
+
+def refusal(snapshot: Path) -> dict | None:
+    """``{"at": unix s, "code": error code, "reason": text}`` of the last refusal recorded for
+    ``snapshot`` since its last successful restore, or None."""
+    import json
+
+    try:
+        r = json.loads(_state_file(snapshot).read_text()).get("refused")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return r if isinstance(r, dict) and isinstance(r.get("reason"), str) else None
+
+
+def last_restore(snapshot: Path) -> float | None:
+    """Unix time of the last successful restore, or None (never restored: no state file, or
+    one that ``serve`` wrote with ``"last_restore": null`` when it refused the snapshot)."""
+    import json
+
+    try:
+        return float(json.loads(_state_file(snapshot).read_text())["last_restore"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def list_snapshots(root: Path) -> list[Path]:
+    """Published snapshots (dirs with a manifest) directly under ``root``, sorted by name.
+    Temp dirs of creates in progress (hidden) are not listed."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if not p.name.startswith(".") and p.is_dir()
+                  and (p / MANIFEST).is_file())
+
+
+def delete(snapshot: Path) -> None:
+    """Remove a snapshot: first renamed to a hidden temp name (so it vanishes from listings
+    atomically), then removed."""
+    from ..errors import CorruptSnapshotError
+
+    if snapshot.is_symlink():
+        raise CorruptSnapshotError(f"{snapshot} is a symlink, not a snapshot; nothing was deleted",
+                                   hint=f"remove the link itself with `rm {snapshot}`, or delete the snapshot it names")
+    from .layout import not_a_snapshot
+
+    why = not_a_snapshot(snapshot)
+    if why:
+        raise CorruptSnapshotError(f"{snapshot} is not a vllm-snapshot snapshot: {why}; nothing was deleted",
+                                   hint="check the path; remove other directories with rm, not vllm-snapshot")
+    tmp = snapshot.parent / f".{snapshot.name}{TMP_MARK}deleting-{os.getpid()}"
+    os.rename(snapshot, tmp)
+    shutil.rmtree(tmp)
+    forget(snapshot)
+
+
+def forget(snapshot: Path) -> None:
+    """Remove what is kept about ``snapshot`` outside it (its last-restore record), so a new
+    snapshot of the same name starts clean."""
+    _state_file(snapshot).unlink(missing_ok=True)

@@ -1,0 +1,289 @@
+"""Front-end options: the ``vllm serve`` options that change the HTTP server and not the engine
+(API key, TLS, CORS, root path, uvicorn logging, request logging), given at **restore** (and
+``serve``/``switch``) and applied when the server starts after the oracle matched.
+
+Why at restore: an option given at create is frozen into the snapshot's memory -- an API key
+would sit in the images in clear, and every restore would serve with it. The engine's state
+does not depend on them, so the restoring command owns them, like ``--host``/``--port``.
+
+Who parses what:
+
+* Here, lexically and without vLLM (importing its parser costs ~10-16 s): which tokens are
+  front-end options (:data:`OPTIONS`, exact flag names as vLLM 0.32's ``FrontendArgs`` and
+  ``AsyncEngineArgs`` define them; ``tests/test_frontend.py`` checks the table against vLLM's
+  own parser), so ``restore`` can refuse an engine option before CRIU and ``serve`` can keep
+  them out of the snapshot key; then :func:`check` validates values and files (TLS key and
+  certificate load together, JSON lists, log levels) before CRIU.
+* In the restored engine (``engine/main.py``): vLLM's own parser, kept from create, parses
+  the same tokens into its namespace; the OpenAI app is rebuilt with vLLM's ``build_app``
+  when an option it reads changed.
+
+Secrets: API keys travel only through the engine's control pipe (never on a command line the
+CLI builds, never in the registry, the manifest or a log). ``VLLM_API_KEY`` in the restoring
+command's environment is used when no ``--api-key`` is given, as ``vllm serve`` does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import ssl
+from dataclasses import dataclass, field
+
+from ..errors import UsageError
+
+#: flag -> (dest, arity): 0 a switch (with its ``--no-`` form where vLLM has one), 1 one
+#: value, "+" one or more values. vLLM 0.32 ``vllm/entrypoints/launchers/cli_args.py``
+#: (FrontendArgs) and ``vllm/engine/arg_utils.py`` (``--enable-log-requests``).
+OPTIONS: dict[str, tuple[str, int | str]] = {
+    "--api-key": ("api_key", "+"),
+    "--ssl-keyfile": ("ssl_keyfile", 1),
+    "--ssl-certfile": ("ssl_certfile", 1),
+    "--ssl-ca-certs": ("ssl_ca_certs", 1),
+    "--ssl-ciphers": ("ssl_ciphers", 1),
+    "--enable-ssl-refresh": ("enable_ssl_refresh", 0),
+    "--no-enable-ssl-refresh": ("enable_ssl_refresh", 0),
+    "--allowed-origins": ("allowed_origins", 1),
+    "--allowed-methods": ("allowed_methods", 1),
+    "--allowed-headers": ("allowed_headers", 1),
+    "--allow-credentials": ("allow_credentials", 0),
+    "--no-allow-credentials": ("allow_credentials", 0),
+    "--root-path": ("root_path", 1),
+    "--uvicorn-log-level": ("uvicorn_log_level", 1),
+    "--disable-uvicorn-access-log": ("disable_uvicorn_access_log", 0),
+    "--no-disable-uvicorn-access-log": ("disable_uvicorn_access_log", 0),
+    "--disable-access-log-for-endpoints": ("disable_access_log_for_endpoints", 1),
+    "--enable-log-requests": ("enable_log_requests", 0),
+    "--no-enable-log-requests": ("enable_log_requests", 0),
+    "--enable-request-id-headers": ("enable_request_id_headers", 0),
+    "--no-enable-request-id-headers": ("enable_request_id_headers", 0),
+    "--disable-fastapi-docs": ("disable_fastapi_docs", 0),
+    "--no-disable-fastapi-docs": ("disable_fastapi_docs", 0),
+    "--h11-max-incomplete-event-size": ("h11_max_incomplete_event_size", 1),
+    "--h11-max-header-count": ("h11_max_header_count", 1),
+}
+#: Dests the OpenAI app reads when vLLM builds it (``build_app``/``init_entrypoints_middleware``):
+#: changing one means rebuilding the app in the restored engine.
+APP_DESTS = frozenset({"api_key", "allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials",
+                       "root_path", "enable_request_id_headers", "disable_fastapi_docs"})
+#: Front-end settings no restore can honour, flag -> why.
+REFUSED = {
+    "--ssl-cert-reqs": "client certificates (mutual TLS): the readiness check and the canary have none to present",
+    "--middleware": "custom middleware (it may reject or change the canary)",
+    "--uds": "a unix socket listener (restore binds --host/--port)",
+}
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+#: restore's/serve's/switch's own options (typer parses them; a misspelt one reaches us)
+OWN_OPTIONS = ("--host", "--port", "--detach", "--log-file", "--verify-model", "--allow-mismatch", "--json",
+               "--quiet", "--no-build", "--rebuild", "--model", "--rollback", "--no-rollback", "--keep-env",
+               "--oracle-prompt", "--sleep-level", "--compress", "--verbose")
+#: systemd credential name read for the API key when ``VLLM_API_KEY`` is unset
+#: (``LoadCredential=vllm-api-key:/etc/vllm-snapshot/NAME.key``; systemd.exec(5), "Credentials")
+CREDENTIAL = "vllm-api-key"
+
+
+@dataclass
+class Frontend:
+    """What :func:`check` made of the front-end tokens. ``args``: the tokens to hand to the
+    engine (with ``VLLM_API_KEY`` turned into ``--api-key``); ``api_keys``: the keys the
+    canary may present (first one used); ``tls``: the server speaks HTTPS; ``files``: the TLS
+    files the engine opens when it starts serving."""
+
+    args: list[str] = field(default_factory=list)
+    api_keys: list[str] = field(default_factory=list)
+    tls: bool = False
+    files: list[str] = field(default_factory=list)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
+
+    def describe(self) -> list[str]:
+        """The settings in words, secret values never included (for logs and ``--json``)."""
+        out = []
+        if self.api_keys:
+            out.append("API key required")
+        if self.tls:
+            out.append("TLS")
+        flags = [_flag(a) for a in self.args if a.startswith("--")]
+        out += sorted({f for f in flags if OPTIONS.get(f, ("",))[0] not in ("api_key", "ssl_keyfile", "ssl_certfile")})
+        return out
+
+
+def fingerprint(args: list[str], salt: str | None = None) -> str:
+    """``SALT:DIGEST``: a salted BLAKE3 of the front-end tokens (API key included), so that
+    ``switch`` can tell whether an engine already serves with exactly these settings without
+    anything recording the key itself. ``salt``: 16 hex digits, random when None. Pure when
+    ``salt`` is given."""
+    import blake3
+
+    salt = salt or os.urandom(8).hex()
+    return f"{salt}:{blake3.blake3((salt + json.dumps(list(args))).encode()).hexdigest()[:32]}"
+
+
+def same_settings(args: list[str], fp: str) -> bool:
+    """True when ``fp`` (a :func:`fingerprint`) was made from exactly ``args``; an empty ``fp``
+    (an engine registered before fingerprints) counts as "no options". Pure."""
+    if not fp:
+        return not args
+    salt = fp.split(":", 1)[0] if ":" in fp else ""
+    return bool(salt) and fingerprint(args, salt) == fp
+
+
+def _flag(token: str) -> str:
+    return token.split("=", 1)[0]
+
+
+def _walk(args: list[str]):
+    """Each option of ``args`` as ``(name, tokens, values)``: ``tokens`` the slice it took as
+    given, ``values`` its values (``[]`` for a switch) -- or ``None`` for a token that is not a
+    front-end option (then ``tokens`` is that one token). A value is the ``=`` part, else the
+    next token (arity 1), else every following token up to the next ``-``-prefixed one (``+``,
+    as argparse reads ``nargs="+"``). Pure."""
+    i = 0
+    while i < len(args):
+        tok = args[i]
+        name = _flag(tok)
+        start, i = i, i + 1
+        if name not in OPTIONS:
+            yield name, [tok], None
+            continue
+        arity = OPTIONS[name][1]
+        vals = [tok.split("=", 1)[1]] if "=" in tok else []
+        if "=" not in tok and arity == 1 and i < len(args):
+            vals.append(args[i])
+            i += 1
+        elif "=" not in tok and arity == "+":
+            while i < len(args) and not args[i].startswith("-"):
+                vals.append(args[i])
+                i += 1
+        yield name, args[start:i], vals
+
+
+def split(args: list[str]) -> tuple[list[str], list[str]]:
+    """``(front-end tokens, the rest)`` of ``vllm serve``-style ``args``, order kept within
+    each. Pure. A front-end option's values go with it (``--api-key A B``: every following
+    token up to the next ``-``-prefixed one)."""
+    front: list[str] = []
+    rest: list[str] = []
+    for _name, tokens, vals in _walk(args):
+        (rest if vals is None else front).extend(tokens)
+    return front, rest
+
+
+def values(args: list[str]) -> dict[str, list[str] | bool]:
+    """dest -> values (list) or switch state (bool), last one wins. Raises UsageError."""
+    out: dict[str, list[str] | bool] = {}
+    for name, tokens, vals in _walk(args):
+        if vals is None:
+            raise UsageError(f"{tokens[0]!r} is not a front-end option")
+        dest, arity = OPTIONS[name]
+        if arity == 0:
+            if vals:
+                raise UsageError(f"{name} takes no value")
+            out[dest] = not name.startswith("--no-")
+            continue
+        if not vals or any(v == "" for v in vals):
+            raise UsageError(f"{name} needs a value")
+        out[dest] = vals
+    return out
+
+
+def refuse_engine_options(args: list[str], where: str = "restore") -> None:
+    """Raise UsageError naming the first option of ``args`` that is not a front-end option
+    (an engine option: frozen in the snapshot), a refused front-end setting, or a stray value.
+    Values of known options are skipped by their arity. Pure."""
+    for name, tokens, vals in _walk(args):
+        if vals is not None:
+            continue
+        tok = tokens[0]
+        if name in REFUSED:
+            raise UsageError(f"{name}: {REFUSED[name]}", hint="leave it out")
+        if name in ("--host", "--port"):
+            raise UsageError(f"{name} is {where}'s own option, not a front-end option to pass on",
+                             hint=f"give {name} before any --")
+        if not tok.startswith("-"):
+            raise UsageError(f"unexpected argument {tok!r}", hint="front-end options are --flag [value]")
+        import difflib
+
+        near = difflib.get_close_matches(name, [*OPTIONS, *OWN_OPTIONS], n=1, cutoff=0.75)
+        if near:  # a typo, not an engine option: say so instead of sending the user to re-create
+            raise UsageError(f"unknown option {name} (did you mean {near[0]}?)",
+                             hint=f"`vllm-snapshot {where} --help` lists its options")
+        raise UsageError(
+            f"{name} is not an option {where} can apply: engine options are frozen in the snapshot at create",
+            hint="front-end options (API key, TLS, CORS, --root-path, logging) are accepted here; for engine "
+                 "options create a new snapshot (or use `vllm-snapshot serve MODEL ARGS`, which builds one)")
+
+
+def check(args: list[str], environ: dict[str, str] | None = None) -> Frontend:
+    """Validate front-end tokens before CRIU runs and return a :class:`Frontend`. An API key
+    comes from ``--api-key``, else ``VLLM_API_KEY`` in ``environ``, else the systemd credential
+    :data:`CREDENTIAL` (a file in ``$CREDENTIALS_DIRECTORY``). TLS needs both
+    ``--ssl-keyfile`` and ``--ssl-certfile``, which must load together (Python's ``ssl``);
+    ``--ssl-ca-certs`` must be readable PEM, ``--ssl-ciphers`` an OpenSSL cipher list that selects
+    at least one cipher; CORS lists are JSON lists of strings. Raises
+    UsageError naming the option and what to do."""
+    refuse_engine_options(args)
+    vals = values(args)
+    out = Frontend(args=list(args))
+    env = environ or {}
+    key = env.get("VLLM_API_KEY", "")
+    cred_dir = env.get("CREDENTIALS_DIRECTORY")
+    if not key and cred_dir and os.path.isfile(os.path.join(cred_dir, CREDENTIAL)):
+        with open(os.path.join(cred_dir, CREDENTIAL)) as f:  # systemd LoadCredential=
+            key = f.read().strip()
+    if "api_key" in vals:
+        out.api_keys = list(vals["api_key"])  # type: ignore[arg-type]
+    elif key:
+        out.api_keys = [key]
+        out.args += ["--api-key", key]
+    keyfile = (vals.get("ssl_keyfile") or [None])[-1]  # type: ignore[index]
+    certfile = (vals.get("ssl_certfile") or [None])[-1]  # type: ignore[index]
+    if bool(keyfile) != bool(certfile):
+        raise UsageError("TLS needs both --ssl-keyfile and --ssl-certfile", hint="give the key and its certificate")
+    for dest in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        for p in vals.get(dest) or []:  # type: ignore[union-attr]
+            if not os.path.isfile(p) or not os.access(p, os.R_OK):
+                raise UsageError(f"--{dest.replace('_', '-')} {p}: no readable file there")
+            out.files.append(p)
+    if certfile:
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(certfile, keyfile)
+        except (ssl.SSLError, OSError) as e:
+            raise UsageError(f"--ssl-certfile {certfile} / --ssl-keyfile {keyfile} do not load as a TLS key pair: {e}",
+                             hint="give a PEM certificate and the private key that belongs to it") from e
+        out.tls = True
+    # what uvicorn does with them when it builds its SSL context (uvicorn/config.py
+    # create_ssl_context): a bad value would otherwise fail after CRIU, the oracle and the bind
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    for ca in vals.get("ssl_ca_certs") or []:  # type: ignore[union-attr]
+        try:
+            ctx.load_verify_locations(ca)
+        except (ssl.SSLError, OSError) as e:
+            raise UsageError(f"--ssl-ca-certs {ca}: not PEM CA certificates ({e})",
+                             hint="give a file of PEM certificates, or leave the option out") from e
+    for ciphers in vals.get("ssl_ciphers") or []:  # type: ignore[union-attr]
+        try:
+            ctx.set_ciphers(ciphers)
+        except ssl.SSLError as e:
+            raise UsageError(f"--ssl-ciphers {ciphers!r}: OpenSSL selects no cipher from it ({e})",
+                             hint="give an OpenSSL cipher list, e.g. 'ECDHE+AESGCM', or leave the option out "
+                                  "for uvicorn's default") from e
+    for dest in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        for v in vals.get(dest) or []:  # type: ignore[union-attr]
+            try:
+                parsed = json.loads(v)
+            except ValueError:
+                parsed = None
+            if not isinstance(parsed, list) or not all(isinstance(x, str) for x in parsed):
+                raise UsageError(f"--{dest.replace('_', '-')} {v!r}: expected a JSON list of strings",
+                                 hint='e.g. --allowed-origins \'["https://app.example"]\'')
+    for v in vals.get("uvicorn_log_level") or []:  # type: ignore[union-attr]
+        if v not in LOG_LEVELS:
+            raise UsageError(f"--uvicorn-log-level {v!r}: expected one of {', '.join(LOG_LEVELS)}")
+    for dest in ("h11_max_incomplete_event_size", "h11_max_header_count"):
+        for v in vals.get(dest) or []:  # type: ignore[union-attr]
+            if not v.isdigit() or int(v) <= 0:
+                raise UsageError(f"--{dest.replace('_', '-')} {v!r}: expected a positive integer")
+    return out

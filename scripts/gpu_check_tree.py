@@ -269,7 +269,7 @@ def copy_package(work: Path, fake: bool) -> Path:
         os.chmod(d, 0o755)
         for f in files:
             os.chmod(os.path.join(d, f), 0o644)
-    os.chmod(pkg / "vllm_snapshot" / "criu_ruid.sh", 0o755)
+    os.chmod(pkg / "vllm_snapshot" / "checkpoint" / "criu_ruid.sh", 0o755)
     return pkg
 
 

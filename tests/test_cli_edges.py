@@ -558,6 +558,26 @@ def test_a_snapshot_another_user_may_not_read_is_a_permission_error_not_missing(
         assert "does not exist" not in cp.stdout + cp.stderr
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a command as another user")
+def test_a_snapshot_root_another_user_may_not_read_is_a_permission_error_not_a_usage_error(engine_tmp):
+    # `vllm-snapshot --root /var/lib/vllm-snapshot list` as a plain user: exit 2, "Invalid value
+    # for '--root' ... is not readable" (the option's own check), where a permission error is 11
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    top = engine_tmp / "root-only"
+    write_snapshot_dir(top / "s")
+    os.chmod(top, 0o700)
+    for args in (["--root", str(top), "list"], ["--root", str(top), "list", "--json"], ["--root", str(top), "inspect", "s"]):
+        cp = subprocess.run(["runuser", "-u", "vllm-snapshot", "--", sys.executable, "-m", "vllm_snapshot", *args],
+                            capture_output=True, text=True, timeout=120, cwd=root,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+        assert cp.returncode == 11, (args, cp.stdout + cp.stderr)
+        assert "permission denied" in cp.stdout + cp.stderr and str(top) in cp.stdout + cp.stderr, cp.stdout + cp.stderr
+        assert "Invalid value" not in cp.stdout + cp.stderr
+
+
 def test_list_and_status_never_cut_a_reason_or_a_path(capsys):
     # the trial: list and status truncated the reason and the path an operator needs ("…")
     from vllm_snapshot.cli import render

@@ -44,7 +44,7 @@ def _drain(given: Optional[float]) -> float:
 @app.callback()
 def _root(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
-    root: Optional[Path] = typer.Option(None, "--root", envvar="VLLM_SNAPSHOT_ROOT",
+    root: Optional[Path] = typer.Option(None, "--root", envvar="VLLM_SNAPSHOT_ROOT", readable=False,
                                         help="Where named snapshots live (default /var/lib/vllm-snapshot as root)."),
 ) -> None:
     _STATE["debug"] = debug

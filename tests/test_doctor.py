@@ -197,6 +197,27 @@ def test_not_root():
     assert doctor.exit_code(checks) == 11
 
 
+def test_not_root_leaves_what_only_root_can_check_unchecked_instead_of_failed():
+    # a plain user's doctor said `criu check` features were "not supported" (remedy: a newer
+    # kernel), the engine user's checks "could not run: Operation not permitted" and "no
+    # leftovers" of a store it cannot read: none of them is a fact about the host
+    p = FakeProbes(uid=1000, cap_eff=0, criu_check=(1, "setcap cap_checkpoint_restore+eip criu\n"),
+                   features={f: (1, "setcap cap_checkpoint_restore+eip criu\n") for f, _s, _w in doctor.CRIU_FEATURES},
+                   left=["/dev/shm/vllm-snapshot-stage-99-x"])
+    checks = doctor.run_checks(p)
+    by = _by_name(checks)
+    assert _failed_errors(checks) == ["root"] and doctor.exit_code(checks) == 11
+    unchecked = ["criu-check", *(f"criu-feature:{f}" for f, _s, _w in doctor.CRIU_FEATURES),
+                 "leftovers", "engine-user:python", "engine-user:home"]
+    for name in unchecked:
+        c = by[name]
+        assert (c.ok, c.severity) == (False, "info"), c
+        assert c.detail.startswith("not checked as uid 1000: ") and c.detail.endswith(" needs root"), c
+        assert c.remedy == "run `sudo vllm-snapshot doctor` to check it", c
+    assert not [a for a in p.ran if a[0] == "user_access" or a[1:2] == ["check"]], p.ran
+    assert by["engine-user"].ok and by["criu"].ok  # what a plain user can see is still checked
+
+
 def test_root_without_required_capability_names_it():
     eff = ALL_CAPS & ~(1 << 21)  # no CAP_SYS_ADMIN
     root = _by_name(doctor.run_checks(FakeProbes(cap_eff=eff)))["root"]

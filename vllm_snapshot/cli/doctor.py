@@ -369,7 +369,19 @@ def _check_criu(p: Probes) -> tuple[list[Check], str | None]:
     return [Check("criu", True, "error", f"CRIU {v} at {binary}")], binary
 
 
+def _not_checked(name: str, euid: int, why: str) -> Check:
+    """A check only root can make, seen by another user: not a failure of the host (the
+    ``root`` check already fails), so no false "not supported" or "could not run"."""
+    return Check(name, False, "info", f"not checked as uid {euid}: {why} needs root",
+                 "run `sudo vllm-snapshot doctor` to check it")
+
+
 def _check_criu_kernel(p: Probes, binary: str) -> list[Check]:
+    euid = p.euid()
+    if euid != 0:  # `criu check` as another user only says it lacks capabilities
+        return [_not_checked("criu-check", euid, "`criu check`"),
+                *(_not_checked(f"criu-feature:{feat}", euid, f"`criu check --feature {feat}` ({why})")
+                  for feat, _sev, why in CRIU_FEATURES)]
     out = []
     rc, text = p.run([binary, "check"], CRIU_CHECK_TIMEOUT_S)
     if rc == 0:
@@ -499,6 +511,8 @@ def _check_mounts(p: Probes) -> list[Check]:
 
 
 def _check_leftovers(p: Probes, root: str) -> Check:
+    if p.euid() != 0:  # staging, the engine registry and the store are root's: another user sees none
+        return _not_checked("leftovers", p.euid(), "looking for leftovers (root's staging, engine registry and cgroups)")
     left = p.leftovers(root)
     if not left:
         return Check("leftovers", True, "warning", "no leftovers of killed creates or restores, no empty engine cgroups")
@@ -648,6 +662,11 @@ def _check_engine_user(p: Probes) -> list[Check]:
         return [Check("engine-user", False, "error", f"the engine user {name} has uid 0: the engine would run as root",
                       f"userdel {name}, then: {privilege.USERADD_HINT}")]
     out = [Check("engine-user", True, "error", f"{name} (uid {u.uid}, gid {u.gid}, HOME {u.home})")]
+    store = os.path.join(p.env("VLLM_SNAPSHOT_CACHE") or "/var/cache/vllm-snapshot", "models")
+    euid = p.euid()
+    if euid != 0:  # the checks below run a process as that user (setuid, setgroups: root's)
+        names = ["engine-user:python", "engine-user:home"] + (["engine-user:models"] if p.is_dir(store) else [])
+        return out + [_not_checked(c, euid, f"a check run as {name}") for c in names]
     py = p.python_paths()
     probs = p.user_access(u, reach=list(py.values()),
                           nowrite=[v for k, v in py.items() if k.endswith(("environment", "package"))])
@@ -659,7 +678,6 @@ def _check_engine_user(p: Probes) -> list[Check]:
     out.append(Check("engine-user:home", not probs, "error",
                      "; ".join(probs) if probs else f"{u.home} is writable (vLLM's compile cache)",
                      "" if not probs else f"install -d -o {name} -g {u.gid} -m 0700 {u.home}"))
-    store = os.path.join(p.env("VLLM_SNAPSHOT_CACHE") or "/var/cache/vllm-snapshot", "models")
     if p.is_dir(store):
         probs = p.user_access(u, read=[store])
         out.append(Check("engine-user:models", not probs, "warning",

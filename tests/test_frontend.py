@@ -225,3 +225,145 @@ def test_restore_registers_whether_an_api_key_is_required():
     ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8124), Reporter(), tools=t)
     assert [(e.port, e.auth) for e in t.registered] == [(8123, True), (8124, False)]
     assert all("k" not in e.frontend for e in t.registered)  # a salted digest, hex
+
+
+# ------------------------------------------------------------------ switch carries the old engine's options
+
+ORIGINS = '["https://app.example"]'
+
+
+def _serving(frontend_args, auth=False, snap="/snaps/other"):
+    from vllm_snapshot.store.registry import Entry
+
+    return Entry(snapshot=snap, pid=77, supervisor_pid=0, host="127.0.0.1", port=8123, started_at=0.0,
+                 mode="detached", auth=auth, frontend_args=frontend_args)
+
+
+def test_restore_records_its_front_end_options_without_the_api_key():
+    t = FakeTools(manifest=isolated_manifest())
+    given = ("--api-key", "k1", "k2", "--allowed-origins", ORIGINS, "--root-path=/api", "--allow-credentials")
+    ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8123, frontend=given), Reporter(), tools=t)
+    assert t.registered[0].frontend_args == ("--allowed-origins", ORIGINS, "--root-path=/api", "--allow-credentials")
+    t.environ = lambda: {"VLLM_API_KEY": "k3"}  # the key from the environment is not recorded either
+    ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8124), Reporter(), tools=t)
+    assert t.registered[1].frontend_args == ()
+
+
+def test_switch_carries_every_front_end_option_the_old_engine_was_restored_with():
+    """A trial: `switch` kept the API key and TLS (it refuses to drop them) but silently served
+    without the old engine's --allowed-origins."""
+    t = FakeTools(manifest=isolated_manifest())
+    t.environ = lambda: {"VLLM_API_KEY": "k"}
+    t.entries = [_serving(("--allowed-origins", ORIGINS, "--root-path", "/api", "--enable-log-requests"), auth=True)]
+    rep = Reporter()
+    ops.switch(SNAP, None, 8123, None, rep, tools=t)
+    assert t.served_frontend == ("--allowed-origins", ORIGINS, "--root-path", "/api", "--enable-log-requests",
+                                 "--api-key", "k")
+    assert t.registered[0].frontend_args == ("--allowed-origins", ORIGINS, "--root-path", "/api", "--enable-log-requests")
+    # an option given replaces the old one of the same setting; the others stay
+    t2 = FakeTools(manifest=isolated_manifest())
+    t2.environ = lambda: {}
+    t2.entries = [_serving(("--allowed-origins", ORIGINS, "--allow-credentials", "--root-path", "/api"))]
+    ops.switch(SNAP, None, 8123, None, Reporter(), tools=t2,
+               frontend=("--allowed-origins", '["https://b.example"]', "--no-allow-credentials"))
+    assert t2.served_frontend == ("--root-path", "/api", "--allowed-origins", '["https://b.example"]',
+                                  "--no-allow-credentials")
+
+
+def test_switch_says_which_options_it_kept():
+    import io
+
+    out = io.StringIO()
+    t = FakeTools(manifest=isolated_manifest())
+    t.environ = lambda: {}
+    t.entries = [_serving(("--allowed-origins", ORIGINS, "--uvicorn-log-level", "warning"))]
+    from vllm_snapshot.report.progress import PlainReporter
+
+    ops.switch(SNAP, None, 8123, None, PlainReporter(stream=out), tools=t, frontend=("--uvicorn-log-level", "info"))
+    assert ("keeping the front-end options of the engine on port 8123: --allowed-origins (give one to switch to "
+            "change it)") in out.getvalue()
+
+
+def test_switch_to_the_serving_snapshot_with_its_carried_options_in_another_order_is_nothing_to_do():
+    recorded = ("--api-key", "k", "--allowed-origins", ORIGINS)
+    t = FakeTools(manifest=isolated_manifest())
+    t.environ = lambda: {}
+    e = _serving(tuple(frontend.without_secrets(list(recorded))), auth=True, snap=str(SNAP))
+    from dataclasses import replace
+
+    t.entries = [replace(e, frontend=frontend.fingerprint(list(recorded)))]
+    r = ops.switch(SNAP, None, 8123, None, Reporter(), tools=t, frontend=("--api-key", "k"))
+    assert r.unchanged and "stop_engine" not in t.calls
+    # a fingerprint an older vllm-snapshot recorded (of the token list itself) still matches
+    legacy = frontend._digest("ab" * 8, '["--api-key", "k"]')
+    assert frontend.same_settings(["--api-key", "k"], legacy) and not frontend.same_settings(["--api-key", "x"], legacy)
+
+
+def test_a_rolled_back_engine_gets_its_own_options_back_with_the_switchs_key():
+    from vllm_snapshot.errors import CriuError
+
+    t = FakeTools(manifest=isolated_manifest())
+    t.environ = lambda: {}
+    t.entries = [_serving(("--allowed-origins", ORIGINS,), auth=True)]
+    real, served, tries = t.restore_tree, [], []
+
+    def restore_tree(*a, **k):
+        tries.append(1)
+        if len(tries) == 1:
+            raise CriuError("CRIU restore failed")
+        return real(*a, **k)
+
+    serve = t.serve_engine
+    t.restore_tree = restore_tree
+    t.serve_engine = lambda *a, **k: (served.append(tuple(k.get("frontend", ()))), serve(*a, **k))[1]
+    with pytest.raises(CriuError, match="rolled back"):
+        ops.switch(SNAP, None, 8123, None, Reporter(), tools=t,
+                   frontend=("--api-key", "k", "--allowed-origins", '["https://b.example"]', "--root-path", "/v2"))
+    assert served == [("--allowed-origins", ORIGINS, "--api-key", "k")]  # the rollback: not the new CORS nor root path
+    assert t.registered[-1].frontend_args == ("--allowed-origins", ORIGINS)
+
+
+def test_an_engine_registered_without_a_record_of_its_options_keeps_the_old_behaviour():
+    # registered by an older vllm-snapshot: nothing to carry; the switch's own options only
+    t = FakeTools(manifest=isolated_manifest())
+    t.environ = lambda: {}
+    t.entries = [_serving(None)]
+    ops.switch(SNAP, None, 8123, None, Reporter(), tools=t, frontend=("--root-path", "/v"))
+    assert t.served_frontend == ("--root-path", "/v")
+
+
+def test_carry_and_the_secret_split_are_pure_token_operations():
+    args = ["--api-key", "a", "b", "--allowed-origins", ORIGINS, "--api-key=c", "--root-path", "/r"]
+    assert frontend.without_secrets(args) == ["--allowed-origins", ORIGINS, "--root-path", "/r"]
+    assert frontend.secrets(args) == ["--api-key", "a", "b", "--api-key=c"]
+    tokens, carried = frontend.carry(["--root-path", "/x"], frontend.without_secrets(args) + ["--from-the-future", "1"])
+    assert tokens == ["--allowed-origins", ORIGINS, "--root-path", "/x"] and carried == ["--allowed-origins"]
+
+
+def test_the_registry_keeps_the_options_where_older_versions_do_not_choke_on_them(tmp_path, monkeypatch):
+    import json
+    import os
+    from dataclasses import fields
+
+    from vllm_snapshot.store import registry
+    from vllm_snapshot.store.registry import Entry
+
+    monkeypatch.setenv("VLLM_SNAPSHOT_RUN_DIR", str(tmp_path))
+    args = ("--allowed-origins", ORIGINS, "--root-path", "/api")
+    f = registry.register(Entry("/snaps/x", os.getpid(), 0, "127.0.0.1", 8101, 0.0, "detached", frontend_args=args))
+    raw = json.loads(f.read_text())
+    # what an older vllm-snapshot reads: Entry(**raw) with its own fields (one that knew no
+    # drain file removed an entry with a field it did not know)
+    assert set(raw) <= {x.name for x in fields(Entry)} - {"drain_s", "frontend_args"}
+    assert json.loads(f.with_suffix(".frontend").read_text()) == list(args)
+    assert oct(f.with_suffix(".frontend").stat().st_mode & 0o777) == "0o600"
+    assert [e.frontend_args for e in registry.entries()] == [args]
+    # no record (an engine an older version registered), or a broken one: None, the engine is kept
+    f.with_suffix(".frontend").write_text('{"not": "a list"}')
+    assert [e.frontend_args for e in registry.entries()] == [None]
+    f.with_suffix(".frontend").unlink()
+    assert [e.frontend_args for e in registry.entries()] == [None]
+    # removed by an older version (the .json only): the options file goes with the next read
+    registry.register(Entry("/snaps/x", os.getpid(), 0, "127.0.0.1", 8101, 0.0, "detached", frontend_args=()))
+    f.unlink()
+    assert registry.entries() == [] and not list((tmp_path / "engines").iterdir())

@@ -126,3 +126,43 @@ def test_delete_through_a_symlinked_root_refuses_while_serving(clone_snapshot, t
     finally:
         cli("stop", "--port", str(port), env=env, timeout=60)
         link.unlink()
+
+
+def test_switch_keeps_the_front_end_options_of_the_engine_it_replaces(snapshot, clone_snapshot):
+    """A trial: `switch` kept the API key and TLS but silently dropped --allowed-origins: the new
+    engine answered the browser app's CORS preflight with vLLM's default ("*"). The registry
+    records the options an engine was restored with (the key left out, which switch needs
+    again); switch carries them over."""
+    from test_integration_more import _request
+    from vllm_snapshot import paths
+
+    b = clone_snapshot("sw-cors")
+    key = "sk-" + os.urandom(12).hex()
+    env = {**engine_env(), "VLLM_API_KEY": key}
+    port = free_port()
+    origin = "https://app.example"
+    r = json.loads(cli("restore", str(snapshot), "--port", str(port), "--detach", "--json",
+                       "--allowed-origins", json.dumps([origin]), "--root-path", "/api",
+                       env=env, timeout=300, check=True).stdout)
+    base = f"http://127.0.0.1:{port}"
+    preflight = {"Origin": origin, "Access-Control-Request-Method": "GET"}
+    try:
+        assert _request(f"{base}/v1/models", method="OPTIONS", headers=preflight)[1].get(
+            "access-control-allow-origin") == origin
+        p = cli("switch", str(b), "--port", str(port), env=env, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        new = [e for e in _status(env) if e["port"] == port]
+        assert [e["snapshot"] for e in new] == [str(b)] and new[0]["pid"] != r["pid"]
+        status, headers = _request(f"{base}/v1/models", method="OPTIONS", headers=preflight)
+        assert status == 200 and headers.get("access-control-allow-origin") == origin, headers
+        assert (f"keeping the front-end options of the engine on port {port}: --allowed-origins, --root-path"
+                in p.stderr), p.stderr
+        assert _request(f"{base}/v1/models")[0] == 401 and _request(f"{base}/v1/models", key)[0] == 200
+        # the key the switch was given is on no file of the registry (nor of the state dir)
+        for d in (paths.run_dir(), paths.state_dir()):
+            for f in d.rglob("*") if d.exists() else []:
+                if f.is_file():
+                    assert key.encode() not in f.read_bytes(), f"key in {f}"
+    finally:
+        cli("stop", "--port", str(port), env=env, timeout=120)
+    assert not port_accepts(port)

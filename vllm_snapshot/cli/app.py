@@ -296,7 +296,10 @@ def switch(
     and drains: requests in flight finish), restore SNAPSHOT there (detached) while it drains;
     roll back to the old engine if that fails. Switches of one port run one after the other.
     Reports the measured switch time. With --model MODEL [-- engine args] the snapshot is the
-    one `serve` would use (built first, while the old engine keeps serving, when none is valid)."""
+    one `serve` would use (built first, while the old engine keeps serving, when none is valid).
+    The old engine's front-end options (CORS, TLS, --root-path, logging, ...) are kept; one given
+    after -- replaces the old one of that setting; the API key is never kept: give it again
+    (VLLM_API_KEY or --api-key)."""
     from ..supervise import frontend
     from .. import ops
     from . import render

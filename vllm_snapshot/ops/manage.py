@@ -257,8 +257,15 @@ def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, r
        from the registry (``details``: ``{"stopped": [...], "serving": {...} | None}``).
 
     ``frontend``: front-end option tokens (API key, TLS, CORS, ...; :mod:`vllm_snapshot.supervise.frontend`)
-    for the new engine -- and for the old one if it is rolled back (its own options are not
-    recorded anywhere, secrets included). They are checked before the old engine is touched.
+    for the new engine. Every other front-end option the old engine was restored with (the
+    registry records them, secrets left out: ``Entry.frontend_args``) is carried over
+    (:func:`~vllm_snapshot.supervise.frontend.carry`): an option given replaces the old one of
+    the same setting. The API key is never recorded: it must be given again (``--api-key``,
+    ``VLLM_API_KEY``) -- an old engine that required one and a switch without one is refused,
+    as is one that would drop TLS. A rollback restores the old engine with its own recorded
+    options and the switch's key (an engine registered by an older vllm-snapshot, with no
+    record: with the switch's options). The new engine's are checked before the old engine is
+    touched.
     ``drain_s``: the old engine's drain (seconds; default its own) and the new one's (default
     :func:`vllm_snapshot.store.registry.drain_timeout`).
 
@@ -277,10 +284,13 @@ def _switch_locked(t: SnapshotTools, snapshot: Path, host: str | None, port: int
     from ..errors import InsufficientResources
     from ..store.registry import drain_timeout
 
-    wanted = fe.check(list(frontend), t.environ())
+    old = [e for e in t.engines() if e.port == port]
+    recorded = old[0].frontend_args if old else None
+    tokens, carried = fe.carry(list(frontend), list(recorded or ()))
+    wanted = fe.check(tokens, t.environ())
+    back = list(frontend) if recorded is None else fe.carry(fe.secrets(list(frontend)), list(recorded))[0]
     new_drain = drain_timeout(drain_s, t.environ())
     snapshot = t.canonical(snapshot)
-    old = [e for e in t.engines() if e.port == port]
     dropped = [what for what, had, has in (("an API key", any(e.auth for e in old), bool(wanted.api_keys)),
                                            ("TLS (https)", any(e.scheme == "https" for e in old), wanted.tls))
                if had and not has]
@@ -307,6 +317,9 @@ def _switch_locked(t: SnapshotTools, snapshot: Path, host: str | None, port: int
         if taken:
             raise BusyError("the target's recorded loopback ports are taken (the old engine keeps serving):\n  "
                             + "\n  ".join(taken), hint="stop what holds them, or re-create the snapshot")
+    if carried:
+        rep.info(f"keeping the front-end options of the engine on port {port}: {', '.join(dict.fromkeys(carried))} "
+                 "(give one to switch to change it)")
     t0 = t.clock()
     stopping = None
     if old:
@@ -321,7 +334,7 @@ def _switch_locked(t: SnapshotTools, snapshot: Path, host: str | None, port: int
     t1 = t.clock()
     stopped = [{"pid": e.pid, "snapshot": e.snapshot, "host": e.host, "port": e.port} for e in old]
     req = RestoreRequest(snapshot=snapshot, host=host, port=port, detach=True, log_file=log_file,
-                         frontend=tuple(frontend), drain_s=new_drain)
+                         frontend=tuple(tokens), drain_s=new_drain)
     try:
         try:
             r, engine = restore(req, rep, tools=t)
@@ -335,7 +348,7 @@ def _switch_locked(t: SnapshotTools, snapshot: Path, host: str | None, port: int
         # an interruption means "stop": no rollback then (the port ends free, the registry says so)
         if stopping is not None:
             _finish(stopping, rep)
-        serving = _roll_back(t, old[0], rep, tuple(frontend), new_drain) \
+        serving = _roll_back(t, old[0], rep, tuple(back), new_drain) \
             if (old and rollback and not isinstance(err, Interrupted)) else None
         gone = {e.pid for e in old}
         _explain_switch_failure(err, port, stopped, serving, rollback,
@@ -362,8 +375,8 @@ def _finish(stopping: _Stopping, rep: Reporter) -> None:
 
 def _roll_back(t: SnapshotTools, prev: Entry, rep: Reporter, frontend: tuple[str, ...] = (),
                drain_s: float | None = None) -> dict | None:
-    """Restore the engine a failed switch stopped (with the switch's front-end options); its
-    serving record, or None."""
+    """Restore the engine a failed switch stopped (with ``frontend``: its own recorded options
+    and the switch's API key); its serving record, or None."""
     try:
         with rep.phase("rollback", f"restoring {Path(prev.snapshot).name} again on port {prev.port}"):
             r, engine = restore(RestoreRequest(snapshot=Path(prev.snapshot), host=prev.host, port=prev.port,

@@ -249,7 +249,8 @@ def restore(req: RestoreRequest, rep: Reporter, tools: SnapshotTools | None = No
                              host=req.host, port=req.port, started_at=t.now(),
                              mode="detached" if req.detach else "foreground",
                              scheme=r.url.split(":", 1)[0], cgroup=r.cgroup, frontend=r.frontend_fp, auth=r.auth,
-                             drain_s=req.drain_s))
+                             drain_s=req.drain_s,
+                             frontend_args=tuple(frontend.without_secrets(list(req.frontend)))))
             t.record_restore(snapshot, [w for w in r.warnings if w.startswith("identity override")])
         except OSError as e:  # bookkeeping only: never fail a served restore for it
             rep.info(f"could not record the engine in the registry: {e}")

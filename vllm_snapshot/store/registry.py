@@ -59,6 +59,12 @@ class Entry:
     #: ``stop``'s default. Kept in a file of its own beside the entry (``PID.drain``): a
     #: vllm-snapshot from before this field removes an entry with a field it does not know
     drain_s: float = DRAIN_S
+    #: the front-end option tokens it was restored with, secrets left out (the API key:
+    #: :func:`vllm_snapshot.supervise.frontend.without_secrets`), which ``switch`` carries over
+    #: to the engine that replaces it; None when not recorded (an engine registered by an
+    #: older vllm-snapshot). Kept in a file of its own beside the entry (``PID.frontend``, a
+    #: JSON list), like ``drain_s``
+    frontend_args: tuple[str, ...] | None = None
 
     @property
     def url(self) -> str:
@@ -78,8 +84,9 @@ def _write(p: Path, text: str) -> None:
 
 
 def register(e: Entry) -> Path:
-    """Write ``e`` atomically (``PID.json``, and its drain timeout in ``PID.drain`` first);
-    returns the entry's file."""
+    """Write ``e`` atomically (``PID.json``; first its drain timeout in ``PID.drain`` and its
+    front-end tokens in ``PID.frontend``, which the caller has stripped of secrets); returns
+    the entry's file."""
     try:
         ct = psutil.Process(e.pid).create_time()
     except psutil.Error:
@@ -87,6 +94,8 @@ def register(e: Entry) -> Path:
     e = Entry(**{**asdict(e), "create_time": ct})
     p = _dir() / f"{e.pid}.json"
     _write(p.with_suffix(".drain"), repr(float(e.drain_s)))
+    if e.frontend_args is not None:
+        _write(p.with_suffix(".frontend"), json.dumps(list(e.frontend_args)))
     _write(p, json.dumps({k: v for k, v in asdict(e).items() if k in _JSON_FIELDS}))
     return p
 
@@ -94,6 +103,7 @@ def register(e: Entry) -> Path:
 def unregister(pid: int) -> None:
     (_dir() / f"{pid}.json").unlink(missing_ok=True)
     (_dir() / f"{pid}.drain").unlink(missing_ok=True)
+    (_dir() / f"{pid}.frontend").unlink(missing_ok=True)
 
 
 def _drain_of(f: Path) -> float:
@@ -103,6 +113,16 @@ def _drain_of(f: Path) -> float:
         return v if v >= 0 else DRAIN_S
     except (OSError, ValueError):
         return DRAIN_S
+
+
+def _frontend_of(f: Path) -> tuple[str, ...] | None:
+    """The front-end tokens recorded beside the entry file ``f``; None when none are (or the
+    file is not a JSON list of strings)."""
+    try:
+        v = json.loads(f.with_suffix(".frontend").read_text())
+    except (OSError, ValueError):
+        return None
+    return tuple(v) if isinstance(v, list) and all(isinstance(x, str) for x in v) else None
 
 
 def _alive(e: Entry) -> bool:
@@ -124,7 +144,8 @@ def entries() -> list[Entry]:
             raw = json.loads(f.read_text())
             # a field this version does not know (a newer vllm-snapshot's) is not a reason to
             # forget a live engine
-            e = Entry(**{k: v for k, v in raw.items() if k in _JSON_FIELDS}, drain_s=_drain_of(f))
+            e = Entry(**{k: v for k, v in raw.items() if k in _JSON_FIELDS}, drain_s=_drain_of(f),
+                      frontend_args=_frontend_of(f))
         except (OSError, ValueError, TypeError):
             unregister(int(f.stem)) if f.stem.isdigit() else f.unlink(missing_ok=True)
             continue
@@ -132,8 +153,8 @@ def entries() -> list[Entry]:
             out.append(e)
         else:
             unregister(e.pid)
-    for f in d.glob("*.drain"):  # an entry removed by a vllm-snapshot that knew no drain file
-        if not f.with_suffix(".json").exists():
+    for f in [*d.glob("*.drain"), *d.glob("*.frontend")]:  # an entry removed by a vllm-snapshot
+        if not f.with_suffix(".json").exists():                # that knew no such file
             f.unlink(missing_ok=True)
     return sorted(out, key=lambda e: (e.port, e.pid))
 

@@ -66,6 +66,8 @@ OPTIONS: dict[str, tuple[str, int | str]] = {
 #: changing one means rebuilding the app in the restored engine.
 APP_DESTS = frozenset({"api_key", "allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials",
                        "root_path", "enable_request_id_headers", "disable_fastapi_docs"})
+#: Dests whose values are secrets: never written to disk (registry, manifest, logs).
+SECRET_DESTS = frozenset({"api_key"})
 #: Front-end settings no restore can honour, flag -> why.
 REFUSED = {
     "--ssl-cert-reqs": "client certificates (mutual TLS): the readiness check and the canary have none to present",
@@ -110,24 +112,32 @@ class Frontend:
         return out
 
 
-def fingerprint(args: list[str], salt: str | None = None) -> str:
-    """``SALT:DIGEST``: a salted BLAKE3 of the front-end tokens (API key included), so that
-    ``switch`` can tell whether an engine already serves with exactly these settings without
-    anything recording the key itself. ``salt``: 16 hex digits, random when None. Pure when
-    ``salt`` is given."""
+def _digest(salt: str, text: str) -> str:
     import blake3
 
+    return f"{salt}:{blake3.blake3((salt + text).encode()).hexdigest()[:32]}"
+
+
+def fingerprint(args: list[str], salt: str | None = None) -> str:
+    """``SALT:DIGEST``: a salted BLAKE3 of the settings the front-end tokens ``args`` make (API
+    key included; each setting once, last one wins, in a fixed order, so ``--a X --b Y`` and
+    ``--b Y --a X`` are one), so that ``switch`` can tell whether an engine already serves
+    with exactly these settings without anything recording the key itself. ``salt``: 16 hex
+    digits, random when None. Pure when ``salt`` is given. Raises UsageError for tokens that
+    are not front-end options (:func:`check` refuses those first)."""
     salt = salt or os.urandom(8).hex()
-    return f"{salt}:{blake3.blake3((salt + json.dumps(list(args))).encode()).hexdigest()[:32]}"
+    return _digest(salt, json.dumps(sorted(values(list(args)).items())))
 
 
 def same_settings(args: list[str], fp: str) -> bool:
-    """True when ``fp`` (a :func:`fingerprint`) was made from exactly ``args``; an empty ``fp``
-    (an engine registered before fingerprints) counts as "no options". Pure."""
+    """True when ``fp`` (a :func:`fingerprint`) was made from the settings of ``args``; an
+    empty ``fp`` (an engine registered before fingerprints) counts as "no options". A
+    fingerprint of the token list itself (versions before settings were digested) counts
+    too. Pure."""
     if not fp:
         return not args
     salt = fp.split(":", 1)[0] if ":" in fp else ""
-    return bool(salt) and fingerprint(args, salt) == fp
+    return bool(salt) and fp in (fingerprint(args, salt), _digest(salt, json.dumps(list(args))))
 
 
 def _flag(token: str) -> str:
@@ -169,6 +179,38 @@ def split(args: list[str]) -> tuple[list[str], list[str]]:
     for _name, tokens, vals in _walk(args):
         (rest if vals is None else front).extend(tokens)
     return front, rest
+
+
+def without_secrets(args: list[str]) -> list[str]:
+    """``args`` without the options whose values are secrets (:data:`SECRET_DESTS`: the API
+    key), order kept: what may be written to disk (the registry's record of what an engine
+    serves with). Pure."""
+    return [tok for name, tokens, vals in _walk(args)
+            if not (vals is not None and OPTIONS[name][0] in SECRET_DESTS) for tok in tokens]
+
+
+def secrets(args: list[str]) -> list[str]:
+    """The tokens of ``args`` that :func:`without_secrets` leaves out (``--api-key K``). Pure."""
+    return [tok for name, tokens, vals in _walk(args)
+            if vals is not None and OPTIONS[name][0] in SECRET_DESTS for tok in tokens]
+
+
+def carry(given: list[str], recorded: list[str]) -> tuple[list[str], list[str]]:
+    """What an engine that replaces another (``switch``) serves with: each option of
+    ``recorded`` (the front-end tokens the old engine was restored with) whose setting
+    ``given`` does not name, then ``given`` -- an option given replaces the recorded one of the
+    same setting (``--no-allow-credentials`` replaces ``--allow-credentials``). Returns
+    ``(tokens, the flags carried over)``. Tokens of ``recorded`` that are not front-end options
+    here (a newer vllm-snapshot's) are left out. Pure."""
+    named = {OPTIONS[name][0] for name, _tokens, vals in _walk(given) if vals is not None}
+    kept: list[str] = []
+    flags: list[str] = []
+    for name, tokens, vals in _walk(recorded):
+        if vals is None or OPTIONS[name][0] in named:
+            continue
+        kept.extend(tokens)
+        flags.append(name)
+    return kept + list(given), flags
 
 
 def values(args: list[str]) -> dict[str, list[str] | bool]:

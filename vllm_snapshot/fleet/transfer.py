@@ -1,0 +1,202 @@
+"""Push a snapshot directory as an OCI artifact; download one into a staging directory.
+
+Push: hash every layer (parallel), upload the layers the target lacks (parallel), the config
+(the snapshot's manifest.json), then the manifest under the tag -- last, so a push killed at
+any point leaves the tag where it was (absent, or the previous complete artifact); then,
+with a key, the cosign-layout signature (:mod:`.sign`).
+
+Download: the config and every layer streamed with their digests checked as they arrive
+(:mod:`.transport`), layers in parallel, each part written at its offset of its member file
+(0600, dirs 0700) inside a staging directory the caller publishes by rename only when
+everything -- blob digests, then the snapshot's own checksums -- checked.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..errors import CorruptSnapshotError
+from . import oci, sign
+from .transport import NotFound, Target
+
+#: parallel streams per push/pull (measured: docs/benchmarks.md "Fleet")
+WORKERS = 4
+
+
+@dataclass(frozen=True)
+class Pushed:
+    """Result of :func:`push`: the artifact's manifest ``digest``, the ``tag``, bytes of every
+    layer (``bytes``) and of those sent (``sent_bytes``: layers the target already had are
+    skipped), ``blobs``/``skipped`` counts, ``seconds`` of the transfer, and the signature
+    tag when signed."""
+
+    digest: str
+    tag: str
+    bytes: int
+    sent_bytes: int
+    blobs: int
+    skipped: int
+    seconds: float
+    signature_tag: str | None
+
+
+def _parallel(fn, items, workers: int) -> None:
+    """Run ``fn`` over ``items`` on ``workers`` threads; the first error is raised once every
+    started call returned (the rest are cancelled)."""
+    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="vllm-snapshot-blob") as ex:
+        futs = [ex.submit(fn, x) for x in items]
+        err = None
+        for f in futs:
+            if err is not None:
+                f.cancel()
+                continue
+            try:
+                f.result()
+            except BaseException as e:  # noqa: BLE001
+                err = e
+        if err is not None:
+            raise err
+
+
+def push(snapshot: Path, config: bytes, ann: dict[str, str], target: Target, tag: str, *,
+         signing_key=None, docker_reference: str = "", workers: int = WORKERS,
+         part_bytes: int = oci.PART_BYTES, on_blob: Callable[[oci.Part], None] | None = None) -> Pushed:
+    """Push snapshot directory ``snapshot`` (trusted and checked by the caller) whose
+    manifest.json bytes are ``config`` to ``target`` under ``tag``, with manifest annotations
+    ``ann``. ``signing_key``: an EC private key (:func:`.sign.load_private`). Raises
+    EnvironmentProblem (registry), CorruptSnapshotError (a file changed while pushed)."""
+    t0 = time.monotonic()
+    parts = oci.digest_parts(snapshot, oci.plan(snapshot, part_bytes), workers)
+    raw = oci.build_manifest(config, parts, ann)
+    sent = [0, 0]  # bytes, skipped blobs
+    lock = threading.Lock()
+    seen: set[str] = set()
+
+    def upload(p: oci.Part) -> None:
+        with lock:
+            dup = p.digest in seen
+            seen.add(p.digest)
+        if dup or target.has_blob(p.digest):
+            with lock:
+                sent[1] += 1
+        else:
+            target.put_blob(p.digest, p.size, snapshot / p.member, p.offset)
+            with lock:
+                sent[0] += p.size
+        if on_blob:
+            on_blob(p)
+
+    order = sorted(parts, key=lambda p: -p.size)  # the big parts first: they set the wall time
+    _parallel(upload, order, workers)
+    cfg_digest = oci.sha256(config)
+    if not target.has_blob(cfg_digest):
+        _put_bytes(target, cfg_digest, config)
+    digest = target.put_manifest(tag, raw)
+    sig_tag = None
+    if signing_key is not None:
+        body, scfg, sman = sign.sign(signing_key, docker_reference, digest)
+        for data in (body, scfg):
+            _put_bytes(target, oci.sha256(data), data)
+        sig_tag = sign.sig_tag(digest)
+        target.put_manifest(sig_tag, sman)
+    return Pushed(digest=digest, tag=tag, bytes=sum(p.size for p in parts), sent_bytes=sent[0], blobs=len(parts),
+                  skipped=sent[1], seconds=time.monotonic() - t0, signature_tag=sig_tag)
+
+
+def _put_bytes(target: Target, digest: str, data: bytes) -> None:
+    """Upload small ``data`` (the config, a signature's blobs) as blob ``digest``, through a
+    0600 file in a private temp dir (the config describes process memory's snapshot)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix=".vllm-snapshot-blob-") as d:
+        p = Path(d) / "blob"
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        target.put_blob(digest, len(data), p)
+
+
+def fetch_manifest(target: Target, reference: str, where: str) -> oci.Artifact:
+    """The artifact at ``reference`` (tag or digest), parsed and checked
+    (:func:`.oci.parse_manifest`). Raises NotFound, CorruptSnapshotError."""
+    raw, digest = target.get_manifest(reference)
+    art = oci.parse_manifest(raw, where)
+    assert art.digest == digest
+    return art
+
+
+def fetch_bytes(target: Target, digest: str, size: int, what: str) -> bytes:
+    """A small blob (config, signature payload) into memory, digest checked."""
+    buf = bytearray()
+    target.get_blob(digest, size, buf.extend, what)
+    return bytes(buf)
+
+
+def verify_signature(target: Target, art: oci.Artifact, pub, where: str) -> str:
+    """Refuse unless a signature tagged ``sha256-HEX.sig`` beside ``art`` verifies with public
+    key ``pub`` and names ``art``'s digest. Returns the key's fingerprint. Raises
+    SignatureError (unsigned, or no signature by that key)."""
+    tag = sign.sig_tag(art.digest)
+    try:
+        raw, _ = target.get_manifest(tag)
+    except NotFound as e:
+        raise sign.SignatureError(f"{where} is not signed (no {tag} beside it); nothing was pulled",
+                                  hint="push it with --sign-key, or pull without --verify-key if you trust the "
+                                       "repository") from e
+    for digest, size, signature in sign.signature_layers(raw, where):
+        if size > 1 << 20:
+            continue
+        body = fetch_bytes(target, digest, size, "signature payload")
+        if sign.verify(pub, body, signature, art.digest):
+            return sign.fingerprint(pub)
+    raise sign.SignatureError(f"{where}: no signature beside it verifies with the given key "
+                              f"({sign.fingerprint(pub)}); nothing was pulled",
+                              hint="check --verify-key names the public key of the key it was pushed with")
+
+
+def download(target: Target, art: oci.Artifact, staging: Path, workers: int = WORKERS,
+             on_blob: Callable[[oci.Part], None] | None = None) -> None:
+    """Download every layer of ``art`` into ``staging`` (an existing private dir with
+    ``images/`` and ``files/``): member files preallocated to their size, each part written at
+    its offset as its digest-checked bytes stream in, in parallel. Raises
+    CorruptSnapshotError naming the blob and member that did not match, NotFound for a missing
+    blob (the caller discards ``staging``)."""
+    sizes: dict[str, int] = {}
+    for p in art.parts:
+        sizes[p.member] = p.file_size
+    fds: dict[str, int] = {}
+    try:
+        for member, size in sizes.items():
+            path = staging / member
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            fds[member] = fd
+            os.ftruncate(fd, size)
+
+        def get(p: oci.Part) -> None:
+            at = [p.offset]
+            fd = fds[p.member]
+
+            def sink(chunk: bytes) -> None:
+                os.pwrite(fd, chunk, at[0])
+                at[0] += len(chunk)
+
+            try:
+                target.get_blob(p.digest, p.size, sink, p.member)
+            except NotFound as e:
+                raise CorruptSnapshotError(f"{target.describe()}: blob {p.digest} ({p.member}) is missing",
+                                           hint="push the snapshot again") from e
+            if on_blob:
+                on_blob(p)
+
+        _parallel(get, sorted(art.parts, key=lambda p: -p.size), workers)
+        for fd in fds.values():
+            os.fsync(fd)
+    finally:
+        for fd in fds.values():
+            os.close(fd)

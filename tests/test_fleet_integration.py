@@ -1,0 +1,298 @@
+"""Fleet end to end (issue 31), real vLLM + CRIU + a real registry (Debian's docker-registry,
+CNCF distribution 2.8, on 127.0.0.1 with filesystem storage in a temp dir and its access log
+captured). One push of a hard-linked copy of the session snapshot is shared by the module;
+tests that damage or interrupt a registry get their own.
+
+A second "node" is a process in its own mount + UTS namespaces with another /etc/machine-id
+(bind-mounted) and hostname, and an empty store: pull and restore run there."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+
+from conftest import ROOT, TINY, cli, engine_env
+from registry_server import RegistryServer
+from test_integration import free_port, post
+
+pytestmark = pytest.mark.integration
+
+REPO = "fleet/tiny"
+
+
+def _private(d: Path) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    os.chmod(d, 0o700)
+    return d
+
+
+def _keypair(d: Path, name: str) -> tuple[Path, Path]:
+    subprocess.run(["openssl", "ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", str(d / f"{name}.key")],
+                   check=True, capture_output=True)
+    subprocess.run(["openssl", "ec", "-in", str(d / f"{name}.key"), "-pubout", "-out", str(d / f"{name}.pub")],
+                   check=True, capture_output=True)
+    return d / f"{name}.key", d / f"{name}.pub"
+
+
+def _listed(root: Path) -> list[str]:
+    p = cli("--root", str(root), "list", "--json", check=True)
+    return [s["name"] if isinstance(s, dict) and "name" in s else s for s in _snapshots_of(json.loads(p.stdout))]
+
+
+def _snapshots_of(doc) -> list:
+    return doc.get("snapshots", doc) if isinstance(doc, dict) else doc
+
+
+def _tag_resolves(reg: RegistryServer, tag: str, repo: str = REPO) -> bool:
+    r = requests.get(f"http://{reg.host}/v2/{repo}/manifests/{tag}",
+                     headers={"Accept": "application/vnd.oci.image.manifest.v1+json"}, timeout=10)
+    return r.status_code == 200
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    r = RegistryServer(tmp_path_factory.mktemp("registry"))
+    yield r
+    r.stop()
+
+
+@pytest.fixture
+def own_registry(tmp_path):
+    r = RegistryServer(tmp_path / "own-registry")
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    d = tmp_path_factory.mktemp("keys")
+    good = _keypair(d, "good")
+    other = _keypair(d, "other")
+    return {"key": good[0], "pub": good[1], "other_pub": other[1]}
+
+
+def _clone(snapshot: Path, where: Path) -> Path:
+    _private(where.parent)
+    subprocess.run(["cp", "-al", str(snapshot), str(where)], check=True)
+    return where
+
+
+@pytest.fixture(scope="module")
+def pushed(snapshot, registry, keys, tmp_path_factory):
+    """A copy of the session snapshot pushed (signed) to ``REPO:v1``, then deleted locally."""
+    copy = _clone(snapshot, tmp_path_factory.mktemp("node-a") / "store" / "tiny-copy")
+    p = cli("push", str(copy), f"{registry.host}/{REPO}:v1", "--plain-http", "--sign-key", str(keys["key"]),
+            "--json", check=True)
+    result = json.loads(p.stdout)
+    cli("delete", str(copy), check=True)
+    assert not copy.exists()
+    return {"image": f"{registry.host}/{REPO}:v1", "digest": result["digest"], "result": result}
+
+
+def _node_script(cmds: list[list[str]], machine_id: str, hostname: str, binds: dict[str, str] | None = None) -> list[str]:
+    """argv running ``cmds`` (each a vllm-snapshot argv) one after another in a new mount + UTS
+    namespace whose /etc/machine-id holds ``machine_id`` and whose hostname is ``hostname``;
+    ``binds`` {source: target} are bind-mounted there first."""
+    import shlex
+
+    mid = Path(f"/var/tmp/vsnap-machine-id-{os.getpid()}-{hostname}")
+    mid.write_text(machine_id + "\n")
+    lines = ["set -e", f"mount --bind {shlex.quote(str(mid))} /etc/machine-id", f"hostname {shlex.quote(hostname)}"]
+    for src, dst in (binds or {}).items():
+        lines.append(f"mount --bind {shlex.quote(src)} {shlex.quote(dst)}")
+    for argv in cmds:
+        lines.append(" ".join(shlex.quote(a) for a in [sys.executable, "-m", "vllm_snapshot", *argv]))
+    return ["unshare", "--mount", "--uts", "--propagation", "private", "--", "sh", "-c", "\n".join(lines)]
+
+
+def on_node(cmds: list[list[str]], machine_id: str = "b" * 32, hostname: str = "node-b",
+            binds: dict[str, str] | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(_node_script(cmds, machine_id, hostname, binds), capture_output=True, text=True,
+                          timeout=timeout, env=engine_env(), cwd=ROOT)
+
+
+def completion(port: int) -> dict:
+    body = {"model": "tiny-llama", "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0.0,
+            "logprobs": 2, "seed": 0}
+    c = post(f"http://127.0.0.1:{port}/v1/completions", body)["choices"][0]
+    return {"text": c["text"], "logprobs": c["logprobs"]["token_logprobs"]}
+
+
+def _stop(pid: int) -> None:
+    procs = []
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        pass
+    cli("stop", "--pid", str(pid), timeout=120)
+    psutil.wait_procs(procs, timeout=30)
+
+
+def test_pull_on_another_node_restores_with_the_same_oracle_and_completion(snapshot, registry, pushed, keys,
+                                                                          tmp_path):
+    root_b = _private(tmp_path / "node-b-store")
+    port_b, port_a = free_port(), free_port()
+    mark = len(registry.requests_log())
+    p = on_node([["--root", str(root_b), "pull", pushed["image"], "--plain-http", "--name", "tiny",
+                  "--verify-key", str(keys["pub"]), "--json"],
+                 ["--root", str(root_b), "restore", "tiny", "--port", str(port_b), "--detach", "--json"],
+                 ["--root", str(root_b), "inspect", "tiny", "--json"]])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    docs = [json.loads(x) for x in re.findall(r"^\{.*?^\}$|^\{.*\}$", p.stdout, re.M | re.S)]
+    pulled, restored, inspected = docs[0], docs[1], docs[2]
+    assert pulled["digest"] == pushed["digest"] and pulled["verified_by"].startswith("sha256:")
+    assert restored["oracle"] == "match" and not restored["warnings"], restored  # no --allow-mismatch needed
+    try:
+        got = completion(port_b)
+    finally:
+        _stop(restored["pid"])
+    # where it was built (this host) and where it was pulled from, both shown
+    assert inspected["pulled"]["image"] == pushed["image"] and inspected["pulled"]["hostname"] == "node-b"
+    assert inspected["pulled"]["machine_id"] == "b" * 32
+    assert inspected["built"]["machine_id"] == Path("/etc/machine-id").read_text().strip()
+    assert len(registry.blob_gets(mark)) >= pushed["result"]["blobs"]
+    # the original, restored here, answers the same
+    r = cli("restore", str(snapshot), "--port", str(port_a), "--detach", "--json", check=True)
+    a = json.loads(r.stdout)
+    try:
+        assert completion(port_a) == got
+    finally:
+        _stop(a["pid"])
+
+
+def test_a_kernel_that_differs_is_refused_before_any_blob(registry, pushed, tmp_path):
+    raw = requests.get(f"http://{registry.host}/v2/{REPO}/manifests/v1",
+                       headers={"Accept": "application/vnd.oci.image.manifest.v1+json"}, timeout=10).content
+    doc = json.loads(raw)
+    here = doc["annotations"]["org.vllm-snapshot.class.kernel"]
+    doc["annotations"]["org.vllm-snapshot.class.kernel"] = "5.4.0-other"
+    r = requests.put(f"http://{registry.host}/v2/{REPO}/manifests/otherkernel", data=json.dumps(doc),
+                     headers={"Content-Type": "application/vnd.oci.image.manifest.v1+json"}, timeout=10)
+    assert r.status_code == 201, r.text
+    root = _private(tmp_path / "store")
+    mark = len(registry.requests_log())
+    p = cli("--root", str(root), "pull", f"{registry.host}/{REPO}:otherkernel", "--plain-http")
+    assert p.returncode == 3, p.stderr
+    assert "kernel" in p.stderr and "5.4.0-other" in p.stderr and here in p.stderr
+    assert registry.blob_gets(mark) == []
+    assert _listed(root) == [] and os.listdir(root) == []
+    # inspect IMAGE reads only the manifest
+    p = cli("inspect", f"{registry.host}/{REPO}:otherkernel", "--plain-http", "--json", check=True)
+    assert json.loads(p.stdout)["annotations"]["org.vllm-snapshot.class.kernel"] == "5.4.0-other"
+    assert registry.blob_gets(mark) == []
+
+
+def test_other_model_bytes_at_the_recorded_path_are_refused_before_any_blob(registry, pushed, tmp_path):
+    other = tmp_path / "other-model"
+    shutil.copytree(TINY, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["_fleet_test"] = 1
+    (other / "config.json").write_text(json.dumps(cfg))
+    root = _private(tmp_path / "store")
+    mark = len(registry.requests_log())
+    p = on_node([["--root", str(root), "pull", pushed["image"], "--plain-http"]], binds={str(other): str(TINY)})
+    assert p.returncode == 4, p.stderr
+    assert str(TINY) in p.stderr and "other model bytes" in p.stderr
+    assert registry.blob_gets(mark) == []
+    assert os.listdir(root) == []
+
+
+def test_unsigned_or_wrongly_signed_is_refused(registry, pushed, keys, tmp_path):
+    root = _private(tmp_path / "store")
+    p = cli("--root", str(root), "pull", pushed["image"], "--plain-http", "--verify-key", str(keys["other_pub"]))
+    assert p.returncode == 5 and "no signature beside it verifies" in p.stderr, p.stderr
+    # the same artifact under a digest reference, its signature tag removed: unsigned
+    sig_tag = pushed["digest"].replace(":", "-") + ".sig"
+    sig = requests.get(f"http://{registry.host}/v2/{REPO}/manifests/{sig_tag}",
+                       headers={"Accept": "application/vnd.oci.image.manifest.v1+json"}, timeout=10)
+    sig_digest = sig.headers["Docker-Content-Digest"]
+    assert requests.delete(f"http://{registry.host}/v2/{REPO}/manifests/{sig_digest}", timeout=10).status_code == 202
+    try:
+        p = cli("--root", str(root), "pull", pushed["image"], "--plain-http", "--verify-key", str(keys["pub"]))
+        assert p.returncode == 5 and "is not signed" in p.stderr, p.stderr
+        assert _listed(root) == [] and os.listdir(root) == []
+    finally:  # put the signature back for the other tests
+        r = requests.put(f"http://{registry.host}/v2/{REPO}/manifests/{sig_tag}", data=sig.content,
+                         headers={"Content-Type": "application/vnd.oci.image.manifest.v1+json"}, timeout=10)
+        assert r.status_code == 201
+
+
+def test_kill_during_pull_lists_nothing_and_the_next_pull_succeeds(registry, pushed, tmp_path):
+    root = _private(tmp_path / "store")
+    mark = len(registry.requests_log())
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_snapshot", "--root", str(root), "pull", pushed["image"],
+                             "--plain-http", "--name", "tiny"], cwd=ROOT, env=engine_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while len(registry.blob_gets(mark)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # the config and a first layer arrived: the download is under way
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(30) == -signal.SIGKILL, "the pull finished before it could be killed"
+    assert _listed(root) == []
+    assert [n for n in os.listdir(root) if not n.startswith(".")] == []  # only a hidden staging dir, if any
+    p = cli("--root", str(root), "pull", pushed["image"], "--plain-http", "--name", "tiny", "--json", check=True)
+    assert json.loads(p.stdout)["digest"] == pushed["digest"]
+    assert _listed(root) == ["tiny"] and os.listdir(root) == ["tiny"]  # the killed pull's staging dir removed
+    cli("--root", str(root), "verify", "tiny", check=True)
+
+
+def test_kill_during_push_leaves_no_tag(snapshot, own_registry, tmp_path):
+    copy = _clone(snapshot, tmp_path / "a" / "tiny")
+    mark = len(own_registry.requests_log())
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_snapshot", "push", str(copy),
+                             f"{own_registry.host}/{REPO}:v1", "--plain-http"], cwd=ROOT, env=engine_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline and not any(
+            '"PUT /v2/' in line and "/blobs/uploads/" in line for line in own_registry.requests_log()[mark:]):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(30) == -signal.SIGKILL, "the push finished before it could be killed"
+    assert not _tag_resolves(own_registry, "v1")
+    tags = requests.get(f"http://{own_registry.host}/v2/{REPO}/tags/list", timeout=10)
+    assert tags.status_code == 404 or not (tags.json().get("tags") or [])
+
+
+def test_a_byte_flipped_in_a_blob_at_rest_refuses_the_pull_naming_it(snapshot, own_registry, tmp_path):
+    copy = _clone(snapshot, tmp_path / "a" / "tiny")
+    cli("push", str(copy), f"{own_registry.host}/{REPO}:v1", "--plain-http", check=True)
+    doc = requests.get(f"http://{own_registry.host}/v2/{REPO}/manifests/v1",
+                       headers={"Accept": "application/vnd.oci.image.manifest.v1+json"}, timeout=10).json()
+    layer = max(doc["layers"], key=lambda d: d["size"])
+    blob = own_registry.blob_path(layer["digest"])
+    with open(blob, "r+b") as f:
+        f.seek(layer["size"] // 2)
+        b = f.read(1)
+        f.seek(layer["size"] // 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+    root = _private(tmp_path / "store")
+    p = cli("--root", str(root), "pull", f"{own_registry.host}/{REPO}:v1", "--plain-http")
+    assert p.returncode == 5, p.stderr
+    assert layer["digest"] in p.stderr and layer["annotations"]["org.vllm-snapshot.member"] in p.stderr
+    assert _listed(root) == [] and os.listdir(root) == []
+
+
+def test_oci_layout_round_trip(snapshot, tmp_path):
+    layout = tmp_path / "layout"
+    copy = _clone(snapshot, tmp_path / "a" / "tiny")
+    cli("push", str(copy), f"oci:{layout}:v1", check=True)
+    assert (layout / "oci-layout").is_file() and (layout / "index.json").is_file()
+    root = _private(tmp_path / "store")
+    p = cli("--root", str(root), "pull", f"oci:{layout}:v1", "--json", check=True)
+    name = Path(json.loads(p.stdout)["snapshot"]).name
+    assert _listed(root) == [name]
+    for rel in ("manifest.json", *(f"images/{n}" for n in os.listdir(snapshot / "images"))):
+        assert (root / name / rel).read_bytes() == (snapshot / rel).read_bytes(), rel
+    cli("--root", str(root), "verify", name, check=True)

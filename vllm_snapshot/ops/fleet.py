@@ -1,0 +1,267 @@
+"""push / pull / inspect IMAGE: the sequencing (docs/oci-format.md is the format).
+
+push: trust checks, manifest, layout (``open_snapshot``) -> create scrubbed the environment
+-> every image checksum -> signing key readable -> layers, config, manifest last (+ signature).
+
+pull: the artifact's manifest -> compatibility from its annotations alone (host class fields,
+engine user, external mounts, the model at its path with the same bytes): a refusal before any
+blob -> signature (``--verify-key``) -> per-name lock, staging dir beside the store -> config
+(the snapshot manifest; must agree with the annotations) -> layers in parallel, digests
+checked while streaming -> the snapshot's own checksums and code table digest -> manifest last,
+``pulled.json`` (where from), publish by rename. Any failure removes the staging dir: nothing
+half-pulled is listed or restorable.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from ..errors import CorruptSnapshotError, IncompatibleHostError, ModelChangedError, UsageError
+from ..fleet import oci, reference, sign, transfer
+from ..fleet.transport import NotFound, Target
+
+
+class FleetTools(Protocol):
+    """The side effects of push/pull besides :class:`~vllm_snapshot.tools.SnapshotTools`':
+    transports, and the pulled snapshot's checks and publication."""
+
+    def open_target(self, ref: reference.Ref, plain_http: bool, create: bool) -> Target:
+        """The registry repository or image layout of ``ref`` (:func:`.fleet.transport.open_target`)."""
+
+    def check_pulled(self, staging: Path, m) -> None:
+        """The snapshot's own checks over a downloaded staging dir: member layout (stat),
+        every image and saved file's BLAKE3, the code table's digest. Raises
+        CorruptSnapshotError naming the file."""
+
+    def publish_pulled(self, staging: Path, target: Path, config: bytes, provenance: dict) -> None:
+        """Write ``manifest.json`` (``config``, byte for byte) and ``pulled.json``
+        (``provenance``), 0600, then rename ``staging`` to ``target``."""
+
+    def pulled_from(self, snapshot: Path) -> dict | None:
+        """The ``pulled.json`` record of a snapshot made by pull, None for one made here."""
+
+
+@dataclass(frozen=True)
+class PushRequest:
+    """``snapshot`` (a dir), ``image`` (IMAGE text), ``plain_http``, ``sign_key`` (PEM path)."""
+
+    snapshot: Path
+    image: str
+    plain_http: bool = False
+    sign_key: Path | None = None
+
+
+@dataclass(frozen=True)
+class PullRequest:
+    """``image`` (IMAGE text), ``root`` (the store), ``name`` (default: the repository's last
+    component and the tag), ``plain_http``, ``verify_key`` (PEM public key path)."""
+
+    image: str
+    root: Path
+    name: str | None = None
+    plain_http: bool = False
+    verify_key: Path | None = None
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """A pushed snapshot: where (``image``, ``digest``), bytes (all layers / sent), blob counts,
+    ``seconds``, ``MB_s`` (all layer bytes / seconds) and the signature tag (or None)."""
+
+    snapshot: str
+    image: str
+    digest: str
+    bytes: int
+    sent_bytes: int
+    blobs: int
+    skipped: int
+    seconds: float
+    signature: str | None
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__, MB_s=round(self.bytes / 1e6 / max(self.seconds, 1e-9), 1))
+
+
+@dataclass(frozen=True)
+class PullResult:
+    """A pulled, published snapshot: its directory, the ``image`` and ``digest`` it came from,
+    the layer ``bytes``, ``seconds`` and the verifying key's fingerprint (or None)."""
+
+    snapshot: str
+    image: str
+    digest: str
+    bytes: int
+    seconds: float
+    verified_by: str | None
+    warnings: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__, MB_s=round(self.bytes / 1e6 / max(self.seconds, 1e-9), 1))
+
+
+def _tag_of(ref: reference.Ref, verb: str) -> str:
+    if ref.digest:
+        raise UsageError(f"{verb} needs a tag, not a digest: {ref}", hint="write IMAGE as ...:TAG")
+    return ref.tag or reference.DEFAULT_TAG
+
+
+def push(req: PushRequest, rep, t) -> PushResult:
+    """Push snapshot ``req.snapshot`` to ``req.image``. Raises UsageError (bad IMAGE, a
+    snapshot whose create did not scrub the environment, bad key), CorruptSnapshotError (the
+    snapshot's own checks), EnvironmentProblem (registry)."""
+    from ..snapkey import model_part
+
+    ref = reference.parse(req.image)
+    tag = _tag_of(ref, "push")
+    key = sign.load_private(req.sign_key) if req.sign_key is not None else None
+    snapshot = t.canonical(req.snapshot)
+    with t.snapshot_lock(snapshot, shared=True):
+        m = t.open_snapshot(snapshot)
+        if not getattr(m.engine, "env_scrubbed", False):
+            raise UsageError(
+                f"{snapshot} was not made from a scrubbed environment (its create kept variables with --keep-env, or "
+                "predates that record); its images may hold them, so it is not pushed",
+                hint="create it again without --keep-env of secret variables, then push")
+        with rep.phase("verify", "checking every image checksum"):
+            t.verify_images(snapshot, m)
+        config = (snapshot / "manifest.json").read_bytes()
+        target = t.open_target(ref, req.plain_http, True)
+        with rep.phase("push", f"pushing to {ref}"):
+            r = transfer.push(snapshot, config, oci.annotations(m, model_part(m.model.files)), target, tag,
+                              signing_key=key, docker_reference=str(ref.with_tag(tag)).removesuffix(f":{tag}"))
+    return PushResult(snapshot=str(snapshot), image=str(ref.with_tag(tag)), digest=r.digest, bytes=r.bytes,
+                      sent_bytes=r.sent_bytes, blobs=r.blobs, skipped=r.skipped, seconds=round(r.seconds, 3),
+                      signature=r.signature_tag)
+
+
+def fetch(ref: reference.Ref, plain_http: bool, t) -> tuple[Target, oci.Artifact]:
+    """The target and artifact manifest of ``ref``. Raises UsageError (no such image)."""
+    target = t.open_target(ref, plain_http, False)
+    try:
+        return target, transfer.fetch_manifest(target, ref.reference, str(ref))
+    except NotFound as e:
+        raise UsageError(f"{ref}: no such image ({e})", hint="check the repository and tag (`vllm-snapshot push` "
+                                                             "writes them)") from e
+
+
+def compatibility(f: oci.Facts, t, where: str) -> None:
+    """Refuse, from the annotations alone, a node that does not fit: host class fields (each
+    expected vs here), engine user, external mounts (IncompatibleHostError, exit 3); the model
+    missing at its path or other bytes there (ModelChangedError, exit 4, naming the path)."""
+    from .. import identity
+    from ..snapkey import model_part
+
+    here = {k: v for k, v in t.host_identity(f.kind).items() if k not in oci.MACHINE_FIELDS}
+    diffs = identity.compare(f.host_class, here)
+    problems = [str(d).replace("snapshot has", "artifact has") for d in diffs]
+    if f.user is not None:
+        problems += [f"engine user: {p}" for p in t.user_problems(f.user)]
+    problems += [f"mount: {p}" for p in t.check_external_mounts(f.mounts)]
+    if problems:
+        raise IncompatibleHostError(
+            f"{where} does not fit this node (nothing was downloaded):\n  " + "\n  ".join(problems),
+            hint="pull it on a node of the class it was built on, or build the snapshot on this node",
+            details={"fields": [d.__dict__ for d in diffs], "problems": problems})
+    path = Path(f.model_path)
+    if not path.is_dir():
+        raise ModelChangedError(f"{where} needs the model at {path}, which this node lacks (nothing was downloaded)",
+                                hint=f"put the same model files at {path}, then pull again")
+    files = t.digest_model(path)
+    if model_part(files) != f.model_digest:
+        raise ModelChangedError(f"{where} needs other model bytes at {path} than this node holds there "
+                                "(nothing was downloaded)",
+                                hint=f"put the model the snapshot was made from at {path} (`vllm-snapshot inspect "
+                                     f"{where}` shows its digest), then pull again")
+
+
+def default_name(ref: reference.Ref) -> str:
+    """The store name of a pull without ``--name``: the repository's (or layout dir's) last
+    component, then the tag or the digest's first 12 hex digits."""
+    base = ref.repo.rsplit("/", 1)[-1] if isinstance(ref, reference.RegistryRef) else (ref.path.name or "oci")
+    suffix = ref.digest.split(":", 1)[1][:12] if ref.digest else (ref.tag or reference.DEFAULT_TAG)
+    return f"{base}-{suffix}"
+
+
+def pull(req: PullRequest, rep, t) -> PullResult:
+    """Pull ``req.image`` into the store ``req.root`` (see the module doc for the order).
+    Raises UsageError, IncompatibleHostError, ModelChangedError, SignatureError/
+    CorruptSnapshotError, EnvironmentProblem, BusyError; publishes nothing on any of them."""
+    from .. import manifest, store
+    from ..snapkey import model_part
+
+    ref = reference.parse(req.image)
+    name = req.name or default_name(ref)
+    if not store.valid_name(name):
+        raise UsageError(f"{name!r} is not a valid snapshot name ({store.NAME_RULE})", hint="pass --name NAME")
+    pub = sign.load_public(req.verify_key) if req.verify_key is not None else None
+    t0 = time.monotonic()
+    with rep.phase("manifest", f"reading {ref}"):
+        target, art = fetch(ref, req.plain_http, t)
+        f = oci.facts(art.annotations, str(ref))
+    with rep.phase("fit", "checking this node fits (host class, user, mounts, model)"):
+        compatibility(f, t, str(ref))
+    verified_by = None
+    if pub is not None:
+        with rep.phase("signature", "verifying the signature"):
+            verified_by = transfer.verify_signature(target, art, pub, str(ref))
+    store.ensure_root(req.root)
+    dest = t.canonical(req.root / name)
+    with t.snapshot_lock(dest, shared=False, must_exist=False):
+        if os.path.lexists(dest):
+            raise UsageError(f"{dest} already exists; nothing was pulled", hint="pass --name NAME, or delete it first")
+        report = t.reclaim(dest.parent)  # a killed pull's staging dir
+        staging = t.prepare_target(dest)
+        try:
+            config = transfer.fetch_bytes(target, art.config_digest, art.config_size, "config (snapshot manifest)")
+            try:
+                m = manifest.parse(config.decode("utf-8"), f"{ref} config")
+            except UnicodeDecodeError as e:
+                raise CorruptSnapshotError(f"{ref}: the config is not UTF-8 text") from e
+            said = oci.annotations(m, model_part(m.model.files))
+            wrong = sorted(k for k, v in said.items() if art.annotations.get(k) != v)
+            if wrong:
+                raise CorruptSnapshotError(f"{ref}: the manifest annotations disagree with the snapshot manifest "
+                                           f"({', '.join(wrong[:5])}); nothing was pulled",
+                                           hint="push the snapshot again with `vllm-snapshot push`")
+            with rep.phase("download", f"downloading {art.blob_bytes / 1e6:.0f} MB"):
+                transfer.download(target, art, staging)
+            with rep.phase("verify", "checking the snapshot's own checksums"):
+                t.check_pulled(staging, m)
+            here = t.host_identity(m.engine.kind)
+            t.publish_pulled(staging, dest, config, {
+                "image": str(ref), "digest": art.digest, "pulled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "machine_id": here.get("machine_id", "unknown"), "hostname": here.get("hostname", os.uname().nodename),
+                "verified_by": verified_by})
+        except BaseException:
+            t.discard(staging)
+            raise
+    return PullResult(snapshot=str(dest), image=str(ref), digest=art.digest, bytes=art.blob_bytes,
+                      seconds=round(time.monotonic() - t0, 3), verified_by=verified_by,
+                      warnings=[f"removed leftover {p}" for p in report])
+
+
+@dataclass(frozen=True)
+class ImageInfo:
+    """``inspect IMAGE``: what the registry manifest alone says (no blob read)."""
+
+    image: str
+    digest: str
+    blobs: int
+    bytes: int
+    annotations: dict[str, str]
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+def inspect_image(image: str, plain_http: bool, t) -> ImageInfo:
+    """Read only the manifest of ``image``. Raises UsageError, CorruptSnapshotError."""
+    ref = reference.parse(image)
+    _, art = fetch(ref, plain_http, t)
+    oci.facts(art.annotations, str(ref))
+    return ImageInfo(image=str(ref), digest=art.digest, blobs=len(art.parts), bytes=art.blob_bytes,
+                     annotations=art.annotations)

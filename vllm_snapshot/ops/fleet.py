@@ -18,31 +18,11 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 from ..errors import CorruptSnapshotError, IncompatibleHostError, ModelChangedError, UsageError
 from ..fleet import oci, reference, sign, transfer
 from ..fleet.transport import NotFound, Target
-
-
-class FleetTools(Protocol):
-    """The side effects of push/pull besides :class:`~vllm_snapshot.tools.SnapshotTools`':
-    transports, and the pulled snapshot's checks and publication."""
-
-    def open_target(self, ref: reference.Ref, plain_http: bool, create: bool) -> Target:
-        """The registry repository or image layout of ``ref`` (:func:`.fleet.transport.open_target`)."""
-
-    def check_pulled(self, staging: Path, m) -> None:
-        """The snapshot's own checks over a downloaded staging dir: member layout (stat),
-        every image and saved file's BLAKE3, the code table's digest. Raises
-        CorruptSnapshotError naming the file."""
-
-    def publish_pulled(self, staging: Path, target: Path, config: bytes, provenance: dict) -> None:
-        """Write ``manifest.json`` (``config``, byte for byte) and ``pulled.json``
-        (``provenance``), 0600, then rename ``staging`` to ``target``."""
-
-    def pulled_from(self, snapshot: Path) -> dict | None:
-        """The ``pulled.json`` record of a snapshot made by pull, None for one made here."""
+from ..fleet.tools import FleetTools  # noqa: F401 - the role these functions use besides SnapshotTools
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,239 @@
+"""ops.fleet's sequencing without root, CRIU or a network: push then pull through an OCI
+image layout, with tools whose host identity a test sets. Refusals come before any blob; a
+failed pull publishes nothing and leaves no staging dir."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from helpers import manifest_fields, write_snapshot_dir
+from test_fleet import _b3, _keypair
+from vllm_snapshot import manifest, model_digest, store
+from vllm_snapshot.errors import CorruptSnapshotError, IncompatibleHostError, ModelChangedError, UsageError
+from vllm_snapshot.fleet import oci, sign, transport
+from vllm_snapshot.fleet.tools import PULLED, LocalFleetTools
+from vllm_snapshot.ops import fleet
+from vllm_snapshot.progress import Reporter
+
+HOST = {"kernel": "6.18.0", "cpu_flags": "f00d", "vllm": "0.32.0", "machine_id": "a" * 32, "hostname": "node-a"}
+
+
+class CountingLayout(transport.Layout):
+    gets: list[str] = []
+
+    def get_blob(self, digest, size, sink, what):
+        CountingLayout.gets.append(what)
+        return super().get_blob(digest, size, sink, what)
+
+
+class Tools(LocalFleetTools):
+    """Real transports and store; this "node"'s identity is ``host``."""
+
+    def __init__(self, host: dict[str, str] | None = None):
+        self.host = dict(host or HOST)
+        CountingLayout.gets = []
+
+    def open_target(self, ref, plain_http, create):
+        return CountingLayout(ref.path, create=create)
+
+    def canonical(self, p):
+        return store.canonical(p)
+
+    def snapshot_lock(self, *a, **kw):
+        return contextlib.nullcontext()
+
+    def open_snapshot(self, p):
+        return manifest.read(p)
+
+    def verify_images(self, p, m):
+        from vllm_snapshot import archive
+
+        archive.verify(p / "images", m.images)
+
+    def host_identity(self, kind):
+        return dict(self.host)
+
+    def user_problems(self, u):
+        return []
+
+    def check_external_mounts(self, mounts):
+        return []
+
+    def digest_model(self, d, known=()):
+        return model_digest.digest_dir(d, known)
+
+    def reclaim(self, near, dry_run=False):
+        gone = [str(p) for p in store.clean_stale_temps(near)]
+        return gone
+
+    def prepare_target(self, target):
+        return store.prepare_target(target)
+
+    def discard(self, tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture
+def model(tmp_path) -> Path:
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text('{"model_type": "llama"}')
+    (d / "model.safetensors").write_bytes(os.urandom(3000))
+    return d
+
+
+def make_snapshot(d: Path, model: Path, scrubbed: bool = True) -> manifest.Manifest:
+    pages, inv = os.urandom(50000), b"inventory"
+    files = model_digest.digest_dir(model)
+    f = manifest_fields(host=dict(HOST))
+    f["engine"] = f["engine"].model_copy(update={"env_scrubbed": scrubbed})
+    f["model"] = manifest.ModelIdentity(requested=str(model), path=str(model), served_name="tiny", files=files,
+                                        total_bytes=sum(x.size for x in files))
+    f["images"] = (manifest.ImageFile(name="inventory.img", raw_bytes=len(inv), stored_bytes=len(inv), blake3=_b3(inv)),
+                   manifest.ImageFile(name="pages-1.img", raw_bytes=len(pages), stored_bytes=len(pages),
+                                      blake3=_b3(pages)))
+    m = manifest.seal(manifest.Manifest(**f))
+    write_snapshot_dir(d, m)
+    for sub in ("images", "files"):
+        (d / sub).mkdir(mode=0o700)
+    for name, data in (("inventory.img", inv), ("pages-1.img", pages)):
+        (d / "images" / name).write_bytes(data)
+        os.chmod(d / "images" / name, 0o600)
+    return m
+
+
+@pytest.fixture
+def pushed(tmp_path, model):
+    snap = tmp_path / "snaps" / "tiny"
+    snap.parent.mkdir(mode=0o700)
+    make_snapshot(snap, model)
+    image = f"oci:{tmp_path / 'layout'}:v1"
+    r = fleet.push(fleet.PushRequest(snapshot=snap, image=image), Reporter(), Tools())
+    return {"image": image, "snapshot": snap, "result": r, "layout": tmp_path / "layout"}
+
+
+def _root(tmp_path) -> Path:
+    r = tmp_path / "store-b"
+    r.mkdir(mode=0o700)
+    return r
+
+
+def test_pull_publishes_the_same_bytes_with_a_pull_record(tmp_path, pushed):
+    root = _root(tmp_path)
+    t = Tools({**HOST, "machine_id": "b" * 32, "hostname": "node-b"})  # another machine of the class
+    r = fleet.pull(fleet.PullRequest(image=pushed["image"], root=root, name="tiny"), Reporter(), t)
+    got = root / "tiny"
+    assert r.snapshot == str(got) and r.digest == pushed["result"].digest
+    assert (got / "manifest.json").read_bytes() == (pushed["snapshot"] / "manifest.json").read_bytes()
+    for n in ("inventory.img", "pages-1.img"):
+        assert (got / "images" / n).read_bytes() == (pushed["snapshot"] / "images" / n).read_bytes()
+    rec = json.loads((got / PULLED).read_text())
+    assert rec["image"] == pushed["image"].replace("oci:", "oci:", 1) and rec["machine_id"] == "b" * 32
+    assert rec["hostname"] == "node-b" and rec["digest"] == r.digest
+    assert os.listdir(root) == ["tiny"]
+    assert manifest.read(got).digest == manifest.read(pushed["snapshot"]).digest
+
+
+def test_a_host_class_field_that_differs_refuses_before_any_blob(tmp_path, pushed):
+    root = _root(tmp_path)
+    t = Tools({**HOST, "kernel": "5.4.0"})
+    with pytest.raises(IncompatibleHostError) as e:
+        fleet.pull(fleet.PullRequest(image=pushed["image"], root=root), Reporter(), t)
+    assert "kernel: artifact has '6.18.0', this host has '5.4.0'" in e.value.message
+    assert CountingLayout.gets == [] and os.listdir(root) == []
+
+
+def test_a_missing_model_or_other_bytes_refuse_before_any_blob_naming_the_path(tmp_path, pushed, model):
+    root = _root(tmp_path)
+    (model / "model.safetensors").write_bytes(os.urandom(3000))
+    with pytest.raises(ModelChangedError, match=f"other model bytes at {model}"):
+        fleet.pull(fleet.PullRequest(image=pushed["image"], root=root), Reporter(), Tools())
+    shutil.rmtree(model)
+    with pytest.raises(ModelChangedError, match=f"needs the model at {model}, which this node lacks"):
+        fleet.pull(fleet.PullRequest(image=pushed["image"], root=root), Reporter(), Tools())
+    assert CountingLayout.gets == [] and os.listdir(root) == []
+
+
+def test_a_damaged_blob_publishes_nothing_and_leaves_no_staging(tmp_path, pushed):
+    root = _root(tmp_path)
+    art = fleet.fetch(fleet.reference.parse(pushed["image"]), False, Tools())[1]
+    part = next(p for p in art.parts if p.member == "images/pages-1.img")
+    blob = pushed["layout"] / "blobs" / "sha256" / part.digest.split(":")[1]
+    data = bytearray(blob.read_bytes())
+    data[100] ^= 1
+    blob.write_bytes(bytes(data))
+    with pytest.raises(CorruptSnapshotError, match=f"blob {part.digest} \\(images/pages-1.img\\)"):
+        fleet.pull(fleet.PullRequest(image=pushed["image"], root=root), Reporter(), Tools())
+    assert os.listdir(root) == []
+
+
+def test_annotations_that_disagree_with_the_config_are_refused(tmp_path, pushed):
+    root = _root(tmp_path)
+    layout = transport.Layout(pushed["layout"])
+    raw, _ = layout.get_manifest("v1")
+    doc = json.loads(raw)
+    doc["annotations"][oci.A_CLASS + "vllm"] = "0.33.0"  # claims another vLLM than the snapshot has
+    layout.put_manifest("lying", json.dumps(doc).encode())
+    image = pushed["image"].rsplit(":", 1)[0] + ":lying"
+    with pytest.raises(CorruptSnapshotError, match="annotations disagree"):
+        fleet.pull(fleet.PullRequest(image=image, root=root), Reporter(), Tools({**HOST, "vllm": "0.33.0"}))
+    assert os.listdir(root) == []
+
+
+def test_verify_key_refuses_an_unsigned_artifact_before_anything_is_written(tmp_path, pushed):
+    root = _root(tmp_path)
+    _, pub = _keypair(tmp_path, "k")
+    with pytest.raises(sign.SignatureError, match="is not signed"):
+        fleet.pull(fleet.PullRequest(image=pushed["image"], root=root, verify_key=pub), Reporter(), Tools())
+    assert not root.exists() or os.listdir(root) == []
+
+
+def test_signed_push_pulls_with_the_key_and_records_it(tmp_path, model):
+    snap = tmp_path / "snaps" / "tiny"
+    snap.parent.mkdir(mode=0o700)
+    make_snapshot(snap, model)
+    key, pub = _keypair(tmp_path, "k")
+    image = f"oci:{tmp_path / 'layout'}:v1"
+    fleet.push(fleet.PushRequest(snapshot=snap, image=image, sign_key=key), Reporter(), Tools())
+    r = fleet.pull(fleet.PullRequest(image=image, root=_root(tmp_path), verify_key=pub), Reporter(), Tools())
+    assert r.verified_by == sign.fingerprint(sign.load_public(pub))
+    assert json.loads((Path(r.snapshot) / PULLED).read_text())["verified_by"] == r.verified_by
+
+
+def test_push_refuses_a_snapshot_whose_create_kept_variables(tmp_path, model):
+    snap = tmp_path / "snaps" / "tiny"
+    snap.parent.mkdir(mode=0o700)
+    make_snapshot(snap, model, scrubbed=False)
+    with pytest.raises(UsageError, match="not made from a scrubbed environment"):
+        fleet.push(fleet.PushRequest(snapshot=snap, image=f"oci:{tmp_path / 'layout'}:v1"), Reporter(), Tools())
+    assert not (tmp_path / "layout").exists()
+
+
+def test_pull_refuses_an_existing_name_and_a_bad_one(tmp_path, pushed):
+    root = _root(tmp_path)
+    fleet.pull(fleet.PullRequest(image=pushed["image"], root=root, name="tiny"), Reporter(), Tools())
+    with pytest.raises(UsageError, match="already exists"):
+        fleet.pull(fleet.PullRequest(image=pushed["image"], root=root, name="tiny"), Reporter(), Tools())
+    with pytest.raises(UsageError, match="not a valid snapshot name"):
+        fleet.pull(fleet.PullRequest(image=pushed["image"], root=root, name=".hidden"), Reporter(), Tools())
+
+
+def test_a_killed_pulls_staging_dir_is_removed_by_the_next_pull(tmp_path, pushed):
+    root = _root(tmp_path)
+    dead = root / ".tiny.tmp-dead"
+    dead.mkdir(mode=0o700)
+    (dead / "owner.pid").write_text("999999999")
+    r = fleet.pull(fleet.PullRequest(image=pushed["image"], root=root, name="tiny"), Reporter(), Tools())
+    assert os.listdir(root) == ["tiny"] and str(dead) in r.warnings[0]
+
+
+def test_default_names():
+    assert fleet.default_name(fleet.reference.parse("127.0.0.1:5000/fleet/tiny:v1")) == "tiny-v1"
+    assert fleet.default_name(fleet.reference.parse("h:1/a@sha256:" + "c" * 64)) == "a-cccccccccccc"
+    assert fleet.default_name(fleet.reference.parse("oci:/srv/lay:v2")) == "lay-v2"

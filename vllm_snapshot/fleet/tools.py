@@ -1,0 +1,101 @@
+"""The fleet's role in the tools seam: :class:`FleetTools` (the side effects push/pull need
+beyond the snapshot tools') and :class:`LocalFleetTools`, its real implementation, which the
+local tools class mixes in."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Protocol
+
+from ..errors import CorruptSnapshotError
+from . import reference
+from .transport import Target
+
+#: The record a pull leaves in the snapshot directory (a member of its own: the snapshot's
+#: manifest.json stays byte for byte the one that was pushed).
+PULLED = "pulled.json"
+
+
+class FleetTools(Protocol):
+    """Side effects of ``push``/``pull``/``inspect IMAGE``."""
+
+    def open_target(self, ref: reference.Ref, plain_http: bool, create: bool) -> Target:
+        """The registry repository or image layout of ``ref`` (:func:`.transport.open_target`).
+        Raises UsageError (``--plain-http`` to a host that is not loopback; not a layout)."""
+
+    def check_pulled(self, staging: Path, m) -> None:
+        """The snapshot's own checks over a downloaded staging dir: member layout (stat),
+        every image and saved file's BLAKE3, the code table's digest. Raises
+        CorruptSnapshotError naming the file."""
+
+    def publish_pulled(self, staging: Path, target: Path, config: bytes, provenance: dict) -> None:
+        """Write ``manifest.json`` (``config``, byte for byte) and :data:`PULLED`
+        (``provenance``), 0600, then rename ``staging`` to ``target`` (UsageError when
+        ``target`` appeared meanwhile)."""
+
+    def pulled_from(self, snapshot: Path) -> dict | None:
+        """The :data:`PULLED` record of a snapshot made by pull; None for one made here.
+        Raises CorruptSnapshotError when it is not a JSON object."""
+
+
+def read_pulled(snapshot: Path) -> dict | None:
+    """``snapshot/pulled.json`` as a dict, None when absent. Raises CorruptSnapshotError."""
+    try:
+        raw = (Path(snapshot) / PULLED).read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:
+        raise CorruptSnapshotError(f"{snapshot}/{PULLED} is not JSON: {e}") from e
+    if not isinstance(doc, dict) or not isinstance(doc.get("image"), str):
+        raise CorruptSnapshotError(f"{snapshot}/{PULLED} is not a pull record")
+    return doc
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalFleetTools:
+    """The real :class:`FleetTools`."""
+
+    def open_target(self, ref: reference.Ref, plain_http: bool, create: bool) -> Target:
+        from .transport import open_target
+
+        return open_target(ref, plain_http, create)
+
+    def check_pulled(self, staging: Path, m) -> None:
+        import blake3
+
+        from .. import archive, layout
+
+        sd = layout.SnapshotDir(staging)
+        archive.check_layout(sd.images, m.images)
+        archive.check_layout(sd.files, m.extra_files)
+        archive.verify(sd.images, m.images)
+        archive.verify(sd.files, m.extra_files)
+        if m.code is not None:
+            try:
+                table = (staging / layout.CODE_TABLE).read_bytes()
+            except FileNotFoundError:
+                raise CorruptSnapshotError(f"the artifact lacks {layout.CODE_TABLE}, which its manifest pins") from None
+            if blake3.blake3(table).hexdigest() != m.code.table_digest:
+                raise CorruptSnapshotError(f"the artifact's {layout.CODE_TABLE} does not match its digest in the manifest")
+
+    def publish_pulled(self, staging: Path, target: Path, config: bytes, provenance: dict) -> None:
+        from .. import layout, store
+
+        _write_private(staging / PULLED, json.dumps(provenance, indent=2, sort_keys=True).encode() + b"\n")
+        _write_private(staging / layout.MANIFEST, config)
+        store.publish(staging, target)
+
+    def pulled_from(self, snapshot: Path) -> dict | None:
+        return read_pulled(snapshot)

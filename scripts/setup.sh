@@ -126,6 +126,13 @@ tools() {
   # scripts are linted with shellcheck (tests/test_gpu_check_script.py, test_setup_script.py);
   # the systemd units are checked with systemd-analyze (tests/test_notify.py; package systemd).
   apt_install e2fsprogs squashfs-tools dosfstools util-linux mount shellcheck systemd
+  # The fleet tests (tests/test_fleet*.py) push and pull through a real registry: CNCF
+  # distribution 2.8 (Debian's docker-registry), started by the tests on 127.0.0.1 with its
+  # own config. The package's own service (port 5000 on every address) is not wanted.
+  apt_install docker-registry
+  if [ -d /run/systemd/system ] && systemctl is-enabled docker-registry >/dev/null 2>&1; then
+    systemctl disable --now docker-registry >/dev/null 2>&1 || true
+  fi
 }
 step "system packages" tools
 

@@ -132,6 +132,8 @@ class FakeTools(SnapshotTools):
         self.uuids: list[str] = ["GPU-fake-0"]
         self.model_files: tuple[ModelFile, ...] | None = None
         self.refusals: dict[str, dict] = {}
+        #: str(snapshot) -> its pull record (``pulled_from``): a snapshot pulled from a registry
+        self.pulled: dict[str, dict] = {}
         #: path -> manifest: a store of several snapshots (list_snapshots/open_snapshot/publish)
         self.snapshots: dict[Path, Manifest] | None = None
         #: path -> the error its restore raises (from ``stage``)
@@ -292,6 +294,9 @@ class FakeTools(SnapshotTools):
                 raise UsageError(f"snapshot {snapshot} does not exist")
             return self.snapshots[snapshot]
         return self.manifest
+
+    def pulled_from(self, snapshot: Path) -> dict | None:
+        return self.pulled.get(str(snapshot))
 
     def verify_images(self, snapshot: Path, m: Manifest) -> None:
         self._call("verify_images")

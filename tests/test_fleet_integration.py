@@ -24,6 +24,7 @@ import requests
 
 from conftest import ROOT, TINY, cli, engine_env
 from registry_server import RegistryServer
+from test_fleet import _keypair
 from test_integration import free_port, post
 
 pytestmark = pytest.mark.integration
@@ -35,14 +36,6 @@ def _private(d: Path) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     os.chmod(d, 0o700)
     return d
-
-
-def _keypair(d: Path, name: str) -> tuple[Path, Path]:
-    subprocess.run(["openssl", "ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", str(d / f"{name}.key")],
-                   check=True, capture_output=True)
-    subprocess.run(["openssl", "ec", "-in", str(d / f"{name}.key"), "-pubout", "-out", str(d / f"{name}.pub")],
-                   check=True, capture_output=True)
-    return d / f"{name}.key", d / f"{name}.pub"
 
 
 def _listed(root: Path) -> list[str]:

@@ -14,12 +14,12 @@ import pytest
 
 from helpers import manifest_fields, write_snapshot_dir
 from test_fleet import _b3, _keypair
-from vllm_snapshot import manifest, model_digest, store
+from vllm_snapshot.store import manifest, model_digest, store
 from vllm_snapshot.errors import CorruptSnapshotError, IncompatibleHostError, ModelChangedError, UsageError
 from vllm_snapshot.fleet import oci, sign, transport
 from vllm_snapshot.fleet.tools import PULLED, LocalFleetTools
 from vllm_snapshot.ops import fleet
-from vllm_snapshot.progress import Reporter
+from vllm_snapshot.report.progress import Reporter
 
 HOST = {"kernel": "6.18.0", "cpu_flags": "f00d", "vllm": "0.32.0", "machine_id": "a" * 32, "hostname": "node-a"}
 
@@ -52,7 +52,7 @@ class Tools(LocalFleetTools):
         return manifest.read(p)
 
     def verify_images(self, p, m):
-        from vllm_snapshot import archive
+        from vllm_snapshot.store import archive
 
         archive.verify(p / "images", m.images)
 

@@ -149,17 +149,77 @@ def create(
 
 @app.command()
 def inspect(
-    snapshot: str = typer.Argument(..., help="Snapshot name (under the root) or directory."),
+    snapshot: str = typer.Argument(..., help="Snapshot name (under the root), directory, or IMAGE "
+                                             "(HOST[:PORT]/REPO[:TAG|@sha256:...] or oci:DIR[:TAG])."),
+    plain_http: bool = typer.Option(False, "--plain-http", help="IMAGE: HTTP to a registry on loopback."),
     as_json: bool = typer.Option(False, "--json", help="Stable JSON instead of tables."),
 ) -> None:
-    """Show a snapshot's manifest: versions, model, engine args, oracle, sizes, timings."""
-    from ..store import manifest
+    """Show a snapshot's manifest: versions, model, engine args, oracle, sizes, timings, where it
+    was built and (pulled ones) where it was pulled from. For an IMAGE: only the registry's
+    manifest (its annotations) is read, no blob."""
+    from ..fleet.reference import looks_like_image
     from . import render
+
+    if looks_like_image(snapshot):
+        from ..effects.tools import LocalTools
+        from ..ops import fleet
+
+        render.show(fleet.inspect_image(snapshot, plain_http, LocalTools()), as_json)
+        return
+    from ..fleet.tools import read_pulled
     from ..report.inspected import Inspected
+    from ..store import manifest
 
     snapshot_dir = _resolve(snapshot).absolute()
     # only the manifest is read (strict schema + digest); nothing of the payload is used or run
-    render.show(Inspected(str(snapshot_dir), manifest.read(snapshot_dir)), as_json)
+    render.show(Inspected(str(snapshot_dir), manifest.read(snapshot_dir), read_pulled(snapshot_dir)), as_json)
+
+
+@app.command()
+def push(
+    snapshot: str = typer.Argument(..., help="Snapshot name (under the root) or directory."),
+    image: str = typer.Argument(..., help="HOST[:PORT]/REPO[:TAG] or oci:DIR[:TAG]."),
+    plain_http: bool = typer.Option(False, "--plain-http", help="HTTP instead of HTTPS (a registry on loopback only)."),
+    sign_key: Optional[Path] = typer.Option(None, "--sign-key", help="Sign offline with this PEM EC P-256 key "
+                                                                     "(cosign's layout: tag sha256-DIGEST.sig)."),
+    as_json: bool = typer.Option(False, "--json"),
+    quiet: bool = typer.Option(False, "--quiet", "-q"),
+) -> None:
+    """Push a snapshot to an OCI registry or image-layout directory as an OCI artifact
+    (docs/oci-format.md): layers in parallel, the manifest last, so the tag never names an
+    incomplete artifact. Refuses a snapshot whose create kept variables with --keep-env.
+    Anyone who can read the repository can read the engine's memory: keep it private."""
+    from ..effects.tools import LocalTools
+    from ..ops import fleet
+    from . import render
+
+    _root_only("push")
+    _interruptible()
+    render.show(fleet.push(fleet.PushRequest(_resolve(snapshot), image, plain_http, sign_key),
+                           _reporter(quiet, as_json), LocalTools()), as_json, quiet)
+
+
+@app.command()
+def pull(
+    image: str = typer.Argument(..., help="HOST[:PORT]/REPO[:TAG|@sha256:...] or oci:DIR[:TAG]."),
+    name: Optional[str] = typer.Option(None, "--name", help="Name in the store (default: REPO's last part-TAG)."),
+    plain_http: bool = typer.Option(False, "--plain-http", help="HTTP instead of HTTPS (a registry on loopback only)."),
+    verify_key: Optional[Path] = typer.Option(None, "--verify-key", help="Refuse unless signed by this PEM public key."),
+    as_json: bool = typer.Option(False, "--json"),
+    quiet: bool = typer.Option(False, "--quiet", "-q"),
+) -> None:
+    """Pull a snapshot pushed by `push` into the store. Refuses before downloading any blob
+    when this node does not fit (host class, engine user, mounts, model bytes at the recorded
+    path); every blob's digest is checked as it streams, then the snapshot's own checksums;
+    published by rename only when complete."""
+    from ..effects.tools import LocalTools
+    from ..ops import fleet
+    from . import render
+
+    _root_only("pull")
+    _interruptible()
+    render.show(fleet.pull(fleet.PullRequest(image, _root_dir(), name, plain_http, verify_key),
+                           _reporter(quiet, as_json), LocalTools()), as_json, quiet)
 
 
 @app.command()
@@ -347,11 +407,14 @@ def restore(
     verify_model: str = typer.Option("quick", "--verify-model", help="quick (re-hash files whose stat changed) | full"),
     allow_mismatch: List[str] = typer.Option([], "--allow-mismatch", help="Identity field to tolerate (machine_id, cpu_model)."),
     drain_timeout: Optional[float] = typer.Option(None, "--drain-timeout", min=0, help=DRAIN_HELP),
+    plain_http: bool = typer.Option(False, "--plain-http", help="IMAGE: HTTP to a registry on loopback."),
+    verify_key: Optional[Path] = typer.Option(None, "--verify-key", help="IMAGE: refuse unless signed by this PEM public key."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q"),
 ) -> None:
     """Validate, restore with CRIU, check the oracle inside the engine, then serve the OpenAI
-    API on HOST:PORT. Fails closed: on any mismatch nothing serves and nothing is left.
+    API on HOST:PORT. SNAPSHOT may be an IMAGE (HOST[:PORT]/REPO[:TAG] or oci:DIR[:TAG]): it
+    is pulled into the store first (as `pull`), unless the store holds that artifact already. Fails closed: on any mismatch nothing serves and nothing is left.
     Front-end options of `vllm serve` may follow (--api-key or VLLM_API_KEY, --ssl-keyfile/
     --ssl-certfile/--ssl-ca-certs, --allowed-origins/-methods/-headers, --root-path,
     --uvicorn-log-level, --enable-log-requests, ...); engine options are frozen in the snapshot."""
@@ -369,7 +432,17 @@ def restore(
         raise UsageError("--log-file applies to --detach; in the foreground the engine log goes to stderr",
                          hint="add --detach, or redirect stderr (2>>FILE)")
     rep, lifecycle = _lifecycle_reporter(quiet, as_json)
-    req = ops.RestoreRequest(snapshot=_resolve(snapshot), host=host, port=port, detach=detach,
+    from ..fleet.reference import looks_like_image
+
+    if looks_like_image(snapshot):
+        from ..effects.tools import LocalTools
+        from ..ops import fleet
+
+        snapshot_dir = fleet.ensure_pulled(fleet.PullRequest(snapshot, _root_dir(), None, plain_http, verify_key),
+                                           rep, LocalTools())
+    else:
+        snapshot_dir = _resolve(snapshot)
+    req = ops.RestoreRequest(snapshot=snapshot_dir, host=host, port=port, detach=detach,
                              log_file=log_file, verify_model=verify_model,
                              allow=frozenset(allow_mismatch), engine_log=_stderr_sink, frontend=tuple(extra),
                              drain_s=_drain(drain_timeout))

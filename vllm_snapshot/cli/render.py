@@ -85,6 +85,36 @@ def _created(r: R.Created, quiet: bool) -> None:
 
 def _inspected(r: R.Inspected, quiet: bool) -> None:
     manifest_table(r.manifest, r.snapshot)
+    b = r.built
+    _line(f"built on: machine {b['machine_id'] or '(not recorded)'}, host {b['hostname'] or '(not recorded)'}")
+    p = r.pulled
+    if p is not None:
+        signed = f", signature verified by key {p['verified_by']}" if p.get("verified_by") else ", signature not checked"
+        _line(f"pulled from: {p['image']} ({p['digest']}) at {p.get('pulled_at')} on machine {p.get('machine_id')}, "
+              f"host {p.get('hostname')}{signed}; restores on any machine of its host class")
+
+
+def _pushed(r: R.Pushed, quiet: bool) -> None:
+    if quiet:
+        return
+    _line(f"pushed {r.snapshot} to {r.image}@{r.digest}: {r.blobs} blobs, {human_bytes(r.bytes)} "
+          f"({human_bytes(r.sent_bytes)} sent, {r.skipped} already there) in {r.seconds:.2f} s"
+          + (f"; signed ({r.signature})" if r.signature else ""))
+
+
+def _pulled(r: R.Pulled, quiet: bool) -> None:
+    for w in r.warnings:
+        _line(f"note: {w}")
+    if quiet:
+        return
+    _line(f"pulled {r.image} ({r.digest}) into {r.snapshot}: {human_bytes(r.bytes)} in {r.seconds:.2f} s, every "
+          "digest and checksum verified" + (f", signed by key {r.verified_by}" if r.verified_by else ""))
+
+
+def _image_inspected(r: R.ImageInspected, quiet: bool) -> None:
+    _line(f"{r.image}  {r.digest}  ({r.blobs} blobs, {human_bytes(r.bytes)}; manifest only, no blob read)")
+    for k, v in sorted(r.annotations.items()):
+        _line(f"  {k}: {v}")
 
 
 def _verified(r: R.Verified, quiet: bool) -> None:
@@ -216,6 +246,7 @@ _HUMAN = {
     "Created": _created, "Inspected": _inspected, "Verified": _verified, "Restored": _restored,
     "Listed": _listed, "Deleted": _deleted, "Pruned": _pruned, "Engines": _engines, "Stopped": _stopped,
     "Switched": _switched, "DoctorReport": _doctor, "DemoReport": _demo, "Served": _served,
+    "Pushed": _pushed, "Pulled": _pulled, "ImageInspected": _image_inspected,
 }
 
 

@@ -28,6 +28,7 @@ from ..checkpoint.criu import DumpOptions, RestoreOptions
 from ..host.cgroups import Placement
 from ..checkpoint.gpu import GpuUse
 from ..checkpoint.inventory import Inventory
+from ..fleet.tools import LocalFleetTools
 from ..store.manifest import CodeIdentity, EngineUser, ExternalMount, ImageFile, Manifest, ModelFile
 from ..store.model_digest import ModelCheck
 from ..host.privilege import Creds, User
@@ -183,6 +184,12 @@ class SnapshotTools(Protocol):
     def open_snapshot(self, snapshot: Path) -> Manifest:
         """Trust checks, manifest (schema, digest), member layout (stat). Raises
         UsageError, CorruptSnapshotError."""
+
+    def pulled_from(self, snapshot: Path) -> dict | None:
+        """The ``pulled.json`` record of a snapshot made by ``pull`` (image, digest, the
+        machine that pulled it), None for one made here: a pulled snapshot's host identity is
+        compared at the host-class level (:data:`vllm_snapshot.host.identity.MACHINE_FIELDS`
+        not). Raises CorruptSnapshotError for a record that is not one."""
 
     def verify_images(self, snapshot: Path, m: Manifest) -> None:
         """Every image and saved file checksum. Raises CorruptSnapshotError."""
@@ -475,7 +482,7 @@ def _remove_empty_cgroups() -> list[str]:
         return []
 
 
-class LocalTools(SnapshotTools):
+class LocalTools(SnapshotTools, LocalFleetTools):
     """:class:`SnapshotTools` over this host. ``engine_argv`` replaces the engine root's command
     (tests run a protocol-speaking fake engine through it)."""
 
@@ -722,6 +729,11 @@ class LocalTools(SnapshotTools):
                 os.chmod(os.path.join(dirpath, n), 0o600)
         manifest.write_atomic(m, tmp)
         store.publish(tmp, target)
+
+    def pulled_from(self, snapshot: Path) -> dict | None:
+        from ..fleet.tools import read_pulled
+
+        return read_pulled(snapshot)
 
     def open_snapshot(self, snapshot: Path) -> Manifest:
         from ..store import archive, layout, manifest

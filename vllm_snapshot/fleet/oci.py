@@ -64,9 +64,10 @@ A_TOOL_VERSION = NS + "tool-version"
 A_KEY = NS + "key"
 A_STORED_BYTES = NS + "stored-bytes"
 
-#: Host identity fields that pin one machine, not a class of identical machines: recorded as
-#: where the snapshot was built, never required to match on a node that pulled it.
-#: ``gpu_uuid_used`` names one physical GPU.
+#: Host identity fields that pin one machine, not a class of identical machines
+#: (:data:`vllm_snapshot.host.identity.MACHINE_FIELDS`, and ``gpu_uuid_used``: one physical
+#: GPU, which pull checks is on the node, as restore does): annotated as where the snapshot
+#: was built, not required to match on a node that pulls it.
 MACHINE_FIELDS = frozenset({"machine_id", "hostname", "gpu_uuid_used"})
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:+@-]{0,254}$")
@@ -97,7 +98,7 @@ class Part:
 def member_ok(member: str) -> bool:
     """A member path a snapshot may hold: a top-level member file, or ``images/NAME`` /
     ``files/NAME`` with a plain name (no ``..``, no further ``/``)."""
-    from ..layout import CODE_TABLE, CREATE_LOG, DUMP_LOG, FILES, IMAGES, STATS_DUMP
+    from ..store.layout import CODE_TABLE, CREATE_LOG, DUMP_LOG, FILES, IMAGES, STATS_DUMP
 
     top, sep, name = member.partition("/")
     if not sep:
@@ -115,13 +116,13 @@ def _media_type(member: str) -> str:
 
 def plan(snapshot: Path, part_bytes: int = PART_BYTES) -> list[Part]:
     """The layers of the snapshot directory ``snapshot`` (every regular file but
-    ``manifest.json``), unhashed, in member order. Raises CorruptSnapshotError for a member
+    ``manifest.json`` and ``pulled.json``), unhashed, in member order. Raises CorruptSnapshotError for a member
     that is not a plain file of an allowed name."""
-    from ..layout import FILES, IMAGES, MANIFEST
+    from ..store.layout import FILES, IMAGES, MANIFEST, PULLED
 
     members = []
     for name in sorted(os.listdir(snapshot)):
-        if name == MANIFEST:
+        if name in (MANIFEST, PULLED):  # the config; this node's pull record
             continue
         if name in (IMAGES, FILES):
             members += [f"{name}/{n}" for n in sorted(os.listdir(snapshot / name))]
@@ -190,10 +191,10 @@ def annotations(m, model_digest: str) -> dict[str, str]:
         ann[A_USER] = json.dumps(m.engine.user.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
     if m.key is not None:
         ann[A_KEY] = m.key.value
-    from ..identity import NOT_COMPARED
+    from ..host.identity import NOT_COMPARED
 
     for k, v in m.host.items():
-        if k in NOT_COMPARED:
+        if k in NOT_COMPARED and k not in MACHINE_FIELDS:
             continue
         ann[(A_MACHINE if k in MACHINE_FIELDS else A_CLASS) + k] = v
     return ann
@@ -221,7 +222,7 @@ class Facts:
 def facts(ann: dict[str, str], where: str) -> Facts:
     """Read :class:`Facts` from manifest annotations. Raises CorruptSnapshotError naming the
     annotation that is missing or malformed (``where`` names the artifact)."""
-    from ..manifest import EngineUser, ExternalMount
+    from ..store.manifest import EngineUser, ExternalMount
 
     def need(key: str) -> str:
         v = ann.get(key)

@@ -13,9 +13,7 @@ from ..errors import CorruptSnapshotError
 from . import reference
 from .transport import Target
 
-#: The record a pull leaves in the snapshot directory (a member of its own: the snapshot's
-#: manifest.json stays byte for byte the one that was pushed).
-PULLED = "pulled.json"
+from ..store.layout import PULLED  # noqa: F401 - the record a pull leaves (manifest.json stays as pushed)
 
 
 class FleetTools(Protocol):
@@ -34,10 +32,6 @@ class FleetTools(Protocol):
         """Write ``manifest.json`` (``config``, byte for byte) and :data:`PULLED`
         (``provenance``), 0600, then rename ``staging`` to ``target`` (UsageError when
         ``target`` appeared meanwhile)."""
-
-    def pulled_from(self, snapshot: Path) -> dict | None:
-        """The :data:`PULLED` record of a snapshot made by pull; None for one made here.
-        Raises CorruptSnapshotError when it is not a JSON object."""
 
 
 def read_pulled(snapshot: Path) -> dict | None:
@@ -75,7 +69,7 @@ class LocalFleetTools:
     def check_pulled(self, staging: Path, m) -> None:
         import blake3
 
-        from .. import archive, layout
+        from ..store import archive, layout
 
         sd = layout.SnapshotDir(staging)
         archive.check_layout(sd.images, m.images)
@@ -91,11 +85,8 @@ class LocalFleetTools:
                 raise CorruptSnapshotError(f"the artifact's {layout.CODE_TABLE} does not match its digest in the manifest")
 
     def publish_pulled(self, staging: Path, target: Path, config: bytes, provenance: dict) -> None:
-        from .. import layout, store
+        from ..store import layout, store
 
         _write_private(staging / PULLED, json.dumps(provenance, indent=2, sort_keys=True).encode() + b"\n")
         _write_private(staging / layout.MANIFEST, config)
         store.publish(staging, target)
-
-    def pulled_from(self, snapshot: Path) -> dict | None:
-        return read_pulled(snapshot)

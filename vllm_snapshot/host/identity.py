@@ -84,7 +84,8 @@ def collect(criu_version: str, gpu: dict[str, str] | None = None) -> dict[str, s
     """This host's identity as ``{field: value}``. ``gpu`` adds driver/GPU fields on GPU hosts.
 
     Fields: vllm, torch, torch_cuda, python, python_executable, glibc, kernel, arch, criu,
-    cpu_model, cpu_flags (sha256 of the sorted /proc/cpuinfo flags, 16 hex), machine_id.
+    cpu_model, cpu_flags (sha256 of the sorted /proc/cpuinfo flags, 16 hex), machine_id,
+    hostname (recorded, never compared: :data:`NOT_COMPARED`).
     """
     cpu_model, cpu_flags = _cpuinfo()
     ident = {
@@ -100,6 +101,7 @@ def collect(criu_version: str, gpu: dict[str, str] | None = None) -> dict[str, s
         "cpu_model": cpu_model,
         "cpu_flags": cpu_flags,
         "machine_id": _machine_id(),
+        "hostname": platform.node() or "unknown",
     }
     if gpu:
         ident.update(gpu)
@@ -123,14 +125,23 @@ class Difference:
 #: Fields older snapshots recorded that are no longer compared: ``gpu_uuid`` joined the UUIDs
 #: of every GPU of the host, so replacing a GPU the engine never used blocked every restore;
 #: the GPU the tree used is pinned by ``gpu_uuid_used`` (checked to be on the restoring host).
-NOT_COMPARED: frozenset[str] = frozenset({"gpu_uuid"})
+#: ``hostname`` is recorded (where a snapshot was built, shown by ``inspect``) and never
+#: compared: containers and DHCP rename hosts; ``machine_id`` is the machine's identity.
+NOT_COMPARED: frozenset[str] = frozenset({"gpu_uuid", "hostname"})
+
+#: The fields that pin one *machine*; every other field pins the host *class* (kernel, CPU,
+#: libraries, CRIU, driver, GPU model...). A snapshot pulled from a registry restores on any
+#: machine of its class: these are not compared for it (``compare(machine=False)``).
+MACHINE_FIELDS: frozenset[str] = frozenset({"machine_id", "hostname"})
 
 
 def compare(
-    expected: dict[str, str], actual: dict[str, str], overrides: frozenset[str] = frozenset()
+    expected: dict[str, str], actual: dict[str, str], overrides: frozenset[str] = frozenset(),
+    machine: bool = True,
 ) -> list[Difference]:
     """Every field that differs (missing on either side counts as ``"absent"``), except
-    :data:`NOT_COMPARED`. Pure.
+    :data:`NOT_COMPARED`, and except :data:`MACHINE_FIELDS` when ``machine`` is False (the
+    host-class level: a snapshot pulled from a registry). Pure.
 
     Fields named in ``overrides`` are still reported, with ``overridden=True``.
     Raises ValueError when ``overrides`` names a field outside :data:`OVERRIDABLE`.
@@ -139,7 +150,8 @@ def compare(
     if bad:
         raise ValueError(f"cannot override {sorted(bad)}; overridable: {sorted(OVERRIDABLE)}")
     diffs = []
-    for key in sorted((set(expected) | set(actual)) - NOT_COMPARED):
+    skip = NOT_COMPARED | (frozenset() if machine else MACHINE_FIELDS)
+    for key in sorted((set(expected) | set(actual)) - skip):
         e, a = expected.get(key, "absent"), actual.get(key, "absent")
         if e != a:
             diffs.append(Difference(key, e, a, key in overrides))

@@ -299,8 +299,10 @@ def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, revisio
                    created_at: str, key: manifest.SnapshotKey | None = None,
                    code: manifest.CodeIdentity | None = None,
                    engine_user: manifest.EngineUser | None = None,
-                   rehearsal_wake_s: float | None = None, cuda_pids: tuple[int, ...] = ()) -> manifest.Manifest:
-    """The manifest of a finished dump (unsealed). Pure."""
+                   rehearsal_wake_s: float | None = None, cuda_pids: tuple[int, ...] = (),
+                   env_scrubbed: bool | None = None) -> manifest.Manifest:
+    """The manifest of a finished dump (unsealed). ``env_scrubbed``: the engine's environment
+    ``env`` is what the scrubber gives without ``--keep-env`` (push requires it). Pure."""
     return manifest.Manifest(
         schema_version=manifest.SCHEMA_VERSION,
         tool_version=__version__,
@@ -309,7 +311,7 @@ def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, revisio
         engine=manifest.EngineInfo(
             kind=info["kind"], sleep_level=sleep_level, engine_args=tuple(redact_args(req.engine_args)),
             env_hashes={}, full_state_captured=(sleep_level == 0), network="isolated", user=engine_user,
-            rehearsal_wake_s=rehearsal_wake_s),
+            rehearsal_wake_s=rehearsal_wake_s, env_scrubbed=env_scrubbed),
         model=manifest.ModelIdentity(
             requested=req.model, path=str(model_dir), served_name=info["served_model_name"],
             files=files, total_bytes=sum(f.size for f in files), revision=revision),
@@ -341,6 +343,7 @@ def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: 
         with rep.phase("model_digest", "hashing model files"):
             files = t.digest_model(model_dir)
         env = scrubbed_env(t.environ(), req.keep_env, user)
+        env_scrubbed = env == scrubbed_env(t.environ(), (), user)  # --keep-env added nothing the scrubber drops
         who = engine_user_record(user)
         spec = {"model": str(model_dir), "engine_args": list(req.engine_args),
                 "oracle_prompt": req.oracle_prompt, "sleep_level": req.sleep_level,
@@ -413,7 +416,7 @@ def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: 
             sleep_level=sleep_level, env=env, criu_ver=criu_ver, host={**host, **gpu_id},
             inv=inv, inherit=inherit, dump_opts=dump_opts, externals=externals, images=images, extra=extra,
             timings=rep.timings, key=key, code=code, engine_user=who, rehearsal_wake_s=woke_s,
-            cuda_pids=use.cuda_pids if use is not None else (),
+            cuda_pids=use.cuda_pids if use is not None else (), env_scrubbed=env_scrubbed,
             created_at=_dt.datetime.fromtimestamp(t.now(), _dt.timezone.utc).isoformat(timespec="seconds"))
         with rep.phase("publish", "publishing"):
             m = manifest.seal(m.model_copy(update={"timings": dict(rep.timings)}))

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CorruptSnapshotError, IncompatibleHostError, ModelChangedError, UsageError
 from ..fleet import oci, reference, sign, transfer
 from ..fleet.transport import NotFound, Target
 from ..fleet.tools import FleetTools  # noqa: F401 - the role these functions use besides SnapshotTools
+from ..report.results import ImageInspected, Pulled, Pushed
 
 
 @dataclass(frozen=True)
@@ -47,53 +48,17 @@ class PullRequest:
     verify_key: Path | None = None
 
 
-@dataclass(frozen=True)
-class PushResult:
-    """A pushed snapshot: where (``image``, ``digest``), bytes (all layers / sent), blob counts,
-    ``seconds``, ``MB_s`` (all layer bytes / seconds) and the signature tag (or None)."""
-
-    snapshot: str
-    image: str
-    digest: str
-    bytes: int
-    sent_bytes: int
-    blobs: int
-    skipped: int
-    seconds: float
-    signature: str | None
-
-    def to_json(self) -> dict:
-        return dict(self.__dict__, MB_s=round(self.bytes / 1e6 / max(self.seconds, 1e-9), 1))
-
-
-@dataclass(frozen=True)
-class PullResult:
-    """A pulled, published snapshot: its directory, the ``image`` and ``digest`` it came from,
-    the layer ``bytes``, ``seconds`` and the verifying key's fingerprint (or None)."""
-
-    snapshot: str
-    image: str
-    digest: str
-    bytes: int
-    seconds: float
-    verified_by: str | None
-    warnings: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict:
-        return dict(self.__dict__, MB_s=round(self.bytes / 1e6 / max(self.seconds, 1e-9), 1))
-
-
 def _tag_of(ref: reference.Ref, verb: str) -> str:
     if ref.digest:
         raise UsageError(f"{verb} needs a tag, not a digest: {ref}", hint="write IMAGE as ...:TAG")
     return ref.tag or reference.DEFAULT_TAG
 
 
-def push(req: PushRequest, rep, t) -> PushResult:
+def push(req: PushRequest, rep, t) -> Pushed:
     """Push snapshot ``req.snapshot`` to ``req.image``. Raises UsageError (bad IMAGE, a
     snapshot whose create did not scrub the environment, bad key), CorruptSnapshotError (the
     snapshot's own checks), EnvironmentProblem (registry)."""
-    from ..snapkey import model_part
+    from ..store.snapkey import model_part
 
     ref = reference.parse(req.image)
     tag = _tag_of(ref, "push")
@@ -113,7 +78,7 @@ def push(req: PushRequest, rep, t) -> PushResult:
         with rep.phase("push", f"pushing to {ref}"):
             r = transfer.push(snapshot, config, oci.annotations(m, model_part(m.model.files)), target, tag,
                               signing_key=key, docker_reference=str(ref.with_tag(tag)).removesuffix(f":{tag}"))
-    return PushResult(snapshot=str(snapshot), image=str(ref.with_tag(tag)), digest=r.digest, bytes=r.bytes,
+    return Pushed(snapshot=str(snapshot), image=str(ref.with_tag(tag)), digest=r.digest, bytes=r.bytes,
                       sent_bytes=r.sent_bytes, blobs=r.blobs, skipped=r.skipped, seconds=round(r.seconds, 3),
                       signature=r.signature_tag)
 
@@ -132,8 +97,8 @@ def compatibility(f: oci.Facts, t, where: str) -> None:
     """Refuse, from the annotations alone, a node that does not fit: host class fields (each
     expected vs here), engine user, external mounts (IncompatibleHostError, exit 3); the model
     missing at its path or other bytes there (ModelChangedError, exit 4, naming the path)."""
-    from .. import identity
-    from ..snapkey import model_part
+    from ..host import identity
+    from ..store.snapkey import model_part
 
     here = {k: v for k, v in t.host_identity(f.kind).items() if k not in oci.MACHINE_FIELDS}
     diffs = identity.compare(f.host_class, here)
@@ -141,6 +106,9 @@ def compatibility(f: oci.Facts, t, where: str) -> None:
     if f.user is not None:
         problems += [f"engine user: {p}" for p in t.user_problems(f.user)]
     problems += [f"mount: {p}" for p in t.check_external_mounts(f.mounts)]
+    gpu = f.machine.get("gpu_uuid_used")
+    if gpu is not None and gpu not in t.gpu_uuids():  # as restore checks: CUDA state goes back to that GPU
+        problems.append(f"gpu_uuid_used: the snapshot's engine used GPU {gpu}, which this node does not have")
     if problems:
         raise IncompatibleHostError(
             f"{where} does not fit this node (nothing was downloaded):\n  " + "\n  ".join(problems),
@@ -166,12 +134,12 @@ def default_name(ref: reference.Ref) -> str:
     return f"{base}-{suffix}"
 
 
-def pull(req: PullRequest, rep, t) -> PullResult:
+def pull(req: PullRequest, rep, t) -> Pulled:
     """Pull ``req.image`` into the store ``req.root`` (see the module doc for the order).
     Raises UsageError, IncompatibleHostError, ModelChangedError, SignatureError/
     CorruptSnapshotError, EnvironmentProblem, BusyError; publishes nothing on any of them."""
-    from .. import manifest, store
-    from ..snapkey import model_part
+    from ..store import manifest, store
+    from ..store.snapkey import model_part
 
     ref = reference.parse(req.image)
     name = req.name or default_name(ref)
@@ -219,29 +187,38 @@ def pull(req: PullRequest, rep, t) -> PullResult:
         except BaseException:
             t.discard(staging)
             raise
-    return PullResult(snapshot=str(dest), image=str(ref), digest=art.digest, bytes=art.blob_bytes,
+    return Pulled(snapshot=str(dest), image=str(ref), digest=art.digest, bytes=art.blob_bytes,
                       seconds=round(time.monotonic() - t0, 3), verified_by=verified_by,
                       warnings=[f"removed leftover {p}" for p in report])
 
 
-@dataclass(frozen=True)
-class ImageInfo:
-    """``inspect IMAGE``: what the registry manifest alone says (no blob read)."""
+def ensure_pulled(req: PullRequest, rep, t) -> Path:
+    """``restore IMAGE``: the store's snapshot of ``req.image`` (named as :func:`pull` names
+    it), pulled first when the store lacks it. A snapshot of that name pulled from the same
+    artifact digest is used as it is (its signature checked again with ``req.verify_key``);
+    one holding anything else is refused. Raises what :func:`pull` raises."""
+    from ..store import store
 
-    image: str
-    digest: str
-    blobs: int
-    bytes: int
-    annotations: dict[str, str]
+    ref = reference.parse(req.image)
+    name = req.name or default_name(ref)
+    dest = t.canonical(req.root / name) if store.valid_name(name) else None
+    if dest is None or not os.path.lexists(dest):
+        return Path(pull(req, rep, t).snapshot)
+    target, art = fetch(ref, req.plain_http, t)
+    rec = t.pulled_from(dest)
+    if rec is None or rec.get("digest") != art.digest:
+        raise UsageError(f"{dest} exists and was not pulled from {ref} ({art.digest}); nothing was restored",
+                         hint=f"delete it (`vllm-snapshot delete {name}`), or pull the image under another --name and "
+                              "restore that")
+    if req.verify_key is not None:
+        transfer.verify_signature(target, art, sign.load_public(req.verify_key), str(ref))
+    return dest
 
-    def to_json(self) -> dict:
-        return dict(self.__dict__)
 
-
-def inspect_image(image: str, plain_http: bool, t) -> ImageInfo:
+def inspect_image(image: str, plain_http: bool, t) -> ImageInspected:
     """Read only the manifest of ``image``. Raises UsageError, CorruptSnapshotError."""
     ref = reference.parse(image)
     _, art = fetch(ref, plain_http, t)
     oci.facts(art.annotations, str(ref))
-    return ImageInfo(image=str(ref), digest=art.digest, blobs=len(art.parts), bytes=art.blob_bytes,
+    return ImageInspected(image=str(ref), digest=art.digest, blobs=len(art.parts), bytes=art.blob_bytes,
                      annotations=art.annotations)

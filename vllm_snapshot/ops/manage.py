@@ -44,7 +44,8 @@ def describe(snapshot: Path, tools: SnapshotTools | None = None) -> dict:
         row.update(compatible=False, why=f"refused by serve: {refused['reason']}")
         return row
     try:
-        hard = [d for d in identity.compare(m.host, t.host_identity(m.engine.kind)) if not d.overridden]
+        hard = [d for d in identity.compare(m.host, t.host_identity(m.engine.kind),
+                                            machine=t.pulled_from(snapshot) is None) if not d.overridden]
         if hard:
             row.update(compatible=False, why="this host differs: " + "; ".join(map(str, hard)))
             return row

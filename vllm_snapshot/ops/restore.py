@@ -130,8 +130,9 @@ def validate(snapshot: Path, verify_model: str = "quick", allow: frozenset[str] 
     here = t.host_identity(m.engine.kind)
     if "gpu_uuid_used" in m.host:  # the one GPU the tree used must be on this host
         here["gpu_uuid_used"] = m.host["gpu_uuid_used"] if m.host["gpu_uuid_used"] in t.gpu_uuids() else "absent"
+    pulled = t.pulled_from(snapshot)  # pulled from a registry: any machine of its host class restores it
     try:
-        diffs = identity.compare(m.host, here, allow)
+        diffs = identity.compare(m.host, here, allow, machine=pulled is None)
     except ValueError as e:
         raise UsageError(str(e)) from e
     warnings = [f"identity override: {d}" for d in diffs if d.overridden]

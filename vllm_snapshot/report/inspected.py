@@ -15,10 +15,19 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Inspected:
-    """A snapshot's manifest, read and checked (schema, digest), not validated against the host."""
+    """A snapshot's manifest, read and checked (schema, digest), not validated against the host;
+    ``pulled``: the record ``pull`` left (image, digest, pulled_at, machine_id, hostname,
+    verified_by), None for a snapshot made here."""
 
     snapshot: str
     manifest: Manifest
+    pulled: dict | None = None
+
+    @property
+    def built(self) -> dict:
+        """Where the snapshot was built: ``{"machine_id", "hostname"}`` (None when not recorded)."""
+        return {k: self.manifest.host.get(k) for k in ("machine_id", "hostname")}
 
     def to_json(self) -> dict:
-        return {"snapshot": self.snapshot, "manifest": self.manifest.model_dump(mode="json")}
+        return {"snapshot": self.snapshot, "manifest": self.manifest.model_dump(mode="json"), "built": self.built,
+                "pulled": self.pulled}

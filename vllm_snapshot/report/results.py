@@ -211,3 +211,56 @@ class DemoReport:
             "speedup": round(self.cold_s / self.restore_s, 1) if self.cold_s else None,
             "raw_image_bytes": self.raw_bytes, "stored_image_bytes": self.stored_bytes,
         }
+
+
+@dataclass(frozen=True)
+class Pushed:
+    """``push``: the snapshot pushed to ``image`` (with the tag), the artifact's manifest
+    ``digest``, bytes of every layer and of those sent (layers the target had are skipped),
+    blob counts, ``seconds`` of the transfer, the signature tag (or None)."""
+
+    snapshot: str
+    image: str
+    digest: str
+    bytes: int
+    sent_bytes: int
+    blobs: int
+    skipped: int
+    seconds: float
+    signature: str | None
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "MB_s": round(self.bytes / 1e6 / max(self.seconds, 1e-9), 1)}
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """``pull``: the published snapshot directory, the ``image`` and artifact ``digest`` it came
+    from, the layer ``bytes``, ``seconds`` (manifest to publish), the fingerprint of the key
+    that verified its signature (or None), warnings (leftovers removed)."""
+
+    snapshot: str
+    image: str
+    digest: str
+    bytes: int
+    seconds: float
+    verified_by: str | None
+    warnings: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "MB_s": round(self.bytes / 1e6 / max(self.seconds, 1e-9), 1)}
+
+
+@dataclass(frozen=True)
+class ImageInspected:
+    """``inspect IMAGE``: what the artifact's manifest alone says (no blob is read): its
+    ``digest``, layer count and bytes, and the annotations (docs/oci-format.md)."""
+
+    image: str
+    digest: str
+    blobs: int
+    bytes: int
+    annotations: dict[str, str]
+
+    def to_json(self) -> dict:
+        return asdict(self)

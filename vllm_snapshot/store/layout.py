@@ -13,6 +13,8 @@ Layout of a published snapshot ``DIR`` (dir 0700, files 0600)::
     DIR/engine-create.log  the engine's log during create
     DIR/criu-dump.log      CRIU's dump log
     DIR/stats-dump         CRIU's dump statistics (protobuf)
+    DIR/pulled.json        only in a snapshot made by ``pull``: where it came from
+                           (:mod:`vllm_snapshot.fleet`); docs/oci-format.md
 
 While a create runs, its temp dir also holds ``owner.pid`` (removed at publish).
 """
@@ -35,9 +37,12 @@ DUMP_LOG = "criu-dump.log"
 RESTORE_LOG = "criu-restore.log"
 STATS_DUMP = "stats-dump"
 CODE_TABLE = "code.json"
+#: written by ``pull`` (:mod:`vllm_snapshot.fleet`): where the snapshot came from (image,
+#: digest, the key that verified it) and the machine that pulled it; absent in snapshots made here
+PULLED = "pulled.json"
 OWNER_PID = "owner.pid"
 #: Every name a published snapshot may hold at its top level.
-MEMBERS = frozenset({MANIFEST, IMAGES, FILES, CREATE_LOG, DUMP_LOG, STATS_DUMP, CODE_TABLE})
+MEMBERS = frozenset({MANIFEST, IMAGES, FILES, CREATE_LOG, DUMP_LOG, STATS_DUMP, CODE_TABLE, PULLED})
 
 
 @dataclass(frozen=True)

@@ -141,6 +141,10 @@ class EngineInfo(_Strict):
     network: Literal["host", "isolated"] = "host"
     user: EngineUser | None = None
     rehearsal_wake_s: float | None = Field(default=None, ge=0)
+    #: True: create gave the engine the scrubbed environment (no variable kept with
+    #: ``--keep-env`` that the scrubber would have dropped); False: it kept some; None: made
+    #: before this was recorded. ``push`` refuses all but True (the images hold the engine's memory).
+    env_scrubbed: bool | None = None
 
 
 class TreeFile(_Strict):

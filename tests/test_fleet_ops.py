@@ -237,3 +237,31 @@ def test_default_names():
     assert fleet.default_name(fleet.reference.parse("127.0.0.1:5000/fleet/tiny:v1")) == "tiny-v1"
     assert fleet.default_name(fleet.reference.parse("h:1/a@sha256:" + "c" * 64)) == "a-cccccccccccc"
     assert fleet.default_name(fleet.reference.parse("oci:/srv/lay:v2")) == "lay-v2"
+
+
+# --------------------------------------------------------------------------- restore of a pulled snapshot
+
+def test_restore_checks_a_pulled_snapshot_at_the_host_class_level(tmp_path):
+    from fakes import HOST as FAKE_HOST, FakeTools
+    from vllm_snapshot.ops.restore import validate
+
+    snap = tmp_path / "tiny"
+    other_machine = FakeTools(host={**FAKE_HOST, "machine_id": "another-machine"})
+    with pytest.raises(IncompatibleHostError, match="machine_id"):  # made here, copied: pinned to its machine
+        validate(snap, tools=other_machine)
+    other_machine.pulled[str(snap.absolute())] = {"image": "127.0.0.1:5000/fleet/tiny:v1", "digest": "sha256:" + "0" * 64}
+    m, warnings = validate(snap, tools=other_machine)  # pulled: any machine of its class, no override
+    assert not [w for w in warnings if "identity override" in w]
+    other_class = FakeTools(host={**FAKE_HOST, "kernel": "5.4.0"})
+    other_class.pulled[str(snap.absolute())] = {"image": "x", "digest": "y"}
+    with pytest.raises(IncompatibleHostError, match="kernel"):
+        validate(snap, tools=other_class)
+
+
+def test_identity_compare_at_the_class_level_skips_only_machine_fields():
+    from vllm_snapshot.host import identity
+
+    a = {"kernel": "6.18", "machine_id": "m1", "hostname": "a"}
+    assert [d.field for d in identity.compare(a, {**a, "machine_id": "m2", "hostname": "b"})] == ["machine_id"]
+    assert identity.compare(a, {**a, "machine_id": "m2", "hostname": "b"}, machine=False) == []
+    assert [d.field for d in identity.compare(a, {**a, "kernel": "5.4"}, machine=False)] == ["kernel"]

@@ -320,6 +320,14 @@ def test_create_happy_path_order_and_scrubbed_env():
     assert k.value == snapkey.combine(k.parts)
     assert res.manifest.criu.dump_argv[:3] == ("dump", "-t", "4242")
     assert "discard" not in t.calls
+    assert res.manifest.engine.env_scrubbed is True  # push requires it
+
+
+def test_create_records_that_keep_env_let_a_variable_through():
+    res = _create(FakeTools(), keep_env=("HF_TOKEN",))
+    assert res.manifest.engine.env_scrubbed is False  # push refuses this snapshot
+    res = _create(FakeTools(), keep_env=("NOT_SET_HERE",))  # nothing added: still scrubbed
+    assert res.manifest.engine.env_scrubbed is True
 
 
 def test_create_refuses_unsized_cpu_kv_cache_before_the_engine_starts():

@@ -22,7 +22,7 @@ import psutil
 import pytest
 import requests
 
-from conftest import ROOT, TINY, cli, engine_env
+from conftest import ENGINE_ARGS, ROOT, TINY, cli, engine_env
 from registry_server import RegistryServer
 from test_fleet import _keypair
 from test_integration import free_port, post
@@ -289,3 +289,29 @@ def test_oci_layout_round_trip(snapshot, tmp_path):
     for rel in ("manifest.json", *(f"images/{n}" for n in os.listdir(snapshot / "images"))):
         assert (root / name / rel).read_bytes() == (snapshot / rel).read_bytes(), rel
     cli("--root", str(root), "verify", name, check=True)
+
+
+def test_serve_with_a_registry_pushes_from_the_first_node_and_the_second_pulls(snapshot, own_registry, tmp_path):
+    """Node A holds a snapshot of the key (create's, as `serve` finds it): it restores it and
+    pushes it under its key; node B (its own namespaces, empty store) pulls and restores it --
+    no cold start."""
+    root_a = _private(tmp_path / "a")
+    _clone(snapshot, root_a / "tiny")
+    repo = f"{own_registry.host}/fleet/serve"
+    port_a, port_b = free_port(), free_port()
+    p = cli("--root", str(root_a), "serve", str(TINY), "--port", str(port_a), "--detach", "--json",
+            "--registry", repo, "--plain-http", "--", *ENGINE_ARGS, timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:]
+    a = json.loads(p.stdout)
+    _stop(a["pid"])
+    assert a["path"] == "restored" and _tag_resolves(own_registry, a["key"], "fleet/serve")
+    root_b = _private(tmp_path / "b")
+    p = on_node([["--root", str(root_b), "serve", str(TINY), "--port", str(port_b), "--detach", "--json",
+                  "--registry", repo, "--plain-http", "--", *ENGINE_ARGS]])
+    assert p.returncode == 0, p.stderr[-4000:]
+    b = json.loads(p.stdout)
+    try:
+        assert b["path"] == "pulled" and b["key"] == a["key"] and "engine_start" not in b["timings"]
+        assert completion(port_b)["text"]
+    finally:
+        _stop(b["pid"])

@@ -265,3 +265,21 @@ def test_identity_compare_at_the_class_level_skips_only_machine_fields():
     assert [d.field for d in identity.compare(a, {**a, "machine_id": "m2", "hostname": "b"})] == ["machine_id"]
     assert identity.compare(a, {**a, "machine_id": "m2", "hostname": "b"}, machine=False) == []
     assert [d.field for d in identity.compare(a, {**a, "kernel": "5.4"}, machine=False)] == ["kernel"]
+
+
+def test_registry_cache_pushes_a_key_once_and_pulls_it_by_key(tmp_path, model):
+    snap = tmp_path / "snaps" / "tiny"
+    snap.parent.mkdir(mode=0o700)
+    make_snapshot(snap, model)
+    cache = fleet.RegistryCache(f"oci:{tmp_path / 'layout'}", Tools(), Reporter())
+    key = "f" * 64
+    root = _root(tmp_path)
+    assert cache.fetch(key, root / "tiny") is None  # nothing there yet: the caller builds
+    assert cache.offer(snap, key) == [] and cache.has(key)
+    first = transport.Layout(tmp_path / "layout").get_manifest(key)[1]
+    assert cache.offer(snap, key) == []  # already there: not pushed again
+    assert transport.Layout(tmp_path / "layout").get_manifest(key)[1] == first
+    got = cache.fetch(key, root / "tiny")
+    assert got == root / "tiny" and (got / PULLED).is_file()
+    with pytest.raises(UsageError, match="names a tag"):
+        fleet.RegistryCache("127.0.0.1:5000/fleet/tiny:v1", Tools(), Reporter())

@@ -174,7 +174,7 @@ def test_collect_has_the_documented_fields_and_imports_nothing_heavy():
     ident, torch_loaded, vllm_loaded = json.loads(out.stdout)
     assert not torch_loaded and not vllm_loaded
     for f in ("vllm", "torch", "torch_cuda", "python", "python_executable", "glibc", "kernel", "arch",
-              "criu", "cpu_model", "cpu_flags", "machine_id"):
+              "criu", "cpu_model", "cpu_flags", "machine_id", "hostname"):
         assert isinstance(ident[f], str) and ident[f], f
     assert ident["criu"] == "4.2.1" and ident["gpu"] == "H100"
     assert len(ident["cpu_flags"]) == 16

@@ -354,3 +354,72 @@ def test_the_key_records_the_env_variables_by_name_so_a_mismatch_names_them():
                               "HF_TOKEN": "hf_y"}, keep=("HF_TOKEN",))
     assert snapkey.env_differences(was, now) == ["OMP_NUM_THREADS changed", "VLLM_NO_USAGE_STATS set now"]
     assert snapkey.env_part({"OMP_NUM_THREADS": "2"}) == snapkey.env_part({"OMP_NUM_THREADS": "2", "PATH": "/x"})
+
+
+# --------------------------------------------------------------------------- serve --registry
+
+class FakeRegistry:
+    """A repository of snapshots by key: ``held`` key -> the manifest a pull publishes;
+    ``fits`` False makes a pull refuse as a node of another class would."""
+
+    def __init__(self, t: FakeTools, fits: bool = True) -> None:
+        self.t, self.fits = t, fits
+        self.held: dict[str, object] = {}
+        self.calls: list[str] = []
+
+    def image(self, key: str) -> str:
+        return f"127.0.0.1:5000/fleet/tiny:{key}"
+
+    def fetch(self, key: str, target: Path):
+        self.calls.append("fetch")
+        if key not in self.held:
+            return None
+        if not self.fits:
+            from vllm_snapshot.errors import IncompatibleHostError
+
+            raise IncompatibleHostError("kernel: artifact has '6.18.0', this host has '5.4.0'")
+        self.t.snapshots[target] = self.held[key]
+        return target
+
+    def offer(self, snapshot: Path, key: str) -> list[str]:
+        self.calls.append(f"offer:{snapshot.name}")
+        self.held.setdefault(key, self.t.snapshots[snapshot])
+        return []
+
+
+def test_with_a_registry_the_first_node_builds_and_pushes_the_next_pulls_without_a_cold_start():
+    a = _tools()
+    reg = FakeRegistry(a)
+    first, _ = _serve(a, registry=reg)
+    assert first.path == "built" and reg.calls == ["fetch", f"offer:tiny-{first.key[:12]}"]
+    assert first.key in reg.held
+    b = _tools()  # another node of the class: empty store
+    reg.t, reg.calls = b, []
+    second, _ = _serve(b, registry=reg)
+    assert second.path == "pulled" and second.key == first.key and reg.calls[0] == "fetch"
+    assert "launch_engine" not in b.calls  # no cold start on the second node
+    b.calls.clear()
+    third, _ = _serve(b, registry=reg)  # now local: restored, nothing fetched
+    assert third.path == "restored" and reg.calls[-1].startswith("offer")
+
+
+def test_a_node_that_does_not_fit_the_registrys_snapshot_builds_its_own():
+    a = _tools()
+    reg = FakeRegistry(a)
+    first, _ = _serve(a, registry=reg)
+    b = _tools()
+    reg.t, reg.fits, reg.calls = b, False, []
+    rep = Rec()
+    second, _ = _serve(b, rep, registry=reg)
+    assert second.path == "built" and "launch_engine" in b.calls
+    assert any("not pulling" in line and "kernel" in line for line in rep.lines), rep.lines
+
+
+def test_no_build_still_pulls_from_the_registry():
+    a = _tools()
+    reg = FakeRegistry(a)
+    _serve(a, registry=reg)
+    b = _tools()
+    reg.t = b
+    r, _ = _serve(b, registry=reg, build="never")
+    assert r.path == "pulled"

@@ -532,12 +532,18 @@ def serve(
     user: str = typer.Option("vllm-snapshot", "--user", help="Unprivileged user a build's engine tree runs as (its HOME is part of the key)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Stream the engine log of a build to stderr."),
     drain_timeout: Optional[float] = typer.Option(None, "--drain-timeout", min=0, help=DRAIN_HELP),
+    registry: Optional[str] = typer.Option(None, "--registry", help="HOST[:PORT]/REPO (or oci:DIR): the snapshot key "
+                                           "is the tag; pull it when this node has none, push one built here."),
+    plain_http: bool = typer.Option(False, "--plain-http", help="--registry: HTTP to a registry on loopback."),
+    sign_key: Optional[Path] = typer.Option(None, "--sign-key", help="--registry: sign what is pushed (PEM EC P-256)."),
+    verify_key: Optional[Path] = typer.Option(None, "--verify-key", help="--registry: pull only what this key signed."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (which path, timings)."),
     quiet: bool = typer.Option(False, "--quiet", "-q"),
 ) -> None:
     """Like `vllm serve MODEL [engine args]`: restore the snapshot made for exactly this model,
-    these args and this host (the key); if there is none or it is refused, build one (cold
-    start, oracle, dump) and restore that. The port is bound only after the oracle matched."""
+    these args and this host class (the key); if there is none or it is refused, pull it from
+    --registry when given and this node fits, else build one (cold start, oracle, dump) and
+    restore that (and push it to --registry). The port is bound only after the oracle matched."""
     from ..store import archive, oracle, store
     from ..supervise import frontend
     from .. import ops
@@ -577,6 +583,14 @@ def serve(
     if oracle_prompt is not None and not oracle_prompt.strip():
         raise UsageError("--oracle-prompt is empty", hint="give a prompt, or leave the option out for the default")
     rep, lifecycle = _lifecycle_reporter(quiet, as_json)
+    cache = None
+    if registry is not None:
+        from ..effects.tools import LocalTools
+        from ..ops.fleet import RegistryCache
+
+        cache = RegistryCache(registry, LocalTools(), rep, plain_http, sign_key, verify_key)
+    elif plain_http or sign_key or verify_key:
+        raise UsageError("--plain-http, --sign-key and --verify-key apply to --registry")
     req = ops.ServeRequest(
         model=model, root=store.ensure_root(_root_dir()), engine_args=engine_args, host=host, port=port,
         detach=detach, log_file=log_file, verify_model=verify_model,
@@ -584,7 +598,7 @@ def serve(
         oracle_prompt=oracle_prompt or oracle.DEFAULT_PROMPT, sleep_level=sleep_level,
         compression=archive.Compression.parse(compress), keep_env=tuple(keep_env), user=user,
         engine_log=_stderr_sink, create_log=_stderr_sink if verbose else None, frontend=tuple(front),
-        drain_s=_drain(drain_timeout))
+        drain_s=_drain(drain_timeout), registry=cache)
     served, engine = ops.serve(req, rep)
     if detach:
         _handed_off()

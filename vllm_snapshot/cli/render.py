@@ -137,7 +137,8 @@ def _served(r: R.Served, quiet: bool) -> None:
     for w in r.warnings:
         sys.stderr.write(f"warning: {w}\n")
     if not quiet:
-        how = ("restored snapshot" if r.path == "restored" else "built (cold start + dump) and restored snapshot")
+        how = {"restored": "restored snapshot", "pulled": "pulled (registry) and restored snapshot"}.get(
+            r.path, "built (cold start + dump) and restored snapshot")
         sys.stderr.write(f"[vllm-snapshot] {how} {Path(r.restored.snapshot).name} (key {r.key[:12]}) "
                          f"in {r.total_s:.2f} s\n")
         sys.stderr.write(f"[vllm-snapshot] serving {r.restored.served_name} at {r.restored.url} "

@@ -222,3 +222,57 @@ def inspect_image(image: str, plain_http: bool, t) -> ImageInspected:
     oci.facts(art.annotations, str(ref))
     return ImageInspected(image=str(ref), digest=art.digest, blobs=len(art.parts), bytes=art.blob_bytes,
                      annotations=art.annotations)
+
+
+class RegistryCache:
+    """``serve --registry REPO``: the repository as a cache of snapshots keyed by the snapshot
+    key (the tag). ``repo`` is ``HOST[:PORT]/REPO`` or ``oci:DIR`` (no tag); ``tools`` has the
+    snapshot and fleet roles; ``sign_key``/``verify_key`` as for push/pull."""
+
+    def __init__(self, repo: str, tools, rep, plain_http: bool = False, sign_key: Path | None = None,
+                 verify_key: Path | None = None):
+        ref = reference.parse(repo)
+        if ref.digest is not None or (isinstance(ref, reference.RegistryRef) and ":" in repo.rsplit("/", 1)[-1]) \
+                or (isinstance(ref, reference.LayoutRef) and ref.tag != reference.DEFAULT_TAG):
+            raise UsageError(f"--registry {repo!r} names a tag or digest; give the repository only",
+                             hint="serve tags each snapshot with its key")
+        self.repo, self.t, self.rep = repo, tools, rep
+        self.plain_http, self.sign_key, self.verify_key = plain_http, sign_key, verify_key
+
+    def image(self, key: str) -> str:
+        """The IMAGE of the snapshot of ``key``."""
+        return f"{self.repo}:{key}"
+
+    def has(self, key: str) -> bool:
+        """True when the repository holds a complete artifact tagged ``key``."""
+        ref = reference.parse(self.image(key))
+        try:
+            fetch(ref, self.plain_http, self.t)
+        except UsageError:
+            return False
+        return True
+
+    def fetch(self, key: str, target: Path) -> Path | None:
+        """Pull the snapshot of ``key`` as ``target`` (in the store ``target.parent``); None when
+        the repository has none. Raises what :func:`pull` raises (a node that does not fit:
+        IncompatibleHostError / ModelChangedError, before any blob)."""
+        if not self.has(key):
+            return None
+        r = pull(PullRequest(self.image(key), target.parent, target.name, self.plain_http, self.verify_key),
+                 self.rep, self.t)
+        return Path(r.snapshot)
+
+    def offer(self, snapshot: Path, key: str) -> list[str]:
+        """Push ``snapshot`` under ``key`` unless the repository has that tag already (two nodes
+        building one key at once: both push complete artifacts, the manifest last, so the tag
+        always names a complete one). Returns warnings (a push that failed: serving goes on)."""
+        from ..errors import SnapshotError
+
+        try:
+            if self.has(key):
+                return []
+            r = push(PushRequest(snapshot, self.image(key), self.plain_http, self.sign_key), self.rep, self.t)
+        except SnapshotError as e:
+            return [f"not pushed to {self.repo}: {e.message}"]
+        self.rep.info(f"pushed {snapshot.name} to {r.image} ({r.digest})")
+        return []

@@ -96,6 +96,10 @@ class ServeRequest:
     user: str = DEFAULT_USER
     #: seconds the engine lets requests in flight finish when stopped (RestoreRequest.drain_s)
     drain_s: float = DRAIN_S
+    #: ``--registry``: a :class:`vllm_snapshot.ops.fleet.RegistryCache` (the key is the tag):
+    #: with no usable local snapshot of the key, pull it when the repository has it and this
+    #: node fits; a snapshot restored or built here is pushed when the repository lacks it
+    registry: object | None = None
 
 
 def _published(t: SnapshotTools, root: Path) -> list[tuple[Path, Manifest]]:
@@ -260,7 +264,8 @@ def _find_or_build(t: SnapshotTools, req: ServeRequest, rep: Reporter, model_dir
                   if m.model.path == str(model_dir) and (m.key is None or snapkey.key_of(m) != key.value)]
         for p, m in [] if req.build == "always" else matching:
             try:
-                return "restored", use(p), refused, [], others
+                out = use(p)
+                return "restored", out, refused, _offer(req, p, key.value), others
             except REFUSALS as e:
                 if req.frontend and isinstance(e, EngineError) and (e.details or {}).get("stage") == SERVER_START:
                     # the oracle matched: the snapshot is good; a server that does not start
@@ -281,6 +286,19 @@ def _find_or_build(t: SnapshotTools, req: ServeRequest, rep: Reporter, model_dir
                      "load added weights, config or tokenizer files), or build a snapshot of the model as it is "
                      "now with `serve --rebuild`",
                 details={"snapshot": str(p), "changed": [], "missing": [], "added": added})
+        if req.registry is not None and req.build != "always":
+            target = _name_for(t, req.root, req.model, model_dir, hf_id, key.value)
+            try:
+                pulled = req.registry.fetch(key.value, target)
+            except (IncompatibleHostError, ModelChangedError) as e:  # this node does not fit: build here
+                rep.info(f"not pulling {req.registry.image(key.value)}: {_first_lines(e)}")
+                pulled = None
+            if pulled is not None:
+                try:
+                    return "pulled", use(pulled), refused, [], others
+                except REFUSALS as e:
+                    _refuse(t, rep, pulled, e, refused)
+                    errors.append(e)
         for o in others:
             rep.info(f"not {Path(o['snapshot']).name}: {o['why']}")
         if req.build == "never":
@@ -311,10 +329,17 @@ def _find_or_build(t: SnapshotTools, req: ServeRequest, rep: Reporter, model_dir
                             f" differs from the one computed before building ({key.value[:12]}); the next serve "
                             "will not find it -- please report this")
         try:
-            return "built", use(target), refused, warnings, others
+            out = use(target)
+            return "built", out, refused, warnings + _offer(req, target, key.value), others
         except REFUSALS as e:
             _refuse(t, rep, target, e, refused)
             raise
+
+
+def _offer(req: ServeRequest, snapshot: Path, key: str) -> list[str]:
+    """With ``--registry``: push the snapshot that serves when the repository lacks its key
+    (after the restore: the engine already serves). Returns warnings."""
+    return req.registry.offer(snapshot, key) if req.registry is not None else []
 
 
 def switch_model(req: ServeRequest, host: str | None, rollback: bool, rep: Reporter,

@@ -67,8 +67,8 @@ class Verified:
 
 @dataclass(frozen=True)
 class Served:
-    """``serve``: which ``path`` was taken (``restored`` an existing snapshot, or ``built`` one
-    and restored it), the serving engine (:class:`Restored`), the snapshot key, the snapshots
+    """``serve``: which ``path`` was taken (``restored`` an existing snapshot, ``pulled`` one from
+    ``--registry``, or ``built`` one and restored it), the serving engine (:class:`Restored`), the snapshot key, the snapshots
     refused on the way (``{"snapshot", "code", "reason"}``), warnings, every phase's duration
     and the total (seconds)."""
 

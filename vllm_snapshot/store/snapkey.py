@@ -140,12 +140,15 @@ def env_differences(was: Mapping[str, str], now: Mapping[str, str]) -> list[str]
 
 
 def host_part(host: Mapping[str, str]) -> str:
-    """Digest of the host identity fields restore compares (``gpu_uuid_used`` is a fact of the
-    dump, not of the host, and is left out, as are the fields restore no longer compares:
-    :data:`vllm_snapshot.host.identity.NOT_COMPARED`). Pure."""
-    from ..host.identity import NOT_COMPARED
+    """Digest of the host-*class* identity fields (``gpu_uuid_used`` is a fact of the dump, not
+    of the host, and is left out, as are the fields restore no longer compares,
+    :data:`vllm_snapshot.host.identity.NOT_COMPARED`, and the ones that pin one machine,
+    :data:`~vllm_snapshot.host.identity.MACHINE_FIELDS`: every node of a class computes the
+    same key, which ``serve --registry`` uses as the tag). Pure."""
+    from ..host.identity import MACHINE_FIELDS, NOT_COMPARED
 
-    return _h({k: v for k, v in host.items() if k != "gpu_uuid_used" and k not in NOT_COMPARED})
+    return _h({k: v for k, v in host.items()
+               if k != "gpu_uuid_used" and k not in NOT_COMPARED and k not in MACHINE_FIELDS})
 
 
 PARTS = ("model", "engine", "env", "host")

@@ -312,6 +312,6 @@ def test_serve_with_a_registry_pushes_from_the_first_node_and_the_second_pulls(s
     b = json.loads(p.stdout)
     try:
         assert b["path"] == "pulled" and b["key"] == a["key"] and "engine_start" not in b["timings"]
-        assert completion(port_b)["text"]
+        assert len(completion(port_b)["logprobs"]) == 4  # four tokens generated (their text may be partial UTF-8)
     finally:
         _stop(b["pid"])

@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""Benchmark of the fleet (issue 31), measured on loopback in one run:
+
+* push and pull throughput (MB/s of layer bytes) through a real registry (Debian's
+  docker-registry on 127.0.0.1, filesystem storage) and an ``oci:`` layout, against a plain
+  ``cp -a`` of the same snapshot directory, for ``--compress none`` and zstd frames;
+* "fresh node -> first validated completion": pull into an empty store + restore, against a
+  cold start (``vllm serve``'s API server, same engine args) on the same machine.
+
+Run with the project's venv as root:
+
+    /var/cache/vllm-snapshot/venv/bin/python scripts/bench_fleet.py [--compress none --compress zstd:3]
+        [--json-out F] [-- ENGINE ARGS]
+
+The registry, the store and the copies share one disk and the page cache is warm (the bytes
+were just written): these are the tool's and the protocol's costs, not a network's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from vllm_snapshot import ops  # noqa: E402
+from vllm_snapshot.cli import demo  # noqa: E402
+from vllm_snapshot.effects.tools import LocalTools  # noqa: E402
+from vllm_snapshot.ops import fleet  # noqa: E402
+from vllm_snapshot.report.progress import Reporter  # noqa: E402
+from vllm_snapshot.store import archive  # noqa: E402
+
+
+def start_registry(base: Path) -> tuple[subprocess.Popen, str]:
+    """docker-registry on a free loopback port, storage under ``base``. Returns (process, host)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = base / "registry.yml"
+    cfg.write_text(f"version: 0.1\nlog:\n  level: warn\n  accesslog:\n    disabled: true\n"
+                   f"storage:\n  filesystem:\n    rootdirectory: {base / 'storage'}\nhttp:\n  addr: 127.0.0.1:{port}\n")
+    p = subprocess.Popen(["docker-registry", "serve", str(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import requests
+
+    for _ in range(200):
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/v2/", timeout=1).status_code == 200:
+                return p, f"127.0.0.1:{port}"
+        except requests.RequestException:
+            time.sleep(0.1)
+    p.kill()
+    raise SystemExit("docker-registry did not start")
+
+
+def dir_bytes(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.rglob("*") if p.is_file() and p.name != "manifest.json")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="model directory (default: the embedded tiny model)")
+    ap.add_argument("--compress", action="append", default=None)
+    ap.add_argument("--json-out", type=Path)
+    ap.add_argument("engine_args", nargs="*")
+    a = ap.parse_args()
+    comps = a.compress or ["none", "zstd:3"]
+    if a.model is None:
+        from vllm_snapshot.dev import tiny_model
+
+        a.model = str(tiny_model.generate(tiny_model.default_model_dir()))
+    engine_args = a.engine_args or list(demo.ENGINE_ARGS)
+    t = LocalTools()
+    work = Path(tempfile.mkdtemp(prefix="vsnap-fleet-bench-", dir="/var/tmp"))
+    os.chmod(work, 0o700)
+    reg, host = start_registry(work)
+    res: dict = {"model": a.model, "engine_args": engine_args, "runs": {}}
+    try:
+        for comp in comps:
+            tag = comp.replace(":", "-")
+            snap = work / "node-a" / f"snap-{tag}"
+            snap.parent.mkdir(mode=0o700, exist_ok=True)
+            print(f"{comp}: create ...", file=sys.stderr)
+            ops.create(ops.CreateRequest(model=a.model, target=snap, engine_args=engine_args,
+                                         compression=archive.Compression.parse(comp)), Reporter())
+            size = dir_bytes(snap)
+            run: dict = {"bytes": size}
+            subprocess.run(["sync"], check=True)
+            t0 = time.monotonic()
+            subprocess.run(["cp", "-a", str(snap), str(work / f"copy-{tag}")], check=True)
+            run["cp_s"] = round(time.monotonic() - t0, 3)
+            shutil.rmtree(work / f"copy-{tag}")
+            for kind, image in (("registry", f"{host}/bench/tiny:{tag}"), ("oci", f"oci:{work / 'layout'}:{tag}")):
+                r = fleet.push(fleet.PushRequest(snap, image, plain_http=True), Reporter(), t)
+                root = work / f"node-b-{kind}-{tag}"
+                root.mkdir(mode=0o700)
+                p = fleet.pull(fleet.PullRequest(image, root, "tiny", plain_http=True), Reporter(), t)
+                run[kind] = {"push_s": r.seconds, "pull_s": p.seconds}
+                print(f"  {kind}: push {r.seconds:.2f} s, pull {p.seconds:.2f} s, cp {run['cp_s']:.2f} s "
+                      f"({size / 1e6:.0f} MB)", file=sys.stderr)
+                if kind == "registry":  # a fresh node: pull + restore -> first validated completion
+                    shutil.rmtree(root)
+                    root.mkdir(mode=0o700)
+                    t0 = time.monotonic()
+                    pulled = fleet.pull(fleet.PullRequest(image, root, "tiny", plain_http=True), Reporter(), t)
+                    rr, engine = ops.restore(ops.RestoreRequest(snapshot=Path(pulled.snapshot),
+                                                                port=demo.free_port()), Reporter())
+                    run["fresh_node_s"] = round(time.monotonic() - t0, 3)
+                    run["fresh_node_pull_s"] = pulled.seconds
+                    engine.kill(grace=15)
+                    engine.close()
+                    t.unregister(rr.pid)
+                    print(f"  fresh node pull + restore -> validated completion {run['fresh_node_s']:.2f} s",
+                          file=sys.stderr)
+                shutil.rmtree(root)
+            res["runs"][comp] = run
+        print("cold start -> first completion ...", file=sys.stderr)
+        res["cold_start_s"] = round(demo.cold_start(Path(a.model), demo.free_port(), engine_args), 3)
+        print(f"  {res['cold_start_s']:.2f} s", file=sys.stderr)
+    finally:
+        reg.terminate()
+        reg.wait(10)
+        shutil.rmtree(work, ignore_errors=True)
+    for comp, run in res["runs"].items():
+        mb = run["bytes"] / 1e6
+        run["cp_MB_s"] = round(mb / run["cp_s"], 1)
+        for kind in ("registry", "oci"):
+            run[kind]["push_MB_s"] = round(mb / run[kind]["push_s"], 1)
+            run[kind]["pull_MB_s"] = round(mb / run[kind]["pull_s"], 1)
+    out = json.dumps(res, indent=2)
+    print(out)
+    if a.json_out:
+        a.json_out.write_text(out + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

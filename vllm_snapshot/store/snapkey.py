@@ -14,8 +14,9 @@ mismatch can say *which* part differs):
 * ``env``    -- the variables of the engine's scrubbed environment that vLLM, torch, the
   math libraries and the dynamic loader read (``VLLM_*``, ``OMP_*``, ``CUDA_*``, ``NVIDIA_*``,
   ``LD_LIBRARY_PATH``, …), values hashed;
-* ``host``   -- the host identity fields restore compares (:func:`vllm_snapshot.host.identity.collect`,
-  plus the GPU fields on CUDA hosts).
+* ``host``   -- the host-*class* identity fields restore compares (:func:`vllm_snapshot.host.identity.collect`,
+  plus the GPU fields on CUDA hosts; not the machine id: nodes of one class share keys, which
+  ``serve --registry`` uses as tags).
 
 Importing vLLM's parser costs ~16 s on a 2-core host (measured: ``python -c 'from
 vllm.entrypoints.launchers.cli_args import make_arg_parser'``), longer than a restore. So the

@@ -45,6 +45,22 @@ class Tools(LocalFleetTools):
     def canonical(self, p):
         return store.canonical(p)
 
+    def path_exists(self, p):
+        return os.path.lexists(p)
+
+    def clock(self):
+        import time
+
+        return time.monotonic()
+
+    def now(self):
+        import time
+
+        return time.time()
+
+    def gpu_uuids(self):
+        return []
+
     def snapshot_lock(self, *a, **kw):
         return contextlib.nullcontext()
 

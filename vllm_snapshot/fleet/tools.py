@@ -23,6 +23,9 @@ class FleetTools(Protocol):
         """The registry repository or image layout of ``ref`` (:func:`.transport.open_target`).
         Raises UsageError (``--plain-http`` to a host that is not loopback; not a layout)."""
 
+    def snapshot_config(self, snapshot: Path) -> bytes:
+        """The bytes of ``snapshot/manifest.json`` (the artifact's config, pushed byte for byte)."""
+
     def check_pulled(self, staging: Path, m) -> None:
         """The snapshot's own checks over a downloaded staging dir: member layout (stat),
         every image and saved file's BLAKE3, the code table's digest. Raises
@@ -65,6 +68,11 @@ class LocalFleetTools:
         from .transport import open_target
 
         return open_target(ref, plain_http, create)
+
+    def snapshot_config(self, snapshot: Path) -> bytes:
+        from ..store import layout
+
+        return (Path(snapshot) / layout.MANIFEST).read_bytes()
 
     def check_pulled(self, staging: Path, m) -> None:
         import blake3

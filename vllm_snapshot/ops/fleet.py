@@ -14,7 +14,6 @@ half-pulled is listed or restorable.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,14 +72,14 @@ def push(req: PushRequest, rep, t) -> Pushed:
                 hint="create it again without --keep-env of secret variables, then push")
         with rep.phase("verify", "checking every image checksum"):
             t.verify_images(snapshot, m)
-        config = (snapshot / "manifest.json").read_bytes()
+        config = t.snapshot_config(snapshot)
         target = t.open_target(ref, req.plain_http, True)
         with rep.phase("push", f"pushing to {ref}"):
             r = transfer.push(snapshot, config, oci.annotations(m, model_part(m.model.files)), target, tag,
                               signing_key=key, docker_reference=str(ref.with_tag(tag)).removesuffix(f":{tag}"))
     return Pushed(snapshot=str(snapshot), image=str(ref.with_tag(tag)), digest=r.digest, bytes=r.bytes,
-                      sent_bytes=r.sent_bytes, blobs=r.blobs, skipped=r.skipped, seconds=round(r.seconds, 3),
-                      signature=r.signature_tag)
+                  sent_bytes=r.sent_bytes, blobs=r.blobs, skipped=r.skipped, seconds=round(r.seconds, 3),
+                  signature=r.signature_tag)
 
 
 def fetch(ref: reference.Ref, plain_http: bool, t) -> tuple[Target, oci.Artifact]:
@@ -115,7 +114,7 @@ def compatibility(f: oci.Facts, t, where: str) -> None:
             hint="pull it on a node of the class it was built on, or build the snapshot on this node",
             details={"fields": [d.__dict__ for d in diffs], "problems": problems})
     path = Path(f.model_path)
-    if not path.is_dir():
+    if not t.path_exists(path):
         raise ModelChangedError(f"{where} needs the model at {path}, which this node lacks (nothing was downloaded)",
                                 hint=f"put the same model files at {path}, then pull again")
     files = t.digest_model(path)
@@ -146,7 +145,7 @@ def pull(req: PullRequest, rep, t) -> Pulled:
     if not store.valid_name(name):
         raise UsageError(f"{name!r} is not a valid snapshot name ({store.NAME_RULE})", hint="pass --name NAME")
     pub = sign.load_public(req.verify_key) if req.verify_key is not None else None
-    t0 = time.monotonic()
+    t0 = t.clock()
     with rep.phase("manifest", f"reading {ref}"):
         target, art = fetch(ref, req.plain_http, t)
         f = oci.facts(art.annotations, str(ref))
@@ -159,7 +158,7 @@ def pull(req: PullRequest, rep, t) -> Pulled:
     store.ensure_root(req.root)
     dest = t.canonical(req.root / name)
     with t.snapshot_lock(dest, shared=False, must_exist=False):
-        if os.path.lexists(dest):
+        if t.path_exists(dest):
             raise UsageError(f"{dest} already exists; nothing was pulled", hint="pass --name NAME, or delete it first")
         report = t.reclaim(dest.parent)  # a killed pull's staging dir
         staging = t.prepare_target(dest)
@@ -181,14 +180,15 @@ def pull(req: PullRequest, rep, t) -> Pulled:
                 t.check_pulled(staging, m)
             here = t.host_identity(m.engine.kind)
             t.publish_pulled(staging, dest, config, {
-                "image": str(ref), "digest": art.digest, "pulled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "machine_id": here.get("machine_id", "unknown"), "hostname": here.get("hostname", os.uname().nodename),
+                "image": str(ref), "digest": art.digest,
+                "pulled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t.now())),
+                "machine_id": here.get("machine_id", "unknown"), "hostname": here.get("hostname", "unknown"),
                 "verified_by": verified_by})
         except BaseException:
             t.discard(staging)
             raise
     return Pulled(snapshot=str(dest), image=str(ref), digest=art.digest, bytes=art.blob_bytes,
-                      seconds=round(time.monotonic() - t0, 3), verified_by=verified_by,
+                      seconds=round(t.clock() - t0, 3), verified_by=verified_by,
                       warnings=[f"removed leftover {p}" for p in report])
 
 
@@ -202,7 +202,7 @@ def ensure_pulled(req: PullRequest, rep, t) -> Path:
     ref = reference.parse(req.image)
     name = req.name or default_name(ref)
     dest = t.canonical(req.root / name) if store.valid_name(name) else None
-    if dest is None or not os.path.lexists(dest):
+    if dest is None or not t.path_exists(dest):
         return Path(pull(req, rep, t).snapshot)
     target, art = fetch(ref, req.plain_http, t)
     rec = t.pulled_from(dest)

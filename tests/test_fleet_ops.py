@@ -61,6 +61,11 @@ class Tools(LocalFleetTools):
     def gpu_uuids(self):
         return []
 
+    def pulled_from(self, p):
+        from vllm_snapshot.fleet.tools import read_pulled
+
+        return read_pulled(p)
+
     def snapshot_lock(self, *a, **kw):
         return contextlib.nullcontext()
 
@@ -299,3 +304,15 @@ def test_registry_cache_pushes_a_key_once_and_pulls_it_by_key(tmp_path, model):
     assert got == root / "tiny" and (got / PULLED).is_file()
     with pytest.raises(UsageError, match="names a tag"):
         fleet.RegistryCache("127.0.0.1:5000/fleet/tiny:v1", Tools(), Reporter())
+
+
+def test_restore_image_pulls_once_then_uses_the_store_and_refuses_a_name_holding_another_artifact(tmp_path, pushed):
+    root = _root(tmp_path)
+    req = fleet.PullRequest(image=pushed["image"], root=root)
+    first = fleet.ensure_pulled(req, Reporter(), Tools())
+    assert first == root / fleet.default_name(fleet.reference.parse(pushed["image"])) and CountingLayout.gets
+    t = Tools()
+    assert fleet.ensure_pulled(req, Reporter(), t) == first and CountingLayout.gets == []  # nothing downloaded again
+    (first / PULLED).write_text(json.dumps({"image": "elsewhere", "digest": "sha256:" + "1" * 64}))
+    with pytest.raises(UsageError, match="was not pulled from"):
+        fleet.ensure_pulled(req, Reporter(), Tools())

@@ -111,8 +111,11 @@ def _node_script(cmds: list[list[str]], machine_id: str, hostname: str, binds: d
 
 def on_node(cmds: list[list[str]], machine_id: str = "b" * 32, hostname: str = "node-b",
             binds: dict[str, str] | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run(_node_script(cmds, machine_id, hostname, binds), capture_output=True, text=True,
-                          timeout=timeout, env=engine_env(), cwd=ROOT)
+    try:
+        return subprocess.run(_node_script(cmds, machine_id, hostname, binds), capture_output=True, text=True,
+                              timeout=timeout, env=engine_env(), cwd=ROOT)
+    finally:
+        Path(f"/var/tmp/vsnap-machine-id-{os.getpid()}-{hostname}").unlink(missing_ok=True)
 
 
 def completion(port: int) -> dict:

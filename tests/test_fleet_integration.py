@@ -292,6 +292,16 @@ def test_oci_layout_round_trip(snapshot, tmp_path):
     for rel in ("manifest.json", *(f"images/{n}" for n in os.listdir(snapshot / "images"))):
         assert (root / name / rel).read_bytes() == (snapshot / rel).read_bytes(), rel
     cli("--root", str(root), "verify", name, check=True)
+    # restore IMAGE: the store holds that artifact already (same name, same digest): restored, not pulled again
+    port = free_port()
+    r = cli("--root", str(root), "restore", f"oci:{layout}:v1", "--port", str(port), "--detach", "--json", check=True)
+    got = json.loads(r.stdout)
+    try:
+        assert Path(got["snapshot"]) == root / name and got["oracle"] == "match"
+        assert len(completion(port)["logprobs"]) == 4
+    finally:
+        _stop(got["pid"])
+    assert _listed(root) == [name]
 
 
 def test_serve_with_a_registry_pushes_from_the_first_node_and_the_second_pulls(snapshot, own_registry, tmp_path):

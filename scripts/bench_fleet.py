@@ -3,7 +3,8 @@
 
 * push and pull throughput (MB/s of layer bytes) through a real registry (Debian's
   docker-registry on 127.0.0.1, filesystem storage) and an ``oci:`` layout, against a plain
-  ``cp -a`` of the same snapshot directory, for ``--compress none`` and zstd frames;
+  ``cp -a`` of the same snapshot directory (alone, and followed by ``sync`` of the copy: pull
+  fsyncs what it writes), for ``--compress none`` and zstd frames;
 * "fresh node -> first validated completion": pull into an empty store + restore, against a
   cold start (``vllm serve``'s API server, same engine args) on the same machine.
 
@@ -96,6 +97,9 @@ def main() -> int:
             t0 = time.monotonic()
             subprocess.run(["cp", "-a", str(snap), str(work / f"copy-{tag}")], check=True)
             run["cp_s"] = round(time.monotonic() - t0, 3)
+            # pull fsyncs what it wrote; the fair copy is the copy on disk too
+            subprocess.run(["sync", "-f", str(work / f"copy-{tag}")], check=True)
+            run["cp_sync_s"] = round(time.monotonic() - t0, 3)
             shutil.rmtree(work / f"copy-{tag}")
             for kind, image in (("registry", f"{host}/bench/tiny:{tag}"), ("oci", f"oci:{work / 'layout'}:{tag}")):
                 push_rep, pull_rep = Reporter(), Reporter()
@@ -135,6 +139,7 @@ def main() -> int:
     for comp, run in res["runs"].items():
         mb = run["bytes"] / 1e6
         run["cp_MB_s"] = round(mb / run["cp_s"], 1)
+        run["cp_sync_MB_s"] = round(mb / run["cp_sync_s"], 1)
         for kind in ("registry", "oci"):
             run[kind]["push_MB_s"] = round(mb / run[kind]["push_s"], 1)
             run[kind]["pull_MB_s"] = round(mb / run[kind]["pull_s"], 1)

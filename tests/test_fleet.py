@@ -284,3 +284,91 @@ def test_a_key_that_is_not_p256_is_refused(tmp_path):
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
     with pytest.raises(UsageError, match="P-256"):
         sign.load_private(p)
+
+
+# --------------------------------------------------------------------------- credentials, bearer tokens
+
+def test_credentials_come_from_a_credential_helper(tmp_path, monkeypatch):
+    """``credHelpers`` in the auth file: ``docker-credential-NAME get`` answers (as docker's
+    and podman's helpers do)."""
+    helper = tmp_path / "bin" / "docker-credential-fleettest"
+    helper.parent.mkdir()
+    helper.write_text('#!/bin/sh\nread host\necho "{\\"ServerURL\\": \\"$host\\", \\"Username\\": \\"bob\\", '
+                      '\\"Secret\\": \\"from-helper\\"}"\n')
+    helper.chmod(0o755)
+    f = tmp_path / "config.json"
+    f.write_text(json.dumps({"credHelpers": {"reg.example:5000": "fleettest"}}))
+    monkeypatch.setenv("PATH", f"{helper.parent}:{os.environ['PATH']}")
+    monkeypatch.setenv("REGISTRY_AUTH_FILE", str(f))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert transport.credentials("reg.example:5000") == ("bob", "from-helper")
+
+
+@pytest.fixture
+def token_registry():
+    """A registry that wants a bearer token (as Harbor, GHCR, ECR... do): ``/v2/.../manifests/v1``
+    answers 401 with a Bearer challenge; the token service gives a token for basic
+    ``alice:s3cret`` only. Records the token requests."""
+    import http.server
+    import threading
+
+    seen: list[dict] = []
+    body = b'{"schemaVersion": 2}'
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            port = self.server.server_address[1]
+            if self.path.startswith("/token"):
+                from urllib.parse import parse_qs, urlparse
+
+                seen.append({"auth": self.headers.get("Authorization"), **{k: v[0] for k, v in
+                                                                         parse_qs(urlparse(self.path).query).items()}})
+                if self.headers.get("Authorization") != "Basic " + base64.b64encode(b"alice:s3cret").decode():
+                    self.send_response(401)
+                    self.end_headers()
+                    return
+                out = b'{"token": "T0K3N"}'
+            elif self.headers.get("Authorization") == "Bearer T0K3N":
+                out = body
+            else:
+                self.send_response(401)
+                self.send_header("WWW-Authenticate", f'Bearer realm="http://127.0.0.1:{port}/token",'
+                                 'service="fake",scope="repository:snaps/tiny:pull"')
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    yield f"127.0.0.1:{srv.server_address[1]}", seen, body
+    srv.shutdown()
+
+
+def test_a_bearer_token_is_fetched_with_the_auth_files_credentials(tmp_path, monkeypatch, token_registry):
+    host, seen, body = token_registry
+    f = tmp_path / "auth.json"
+    f.write_text(json.dumps({"auths": {host: {"auth": base64.b64encode(b"alice:s3cret").decode()}}}))
+    monkeypatch.setenv("REGISTRY_AUTH_FILE", str(f))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    raw, digest = transport.Registry(RegistryRef(host, "snaps/tiny", "v1"), plain_http=True).get_manifest("v1")
+    assert raw == body and digest == oci.sha256(body)
+    assert seen[-1]["scope"] == "repository:snaps/tiny:pull" and seen[-1]["service"] == "fake"
+
+
+def test_without_credentials_the_token_refusal_says_how_to_log_in(tmp_path, monkeypatch, token_registry):
+    host, _, _ = token_registry
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("REGISTRY_AUTH_FILE", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.delenv("DOCKER_CONFIG", raising=False)
+    with pytest.raises(EnvironmentProblem, match="token service .* answered 401") as e:
+        transport.Registry(RegistryRef(host, "snaps/tiny", "v1"), plain_http=True).get_manifest("v1")
+    assert "podman login" in e.value.hint

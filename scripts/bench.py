@@ -38,7 +38,7 @@ from vllm_snapshot.checkpoint import criu
 from vllm_snapshot.cli import demo
 from vllm_snapshot import ops
 from vllm_snapshot.dev import tiny_model  # noqa
-from vllm_snapshot.effects.tools import LocalTools  # noqa: E402
+from vllm_snapshot.effects.tools import local_tools  # noqa: E402
 from vllm_snapshot.report.progress import Reporter  # noqa: E402
 
 
@@ -205,7 +205,7 @@ def bench_model(model: Path, engine_args: list[str], comps: list[str], restores:
                 run["restored_memory"] = demo.tree_memory(r.pid)
             engine.kill(grace=15)
             engine.close()
-            LocalTools().unregister(r.pid)
+            local_tools().runtime.unregister(r.pid)
             run["restores"].append({"to_validated_completion_s": round(total, 3), "phases": r.timings})
             print(f"  restore {i + 1}: {total:.2f} s {r.timings}", file=sys.stderr)
             time.sleep(1)
@@ -302,7 +302,7 @@ def main() -> int:
     if a.replot:
         plot(json.loads(a.replot.read_text()), a.plot or Path("bench.png"))
         return 0
-    LocalTools().require_root()
+    local_tools().host.require_root()
     model = a.model or tiny_model.generate(tiny_model.default_model_dir())
     engine_args = a.engine_args or list(demo.ENGINE_ARGS)
     comps = a.compress or (["zstd:3"] if a.quick else ["zstd:3", "none"])

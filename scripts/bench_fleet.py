@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vllm_snapshot import ops  # noqa: E402
 from vllm_snapshot.cli import demo  # noqa: E402
-from vllm_snapshot.effects.tools import LocalTools  # noqa: E402
+from vllm_snapshot.effects.tools import local_tools  # noqa: E402
 from vllm_snapshot.ops import fleet  # noqa: E402
 from vllm_snapshot.report.progress import Reporter  # noqa: E402
 from vllm_snapshot.store import archive  # noqa: E402
@@ -78,7 +78,7 @@ def main() -> int:
 
         a.model = str(tiny_model.generate(tiny_model.default_model_dir()))
     engine_args = a.engine_args or list(demo.ENGINE_ARGS)
-    t = LocalTools()
+    t = local_tools()
     work = Path(tempfile.mkdtemp(prefix="vsnap-fleet-bench-", dir="/var/tmp"))
     os.chmod(work, 0o700)
     reg, host = start_registry(work)
@@ -124,7 +124,7 @@ def main() -> int:
                     run["fresh_node_pull_s"] = pulled.seconds
                     engine.kill(grace=15)
                     engine.close()
-                    t.unregister(rr.pid)
+                    t.runtime.unregister(rr.pid)
                     print(f"  fresh node pull + restore -> validated completion {run['fresh_node_s']:.2f} s",
                           file=sys.stderr)
                 shutil.rmtree(root)

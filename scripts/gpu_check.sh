@@ -25,7 +25,7 @@
 #     + network namespace, with the product's scrubbed environment, mount policy and privilege
 #     drop to the engine user; a non-CUDA root and a CUDA child holding vLLM's level-2 sleep
 #     state (VA reserved, physical memory unmapped and released: cuda.bindings.driver as
-#     vLLM's cumem allocator); create's inventory, then LocalTools.dump / restore_tree (pycriu
+#     vLLM's cumem allocator); create's inventory, then LocalCheckpointTools.dump / restore_tree (pycriu
 #     swrk, plugin, our helper, the product's checks); then wake re-maps at the same VA and the
 #     output matches. Also reports what NVML descriptors (torch.cuda.device_count() with
 #     PYTORCH_NVML_BASED_CUDA_CHECK=1, as vLLM) do to the inventory and to CRIU.

@@ -4,7 +4,7 @@ vllm-snapshot's create and restore do, to prove on a GPU what the product's GPU 
 
 What is the product's and what is not:
 
-* CRIU runs through the product's own calls: :class:`vllm_snapshot.effects.tools.LocalTools`
+* CRIU runs through the product's own calls: :func:`vllm_snapshot.effects.tools.local_tools`
   ``dump("cuda", ...)`` and ``restore_tree("cuda", ...)`` (pycriu ``criu swrk``, the CUDA
   plugin paired with the binary given as ``$VLLM_SNAPSHOT_CRIU`` through ``CRIU_LIBS_DIR``, our
   ``cuda-checkpoint`` wrapper first on CRIU's ``PATH``, the helper probe before CRIU, CRIU with
@@ -317,7 +317,7 @@ def run(a, out: Path, work: Path, pkg: Path) -> int:
         from vllm_snapshot.engine.mounts import ENGINE_TMPDIR
         from vllm_snapshot.errors import SnapshotError
         from vllm_snapshot.host.procs import tree
-        from vllm_snapshot.effects.tools import LocalTools
+        from vllm_snapshot.effects.tools import local_tools
     except ImportError as e:
         result("FAIL", "C harness imports", f"{e} (gpu_check.sh installs the carried wheels: run scripts/gpu_carry.sh "
                                             "and carry .criu-carry)")
@@ -330,7 +330,8 @@ def run(a, out: Path, work: Path, pkg: Path) -> int:
     if user.uid == 0:
         result("FAIL", "C engine user", f"{a.user} is root; the engine runs as a non-root user")
         return 1
-    t = LocalTools()
+    tools = local_tools()
+    t, host = tools.checkpoint, tools.host
     evf = work / "run" / "child.events"
     (work / "run").mkdir(mode=0o700)
     os.chown(work / "run", user.uid, user.gid)
@@ -352,7 +353,7 @@ def run(a, out: Path, work: Path, pkg: Path) -> int:
     spec = {"model": None, "child": str(work / "child.py"), "events": str(evf), "mib": a.mib,
             "mode": "fake" if a.fake else "cuda", "nvml": "no" if a.no_nvml else "nvml",
             "user": {"uid": user.uid, "gid": user.gid, "groups": list(user.groups)}}
-    helper = t._helper(criu.cuda_env(criu.find_criu()))  # what the plugin runs, as restore_tree asks it
+    helper = t.criu.helper(criu.cuda_env(criu.find_criu()))  # what the plugin runs, as restore_tree asks it
     restored = None
     root = None
     try:
@@ -411,7 +412,7 @@ def run(a, out: Path, work: Path, pkg: Path) -> int:
         result("PASS", "C inventory + external mounts (create's checks)",
                f"CUDA holders {list(inv.cuda_pids)} of {list(inv.pids)}{used}; external: "
                f"{[e.mount_point for e in externals]}")
-        timeout = criu.freeze_timeout("cuda", len(inv.pids), len(inv.cuda_pids), t.environ())
+        timeout = criu.freeze_timeout("cuda", len(inv.pids), len(inv.cuda_pids), host.environ())
         dump_dir = work / "dump"
         (dump_dir / layout.IMAGES).mkdir(parents=True)
         t0 = time.monotonic()
@@ -419,13 +420,13 @@ def run(a, out: Path, work: Path, pkg: Path) -> int:
             t.dump("cuda", criu.DumpOptions(pid=root, external=mountpolicy.dump_args(externals),
                                             network_lock=criu.NETWORK_LOCK_ISOLATED, timeout_s=timeout), dump_dir)
         except SnapshotError as e:
-            result("FAIL", "C criu dump (product's LocalTools.dump)", f"{e.message} {e.hint or ''}"[:1500])
+            result("FAIL", "C criu dump (product's LocalCheckpointTools.dump)", f"{e.message} {e.hint or ''}"[:1500])
             return 1
         finally:
             if (dump_dir / layout.DUMP_LOG).exists():
                 shutil.copy(dump_dir / layout.DUMP_LOG, out / "partC-dump.log")
         images = dump_dir / layout.IMAGES
-        result("PASS", "C criu dump (product's LocalTools.dump)",
+        result("PASS", "C criu dump (product's LocalCheckpointTools.dump)",
                f"{time.monotonic() - t0:.1f} s, --timeout {timeout} s, images "
                f"{sum(f.stat().st_size for f in images.iterdir()) >> 20} MiB")
         launcher.wait(timeout=30)  # the namespace is gone with its init
@@ -439,13 +440,13 @@ def run(a, out: Path, work: Path, pkg: Path) -> int:
             restored = t.restore_tree("cuda", criu.RestoreOptions(external=mountpolicy.restore_args(externals),
                                                                   network_lock=criu.NETWORK_LOCK_ISOLATED), images)
         except SnapshotError as e:
-            result("FAIL", "C criu restore (product's LocalTools.restore_tree)", f"{e.message} {e.hint or ''}"[:1500])
+            result("FAIL", "C criu restore (product's LocalCheckpointTools.restore_tree)", f"{e.message} {e.hint or ''}"[:1500])
             return 1
         finally:
             if (images / layout.RESTORE_LOG).exists():
                 shutil.copy(images / layout.RESTORE_LOG, out / "partC-restore.log")
         rpids = [p.pid for p in tree(restored)]
-        result("PASS", "C criu restore (product's LocalTools.restore_tree)",
+        result("PASS", "C criu restore (product's LocalCheckpointTools.restore_tree)",
                f"{time.monotonic() - t0:.1f} s, root {restored}, every CUDA process running")
         wrong = privilege.tree_problems(t.tree_creds(restored), user.uid, user.gid, user.groups)
         result("FAIL" if wrong else "PASS", "C restored tree runs as the engine user",

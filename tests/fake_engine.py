@@ -1,4 +1,4 @@
-"""A fake engine root (run as a script: ``LocalTools(engine_argv=(python, THIS_FILE))``) that speaks vllm-snapshot's engine protocol and claims to be a CUDA
+"""A fake engine root (run as a script: ``local_tools(engine_argv=(python, THIS_FILE))``) that speaks vllm-snapshot's engine protocol and claims to be a CUDA
 engine, so the GPU create/restore sequencing (sleep rehearsal, wake before the oracle) runs
 through real CRIU on a machine without a GPU. It prints ``CALL <cmd>`` for every command and
 serves ``/health``, ``/calls`` (commands seen since the last restore-visible reset) and

@@ -1,9 +1,11 @@
 """Test doubles declared against the product's Protocols (``tests/test_protocols.py`` checks
 their methods and signatures against the Protocol and the real class).
 
-:class:`FakeTools` records every side-effect call in ``calls`` (method names, in order) and
-can be told to fail at any method (``fail={"dump": CriuError(...)}``); its engine is a
-:class:`FakeEngine` answering the engine protocol from a script.
+One fake per role of :class:`vllm_snapshot.effects.tools.Tools` (``FakeHostTools``, ...), all
+over one :class:`FakeWorld`, which records every side-effect call in ``calls`` (method names,
+in order, across the roles) and can be told to fail at any method
+(``fail={"dump": CriuError(...)}``); ``world.tools`` is the bundle an operation is given. The
+engine is a :class:`FakeEngine` answering the engine protocol from a script.
 """
 
 from __future__ import annotations
@@ -22,7 +24,24 @@ from vllm_snapshot.store.model_digest import ModelCheck
 from vllm_snapshot.host.privilege import Creds, User
 from vllm_snapshot.store.registry import Entry, StopReport
 from vllm_snapshot.host.resources import Offer
-from vllm_snapshot.effects.tools import Engine, EngineChannel, SnapshotTools
+from vllm_snapshot.effects.protocols import (
+    CheckpointTools,
+    Clock,
+    Engine,
+    EngineChannel,
+    EngineTools,
+    HostTools,
+    ModelTools,
+    RuntimeTools,
+    SnapshotFiles,
+    StagedImages,
+    StoreTools,
+    UnpackingImages,
+)
+from vllm_snapshot.effects.tools import Tools
+from vllm_snapshot.fleet import reference
+from vllm_snapshot.fleet.tools import FleetTools
+from vllm_snapshot.fleet.transport import Target
 
 from helpers import ENGINE_USER, make_manifest, make_oracle
 
@@ -99,9 +118,12 @@ class FakeChannel(EngineChannel):
         self.closed = True
 
 
-class FakeTools(SnapshotTools):
-    """A recording :class:`SnapshotTools`. ``manifest`` is what ``open_snapshot`` returns;
-    ``host`` the identity; ``fail`` maps a method name to the exception it raises."""
+class FakeWorld:
+    """What the role fakes share: one call log (``calls``: method names, in order, across
+    every role, so the order tests see the operations' global step order), the state they
+    answer from, and ``tools``: the :class:`Tools` bundle of one fake per role. ``manifest``
+    is what ``open_snapshot`` returns; ``host`` the identity; ``fail`` maps a method name to
+    the exception it raises."""
 
     def __init__(self, *, manifest: Manifest | None = None, host: dict | None = None, kind: str = "cpu",
                  oracles: list | None = None, fail: dict[str, BaseException] | None = None,
@@ -154,112 +176,156 @@ class FakeTools(SnapshotTools):
         self.user_unreadable: list[str] = []
         #: tree_creds's answer; None: every tree process runs as self.user with no capability
         self.creds: dict[int, Creds] | None = None
+        #: the signal handler serve_foreground installed (forward_signals), and the PIDs terminated
+        self.signal_handler: Callable[[int], None] | None = None
+        self.terminated: list[int] = []
+        #: what read_log_tail returns (None: the log cannot be read)
+        self.log_file_tail: str | None = None
+        #: seconds sleep() adds to the clock (serve_foreground polls with sleep)
+        self.sleep_ticks = 0.0
+        #: called by sleep() with the clock's time (a test sends a signal or ends the engine there)
+        self.on_sleep: Callable[[float], None] | None = None
+        self.tools = Tools(host=FakeHostTools(self), model=FakeModelTools(self), files=FakeSnapshotFiles(self),
+                           checkpoint=FakeCheckpointTools(self), engine=FakeEngineTools(self),
+                           store=FakeStoreTools(self), runtime=FakeRuntimeTools(self), clock=FakeClock(self),
+                           fleet=FakeFleetTools(self))
 
     def _call(self, name: str) -> None:
         self.calls.append(name)
         if name in self.fail:
             raise self.fail[name]
 
-    # ---- host
+
+class FakeChecking(StagedImages):
+    """The checksum verdict of uncompressed staged images (:class:`vllm_snapshot.store.archive.Checking`)."""
+
+    def __init__(self, w: FakeWorld) -> None:
+        self.w = w
+
+    def wait(self) -> None:
+        self.w._call("checksums")
+        if self.w.corrupt_images is not None:
+            raise self.w.corrupt_images
+
+    def cancel(self) -> None:
+        self.w._call("checksums.cancel")
+
+
+class FakeUnpacking(FakeChecking, UnpackingImages):
+    """A compressed snapshot's staged images, the pages still unpacking
+    (:class:`vllm_snapshot.store.archive.Unpacking`)."""
+
+    def __init__(self, w: FakeWorld) -> None:
+        super().__init__(w)
+        self.waited_s = 0.0
+
+    def ready(self) -> None:
+        self.w._call("unpack_ready")
+        if self.w.corrupt_frame is not None:
+            raise self.w.corrupt_frame
+
+
+class _Role:
+    """A role fake: it answers from, and records into, the :class:`FakeWorld` ``w``."""
+
+    def __init__(self, w: FakeWorld) -> None:
+        self.w = w
+
+
+class FakeHostTools(_Role, HostTools):
+
     def require_root(self) -> None:
-        self._call("require_root")
+        self.w._call("require_root")
 
     def criu_version(self) -> str:
-        self._call("criu_version")
+        self.w._call("criu_version")
         return "4.2.1"
 
     def host_identity(self, kind: str) -> dict[str, str]:
-        self._call("host_identity")
-        return dict(self.host)
-
-    def check_mounts(self, model_dir: Path, env: dict[str, str]) -> None:
-        self._call("check_mounts")
-
-    def external_mounts(self, root_pid: int) -> tuple[ExternalMount, ...]:
-        self._call("external_mounts")
-        return tuple(self.externals)
-
-    def check_external_mounts(self, mounts: tuple[ExternalMount, ...]) -> list[str]:
-        self._call("check_external_mounts")
-        return list(self.mount_problems)
-
-    def code_paths(self) -> dict[str, Path]:
-        return {"Python environment": Path("/venv")}
-
-    def engine_user(self, name: str) -> User:
-        self._call("engine_user")
-        return User(name, self.user.uid, self.user.gid, self.user.groups, self.user.home)
-
-    def engine_access(self, user: User, model_dir: Path) -> dict[str, list[str]]:
-        self._call("engine_access")
-        return {"model": [], "code": [], "home": [], **self.access}
-
-    def caps_missing(self, snapshot: Path, m: Manifest) -> list[int]:
-        self._call("caps_missing")
-        return list(self.missing_caps)
-
-    def user_problems(self, u: EngineUser) -> list[str]:
-        self._call("user_problems")
-        return list(self.user_identity)
-
-    def tree_creds(self, root_pid: int) -> dict[int, Creds]:
-        self._call("tree_creds")
-        if self.creds is not None:
-            return dict(self.creds)
-        u = self.user
-        ok = Creds(uids=(u.uid,) * 4, gids=(u.gid,) * 4, groups=u.groups, cap_inh=0, cap_prm=0, cap_eff=0,
-                   cap_bnd=0, cap_amb=0, no_new_privs=1)
-        return {root_pid: ok, root_pid + 1: ok}
-
-    def unreadable_by(self, u: EngineUser, paths: list[Path]) -> list[str]:
-        self._call("unreadable_by")
-        return [f"cannot read {p}: Permission denied" for p in paths if str(p) in self.user_unreadable]
-
-    def engine_device(self) -> str:
-        return self.device
-
-    def check_cuda_ready(self) -> None:
-        self._call("check_cuda_ready")
-
-    def gpu_used(self, inv: Inventory) -> GpuUse:
-        self._call("gpu_used")
-        return GpuUse("GPU-fake-0", (2,))  # the tree's second process (namespace PID 2) has CUDA
+        self.w._call("host_identity")
+        return dict(self.w.host)
 
     def gpu_uuids(self) -> list[str]:
-        return list(self.uuids)
+        return list(self.w.uuids)
+
+    def engine_device(self) -> str:
+        return self.w.device
 
     def environ(self) -> dict[str, str]:
         return {"PATH": "/usr/bin", "HF_TOKEN": "hf_secret"}
 
     def path_exists(self, path: Path) -> bool:
-        if self.snapshots is not None:
-            return path in self.snapshots or any(path in p.parents for p in self.snapshots)
+        if self.w.snapshots is not None:
+            return path in self.w.snapshots or any(path in p.parents for p in self.w.snapshots)
         return False
 
-    def canonical(self, path: Path) -> Path:
-        return Path(path).absolute()
+    def code_paths(self) -> dict[str, Path]:
+        return {"Python environment": Path("/venv")}
 
-    # ---- model
+    def engine_user(self, name: str) -> User:
+        self.w._call("engine_user")
+        return User(name, self.w.user.uid, self.w.user.gid, self.w.user.groups, self.w.user.home)
+
+    def engine_access(self, user: User, model_dir: Path) -> dict[str, list[str]]:
+        self.w._call("engine_access")
+        return {"model": [], "code": [], "home": [], **self.w.access}
+
+    def user_problems(self, u: EngineUser) -> list[str]:
+        self.w._call("user_problems")
+        return list(self.w.user_identity)
+
+    def unreadable_by(self, u: EngineUser, paths: list[Path]) -> list[str]:
+        self.w._call("unreadable_by")
+        return [f"cannot read {p}: Permission denied" for p in paths if str(p) in self.w.user_unreadable]
+
+    def check_mounts(self, model_dir: Path, env: dict[str, str]) -> None:
+        self.w._call("check_mounts")
+
+    def check_external_mounts(self, mounts: tuple[ExternalMount, ...]) -> list[str]:
+        self.w._call("check_external_mounts")
+        return list(self.w.mount_problems)
+
+    def check_cuda_ready(self) -> None:
+        self.w._call("check_cuda_ready")
+
+    def memory_offer(self, detached: bool = False) -> Offer:
+        self.w._call("memory_offer")
+        self.w.offer_detached = detached
+        return self.w.offer
+
+    def port_free(self, host: str, port: int) -> None:
+        self.w._call("port_free")
+
+    def listeners_taken(self, listeners: tuple[tuple[str, int], ...]) -> list[str]:
+        self.w._call("listeners_taken")
+        return []
+
+    def ports_held_by(self, pid: int) -> set[int]:
+        return set()
+
+
+class FakeModelTools(_Role, ModelTools):
+
     def resolve_model(self, model: str, revision: str | None) -> tuple[Path, str | None]:
-        self._call("resolve_model")
+        self.w._call("resolve_model")
         return Path(model), None
 
     def digest_model(self, model_dir: Path, known: tuple[ModelFile, ...] = ()) -> tuple[ModelFile, ...]:
-        self._call("digest_model")
-        return self.model_files if self.model_files is not None else self.manifest.model.files
+        self.w._call("digest_model")
+        return self.w.model_files if self.w.model_files is not None else self.w.manifest.model.files
 
     def model_stats(self, model_dir: Path, files: tuple[ModelFile, ...]) -> tuple[ModelFile, ...]:
-        self._call("model_stats")
+        self.w._call("model_stats")
         return files
 
     def recheck_model(self, model_dir: Path, pinned: tuple[ModelFile, ...], since_ns: int, during: str,
                       hint: str) -> tuple[str, ...]:
-        self.rechecked = (pinned, since_ns)
-        self._call("recheck_model")
+        self.w.rechecked = (pinned, since_ns)
+        self.w._call("recheck_model")
         return ()
 
     def normalize_engine_args(self, engine_args: list[str]) -> dict[str, str]:
-        self._call("normalize_engine_args")
+        self.w._call("normalize_engine_args")
         if "--bogus" in engine_args:
             from vllm_snapshot.errors import UsageError
 
@@ -267,311 +333,359 @@ class FakeTools(SnapshotTools):
         return {"args": " ".join(engine_args)}
 
     def verify_model(self, model_dir: Path, files: tuple[ModelFile, ...], mode: str) -> ModelCheck:
-        self._call(f"verify_model:{mode}")
+        self.w._call(f"verify_model:{mode}")
         return ModelCheck(rehashed=(), added=())
 
-    # ---- snapshot directories
+
+class FakeSnapshotFiles(_Role, SnapshotFiles):
+
     def prepare_target(self, target: Path) -> Path:
-        self._call("prepare_target")
+        self.w._call("prepare_target")
         return target.parent / f".{target.name}.tmp-x"
 
     def discard(self, tmp: Path) -> None:
-        self._call("discard")
-        self.discarded.append(tmp)
+        self.w._call("discard")
+        self.w.discarded.append(tmp)
 
     def publish(self, m: Manifest, tmp: Path, target: Path) -> None:
-        self._call("publish")
-        self.published.append(target)
-        if self.snapshots is not None:
-            self.snapshots[target] = m
+        self.w._call("publish")
+        self.w.published.append(target)
+        if self.w.snapshots is not None:
+            self.w.snapshots[target] = m
 
     def open_snapshot(self, snapshot: Path) -> Manifest:
-        self._call("open_snapshot")
-        if self.snapshots is not None:
-            if snapshot not in self.snapshots:
+        self.w._call("open_snapshot")
+        if self.w.snapshots is not None:
+            if snapshot not in self.w.snapshots:
                 from vllm_snapshot.errors import UsageError
 
                 raise UsageError(f"snapshot {snapshot} does not exist")
-            return self.snapshots[snapshot]
-        return self.manifest
+            return self.w.snapshots[snapshot]
+        return self.w.manifest
 
     def pulled_from(self, snapshot: Path) -> dict | None:
-        return self.pulled.get(str(snapshot))
+        return self.w.pulled.get(str(snapshot))
 
     def verify_images(self, snapshot: Path, m: Manifest) -> None:
-        self._call("verify_images")
+        self.w._call("verify_images")
 
     def check_tree_files(self, m: Manifest) -> list[str]:
-        self._call("check_tree_files")
+        self.w._call("check_tree_files")
         return []
 
     def pin_code(self, modules: list[str], sys_path: list[str], work_dir: Path) -> CodeIdentity:
-        self._call("pin_code")
-        self.pinned_modules = list(modules)
+        self.w._call("pin_code")
+        self.w.pinned_modules = list(modules)
         return CodeIdentity(table_digest="0" * 64, files=len(modules), distributions={"vllm": "0.32.0"})
 
     def check_code(self, snapshot: Path, m: Manifest) -> list[str]:
-        self._call("check_code")
-        return list(self.code_problems)
+        self.w._call("check_code")
+        return list(self.w.code_problems)
 
-    # ---- engine (create)
-    def launch_engine(self, spec: dict, env: dict[str, str], log_path: Path,
-                      echo: Callable[[bytes], None] | None) -> Engine:
-        self._call("launch_engine")
-        self.launch_env = env
-        self.launch_spec = spec
-        self.engine = FakeEngine(self.calls, self.kind, self.oracles, engine_args=spec.get("engine_args"))
-        return self.engine
+    def caps_missing(self, snapshot: Path, m: Manifest) -> list[int]:
+        self.w._call("caps_missing")
+        return list(self.w.missing_caps)
+
+    def pack(self, directory: Path, compression: str) -> tuple[ImageFile, ...]:
+        self.w._call(f"pack:{directory.name}")
+        return self.w.manifest.images if directory.name == "images" else ()
+
+    def stage_checking(self, snapshot: Path, m: Manifest) -> tuple[Path, StagedImages]:
+        self.w._call("stage_checking")
+        if snapshot in self.w.refuse:
+            raise self.w.refuse[snapshot]
+        if self.w.refuse_all is not None:
+            raise self.w.refuse_all
+        return Path("/stage"), (FakeUnpacking(self.w) if self.w.unpacking else FakeChecking(self.w))
+
+    def unstage(self, stage: Path) -> None:
+        self.w._call("unstage")
+
+    def unstage_all(self, near: Path) -> None:
+        self.w._call("unstage_all")
+
+
+class FakeCheckpointTools(_Role, CheckpointTools):
 
     def inspect_tree(self, root_pid: int) -> Inventory:
-        self._call("inspect_tree")
+        self.w._call("inspect_tree")
         return Inventory(root_pid=root_pid, pids=(root_pid, root_pid + 1), commands=("python", "VLLM::EngineCore"),
-                         listeners=(), files=(), net_problems=self.net_problems)
+                         listeners=(), files=(), net_problems=self.w.net_problems)
 
     def channel_keys(self, root_pid: int) -> dict[str, str]:
-        self._call("channel_keys")
+        self.w._call("channel_keys")
         return {"control": "pipe:[1]", "log": "pipe:[2]", "events": "pipe:[3]"}
+
+    def external_mounts(self, root_pid: int) -> tuple[ExternalMount, ...]:
+        self.w._call("external_mounts")
+        return tuple(self.w.externals)
+
+    def gpu_used(self, inv: Inventory) -> GpuUse:
+        self.w._call("gpu_used")
+        return GpuUse("GPU-fake-0", (2,))  # the tree's second process (namespace PID 2) has CUDA
+
+    def check_dump_room(self, inv: Inventory, gpu_uuid: str, work_dir: Path) -> None:
+        self.w._call("check_dump_room")
+
+    def dump(self, kind: str, opts: DumpOptions, work_dir: Path) -> None:
+        self.w.dump_opts = opts
+        self.w._call("dump")
+
+    def wait_gone(self, pids: tuple[int, ...], timeout_s: float) -> list[int]:
+        self.w._call("wait_gone")
+        return []
 
     def watch_remaps(self, deleted: tuple[str, ...]) -> dict[str, set[str]]:
         return {}
 
     def collect_remaps(self, before: dict[str, set[str]], files_dir: Path) -> list[Path]:
-        self._call("collect_remaps")
+        self.w._call("collect_remaps")
         return []
 
     def find_remaps(self, before: dict[str, set[str]]) -> list[Path]:
-        self._call("find_remaps")
+        self.w._call("find_remaps")
         return []
 
     def cleanup_remaps(self, found: list[Path]) -> None:
-        self._call("cleanup_remaps")
-
-    def check_dump_room(self, inv: Inventory, gpu_uuid: str, work_dir: Path) -> None:
-        self._call("check_dump_room")
-
-    def dump(self, kind: str, opts: DumpOptions, work_dir: Path) -> None:
-        self.dump_opts = opts
-        self._call("dump")
-
-    def wait_gone(self, pids: tuple[int, ...], timeout_s: float) -> list[int]:
-        self._call("wait_gone")
-        return []
-
-    def pack(self, directory: Path, compression: str) -> tuple[ImageFile, ...]:
-        self._call(f"pack:{directory.name}")
-        return self.manifest.images if directory.name == "images" else ()
-
-    # ---- engine (restore)
-    def port_free(self, host: str, port: int) -> None:
-        self._call("port_free")
-
-    def memory_offer(self, detached: bool = False) -> Offer:
-        self._call("memory_offer")
-        self.offer_detached = detached
-        return self.offer
-
-    def serve_engine(self, engine: Engine, host: str, port: int, die_with_parent: bool,
-                     frontend: tuple[str, ...] = (), drain_s: float | None = None) -> None:
-        self._call("serve_engine")
-        self.served_frontend = tuple(frontend)
-        self.served_drain = drain_s
-        engine.send("serve", host=host, port=port, die_with_parent=die_with_parent, handoff="fake-handoff",
-                    frontend=list(frontend), drain_s=drain_s)
-
-    def engine_owning(self, pid: int, entries: list[Entry]) -> Entry | None:
-        return next((e for e in entries if pid in (e.pid + 1, e.supervisor_pid)), None)  # root's child: root + 1
-
-    def engine_cgroup(self, name: str) -> Placement:
-        self._call("engine_cgroup")
-        return Placement(name)  # no leaves: enter/leave/remove touch nothing
-
-    def cgroup_of(self, pid: int) -> str:
-        return "/fake"
-
-    def check_log_file(self, path: Path) -> None:
-        self._call("check_log_file")
-
-    def default_log_file(self, snapshot: Path, port: int) -> Path:
-        return Path(f"/var/log/vllm-snapshot/{snapshot.name}-{port}.log")
-
-    def stage(self, snapshot: Path, m: Manifest) -> Path:
-        self._call("stage")
-        if snapshot in self.refuse:
-            raise self.refuse[snapshot]
-        if self.refuse_all is not None:
-            raise self.refuse_all
-        return Path("/stage")
-
-    def stage_checking(self, snapshot: Path, m: Manifest):
-        stage = self.stage(snapshot, m)
-        tools = self
-
-        class _Checking:
-            def wait(self) -> None:
-                tools._call("checksums")
-                if tools.corrupt_images is not None:
-                    raise tools.corrupt_images
-
-            def cancel(self) -> None:
-                tools._call("checksums.cancel")
-
-        class _Unpacking(_Checking):  # a compressed snapshot: the pages images still unpacking
-            waited_s = 0.0
-
-            def ready(self) -> None:
-                tools._call("unpack_ready")
-                if tools.corrupt_frame is not None:
-                    raise tools.corrupt_frame
-
-        return stage, (_Unpacking() if self.unpacking else _Checking())
-
-    def unstage(self, stage: Path) -> None:
-        self._call("unstage")
-
-    def unstage_all(self, near: Path) -> None:
-        self._call("unstage_all")
+        self.w._call("cleanup_remaps")
 
     def put_back_remaps(self, snapshot: Path, m: Manifest) -> list[Path]:
-        self._call("put_back_remaps")
+        self.w._call("put_back_remaps")
         return []
-
-    def new_channel(self, log_file: Path | None) -> EngineChannel:
-        self._call("new_channel")
-        self.channel = FakeChannel()
-        return self.channel
 
     def criu_lock(self) -> AbstractContextManager:
-        self._call("criu_lock")
+        self.w._call("criu_lock")
         return nullcontext()
-
-    def listeners_taken(self, listeners: tuple[tuple[str, int], ...]) -> list[str]:
-        self._call("listeners_taken")
-        return []
-
-    def ports_held_by(self, pid: int) -> set[int]:
-        return set()
 
     def gpu_lock(self, uuid: str, on_wait: Callable[[str], None]) -> AbstractContextManager:
         from contextlib import contextmanager
 
         @contextmanager
         def held():
-            self._call(f"gpu_lock:{uuid}")
+            self.w._call(f"gpu_lock:{uuid}")
             try:
                 yield
             finally:
-                self.calls.append("gpu_unlock")
+                self.w.calls.append("gpu_unlock")
         return held()
 
     def check_gpu_capacity(self, m: Manifest) -> None:
-        self._call("check_gpu_capacity")
+        self.w._call("check_gpu_capacity")
 
     def restore_tree(self, kind: str, opts: RestoreOptions, stage: Path,
                      before_memory: Callable[[], None] | None = None, cuda_pids: tuple[int, ...] = ()) -> int:
-        self.restore_opts = opts
-        self.restore_cuda_pids = cuda_pids
-        self._call("restore_tree")
+        self.w.restore_opts = opts
+        self.w.restore_cuda_pids = cuda_pids
+        self.w._call("restore_tree")
         if before_memory is not None:
             before_memory()
         return 5151
 
-    def adopt(self, pid: int, channel: EngineChannel, echo: Callable[[bytes], None] | None) -> Engine:
-        self._call("adopt")
-        self.engine = FakeEngine(self.calls, self.manifest.engine.kind, self.oracles, pid)
-        return self.engine
-
     def tree_commands(self, pid: int) -> tuple[str, ...]:
-        self._call("tree_commands")
-        return tuple(self.restored_tree if self.restored_tree is not None else self.manifest.criu.tree_commands)
+        self.w._call("tree_commands")
+        return tuple(self.w.restored_tree if self.w.restored_tree is not None else self.w.manifest.criu.tree_commands)
+
+    def tree_creds(self, root_pid: int) -> dict[int, Creds]:
+        self.w._call("tree_creds")
+        if self.w.creds is not None:
+            return dict(self.w.creds)
+        u = self.w.user
+        ok = Creds(uids=(u.uid,) * 4, gids=(u.gid,) * 4, groups=u.groups, cap_inh=0, cap_prm=0, cap_eff=0,
+                   cap_bnd=0, cap_amb=0, no_new_privs=1)
+        return {root_pid: ok, root_pid + 1: ok}
+
+
+class FakeEngineTools(_Role, EngineTools):
+
+    def launch_engine(self, spec: dict, env: dict[str, str], log_path: Path,
+                      echo: Callable[[bytes], None] | None) -> Engine:
+        self.w._call("launch_engine")
+        self.w.launch_env = env
+        self.w.launch_spec = spec
+        self.w.engine = FakeEngine(self.w.calls, self.w.kind, self.w.oracles, engine_args=spec.get("engine_args"))
+        return self.w.engine
+
+    def new_channel(self, log_file: Path | None) -> EngineChannel:
+        self.w._call("new_channel")
+        self.w.channel = FakeChannel()
+        return self.w.channel
+
+    def adopt(self, pid: int, channel: EngineChannel, echo: Callable[[bytes], None] | None) -> Engine:
+        self.w._call("adopt")
+        self.w.engine = FakeEngine(self.w.calls, self.w.manifest.engine.kind, self.w.oracles, pid)
+        return self.w.engine
+
+    def serve_engine(self, engine: Engine, host: str, port: int, die_with_parent: bool,
+                     frontend: tuple[str, ...] = (), drain_s: float | None = None) -> None:
+        self.w._call("serve_engine")
+        self.w.served_frontend = tuple(frontend)
+        self.w.served_drain = drain_s
+        engine.send("serve", host=host, port=port, die_with_parent=die_with_parent, handoff="fake-handoff",
+                    frontend=list(frontend), drain_s=drain_s)
 
     def http_health(self, url: str) -> bool:
-        self._call("http_health")
-        self.health_after -= 1
-        return self.health_after < 0
+        self.w._call("http_health")
+        self.w.health_after -= 1
+        return self.w.health_after < 0
 
     def http_canary(self, url: str, m: Manifest, api_key: str | None = None) -> list[str]:
-        self.canary_key = api_key
-        self.canary_url = url
-        self._call("http_canary")
-        return list(self.canary_diffs)
+        self.w.canary_key = api_key
+        self.w.canary_url = url
+        self.w._call("http_canary")
+        return list(self.w.canary_diffs)
 
-    # ---- store and runtime
+    def check_log_file(self, path: Path) -> None:
+        self.w._call("check_log_file")
+
+    def default_log_file(self, snapshot: Path, port: int) -> Path:
+        return Path(f"/var/log/vllm-snapshot/{snapshot.name}-{port}.log")
+
+    def read_log_tail(self, path: Path, lines: int = 20) -> str | None:
+        self.w._call("read_log_tail")
+        return self.w.log_file_tail
+
+
+class FakeStoreTools(_Role, StoreTools):
+
+    def canonical(self, path: Path) -> Path:
+        return Path(path).absolute()
+
     def snapshot_lock(self, snapshot: Path, shared: bool, must_exist: bool = True) -> AbstractContextManager:
-        self._call("snapshot_lock")
+        self.w._call("snapshot_lock")
         return nullcontext()
 
-    def disk_room(self, target: Path, model_dir: Path) -> tuple[tuple[str, int] | None, int]:
-        self._call("disk_room")
-        return getattr(self, "room", (None, 1 << 50))
+    def key_lock(self, key: str, on_wait: Callable[[str], None]) -> AbstractContextManager:
+        self.w._call("key_lock")
+        return nullcontext()
 
     def port_lock(self, port: int, on_wait: Callable[[str], None]) -> AbstractContextManager:
-        self._call("port_lock")
+        self.w._call("port_lock")
         return nullcontext()
 
     def list_snapshots(self, root: Path) -> list[Path]:
-        self._call("list_snapshots")
-        if self.snapshots is not None:
-            return sorted(p for p in self.snapshots if p.parent == root)
+        self.w._call("list_snapshots")
+        if self.w.snapshots is not None:
+            return sorted(p for p in self.w.snapshots if p.parent == root)
         return [root / "a", root / "b"]
 
+    def disk_room(self, target: Path, model_dir: Path) -> tuple[tuple[str, int] | None, int]:
+        self.w._call("disk_room")
+        return getattr(self.w, "room", (None, 1 << 50))
+
     def delete_snapshot(self, snapshot: Path) -> None:
-        self._call("delete_snapshot")
+        self.w._call("delete_snapshot")
 
     def clean_stale_temps(self, root: Path) -> list[Path]:
         return []
 
     def reclaim(self, near: Path, dry_run: bool = False) -> list[str]:
-        self._call("reclaim")
+        self.w._call("reclaim")
         return []
 
-    def key_lock(self, key: str, on_wait: Callable[[str], None]) -> AbstractContextManager:
-        self._call("key_lock")
-        return nullcontext()
-
     def record_refusal(self, snapshot: Path, code: str, reason: str) -> None:
-        self._call("record_refusal")
-        self.refusals[str(snapshot)] = {"code": code, "reason": reason, "at": 0.0}
+        self.w._call("record_refusal")
+        self.w.refusals[str(snapshot)] = {"code": code, "reason": reason, "at": 0.0}
 
     def refusal(self, snapshot: Path) -> dict | None:
-        return self.refusals.get(str(snapshot))
+        return self.w.refusals.get(str(snapshot))
 
     def last_restore(self, snapshot: Path) -> float | None:
         return None
 
     def record_restore(self, snapshot: Path, overrides: list[str]) -> None:
-        self._call("record_restore")
+        self.w._call("record_restore")
+
+
+class FakeRuntimeTools(_Role, RuntimeTools):
 
     def engines(self) -> list[Entry]:
-        return list(self.entries)
+        return list(self.w.entries)
 
     def orphan_pids(self) -> list[int]:
-        return list(getattr(self, "orphans", []))
+        return list(getattr(self.w, "orphans", []))
 
     def empty_engine_cgroups(self) -> list[str]:
-        return list(getattr(self, "empty_cgroups", []))
+        return list(getattr(self.w, "empty_cgroups", []))
 
     def register(self, entry: Entry) -> None:
-        self._call("register")
-        self.registered.append(entry)
+        self.w._call("register")
+        self.w.registered.append(entry)
 
     def unregister(self, pid: int) -> None:
-        self._call("unregister")
+        self.w._call("unregister")
 
     def stop_engine(self, entry: Entry, drain_s: float | None = None) -> StopReport:
-        self._call("stop_engine")
-        self.stop_drains = [*getattr(self, "stop_drains", []), drain_s]
-        return getattr(self, "stop_report", StopReport(0.5))
+        self.w._call("stop_engine")
+        self.w.stop_drains = [*getattr(self.w, "stop_drains", []), drain_s]
+        return getattr(self.w, "stop_report", StopReport(0.5))
 
-    # ---- time
-    def clock(self) -> float:
-        self._t += 1.0
-        return self._t
+    def engine_owning(self, pid: int, entries: list[Entry]) -> Entry | None:
+        return next((e for e in entries if pid in (e.pid + 1, e.supervisor_pid)), None)  # root's child: root + 1
+
+    def engine_cgroup(self, name: str) -> Placement:
+        self.w._call("engine_cgroup")
+        return Placement(name)  # no leaves: enter/leave/remove touch nothing
+
+    def cgroup_of(self, pid: int) -> str:
+        return "/fake"
+
+    def forward_signals(self, handler: Callable[[int], None]) -> AbstractContextManager:
+        from contextlib import contextmanager
+
+        @contextmanager
+        def forwarding():
+            self.w._call("forward_signals")
+            self.w.signal_handler = handler
+            try:
+                yield
+            finally:
+                self.w.signal_handler = None
+                self.w.calls.append("forward_signals.end")
+        return forwarding()
+
+    def terminate(self, pid: int) -> None:
+        self.w._call("terminate")
+        self.w.terminated.append(pid)
+
+
+class FakeClock(_Role, Clock):
+
+    def monotonic(self) -> float:
+        self.w._t += 1.0
+        return self.w._t
 
     def now(self) -> float:
         return 1_700_000_000.0
 
     def sleep(self, seconds: float) -> None:
-        return None
+        self.w._t += self.w.sleep_ticks
+        if self.w.on_sleep is not None:
+            self.w.on_sleep(self.w._t)
+
+
+class FakeFleetTools(_Role, FleetTools):
+    """No registry: ``open_target`` refuses (tests of push/pull run the real transports over
+    an image layout, tests/test_fleet_ops.py); a staging dir ``check_pulled`` accepts is
+    published into ``snapshots``."""
+
+    def open_target(self, ref: reference.Ref, plain_http: bool, create: bool) -> Target:
+        self.w._call("open_target")
+        from vllm_snapshot.errors import UsageError
+
+        raise UsageError(f"no registry in the fake world: {ref}")
+
+    def snapshot_config(self, snapshot: Path) -> bytes:
+        self.w._call("snapshot_config")
+        return self.w.manifest.model_dump_json().encode()
+
+    def check_pulled(self, staging: Path, m) -> None:
+        self.w._call("check_pulled")
+
+    def publish_pulled(self, staging: Path, target: Path, config: bytes, provenance: dict) -> None:
+        self.w._call("publish_pulled")
+        self.w.pulled[str(target)] = dict(provenance)
+        if self.w.snapshots is not None:
+            self.w.snapshots[target] = Manifest.model_validate_json(config)
 
 
 def manifest_with(**over) -> Manifest:
@@ -588,4 +702,4 @@ def isolated_manifest(**over) -> Manifest:
                          criu=base.criu.model_copy(update={"listeners": (("127.0.0.1", 40000),)}), **over)
 
 
-__all__ = ["FakeTools", "FakeEngine", "FakeChannel", "HOST", "isolated_manifest", "manifest_with", "mf"]
+__all__ = ["FakeWorld", "FakeEngine", "FakeChannel", "HOST", "isolated_manifest", "manifest_with", "mf"]

@@ -33,7 +33,7 @@ def make_oracle(**over) -> Oracle:
     return Oracle(**base)
 
 
-#: The engine user of fake manifests and FakeTools (uid/gid of a typical system user).
+#: The engine user of fake manifests and FakeWorld (uid/gid of a typical system user).
 ENGINE_USER = manifest.EngineUser(name="vllm-snapshot", uid=990, gid=990, groups=(990,),
                                   home="/var/lib/vllm-snapshot-engine")
 

@@ -49,13 +49,13 @@ def test_detached_restore_checks_memory_where_the_engine_will_run():
     from vllm_snapshot import ops
     from vllm_snapshot.report.progress import Reporter
 
-    from fakes import FakeTools, isolated_manifest
+    from fakes import FakeWorld, isolated_manifest
 
-    t = FakeTools(manifest=isolated_manifest())
-    ops.restore(ops.RestoreRequest(snapshot=P("/snaps/tiny"), port=8123, detach=True), Reporter(), tools=t)
+    t = FakeWorld(manifest=isolated_manifest())
+    ops.restore(ops.RestoreRequest(snapshot=P("/snaps/tiny"), port=8123, detach=True), Reporter(), tools=t.tools)
     assert t.offer_detached is True and "engine_cgroup" in t.calls
-    t = FakeTools(manifest=isolated_manifest())
-    ops.restore(ops.RestoreRequest(snapshot=P("/snaps/tiny"), port=8123), Reporter(), tools=t)
+    t = FakeWorld(manifest=isolated_manifest())
+    ops.restore(ops.RestoreRequest(snapshot=P("/snaps/tiny"), port=8123), Reporter(), tools=t.tools)
     assert t.offer_detached is False and "engine_cgroup" not in t.calls
 
 

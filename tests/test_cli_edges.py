@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from vllm_snapshot.errors import BusyError, CorruptSnapshotError, CriuError, Mod
 from vllm_snapshot.report.progress import Reporter
 from vllm_snapshot.store.registry import Entry
 
-from fakes import FakeTools
+from fakes import FakeStoreTools, FakeWorld
 
 SNAP = Path("/snaps/new")
 
@@ -31,31 +32,31 @@ def _old(port=8101, host="::1", snap="/snaps/old"):
 
 
 def test_switch_to_a_bad_target_never_stops_the_old_engine():
-    t = FakeTools(fail={"open_snapshot": CorruptSnapshotError("manifest.json not found")})
+    t = FakeWorld(fail={"open_snapshot": CorruptSnapshotError("manifest.json not found")})
     t.entries = [_old()]
     with pytest.raises(CorruptSnapshotError):
-        ops.switch(SNAP, None, 8101, None, Reporter(), tools=t)
+        ops.switch(SNAP, None, 8101, None, Reporter(), tools=t.tools)
     assert "stop_engine" not in t.calls and "restore_tree" not in t.calls
 
 
 def test_switch_to_a_changed_model_never_stops_the_old_engine():
-    t = FakeTools(fail={"verify_model:quick": ModelChangedError("content changed: config.json")})
+    t = FakeWorld(fail={"verify_model:quick": ModelChangedError("content changed: config.json")})
     t.entries = [_old()]
     with pytest.raises(ModelChangedError):
-        ops.switch(SNAP, None, 8101, None, Reporter(), tools=t)
+        ops.switch(SNAP, None, 8101, None, Reporter(), tools=t.tools)
     assert "stop_engine" not in t.calls
 
 
 def test_switch_keeps_the_old_engines_host():
-    t = FakeTools()
+    t = FakeWorld()
     t.entries = [_old(host="::1")]
-    res = ops.switch(SNAP, None, 8101, None, Reporter(), tools=t)
+    res = ops.switch(SNAP, None, 8101, None, Reporter(), tools=t.tools)
     assert t.registered[0].host == "::1" and res.url == "http://[::1]:8101"
     assert t.calls.index("stop_engine") < t.calls.index("restore_tree")
 
 
 def test_switch_rolls_back_when_the_new_engine_fails_and_says_so():
-    t = FakeTools()
+    t = FakeWorld()
     t.entries = [_old()]
     tries = []
 
@@ -66,9 +67,9 @@ def test_switch_rolls_back_when_the_new_engine_fails_and_says_so():
             raise CriuError("CRIU restore failed")
         return 6000
 
-    t.restore_tree = restore_tree
+    t.tools.checkpoint.restore_tree = restore_tree
     with pytest.raises(CriuError) as ei:
-        ops.switch(SNAP, None, 8101, None, Reporter(), tools=t)
+        ops.switch(SNAP, None, 8101, None, Reporter(), tools=t.tools)
     e = ei.value
     assert len(tries) == 2  # the new one failed, the old one came back
     assert "rolled back" in e.message and "/snaps/old serves on http://[::1]:8101 again" in e.message
@@ -77,17 +78,17 @@ def test_switch_rolls_back_when_the_new_engine_fails_and_says_so():
 
 
 def test_switch_without_rollback_says_the_port_is_dark():
-    t = FakeTools(fail={"restore_tree": CriuError("CRIU restore failed")})
+    t = FakeWorld(fail={"restore_tree": CriuError("CRIU restore failed")})
     t.entries = [_old()]
     with pytest.raises(CriuError) as ei:
-        ops.switch(SNAP, None, 8101, None, Reporter(), rollback=False, tools=t)
+        ops.switch(SNAP, None, 8101, None, Reporter(), rollback=False, tools=t.tools)
     assert "nothing serves on port 8101 now" in ei.value.message
     assert ei.value.details["serving"] is None and t.calls.count("restore_tree") == 1
 
 
 def test_switch_json_names_what_serves():
-    t = FakeTools()
-    res = ops.switch(SNAP, None, 8101, None, Reporter(), tools=t).to_json()
+    t = FakeWorld()
+    res = ops.switch(SNAP, None, 8101, None, Reporter(), tools=t.tools).to_json()
     assert res["serving"] == {"snapshot": str(SNAP), "pid": 5151, "url": "http://127.0.0.1:8101"}
     assert res["stopped"] == []
 
@@ -106,7 +107,7 @@ def test_canonical_resolves_symlinked_roots_and_dotdot(tmp_path):
     assert store.resolve(str(tmp_path / "ln" / "snap")) == want
 
 
-class _CanonTools(FakeTools):
+class _CanonStore(FakeStoreTools):
     def canonical(self, path: Path) -> Path:
         return store.canonical(path)
 
@@ -116,14 +117,15 @@ def test_delete_through_a_symlinked_root_refuses_while_the_engine_runs(tmp_path)
     real = tmp_path / "real"
     (real / "snap").mkdir(parents=True)
     (tmp_path / "ln").symlink_to(real)
-    t = _CanonTools()
-    t.path_exists = lambda p: True
+    t = FakeWorld()
+    t.tools = dataclasses.replace(t.tools, store=_CanonStore(t))
+    t.tools.host.path_exists = lambda p: True
     t.entries = [Entry(str(real / "snap"), 77, 0, "127.0.0.1", 8101, 0.0, "detached")]
     with pytest.raises(BusyError):
-        ops.delete(tmp_path / "ln" / "snap", tools=t)
+        ops.delete(tmp_path / "ln" / "snap", tools=t.tools)
     t.entries = [Entry(str(tmp_path / "ln" / "snap"), 77, 0, "127.0.0.1", 8101, 0.0, "detached")]
     with pytest.raises(BusyError):
-        ops.delete(real / "snap", tools=t)  # and the other way round
+        ops.delete(real / "snap", tools=t.tools)  # and the other way round
     assert "delete_snapshot" not in t.calls
 
 
@@ -152,10 +154,10 @@ def test_read_only_store_stages_in_the_staging_dir(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("arg", [["--port", "9000"], ["--host=0.0.0.0"], ["--uds", "/run/x.sock"]])
 def test_create_refuses_args_that_belong_to_restore(arg):
-    t = FakeTools()
+    t = FakeWorld()
     with pytest.raises(UsageError, match="restore") as ei:
         ops.create(ops.CreateRequest(model="/m", target=SNAP, engine_args=["--kv-cache-memory-bytes", "1M", *arg]),
-                   Reporter(), tools=t)
+                   Reporter(), tools=t.tools)
     assert arg[0].split("=")[0] in ei.value.message
     assert "launch_engine" not in t.calls
 
@@ -340,10 +342,10 @@ def test_create_target_under_a_world_writable_parent_refused_before_anything(tmp
 
 
 def test_restored_tree_that_is_not_the_recorded_one_is_killed():
-    t = FakeTools()
+    t = FakeWorld()
     t.restored_tree = ["python3 -m something.else"]
     with pytest.raises(CriuError, match="not the recorded one"):
-        ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8123), Reporter(), tools=t)
+        ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8123), Reporter(), tools=t.tools)
     assert t.engine.killed and "engine.oracle" not in t.calls and "register" not in t.calls
 
 
@@ -370,47 +372,47 @@ def test_link_remap_put_back_refuses_a_different_file_and_rolls_back(tmp_path):
 
 
 def test_failed_dump_removes_the_link_remaps_it_left():
-    t = FakeTools(fail={"dump": CriuError("CRIU dump failed")})
+    t = FakeWorld(fail={"dump": CriuError("CRIU dump failed")})
     with pytest.raises(CriuError):
         ops.create(ops.CreateRequest(model="/m", target=SNAP, engine_args=["--kv-cache-memory-bytes", "1M"]),
-                   Reporter(), tools=t)
+                   Reporter(), tools=t.tools)
     assert t.calls.index("find_remaps") < t.calls.index("cleanup_remaps") < t.calls.index("discard")
 
 
 def test_switch_refuses_a_corrupt_image_before_stopping():
-    t = FakeTools(fail={"verify_images": CorruptSnapshotError("image pages-4.img fails its checksum")})
+    t = FakeWorld(fail={"verify_images": CorruptSnapshotError("image pages-4.img fails its checksum")})
     t.entries = [_old()]
     with pytest.raises(CorruptSnapshotError, match="checksum"):
-        ops.switch(SNAP, None, 8101, None, Reporter(), tools=t)
+        ops.switch(SNAP, None, 8101, None, Reporter(), tools=t.tools)
     assert "stop_engine" not in t.calls
 
 
 def test_switch_refuses_taken_recorded_ports_before_stopping():
-    t = FakeTools()
+    t = FakeWorld()
     t.entries = [_old()]
-    t.listeners_taken = lambda listeners: ["127.0.0.1:40000 is taken by PID 9 (x)"]
+    t.tools.host.listeners_taken = lambda listeners: ["127.0.0.1:40000 is taken by PID 9 (x)"]
     with pytest.raises(BusyError, match="40000"):
-        ops.switch(SNAP, None, 8101, None, Reporter(), tools=t)
+        ops.switch(SNAP, None, 8101, None, Reporter(), tools=t.tools)
     assert "stop_engine" not in t.calls
 
 
 def test_switch_to_what_already_serves_is_a_no_op():
-    t = FakeTools()
+    t = FakeWorld()
     t.entries = [_old(snap=str(SNAP), host="127.0.0.1")]
-    res = ops.switch(SNAP, None, 8101, None, Reporter(), tools=t)
+    res = ops.switch(SNAP, None, 8101, None, Reporter(), tools=t.tools)
     assert res.pid == 77 and res.switch_s == 0.0 and "stop_engine" not in t.calls and "restore_tree" not in t.calls
 
 
 def test_create_refuses_a_target_inside_a_snapshot_and_secrets_early():
-    t = FakeTools()
-    t.path_exists = lambda p: p == Path("/snaps/tiny/manifest.json")
+    t = FakeWorld()
+    t.tools.host.path_exists = lambda p: p == Path("/snaps/tiny/manifest.json")
     with pytest.raises(UsageError, match="inside the snapshot /snaps/tiny"):
         ops.create(ops.CreateRequest(model="/m", target=Path("/snaps/tiny/images/x"),
-                                     engine_args=["--kv-cache-memory-bytes", "1M"]), Reporter(), tools=t)
-    t2 = FakeTools()
+                                     engine_args=["--kv-cache-memory-bytes", "1M"]), Reporter(), tools=t.tools)
+    t2 = FakeWorld()
     with pytest.raises(UsageError, match="--api-key"):
         ops.create(ops.CreateRequest(model="/m", target=SNAP, engine_args=["--kv-cache-memory-bytes", "1M",
-                                                                          "--api-key", "k"]), Reporter(), tools=t2)
+                                                                          "--api-key", "k"]), Reporter(), tools=t2.tools)
     assert "launch_engine" not in t.calls + t2.calls
 
 
@@ -442,11 +444,11 @@ def test_a_directory_without_a_manifest_is_not_a_snapshot(tmp_path):
 
 
 def test_log_file_must_be_a_writable_regular_file(tmp_path):
-    from vllm_snapshot.effects.tools import LocalTools
+    from vllm_snapshot.supervise.supervisor import check_log_file
 
     with pytest.raises(UsageError, match="pseudo filesystem"):
-        LocalTools().check_log_file(Path("/proc/version"))
-    LocalTools().check_log_file(tmp_path / "ok.log")
+        check_log_file(Path("/proc/version"))
+    check_log_file(tmp_path / "ok.log")
 
 
 def test_json_after_double_dash_belongs_to_the_engine_args(capsys):
@@ -455,12 +457,23 @@ def test_json_after_double_dash_belongs_to_the_engine_args(capsys):
     assert err.out == "" and "not a valid snapshot name" in err.err  # plain text: --json was vLLM's
 
 
+def test_an_engine_log_files_tail_is_its_last_lines_and_none_when_unreadable(tmp_path):
+    from vllm_snapshot.supervise.supervisor import log_file_tail
+
+    log = tmp_path / "e.log"
+    log.write_text("INFO starting\n" + "x\n" * 30 + "ssl.SSLError: ('No cipher can be selected.',)\n")
+    tail = log_file_tail(log)
+    assert tail.endswith("No cipher can be selected.',)") and "INFO starting" not in tail
+    assert len(tail.splitlines()) == 20
+    assert log_file_tail(tmp_path / "missing.log") is None
+
+
 def test_log_file_fifo_refused(tmp_path):
-    from vllm_snapshot.effects.tools import LocalTools
+    from vllm_snapshot.supervise.supervisor import check_log_file
 
     os.mkfifo(tmp_path / "fifo")
     with pytest.raises(UsageError, match="not a regular file|cannot be written"):
-        LocalTools().check_log_file(tmp_path / "fifo")
+        check_log_file(tmp_path / "fifo")
 
 
 @pytest.mark.parametrize("value", ["bogus", "0", "-5", "inf"])
@@ -494,13 +507,13 @@ def test_an_incomplete_snapshot_gets_a_hint_that_works(tmp_path):
 
 def test_status_names_engine_trees_nobody_owns(capsys):
     # a trial SIGKILLed a restore mid-CRIU: its frozen tree held 1.3 GiB and status said nothing
-    from fakes import FakeTools
+    from fakes import FakeWorld
     from vllm_snapshot.cli import render
     from vllm_snapshot.ops.manage import status
 
-    t = FakeTools()
+    t = FakeWorld()
     t.orphans = [26423]
-    r = status(tools=t)
+    r = status(tools=t.tools)
     assert r.to_json() == {"engines": [], "orphans": [26423], "empty_cgroups": []}
     render.show(r, False, False)
     out = capsys.readouterr()

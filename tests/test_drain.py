@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from fakes import FakeTools, isolated_manifest
+from fakes import FakeWorld, isolated_manifest
 
 from vllm_snapshot.store import locks, registry
 from vllm_snapshot import ops
@@ -199,13 +199,13 @@ def _old(port=8101, pid=77, snap="/snaps/old", drain_s=30.0):
 
 
 def test_switch_takes_the_ports_lock_before_it_reads_what_serves():
-    t = FakeTools()
+    t = FakeWorld()
     seen = []
-    t.port_lock = lambda port, on_wait: _recording_lock(seen, port)
-    engines = t.engines
-    t.engines = lambda: (seen.append(("engines",)), engines())[1]
+    t.tools.store.port_lock = lambda port, on_wait: _recording_lock(seen, port)
+    engines = t.tools.runtime.engines
+    t.tools.runtime.engines = lambda: (seen.append(("engines",)), engines())[1]
     t.entries = [_old()]
-    ops.switch(SNAP, None, 8101, None, Reporter(), tools=t)
+    ops.switch(SNAP, None, 8101, None, Reporter(), tools=t.tools)
     assert seen[0] == ("lock", 8101) and ("engines",) in seen[1:]
 
 
@@ -217,25 +217,25 @@ def _recording_lock(seen, port):
 
 
 def test_switch_drains_the_old_engine_and_gives_the_new_one_its_drain_timeout():
-    t = FakeTools(manifest=isolated_manifest())  # the port is handed over: serve_engine
+    t = FakeWorld(manifest=isolated_manifest())  # the port is handed over: serve_engine
     t.entries = [_old(drain_s=45.0)]
-    t.environ = lambda: {registry.DRAIN_ENV: "12"}
-    ops.switch(SNAP, None, 8101, None, Reporter(), tools=t)
+    t.tools.host.environ = lambda: {registry.DRAIN_ENV: "12"}
+    ops.switch(SNAP, None, 8101, None, Reporter(), tools=t.tools)
     assert t.stop_drains == [None]  # the old engine drains for its own 45 s
     assert t.served_drain == 12.0 and t.registered[0].drain_s == 12.0
-    t2 = FakeTools(manifest=isolated_manifest())
+    t2 = FakeWorld(manifest=isolated_manifest())
     t2.entries = [_old()]
-    ops.switch(SNAP, None, 8101, None, Reporter(), tools=t2, drain_s=3)
+    ops.switch(SNAP, None, 8101, None, Reporter(), tools=t2.tools, drain_s=3)
     assert t2.stop_drains == [3] and t2.served_drain == 3.0
 
 
 def test_switch_restores_again_once_the_old_engine_is_gone_when_memory_was_short():
-    t = FakeTools(manifest=isolated_manifest())
+    t = FakeWorld(manifest=isolated_manifest())
     t.entries = [_old()]
     tries = []
-    real = t.memory_offer
-    stop = t.stop_engine
-    t.stop_engine = lambda e, drain_s=None: (time.sleep(0.5), stop(e, drain_s))[1]  # still draining
+    real = t.tools.host.memory_offer
+    stop = t.tools.runtime.stop_engine
+    t.tools.runtime.stop_engine = lambda e, drain_s=None: (time.sleep(0.5), stop(e, drain_s))[1]  # still draining
 
     def memory_offer(detached=False):
         tries.append(detached)
@@ -243,15 +243,15 @@ def test_switch_restores_again_once_the_old_engine_is_gone_when_memory_was_short
             raise InsufficientResources("the snapshot needs 2.0 GiB, MemAvailable is 1.0 GiB")
         return real(detached)
 
-    t.memory_offer = memory_offer
-    res = ops.switch(SNAP, None, 8101, None, Reporter(), tools=t)
+    t.tools.host.memory_offer = memory_offer
+    res = ops.switch(SNAP, None, 8101, None, Reporter(), tools=t.tools)
     assert len(tries) == 2 and res.pid == 5151 and t.calls.count("stop_engine") == 1
 
 
 def test_a_failed_switch_names_the_engine_another_command_put_on_the_port():
     """The loser of two switches (before the port lock): its restore and its rollback found the
     port taken by the winner's engine; it said "nothing serves on port P now"."""
-    t = FakeTools(fail={"restore_tree": CriuError("CRIU restore failed")})
+    t = FakeWorld(fail={"restore_tree": CriuError("CRIU restore failed")})
     winner = _old(pid=91, snap="/snaps/winner")
     reads = []
 
@@ -259,9 +259,9 @@ def test_a_failed_switch_names_the_engine_another_command_put_on_the_port():
         reads.append(1)
         return [_old()] if len(reads) == 1 else [winner]
 
-    t.engines = engines
+    t.tools.runtime.engines = engines
     with pytest.raises(CriuError) as ei:
-        ops.switch(SNAP, None, 8101, None, Reporter(), rollback=False, tools=t)
+        ops.switch(SNAP, None, 8101, None, Reporter(), rollback=False, tools=t.tools)
     msg = ei.value.message
     assert "nothing serves" not in msg
     assert "/snaps/winner serves on port 8101 now (http://127.0.0.1:8101, PID 91" in msg
@@ -271,10 +271,10 @@ def test_a_failed_switch_names_the_engine_another_command_put_on_the_port():
 def test_stop_reports_a_cut_drain(capsys):
     from vllm_snapshot.cli import render
 
-    t = FakeTools()
+    t = FakeWorld()
     t.entries = [_old()]
     t.stop_report = StopReport(2.0, drained=False, cut=3)
-    res = ops.stop_engines(None, 8101, tools=t, drain_s=2)
+    res = ops.stop_engines(None, 8101, tools=t.tools, drain_s=2)
     assert t.stop_drains == [2]
     assert res.stopped[0] | {"seconds": 0} == {"pid": 77, "snapshot": "/snaps/old", "port": 8101, "seconds": 0,
                                               "drain_s": 2, "drained": False, "cut": 3, "killed": False}

@@ -5,6 +5,7 @@ failed pull publishes nothing and leaves no staging dir."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -17,6 +18,11 @@ from test_fleet import _b3, _keypair
 from vllm_snapshot.store import manifest, model_digest, store
 from vllm_snapshot.errors import CorruptSnapshotError, IncompatibleHostError, ModelChangedError, UsageError
 from vllm_snapshot.fleet import oci, sign, transport
+from vllm_snapshot.effects.checkpoint import CriuRunners
+from vllm_snapshot.effects.files import LocalSnapshotFiles
+from vllm_snapshot.effects.host import LocalHostTools
+from vllm_snapshot.effects.store import LocalStoreTools
+from vllm_snapshot.effects.tools import local_tools
 from vllm_snapshot.fleet.tools import PULLED, LocalFleetTools
 from vllm_snapshot.ops import fleet
 from vllm_snapshot.report.progress import Reporter
@@ -32,42 +38,45 @@ class CountingLayout(transport.Layout):
         return super().get_blob(digest, size, sink, what)
 
 
-class Tools(LocalFleetTools):
-    """Real transports and store; this "node"'s identity is ``host``."""
-
-    def __init__(self, host: dict[str, str] | None = None):
-        self.host = dict(host or HOST)
-        CountingLayout.gets = []
+class _Fleet(LocalFleetTools):
+    """Real transports, the image layout counting its blob downloads."""
 
     def open_target(self, ref, plain_http, create):
         return CountingLayout(ref.path, create=create)
 
-    def canonical(self, p):
-        return store.canonical(p)
 
-    def path_exists(self, p):
-        return os.path.lexists(p)
+class _Host(LocalHostTools):
+    """This "node": its identity is ``ident``; no GPU, the engine user and mounts as recorded."""
 
-    def clock(self):
-        import time
+    def __init__(self, ident: dict[str, str]):
+        super().__init__(CriuRunners())
+        self.ident = ident
 
-        return time.monotonic()
-
-    def now(self):
-        import time
-
-        return time.time()
+    def host_identity(self, kind):
+        return dict(self.ident)
 
     def gpu_uuids(self):
         return []
 
-    def pulled_from(self, p):
-        from vllm_snapshot.fleet.tools import read_pulled
+    def user_problems(self, u):
+        return []
 
-        return read_pulled(p)
+    def check_external_mounts(self, mounts):
+        return []
 
-    def snapshot_lock(self, *a, **kw):
+
+class _Store(LocalStoreTools):
+    """The real store without the host-wide lock files and leftovers of other commands."""
+
+    def snapshot_lock(self, snapshot, shared, must_exist=True):
         return contextlib.nullcontext()
+
+    def reclaim(self, near, dry_run=False):
+        return [str(p) for p in store.clean_stale_temps(near)]
+
+
+class _Files(LocalSnapshotFiles):
+    """Snapshot directories read without the trust checks (tmp_path is not root's private dir)."""
 
     def open_snapshot(self, p):
         return manifest.read(p)
@@ -77,27 +86,15 @@ class Tools(LocalFleetTools):
 
         archive.verify(p / "images", m.images)
 
-    def host_identity(self, kind):
-        return dict(self.host)
-
-    def user_problems(self, u):
-        return []
-
-    def check_external_mounts(self, mounts):
-        return []
-
-    def digest_model(self, d, known=()):
-        return model_digest.digest_dir(d, known)
-
-    def reclaim(self, near, dry_run=False):
-        gone = [str(p) for p in store.clean_stale_temps(near)]
-        return gone
-
-    def prepare_target(self, target):
-        return store.prepare_target(target)
-
     def discard(self, tmp):
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def Tools(host: dict[str, str] | None = None):  # noqa: N802 - reads as the bundle it builds
+    """The local roles, with this node's identity ``host`` and the overrides above."""
+    CountingLayout.gets = []
+    return dataclasses.replace(local_tools(), host=_Host(dict(host or HOST)), store=_Store(), files=_Files(),
+                               fleet=_Fleet())
 
 
 @pytest.fixture
@@ -263,20 +260,20 @@ def test_default_names():
 # --------------------------------------------------------------------------- restore of a pulled snapshot
 
 def test_restore_checks_a_pulled_snapshot_at_the_host_class_level(tmp_path):
-    from fakes import HOST as FAKE_HOST, FakeTools
+    from fakes import HOST as FAKE_HOST, FakeWorld
     from vllm_snapshot.ops.restore import validate
 
     snap = tmp_path / "tiny"
-    other_machine = FakeTools(host={**FAKE_HOST, "machine_id": "another-machine"})
+    other_machine = FakeWorld(host={**FAKE_HOST, "machine_id": "another-machine"})
     with pytest.raises(IncompatibleHostError, match="machine_id"):  # made here, copied: pinned to its machine
-        validate(snap, tools=other_machine)
+        validate(snap, tools=other_machine.tools)
     other_machine.pulled[str(snap.absolute())] = {"image": "127.0.0.1:5000/fleet/tiny:v1", "digest": "sha256:" + "0" * 64}
-    m, warnings = validate(snap, tools=other_machine)  # pulled: any machine of its class, no override
+    m, warnings = validate(snap, tools=other_machine.tools)  # pulled: any machine of its class, no override
     assert not [w for w in warnings if "identity override" in w]
-    other_class = FakeTools(host={**FAKE_HOST, "kernel": "5.4.0"})
+    other_class = FakeWorld(host={**FAKE_HOST, "kernel": "5.4.0"})
     other_class.pulled[str(snap.absolute())] = {"image": "x", "digest": "y"}
     with pytest.raises(IncompatibleHostError, match="kernel"):
-        validate(snap, tools=other_class)
+        validate(snap, tools=other_class.tools)
 
 
 def test_identity_compare_at_the_class_level_skips_only_machine_fields():

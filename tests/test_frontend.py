@@ -1,5 +1,5 @@
 """Front-end options at restore (vllm_snapshot.supervise.frontend): the lexical split and checks run
-before CRIU without vLLM, and the order of restore/switch/serve through FakeTools."""
+before CRIU without vLLM, and the order of restore/switch/serve through FakeWorld."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from vllm_snapshot import ops
 from vllm_snapshot.errors import UsageError
 from vllm_snapshot.report.progress import Reporter
 
-from fakes import FakeTools, isolated_manifest
+from fakes import FakeWorld, isolated_manifest
 from tls import self_signed
 
 
@@ -93,18 +93,18 @@ def test_bad_values_are_refused(bad, needle):
         frontend.check(bad, {})
 
 
-# ------------------------------------------------------------------ order, through FakeTools
+# ------------------------------------------------------------------ order, through FakeWorld
 
 SNAP = Path("/snaps/tiny")
 
 
 def test_restore_hands_the_options_to_the_engine_and_the_canary_presents_the_key(tmp_path: Path):
     cert, key = self_signed(tmp_path)
-    t = FakeTools(manifest=isolated_manifest())
-    t.environ = lambda: {"VLLM_API_KEY": "s3cret"}
+    t = FakeWorld(manifest=isolated_manifest())
+    t.tools.host.environ = lambda: {"VLLM_API_KEY": "s3cret"}
     req = ops.RestoreRequest(snapshot=SNAP, port=8123,
                              frontend=("--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--uvicorn-log-level", "warning"))
-    r, _engine = ops.restore(req, Reporter(), tools=t)
+    r, _engine = ops.restore(req, Reporter(), tools=t.tools)
     assert t.served_frontend == ("--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--uvicorn-log-level", "warning",
                                  "--api-key", "s3cret")
     assert t.canary_key == "s3cret" and t.canary_url.startswith("https://")
@@ -113,24 +113,24 @@ def test_restore_hands_the_options_to_the_engine_and_the_canary_presents_the_key
 
 
 def test_bad_front_end_option_refused_before_anything_runs():
-    t = FakeTools(manifest=isolated_manifest())
+    t = FakeWorld(manifest=isolated_manifest())
     with pytest.raises(UsageError):
-        ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8123, frontend=("--ssl-certfile", "/nope.pem")), Reporter(), tools=t)
-    assert not {"stage", "restore_tree", "port_free"} & set(t.calls)
+        ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8123, frontend=("--ssl-certfile", "/nope.pem")), Reporter(), tools=t.tools)
+    assert not {"stage_checking", "restore_tree", "port_free"} & set(t.calls)
 
 
 def test_switch_checks_front_end_options_before_stopping_the_old_engine():
-    t = FakeTools(manifest=isolated_manifest())
+    t = FakeWorld(manifest=isolated_manifest())
     with pytest.raises(UsageError, match="JSON list"):
-        ops.switch(SNAP, None, 8123, None, Reporter(), tools=t, frontend=("--allowed-origins", "x"))
+        ops.switch(SNAP, None, 8123, None, Reporter(), tools=t.tools, frontend=("--allowed-origins", "x"))
     assert "stop_engine" not in t.calls and "restore_tree" not in t.calls
 
 
 def test_serve_keeps_front_end_options_out_of_the_build_and_applies_them_at_restore(tmp_path: Path):
-    t = FakeTools(manifest=isolated_manifest())
+    t = FakeWorld(manifest=isolated_manifest())
     req = ops.ServeRequest(model="/models/tiny", root=tmp_path, engine_args=["--kv-cache-memory-bytes", "64M"],
                            port=8123, frontend=("--api-key", "k"))
-    served, _engine = ops.serve(req, Reporter(), tools=t)
+    served, _engine = ops.serve(req, Reporter(), tools=t.tools)
     assert "--api-key" not in t.launch_spec["engine_args"] and "k" not in t.launch_spec["engine_args"]
     assert t.served_frontend == ("--api-key", "k") and t.canary_key == "k"
 
@@ -176,20 +176,20 @@ def test_switch_to_the_serving_snapshot_with_other_front_end_options_restarts_it
     said "switched" and kept the old key. The registry keeps a salted digest of the options."""
     from vllm_snapshot.store.registry import Entry
 
-    t = FakeTools(manifest=isolated_manifest())
-    t.environ = lambda: {"VLLM_API_KEY": "new"}
+    t = FakeWorld(manifest=isolated_manifest())
+    t.tools.host.environ = lambda: {"VLLM_API_KEY": "new"}
     old_fp = frontend.fingerprint(["--api-key", "old"])
     assert frontend.same_settings(["--api-key", "old"], old_fp) and not frontend.same_settings(["--api-key", "new"], old_fp)
     assert "old" not in old_fp
     t.entries = [Entry(snapshot=str(SNAP), pid=77, supervisor_pid=0, host="127.0.0.1", port=8123, started_at=0.0,
                        mode="detached", frontend=old_fp)]
-    ops.switch(SNAP, None, 8123, None, Reporter(), tools=t)
+    ops.switch(SNAP, None, 8123, None, Reporter(), tools=t.tools)
     assert "stop_engine" in t.calls and "restore_tree" in t.calls and t.canary_key == "new"
     # the same options again: nothing to do
-    t2 = FakeTools(manifest=isolated_manifest())
+    t2 = FakeWorld(manifest=isolated_manifest())
     t2.entries = [Entry(snapshot=str(SNAP), pid=77, supervisor_pid=0, host="127.0.0.1", port=8123, started_at=0.0,
                         mode="detached", frontend=frontend.fingerprint(["--uvicorn-log-level", "warning"]))]
-    ops.switch(SNAP, None, 8123, None, Reporter(), tools=t2, frontend=("--uvicorn-log-level", "warning"))
+    ops.switch(SNAP, None, 8123, None, Reporter(), tools=t2.tools, frontend=("--uvicorn-log-level", "warning"))
     assert "stop_engine" not in t2.calls
 
 
@@ -205,24 +205,24 @@ def test_switch_refuses_to_drop_the_api_key_or_tls_of_the_engine_it_replaces(tmp
     served plain HTTP to anyone. The registry records whether a key is required (not the key)."""
     from vllm_snapshot.store.registry import Entry
 
-    t = FakeTools(manifest=isolated_manifest())
-    t.environ = lambda: {}
+    t = FakeWorld(manifest=isolated_manifest())
+    t.tools.host.environ = lambda: {}
     t.entries = [Entry(snapshot="/snaps/other", pid=77, supervisor_pid=0, host="127.0.0.1", port=8123, started_at=0.0,
                        mode="detached", scheme=scheme, auth=auth)]
     if refused:
         with pytest.raises(UsageError, match=re.escape(f"requires {refused}; the switch would serve without")) as e:
-            ops.switch(SNAP, None, 8123, None, Reporter(), tools=t, frontend=given)
+            ops.switch(SNAP, None, 8123, None, Reporter(), tools=t.tools, frontend=given)
         assert "stop --port 8123" in e.value.hint
         assert "stop_engine" not in t.calls and "restore_tree" not in t.calls
     else:
-        ops.switch(SNAP, None, 8123, None, Reporter(), tools=t, frontend=given)
+        ops.switch(SNAP, None, 8123, None, Reporter(), tools=t.tools, frontend=given)
         assert "stop_engine" in t.calls and "restore_tree" in t.calls
 
 
 def test_restore_registers_whether_an_api_key_is_required():
-    t = FakeTools(manifest=isolated_manifest())
-    ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8123, frontend=("--api-key", "k")), Reporter(), tools=t)
-    ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8124), Reporter(), tools=t)
+    t = FakeWorld(manifest=isolated_manifest())
+    ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8123, frontend=("--api-key", "k")), Reporter(), tools=t.tools)
+    ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8124), Reporter(), tools=t.tools)
     assert [(e.port, e.auth) for e in t.registered] == [(8123, True), (8124, False)]
     assert all("k" not in e.frontend for e in t.registered)  # a salted digest, hex
 
@@ -240,31 +240,31 @@ def _serving(frontend_args, auth=False, snap="/snaps/other"):
 
 
 def test_restore_records_its_front_end_options_without_the_api_key():
-    t = FakeTools(manifest=isolated_manifest())
+    t = FakeWorld(manifest=isolated_manifest())
     given = ("--api-key", "k1", "k2", "--allowed-origins", ORIGINS, "--root-path=/api", "--allow-credentials")
-    ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8123, frontend=given), Reporter(), tools=t)
+    ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8123, frontend=given), Reporter(), tools=t.tools)
     assert t.registered[0].frontend_args == ("--allowed-origins", ORIGINS, "--root-path=/api", "--allow-credentials")
-    t.environ = lambda: {"VLLM_API_KEY": "k3"}  # the key from the environment is not recorded either
-    ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8124), Reporter(), tools=t)
+    t.tools.host.environ = lambda: {"VLLM_API_KEY": "k3"}  # the key from the environment is not recorded either
+    ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8124), Reporter(), tools=t.tools)
     assert t.registered[1].frontend_args == ()
 
 
 def test_switch_carries_every_front_end_option_the_old_engine_was_restored_with():
     """A trial: `switch` kept the API key and TLS (it refuses to drop them) but silently served
     without the old engine's --allowed-origins."""
-    t = FakeTools(manifest=isolated_manifest())
-    t.environ = lambda: {"VLLM_API_KEY": "k"}
+    t = FakeWorld(manifest=isolated_manifest())
+    t.tools.host.environ = lambda: {"VLLM_API_KEY": "k"}
     t.entries = [_serving(("--allowed-origins", ORIGINS, "--root-path", "/api", "--enable-log-requests"), auth=True)]
     rep = Reporter()
-    ops.switch(SNAP, None, 8123, None, rep, tools=t)
+    ops.switch(SNAP, None, 8123, None, rep, tools=t.tools)
     assert t.served_frontend == ("--allowed-origins", ORIGINS, "--root-path", "/api", "--enable-log-requests",
                                  "--api-key", "k")
     assert t.registered[0].frontend_args == ("--allowed-origins", ORIGINS, "--root-path", "/api", "--enable-log-requests")
     # an option given replaces the old one of the same setting; the others stay
-    t2 = FakeTools(manifest=isolated_manifest())
-    t2.environ = lambda: {}
+    t2 = FakeWorld(manifest=isolated_manifest())
+    t2.tools.host.environ = lambda: {}
     t2.entries = [_serving(("--allowed-origins", ORIGINS, "--allow-credentials", "--root-path", "/api"))]
-    ops.switch(SNAP, None, 8123, None, Reporter(), tools=t2,
+    ops.switch(SNAP, None, 8123, None, Reporter(), tools=t2.tools,
                frontend=("--allowed-origins", '["https://b.example"]', "--no-allow-credentials"))
     assert t2.served_frontend == ("--root-path", "/api", "--allowed-origins", '["https://b.example"]',
                                   "--no-allow-credentials")
@@ -274,25 +274,25 @@ def test_switch_says_which_options_it_kept():
     import io
 
     out = io.StringIO()
-    t = FakeTools(manifest=isolated_manifest())
-    t.environ = lambda: {}
+    t = FakeWorld(manifest=isolated_manifest())
+    t.tools.host.environ = lambda: {}
     t.entries = [_serving(("--allowed-origins", ORIGINS, "--uvicorn-log-level", "warning"))]
     from vllm_snapshot.report.progress import PlainReporter
 
-    ops.switch(SNAP, None, 8123, None, PlainReporter(stream=out), tools=t, frontend=("--uvicorn-log-level", "info"))
+    ops.switch(SNAP, None, 8123, None, PlainReporter(stream=out), tools=t.tools, frontend=("--uvicorn-log-level", "info"))
     assert ("keeping the front-end options of the engine on port 8123: --allowed-origins (give one to switch to "
             "change it)") in out.getvalue()
 
 
 def test_switch_to_the_serving_snapshot_with_its_carried_options_in_another_order_is_nothing_to_do():
     recorded = ("--api-key", "k", "--allowed-origins", ORIGINS)
-    t = FakeTools(manifest=isolated_manifest())
-    t.environ = lambda: {}
+    t = FakeWorld(manifest=isolated_manifest())
+    t.tools.host.environ = lambda: {}
     e = _serving(tuple(frontend.without_secrets(list(recorded))), auth=True, snap=str(SNAP))
     from dataclasses import replace
 
     t.entries = [replace(e, frontend=frontend.fingerprint(list(recorded)))]
-    r = ops.switch(SNAP, None, 8123, None, Reporter(), tools=t, frontend=("--api-key", "k"))
+    r = ops.switch(SNAP, None, 8123, None, Reporter(), tools=t.tools, frontend=("--api-key", "k"))
     assert r.unchanged and "stop_engine" not in t.calls
     # a fingerprint an older vllm-snapshot recorded (of the token list itself) still matches
     legacy = frontend._digest("ab" * 8, '["--api-key", "k"]')
@@ -302,10 +302,10 @@ def test_switch_to_the_serving_snapshot_with_its_carried_options_in_another_orde
 def test_a_rolled_back_engine_gets_its_own_options_back_with_the_switchs_key():
     from vllm_snapshot.errors import CriuError
 
-    t = FakeTools(manifest=isolated_manifest())
-    t.environ = lambda: {}
+    t = FakeWorld(manifest=isolated_manifest())
+    t.tools.host.environ = lambda: {}
     t.entries = [_serving(("--allowed-origins", ORIGINS,), auth=True)]
-    real, served, tries = t.restore_tree, [], []
+    real, served, tries = t.tools.checkpoint.restore_tree, [], []
 
     def restore_tree(*a, **k):
         tries.append(1)
@@ -313,11 +313,11 @@ def test_a_rolled_back_engine_gets_its_own_options_back_with_the_switchs_key():
             raise CriuError("CRIU restore failed")
         return real(*a, **k)
 
-    serve = t.serve_engine
-    t.restore_tree = restore_tree
-    t.serve_engine = lambda *a, **k: (served.append(tuple(k.get("frontend", ()))), serve(*a, **k))[1]
+    serve = t.tools.engine.serve_engine
+    t.tools.checkpoint.restore_tree = restore_tree
+    t.tools.engine.serve_engine = lambda *a, **k: (served.append(tuple(k.get("frontend", ()))), serve(*a, **k))[1]
     with pytest.raises(CriuError, match="rolled back"):
-        ops.switch(SNAP, None, 8123, None, Reporter(), tools=t,
+        ops.switch(SNAP, None, 8123, None, Reporter(), tools=t.tools,
                    frontend=("--api-key", "k", "--allowed-origins", '["https://b.example"]', "--root-path", "/v2"))
     assert served == [("--allowed-origins", ORIGINS, "--api-key", "k")]  # the rollback: not the new CORS nor root path
     assert t.registered[-1].frontend_args == ("--allowed-origins", ORIGINS)
@@ -325,10 +325,10 @@ def test_a_rolled_back_engine_gets_its_own_options_back_with_the_switchs_key():
 
 def test_an_engine_registered_without_a_record_of_its_options_keeps_the_old_behaviour():
     # registered by an older vllm-snapshot: nothing to carry; the switch's own options only
-    t = FakeTools(manifest=isolated_manifest())
-    t.environ = lambda: {}
+    t = FakeWorld(manifest=isolated_manifest())
+    t.tools.host.environ = lambda: {}
     t.entries = [_serving(None)]
-    ops.switch(SNAP, None, 8123, None, Reporter(), tools=t, frontend=("--root-path", "/v"))
+    ops.switch(SNAP, None, 8123, None, Reporter(), tools=t.tools, frontend=("--root-path", "/v"))
     assert t.served_frontend == ("--root-path", "/v")
 
 

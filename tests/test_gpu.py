@@ -231,7 +231,7 @@ def test_memory_of_one_gpu_by_uuid():
 
 
 def test_restore_capacity_refuses_naming_the_numbers():
-    # wired: LocalTools.check_gpu_capacity = check_free_memory(required_restore_bytes(args, total), free)
+    # wired: LocalCheckpointTools.check_gpu_capacity = check_free_memory(required_restore_bytes(args, total), free)
     need = gpu.required_restore_bytes([], 140 * GIB)
     with pytest.raises(BusyError, match=r"needs 126\.00 GiB .* on GPU-x, but only 20\.00 GiB .* is free"):
         gpu.check_free_memory(need, 20 * GIB, gpu="GPU-x")
@@ -306,8 +306,8 @@ def test_restored_cuda_processes_must_be_running():
 
 
 def test_cuda_preflight_runs_the_helper_criu_would_run(tmp_path):
-    # LocalTools runs `cuda-checkpoint -h` from the PATH CRIU gets, as CRIU's plugin does at init
-    from vllm_snapshot.effects.tools import LocalTools
+    # CriuRunners runs `cuda-checkpoint -h` from the PATH CRIU gets, as CRIU's plugin does at init
+    from vllm_snapshot.effects.checkpoint import CriuRunners
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -316,12 +316,12 @@ def test_cuda_preflight_runs_the_helper_criu_would_run(tmp_path):
     helper.chmod(0o755)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
     with pytest.raises(EnvironmentProblem, match=r"cannot checkpoint here \(exit 3\): cuda-checkpoint: unavailable"):
-        LocalTools()._cuda_preflight(env)
+        CriuRunners().cuda_preflight(env)
     helper.write_text("#!/bin/sh\necho 'usage: cuda-checkpoint -h ... NOT AVAILABLE with this driver'\n")
     with pytest.raises(EnvironmentProblem, match="NOT AVAILABLE"):
-        LocalTools()._cuda_preflight(env)
+        CriuRunners().cuda_preflight(env)
     helper.write_text("#!/bin/sh\necho 'usage: cuda-checkpoint --action {lock,checkpoint,restore,unlock} --pid PID'\n")
-    LocalTools()._cuda_preflight(env)
+    CriuRunners().cuda_preflight(env)
 
 
 def test_capacity_check_reads_the_utilization_the_engine_parsed_abbreviations_included(monkeypatch):
@@ -331,7 +331,7 @@ def test_capacity_check_reads_the_utilization_the_engine_parsed_abbreviations_in
     from fakes import HOST
     from helpers import make_manifest
     from vllm_snapshot.store import manifest as mf
-    from vllm_snapshot.effects.tools import LocalTools
+    from vllm_snapshot.effects.tools import local_tools
 
     base = make_manifest()
     key = mf.SnapshotKey(value="0" * 64, parts={}, raw_args="0" * 64,
@@ -339,10 +339,10 @@ def test_capacity_check_reads_the_utilization_the_engine_parsed_abbreviations_in
     m = make_manifest(engine=base.engine.model_copy(update={"kind": "cuda", "engine_args": ("--gpu-mem", "0.5")}),
                       host={**HOST, "gpu_uuid_used": "GPU-a"}, key=key)
     monkeypatch.setattr(gpu, "memory", lambda uuid: (100 * GIB, 60 * GIB, 40 * GIB))  # 60 % free
-    LocalTools().check_gpu_capacity(m)  # needs 50 GiB: fits
+    local_tools().checkpoint.check_gpu_capacity(m)  # needs 50 GiB: fits
     tight = m.model_copy(update={"key": key.model_copy(update={"normalized_args": {"gpu_memory_utilization": "0.7"}})})
     with pytest.raises(BusyError, match=r"needs 70\.00 GiB"):
-        LocalTools().check_gpu_capacity(tight)
+        local_tools().checkpoint.check_gpu_capacity(tight)
     # snapshots made before keys existed: the abbreviation in the recorded args
     assert gpu.gpu_memory_utilization(["--gpu-mem", "0.5"]) == 0.5
     assert gpu.gpu_memory_utilization(["--gpu_memory_utilization=0.25"]) == 0.25
@@ -350,7 +350,7 @@ def test_capacity_check_reads_the_utilization_the_engine_parsed_abbreviations_in
 
 
 class _Runner:
-    """Stands in for criu.Criu in LocalTools.restore_tree: records whether CRIU ran."""
+    """Stands in for criu.Criu in LocalCheckpointTools.restore_tree: records whether CRIU ran."""
 
     env = {"PATH": "/helper:/usr/bin", "CRIU_LIBS_DIR": "/plugins"}
 
@@ -365,7 +365,8 @@ class _Runner:
 def test_cuda_restore_probes_the_helper_before_criu(monkeypatch, tmp_path):
     """Review gpu-path-2 L1: the dump probes the helper before CRIU, the restore found a helper
     that cannot reach the driver only after CRIU had restored the whole tree."""
-    from vllm_snapshot.effects.tools import LocalTools
+    from vllm_snapshot.effects.checkpoint import CriuRunners
+    from vllm_snapshot.effects.tools import local_tools
 
     runner = _Runner()
     asked: list[list[str]] = []
@@ -376,12 +377,12 @@ def test_cuda_restore_probes_the_helper_before_criu(monkeypatch, tmp_path):
             return 3, "cuda-checkpoint: unavailable: cuInit: CUDA_ERROR_NO_DEVICE"
         return run
 
-    monkeypatch.setattr(LocalTools, "_runner", lambda self, kind: runner)
-    monkeypatch.setattr(LocalTools, "_helper", staticmethod(helper))
+    monkeypatch.setattr(CriuRunners, "runner", lambda self, kind: runner)
+    monkeypatch.setattr(CriuRunners, "helper", staticmethod(helper))
     with pytest.raises(EnvironmentProblem, match="cannot checkpoint here .*CUDA_ERROR_NO_DEVICE"):
-        LocalTools().restore_tree("cuda", None, tmp_path)
+        local_tools().checkpoint.restore_tree("cuda", None, tmp_path)
     assert asked == [["-h"]] and not runner.restored
-    assert LocalTools().restore_tree("cpu", None, tmp_path) == 4242 and asked == [["-h"]]
+    assert local_tools().checkpoint.restore_tree("cpu", None, tmp_path) == 4242 and asked == [["-h"]]
 
 
 # ---- review gpu-path-2 M1, L4, L5: CUDA processes told from NVML holders; only they are probed
@@ -415,10 +416,11 @@ class _Inv:
 
 
 def _local_gpu_tools(monkeypatch, cuda: set[int]):
-    """LocalTools whose helper finds a CUDA context in ``cuda`` only, over fake nvidia-smi
+    """The local checkpoint role whose helper finds a CUDA context in ``cuda`` only, over fake nvidia-smi
     (PID 101 on GPU-3) and /proc (namespace PID = host PID - 99)."""
     from vllm_snapshot.host import procs
-    from vllm_snapshot.effects.tools import LocalTools
+    from vllm_snapshot.effects.checkpoint import CriuRunners
+    from vllm_snapshot.effects.tools import local_tools
 
     asked: list[int] = []
 
@@ -431,12 +433,12 @@ def _local_gpu_tools(monkeypatch, cuda: set[int]):
             return 1, f"cuda-checkpoint: --get-restore-tid --pid {pid} failed: CUDA_ERROR_INVALID_VALUE\n"
         return run
 
-    monkeypatch.setattr(LocalTools, "_runner", lambda self, kind: _Runner())
-    monkeypatch.setattr(LocalTools, "_helper", staticmethod(helper))
+    monkeypatch.setattr(CriuRunners, "runner", lambda self, kind: _Runner())
+    monkeypatch.setattr(CriuRunners, "helper", staticmethod(helper))
     monkeypatch.setattr(gpu, "compute_apps", lambda: [(101, "GPU-3")])
     monkeypatch.setattr(gpu, "uuids_by_minor", lambda: {i: f"GPU-{i}" for i in range(8)})
     monkeypatch.setattr(procs, "ns_pid", lambda pid: pid - 99)
-    return LocalTools(), asked
+    return local_tools().checkpoint, asked
 
 
 def test_create_refuses_a_process_holding_nvidia_files_without_a_cuda_context(monkeypatch):
@@ -479,7 +481,7 @@ def test_restore_probes_only_the_recorded_cuda_processes(monkeypatch, tmp_path):
             return (0, f"{pid}\n") if args[0] == "--get-restore-tid" else (0, states[pid] + "\n")
         return run
 
-    monkeypatch.setattr(type(t), "_helper", staticmethod(helper))
+    monkeypatch.setattr(type(t.criu), "helper", staticmethod(helper))
     assert t.restore_tree("cuda", None, tmp_path, cuda_pids=(2,)) == 4242
     assert asked == [101, 101]  # --get-restore-tid and --get-state of PID 101 only
     asked.clear()

@@ -35,7 +35,7 @@ TREE = ROOT / "scripts" / "gpu_check_tree.py"
 VENV_PY = Path(os.environ.get("VLLM_SNAPSHOT_CACHE", "/var/cache/vllm-snapshot")) / "venv" / "bin" / "python"
 
 #: part C's steps whose PASS the verdict requires (names as gpu_check_tree.py prints them)
-C_REQUIRED = ["C criu dump (product's LocalTools.dump)", "C criu restore (product's LocalTools.restore_tree)",
+C_REQUIRED = ["C criu dump (product's LocalCheckpointTools.dump)", "C criu restore (product's LocalCheckpointTools.restore_tree)",
               "C wake (create + map at the same VA)", "C same output after restore + wake"]
 
 
@@ -214,7 +214,7 @@ def _harness_third_party() -> set[str]:
             "from vllm_snapshot.checkpoint import criu, mountpolicy, inventory; from vllm_snapshot.store import layout; from vllm_snapshot.host import privilege; from vllm_snapshot.supervise import supervisor\n"
             "from vllm_snapshot.engine import mounts, net\n"
             "from vllm_snapshot.host.procs import tree\n"
-            "from vllm_snapshot.effects.tools import LocalTools\n"
+            "from vllm_snapshot.effects.tools import local_tools\n"
             "from vllm_snapshot.errors import SnapshotError\n"
             "tops = {n.split('.')[0] for n in set(sys.modules) - before} - set(sys.stdlib_module_names) - {'vllm_snapshot'}\n"
             "dists = m.packages_distributions()\n"
@@ -332,7 +332,7 @@ def test_dry_run_of_the_whole_check_with_the_fake_driver(tmp_path):
 
 @pytest.mark.integration
 def test_part_c_harness_through_real_criu_with_the_fake_driver(tmp_path):
-    """The whole part C sequence on this CPU host: the product's LocalTools.dump/restore_tree,
+    """The whole part C sequence on this CPU host: the product's LocalCheckpointTools.dump/restore_tree,
     its mount policy, scrubbed environment and privilege drop; PID + mount + network namespace,
     non-CUDA root + 'CUDA' child with a reserved-but-unmapped VA range (level-2 sleep), dump,
     restore, the product's log, state and credential checks, wake at the same VA, same output."""

@@ -1,5 +1,5 @@
 """The GPU create/restore sequencing through real CRIU, without a GPU: a protocol-speaking
-fake engine (tests/fake_engine.py, run through ``LocalTools(engine_argv=...)``) that claims to
+fake engine (tests/fake_engine.py, run through ``local_tools(engine_argv=...)``) that claims to
 be a CUDA engine, with a non-CUDA root and a child the fake driver (tests/fakecuda) calls a
 CUDA process.
 
@@ -23,7 +23,11 @@ from vllm_snapshot.store import manifest as mf
 from vllm_snapshot import ops
 from vllm_snapshot.errors import CriuError, EnvironmentProblem, OracleMismatchError
 from vllm_snapshot.report.progress import Reporter
-from vllm_snapshot.effects.tools import LocalTools
+import dataclasses
+
+from vllm_snapshot.effects.checkpoint import LocalCheckpointTools
+from vllm_snapshot.effects.host import LocalHostTools
+from vllm_snapshot.effects.tools import local_tools
 
 from conftest import TINY
 from test_integration import engine_pids, free_port
@@ -32,8 +36,8 @@ pytestmark = pytest.mark.integration
 FAKE_ENGINE = (sys.executable, str(Path(__file__).resolve().parent / "fake_engine.py"))
 
 
-class FakeGpuTools(LocalTools):
-    """This host's real side effects, except the GPU evidence: the fake CUDA engine holds no
+class FakeGpuCheckpoint(LocalCheckpointTools):
+    """This host's real CRIU side, except the GPU evidence: the fake CUDA engine holds no
     /dev/nvidia* device (there is none here), so every process of the tree is asked, through
     the real helper and the fake driver, whether it has a CUDA context (the real gpu_used asks
     the /dev/nvidia* holders), and the GPU it "uses" is declared."""
@@ -42,17 +46,21 @@ class FakeGpuTools(LocalTools):
         from vllm_snapshot.checkpoint import gpu
         from vllm_snapshot.host.procs import ns_pid
 
-        cuda, _ = gpu.cuda_processes(inv.pids, self._helper(self._runner("cuda").env))
+        cuda, _ = gpu.cuda_processes(inv.pids, self.criu.helper(self.criu.runner("cuda").env))
         return gpu.GpuUse("GPU-fake-0000", tuple(sorted(ns_pid(p) for p in cuda)))
-
-    def gpu_uuids(self):
-        return ["GPU-fake-0000"]
 
     def check_dump_room(self, inv, gpu_uuid, work_dir):  # no nvidia-smi here: the fake holds no GPU memory
         pass
 
     def check_gpu_capacity(self, m):  # no nvidia-smi here
         pass
+
+
+class FakeGpuHost(LocalHostTools):
+    """This host, with the one GPU the fake CUDA engine "uses"."""
+
+    def gpu_uuids(self):
+        return ["GPU-fake-0000"]
 
 
 FAKECUDA = Path(__file__).resolve().parent / "fakecuda"
@@ -79,7 +87,8 @@ def fake_cuda(monkeypatch, tmp_path):
 def fake_tools(monkeypatch, fake_cuda):
     # the fake engine ignores engine args; the KV-cache size only satisfies create's CPU check
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    return FakeGpuTools(engine_argv=FAKE_ENGINE)
+    t = local_tools(engine_argv=FAKE_ENGINE)
+    return dataclasses.replace(t, checkpoint=FakeGpuCheckpoint(t.checkpoint.criu), host=FakeGpuHost(t.host.criu))
 
 
 def our_children(settle_s: float = 10.0) -> list[int]:
@@ -151,7 +160,7 @@ def test_gpu_create_rehearses_then_sleeps_and_restore_wakes_before_oracle(tmp_pa
     finally:
         engine.kill(grace=5)
         engine.close()
-        fake_tools.unregister(r.pid)
+        fake_tools.runtime.unregister(r.pid)
 
 
 def test_gpu_dump_refused_when_the_helper_cannot_reach_the_driver(tmp_path, fake_tools, monkeypatch):
@@ -197,7 +206,7 @@ def test_gpu_restore_fails_closed_when_the_gpu_state_does_not_come_back(tmp_path
     with pytest.raises(CriuError, match=why):
         ops.restore(ops.RestoreRequest(snapshot=snap, port=free_port(), detach=True), Reporter(), tools=fake_tools)
     assert our_children() == []  # the restored tree (our child: restore-sibling) was killed
-    assert [e for e in fake_tools.engines() if e.snapshot == str(snap)] == []
+    assert [e for e in fake_tools.runtime.engines() if e.snapshot == str(snap)] == []
 
 
 def test_gpu_rehearsal_mismatch_refuses_create(tmp_path, fake_tools, monkeypatch):

@@ -50,13 +50,13 @@ def test_the_kv_cache_guard_follows_the_vllm_build_not_the_gpu(tmp_path):
 
 def test_create_checks_the_kv_cache_again_on_the_device_the_engine_chose(tmp_path):
     # predicted CUDA, but vLLM came up on CPU: refused after start, nothing published
-    from fakes import FakeTools
+    from fakes import FakeWorld
     from vllm_snapshot.report.progress import Reporter
 
-    t = FakeTools(kind="cpu")
+    t = FakeWorld(kind="cpu")
     t.device = "cuda"
     with pytest.raises(UsageError, match="size it explicitly"):
-        ops.create(ops.CreateRequest(model="/m", target=tmp_path / "s"), Reporter(), tools=t)
+        ops.create(ops.CreateRequest(model="/m", target=tmp_path / "s"), Reporter(), tools=t.tools)
     assert "launch_engine" in t.calls and "dump" not in t.calls and t.published == []
 
 

@@ -94,25 +94,25 @@ def test_a_signal_after_a_detached_restore_served_is_dropped_and_a_foreground_on
     from vllm_snapshot import ops
     from vllm_snapshot.report.progress import Reporter
 
-    from fakes import FakeTools
+    from fakes import FakeWorld
 
     for detach in (True, False):
         interrupts.reset()
-        t = FakeTools()
-        orig = t.register
+        t = FakeWorld()
+        orig = t.tools.runtime.register
 
         def register(entry, orig=orig):
             interrupts._handler(_signal.SIGTERM, None)  # the signal lands during the bookkeeping
             orig(entry)
 
-        t.register = register
+        t.tools.runtime.register = register
         req = ops.RestoreRequest(snapshot=Path("/snaps/tiny"), port=8123, detach=detach)
         if detach:
-            r, _ = ops.restore(req, Reporter(), tools=t)
+            r, _ = ops.restore(req, Reporter(), tools=t.tools)
             assert r.pid and "record_restore" in t.calls
         else:
             with pytest.raises(Interrupted):
-                ops.restore(req, Reporter(), tools=t)
+                ops.restore(req, Reporter(), tools=t.tools)
             assert "record_restore" in t.calls
     interrupts.reset()
 

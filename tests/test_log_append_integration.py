@@ -97,5 +97,5 @@ def test_two_restores_of_a_fake_engine_append_to_one_log(tmp_path, fake_tools, f
         finally:
             engine.kill(grace=5)
             engine.close()
-            fake_tools.unregister(r.pid)
+            fake_tools.runtime.unregister(r.pid)
     assert _calls(log) == ["attach", "wake", "oracle", "serve"] * runs_kept

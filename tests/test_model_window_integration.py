@@ -6,6 +6,7 @@ nothing. Unit level: test_model_recheck.py; step order: test_ops_order.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from vllm_snapshot.report.progress import Reporter
 
 from conftest import ENGINE_ARGS, ROOT, TINY, engine_env
 from helpers import readable_by_engine
-from test_gpu_sequencing import FakeGpuTools, fake_cuda, fake_tools, our_children  # noqa: F401 - fixtures
+from test_gpu_sequencing import FakeGpuCheckpoint, fake_cuda, fake_tools, our_children  # noqa: F401 - fixtures
 from test_integration import free_port
 
 pytestmark = pytest.mark.integration
@@ -121,13 +122,13 @@ def test_weights_changed_before_a_level2_wake_refuse_the_restore(tmp_path, engin
     w = model / WEIGHTS
     other = _other_weights(w)
 
-    class ChangedAtRestore(FakeGpuTools):
+    class ChangedAtRestore(FakeGpuCheckpoint):
         def restore_tree(self, *args, **kwargs):  # the real signature, whatever it grows
             pid = super().restore_tree(*args, **kwargs)
             w.write_bytes(other)
             return pid
 
-    tools = ChangedAtRestore(engine_argv=fake_tools.engine_argv)
+    tools = dataclasses.replace(fake_tools, checkpoint=ChangedAtRestore(fake_tools.checkpoint.criu))
     port = free_port()
     with pytest.raises(ModelChangedError) as ei:
         ops.restore(ops.RestoreRequest(snapshot=snap, port=port, detach=True), Reporter(), tools=tools)
@@ -135,7 +136,7 @@ def test_weights_changed_before_a_level2_wake_refuse_the_restore(tmp_path, engin
     assert WEIGHTS in e.message and "wake" in e.message and "nothing serves" in e.hint
     assert e.exit_code == 4
     assert our_children() == []
-    assert [x for x in tools.engines() if x.snapshot == str(snap)] == []
+    assert [x for x in tools.runtime.engines() if x.snapshot == str(snap)] == []
     import socket
 
     with socket.socket() as s:  # never bound (or free again)

@@ -1,8 +1,9 @@
-"""Step order of create and restore, through the recording FakeTools: no root, no CRIU, no
+"""Step order of create and restore, through the recording FakeWorld: no root, no CRIU, no
 engine; the whole file runs in well under a second."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -20,19 +21,19 @@ from vllm_snapshot.errors import (
 )
 from vllm_snapshot.report.progress import Reporter
 
-from fakes import HOST, FakeTools, isolated_manifest, manifest_with
+from fakes import HOST, FakeEngineTools, FakeModelTools, FakeWorld, isolated_manifest, manifest_with
 from helpers import make_manifest, make_oracle
 
 SNAP = Path("/snaps/tiny")
 
 
-def _restore(t: FakeTools, **kw):
-    return ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8123, **kw), Reporter(), tools=t)
+def _restore(t: FakeWorld, **kw):
+    return ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8123, **kw), Reporter(), tools=t.tools)
 
 
-def _create(t: FakeTools, **kw):
+def _create(t: FakeWorld, **kw):
     req = ops.CreateRequest(model="/models/tiny", target=SNAP, engine_args=["--kv-cache-memory-bytes", "64M"], **kw)
-    return ops.create(req, Reporter(), tools=t)
+    return ops.create(req, Reporter(), tools=t.tools)
 
 
 def _before(calls: list[str], a: str, b: str) -> bool:
@@ -42,11 +43,11 @@ def _before(calls: list[str], a: str, b: str) -> bool:
 # ------------------------------------------------------------------ restore
 
 def test_restore_happy_path_order():
-    t = FakeTools()
+    t = FakeWorld()
     r, engine = _restore(t)
     c = t.calls
     order = ["snapshot_lock", "open_snapshot", "host_identity", "check_external_mounts", "port_free", "check_tree_files",
-             "verify_model:quick", "stage", "put_back_remaps", "new_channel", "criu_lock", "listeners_taken",
+             "verify_model:quick", "stage_checking", "put_back_remaps", "new_channel", "criu_lock", "listeners_taken",
              "restore_tree", "adopt", "unstage", "engine.oracle", "checksums", "engine.serve", "http_health",
              "http_canary", "register", "record_restore"]
     assert [x for x in c if x in order] == order
@@ -58,10 +59,10 @@ def test_restore_of_an_isolated_snapshot_order():
     """Today's snapshots: the engine has its own network namespace, so no recorded listener can
     collide (no check), CRIU runs without a network lock, and the port is bound here and handed
     over only after the oracle matched."""
-    t = FakeTools(manifest=isolated_manifest())
+    t = FakeWorld(manifest=isolated_manifest())
     r, engine = _restore(t)
     c = t.calls
-    order = ["port_free", "stage", "new_channel", "criu_lock", "restore_tree", "adopt", "engine.oracle",
+    order = ["port_free", "stage_checking", "new_channel", "criu_lock", "restore_tree", "adopt", "engine.oracle",
              "checksums", "serve_engine", "engine.serve", "http_health", "http_canary", "register"]
     assert [x for x in c if x in order] == order
     assert "listeners_taken" not in c
@@ -71,14 +72,14 @@ def test_restore_of_an_isolated_snapshot_order():
 
 def test_restore_of_a_host_network_snapshot_keeps_the_old_path():
     """Snapshots made before (``engine.network`` ``host``): listeners checked, the engine binds."""
-    t = FakeTools(manifest=manifest_with())
+    t = FakeWorld(manifest=manifest_with())
     _restore(t)
     assert "listeners_taken" in t.calls and "serve_engine" not in t.calls and "engine.serve" in t.calls
     assert t.restore_opts.network_lock is None
 
 
 def test_isolated_oracle_mismatch_never_binds():
-    t = FakeTools(manifest=isolated_manifest(), oracles=[make_oracle(logprob=-9.0)])
+    t = FakeWorld(manifest=isolated_manifest(), oracles=[make_oracle(logprob=-9.0)])
     with pytest.raises(OracleMismatchError):
         _restore(t)
     assert "serve_engine" not in t.calls and t.engine.killed
@@ -86,14 +87,14 @@ def test_isolated_oracle_mismatch_never_binds():
 
 def test_isolated_port_taken_at_bind_kills_the_tree():
     """The port was free at validation but taken before the bind: refused, nothing left."""
-    t = FakeTools(manifest=isolated_manifest(), fail={"serve_engine": BusyError("port 127.0.0.1:8123 is not free")})
+    t = FakeWorld(manifest=isolated_manifest(), fail={"serve_engine": BusyError("port 127.0.0.1:8123 is not free")})
     with pytest.raises(BusyError):
         _restore(t)
     assert t.engine.killed and t.engine.closed and "register" not in t.calls
 
 
 def test_create_records_an_isolated_network_and_dumps_without_network_lock():
-    t = FakeTools()
+    t = FakeWorld()
     m = _create(t).manifest
     assert m.engine.network == "isolated"
     assert t.dump_opts.network_lock == "skip"
@@ -103,7 +104,7 @@ def test_create_records_an_isolated_network_and_dumps_without_network_lock():
 def test_create_refuses_a_tree_that_is_not_network_isolated():
     from vllm_snapshot.errors import UnsnapshottableError
 
-    t = FakeTools()
+    t = FakeWorld()
     t.net_problems = ("it shares the supervisor's network namespace (net:[1])",)
     with pytest.raises(UnsnapshottableError, match="not in an isolated, loopback-only network namespace"):
         _create(t)
@@ -115,7 +116,7 @@ def test_restore_image_checksum_mismatch_found_after_criu_kills_the_tree_before_
     comes before the port is bound: a mismatch kills the restored tree, nothing is served."""
     from vllm_snapshot.errors import CorruptSnapshotError
 
-    t = FakeTools(manifest=isolated_manifest())
+    t = FakeWorld(manifest=isolated_manifest())
     t.corrupt_images = CorruptSnapshotError("image pages-1.img fails its checksum")
     with pytest.raises(CorruptSnapshotError, match="pages-1.img"):
         _restore(t)
@@ -127,7 +128,7 @@ def test_restore_image_checksum_mismatch_found_after_criu_kills_the_tree_before_
 def test_restore_failure_before_the_verdict_waits_for_it_after_the_tree_is_stopped():
     """Intact images: the original failure is reported; the verdict was awaited only after the
     restored engine was killed."""
-    t = FakeTools(manifest=isolated_manifest(), oracles=[make_oracle(logprob=-9.0)])
+    t = FakeWorld(manifest=isolated_manifest(), oracles=[make_oracle(logprob=-9.0)])
     with pytest.raises(OracleMismatchError):
         _restore(t)
     assert "checksums" in t.calls and t.engine.killed and "serve_engine" not in t.calls
@@ -138,7 +139,7 @@ def test_criu_failure_on_corrupt_images_reports_the_checksum():
     the failure it caused in its message."""
     from vllm_snapshot.errors import CorruptSnapshotError
 
-    t = FakeTools(manifest=isolated_manifest(), fail={"restore_tree": CriuError("criu restore failed: see log")})
+    t = FakeWorld(manifest=isolated_manifest(), fail={"restore_tree": CriuError("criu restore failed: see log")})
     t.corrupt_images = CorruptSnapshotError("image pages-1.img fails its checksum")
     with pytest.raises(CorruptSnapshotError, match="pages-1.img") as ei:
         _restore(t)
@@ -149,7 +150,7 @@ def test_criu_failure_on_corrupt_images_reports_the_checksum():
 def test_interrupted_restore_stops_the_checksum_thread():
     from vllm_snapshot.errors import Interrupted
 
-    t = FakeTools(manifest=isolated_manifest(), fail={"restore_tree": Interrupted("signal 2")})
+    t = FakeWorld(manifest=isolated_manifest(), fail={"restore_tree": Interrupted("signal 2")})
     with pytest.raises(Interrupted):
         _restore(t)
     assert "checksums.cancel" in t.calls and "checksums" not in t.calls
@@ -157,7 +158,7 @@ def test_interrupted_restore_stops_the_checksum_thread():
 
 def test_restore_uses_the_recorded_criu_flags():
     m = manifest_with()
-    t = FakeTools(manifest=m)
+    t = FakeWorld(manifest=m)
     _restore(t)
     assert t.restore_opts.flags == m.criu.flags == ("shell-job", "ext-unix-sk")  # not today's defaults
     assert t.restore_opts.inherit_fds == (("pipe:[123]", 10),)
@@ -166,30 +167,30 @@ def test_restore_uses_the_recorded_criu_flags():
 def test_restore_refuses_unknown_recorded_flag_before_criu():
     from vllm_snapshot.errors import CorruptSnapshotError
 
-    t = FakeTools(manifest=manifest_with(criu=manifest_with().criu.model_copy(update={"flags": ("tcp-close",)})))
+    t = FakeWorld(manifest=manifest_with(criu=manifest_with().criu.model_copy(update={"flags": ("tcp-close",)})))
     with pytest.raises(CorruptSnapshotError, match="tcp-close"):
         _restore(t)
-    assert "restore_tree" not in t.calls and "stage" not in t.calls
+    assert "restore_tree" not in t.calls and "stage_checking" not in t.calls
 
 
 def test_identity_mismatch_never_calls_criu():
-    t = FakeTools(host={**HOST, "kernel": "6.1.0"})
+    t = FakeWorld(host={**HOST, "kernel": "6.1.0"})
     with pytest.raises(IncompatibleHostError, match="kernel"):
         _restore(t)
-    assert not {"stage", "criu_lock", "restore_tree", "port_free", "register"} & set(t.calls)
+    assert not {"stage_checking", "criu_lock", "restore_tree", "port_free", "register"} & set(t.calls)
 
 
 def test_port_is_checked_before_the_model_is_rehashed():
-    t = FakeTools(fail={"port_free": BusyError("port 127.0.0.1:8123 is not free")})
+    t = FakeWorld(fail={"port_free": BusyError("port 127.0.0.1:8123 is not free")})
     with pytest.raises(BusyError):
-        ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8123, verify_model="full"), Reporter(), tools=t)
+        ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8123, verify_model="full"), Reporter(), tools=t.tools)
     assert "port_free" in t.calls
     assert not any(c.startswith("verify_model") for c in t.calls)
     assert "check_tree_files" not in t.calls and "restore_tree" not in t.calls
 
 
 def test_oracle_mismatch_kills_the_tree_and_never_binds():
-    t = FakeTools(oracles=[make_oracle(logprob=-9.0)])
+    t = FakeWorld(oracles=[make_oracle(logprob=-9.0)])
     with pytest.raises(OracleMismatchError, match="logprob"):
         _restore(t)
     assert t.engine.killed and t.engine.closed
@@ -198,15 +199,15 @@ def test_oracle_mismatch_kills_the_tree_and_never_binds():
 
 
 def test_canary_mismatch_kills_the_served_engine():
-    t = FakeTools(canary_diffs=["canary logprob: expected -1.25, got nan"])
+    t = FakeWorld(canary_diffs=["canary logprob: expected -1.25, got nan"])
     with pytest.raises(OracleMismatchError, match="canary"):
         _restore(t)
     assert t.engine.killed and "register" not in t.calls
 
 
 def test_busy_recorded_listener_refused_before_criu():
-    t = FakeTools()
-    t.listeners_taken = lambda listeners: (t.calls.append("listeners_taken"), ["127.0.0.1:40000 is taken"])[1]
+    t = FakeWorld()
+    t.tools.host.listeners_taken = lambda listeners: (t.calls.append("listeners_taken"), ["127.0.0.1:40000 is taken"])[1]
     with pytest.raises(BusyError, match="40000"):
         _restore(t)
     assert "restore_tree" not in t.calls
@@ -215,7 +216,7 @@ def test_busy_recorded_listener_refused_before_criu():
 
 def test_criu_restore_failure_removes_staging_and_names_the_kept_log():
     err = CriuError("CRIU restore failed; log excerpt:\n...", hint="full log: /var/log/vllm-snapshot/criu-restore-x.log")
-    t = FakeTools(fail={"restore_tree": err})
+    t = FakeWorld(fail={"restore_tree": err})
     with pytest.raises(CriuError) as ei:
         _restore(t)
     assert "unstage_all" in t.calls and t.channel.closed
@@ -223,7 +224,7 @@ def test_criu_restore_failure_removes_staging_and_names_the_kept_log():
 
 
 def test_cleanup_failure_is_reported_with_the_failure_that_caused_it():
-    t = FakeTools(oracles=[make_oracle(token_id=99)], fail={"cleanup_remaps": OSError(30, "Read-only file system")})
+    t = FakeWorld(oracles=[make_oracle(token_id=99)], fail={"cleanup_remaps": OSError(30, "Read-only file system")})
     with pytest.raises(OracleMismatchError) as ei:
         _restore(t)
     msg = ei.value.message
@@ -232,16 +233,16 @@ def test_cleanup_failure_is_reported_with_the_failure_that_caused_it():
 
 
 def test_detach_log_file_checked_during_validation():
-    t = FakeTools(fail={"check_log_file": UsageError("--log-file /nope/x.log: /nope does not exist")})
+    t = FakeWorld(fail={"check_log_file": UsageError("--log-file /nope/x.log: /nope does not exist")})
     with pytest.raises(UsageError):
         _restore(t, detach=True, log_file=Path("/nope/x.log"))
-    assert "stage" not in t.calls
+    assert "stage_checking" not in t.calls
 
 
 def test_cuda_restore_wakes_before_the_oracle():
     m = manifest_with(engine=manifest_with().engine.model_copy(update={"kind": "cuda", "sleep_level": 2,
                                                                       "full_state_captured": False}))
-    t = FakeTools(manifest=m)
+    t = FakeWorld(manifest=m)
     _restore(t)
     assert t.engine.sent == ["attach", "wake", "oracle", "serve"]
 
@@ -252,15 +253,15 @@ def test_cuda_restore_waits_for_the_wake_as_long_as_the_rehearsal_allowed():
     rehearsal's allowance, and twice the rehearsal's measured wake (recorded at create)."""
     from vllm_snapshot.ops.create import WAKE_TIMEOUT_S
 
-    t = FakeTools(kind="cuda")
+    t = FakeWorld(kind="cuda")
     m = _create(t).manifest
-    assert m.engine.rehearsal_wake_s == 1.0  # FakeTools' clock: one tick per call
+    assert m.engine.rehearsal_wake_s == 1.0  # FakeWorld' clock: one tick per call
     assert t.engine.timeouts["woken"] == WAKE_TIMEOUT_S
     engine = m.engine.model_copy(update={"kind": "cuda", "sleep_level": 2, "full_state_captured": False})
-    r = FakeTools(manifest=manifest_with(engine=engine))
+    r = FakeWorld(manifest=manifest_with(engine=engine))
     _restore(r)
     assert r.engine.timeouts["woken"] == WAKE_TIMEOUT_S
-    slow = FakeTools(manifest=manifest_with(engine=engine.model_copy(update={"rehearsal_wake_s": 450.0})))
+    slow = FakeWorld(manifest=manifest_with(engine=engine.model_copy(update={"rehearsal_wake_s": 450.0})))
     _restore(slow)
     assert slow.engine.timeouts["woken"] == 900.0
 
@@ -273,19 +274,19 @@ def _cuda_manifest(level: int):
 def test_level2_restore_rechecks_the_model_after_the_wake_before_the_bind():
     """Issue 29 S1: the wake reloads the weights from disk after the model check; the files are
     compared with the stats that check saw (taken before it) once the engine is woken."""
-    t = FakeTools(manifest=_cuda_manifest(2))
+    t = FakeWorld(manifest=_cuda_manifest(2))
     _restore(t)
     c = t.calls
     order = ["model_stats", "verify_model:quick", "restore_tree", "engine.wake", "recheck_model", "engine.oracle",
              "engine.serve", "register"]
     assert [x for x in c if x in order] == order
     pinned, since_ns = t.rechecked
-    assert pinned == t.manifest.model.files and since_ns == int(t.now() * 1e9)
+    assert pinned == t.manifest.model.files and since_ns == int(t.tools.clock.now() * 1e9)
 
 
 @pytest.mark.parametrize("level", [0, 1])
 def test_no_recheck_when_the_wake_reads_nothing_from_disk(level):
-    t = FakeTools(manifest=_cuda_manifest(level) if level else manifest_with())
+    t = FakeWorld(manifest=_cuda_manifest(level) if level else manifest_with())
     _restore(t)
     assert "recheck_model" not in t.calls and "engine.serve" in t.calls
 
@@ -293,7 +294,7 @@ def test_no_recheck_when_the_wake_reads_nothing_from_disk(level):
 def test_model_changed_at_the_wake_refuses_before_anything_serves():
     from vllm_snapshot.errors import ModelChangedError
 
-    t = FakeTools(manifest=_cuda_manifest(2), fail={"recheck_model": ModelChangedError("model.safetensors changed")})
+    t = FakeWorld(manifest=_cuda_manifest(2), fail={"recheck_model": ModelChangedError("model.safetensors changed")})
     with pytest.raises(ModelChangedError):
         _restore(t)
     assert "engine.oracle" not in t.calls and "engine.serve" not in t.calls and "register" not in t.calls
@@ -303,7 +304,7 @@ def test_model_changed_at_the_wake_refuses_before_anything_serves():
 # ------------------------------------------------------------------ create
 
 def test_create_happy_path_order_and_scrubbed_env():
-    t = FakeTools()
+    t = FakeWorld()
     res = _create(t)
     order = ["require_root", "criu_version", "resolve_model", "check_mounts", "snapshot_lock", "prepare_target",
              "digest_model", "launch_engine", "host_identity", "engine.prepare-dump", "inspect_tree",
@@ -324,29 +325,29 @@ def test_create_happy_path_order_and_scrubbed_env():
 
 
 def test_create_records_that_keep_env_let_a_variable_through():
-    res = _create(FakeTools(), keep_env=("HF_TOKEN",))
+    res = _create(FakeWorld(), keep_env=("HF_TOKEN",))
     assert res.manifest.engine.env_scrubbed is False  # push refuses this snapshot
-    res = _create(FakeTools(), keep_env=("NOT_SET_HERE",))  # nothing added: still scrubbed
+    res = _create(FakeWorld(), keep_env=("NOT_SET_HERE",))  # nothing added: still scrubbed
     assert res.manifest.engine.env_scrubbed is True
 
 
 def test_create_refuses_unsized_cpu_kv_cache_before_the_engine_starts():
-    t = FakeTools()
+    t = FakeWorld()
     with pytest.raises(UsageError, match="KV cache"):
-        ops.create(ops.CreateRequest(model="/m", target=SNAP), Reporter(), tools=t)
+        ops.create(ops.CreateRequest(model="/m", target=SNAP), Reporter(), tools=t.tools)
     assert "launch_engine" not in t.calls and "prepare_target" not in t.calls
 
 
 def test_create_refuses_a_model_the_engine_cannot_see_before_it_starts():
-    t = FakeTools()
+    t = FakeWorld()
     with pytest.raises(UsageError, match="/dev/shm"):
         ops.create(ops.CreateRequest(model="/dev/shm/m", target=SNAP, engine_args=["--kv-cache-memory-bytes", "1M"]),
-                   Reporter(), tools=t)
+                   Reporter(), tools=t.tools)
     assert "launch_engine" not in t.calls
 
 
 def test_rehearsal_mismatch_publishes_nothing_and_kills_the_engine():
-    t = FakeTools(kind="cuda", oracles=[make_oracle(), make_oracle(logprob=-2.0)])
+    t = FakeWorld(kind="cuda", oracles=[make_oracle(), make_oracle(logprob=-2.0)])
     with pytest.raises(OracleMismatchError, match="rehearsal"):
         _create(t)
     assert "publish" not in t.calls and "dump" not in t.calls
@@ -356,7 +357,7 @@ def test_rehearsal_mismatch_publishes_nothing_and_kills_the_engine():
 def test_failed_dump_removes_the_temp_dir_and_keeps_the_criu_log():
     err = CriuError("CRIU dump failed; log excerpt:\nError (criu/mount.c): FS mnt ./mnt/x unsupported",
                     hint="full log: /var/log/vllm-snapshot/criu-dump-x.log")
-    t = FakeTools(fail={"dump": err})
+    t = FakeWorld(fail={"dump": err})
     with pytest.raises(CriuError) as ei:
         _create(t)
     assert t.discarded and "publish" not in t.calls and t.engine.killed
@@ -364,7 +365,7 @@ def test_failed_dump_removes_the_temp_dir_and_keeps_the_criu_log():
 
 
 def test_create_cleanup_failure_reported_with_its_cause():
-    t = FakeTools(fail={"dump": CriuError("CRIU dump failed"), "discard": OSError(16, "Device or resource busy")})
+    t = FakeWorld(fail={"dump": CriuError("CRIU dump failed"), "discard": OSError(16, "Device or resource busy")})
     with pytest.raises(CriuError) as ei:
         _create(t)
     assert ei.value.message.startswith("CRIU dump failed")
@@ -374,8 +375,8 @@ def test_create_cleanup_failure_reported_with_its_cause():
 def test_survivors_of_the_dump_fail_the_create():
     from vllm_snapshot.errors import EngineError
 
-    t = FakeTools()
-    t.wait_gone = lambda pids, timeout_s: [pids[1]]
+    t = FakeWorld()
+    t.tools.checkpoint.wait_gone = lambda pids, timeout_s: [pids[1]]
     with pytest.raises(EngineError, match="survived the dump"):
         _create(t)
     assert "publish" not in t.calls and t.discarded
@@ -385,7 +386,7 @@ def test_survivors_of_the_dump_fail_the_create():
 def test_create_rechecks_the_model_after_the_engine_loaded_it_before_the_dump(kind):
     """Issue 29 S1: the digest taken before the cold start is compared again once the engine
     has read the files (its start and, on GPU, the rehearsal's wake), before the dump."""
-    t = FakeTools(kind=kind)
+    t = FakeWorld(kind=kind)
     res = _create(t)
     c = t.calls
     assert _before(c, "digest_model", "launch_engine") and _before(c, "launch_engine", "recheck_model")
@@ -394,13 +395,13 @@ def test_create_rechecks_the_model_after_the_engine_loaded_it_before_the_dump(ki
         assert max(i for i, x in enumerate(c) if x.startswith("engine.sleep")) < c.index("recheck_model")
         assert _before(c, "engine.wake", "recheck_model")
     pinned, since_ns = t.rechecked
-    assert pinned == res.manifest.model.files and since_ns == int(t.now() * 1e9)
+    assert pinned == res.manifest.model.files and since_ns == int(t.tools.clock.now() * 1e9)
 
 
 def test_model_changed_while_the_engine_loaded_refuses_the_create():
     from vllm_snapshot.errors import ModelChangedError
 
-    t = FakeTools(fail={"recheck_model": ModelChangedError("model.safetensors changed")})
+    t = FakeWorld(fail={"recheck_model": ModelChangedError("model.safetensors changed")})
     with pytest.raises(ModelChangedError):
         _create(t)
     assert "dump" not in t.calls and "publish" not in t.calls
@@ -412,9 +413,9 @@ def test_model_changed_while_the_engine_loaded_refuses_the_create():
 def test_switch_stops_the_old_engine_then_restores_detached():
     from vllm_snapshot.store.registry import Entry
 
-    t = FakeTools()
+    t = FakeWorld()
     t.entries = [Entry("/snaps/old", 77, 0, "127.0.0.1", 8123, 0.0, "detached")]
-    res = ops.switch(SNAP, "127.0.0.1", 8123, None, Reporter(), tools=t)
+    res = ops.switch(SNAP, "127.0.0.1", 8123, None, Reporter(), tools=t.tools)
     assert _before(t.calls, "stop_engine", "restore_tree")
     assert res.stopped == [77] and res.pid == 5151 and t.registered[0].mode == "detached"
 
@@ -422,17 +423,17 @@ def test_switch_stops_the_old_engine_then_restores_detached():
 def test_delete_refuses_while_an_engine_runs():
     from vllm_snapshot.store.registry import Entry
 
-    t = FakeTools()
-    t.path_exists = lambda p: True
+    t = FakeWorld()
+    t.tools.host.path_exists = lambda p: True
     t.entries = [Entry(str(SNAP), 77, 0, "127.0.0.1", 8123, 0.0, "detached")]
     with pytest.raises(BusyError):
-        ops.delete(SNAP, tools=t)
+        ops.delete(SNAP, tools=t.tools)
     assert "delete_snapshot" not in t.calls
 
 
 def test_list_probes_the_host_once_and_never_rehashes_images():
-    t = FakeTools()
-    rows = ops.list_snapshots(Path("/snaps"), tools=t).rows
+    t = FakeWorld()
+    rows = ops.list_snapshots(Path("/snaps"), tools=t.tools).rows
     assert [r["compatible"] for r in rows] == [True, True]
     assert "verify_images" not in t.calls and "check_tree_files" not in t.calls
     assert "criu_version" not in t.calls  # the identity (with CRIU's version) comes from host_identity
@@ -443,64 +444,66 @@ def test_external_mounts_go_to_criu_and_the_manifest_and_are_checked_before_criu
 
     ext = ExternalMount(mount_point="/mnt/data", fs_type="ext4", source="/dev/loop0", root="/", major_minor="7:0",
                         cookie="vsnap-m0", identity_kind="uuid", identity="45ab")
-    t = FakeTools()
+    t = FakeWorld()
     t.externals = [ext]
     m = _create(t).manifest
     assert t.dump_opts.external == ("mnt[/mnt/data]:vsnap-m0",)
     assert m.criu.external_mounts == (ext,) and "--external" in m.criu.dump_argv
-    t2 = FakeTools(manifest=m)
+    t2 = FakeWorld(manifest=m)
     _restore(t2)
     assert t2.restore_opts.external == ("mnt[vsnap-m0]:/mnt/data",)
-    t3 = FakeTools(manifest=m)
+    t3 = FakeWorld(manifest=m)
     t3.mount_problems = ["/mnt/data: expected ext4 uuid=45ab, found ext4 uuid=7e54 (source /dev/loop2)"]
     with pytest.raises(IncompatibleHostError, match="uuid=7e54") as ei:
         _restore(t3)
     assert ei.value.exit_code == 3
-    assert not {"port_free", "stage", "restore_tree"} & set(t3.calls)
+    assert not {"port_free", "stage_checking", "restore_tree"} & set(t3.calls)
 
 
 def test_create_refuses_unusable_mounts_before_the_engine_starts():
-    t = FakeTools(fail={"check_mounts": UsageError("the engine needs mounts that cannot be checkpointed: /mnt/f (fuse)")})
+    t = FakeWorld(fail={"check_mounts": UsageError("the engine needs mounts that cannot be checkpointed: /mnt/f (fuse)")})
     with pytest.raises(UsageError, match="fuse"):
         _create(t)
     assert "launch_engine" not in t.calls and "prepare_target" not in t.calls
 
 
 def test_hf_id_is_served_by_its_id_and_its_revision_recorded():
-    class HfTools(FakeTools):
+    class HfModel(FakeModelTools):
         def resolve_model(self, model, revision):
-            self.calls.append(f"resolve_model:{revision}")
+            self.w.calls.append(f"resolve_model:{revision}")
             return Path("/hub/models--acme--tiny/snapshots/abc123"), "abc123"
 
-    t = HfTools()
+    t = FakeWorld()
+    t.tools = dataclasses.replace(t.tools, model=HfModel(t))
     m = ops.create(ops.CreateRequest(model="acme/tiny", target=SNAP,
                                      engine_args=["--kv-cache-memory-bytes", "1M", "--revision", "v1"]),
-                   Reporter(), tools=t).manifest
+                   Reporter(), tools=t.tools).manifest
     assert "resolve_model:v1" in t.calls
     assert t.launch_spec["served_model_name"] == "acme/tiny" and t.launch_spec["model"].endswith("abc123")
     assert m.model.revision == "abc123" and m.model.requested == "acme/tiny"
-    t2 = HfTools()
+    t2 = FakeWorld()
+    t2.tools = dataclasses.replace(t2.tools, model=HfModel(t2))
     ops.create(ops.CreateRequest(model="acme/tiny", target=SNAP,
                                  engine_args=["--kv-cache-memory-bytes", "1M", "--served-model-name", "x"]),
-               Reporter(), tools=t2)
+               Reporter(), tools=t2.tools)
     assert "served_model_name" not in t2.launch_spec  # an explicit name wins
 
 
 def test_cuda_create_records_the_gpu_used_and_restore_needs_it_here():
     from vllm_snapshot.errors import UnsnapshottableError
 
-    t = FakeTools(kind="cuda")
+    t = FakeWorld(kind="cuda")
     m = _create(t).manifest
     assert m.host["gpu_uuid_used"] == "GPU-fake-0" and m.criu.cuda_pids == (2,)
-    ok = FakeTools(manifest=m)
+    ok = FakeWorld(manifest=m)
     _restore(ok)
     assert ok.restore_cuda_pids == (2,)  # restore probes the recorded CUDA processes only
-    gone = FakeTools(manifest=m)
+    gone = FakeWorld(manifest=m)
     gone.uuids = ["GPU-other"]
     with pytest.raises(IncompatibleHostError, match="gpu_uuid_used"):
         _restore(gone)
     assert "restore_tree" not in gone.calls
-    nogpu = FakeTools(kind="cuda", fail={"gpu_used": UnsnapshottableError("no process of its tree has a /dev/nvidia*")})
+    nogpu = FakeWorld(kind="cuda", fail={"gpu_used": UnsnapshottableError("no process of its tree has a /dev/nvidia*")})
     with pytest.raises(UnsnapshottableError):
         _create(nogpu)
     assert "dump" not in nogpu.calls
@@ -511,7 +514,7 @@ def test_http_canary_sends_the_oracles_request_and_treats_garbage_as_a_mismatch(
     import threading
     from http.server import BaseHTTPRequestHandler, HTTPServer
 
-    from vllm_snapshot.effects.tools import LocalTools
+    from vllm_snapshot.effects.tools import local_tools
 
     m = manifest_with()
     replies = [{"choices": [{"text": m.oracle.text, "token_ids": [m.oracle.token_id],
@@ -536,7 +539,7 @@ def test_http_canary_sends_the_oracles_request_and_treats_garbage_as_a_mismatch(
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{srv.server_address[1]}"
-        t = LocalTools()
+        t = local_tools().engine
         assert t.http_canary(url, m) == []
         body = seen[0]
         assert body["min_tokens"] == 1 and body["max_tokens"] == 1 and body["seed"] == 0
@@ -551,12 +554,12 @@ def test_not_enough_memory_refuses_before_staging_or_criu():
     from vllm_snapshot.errors import InsufficientResources
     from vllm_snapshot.host.resources import Offer
 
-    t = FakeTools()
+    t = FakeWorld()
     t.offer = Offer(1000, "memory cgroup /x (v1): limit 0.00 GiB, in use 0.00 GiB, free 0.00 GiB")
     with pytest.raises(InsufficientResources) as e:
         _restore(t)
     assert "only 0.00 GiB is available: memory cgroup /x" in e.value.message
-    assert "stage" not in t.calls and "restore_tree" not in t.calls and "register" not in t.calls
+    assert "stage_checking" not in t.calls and "restore_tree" not in t.calls and "register" not in t.calls
     assert e.value.exit_code == 12
 
 
@@ -567,19 +570,19 @@ def _entry(pid: int, port: int, host: str = "127.0.0.1", snapshot: str = "/snaps
 
 
 def test_stop_one_clone_by_pid_or_all_of_a_snapshot():
-    t = FakeTools()
+    t = FakeWorld()
     t.entries = [_entry(11, 8001), _entry(12, 8002), _entry(13, 8003), _entry(14, 8004, snapshot="/snaps/other")]
-    assert [s["pid"] for s in ops.stop_engines(None, None, tools=t, pid=12).stopped] == [12]
-    assert [s["pid"] for s in ops.stop_engines(SNAP, None, tools=t).stopped] == [11, 12, 13]
+    assert [s["pid"] for s in ops.stop_engines(None, None, tools=t.tools, pid=12).stopped] == [12]
+    assert [s["pid"] for s in ops.stop_engines(SNAP, None, tools=t.tools).stopped] == [11, 12, 13]
     # one port on two loopback addresses: --port stops both
     t.entries = [_entry(21, 8000, "127.0.0.1"), _entry(22, 8000, "127.0.0.2")]
-    assert [s["pid"] for s in ops.stop_engines(None, 8000, tools=t).stopped] == [21, 22]
+    assert [s["pid"] for s in ops.stop_engines(None, 8000, tools=t.tools).stopped] == [21, 22]
     with pytest.raises(UsageError, match="no restored engine matches PID 99"):
-        ops.stop_engines(None, None, tools=t, pid=99)
+        ops.stop_engines(None, None, tools=t.tools, pid=99)
     # a child of an engine tree: named, pointing to the root PID, nothing stopped
     stops = t.calls.count("stop_engine")
     with pytest.raises(UsageError, match="PID 23 is not an engine root: it belongs to the engine with root PID 22") as ei:
-        ops.stop_engines(None, None, tools=t, pid=23)
+        ops.stop_engines(None, None, tools=t.tools, pid=23)
     assert ei.value.hint == "vllm-snapshot stop --pid 22" and t.calls.count("stop_engine") == stops
 
 
@@ -587,15 +590,15 @@ def test_cuda_create_checks_host_room_and_records_the_freeze_timeout():
     from vllm_snapshot.checkpoint import criu
     from vllm_snapshot.errors import UnsnapshottableError
 
-    t = FakeTools(kind="cuda")
+    t = FakeWorld(kind="cuda")
     m = _create(t).manifest
     assert _before(t.calls, "gpu_used", "check_dump_room") and _before(t.calls, "check_dump_room", "dump")
-    # FakeTools' tree: 2 processes, none holding /dev/nvidia* -> one CUDA process assumed
+    # FakeWorld' tree: 2 processes, none holding /dev/nvidia* -> one CUDA process assumed
     assert t.dump_opts.timeout_s == criu.freeze_timeout("cuda", 2, 0, {}) == m.criu.freeze_timeout_s
     assert m.criu.dump_argv[-2:] == ("--timeout", str(m.criu.freeze_timeout_s))
-    cpu = FakeTools()
+    cpu = FakeWorld()
     assert _create(cpu).manifest.criu.freeze_timeout_s is None and "check_dump_room" not in cpu.calls
-    full = FakeTools(kind="cuda", fail={"check_dump_room": UnsnapshottableError("no room")})
+    full = FakeWorld(kind="cuda", fail={"check_dump_room": UnsnapshottableError("no room")})
     with pytest.raises(UnsnapshottableError):
         _create(full, sleep_level=0)
     assert "dump" not in full.calls and full.engine.killed and full.published == []
@@ -604,10 +607,10 @@ def test_cuda_create_checks_host_room_and_records_the_freeze_timeout():
 def test_cuda_restore_checks_gpu_capacity_before_criu():
     m = manifest_with(engine=manifest_with().engine.model_copy(update={"kind": "cuda", "sleep_level": 2,
                                                                       "full_state_captured": False}))
-    t = FakeTools(manifest=m)
+    t = FakeWorld(manifest=m)
     _restore(t)
     assert _before(t.calls, "listeners_taken", "check_gpu_capacity") and _before(t.calls, "check_gpu_capacity", "restore_tree")
-    busy = FakeTools(manifest=m, fail={"check_gpu_capacity": BusyError("GPU full")})
+    busy = FakeWorld(manifest=m, fail={"check_gpu_capacity": BusyError("GPU full")})
     with pytest.raises(BusyError):
         _restore(busy)
     assert "restore_tree" not in busy.calls and "unstage_all" in busy.calls
@@ -620,17 +623,17 @@ def test_cuda_restore_holds_the_gpu_lock_from_the_capacity_check_until_the_engin
     other GPUs), released on failure."""
     engine = manifest_with().engine.model_copy(update={"kind": "cuda", "sleep_level": 2, "full_state_captured": False})
     m = make_manifest(engine=engine, host={**HOST, "gpu_uuid_used": "GPU-fake-0"})
-    t = FakeTools(manifest=m)
+    t = FakeWorld(manifest=m)
     _restore(t)
     c = t.calls
-    order = ["verify_model:quick", "gpu_lock:GPU-fake-0", "stage", "criu_lock", "check_gpu_capacity", "restore_tree",
+    order = ["verify_model:quick", "gpu_lock:GPU-fake-0", "stage_checking", "criu_lock", "check_gpu_capacity", "restore_tree",
              "engine.wake", "gpu_unlock", "engine.oracle", "engine.serve"]
     assert [x for x in c if x in order] == order
-    failed = FakeTools(manifest=m, fail={"restore_tree": CriuError("criu restore failed")})
+    failed = FakeWorld(manifest=m, fail={"restore_tree": CriuError("criu restore failed")})
     with pytest.raises(CriuError):
         _restore(failed)
     assert failed.calls.count("gpu_unlock") == 1 and _before(failed.calls, "restore_tree", "gpu_unlock")
-    cpu = FakeTools()
+    cpu = FakeWorld()
     _restore(cpu)
     assert not any(x.startswith("gpu_lock") for x in cpu.calls)
 
@@ -638,16 +641,16 @@ def test_cuda_restore_holds_the_gpu_lock_from_the_capacity_check_until_the_engin
 def test_cuda_create_checks_plugin_helper_and_driver_before_the_engine_starts():
     from vllm_snapshot.errors import EnvironmentProblem
 
-    t = FakeTools(kind="cuda")
+    t = FakeWorld(kind="cuda")
     t.device = "cuda"
     _create(t)
     assert _before(t.calls, "check_cuda_ready", "launch_engine")
-    old = FakeTools(kind="cuda", fail={"check_cuda_ready": EnvironmentProblem("driver API 12040 < 12080")})
+    old = FakeWorld(kind="cuda", fail={"check_cuda_ready": EnvironmentProblem("driver API 12040 < 12080")})
     old.device = "cuda"
     with pytest.raises(EnvironmentProblem):
         _create(old)
     assert "launch_engine" not in old.calls and "prepare_target" not in old.calls
-    cpu = FakeTools()
+    cpu = FakeWorld()
     _create(cpu)
     assert "check_cuda_ready" not in cpu.calls
 
@@ -657,7 +660,7 @@ def test_cuda_create_checks_plugin_helper_and_driver_before_the_engine_starts():
 def test_changed_python_files_refuse_before_the_bind_and_leave_nothing():
     """The code identity runs alongside staging, CRIU and the oracle (like the image checksums)
     and is decided before anything is bound: a changed file kills the restored tree."""
-    t = FakeTools()
+    t = FakeWorld()
     t.code_problems = ["/venv/site-packages/vllm/entrypoints/run_batch.py (vllm 0.32.0) changed since the snapshot was created"]
     with pytest.raises(IncompatibleHostError, match="run_batch.py") as ei:
         _restore(t)
@@ -669,13 +672,13 @@ def test_changed_python_files_refuse_before_the_bind_and_leave_nothing():
 
 
 def test_code_check_runs_on_every_restore_and_an_unchanged_tree_serves():
-    t = FakeTools()
+    t = FakeWorld()
     r, engine = _restore(t)
     assert "check_code" in t.calls and not engine.killed and "register" in t.calls
 
 
 def test_create_pins_the_code_the_engine_imported():
-    t = FakeTools()
+    t = FakeWorld()
     created = _create(t)
     assert t.pinned_modules == ["vllm", "torch"]  # what the engine's dump-ready said
     assert created.manifest.code is not None and created.manifest.code.distributions == {"vllm": "0.32.0"}
@@ -683,35 +686,36 @@ def test_create_pins_the_code_the_engine_imported():
 
 
 def test_verify_reports_changed_python_files():
-    t = FakeTools()
+    t = FakeWorld()
     t.code_problems = ["/x/torch/__init__.py (torch 2.13.0) is missing"]
     with pytest.raises(IncompatibleHostError, match="torch/__init__.py"):
-        ops.verify(SNAP, tools=t)
+        ops.verify(SNAP, tools=t.tools)
 
 
 def test_a_detached_engine_that_dies_before_health_is_reported_with_its_log(tmp_path):
     # our end of a detached engine's log pipe is /dev/null: the error quotes the log file
     log = tmp_path / "tiny-8123.log"
-    log.write_text("INFO starting\n" + "x\n" * 30 + "ssl.SSLError: ('No cipher can be selected.',)\n")
     from fakes import FakeEngine
 
     class Dying(FakeEngine):
         def alive(self) -> bool:
             return "http_health" not in self.calls
 
-    class Tools(FakeTools):
+    class DyingEngineTools(FakeEngineTools):
         def adopt(self, pid, channel, echo):
             super().adopt(pid, channel, echo)
-            self.engine.__class__ = Dying
-            return self.engine
+            self.w.engine.__class__ = Dying
+            return self.w.engine
 
-    t = Tools()
+    t = FakeWorld()
+    t.tools = dataclasses.replace(t.tools, engine=DyingEngineTools(t))
     t.health_after = 10**6  # never healthy
+    t.log_file_tail = "ssl.SSLError: ('No cipher can be selected.',)"  # the log file's tail, not the pipe's
     with pytest.raises(EngineError) as ei:
         _restore(t, detach=True, log_file=log)
     e = ei.value
     assert "starting the server" in e.message and "No cipher can be selected" in e.message
-    assert "INFO starting" not in e.message  # the last 20 lines only
+    assert "read_log_tail" in t.calls
     assert e.hint == f"full engine log: {log}" and e.details == {"stage": "server-start", "log": str(log)}
     assert t.engine.killed
 
@@ -721,17 +725,17 @@ def test_a_detached_engine_that_dies_before_health_is_reported_with_its_log(tmp_
 def test_compressed_isolated_restore_unpacks_while_criu_starts():
     """The pages images unpack while CRIU starts: CRIU calls ready() (its post-setup-namespaces
     notification) before any task maps memory; the restore goes on only after it."""
-    t = FakeTools(manifest=isolated_manifest())
+    t = FakeWorld(manifest=isolated_manifest())
     t.unpacking = True
     r, engine = _restore(t)
-    order = ["stage", "criu_lock", "restore_tree", "unpack_ready", "adopt", "engine.oracle", "checksums",
+    order = ["stage_checking", "criu_lock", "restore_tree", "unpack_ready", "adopt", "engine.oracle", "checksums",
              "serve_engine", "register"]
     assert [x for x in t.calls if x in order] == order
     assert "unpack_wait" in r.timings
 
 
 def test_compressed_restore_without_namespaces_unpacks_before_criu():
-    t = FakeTools()
+    t = FakeWorld()
     t.unpacking = True
     r, _engine = _restore(t)
     assert _before(t.calls, "unpack_ready", "restore_tree") and _before(t.calls, "criu_lock", "unpack_ready")
@@ -743,7 +747,7 @@ def test_compressed_restore_without_namespaces_unpacks_before_criu():
 def test_a_corrupted_frame_stops_the_restore_before_anything_serves(isolated):
     from vllm_snapshot.errors import CorruptSnapshotError
 
-    t = FakeTools(manifest=isolated_manifest()) if isolated else FakeTools()
+    t = FakeWorld(manifest=isolated_manifest()) if isolated else FakeWorld()
     t.unpacking = True
     t.corrupt_frame = t.corrupt_images = CorruptSnapshotError("image pages-1.img.zst fails its checksum (frame 3)")
     with pytest.raises(CorruptSnapshotError, match="frame 3") as ei:
@@ -792,11 +796,11 @@ def test_create_refuses_before_the_engine_when_the_last_snapshot_of_the_model_wo
     from vllm_snapshot.errors import EnvironmentProblem
     from vllm_snapshot.ops.create import check_disk_room
 
-    t = FakeTools()
+    t = FakeWorld()
     t.room = (("/var/lib/vllm-snapshot/tiny-old", 1300 << 20), 200 << 20)
     with pytest.raises(EnvironmentProblem) as e:
         ops.create(ops.CreateRequest(model="/models/tiny", target=SNAP, engine_args=["--kv-cache-memory-bytes", "64M"]),
-                   Reporter(), tools=t)
+                   Reporter(), tools=t.tools)
     assert f"200.0 MiB free on the filesystem of {SNAP.parent}" in e.value.message and "1.3 GiB" in e.value.message
     assert "tiny-old" in e.value.message and "disk_room" in t.calls
     assert "launch_engine" not in t.calls and "prepare_target" not in t.calls
@@ -809,12 +813,12 @@ def test_disk_room_reads_the_newest_snapshot_of_the_model_beside_the_target(tmp_
 
     from helpers import write_snapshot_dir
 
-    from vllm_snapshot.effects.tools import LocalTools
+    from vllm_snapshot.effects.tools import local_tools
 
     root = tmp_path / "root"
     write_snapshot_dir(root / "old")
     m = json.loads((root / "old" / "manifest.json").read_text())
-    prev, free = LocalTools().disk_room(root / "new", Path(m["model"]["path"]))
+    prev, free = local_tools().store.disk_room(root / "new", Path(m["model"]["path"]))
     assert prev == (str(root / "old"), m["sizes"]["raw"]) and free > 0
-    assert LocalTools().disk_room(root / "new", tmp_path / "another-model")[0] is None
-    assert LocalTools().disk_room(tmp_path / "missing" / "new", tmp_path)[0] is None  # a root not made yet
+    assert local_tools().store.disk_room(root / "new", tmp_path / "another-model")[0] is None
+    assert local_tools().store.disk_room(tmp_path / "missing" / "new", tmp_path)[0] is None  # a root not made yet

@@ -1,5 +1,5 @@
 """Least privilege (issue 19), without an engine: /proc status parsing, the credential and
-identity checks, where create and restore call them (FakeTools), CRIU's real ids, the manifest
+identity checks, where create and restore call them (FakeWorld), CRIU's real ids, the manifest
 field (old manifests without it still parse), and the drop itself in a child process (root)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from vllm_snapshot.host.privilege import Creds, User
 from vllm_snapshot.report.progress import Reporter
 from vllm_snapshot.host.envpolicy import scrubbed_env
 
-from fakes import FakeTools
+from fakes import FakeWorld
 from helpers import ENGINE_USER, make_manifest
 
 SNAP = Path("/snaps/tiny")
@@ -140,15 +140,15 @@ def test_manifest_without_a_user_still_parses_as_legacy():
         mf.EngineUser(name="root", uid=0, gid=0, groups=(0,), home="/root")  # never recorded: root is refused
 
 
-# ------------------------------------------------------------------ create (FakeTools)
+# ------------------------------------------------------------------ create (FakeWorld)
 
-def _create(t: FakeTools, **kw):
+def _create(t: FakeWorld, **kw):
     req = ops.CreateRequest(model="/models/tiny", target=SNAP, engine_args=["--kv-cache-memory-bytes", "64M"], **kw)
-    return ops.create(req, Reporter(), tools=t)
+    return ops.create(req, Reporter(), tools=t.tools)
 
 
 def test_create_runs_the_engine_as_the_user_and_records_it():
-    t = FakeTools()
+    t = FakeWorld()
     res = _create(t, user="svc")
     assert t.launch_spec["user"] == {"name": "svc", "uid": 990, "gid": 990, "groups": [990],
                                      "home": "/var/lib/vllm-snapshot-engine"}
@@ -167,7 +167,7 @@ def test_create_runs_the_engine_as_the_user_and_records_it():
     ("home", EnvironmentProblem, ["writable HOME", "install -d -o vllm-snapshot"]),
 ])
 def test_create_refuses_what_the_user_cannot_use_before_the_engine_starts(what, err, words):
-    t = FakeTools()
+    t = FakeWorld()
     t.access = {what: ["cannot read /models/tiny/config.json: Permission denied"]}
     with pytest.raises(err) as e:
         _create(t)
@@ -177,7 +177,7 @@ def test_create_refuses_what_the_user_cannot_use_before_the_engine_starts(what, 
 
 
 def test_create_refuses_a_tree_that_kept_privileges():
-    t = FakeTools()
+    t = FakeWorld()
     bad = privilege.parse_status(ROOT_STATUS)
     t.creds = {4242: bad, 4243: bad}
     with pytest.raises(UnsnapshottableError, match="does not run as vllm-snapshot without privileges"):
@@ -185,14 +185,14 @@ def test_create_refuses_a_tree_that_kept_privileges():
     assert "dump" not in t.calls and t.engine.killed and "publish" not in t.calls
 
 
-# ------------------------------------------------------------------ restore (FakeTools)
+# ------------------------------------------------------------------ restore (FakeWorld)
 
-def _restore(t: FakeTools):
-    return ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8123), Reporter(), tools=t)
+def _restore(t: FakeWorld):
+    return ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8123), Reporter(), tools=t.tools)
 
 
 def test_restore_refuses_a_user_that_is_not_the_same_before_criu():
-    t = FakeTools()
+    t = FakeWorld()
     t.user_identity = ["user 'vllm-snapshot' (uid 990) does not exist on this host"]
     with pytest.raises(IncompatibleHostError) as e:
         _restore(t)
@@ -201,7 +201,7 @@ def test_restore_refuses_a_user_that_is_not_the_same_before_criu():
 
 
 def test_restore_checks_the_restored_trees_credentials_before_it_talks_to_it():
-    t = FakeTools()
+    t = FakeWorld()
     r, engine = _restore(t)
     c = t.calls
     assert c.index("restore_tree") < c.index("tree_creds") < c.index("engine.oracle")
@@ -209,7 +209,7 @@ def test_restore_checks_the_restored_trees_credentials_before_it_talks_to_it():
 
 
 def test_restore_kills_a_tree_with_other_credentials_and_never_serves():
-    t = FakeTools()
+    t = FakeWorld()
     bad = privilege.parse_status(ROOT_STATUS)
     t.creds = {5151: bad}
     with pytest.raises(CriuError, match="does not run with the recorded credentials"):
@@ -220,7 +220,7 @@ def test_restore_kills_a_tree_with_other_credentials_and_never_serves():
 def test_restore_of_a_legacy_snapshot_warns_that_it_runs_as_root():
     m = make_manifest(engine=mf.EngineInfo(kind="cpu", sleep_level=0, engine_args=(), env_hashes={},
                                            full_state_captured=True))
-    t = FakeTools(manifest=m)
+    t = FakeWorld(manifest=m)
     r, engine = _restore(t)
     assert any("runs as root with every capability" in w for w in r.warnings)
     assert "user_problems" not in t.calls and "tree_creds" not in t.calls
@@ -271,14 +271,14 @@ def test_engine_user_record_roundtrips():
 
 def test_restore_refuses_tls_files_the_engine_user_cannot_read_before_criu(monkeypatch):
     from vllm_snapshot.supervise import frontend
-    t = FakeTools()
+    t = FakeWorld()
     t.user_unreadable = ["/etc/ssl/private/k.pem"]
     # the key pair itself is fine (frontend.check loads it as root); only the engine user cannot read it
     monkeypatch.setattr(frontend, "check", lambda args, env=None: frontend.Frontend(
         args=list(args), tls=True, files=["/etc/ssl/private/k.pem", "/etc/ssl/c.pem"]))
     with pytest.raises(UsageError) as e:
         ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8123, frontend=(
-            "--ssl-keyfile", "/etc/ssl/private/k.pem", "--ssl-certfile", "/etc/ssl/c.pem")), Reporter(), tools=t)
+            "--ssl-keyfile", "/etc/ssl/private/k.pem", "--ssl-certfile", "/etc/ssl/c.pem")), Reporter(), tools=t.tools)
     assert "cannot read the TLS files" in e.value.message and "/etc/ssl/private/k.pem" in e.value.message
     assert "chgrp vllm-snapshot" in e.value.hint and "restore_tree" not in t.calls
 
@@ -303,15 +303,15 @@ def test_legacy_snapshot_refused_before_criu_when_the_restorer_lacks_its_capabil
     from vllm_snapshot.errors import EnvironmentProblem
     from vllm_snapshot.report.progress import Reporter
 
-    from fakes import FakeTools, isolated_manifest
+    from fakes import FakeWorld, isolated_manifest
 
     m = isolated_manifest()
     m = m.model_copy(update={"engine": m.engine.model_copy(update={"user": None})})
-    t = FakeTools(manifest=m)
+    t = FakeWorld(manifest=m)
     t.missing_caps = [21, 25]
     with pytest.raises(EnvironmentProblem, match="capabilities this restore does not have") as ei:
-        ops.restore(ops.RestoreRequest(snapshot=Path("/snaps/tiny"), port=8123), Reporter(), tools=t)
-    assert "re-create" in ei.value.hint and "restore_tree" not in t.calls and "stage" not in t.calls
+        ops.restore(ops.RestoreRequest(snapshot=Path("/snaps/tiny"), port=8123), Reporter(), tools=t.tools)
+    assert "re-create" in ei.value.hint and "restore_tree" not in t.calls and "stage_checking" not in t.calls
 
 
 @pytest.mark.parametrize("extra,want", [([], privilege.DEFAULT_USER), (["--user", "svc"], "svc")])

@@ -1,17 +1,20 @@
-"""Every fake is tied to its Protocol: the real class and the fake define exactly the
-Protocol's methods, with the same signatures (vLLM's own fake drifted from its real class
-without such a test)."""
+"""Every double is tied to what it stands for: the real class and the fake define exactly the
+Protocol's methods (no more, no less), with the same signatures (vLLM's own fake drifted from
+its real class without such a test)."""
 
 from __future__ import annotations
 
 import inspect
+from typing import Generic, Protocol
 
 import pytest
 
 from vllm_snapshot.checkpoint import cuda_checkpoint
 from vllm_snapshot.cli import doctor
+from vllm_snapshot.effects import checkpoint, engine, files, host, model, protocols, runtime, store, tools
+from vllm_snapshot.fleet.tools import FleetTools, LocalFleetTools
+from vllm_snapshot.store import archive
 from vllm_snapshot.supervise import supervisor
-from vllm_snapshot.effects import tools
 
 import fakes
 from test_cuda_checkpoint import FakeDriver
@@ -19,32 +22,54 @@ from test_doctor import FakeProbes
 
 
 def _methods(cls) -> dict[str, inspect.Signature]:
-    """Public methods defined by ``cls`` itself (not inherited from a Protocol stub)."""
-    return {n: inspect.signature(f) for n, f in vars(cls).items()
-            if callable(f) and not n.startswith("_") and not isinstance(f, (staticmethod, classmethod))}
+    """Public methods ``cls`` defines or inherits: for a Protocol, from it and the Protocols it
+    extends; for a class, from its own classes (not the Protocol stubs it declares)."""
+    out: dict[str, inspect.Signature] = {}
+    proto = getattr(cls, "_is_protocol", False)
+    for k in reversed(cls.__mro__):
+        if k in (object, Protocol, Generic) or getattr(k, "_is_protocol", False) != proto:
+            continue
+        for n, f in vars(k).items():
+            if callable(f) and not n.startswith("_") and not isinstance(f, (staticmethod, classmethod, type)):
+                out[n] = inspect.signature(f)
+    return out
 
 
-def _protocol_methods(proto) -> dict[str, inspect.Signature]:
-    return _methods(proto)
-
-
+#: (Protocol, real class, fake): one row per role of the Tools bundle (the first nine), then
+#: the other seams.
+#: Every fake and every role's real class define exactly the Protocol's methods; the real
+#: classes of the other seams may have more (their own side of the channel: ``tree``,
+#: ``engine_ends``, ...).
 PAIRS = [
-    (tools.SnapshotTools, tools.LocalTools, fakes.FakeTools),
-    (tools.Engine, supervisor.EngineHandle, fakes.FakeEngine),
-    (tools.EngineChannel, supervisor.Channel, fakes.FakeChannel),
+    (protocols.HostTools, host.LocalHostTools, fakes.FakeHostTools),
+    (protocols.ModelTools, model.LocalModelTools, fakes.FakeModelTools),
+    (protocols.SnapshotFiles, files.LocalSnapshotFiles, fakes.FakeSnapshotFiles),
+    (protocols.CheckpointTools, checkpoint.LocalCheckpointTools, fakes.FakeCheckpointTools),
+    (protocols.EngineTools, engine.LocalEngineTools, fakes.FakeEngineTools),
+    (protocols.StoreTools, store.LocalStoreTools, fakes.FakeStoreTools),
+    (protocols.RuntimeTools, runtime.LocalRuntimeTools, fakes.FakeRuntimeTools),
+    (protocols.Clock, runtime.LocalClock, fakes.FakeClock),
+    (FleetTools, LocalFleetTools, fakes.FakeFleetTools),
+    (protocols.StagedImages, archive.Checking, fakes.FakeChecking),
+    (protocols.UnpackingImages, archive.Unpacking, fakes.FakeUnpacking),
+    (protocols.Engine, supervisor.EngineHandle, fakes.FakeEngine),
+    (protocols.EngineChannel, supervisor.Channel, fakes.FakeChannel),
     (doctor.Probes, doctor.RealProbes, FakeProbes),
     (cuda_checkpoint.Driver, cuda_checkpoint.CudaDriver, FakeDriver),
 ]
 
 
 @pytest.mark.parametrize("proto,real,fake", PAIRS, ids=[p[0].__name__ for p in PAIRS])
-def test_real_and_fake_match_the_protocol(proto, real, fake):
-    want = _protocol_methods(proto)
+def test_real_and_fake_define_exactly_the_protocols_methods(proto, real, fake):
+    want = _methods(proto)
     assert want, f"{proto.__name__} declares no methods"
     for cls in (real, fake):
         have = _methods(cls)
         missing = sorted(set(want) - set(have))
         assert not missing, f"{cls.__name__} does not define {missing} of {proto.__name__}"
+        extra = sorted(set(have) - set(want))
+        exact = cls is fake or (proto, real, fake) in PAIRS[:9]
+        assert not (extra and exact), f"{cls.__name__} has public methods {extra} that {proto.__name__} does not declare"
         for name, sig in want.items():
             assert have[name] == sig, f"{cls.__name__}.{name}{have[name]} != {proto.__name__}.{name}{sig}"
 
@@ -54,6 +79,23 @@ def test_fakes_declare_their_protocol(proto, fake):
     assert proto in fake.__mro__
 
 
-def test_fakes_have_no_public_methods_beyond_the_protocol():
-    extra = sorted(set(_methods(fakes.FakeTools)) - set(_protocol_methods(tools.SnapshotTools)))
-    assert extra == []
+def test_the_staged_images_data_member_is_on_both_sides():
+    """restore reads ``waited_s`` of an :class:`~vllm_snapshot.effects.protocols.UnpackingImages`."""
+    assert "waited_s" in protocols.UnpackingImages.__annotations__
+    assert isinstance(fakes.FakeUnpacking(fakes.FakeWorld()), protocols.UnpackingImages)
+    assert not isinstance(fakes.FakeChecking(fakes.FakeWorld()), protocols.UnpackingImages)
+    assert "self.waited_s" in inspect.getsource(archive.Unpacking.__init__)
+
+
+def test_every_role_of_the_bundle_has_a_row_and_the_local_bundle_fills_it():
+    roles = {f.name: f.type for f in tools.Tools.__dataclass_fields__.values()}
+    assert set(roles.values()) == {p[0].__name__ for p in PAIRS[:9]}
+    local, fake = tools.local_tools(), fakes.FakeWorld().tools
+    for name in roles:
+        row = next(p for p in PAIRS if p[0].__name__ == roles[name])
+        assert type(getattr(local, name)) is row[1] and type(getattr(fake, name)) is row[2]
+
+
+def test_no_role_is_wider_than_thirty_methods():
+    widths = {p.__name__: len(_methods(p)) for p, _, _ in PAIRS[:9]}
+    assert max(widths.values()) <= 30, widths

@@ -153,9 +153,9 @@ def test_normalization_by_vllms_parser_is_spelling_free_and_leaves_the_environme
     import os
 
     from vllm_snapshot.errors import UsageError
-    from vllm_snapshot.effects.tools import LocalTools
+    from vllm_snapshot.effects.tools import local_tools
 
-    t = LocalTools()
+    t = local_tools().model
     before = dict(os.environ)
     a = t.normalize_engine_args(["--dtype", "float32", "--kv-cache-memory-bytes", "64M"])
     assert dict(os.environ) == before

@@ -1,4 +1,4 @@
-"""``serve``'s decisions and step order through the recording FakeTools (no root, no CRIU):
+"""``serve``'s decisions and step order through the recording FakeWorld (no root, no CRIU):
 which snapshot it restores, when it builds, what it records as refused, what --no-build and
 --rebuild change. The real thing runs in tests/test_serve_integration.py."""
 
@@ -14,7 +14,7 @@ from vllm_snapshot.errors import BusyError, ModelChangedError, OracleMismatchErr
 from vllm_snapshot.ops.serve import MAX_REFUSED_PER_KEY, why_not
 from vllm_snapshot.report.progress import Reporter
 
-from fakes import FakeTools
+from fakes import FakeWorld
 from vllm_snapshot.store.manifest import ModelFile
 
 ROOT = Path("/snaps")
@@ -30,16 +30,16 @@ class Rec(Reporter):
         self.lines.append(msg)
 
 
-def _tools() -> FakeTools:
-    t = FakeTools()
+def _tools() -> FakeWorld:
+    t = FakeWorld()
     t.snapshots = {}
     return t
 
 
-def _serve(t: FakeTools, rep: Reporter | None = None, **kw):
+def _serve(t: FakeWorld, rep: Reporter | None = None, **kw):
     req = ops.ServeRequest(model="/models/tiny", root=ROOT, engine_args=list(kw.pop("engine_args", ARGS)),
                            port=8123, **kw)
-    return ops.serve(req, rep or Rec(), tools=t)
+    return ops.serve(req, rep or Rec(), tools=t.tools)
 
 
 def test_first_serve_builds_then_the_second_restores_without_a_cold_start():
@@ -87,7 +87,7 @@ def test_changed_model_file_builds_anew_and_names_the_file():
     assert any("model files differ (changed: model.safetensors)" in line for line in rep.lines), rep.lines
 
 
-def _with(t: FakeTools, *paths: str) -> None:
+def _with(t: FakeWorld, *paths: str) -> None:
     """The model dir of ``t``'s snapshots with files ``paths`` added."""
     (built,) = t.snapshots
     t.model_files = t.snapshots[built].model.files + tuple(
@@ -129,7 +129,7 @@ def test_an_added_weight_file_refuses_serve_naming_it_and_rebuild_builds():
 def test_a_snapshot_that_recorded_a_readme_still_matches_when_it_changes():
     """Manifests made before the policy recorded docs; their key is recomputed without them."""
     t = _tools()
-    _with_readme = FakeTools().manifest.model.files + (
+    _with_readme = FakeWorld().manifest.model.files + (
         ModelFile(path="README.md", size=1, blake3="3" * 64, mtime_ns=9, ctime_ns=9, inode=7, device=4),)
     t.model_files = _with_readme
     a, _ = _serve(t)
@@ -139,7 +139,7 @@ def test_a_snapshot_that_recorded_a_readme_still_matches_when_it_changes():
     t.snapshots[built] = m.model_copy(update={"model": m.model.model_copy(update={"files": _with_readme}),
                                               "key": m.key.model_copy(update={"parts": legacy_parts,
                                                                               "value": snapkey.combine(legacy_parts)})})
-    t.model_files = FakeTools().manifest.model.files  # README.md edited: no longer hashed at all
+    t.model_files = FakeWorld().manifest.model.files  # README.md edited: no longer hashed at all
     b, _ = _serve(t)
     assert b.path == "restored" and len(t.snapshots) == 1
 
@@ -156,7 +156,7 @@ def test_refused_snapshot_is_recorded_and_a_new_one_built():
     assert b.refused == [{"snapshot": str(old), "code": "oracle-mismatch",
                           "reason": "the restored engine's oracle differs"}]
     assert t.refusals[str(old)]["code"] == "oracle-mismatch"
-    row = ops.describe(old, t)
+    row = ops.describe(old, t.tools)
     assert row["compatible"] is False and row["why"].startswith("refused by serve:")
 
 
@@ -251,7 +251,7 @@ def test_a_changed_ld_library_path_is_another_key_and_serve_says_so(monkeypatch)
     the snapshot made with the old one, and says the engine environment differs, naming it."""
     t = _tools()
     env = {"PATH": "/usr/bin", "LD_LIBRARY_PATH": "/usr/local/nvidia/lib64"}
-    monkeypatch.setattr(t, "environ", lambda: dict(env))
+    monkeypatch.setattr(t.tools.host, "environ", lambda: dict(env))
     a, _ = _serve(t)
     (old,) = t.snapshots
     env["LD_LIBRARY_PATH"] = "/opt/nvidia-580/lib64"
@@ -269,14 +269,14 @@ def test_switch_model_builds_before_stopping_the_old_engine_then_reuses_the_snap
     t.entries = [Entry(snapshot="/snaps/other", pid=99, supervisor_pid=0, host="127.0.0.1", port=8123,
                        started_at=0.0, mode="detached")]
     req = ops.ServeRequest(model="/models/tiny", root=ROOT, engine_args=list(ARGS), port=8123, detach=True)
-    sw, path = ops.switch_model(req, None, True, Rec(), tools=t)
+    sw, path = ops.switch_model(req, None, True, Rec(), tools=t.tools)
     assert path == "built" and sw.port == 8123 and sw.stopped == [99]
     assert t.calls.index("publish") < t.calls.index("stop_engine")  # the old engine served during the build
     (built,) = t.snapshots
     assert sw.snapshot == str(built)
     t.calls.clear()
     t.entries = []
-    sw, path = ops.switch_model(req, None, True, Rec(), tools=t)
+    sw, path = ops.switch_model(req, None, True, Rec(), tools=t.tools)
     assert path == "restored" and sw.snapshot == str(built) and "launch_engine" not in t.calls
 
 
@@ -329,7 +329,7 @@ def test_prune_keep_always_keeps_the_newest(keep, older_than_s, want):
     from vllm_snapshot.ops.manage import prune
 
     t = _tools()
-    now = dt.datetime.fromtimestamp(t.now(), dt.timezone.utc)
+    now = dt.datetime.fromtimestamp(t.tools.clock.now(), dt.timezone.utc)
     _serve(t)  # one built snapshot: the template manifest
     (tmpl_path,) = t.snapshots
     tmpl = t.snapshots.pop(tmpl_path)
@@ -338,7 +338,7 @@ def test_prune_keep_always_keeps_the_newest(keep, older_than_s, want):
         t.snapshots[ROOT / name] = tmpl.model_copy(update={
             "created_at": (now - dt.timedelta(days=days)).isoformat(),
             "model": tmpl.model.model_copy(update={"path": model})})
-    res = prune(ROOT, keep, older_than_s, dry_run=True, tools=t)
+    res = prune(ROOT, keep, older_than_s, dry_run=True, tools=t.tools)
     assert {Path(p).name for p in res.deleted} == want
 
 
@@ -362,7 +362,7 @@ class FakeRegistry:
     """A repository of snapshots by key: ``held`` key -> the manifest a pull publishes;
     ``fits`` False makes a pull refuse as a node of another class would."""
 
-    def __init__(self, t: FakeTools, fits: bool = True) -> None:
+    def __init__(self, t: FakeWorld, fits: bool = True) -> None:
         self.t, self.fits = t, fits
         self.held: dict[str, object] = {}
         self.calls: list[str] = []

@@ -21,7 +21,7 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -577,10 +577,11 @@ def own_caps_setpriv() -> str:
     return ",".join(f"+{n}" for i, n in enumerate(names) if eff & (1 << i))
 
 
-def env_timeout() -> float:
-    """``$VLLM_SNAPSHOT_CRIU_TIMEOUT`` (seconds, > 0), else :data:`DEFAULT_TIMEOUT_S`. Raises
-    UsageError for a value that is not a positive number."""
-    text = os.environ.get("VLLM_SNAPSHOT_CRIU_TIMEOUT") or ""
+def env_timeout(environ: Mapping[str, str] | None = None) -> float:
+    """``$VLLM_SNAPSHOT_CRIU_TIMEOUT`` of ``environ`` (default: this process's) in seconds,
+    > 0, else :data:`DEFAULT_TIMEOUT_S`. Raises UsageError for a value that is not a positive
+    number."""
+    text = (os.environ if environ is None else environ).get("VLLM_SNAPSHOT_CRIU_TIMEOUT") or ""
     if not text:
         return DEFAULT_TIMEOUT_S
     try:
@@ -829,3 +830,29 @@ def kill_restored_children() -> list[int]:
 
     wait_gone([k for k in kids if k.pid in out], 10)
     return out
+
+
+def caps_missing(images_dir: Path, m, own_status: str) -> list[int]:
+    """Capabilities the dumped engine root of the snapshot ``m`` held that a process with
+    ``/proc/self/status`` text ``own_status`` cannot give back
+    (:func:`vllm_snapshot.host.privilege.caps_beyond` over the root's core image in
+    ``images_dir``); [] when the image is absent or cannot be read (CRIU then decides)."""
+    from ..host import privilege
+
+    root = 1 if m.criu.pid_namespace else m.criu.root_pid  # the images name namespace PIDs
+    img = next((i for i in m.images if i.name.split(".")[0] == f"core-{root}"), None)
+    if img is None:
+        return []
+    try:
+        import io
+
+        import pycriu
+
+        from ..store.archive import open_raw
+
+        with open_raw(images_dir, img) as r:
+            raw = b"".join(iter(lambda: r.read(1 << 20), b""))
+        creds = pycriu.images.load(io.BytesIO(raw))["entries"][0]["thread_core"]["creds"]
+        return privilege.caps_beyond(creds, own_status)
+    except Exception:  # noqa: BLE001 - an unreadable image is CRIU's to report
+        return []

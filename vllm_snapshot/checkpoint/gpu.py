@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import subprocess
+from pathlib import Path
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -542,3 +543,39 @@ def engine_device(dists: Callable[[str], str | None] | None = None, proc_gpus: s
     if "cpu" in version or not os.path.isdir(proc_gpus):
         return "cpu"
     return "cuda"
+
+
+def check_helper_usable(rc: int, out: str) -> None:
+    """The test CRIU's CUDA plugin makes at init: ``cuda-checkpoint -h`` exits 0 and offers
+    ``--action`` (``rc``, ``out``: its exit status and output; ours also probes the driver:
+    cuInit, API >= r570). Pure. Raises EnvironmentProblem quoting the output."""
+    if rc != 0 or "--action" not in out:
+        raise EnvironmentProblem(f"the cuda-checkpoint CRIU would run cannot checkpoint here (exit {rc}): "
+                                 + " ".join(out.split())[:400],
+                                 hint="run `vllm-snapshot doctor`; the checkpoint API needs NVIDIA driver r570+")
+
+
+def cuda_identity(plugin: Path, own_helper: str | None) -> dict[str, str]:
+    """The identity fields of what CRIU will load and run for the GPU state: its CUDA plugin
+    pinned by content (``cuda_plugin``), and the helper (``cuda_checkpoint_helper``): ours by
+    its protocol version (a comment edit must not orphan snapshots), or ``own_helper`` (the
+    path in ``$VLLM_SNAPSHOT_CUDA_CHECKPOINT``: NVIDIA's binary instead of ours) by content."""
+    from .cuda_checkpoint import PROTOCOL
+
+    return {"cuda_plugin": "sha256:" + file_sha256(plugin)[:16],
+            "cuda_checkpoint_helper": (f"{own_helper} sha256:{file_sha256(Path(own_helper))[:16]}" if own_helper
+                                       else f"vllm-snapshot protocol {PROTOCOL}")}
+
+
+def file_sha256(path: Path) -> str:
+    """Hex SHA-256 of the file at ``path``; ``"unreadable"`` when it cannot be read."""
+    import hashlib
+
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    except OSError:
+        return "unreadable"
+    return h.hexdigest()

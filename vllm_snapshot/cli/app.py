@@ -161,10 +161,10 @@ def inspect(
     from . import render
 
     if looks_like_image(snapshot):
-        from ..effects.tools import LocalTools
+        from ..effects.tools import local_tools
         from ..ops import fleet
 
-        render.show(fleet.inspect_image(snapshot, plain_http, LocalTools()), as_json)
+        render.show(fleet.inspect_image(snapshot, plain_http, local_tools()), as_json)
         return
     from ..fleet.tools import read_pulled
     from ..report.inspected import Inspected
@@ -189,14 +189,14 @@ def push(
     (docs/oci-format.md): layers in parallel, the manifest last, so the tag never names an
     incomplete artifact. Refuses a snapshot whose create kept variables with --keep-env.
     Anyone who can read the repository can read the engine's memory: keep it private."""
-    from ..effects.tools import LocalTools
+    from ..effects.tools import local_tools
     from ..ops import fleet
     from . import render
 
     _root_only("push")
     _interruptible()
     render.show(fleet.push(fleet.PushRequest(_resolve(snapshot), image, plain_http, sign_key),
-                           _reporter(quiet, as_json), LocalTools()), as_json, quiet)
+                           _reporter(quiet, as_json), local_tools()), as_json, quiet)
 
 
 @app.command()
@@ -212,14 +212,14 @@ def pull(
     when this node does not fit (host class, engine user, mounts, model bytes at the recorded
     path); every blob's digest is checked as it streams, then the snapshot's own checksums;
     published by rename only when complete."""
-    from ..effects.tools import LocalTools
+    from ..effects.tools import local_tools
     from ..ops import fleet
     from . import render
 
     _root_only("pull")
     _interruptible()
     render.show(fleet.pull(fleet.PullRequest(image, _root_dir(), name, plain_http, verify_key),
-                           _reporter(quiet, as_json), LocalTools()), as_json, quiet)
+                           _reporter(quiet, as_json), local_tools()), as_json, quiet)
 
 
 @app.command()
@@ -435,11 +435,11 @@ def restore(
     from ..fleet.reference import looks_like_image
 
     if looks_like_image(snapshot):
-        from ..effects.tools import LocalTools
+        from ..effects.tools import local_tools
         from ..ops import fleet
 
         snapshot_dir = fleet.ensure_pulled(fleet.PullRequest(snapshot, _root_dir(), None, plain_http, verify_key),
-                                           rep, LocalTools())
+                                           rep, local_tools())
     else:
         snapshot_dir = _resolve(snapshot)
     req = ops.RestoreRequest(snapshot=snapshot_dir, host=host, port=port, detach=detach,
@@ -585,10 +585,10 @@ def serve(
     rep, lifecycle = _lifecycle_reporter(quiet, as_json)
     cache = None
     if registry is not None:
-        from ..effects.tools import LocalTools
+        from ..effects.tools import local_tools
         from ..ops.fleet import RegistryCache
 
-        cache = RegistryCache(registry, LocalTools(), rep, plain_http, sign_key, verify_key)
+        cache = RegistryCache(registry, local_tools(), rep, plain_http, sign_key, verify_key)
     elif plain_http or sign_key or verify_key:
         raise UsageError("--plain-http, --sign-key and --verify-key apply to --registry")
     req = ops.ServeRequest(

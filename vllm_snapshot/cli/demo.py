@@ -23,7 +23,8 @@ from ..errors import EngineError, SnapshotError
 from ..report.progress import make_reporter
 from ..report.results import DemoReport
 from ..host.envpolicy import scrubbed_env
-from ..effects.tools import LocalTools, _http_json
+from ..effects.http import http_json
+from ..effects.tools import local_tools
 
 #: The demo's snapshot name under the snapshot root.
 DEFAULT_NAME = "demo-tiny-llama"
@@ -89,7 +90,7 @@ def cold_start(model: Path, port: int, engine_args: list[str] | None = None, mem
             if time.monotonic() - t0 > COLD_TIMEOUT_S:
                 raise EngineError("cold-start server did not answer in time")
             try:
-                status, _ = _http_json(f"http://127.0.0.1:{port}/v1/completions", {
+                status, _ = http_json(f"http://127.0.0.1:{port}/v1/completions", {
                     "model": tiny_model.SERVED_NAME, "prompt": "Hello", "max_tokens": 1}, timeout=5)
                 if status == 200:
                     took = time.monotonic() - t0
@@ -115,7 +116,7 @@ def cold_start(model: Path, port: int, engine_args: list[str] | None = None, mem
 def run(snap: Path, port: int, skip_cold: bool, as_json: bool) -> DemoReport:
     """Run the demo (see module doc) on the snapshot ``snap``; returns the report (rendered by
     the caller). Raises SnapshotError subclasses on failure."""
-    t = LocalTools()
+    t = local_tools()
     t.require_root()
     rep = make_reporter(as_json)
     snap = snap.absolute()
@@ -149,7 +150,7 @@ def run(snap: Path, port: int, skip_cold: bool, as_json: bool) -> DemoReport:
     r, engine = ops.restore(ops.RestoreRequest(snapshot=snap, port=port), make_reporter(as_json), tools=t)
     restore_s = time.monotonic() - t0
     try:
-        status, body = _http_json(f"{r.url}/v1/completions", {
+        status, body = http_json(f"{r.url}/v1/completions", {
             "model": m.model.served_name, "prompt": "Hello world", "max_tokens": 8, "temperature": 0.0})
         if status != 200:
             raise EngineError(f"completion failed: HTTP {status}: {body}")

@@ -1,6 +1,6 @@
 """The fleet's role in the tools seam: :class:`FleetTools` (the side effects push/pull need
-beyond the snapshot tools') and :class:`LocalFleetTools`, its real implementation, which the
-local tools class mixes in."""
+beyond the other roles') and :class:`LocalFleetTools`, its real implementation: the ``fleet``
+role of :class:`vllm_snapshot.effects.tools.Tools`."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def _write_private(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-class LocalFleetTools:
+class LocalFleetTools(FleetTools):
     """The real :class:`FleetTools`."""
 
     def open_target(self, ref: reference.Ref, plain_http: bool, create: bool) -> Target:

@@ -186,3 +186,24 @@ def check(table: bytes, limit: int = 10) -> list[str]:
     if more:
         problems.append(f"... and {more} more")
     return problems
+
+
+def check_pinned(path: Path, table_digest: str, files: int) -> list[str]:
+    """Problems with the Python files pinned by the code table at ``path`` (:func:`check`;
+    empty = unchanged), after the table itself was found intact: its BLAKE3 must be
+    ``table_digest``, the manifest's (which pins ``files`` files by it). Raises
+    CorruptSnapshotError (missing, altered or unreadable table)."""
+    from ..errors import CorruptSnapshotError
+
+    hint = "restore the snapshot's directory from a backup, or re-create it"
+    try:
+        table = path.read_bytes()
+    except FileNotFoundError:
+        raise CorruptSnapshotError(f"{path} is missing (the manifest pins {files} Python files by it)",
+                                   hint=hint) from None
+    if blake3.blake3(table).hexdigest() != table_digest:
+        raise CorruptSnapshotError(f"{path} does not match its digest in the manifest", hint=hint)
+    try:
+        return check(table)
+    except ValueError as e:
+        raise CorruptSnapshotError(f"{path}: {e}") from e

@@ -1,5 +1,6 @@
 """Operations: sequencing only. Every side effect goes through
-:class:`vllm_snapshot.effects.tools.SnapshotTools` (``tools=None`` means :class:`LocalTools`), so the
+:class:`vllm_snapshot.effects.tools.Tools`, one role each (``tools=None`` means
+:func:`~vllm_snapshot.effects.tools.local_tools`), so the
 step order is unit-tested with a fake (``tests/test_ops_order.py``).
 
 * :mod:`.create` -- create: start the engine, oracle, (sleep rehearsal), inventory, dump, publish.

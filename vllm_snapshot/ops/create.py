@@ -1,4 +1,4 @@
-"""``create``: the steps, in order (each side effect through :class:`SnapshotTools`).
+"""``create``: the steps, in order (each side effect through :class:`Tools`).
 
 1. preconditions: root, CRIU >= 4.2, sleep level, model dir resolvable and visible to the
    engine's mount namespace, the engine user exists, target absent, CPU KV cache sized, the
@@ -41,7 +41,8 @@ from ..checkpoint.inventory import Inventory
 from ..report.progress import Reporter
 from ..report.results import Created
 from ..host.envpolicy import redact_args, scrubbed_env
-from ..effects.tools import Engine, LocalTools, SnapshotTools
+from ..effects.protocols import Engine
+from ..effects.tools import Tools, local_tools
 from .cleanup import report_reclaimed, run_cleanups
 
 ENGINE_START_TIMEOUT_S = 900.0
@@ -168,7 +169,7 @@ def _is_enospc(e: BaseException) -> bool:
     return isinstance(e, CriuError) and "No space left on device" in str(e)
 
 
-def create(req: CreateRequest, rep: Reporter, tools: SnapshotTools | None = None) -> Created:
+def create(req: CreateRequest, rep: Reporter, tools: Tools | None = None) -> Created:
     """Launch the engine, record the oracle, dump it with CRIU, publish the snapshot.
 
     Returns :class:`Created`. Raises UsageError (bad args, target exists),
@@ -176,33 +177,33 @@ def create(req: CreateRequest, rep: Reporter, tools: SnapshotTools | None = None
     ModelChangedError (a model file changed while the engine loaded it). On any failure no
     snapshot is published and no engine process is left.
     """
-    t = tools or LocalTools()
-    t.require_root()
+    t = tools or local_tools()
+    t.host.require_root()
     criu.env_timeout()  # a bad $VLLM_SNAPSHOT_CRIU_TIMEOUT is a usage error now, not after minutes
-    criu_ver = t.criu_version()
+    criu_ver = t.host.criu_version()
     if req.sleep_level not in (0, 1, 2):
         raise UsageError("--sleep-level must be 0, 1 or 2")
     check_engine_args(req.engine_args)
     check_keep_env(req.keep_env)
-    target = t.canonical(req.target)
-    model_dir, revision = t.resolve_model(req.model, arg_value(req.engine_args, "--revision"))
-    check_visible({"model": model_dir, **t.code_paths()}, [Path(p) for p in PRIVATE_MOUNTS])
-    user = t.engine_user(req.user)
-    t.check_mounts(model_dir, scrubbed_env(t.environ(), req.keep_env, user))
-    inside = next((p for p in target.parents if t.path_exists(p / layout.MANIFEST)), None)
+    target = t.store.canonical(req.target)
+    model_dir, revision = t.model.resolve_model(req.model, arg_value(req.engine_args, "--revision"))
+    check_visible({"model": model_dir, **t.host.code_paths()}, [Path(p) for p in PRIVATE_MOUNTS])
+    user = t.host.engine_user(req.user)
+    t.host.check_mounts(model_dir, scrubbed_env(t.host.environ(), req.keep_env, user))
+    inside = next((p for p in target.parents if t.host.path_exists(p / layout.MANIFEST)), None)
     if inside is not None:
         raise UsageError(f"{target} is inside the snapshot {inside}; a snapshot cannot hold another",
                          hint="choose a --snapshot-dir/--name outside any snapshot")
-    if t.path_exists(target):
+    if t.host.path_exists(target):
         raise UsageError(f"{target} already exists; refusing to overwrite a snapshot",
                          hint="choose another --snapshot-dir/--name, or delete the old one first")
-    check_disk_room(target, *t.disk_room(target, model_dir))  # not after minutes of cold start
-    device = t.engine_device()
-    check_cpu_kv_cache(req.engine_args, t.environ(), device)
-    check_access(user, model_dir, t.engine_access(user, model_dir))
+    check_disk_room(target, *t.store.disk_room(target, model_dir))  # not after minutes of cold start
+    device = t.host.engine_device()
+    check_cpu_kv_cache(req.engine_args, t.host.environ(), device)
+    check_access(user, model_dir, t.host.engine_access(user, model_dir))
     if device == "cuda":
-        t.check_cuda_ready()  # CRIU's plugin + our helper reach the driver, before minutes of engine start
-    with t.snapshot_lock(target, shared=False, must_exist=False):
+        t.host.check_cuda_ready()  # CRIU's plugin + our helper reach the driver, before minutes of engine start
+    with t.store.snapshot_lock(target, shared=False, must_exist=False):
         return _create_locked(t, req, rep, target, model_dir, revision, criu_ver, user)
 
 
@@ -227,7 +228,7 @@ def check_disk_room(target: Path, previous: tuple[str, int] | None, free: int) -
 
 def check_access(user: privilege.User, model_dir: Path, problems: dict[str, list[str]]) -> None:
     """Refuse, before the engine starts, what the engine user cannot read or write (``problems``
-    from :meth:`SnapshotTools.engine_access`), with the remedy. Pure. Raises UsageError (the
+    from :meth:`Tools.engine_access`), with the remedy. Pure. Raises UsageError (the
     model) or EnvironmentProblem (the Python environment, HOME)."""
     if problems.get("model"):
         raise UsageError(
@@ -254,8 +255,8 @@ def engine_user_record(user: privilege.User) -> manifest.EngineUser:
     return manifest.EngineUser(name=user.name, uid=user.uid, gid=user.gid, groups=user.groups, home=user.home)
 
 
-def _start_engine(t: SnapshotTools, req: CreateRequest, spec: dict, env: dict[str, str], tmp: Path) -> tuple[Engine, dict]:
-    engine = t.launch_engine(spec, env, tmp / layout.CREATE_LOG, req.engine_log)
+def _start_engine(t: Tools, req: CreateRequest, spec: dict, env: dict[str, str], tmp: Path) -> tuple[Engine, dict]:
+    engine = t.engine.launch_engine(spec, env, tmp / layout.CREATE_LOG, req.engine_log)
     try:
         return engine, engine.wait_event("initialized", ENGINE_START_TIMEOUT_S)
     except EngineError as e:
@@ -332,31 +333,31 @@ def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, revisio
     )
 
 
-def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: Path, model_dir: Path,
+def _create_locked(t: Tools, req: CreateRequest, rep: Reporter, target: Path, model_dir: Path,
                    revision: str | None, criu_ver: str, user: privilege.User) -> Created:
-    report_reclaimed(rep, t.reclaim(target.parent))
-    tmp = t.prepare_target(target)
+    report_reclaimed(rep, t.store.reclaim(target.parent))
+    tmp = t.files.prepare_target(target)
     engine: Engine | None = None
     remaps: list[Path] = []
     before: dict[str, set[str]] = {}
     try:
         with rep.phase("model_digest", "hashing model files"):
-            files = t.digest_model(model_dir)
-        env = scrubbed_env(t.environ(), req.keep_env, user)
-        env_scrubbed = env == scrubbed_env(t.environ(), (), user)  # --keep-env added nothing the scrubber drops
+            files = t.model.digest_model(model_dir)
+        env = scrubbed_env(t.host.environ(), req.keep_env, user)
+        env_scrubbed = env == scrubbed_env(t.host.environ(), (), user)  # --keep-env added nothing the scrubber drops
         who = engine_user_record(user)
         spec = {"model": str(model_dir), "engine_args": list(req.engine_args),
                 "oracle_prompt": req.oracle_prompt, "sleep_level": req.sleep_level,
                 "user": who.model_dump(mode="json")}
         if revision is not None and arg_value(req.engine_args, "--served-model-name") is None:
             spec["served_model_name"] = req.model  # serve a Hugging Face id by its id, as `vllm serve` does
-        loading_since_ns = int(t.now() * 1e9)  # the engine may read the model files from here on
+        loading_since_ns = int(t.clock.now() * 1e9)  # the engine may read the model files from here on
         with rep.phase("engine_start", "starting engine (load, compile, warm-up)"):
             engine, init = _start_engine(t, req, spec, env, tmp)
         info = init["info"]
         recorded = oracle.Oracle.model_validate(init["oracle"])
-        check_cpu_kv_cache(req.engine_args, t.environ(), info["kind"])  # the device vLLM actually chose
-        host = t.host_identity(info["kind"])
+        check_cpu_kv_cache(req.engine_args, t.host.environ(), info["kind"])  # the device vLLM actually chose
+        host = t.host.host_identity(info["kind"])
         key = snapkey.build(requested_model=req.model, engine_args=req.engine_args, keep_env=req.keep_env,
                             model_identity=req.model if revision is not None else str(model_dir),
                             normalized=info["normalized_args"], model_files=files, oracle_prompt=req.oracle_prompt,
@@ -365,29 +366,29 @@ def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: 
         woke_s = None
         if sleep_level:
             with rep.phase("sleep", f"sleep level {sleep_level} (rehearsal: wake, reload, oracle)"):
-                woke_s = round(_rehearse_sleep(engine, sleep_level, recorded, t.clock), 3)
+                woke_s = round(_rehearse_sleep(engine, sleep_level, recorded, t.clock.monotonic), 3)
         engine.send("prepare-dump")
         ready = engine.wait_event("dump-ready", DUMP_READY_TIMEOUT_S)
         with rep.phase("inventory", "checking the tree for what CRIU cannot restore"):
-            inv = t.inspect_tree(engine.root_pid)
-            inherit = t.channel_keys(engine.root_pid)
-            before = t.watch_remaps(inv.deleted_files)
-            externals = t.external_mounts(engine.root_pid)
-            use = t.gpu_used(inv) if info["kind"] == "cuda" else None  # refuses NVML-only holders
+            inv = t.checkpoint.inspect_tree(engine.root_pid)
+            inherit = t.checkpoint.channel_keys(engine.root_pid)
+            before = t.checkpoint.watch_remaps(inv.deleted_files)
+            externals = t.checkpoint.external_mounts(engine.root_pid)
+            use = t.checkpoint.gpu_used(inv) if info["kind"] == "cuda" else None  # refuses NVML-only holders
             gpu_id = {"gpu_uuid_used": use.uuid} if use is not None else {}
             check_offline(inv)
-            wrong = privilege.tree_problems(t.tree_creds(engine.root_pid), who.uid, who.gid, who.groups, inv.pids)
+            wrong = privilege.tree_problems(t.checkpoint.tree_creds(engine.root_pid), who.uid, who.gid, who.groups, inv.pids)
             if wrong:
                 raise UnsnapshottableError(f"the engine tree does not run as {who.name} without privileges:\n  "
                                            + "\n  ".join(wrong[:10]),
                                            hint="the engine root drops them itself (vllm_snapshot/host/privilege.py); "
                                                 "its log says why it did not")
             if gpu_id:  # the GPU state goes through host RAM into the images
-                t.check_dump_room(inv, gpu_id["gpu_uuid_used"], tmp)
+                t.checkpoint.check_dump_room(inv, gpu_id["gpu_uuid_used"], tmp)
         # the digest must describe the bytes the engine loaded (read during the start and, on
         # GPU, at the rehearsal's wake): what changed since the hash is re-hashed now
         with rep.phase("model_recheck", "checking the model files did not change while the engine loaded them"):
-            t.recheck_model(model_dir, files, loading_since_ns, during="between the hash and the dump, while the "
+            t.model.recheck_model(model_dir, files, loading_since_ns, during="between the hash and the dump, while the "
                             "engine loaded them", hint="nothing was published; keep the model directory unchanged "
                             "while create runs (stop what writes to it: a download, a sync) and run create again")
         # the tree's network namespace holds only its own processes: no network lock to take
@@ -395,21 +396,21 @@ def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: 
         dump_opts = criu.DumpOptions(pid=engine.root_pid, external=mountpolicy.dump_args(externals),
                                      network_lock=criu.NETWORK_LOCK_ISOLATED,
                                      timeout_s=criu.freeze_timeout(info["kind"], len(inv.pids), len(inv.cuda_pids),
-                                                                   t.environ()))
+                                                                   t.host.environ()))
         with rep.phase("dump", "CRIU dump"):
-            t.dump(info["kind"], dump_opts, tmp)
-            alive = t.wait_gone(inv.pids, TREE_GONE_TIMEOUT_S)
+            t.checkpoint.dump(info["kind"], dump_opts, tmp)
+            alive = t.checkpoint.wait_gone(inv.pids, TREE_GONE_TIMEOUT_S)
             if alive:
                 raise EngineError(f"processes of the tree survived the dump: PIDs {alive}")
             engine.close()
             engine = None
-        remaps = t.collect_remaps(before, tmp / layout.FILES)
+        remaps = t.checkpoint.collect_remaps(before, tmp / layout.FILES)
         with rep.phase("pack", f"checksums + compression ({req.compression})"):
-            images = t.pack(tmp / layout.IMAGES, str(req.compression))
-            extra = t.pack(tmp / layout.FILES, "none")
+            images = t.files.pack(tmp / layout.IMAGES, str(req.compression))
+            extra = t.files.pack(tmp / layout.FILES, "none")
         with rep.phase("code_identity", "pinning the files of the Python distributions the engine imported from"):
-            code = t.pin_code(ready.get("modules") or [], ready.get("sys_path") or [], tmp)
-        t.cleanup_remaps(remaps)  # the copies live in the snapshot now
+            code = t.files.pin_code(ready.get("modules") or [], ready.get("sys_path") or [], tmp)
+        t.checkpoint.cleanup_remaps(remaps)  # the copies live in the snapshot now
         remaps = []
         m = build_manifest(
             req=req, target=target, model_dir=model_dir, revision=revision, files=files, info=info, recorded=recorded,
@@ -417,10 +418,10 @@ def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: 
             inv=inv, inherit=inherit, dump_opts=dump_opts, externals=externals, images=images, extra=extra,
             timings=rep.timings, key=key, code=code, engine_user=who, rehearsal_wake_s=woke_s,
             cuda_pids=use.cuda_pids if use is not None else (), env_scrubbed=env_scrubbed,
-            created_at=_dt.datetime.fromtimestamp(t.now(), _dt.timezone.utc).isoformat(timespec="seconds"))
+            created_at=_dt.datetime.fromtimestamp(t.clock.now(), _dt.timezone.utc).isoformat(timespec="seconds"))
         with rep.phase("publish", "publishing"):
             m = manifest.seal(m.model_copy(update={"timings": dict(rep.timings)}))
-            t.publish(m, tmp, target)
+            t.files.publish(m, tmp, target)
         return Created(str(target), m)
     except BaseException as e:
         steps = []
@@ -428,8 +429,8 @@ def _create_locked(t: SnapshotTools, req: CreateRequest, rep: Reporter, target: 
             eng = engine
             steps += [("stop the engine", eng.kill), ("close the engine channel", eng.close)]
         # the saved ones, or those a failed dump left in the watched directories
-        steps += [("remove link-remap files", lambda: t.cleanup_remaps(remaps or t.find_remaps(before))),
-                  (f"remove the temp dir {tmp}", lambda: t.discard(tmp))]
+        steps += [("remove link-remap files", lambda: t.checkpoint.cleanup_remaps(remaps or t.checkpoint.find_remaps(before))),
+                  (f"remove the temp dir {tmp}", lambda: t.files.discard(tmp))]
         run_cleanups(e, steps)
         if _is_enospc(e):
             raise EnvironmentProblem(

@@ -21,7 +21,7 @@ from pathlib import Path
 from ..errors import CorruptSnapshotError, IncompatibleHostError, ModelChangedError, UsageError
 from ..fleet import oci, reference, sign, transfer
 from ..fleet.transport import NotFound, Target
-from ..fleet.tools import FleetTools  # noqa: F401 - the role these functions use besides SnapshotTools
+from ..effects.tools import Tools
 from ..report.results import ImageInspected, Pulled, Pushed
 
 
@@ -53,7 +53,7 @@ def _tag_of(ref: reference.Ref, verb: str) -> str:
     return ref.tag or reference.DEFAULT_TAG
 
 
-def push(req: PushRequest, rep, t) -> Pushed:
+def push(req: PushRequest, rep, t: Tools) -> Pushed:
     """Push snapshot ``req.snapshot`` to ``req.image``. Raises UsageError (bad IMAGE, a
     snapshot whose create did not scrub the environment, bad key), CorruptSnapshotError (the
     snapshot's own checks), EnvironmentProblem (registry)."""
@@ -62,18 +62,18 @@ def push(req: PushRequest, rep, t) -> Pushed:
     ref = reference.parse(req.image)
     tag = _tag_of(ref, "push")
     key = sign.load_private(req.sign_key) if req.sign_key is not None else None
-    snapshot = t.canonical(req.snapshot)
-    with t.snapshot_lock(snapshot, shared=True):
-        m = t.open_snapshot(snapshot)
+    snapshot = t.store.canonical(req.snapshot)
+    with t.store.snapshot_lock(snapshot, shared=True):
+        m = t.files.open_snapshot(snapshot)
         if not getattr(m.engine, "env_scrubbed", False):
             raise UsageError(
                 f"{snapshot} was not made from a scrubbed environment (its create kept variables with --keep-env, or "
                 "predates that record); its images may hold them, so it is not pushed",
                 hint="create it again without --keep-env of secret variables, then push")
         with rep.phase("verify", "checking every image checksum"):
-            t.verify_images(snapshot, m)
-        config = t.snapshot_config(snapshot)
-        target = t.open_target(ref, req.plain_http, True)
+            t.files.verify_images(snapshot, m)
+        config = t.fleet.snapshot_config(snapshot)
+        target = t.fleet.open_target(ref, req.plain_http, True)
         with rep.phase("push", f"pushing to {ref}"):
             r = transfer.push(snapshot, config, oci.annotations(m, model_part(m.model.files)), target, tag,
                               signing_key=key, docker_reference=str(ref.with_tag(tag)).removesuffix(f":{tag}"))
@@ -82,9 +82,9 @@ def push(req: PushRequest, rep, t) -> Pushed:
                   signature=r.signature_tag)
 
 
-def fetch(ref: reference.Ref, plain_http: bool, t) -> tuple[Target, oci.Artifact]:
+def fetch(ref: reference.Ref, plain_http: bool, t: Tools) -> tuple[Target, oci.Artifact]:
     """The target and artifact manifest of ``ref``. Raises UsageError (no such image)."""
-    target = t.open_target(ref, plain_http, False)
+    target = t.fleet.open_target(ref, plain_http, False)
     try:
         return target, transfer.fetch_manifest(target, ref.reference, str(ref))
     except NotFound as e:
@@ -92,21 +92,21 @@ def fetch(ref: reference.Ref, plain_http: bool, t) -> tuple[Target, oci.Artifact
                                                              "writes them)") from e
 
 
-def compatibility(f: oci.Facts, t, where: str) -> None:
+def compatibility(f: oci.Facts, t: Tools, where: str) -> None:
     """Refuse, from the annotations alone, a node that does not fit: host class fields (each
     expected vs here), engine user, external mounts (IncompatibleHostError, exit 3); the model
     missing at its path or other bytes there (ModelChangedError, exit 4, naming the path)."""
     from ..host import identity
     from ..store.snapkey import model_part
 
-    here = {k: v for k, v in t.host_identity(f.kind).items() if k not in oci.MACHINE_FIELDS}
+    here = {k: v for k, v in t.host.host_identity(f.kind).items() if k not in oci.MACHINE_FIELDS}
     diffs = identity.compare(f.host_class, here)
     problems = [str(d).replace("snapshot has", "artifact has") for d in diffs]
     if f.user is not None:
-        problems += [f"engine user: {p}" for p in t.user_problems(f.user)]
-    problems += [f"mount: {p}" for p in t.check_external_mounts(f.mounts)]
+        problems += [f"engine user: {p}" for p in t.host.user_problems(f.user)]
+    problems += [f"mount: {p}" for p in t.host.check_external_mounts(f.mounts)]
     gpu = f.machine.get("gpu_uuid_used")
-    if gpu is not None and gpu not in t.gpu_uuids():  # as restore checks: CUDA state goes back to that GPU
+    if gpu is not None and gpu not in t.host.gpu_uuids():  # as restore checks: CUDA state goes back to that GPU
         problems.append(f"gpu_uuid_used: the snapshot's engine used GPU {gpu}, which this node does not have")
     if problems:
         raise IncompatibleHostError(
@@ -114,10 +114,10 @@ def compatibility(f: oci.Facts, t, where: str) -> None:
             hint="pull it on a node of the class it was built on, or build the snapshot on this node",
             details={"fields": [d.__dict__ for d in diffs], "problems": problems})
     path = Path(f.model_path)
-    if not t.path_exists(path):
+    if not t.host.path_exists(path):
         raise ModelChangedError(f"{where} needs the model at {path}, which this node lacks (nothing was downloaded)",
                                 hint=f"put the same model files at {path}, then pull again")
-    files = t.digest_model(path)
+    files = t.model.digest_model(path)
     if model_part(files) != f.model_digest:
         raise ModelChangedError(f"{where} needs other model bytes at {path} than this node holds there "
                                 "(nothing was downloaded)",
@@ -133,7 +133,7 @@ def default_name(ref: reference.Ref) -> str:
     return f"{base}-{suffix}"
 
 
-def pull(req: PullRequest, rep, t) -> Pulled:
+def pull(req: PullRequest, rep, t: Tools) -> Pulled:
     """Pull ``req.image`` into the store ``req.root`` (see the module doc for the order).
     Raises UsageError, IncompatibleHostError, ModelChangedError, SignatureError/
     CorruptSnapshotError, EnvironmentProblem, BusyError; publishes nothing on any of them."""
@@ -145,7 +145,7 @@ def pull(req: PullRequest, rep, t) -> Pulled:
     if not store.valid_name(name):
         raise UsageError(f"{name!r} is not a valid snapshot name ({store.NAME_RULE})", hint="pass --name NAME")
     pub = sign.load_public(req.verify_key) if req.verify_key is not None else None
-    t0 = t.clock()
+    t0 = t.clock.monotonic()
     with rep.phase("manifest", f"reading {ref}"):
         target, art = fetch(ref, req.plain_http, t)
         f = oci.facts(art.annotations, str(ref))
@@ -156,12 +156,12 @@ def pull(req: PullRequest, rep, t) -> Pulled:
         with rep.phase("signature", "verifying the signature"):
             verified_by = transfer.verify_signature(target, art, pub, str(ref))
     store.ensure_root(req.root)
-    dest = t.canonical(req.root / name)
-    with t.snapshot_lock(dest, shared=False, must_exist=False):
-        if t.path_exists(dest):
+    dest = t.store.canonical(req.root / name)
+    with t.store.snapshot_lock(dest, shared=False, must_exist=False):
+        if t.host.path_exists(dest):
             raise UsageError(f"{dest} already exists; nothing was pulled", hint="pass --name NAME, or delete it first")
-        report = t.reclaim(dest.parent)  # a killed pull's staging dir
-        staging = t.prepare_target(dest)
+        report = t.store.reclaim(dest.parent)  # a killed pull's staging dir
+        staging = t.files.prepare_target(dest)
         try:
             config = transfer.fetch_bytes(target, art.config_digest, art.config_size, "config (snapshot manifest)")
             try:
@@ -177,22 +177,22 @@ def pull(req: PullRequest, rep, t) -> Pulled:
             with rep.phase("download", f"downloading {art.blob_bytes / 1e6:.0f} MB"):
                 transfer.download(target, art, staging)
             with rep.phase("verify", "checking the snapshot's own checksums"):
-                t.check_pulled(staging, m)
-            here = t.host_identity(m.engine.kind)
-            t.publish_pulled(staging, dest, config, {
+                t.fleet.check_pulled(staging, m)
+            here = t.host.host_identity(m.engine.kind)
+            t.fleet.publish_pulled(staging, dest, config, {
                 "image": str(ref), "digest": art.digest,
-                "pulled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t.now())),
+                "pulled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t.clock.now())),
                 "machine_id": here.get("machine_id", "unknown"), "hostname": here.get("hostname", "unknown"),
                 "verified_by": verified_by})
         except BaseException:
-            t.discard(staging)
+            t.files.discard(staging)
             raise
     return Pulled(snapshot=str(dest), image=str(ref), digest=art.digest, bytes=art.blob_bytes,
-                      seconds=round(t.clock() - t0, 3), verified_by=verified_by,
+                      seconds=round(t.clock.monotonic() - t0, 3), verified_by=verified_by,
                       warnings=[f"removed leftover {p}" for p in report])
 
 
-def ensure_pulled(req: PullRequest, rep, t) -> Path:
+def ensure_pulled(req: PullRequest, rep, t: Tools) -> Path:
     """``restore IMAGE``: the store's snapshot of ``req.image`` (named as :func:`pull` names
     it), pulled first when the store lacks it. A snapshot of that name pulled from the same
     artifact digest is used as it is (its signature checked again with ``req.verify_key``);
@@ -201,11 +201,11 @@ def ensure_pulled(req: PullRequest, rep, t) -> Path:
 
     ref = reference.parse(req.image)
     name = req.name or default_name(ref)
-    dest = t.canonical(req.root / name) if store.valid_name(name) else None
-    if dest is None or not t.path_exists(dest):
+    dest = t.store.canonical(req.root / name) if store.valid_name(name) else None
+    if dest is None or not t.host.path_exists(dest):
         return Path(pull(req, rep, t).snapshot)
     target, art = fetch(ref, req.plain_http, t)
-    rec = t.pulled_from(dest)
+    rec = t.files.pulled_from(dest)
     if rec is None or rec.get("digest") != art.digest:
         raise UsageError(f"{dest} exists and was not pulled from {ref} ({art.digest}); nothing was restored",
                          hint=f"delete it (`vllm-snapshot delete {name}`), or pull the image under another --name and "
@@ -215,7 +215,7 @@ def ensure_pulled(req: PullRequest, rep, t) -> Path:
     return dest
 
 
-def inspect_image(image: str, plain_http: bool, t) -> ImageInspected:
+def inspect_image(image: str, plain_http: bool, t: Tools) -> ImageInspected:
     """Read only the manifest of ``image``. Raises UsageError, CorruptSnapshotError."""
     ref = reference.parse(image)
     _, art = fetch(ref, plain_http, t)
@@ -229,7 +229,7 @@ class RegistryCache:
     key (the tag). ``repo`` is ``HOST[:PORT]/REPO`` or ``oci:DIR`` (no tag); ``tools`` has the
     snapshot and fleet roles; ``sign_key``/``verify_key`` as for push/pull."""
 
-    def __init__(self, repo: str, tools, rep, plain_http: bool = False, sign_key: Path | None = None,
+    def __init__(self, repo: str, tools: Tools, rep, plain_http: bool = False, sign_key: Path | None = None,
                  verify_key: Path | None = None):
         ref = reference.parse(repo)
         if ref.digest is not None or (isinstance(ref, reference.RegistryRef) and ":" in repo.rsplit("/", 1)[-1]) \

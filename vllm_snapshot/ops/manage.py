@@ -1,5 +1,5 @@
 """The management commands: ``list`` rows, ``delete``, ``prune``, ``status``, ``stop``,
-``switch``. Sequencing only; side effects through :class:`SnapshotTools`."""
+``switch``. Sequencing only; side effects through :class:`Tools`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ..errors import BusyError, CorruptSnapshotError, Interrupted, SnapshotError
 from ..report.progress import Reporter
 from ..store.registry import Entry
 from ..report.results import Deleted, Engines, Listed, Pruned, Stopped, Switched
-from ..effects.tools import LocalTools, SnapshotTools
+from ..effects.tools import Tools, local_tools
 from .restore import RestoreRequest, restore, validate
 
 
@@ -22,7 +22,7 @@ def _first_lines(e: Exception) -> str:
     return lines[0] + (" " + lines[1].strip() if len(lines) > 1 else "")
 
 
-def describe(snapshot: Path, tools: SnapshotTools | None = None) -> dict:
+def describe(snapshot: Path, tools: Tools | None = None) -> dict:
     """One ``list`` row: name, path, model, key, created, kind, sleep level, raw/stored bytes,
     whether this host can restore it (``compatible`` + ``why``: a refusal ``serve`` recorded
     since its last restore, else host identity and model files), last restore (unix s or None).
@@ -30,55 +30,55 @@ def describe(snapshot: Path, tools: SnapshotTools | None = None) -> dict:
     Cheap by design (a ``list`` of many snapshots stays fast): trust checks, manifest, layout
     (stat), host identity (probed once per command, not per row) and the model's stat; image
     checksums, mapped-file hashes and the port are left to ``verify``/``restore``."""
-    t = tools or LocalTools()
-    row: dict = {"name": snapshot.name, "path": str(snapshot), "last_restore": t.last_restore(snapshot)}
+    t = tools or local_tools()
+    row: dict = {"name": snapshot.name, "path": str(snapshot), "last_restore": t.store.last_restore(snapshot)}
     try:
-        m = t.open_snapshot(snapshot)
+        m = t.files.open_snapshot(snapshot)
     except Exception as e:  # noqa: BLE001 - a broken snapshot is still listed, as incompatible
         return {**row, "model": None, "key": None, "created": None, "kind": None, "sleep_level": None,
                 "raw_bytes": None, "stored_bytes": None, "compatible": False, "why": _first_lines(e)}
     row.update(model=m.model.requested, created=m.created_at, kind=m.engine.kind, sleep_level=m.engine.sleep_level,
                raw_bytes=m.sizes["raw"], stored_bytes=m.sizes["stored"], key=m.key.value if m.key else None)
-    refused = t.refusal(snapshot)
+    refused = t.store.refusal(snapshot)
     if refused is not None:  # `serve` restored it and it failed (oracle, CRIU, ...): say so
         row.update(compatible=False, why=f"refused by serve: {refused['reason']}")
         return row
     try:
-        hard = [d for d in identity.compare(m.host, t.host_identity(m.engine.kind),
-                                            machine=t.pulled_from(snapshot) is None) if not d.overridden]
+        hard = [d for d in identity.compare(m.host, t.host.host_identity(m.engine.kind),
+                                            machine=t.files.pulled_from(snapshot) is None) if not d.overridden]
         if hard:
             row.update(compatible=False, why="this host differs: " + "; ".join(map(str, hard)))
             return row
-        t.verify_model(Path(m.model.path), m.model.files, "quick")
+        t.model.verify_model(Path(m.model.path), m.model.files, "quick")
         row.update(compatible=True, why="")
     except Exception as e:  # noqa: BLE001
         row.update(compatible=False, why=_first_lines(e))
     return row
 
 
-def list_snapshots(root: Path, tools: SnapshotTools | None = None) -> Listed:
+def list_snapshots(root: Path, tools: Tools | None = None) -> Listed:
     """``list``: a :func:`describe` row per published snapshot under ``root``."""
-    t = tools or LocalTools()
-    if t.path_exists(root) and not Path(root).is_dir():
+    t = tools or local_tools()
+    if t.host.path_exists(root) and not Path(root).is_dir():
         raise UsageError(f"the snapshot root {root} is not a directory", hint="check --root / VLLM_SNAPSHOT_ROOT")
-    return Listed(str(root), [describe(p, t) for p in t.list_snapshots(root)], t.path_exists(root))
+    return Listed(str(root), [describe(p, t) for p in t.store.list_snapshots(root)], t.host.path_exists(root))
 
 
-def _engines_of(t: SnapshotTools, snapshot: Path, entries: list[Entry] | None = None) -> list[Entry]:
+def _engines_of(t: Tools, snapshot: Path, entries: list[Entry] | None = None) -> list[Entry]:
     """Registered engines (``entries``, default the registry's) restored from ``snapshot``,
     compared by canonical path (a symlinked root or ``..`` names the same snapshot)."""
-    me = t.canonical(snapshot)
-    return [e for e in (t.engines() if entries is None else entries) if t.canonical(Path(e.snapshot)) == me]
+    me = t.store.canonical(snapshot)
+    return [e for e in (t.runtime.engines() if entries is None else entries) if t.store.canonical(Path(e.snapshot)) == me]
 
 
-def delete(snapshot: Path, force: bool = False, tools: SnapshotTools | None = None) -> Deleted:
+def delete(snapshot: Path, force: bool = False, tools: Tools | None = None) -> Deleted:
     """Delete ``snapshot`` under its exclusive lock. Refuses (BusyError) while an engine
     restored from it runs, unless ``force`` (then they are stopped first). Raises UsageError
     (missing), CorruptSnapshotError (a directory that is not a snapshot)."""
-    t = tools or LocalTools()
-    snapshot = t.canonical(snapshot)
-    if not t.path_exists(snapshot / manifest.MANIFEST_NAME):
-        if not t.path_exists(snapshot):
+    t = tools or local_tools()
+    snapshot = t.store.canonical(snapshot)
+    if not t.host.path_exists(snapshot / manifest.MANIFEST_NAME):
+        if not t.host.path_exists(snapshot):
             raise UsageError(f"{snapshot} does not exist")
         if not snapshot.is_dir():  # the exit-code rule: a file is a usage error, as for inspect
             raise UsageError(f"{snapshot} is not a directory (a snapshot is a directory)")
@@ -88,9 +88,9 @@ def delete(snapshot: Path, force: bool = False, tools: SnapshotTools | None = No
         raise BusyError(f"engines restored from {snapshot} are running: PIDs {[e.pid for e in running]}",
                         hint="stop them (vllm-snapshot stop), or pass --force")
     for e in running:
-        t.stop_engine(e)
-    with t.snapshot_lock(snapshot, shared=False):
-        t.delete_snapshot(snapshot)
+        t.runtime.stop_engine(e)
+    with t.store.snapshot_lock(snapshot, shared=False):
+        t.store.delete_snapshot(snapshot)
     return Deleted(str(snapshot), [e.pid for e in running])
 
 
@@ -103,7 +103,7 @@ def parse_duration(text: str) -> float:
 
 
 def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: bool,
-          tools: SnapshotTools | None = None, unusable: bool = False) -> Pruned:
+          tools: Tools | None = None, unusable: bool = False) -> Pruned:
     """Select snapshots under ``root`` beyond the ``keep`` newest per model, or older than
     ``older_than_s`` seconds (with both: beyond the ``keep`` newest *and* older: ``--keep`` always
     keeps the newest, as restic's ``--keep-last`` with ``--keep-within`` does), and/or
@@ -112,17 +112,17 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
     those with running engines.
     Always removes what killed commands left (temp dirs of crashed creates, staging dirs of
     killed restores, stale lock files); without ``keep``/``older_than_s`` only that."""
-    t = tools or LocalTools()
+    t = tools or local_tools()
     rows = []
-    for p in t.list_snapshots(root) if (keep is not None or older_than_s is not None) else []:
+    for p in t.store.list_snapshots(root) if (keep is not None or older_than_s is not None) else []:
         try:
-            m = t.open_snapshot(p)
+            m = t.files.open_snapshot(p)
             rows.append((m.model.path, _dt.datetime.fromisoformat(m.created_at).timestamp(), p))
         except (SnapshotError, OSError, ValueError):  # unreadable snapshots are left to `delete`
             continue
     victims: set[Path] = set()
     if unusable:
-        victims |= {p for p in t.list_snapshots(root) if not describe(p, t)["compatible"]}
+        victims |= {p for p in t.store.list_snapshots(root) if not describe(p, t)["compatible"]}
     aged: set[Path] = {p for _, _, p in rows}
     if keep is not None:
         by_model: dict[str, list] = {}
@@ -130,7 +130,7 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
             by_model.setdefault(model, []).append((created, p))
         aged = {p for items in by_model.values() for _, p in sorted(items, reverse=True)[keep:]}
     if older_than_s is not None:
-        now = t.now()
+        now = t.clock.now()
         aged &= {p for _, created, p in rows if now - created > older_than_s}
     if keep is not None or older_than_s is not None:
         victims |= aged
@@ -141,28 +141,28 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
             continue
         if not dry_run:
             try:
-                with t.snapshot_lock(p, shared=False):
-                    t.delete_snapshot(p)
+                with t.store.snapshot_lock(p, shared=False):
+                    t.store.delete_snapshot(p)
             except CorruptSnapshotError:  # not a snapshot at all (another tool's manifest.json): never removed
                 kept.append(str(p))
                 continue
         deleted.append(str(p))
-    temps = t.reclaim(root, dry_run=True) if dry_run else [str(x) for x in t.clean_stale_temps(root)] + t.reclaim(root)
+    temps = t.store.reclaim(root, dry_run=True) if dry_run else [str(x) for x in t.store.clean_stale_temps(root)] + t.store.reclaim(root)
     return Pruned(deleted, kept, temps, dry_run)
 
 
-def status(tools: SnapshotTools | None = None) -> Engines:
+def status(tools: Tools | None = None) -> Engines:
     """``status``: the registry's live engines, each with its URL and the cgroup it runs in
     now (read from /proc: detached engines have one of their own), the root PIDs of engine
     trees nobody owns (a killed restore's) and the engine cgroups no process is in any more (an
     engine that exited or was killed): ``prune`` removes both."""
-    t = tools or LocalTools()
+    t = tools or local_tools()
     return Engines([{**{k: v for k, v in e.__dict__.items() if k != "frontend"}, "url": e.url,
-                     "cgroup": t.cgroup_of(e.pid)} for e in t.engines()], t.orphan_pids(),
-                   t.empty_engine_cgroups())
+                     "cgroup": t.runtime.cgroup_of(e.pid)} for e in t.runtime.engines()], t.runtime.orphan_pids(),
+                   t.runtime.empty_engine_cgroups())
 
 
-def stop_engines(snapshot: Path | None, port: int | None, tools: SnapshotTools | None = None,
+def stop_engines(snapshot: Path | None, port: int | None, tools: Tools | None = None,
                  pid: int | None = None, drain_s: float | None = None) -> Stopped:
     """Stop registered engines: every one restored from ``snapshot`` (clones included), those
     on ``port`` (on any host address), or the one whose root PID is ``pid``; wait until their
@@ -170,21 +170,21 @@ def stop_engines(snapshot: Path | None, port: int | None, tools: SnapshotTools |
     most ``drain_s`` seconds (default: the drain timeout it was restored with); requests still
     in flight then are cut and counted (``cut`` in each row). Raises UsageError when none
     matches."""
-    t = tools or LocalTools()
-    entries = t.engines()
+    t = tools or local_tools()
+    entries = t.runtime.engines()
     mine = _engines_of(t, snapshot, entries) if snapshot is not None else []
     match = [e for e in entries
              if e in mine or (port is not None and e.port == port) or (pid is not None and e.pid == pid)]
     if not match:
         what = f"snapshot {snapshot}" if snapshot else (f"port {port}" if port is not None else f"PID {pid}")
-        owner = t.engine_owning(pid, entries) if pid is not None else None
+        owner = t.runtime.engine_owning(pid, entries) if pid is not None else None
         if owner is not None:  # a child of an engine tree, or the supervisor of a foreground one
             raise UsageError(f"PID {pid} is not an engine root: it belongs to the engine with root PID {owner.pid} "
                              f"({owner.snapshot}, port {owner.port})", hint=f"vllm-snapshot stop --pid {owner.pid}")
         raise UsageError(f"no restored engine matches {what}", hint="`vllm-snapshot status` lists them")
     rows = []
     for e in match:
-        r = t.stop_engine(e, drain_s)
+        r = t.runtime.stop_engine(e, drain_s)
         rows.append({"pid": e.pid, "snapshot": e.snapshot, "port": e.port, "seconds": round(r.seconds, 3),
                      "drain_s": e.drain_s if drain_s is None else drain_s, "drained": r.drained, "cut": r.cut,
                      "killed": r.killed})
@@ -196,7 +196,7 @@ class _Stopping:
     new connection, requests in flight finish, for at most ``drain_s`` seconds) while the next
     engine is restored. ``wait()`` joins it; ``reports`` holds each engine's StopReport."""
 
-    def __init__(self, t: SnapshotTools, old: list[Entry], drain_s: float | None) -> None:
+    def __init__(self, t: Tools, old: list[Entry], drain_s: float | None) -> None:
         import threading
 
         self.reports: list = []
@@ -207,7 +207,7 @@ class _Stopping:
             self._began.set()
             try:
                 for e in old:
-                    self.reports.append(t.stop_engine(e, drain_s))
+                    self.reports.append(t.runtime.stop_engine(e, drain_s))
             except BaseException as e:  # noqa: BLE001 - re-raised by wait()
                 self.error = e
 
@@ -223,20 +223,20 @@ class _Stopping:
             raise self.error
         return self.reports
 
-    def wait_port(self, t: SnapshotTools, host: str, port: int) -> None:
+    def wait_port(self, t: Tools, host: str, port: int) -> None:
         """Until ``host:port`` can be bound (the old engines closed their listening sockets:
         they drain now) or they are gone."""
         self._began.wait()
         while not self.done():
             try:
-                t.port_free(host, port)
+                t.host.port_free(host, port)
                 return
             except BusyError:
-                t.sleep(0.05)
+                t.clock.sleep(0.05)
 
 
 def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, rep: Reporter,
-           rollback: bool = True, tools: SnapshotTools | None = None, frontend: tuple[str, ...] = (),
+           rollback: bool = True, tools: Tools | None = None, frontend: tuple[str, ...] = (),
            drain_s: float | None = None) -> Switched:
     """Serve ``snapshot`` on ``port`` instead of whatever serves there, never leaving the port
     dark by mistake and never cutting an accepted request:
@@ -273,25 +273,25 @@ def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, r
     Durations in seconds: ``stop_s`` until the restore could start (the old engine closed the
     port), ``restore_s``, ``switch_s`` their sum. Raises the errors of :func:`restore`,
     BusyError (the port's lock, after :data:`vllm_snapshot.store.locks.PORT_WAIT_S`)."""
-    t = tools or LocalTools()
-    t.require_root()
-    with t.port_lock(port, rep.info):
+    t = tools or local_tools()
+    t.host.require_root()
+    with t.store.port_lock(port, rep.info):
         return _switch_locked(t, snapshot, host, port, log_file, rep, rollback, frontend, drain_s)
 
 
-def _switch_locked(t: SnapshotTools, snapshot: Path, host: str | None, port: int, log_file: Path | None,
+def _switch_locked(t: Tools, snapshot: Path, host: str | None, port: int, log_file: Path | None,
                    rep: Reporter, rollback: bool, frontend: tuple[str, ...], drain_s: float | None) -> Switched:
     from ..supervise import frontend as fe
     from ..errors import InsufficientResources
     from ..store.registry import drain_timeout
 
-    old = [e for e in t.engines() if e.port == port]
+    old = [e for e in t.runtime.engines() if e.port == port]
     recorded = old[0].frontend_args if old else None
     tokens, carried = fe.carry(list(frontend), list(recorded or ()))
-    wanted = fe.check(tokens, t.environ())
+    wanted = fe.check(tokens, t.host.environ())
     back = list(frontend) if recorded is None else fe.carry(fe.secrets(list(frontend)), list(recorded))[0]
-    new_drain = drain_timeout(drain_s, t.environ())
-    snapshot = t.canonical(snapshot)
+    new_drain = drain_timeout(drain_s, t.host.environ())
+    snapshot = t.store.canonical(snapshot)
     dropped = [what for what, had, has in (("an API key", any(e.auth for e in old), bool(wanted.api_keys)),
                                            ("TLS (https)", any(e.scheme == "https" for e in old), wanted.tls))
                if had and not has]
@@ -301,27 +301,27 @@ def _switch_locked(t: SnapshotTools, snapshot: Path, host: str | None, port: int
                          hint="give switch the same --api-key (or VLLM_API_KEY) and --ssl-* options; to serve "
                               f"without them on purpose, `vllm-snapshot stop --port {port}` first, then restore")
     host = host or (old[0].host if old else "127.0.0.1")
-    if old and all(t.canonical(Path(e.snapshot)) == snapshot and e.host == host for e in old) \
+    if old and all(t.store.canonical(Path(e.snapshot)) == snapshot and e.host == host for e in old) \
             and all(fe.same_settings(wanted.args, e.frontend) for e in old):
         rep.info(f"{snapshot.name} already serves on port {port} (PID {old[0].pid}) with these front-end "
                   "options; nothing to switch")
         return Switched(str(snapshot), port, old[0].pid, old[0].url, 0.0, 0.0, 0.0, [], host, unchanged=True)
     with rep.phase("validate_target", f"validating {snapshot.name} before touching port {port}"):
-        with t.snapshot_lock(snapshot, shared=True):
+        with t.store.snapshot_lock(snapshot, shared=True):
             # everything restore checks before CRIU, image checksums included, except the
             # port (the old engine holds it)
             m, _ = validate(snapshot, check_images=True, tools=t)
         # an isolated snapshot's listeners live in its own fresh network namespace: nothing to check
         recorded = () if m.engine.network == "isolated" else m.criu.listeners
-        held = set().union(*(t.ports_held_by(e.pid) for e in old)) if old else set()
-        taken = t.listeners_taken(tuple(x for x in recorded if int(x[1]) not in held))
+        held = set().union(*(t.host.ports_held_by(e.pid) for e in old)) if old else set()
+        taken = t.host.listeners_taken(tuple(x for x in recorded if int(x[1]) not in held))
         if taken:
             raise BusyError("the target's recorded loopback ports are taken (the old engine keeps serving):\n  "
                             + "\n  ".join(taken), hint="stop what holds them, or re-create the snapshot")
     if carried:
         rep.info(f"keeping the front-end options of the engine on port {port}: {', '.join(dict.fromkeys(carried))} "
                  "(give one to switch to change it)")
-    t0 = t.clock()
+    t0 = t.clock.monotonic()
     stopping = None
     if old:
         drains = sorted({e.drain_s if drain_s is None else drain_s for e in old})
@@ -332,7 +332,7 @@ def _switch_locked(t: SnapshotTools, snapshot: Path, host: str | None, port: int
                 stopping.wait()  # GPU memory / loopback listeners of the old tree: released first
             else:
                 stopping.wait_port(t, host, port)
-    t1 = t.clock()
+    t1 = t.clock.monotonic()
     stopped = [{"pid": e.pid, "snapshot": e.snapshot, "host": e.host, "port": e.port} for e in old]
     req = RestoreRequest(snapshot=snapshot, host=host, port=port, detach=True, log_file=log_file,
                          frontend=tuple(tokens), drain_s=new_drain)
@@ -353,14 +353,14 @@ def _switch_locked(t: SnapshotTools, snapshot: Path, host: str | None, port: int
             if (old and rollback and not isinstance(err, Interrupted)) else None
         gone = {e.pid for e in old}
         _explain_switch_failure(err, port, stopped, serving, rollback,
-                                [e for e in t.engines() if e.port == port and e.pid not in gone])
+                                [e for e in t.runtime.engines() if e.port == port and e.pid not in gone])
         raise
     except BaseException:
         if stopping is not None:
             _finish(stopping, rep)
         raise
     engine.close()
-    t2 = t.clock()
+    t2 = t.clock.monotonic()
     if stopping is not None:
         _finish(stopping, rep)
     return Switched(str(snapshot), port, r.pid, r.url, round(t1 - t0, 3), round(t2 - t1, 3),
@@ -374,7 +374,7 @@ def _finish(stopping: _Stopping, rep: Reporter) -> None:
             rep.info(f"the old engine's drain ran out with {r.cut} request(s) in flight: they were cut")
 
 
-def _roll_back(t: SnapshotTools, prev: Entry, rep: Reporter, frontend: tuple[str, ...] = (),
+def _roll_back(t: Tools, prev: Entry, rep: Reporter, frontend: tuple[str, ...] = (),
                drain_s: float | None = None) -> dict | None:
     """Restore the engine a failed switch stopped (with ``frontend``: its own recorded options
     and the switch's API key); its serving record, or None."""

@@ -1,5 +1,5 @@
 """``restore`` and ``verify``: the steps, in order (each side effect through
-:class:`SnapshotTools`).
+:class:`Tools`).
 
 :func:`validate` -- every check before CRIU, metadata first (podman reads metadata before the
 payload): trust (owner, modes, members) -> manifest (schema, digest) -> layout (stat) ->
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,13 +64,16 @@ from ..store.manifest import Manifest
 from ..report.progress import Reporter
 from ..store.registry import DRAIN_S, TEARDOWN_S, Entry
 from ..report.results import Restored, Verified
-from ..effects.tools import Engine, LocalTools, SnapshotTools
+from ..effects.protocols import Clock, Engine, EngineTools, RuntimeTools, UnpackingImages
+from ..effects.tools import Tools, local_tools
 from .cleanup import report_reclaimed, run_cleanups
 from .create import wake_timeout_s
 
 RESTORE_ORACLE_TIMEOUT_S = 300.0
 BIND_TIMEOUT_S = 120.0
 HEALTH_POLL_S = 0.05
+#: Seconds between two looks at a foreground engine (has it exited? is its grace over?).
+FOREGROUND_POLL_S = 0.2
 #: Restore's warning for a snapshot made before engines dropped privileges (no engine user).
 LEGACY_ROOT_NOTE = ("this snapshot was made before engines ran unprivileged: its engine tree runs as root "
                     "with every capability; re-create it to run as an unprivileged user")
@@ -112,25 +114,25 @@ def _pool():
 
 def validate(snapshot: Path, verify_model: str = "quick", allow: frozenset[str] = frozenset(),
              check_images: bool = False, port: tuple[str, int] | None = None,
-             tools: SnapshotTools | None = None, pins: list | None = None) -> tuple[Manifest, list[str]]:
+             tools: Tools | None = None, pins: list | None = None) -> tuple[Manifest, list[str]]:
     """Every check a restore makes before CRIU, in the order of the module doc; ``port``
     (host, port) is probed before the model files are re-hashed; ``check_images`` adds every
     image checksum (``verify``); ``pins`` receives the model files' stats as the check saw
     them (:func:`vllm_snapshot.store.model_digest.stat_pins`). Returns (manifest, warnings). Raises UsageError,
     CorruptSnapshotError, IncompatibleHostError, ModelChangedError, BusyError,
     EnvironmentProblem."""
-    t = tools or LocalTools()
+    t = tools or local_tools()
     snapshot = snapshot.absolute()
-    m = t.open_snapshot(snapshot)
+    m = t.files.open_snapshot(snapshot)
     try:
         criu.check_flags(m.criu.flags)
     except ValueError as e:
         raise CorruptSnapshotError(f"{snapshot}: the manifest's CRIU flags are not restorable by this tool: {e}",
                                    hint="re-create the snapshot with this version of vllm-snapshot") from e
-    here = t.host_identity(m.engine.kind)
+    here = t.host.host_identity(m.engine.kind)
     if "gpu_uuid_used" in m.host:  # the one GPU the tree used must be on this host
-        here["gpu_uuid_used"] = m.host["gpu_uuid_used"] if m.host["gpu_uuid_used"] in t.gpu_uuids() else "absent"
-    pulled = t.pulled_from(snapshot)  # pulled from a registry: any machine of its host class restores it
+        here["gpu_uuid_used"] = m.host["gpu_uuid_used"] if m.host["gpu_uuid_used"] in t.host.gpu_uuids() else "absent"
+    pulled = t.files.pulled_from(snapshot)  # pulled from a registry: any machine of its host class restores it
     try:
         diffs = identity.compare(m.host, here, allow, machine=pulled is None)
     except ValueError as e:
@@ -143,7 +145,7 @@ def validate(snapshot: Path, verify_model: str = "quick", allow: frozenset[str] 
             hint="restore on a matching host, or re-create the snapshot here",
             details=[d.__dict__ for d in hard])
     if m.engine.user is None:
-        missing = t.caps_missing(snapshot, m)
+        missing = t.files.caps_missing(snapshot, m)
         if missing:  # CRIU would log "Unable to restore capabilities" and hang (docs/operations.md)
             raise EnvironmentProblem(
                 f"this snapshot's engine runs as root with capabilities this restore does not have "
@@ -152,7 +154,7 @@ def validate(snapshot: Path, verify_model: str = "quick", allow: frozenset[str] 
                                        "or restore it outside the narrower bounding set")
         warnings.append(LEGACY_ROOT_NOTE)
     else:
-        who = t.user_problems(m.engine.user)
+        who = t.host.user_problems(m.engine.user)
         if who:
             u = m.engine.user
             raise IncompatibleHostError(
@@ -161,24 +163,24 @@ def validate(snapshot: Path, verify_model: str = "quick", allow: frozenset[str] 
                 hint=f"give {u.name} uid {u.uid} and gid {u.gid} again (e.g. useradd --system --uid {u.uid} "
                      f"--gid {u.gid} {u.name}), or re-create the snapshot on this host",
                 details={"engine_user": who})
-    mount_problems = t.check_external_mounts(m.criu.external_mounts)
+    mount_problems = t.host.check_external_mounts(m.criu.external_mounts)
     if mount_problems:
         raise IncompatibleHostError(
             "mounts the snapshot binds from the host differ:\n  " + "\n  ".join(mount_problems),
             hint="mount the same file systems at the same places, or re-create the snapshot",
             details={"mounts": mount_problems})
     if port is not None:
-        t.port_free(*port)
+        t.host.port_free(*port)
     if check_images:
-        t.verify_images(snapshot, m)
-    problems = t.check_tree_files(m)
+        t.files.verify_images(snapshot, m)
+    problems = t.files.check_tree_files(m)
     if problems:
         raise IncompatibleHostError(
             "files the engine had open or mapped changed since the snapshot was created:\n  " + "\n  ".join(problems),
             hint="restore with the same venv/libraries, or re-create the snapshot")
     if pins is not None:  # before the check: a change made after it shows in the stat
-        pins.extend(t.model_stats(Path(m.model.path), m.model.files))
-    t.verify_model(Path(m.model.path), m.model.files, verify_model)  # added files: refused or ignored
+        pins.extend(t.model.model_stats(Path(m.model.path), m.model.files))
+    t.model.verify_model(Path(m.model.path), m.model.files, verify_model)  # added files: refused or ignored
     return m, warnings
 
 
@@ -192,14 +194,14 @@ def raise_code_changed(problems: list[str]) -> None:
             details={"code": problems})
 
 
-def verify(snapshot: Path, allow: frozenset[str] = frozenset(), tools: SnapshotTools | None = None) -> Verified:
+def verify(snapshot: Path, allow: frozenset[str] = frozenset(), tools: Tools | None = None) -> Verified:
     """``verify``: :func:`validate` with every image checksum and a full model re-hash, under
     the snapshot's shared lock. Returns :class:`Verified`."""
-    t = tools or LocalTools()
-    snapshot = t.canonical(snapshot)
-    with t.snapshot_lock(snapshot, shared=True):
+    t = tools or local_tools()
+    snapshot = t.store.canonical(snapshot)
+    with t.store.snapshot_lock(snapshot, shared=True):
         m, warnings = validate(snapshot, "full", allow, check_images=True, tools=t)
-        raise_code_changed(t.check_code(snapshot, m))
+        raise_code_changed(t.files.check_code(snapshot, m))
     return Verified(str(snapshot), len(m.images), len(m.model.files), warnings)
 
 
@@ -209,50 +211,45 @@ def verify(snapshot: Path, allow: frozenset[str] = frozenset(), tools: SnapshotT
 SERVER_START = "server-start"
 
 
-def _exited_while_serving(engine, log_file: Path | None) -> EngineError:
+def _exited_while_serving(et: EngineTools, engine: Engine, log_file: Path | None) -> EngineError:
     """The error for an engine that died between the bind and ``/health``: the last lines of
     its log (a detached engine's is ``log_file``: our end of its log pipe is /dev/null) and
     where the whole log is (``details``: ``{"stage": SERVER_START, "log": path or None}``)."""
     tail = engine.log_tail()
     if log_file is not None:
-        try:
-            with open(log_file, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 16384))
-                tail = b"\n".join(f.read().splitlines()[-20:]).decode(errors="replace")
-        except OSError:
-            pass
+        from_file = et.read_log_tail(log_file)
+        tail = tail if from_file is None else from_file
     return EngineError("engine exited while starting the server" + (f"; its log ends:\n{tail}" if tail.strip() else ""),
                        hint=f"full engine log: {log_file}" if log_file is not None else None,
                        details={"stage": SERVER_START, "log": str(log_file) if log_file is not None else None})
 
 
-def restore(req: RestoreRequest, rep: Reporter, tools: SnapshotTools | None = None) -> tuple[Restored, Engine]:
+def restore(req: RestoreRequest, rep: Reporter, tools: Tools | None = None) -> tuple[Restored, Engine]:
     """Validate, stage, CRIU-restore, replay the oracle inside the engine, and only then bind
     ``host:port`` and serve; then a canary request over HTTP. Returns the result and the live
     engine handle (foreground: :func:`serve_foreground`; detached: close it). Fails closed: on
     any error the restored tree is killed, the port is released, staging is removed, the
     snapshot is untouched. Raises the errors of :func:`validate`, BusyError, CriuError,
     EngineError, OracleMismatchError."""
-    t = tools or LocalTools()
-    t.require_root()
-    criu.env_timeout()  # a bad $VLLM_SNAPSHOT_CRIU_TIMEOUT is a usage error now, not after minutes
-    snapshot = t.canonical(req.snapshot)
+    t = tools or local_tools()
+    t.host.require_root()
+    criu.env_timeout(t.host.environ())  # a bad $VLLM_SNAPSHOT_CRIU_TIMEOUT is a usage error now, not after minutes
+    snapshot = t.store.canonical(req.snapshot)
     served = False
     try:
-        with t.snapshot_lock(snapshot, shared=True):
+        with t.store.snapshot_lock(snapshot, shared=True):
             r, engine = _restore_locked(t, req, rep, snapshot)
         served = True
         # signals are held from the moment the engine serves validated (interrupts.hold in
         # _restore_locked): the registry must learn of an engine that keeps running
         try:
-            t.register(Entry(snapshot=str(snapshot), pid=r.pid, supervisor_pid=0 if req.detach else os.getpid(),
-                             host=req.host, port=req.port, started_at=t.now(),
+            t.runtime.register(Entry(snapshot=str(snapshot), pid=r.pid, supervisor_pid=0 if req.detach else os.getpid(),
+                             host=req.host, port=req.port, started_at=t.clock.now(),
                              mode="detached" if req.detach else "foreground",
                              scheme=r.url.split(":", 1)[0], cgroup=r.cgroup, frontend=r.frontend_fp, auth=r.auth,
                              drain_s=req.drain_s,
                              frontend_args=tuple(frontend.without_secrets(list(req.frontend)))))
-            t.record_restore(snapshot, [w for w in r.warnings if w.startswith("identity override")])
+            t.store.record_restore(snapshot, [w for w in r.warnings if w.startswith("identity override")])
         except OSError as e:  # bookkeeping only: never fail a served restore for it
             rep.info(f"could not record the engine in the registry: {e}")
     finally:
@@ -261,28 +258,28 @@ def restore(req: RestoreRequest, rep: Reporter, tools: SnapshotTools | None = No
     return r, engine
 
 
-def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapshot: Path) -> tuple[Restored, Engine]:
-    report_reclaimed(rep, t.reclaim(snapshot.parent))
+def _restore_locked(t: Tools, req: RestoreRequest, rep: Reporter, snapshot: Path) -> tuple[Restored, Engine]:
+    report_reclaimed(rep, t.store.reclaim(snapshot.parent))
     with rep.phase("validate", "validating snapshot, host and model"):
-        fe = frontend.check(list(req.frontend), t.environ())  # the options' values and files, before CRIU
+        fe = frontend.check(list(req.frontend), t.host.environ())  # the options' values and files, before CRIU
         pins: list = []  # the model files' stats as checked: a level-2 wake reloads from them
         m, warnings = validate(snapshot, req.verify_model, req.allow, port=(req.host, req.port), tools=t, pins=pins)
         if fe.files and m.engine.user is not None:  # the unprivileged engine opens them when it serves
-            unreadable = t.unreadable_by(m.engine.user, [Path(p) for p in fe.files])
+            unreadable = t.host.unreadable_by(m.engine.user, [Path(p) for p in fe.files])
             if unreadable:
                 u = m.engine.user.name
                 raise UsageError(f"the engine runs as {u}, which cannot read the TLS files:\n  " + "\n  ".join(unreadable),
                                  hint=f"make them readable to {u} only, e.g. `chgrp {u} FILE && chmod 0640 FILE`, and "
                                       f"every directory above them searchable to it (e.g. `setfacl -m u:{u}:x DIR`)")
-        short = resources.check(m.sizes["raw"], t.memory_offer(req.detach))
+        short = resources.check(m.sizes["raw"], t.host.memory_offer(req.detach))
         if short:
             raise InsufficientResources(short, hint="free memory (stop other engines: vllm-snapshot status / stop), "
                                                     "raise the memory limit of the cgroup, or restore on a larger host")
         log_file = None
         if req.detach:
             if req.log_file is not None:
-                t.check_log_file(req.log_file)
-            log_file = req.log_file or t.default_log_file(snapshot, req.port)
+                t.engine.check_log_file(req.log_file)
+            log_file = req.log_file or t.engine.default_log_file(snapshot, req.port)
     for w in warnings:
         rep.info(w)
     stage: Path | None = None
@@ -297,20 +294,20 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
         if m.engine.kind == "cuda":
             # before staging (a waiter holds no staged images in RAM) and before the CRIU lock (a
             # waiter never blocks restores onto other GPUs); held until the engine has woken
-            gpu_held.enter_context(t.gpu_lock(m.host.get("gpu_uuid_used", ""), rep.info))
+            gpu_held.enter_context(t.checkpoint.gpu_lock(m.host.get("gpu_uuid_used", ""), rep.info))
         # the code identity check (0.1-0.6 s of stat calls) runs alongside staging, CRIU and the
         # oracle, like the image checksums; it is decided with them, before anything is bound
-        code_check = _pool().submit(t.check_code, snapshot, m)
+        code_check = _pool().submit(t.files.check_code, snapshot, m)
         with rep.phase("stage", "staging images (checksums verified alongside CRIU)"):
-            stage, checking = t.stage_checking(snapshot, m)
-            placed = t.put_back_remaps(snapshot, m)
+            stage, checking = t.files.stage_checking(snapshot, m)
+            placed = t.checkpoint.put_back_remaps(snapshot, m)
         isolated = m.engine.network == "isolated"
-        channel = t.new_channel(log_file)
-        with t.criu_lock():
+        channel = t.engine.new_channel(log_file)
+        with t.checkpoint.criu_lock():
             # Host-network snapshots (made before engines had a network namespace of their
             # own): checked under the host-wide CRIU lock, so a concurrent restore of the same
             # snapshot that just bound them is seen: refuse before CRIU would fail on them.
-            taken = [] if isolated else t.listeners_taken(m.criu.listeners)
+            taken = [] if isolated else t.host.listeners_taken(m.criu.listeners)
             if taken:
                 raise BusyError(
                     f"loopback ports the engine tree listened on at snapshot time ({len(m.criu.listeners)}) "
@@ -319,15 +316,15 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
             opts = criu.RestoreOptions(flags=m.criu.flags, inherit_fds=channel.inherit_fds(m.criu.inherit),
                                        external=mountpolicy.restore_args(m.criu.external_mounts),
                                        network_lock=criu.NETWORK_LOCK_ISOLATED if isolated else None)
-            t.check_gpu_capacity(m)  # CUDA: the GPU has room (after switch stopped the old engine)
+            t.checkpoint.check_gpu_capacity(m)  # CUDA: the GPU has room (after switch stopped the old engine)
             if req.detach:  # a cgroup of its own: it must outlive whoever launched it (cgroups module doc)
-                placement = t.engine_cgroup(f"{snapshot.name}-{req.port}")
+                placement = t.runtime.engine_cgroup(f"{snapshot.name}-{req.port}")
                 if placement.skipped:
                     rep.info("the engine stays in this command's cgroup in: " + ", ".join(placement.skipped))
             # A compressed snapshot's memory pages images are still being unpacked (and
             # verified, frame by frame): CRIU waits for them once the tree's namespaces exist,
             # before any task maps its memory; a tree without namespaces waits before CRIU.
-            ready = getattr(checking, "ready", None)
+            ready = checking.ready if isinstance(checking, UnpackingImages) else None
             if ready is not None and not isolated:
                 with rep.phase("unpack", "unpacking the memory images"):
                     ready()
@@ -336,7 +333,7 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
                 if placement is not None:
                     placement.enter()  # CRIU and every process it forks are born there
                 try:
-                    pid = t.restore_tree(m.engine.kind, opts, stage, before_memory=ready, cuda_pids=m.criu.cuda_pids)
+                    pid = t.checkpoint.restore_tree(m.engine.kind, opts, stage, before_memory=ready, cuda_pids=m.criu.cuda_pids)
                 finally:
                     if placement is not None:
                         placement.leave()
@@ -344,9 +341,9 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
                 waited = round(checking.waited_s, 3)
                 rep.timings["criu_restore"] = round(rep.timings.get("criu_restore", 0.0) - waited, 3)
                 rep.timings["unpack_wait"] = waited
-        engine = t.adopt(pid, channel, None if req.detach else req.engine_log)
+        engine = t.engine.adopt(pid, channel, None if req.detach else req.engine_log)
         channel = None
-        got_tree = t.tree_commands(pid)
+        got_tree = t.checkpoint.tree_commands(pid)
         if len(got_tree) != len(m.criu.tree_pids) or got_tree[:1] != m.criu.tree_commands[:1]:
             raise CriuError(
                 f"CRIU restored a tree that is not the recorded one: {len(got_tree)} processes "
@@ -355,27 +352,27 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
                 hint="re-run the restore; if it repeats, re-create the snapshot")
         if m.engine.user is not None:  # CRIU restores the dumped credentials: check, never assume
             u = m.engine.user
-            wrong = privilege.tree_problems(t.tree_creds(pid), u.uid, u.gid, u.groups)
+            wrong = privilege.tree_problems(t.checkpoint.tree_creds(pid), u.uid, u.gid, u.groups)
             if wrong:
                 raise CriuError("the restored tree does not run with the recorded credentials "
                                 f"({m.engine.user.name}, no capability, NoNewPrivs); stopped it:\n  "
                                 + "\n  ".join(wrong[:10]), hint="re-create the snapshot with this CRIU")
         engine.send("attach")  # from now on the tree dies with us until `serve` decides
         engine.wait_event("attached", RESTORE_ORACLE_TIMEOUT_S)
-        t.unstage(stage)
+        t.files.unstage(stage)
         stage = None
         try:  # CRIU consumed them; never leave ours behind (a leftover is harmless: warn)
-            t.cleanup_remaps(placed)
+            t.checkpoint.cleanup_remaps(placed)
             placed = []
         except OSError as e:
             rep.info(f"could not remove link-remap files put back for CRIU: {e}")
         if m.engine.sleep_level:
             with rep.phase("wake", "waking engine (reload weights, reset prefix cache)"):
-                reload_since_ns = int(t.now() * 1e9)
+                reload_since_ns = int(t.clock.now() * 1e9)
                 engine.send("wake")
                 engine.wait_event("woken", wake_timeout_s(m))
                 if m.engine.sleep_level >= 2:  # it read the weights from disk: still the checked ones?
-                    t.recheck_model(Path(m.model.path), tuple(pins), reload_since_ns,
+                    t.model.recheck_model(Path(m.model.path), tuple(pins), reload_since_ns,
                                     during="since restore checked them (the wake reloaded the weights from them)",
                                     hint="nothing serves; keep the model directory unchanged while restoring and "
                                          "restore again (if the change is meant, re-create the snapshot)")
@@ -397,23 +394,23 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
         url = ports.url(req.host, req.port, fe.scheme)
         with rep.phase("bind", f"binding {ports.fmt_addr(req.host, req.port)}"):
             if isolated:  # bound here, in the host's namespace, and handed to the engine
-                t.serve_engine(engine, req.host, req.port, die_with_parent=not req.detach, frontend=tuple(fe.args),
+                t.engine.serve_engine(engine, req.host, req.port, die_with_parent=not req.detach, frontend=tuple(fe.args),
                                drain_s=req.drain_s)
             else:
                 engine.send("serve", host=req.host, port=req.port, die_with_parent=not req.detach, frontend=fe.args,
                             drain_s=req.drain_s)
             engine.wait_event("binding", BIND_TIMEOUT_S)
         with rep.phase("http_ready", "waiting for the HTTP server (/health)"):
-            deadline = t.clock() + BIND_TIMEOUT_S
-            while not t.http_health(url):
+            deadline = t.clock.monotonic() + BIND_TIMEOUT_S
+            while not t.engine.http_health(url):
                 if not engine.alive():
-                    raise _exited_while_serving(engine, log_file)
-                if t.clock() > deadline:
+                    raise _exited_while_serving(t.engine, engine, log_file)
+                if t.clock.monotonic() > deadline:
                     raise EngineError(f"server did not become healthy within {BIND_TIMEOUT_S:.0f} s",
                                       details={"stage": SERVER_START})
-                t.sleep(HEALTH_POLL_S)
+                t.clock.sleep(HEALTH_POLL_S)
         with rep.phase("canary", "canary request over HTTP"):
-            diffs = t.http_canary(url, m, fe.api_keys[0] if fe.api_keys else None)
+            diffs = t.engine.http_canary(url, m, fe.api_keys[0] if fe.api_keys else None)
             if diffs:
                 raise OracleMismatchError("the HTTP canary differs from the oracle; stopped the engine:\n  " + "\n  ".join(diffs))
         interrupts.hold()  # serving, validated: see restore()
@@ -431,8 +428,8 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
             steps.append(("close the channel", channel.close))
         # by owner PID, not by the variable: a signal can land between a staging dir's
         # creation and the assignment that remembers it
-        steps.append(("remove the staging dirs of this restore", lambda: t.unstage_all(snapshot.parent)))
-        steps.append(("remove link-remap files put back", lambda: t.cleanup_remaps(placed)))
+        steps.append(("remove the staging dirs of this restore", lambda: t.files.unstage_all(snapshot.parent)))
+        steps.append(("remove link-remap files put back", lambda: t.checkpoint.cleanup_remaps(placed)))
         if placement is not None:
             steps.append(("remove the engine's cgroup", placement.remove))
         steps.append(("release the GPU lock", gpu_held.close))  # after the tree (and its GPU memory) is gone
@@ -463,47 +460,45 @@ def _restore_locked(t: SnapshotTools, req: RestoreRequest, rep: Reporter, snapsh
 
 
 def serve_foreground(r: Restored, engine: Engine, on_signal_msg: Callable[[str], None] | None = None,
-                     stop_grace_s: float | None = None, tools: SnapshotTools | None = None) -> int:
+                     stop_grace_s: float | None = None, tools: Tools | None = None) -> int:
     """Block until the restored engine exits; every SIGINT/SIGTERM/SIGHUP (a closed terminal)
     is forwarded to it as SIGTERM: the first makes it drain (no new connection, requests in flight finish within
     ``r.drain_s`` seconds) and exit 0, a second cuts the drain short. SIGKILL after
     ``stop_grace_s`` seconds from the first signal (default ``r.drain_s`` + the engine's
     teardown time, :data:`vllm_snapshot.store.registry.TEARDOWN_S`). Returns the engine's exit code
     (137 when it had to be killed); unregisters it."""
-    t = tools or LocalTools()
-    stopping: dict[str, float | None] = {"at": None}
-    if stop_grace_s is None:
-        stop_grace_s = r.drain_s + TEARDOWN_S
+    t = tools or local_tools()
+    return _serve_until_exit(t.runtime, t.clock, r, engine, on_signal_msg,
+                             r.drain_s + TEARDOWN_S if stop_grace_s is None else stop_grace_s)
 
-    def _fwd(signum, frame):
+
+def _serve_until_exit(rt: RuntimeTools, clock: Clock, r: Restored, engine: Engine,
+                      on_signal_msg: Callable[[str], None] | None, stop_grace_s: float) -> int:
+    """:func:`serve_foreground` over its two roles: signals and the registry (``rt``), time."""
+    stopping: dict[str, float | None] = {"at": None}
+
+    def _fwd(signum: int) -> None:
         if on_signal_msg:
             on_signal_msg(f"received signal {signum}; stopping the engine" + (
                 f" (draining: requests in flight may finish for up to {r.drain_s:g} s)" if stopping["at"] is None
                 else " now (requests still in flight are cut)"))
-        stopping["at"] = stopping["at"] or time.monotonic()
-        try:
-            os.kill(engine.root_pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+        stopping["at"] = stopping["at"] or clock.monotonic()
+        rt.terminate(engine.root_pid)
 
-    # SIGHUP too: it went to the interrupt handler, and the command exited 130 while the tree
-    # was still dying and its port still listening (a new-user trial)
-    old = {s: signal.signal(s, _fwd) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        while True:
-            code = engine.reap(block=False)
-            if code is not None:
-                break
-            at = stopping["at"]
-            if at and time.monotonic() - at > stop_grace_s:
-                engine.kill()
-                code = 128 + signal.SIGKILL
-                break
-            time.sleep(0.2)
-        engine.drain_log(5.0)  # stragglers of the namespace die with its init
-        return code
+        with rt.forward_signals(_fwd):
+            while True:
+                code = engine.reap(block=False)
+                if code is not None:
+                    break
+                at = stopping["at"]
+                if at and clock.monotonic() - at > stop_grace_s:
+                    engine.kill()
+                    code = 128 + signal.SIGKILL
+                    break
+                clock.sleep(FOREGROUND_POLL_S)
+            engine.drain_log(5.0)  # stragglers of the namespace die with its init
+            return code
     finally:
-        for s, hnd in old.items():
-            signal.signal(s, hnd)
         engine.close()
-        t.unregister(r.pid)
+        rt.unregister(r.pid)

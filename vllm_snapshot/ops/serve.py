@@ -3,7 +3,7 @@ this host when a valid one exists; build one (a cold start, the oracle, a dump -
 when none does or the one found is refused; either way the port is bound only after the oracle
 matched (it is :func:`vllm_snapshot.ops.restore.restore` that serves).
 
-Steps, in order (each side effect through :class:`SnapshotTools`):
+Steps, in order (each side effect through :class:`Tools`):
 
 1. preconditions: root, engine args that restore could never use refused, model resolved,
    ``host:port`` free -- before anything is hashed or built;
@@ -55,7 +55,8 @@ from ..report.results import Served
 from ..host.privilege import DEFAULT_USER
 from ..store.registry import DRAIN_S
 from ..host.envpolicy import scrubbed_env
-from ..effects.tools import Engine, LocalTools, SnapshotTools
+from ..effects.protocols import Engine
+from ..effects.tools import Tools, local_tools
 from .create import CreateRequest, arg_value, check_engine_args, check_keep_env, create
 from .manage import _first_lines
 from .restore import RestoreRequest, restore
@@ -102,18 +103,18 @@ class ServeRequest:
     registry: object | None = None
 
 
-def _published(t: SnapshotTools, root: Path) -> list[tuple[Path, Manifest]]:
+def _published(t: Tools, root: Path) -> list[tuple[Path, Manifest]]:
     """(path, manifest) of every snapshot under ``root`` that opens (trust, schema, digest)."""
     out = []
-    for p in t.list_snapshots(root) if t.path_exists(root) else []:
+    for p in t.store.list_snapshots(root) if t.host.path_exists(root) else []:
         try:
-            out.append((p, t.open_snapshot(p)))
+            out.append((p, t.files.open_snapshot(p)))
         except (SnapshotError, OSError):
             continue  # listed as unusable by `list`; never a candidate
     return out
 
 
-def _normalized(t: SnapshotTools, snaps: list[tuple[Path, Manifest]], req: ServeRequest, vllm: str) -> dict[str, str]:
+def _normalized(t: Tools, snaps: list[tuple[Path, Manifest]], req: ServeRequest, vllm: str) -> dict[str, str]:
     """The normalized engine args: a manifest's, when it was made from the same raw args with
     the same vLLM (no vLLM import), else vLLM's parser."""
     if snapkey.memoizable(req.engine_args):
@@ -121,20 +122,20 @@ def _normalized(t: SnapshotTools, snaps: list[tuple[Path, Manifest]], req: Serve
         for _, m in snaps:
             if m.key is not None and m.key.raw_args == raw:
                 return dict(m.key.normalized_args)
-    return t.normalize_engine_args(req.engine_args)
+    return t.model.normalize_engine_args(req.engine_args)
 
 
-def compute_key(t: SnapshotTools, req: ServeRequest, model_dir: Path, snaps: list[tuple[Path, Manifest]],
+def compute_key(t: Tools, req: ServeRequest, model_dir: Path, snaps: list[tuple[Path, Manifest]],
                 hf_id: bool = False):
     """The :class:`~vllm_snapshot.store.manifest.SnapshotKey` ``serve`` looks for (as ``create`` will
     record it). Model files whose stat a manifest of the same model directory recorded are not
     read again. Raises UsageError (args vLLM rejects), OSError."""
-    kind = t.engine_device()  # what create will record (a CPU build of vLLM on a GPU host is "cpu")
-    host = t.host_identity(kind)
+    kind = t.host.engine_device()  # what create will record (a CPU build of vLLM on a GPU host is "cpu")
+    host = t.host.host_identity(kind)
     normalized = _normalized(t, snaps, req, host.get("vllm", ""))
     known: tuple[ModelFile, ...] = tuple(f for _, m in snaps if m.model.path == str(model_dir) for f in m.model.files)
-    files = t.digest_model(model_dir, known)
-    env = scrubbed_env(t.environ(), req.keep_env, t.engine_user(req.user))
+    files = t.model.digest_model(model_dir, known)
+    env = scrubbed_env(t.host.environ(), req.keep_env, t.host.engine_user(req.user))
     key = snapkey.build(requested_model=req.model, engine_args=req.engine_args, normalized=normalized,
                         model_identity=req.model if hf_id else str(model_dir), keep_env=req.keep_env,
                         model_files=files, oracle_prompt=req.oracle_prompt, sleep_level=req.sleep_level,
@@ -194,67 +195,67 @@ def added_since(m: Manifest, key, files: tuple[ModelFile, ...]) -> list[str]:
     return sorted(set(now) - set(was))
 
 
-def _name_for(t: SnapshotTools, root: Path, model: str, model_dir: Path, hf_id: bool, key: str) -> Path:
+def _name_for(t: Tools, root: Path, model: str, model_dir: Path, hf_id: bool, key: str) -> Path:
     """``<model dir name, or the Hugging Face id with / as -->-<key prefix>[-N]``, unused under ``root``."""
     base = model.strip("/").replace("/", "--") if hf_id else model_dir.name
     base = "".join(c if (c.isalnum() or c in "._-") else "-" for c in base.replace("/", "--")).lstrip(".") or "model"
     stem = f"{base[:100]}-{key[:12]}"
     for n in range(1, 1000):
         p = root / (stem if n == 1 else f"{stem}-{n}")
-        if not t.path_exists(p):
+        if not t.host.path_exists(p):
             return p
     raise UsageError(f"too many snapshots named {stem}-N under {root}", hint="vllm-snapshot prune")
 
 
-def serve(req: ServeRequest, rep: Reporter, tools: SnapshotTools | None = None) -> tuple[Served, Engine]:
+def serve(req: ServeRequest, rep: Reporter, tools: Tools | None = None) -> tuple[Served, Engine]:
     """Restore the valid snapshot of this model + args + host, or build one and restore it.
     Returns the result (which path was taken, refusals met, timings in seconds) and the live
     engine (foreground: :func:`vllm_snapshot.ops.restore.serve_foreground`; detached: close
     it). Raises UsageError (bad args; ``--no-build`` and nothing valid), BusyError (port; the
     loopback listeners of a snapshot made before engines had their own network namespace), the refusal of the last snapshot tried (``--no-build``, or after
     :data:`MAX_REFUSED_PER_KEY` refusals), and the errors of create and restore."""
-    t = tools or LocalTools()
-    t0 = t.clock()
+    t = tools or local_tools()
+    t0 = t.clock.monotonic()
     model_dir, hf_id, key, files, host = _prepare(t, req, rep, check_port=True)
     took: dict[str, float] = {}
 
     def use(p: Path):
-        start = t.clock()
+        start = t.clock.monotonic()
         out = restore(_restore_req(req, p), rep, tools=t)
-        took["restore_s"] = round(t.clock() - start, 3)
+        took["restore_s"] = round(t.clock.monotonic() - start, 3)
         return out
 
     path, (r, engine), refused, warnings, others = _find_or_build(
         t, req, rep, model_dir, hf_id, key, files, host, use)
-    return Served(path, r, key.value, refused, warnings, dict(rep.timings), round(t.clock() - t0, 3), others,
+    return Served(path, r, key.value, refused, warnings, dict(rep.timings), round(t.clock.monotonic() - t0, 3), others,
                   took["restore_s"]), engine
 
 
-def _prepare(t: SnapshotTools, req: ServeRequest, rep: Reporter, check_port: bool):
+def _prepare(t: Tools, req: ServeRequest, rep: Reporter, check_port: bool):
     """What serve and switch --model do before the key's lock: root, args restore could never
     use refused, model resolved, (``check_port``: the port free, before any hashing or cold
     start), the key. Returns (model dir, is a Hugging Face id, key, model files, host identity)."""
-    t.require_root()
+    t.host.require_root()
     if req.build not in ("auto", "never", "always"):
         raise UsageError(f"build must be auto, never or always, not {req.build!r}")
     check_engine_args(req.engine_args)
     check_keep_env(req.keep_env)
-    frontend.check(list(req.frontend), t.environ())  # a bad TLS file is found before a build, not after
-    model_dir, rev = t.resolve_model(req.model, arg_value(req.engine_args, "--revision"))
+    frontend.check(list(req.frontend), t.host.environ())  # a bad TLS file is found before a build, not after
+    model_dir, rev = t.model.resolve_model(req.model, arg_value(req.engine_args, "--revision"))
     if check_port:
-        t.port_free(req.host, req.port)
+        t.host.port_free(req.host, req.port)
     with rep.phase("key", "computing the snapshot key (model digest, engine args, host)"):
         key, files, host = compute_key(t, req, model_dir, _published(t, req.root), rev is not None)
     rep.info(f"snapshot key {key.value[:12]}")
     return model_dir, rev is not None, key, files, host
 
 
-def _find_or_build(t: SnapshotTools, req: ServeRequest, rep: Reporter, model_dir: Path, hf_id: bool, key, files,
+def _find_or_build(t: Tools, req: ServeRequest, rep: Reporter, model_dir: Path, hf_id: bool, key, files,
                    host: dict[str, str], use: Callable[[Path], object]):
     """Under the key's lock: ``use`` (restore, or validate) each snapshot of ``key``, newest
     first, recording refusals; none left -> build one (unless ``never``) and ``use`` it.
     Returns (``"restored"`` | ``"built"``, what ``use`` returned, refused, warnings, others)."""
-    with t.key_lock(key.value, rep.info):
+    with t.store.key_lock(key.value, rep.info):
         snaps = _published(t, req.root)  # again: a serve we waited for may have built it
         matching = sorted((x for x in snaps if x[1].key is not None and snapkey.key_of(x[1]) == key.value),
                           key=lambda x: x[1].created_at, reverse=True)
@@ -309,7 +310,7 @@ def _find_or_build(t: SnapshotTools, req: ServeRequest, rep: Reporter, model_dir
                                  f"\n  not {Path(o['snapshot']).name}: {o['why']}" for o in others),
                              hint="run without --no-build to build one (a cold start), or `vllm-snapshot create`",
                              details={"key": key.value, "not_matching": others})
-        earlier = [(p, r) for p, _ in matching if (r := t.refusal(p)) is not None]
+        earlier = [(p, r) for p, _ in matching if (r := t.store.refusal(p)) is not None]
         if req.build == "auto" and len(earlier) >= MAX_REFUSED_PER_KEY:
             reasons = "\n  ".join(f"{p.name}: {r['reason']}" for p, r in earlier[:MAX_REFUSED_PER_KEY])
             raise (type(errors[-1]) if errors else CriuError)(
@@ -343,7 +344,7 @@ def _offer(req: ServeRequest, snapshot: Path, key: str) -> list[str]:
 
 
 def switch_model(req: ServeRequest, host: str | None, rollback: bool, rep: Reporter,
-                 tools: SnapshotTools | None = None):
+                 tools: Tools | None = None):
     """``switch --model MODEL [engine args]``: the snapshot of this key (validated, or built now
     -- while whatever serves on ``req.port`` keeps serving), then :func:`~.manage.switch` to
     it. Returns (:class:`~vllm_snapshot.report.results.Switched`, path taken: ``restored`` when an
@@ -351,7 +352,7 @@ def switch_model(req: ServeRequest, host: str | None, rollback: bool, rep: Repor
     from .manage import switch
     from .restore import validate
 
-    t = tools or LocalTools()
+    t = tools or local_tools()
     model_dir, hf_id, key, files, host_id = _prepare(t, req, rep, check_port=False)  # the old engine holds it
     path, snapshot, _refused, _warnings, _others = _find_or_build(
         t, req, rep, model_dir, hf_id, key, files, host_id, lambda p: (validate(p, tools=t), p)[1])
@@ -365,12 +366,12 @@ def _restore_req(req: ServeRequest, snapshot: Path) -> RestoreRequest:
                           drain_s=req.drain_s)
 
 
-def _refuse(t: SnapshotTools, rep: Reporter, p: Path, e: SnapshotError, refused: list[dict]) -> None:
+def _refuse(t: Tools, rep: Reporter, p: Path, e: SnapshotError, refused: list[dict]) -> None:
     line = _first_lines(e)
     rep.info(f"snapshot {p.name} refused: {line}")
     refused.append({"snapshot": str(p), "code": e.code, "reason": line})
     try:
-        t.record_refusal(p, e.code, line)
+        t.store.record_refusal(p, e.code, line)
     except OSError as err:  # bookkeeping only
         rep.info(f"could not record the refusal of {p.name}: {err}")
 

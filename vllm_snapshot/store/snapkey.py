@@ -67,14 +67,25 @@ def normalize_namespace(got: Mapping[str, object], defaults: Mapping[str, object
 
 def normalize_args(engine_args: list[str]) -> dict[str, str]:
     """Normalize ``vllm serve`` engine args with vLLM's own parser (imports vLLM: ~16 s on a
-    small host). Raises SystemExit (argparse) on args vLLM rejects."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    small host). ``os.environ`` is as it was before: importing vLLM sets variables there
+    (TORCHINDUCTOR_CACHE_DIR=/tmp/..., LD_LIBRARY_PATH, PYTORCH_NVML_BASED_CUDA_CHECK, ...) that
+    would reach the engine's environment and the key's env part of a create in this process.
+    Raises SystemExit (argparse) on args vLLM rejects."""
+    import os
 
-    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm-snapshot serve MODEL"))
-    got = vars(parser.parse_args(["--model", "MODEL", *engine_args]))
-    base = vars(parser.parse_args(["--model", "MODEL"]))
-    return normalize_namespace(got, base)
+    saved = dict(os.environ)
+    try:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        parser = make_arg_parser(FlexibleArgumentParser(prog="vllm-snapshot serve MODEL"))
+        got = vars(parser.parse_args(["--model", "MODEL", *engine_args]))
+        base = vars(parser.parse_args(["--model", "MODEL"]))
+        return normalize_namespace(got, base)
+    finally:
+        if dict(os.environ) != saved:
+            os.environ.clear()
+            os.environ.update(saved)
 
 
 def raw_args_digest(requested_model: str, engine_args: Iterable[str], vllm_version: str) -> str:

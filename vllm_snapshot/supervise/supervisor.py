@@ -15,6 +15,7 @@ import json
 import os
 import select
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -307,7 +308,7 @@ class EngineHandle:
 
 
 #: The engine root's command (``SPEC`` JSON is appended). Tests pass another one (a
-#: protocol-speaking fake engine) through ``LocalTools(engine_argv=...)``.
+#: protocol-speaking fake engine) through ``local_tools(engine_argv=...)``.
 ENGINE_ARGV: tuple[str, ...] = (sys.executable, "-m", "vllm_snapshot.engine.main")
 
 
@@ -397,3 +398,37 @@ def restored_handle(root_pid: int, ch: Channel, log_sinks: list[Callable[[bytes]
 
 
 __all__ = ["Channel", "EngineHandle", "channel_keys", "engine_import_env", "launch", "restored_handle"]
+
+
+def check_log_file(path: Path) -> None:
+    """Refuse what cannot be an engine log file (``--log-file``): a directory, a missing parent,
+    a path on a pseudo filesystem, anything but a regular file this process can append to
+    (the file is created, 0600, when absent). Raises UsageError naming why."""
+    from ..errors import UsageError
+
+    if path.is_dir() or not path.parent.is_dir():
+        raise UsageError(f"--log-file {path}: " + ("is a directory" if path.is_dir() else f"{path.parent} does not exist"))
+    real = os.path.realpath(path)
+    if real.startswith(("/proc/", "/sys/", "/dev/")):
+        raise UsageError(f"--log-file {path} is on a pseudo filesystem ({real}); name a regular file")
+    try:  # the engine appends to it: it must be a writable regular file (not a fifo, a device)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise UsageError(f"--log-file {path} is not a regular file")
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise UsageError(f"--log-file {path} cannot be written: {e.strerror}") from e
+
+
+def log_file_tail(path: Path, lines: int = 20) -> str | None:
+    """The last ``lines`` lines of the engine log file ``path`` (of its last 16 KiB); None when
+    it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
+    except OSError:
+        return None

@@ -1,0 +1,76 @@
+"""The engine process and its server: :class:`LocalEngineTools`,
+:class:`~vllm_snapshot.effects.protocols.EngineTools` over :mod:`vllm_snapshot.supervise` and
+:mod:`.http`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+from .. import paths
+from ..store.manifest import Manifest
+from .protocols import Engine, EngineChannel, EngineTools
+
+
+class LocalEngineTools(EngineTools):
+    """:class:`EngineTools` over :mod:`vllm_snapshot.supervise` (``engine_argv`` replaces the engine
+    root's command: tests run a protocol-speaking fake engine through it)."""
+
+    def __init__(self, engine_argv: tuple[str, ...] | None = None) -> None:
+        from ..supervise.supervisor import ENGINE_ARGV
+
+        self.engine_argv = tuple(engine_argv or ENGINE_ARGV)
+
+    def launch_engine(self, spec: dict, env: dict[str, str], log_path: Path,
+                      echo: Callable[[bytes], None] | None) -> Engine:
+        from ..supervise.supervisor import launch
+
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        log = os.fdopen(fd, "ab", buffering=0)  # a write after close raises, never hits a reused fd
+        try:
+            h = launch(spec, env, [log.write] + ([echo] if echo else []), self.engine_argv)
+        except BaseException:
+            log.close()
+            raise
+        h.on_close.append(log.close)
+        return h
+
+    def new_channel(self, log_file: Path | None) -> EngineChannel:
+        from ..supervise.supervisor import Channel
+
+        return Channel.open(log_file)
+
+    def adopt(self, pid: int, channel: EngineChannel, echo: Callable[[bytes], None] | None) -> Engine:
+        from ..supervise.supervisor import restored_handle
+
+        return restored_handle(pid, channel, [echo] if echo else [])
+
+    def serve_engine(self, engine: Engine, host: str, port: int, die_with_parent: bool,
+                     frontend: tuple[str, ...] = (), drain_s: float | None = None) -> None:
+        from ..supervise import handoff
+
+        handoff.serve_engine(engine, host, port, die_with_parent, frontend, drain_s)
+
+    def http_health(self, url: str) -> bool:
+        from . import http
+
+        return http.health(url)
+
+    def http_canary(self, url: str, m: Manifest, api_key: str | None = None) -> list[str]:
+        from . import http
+
+        return http.canary(url, m, api_key)
+
+    def check_log_file(self, path: Path) -> None:
+        from ..supervise.supervisor import check_log_file
+
+        check_log_file(path)
+
+    def default_log_file(self, snapshot: Path, port: int) -> Path:
+        return paths.ensure_private_dir(paths.log_dir()) / f"{snapshot.name}-{port}.log"
+
+    def read_log_tail(self, path: Path, lines: int = 20) -> str | None:
+        from ..supervise.supervisor import log_file_tail
+
+        return log_file_tail(path, lines)

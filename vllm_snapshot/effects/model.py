@@ -1,0 +1,57 @@
+"""The model directory: :class:`LocalModelTools`, :class:`~vllm_snapshot.effects.protocols.ModelTools`
+over :mod:`vllm_snapshot.store.model_digest` and vLLM's argument parser."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..store.manifest import ModelFile
+from ..store.model_digest import ModelCheck
+from .protocols import ModelTools
+
+
+class LocalModelTools(ModelTools):
+    """:class:`ModelTools` over the model directory (:mod:`vllm_snapshot.store.model_digest`)."""
+
+    def resolve_model(self, model: str, revision: str | None) -> tuple[Path, str | None]:
+        from ..store import model_digest
+
+        return model_digest.resolve_model(model, revision)
+
+    def digest_model(self, model_dir: Path, known: tuple[ModelFile, ...] = ()) -> tuple[ModelFile, ...]:
+        from ..store import model_digest
+
+        return model_digest.digest_dir(model_dir, known)
+
+    def model_stats(self, model_dir: Path, files: tuple[ModelFile, ...]) -> tuple[ModelFile, ...]:
+        from ..store import model_digest
+
+        return model_digest.stat_pins(model_dir, files)
+
+    def recheck_model(self, model_dir: Path, pinned: tuple[ModelFile, ...], since_ns: int, during: str,
+                      hint: str) -> tuple[str, ...]:
+        from ..store import model_digest
+
+        return model_digest.recheck(model_dir, pinned, since_ns, during=during, hint=hint)
+
+    def normalize_engine_args(self, engine_args: list[str]) -> dict[str, str]:
+        import contextlib
+        import io
+
+        from ..store import snapkey
+        from ..errors import UsageError
+
+        captured = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(captured):
+                return snapkey.normalize_args(list(engine_args))
+        except SystemExit as e:
+            from ..engine.main import argparse_reason
+
+            raise UsageError(f"invalid engine arguments: {argparse_reason(captured.getvalue())}",
+                             hint="the engine args are those of `vllm serve`") from e
+
+    def verify_model(self, model_dir: Path, files: tuple[ModelFile, ...], mode: str) -> ModelCheck:
+        from ..store import model_digest
+
+        return model_digest.verify(model_dir, files, "full" if mode == "full" else "quick")

@@ -822,3 +822,13 @@ def test_disk_room_reads_the_newest_snapshot_of_the_model_beside_the_target(tmp_
     assert prev == (str(root / "old"), m["sizes"]["raw"]) and free > 0
     assert local_tools().store.disk_room(root / "new", tmp_path / "another-model")[0] is None
     assert local_tools().store.disk_room(tmp_path / "missing" / "new", tmp_path)[0] is None  # a root not made yet
+
+
+def test_a_bad_criu_timeout_in_the_environment_refuses_create_and_restore_first():
+    """$VLLM_SNAPSHOT_CRIU_TIMEOUT is read from the host role's environment, before anything."""
+    for run in (_create, _restore):
+        t = FakeWorld()
+        t.tools.host.environ = lambda: {"VLLM_SNAPSHOT_CRIU_TIMEOUT": "soon"}
+        with pytest.raises(UsageError, match="VLLM_SNAPSHOT_CRIU_TIMEOUT"):
+            run(t)
+        assert t.calls == ["require_root"]

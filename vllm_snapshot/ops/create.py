@@ -179,7 +179,7 @@ def create(req: CreateRequest, rep: Reporter, tools: Tools | None = None) -> Cre
     """
     t = tools or local_tools()
     t.host.require_root()
-    criu.env_timeout()  # a bad $VLLM_SNAPSHOT_CRIU_TIMEOUT is a usage error now, not after minutes
+    criu.env_timeout(t.host.environ())  # a bad $VLLM_SNAPSHOT_CRIU_TIMEOUT is a usage error now, not after minutes
     criu_ver = t.host.criu_version()
     if req.sleep_level not in (0, 1, 2):
         raise UsageError("--sleep-level must be 0, 1 or 2")

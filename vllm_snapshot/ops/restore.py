@@ -40,7 +40,8 @@ from __future__ import annotations
 import os
 import signal
 from contextlib import ExitStack
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -62,9 +63,22 @@ from ..errors import (
 )
 from ..store.manifest import Manifest
 from ..report.progress import Reporter
+from ..host.cgroups import Placement
 from ..store.registry import DRAIN_S, TEARDOWN_S, Entry
 from ..report.results import Restored, Verified
-from ..effects.protocols import Clock, Engine, EngineTools, RuntimeTools, UnpackingImages
+from ..effects.protocols import (
+    CheckpointTools,
+    Clock,
+    Engine,
+    EngineChannel,
+    EngineTools,
+    HostTools,
+    ModelTools,
+    RuntimeTools,
+    SnapshotFiles,
+    StagedImages,
+    UnpackingImages,
+)
 from ..effects.tools import Tools, local_tools
 from .cleanup import report_reclaimed, run_cleanups
 from .create import wake_timeout_s
@@ -122,17 +136,24 @@ def validate(snapshot: Path, verify_model: str = "quick", allow: frozenset[str] 
     CorruptSnapshotError, IncompatibleHostError, ModelChangedError, BusyError,
     EnvironmentProblem."""
     t = tools or local_tools()
+    return _validate(t.host, t.model, t.files, snapshot, verify_model, allow, check_images, port, pins)
+
+
+def _validate(host: HostTools, model: ModelTools, files: SnapshotFiles, snapshot: Path, verify_model: str = "quick",
+              allow: frozenset[str] = frozenset(), check_images: bool = False, port: tuple[str, int] | None = None,
+              pins: list | None = None) -> tuple[Manifest, list[str]]:
+    """:func:`validate` over the three roles it uses."""
     snapshot = snapshot.absolute()
-    m = t.files.open_snapshot(snapshot)
+    m = files.open_snapshot(snapshot)
     try:
         criu.check_flags(m.criu.flags)
     except ValueError as e:
         raise CorruptSnapshotError(f"{snapshot}: the manifest's CRIU flags are not restorable by this tool: {e}",
                                    hint="re-create the snapshot with this version of vllm-snapshot") from e
-    here = t.host.host_identity(m.engine.kind)
+    here = host.host_identity(m.engine.kind)
     if "gpu_uuid_used" in m.host:  # the one GPU the tree used must be on this host
-        here["gpu_uuid_used"] = m.host["gpu_uuid_used"] if m.host["gpu_uuid_used"] in t.host.gpu_uuids() else "absent"
-    pulled = t.files.pulled_from(snapshot)  # pulled from a registry: any machine of its host class restores it
+        here["gpu_uuid_used"] = m.host["gpu_uuid_used"] if m.host["gpu_uuid_used"] in host.gpu_uuids() else "absent"
+    pulled = files.pulled_from(snapshot)  # pulled from a registry: any machine of its host class restores it
     try:
         diffs = identity.compare(m.host, here, allow, machine=pulled is None)
     except ValueError as e:
@@ -145,7 +166,7 @@ def validate(snapshot: Path, verify_model: str = "quick", allow: frozenset[str] 
             hint="restore on a matching host, or re-create the snapshot here",
             details=[d.__dict__ for d in hard])
     if m.engine.user is None:
-        missing = t.files.caps_missing(snapshot, m)
+        missing = files.caps_missing(snapshot, m)
         if missing:  # CRIU would log "Unable to restore capabilities" and hang (docs/operations.md)
             raise EnvironmentProblem(
                 f"this snapshot's engine runs as root with capabilities this restore does not have "
@@ -154,7 +175,7 @@ def validate(snapshot: Path, verify_model: str = "quick", allow: frozenset[str] 
                                        "or restore it outside the narrower bounding set")
         warnings.append(LEGACY_ROOT_NOTE)
     else:
-        who = t.host.user_problems(m.engine.user)
+        who = host.user_problems(m.engine.user)
         if who:
             u = m.engine.user
             raise IncompatibleHostError(
@@ -163,24 +184,24 @@ def validate(snapshot: Path, verify_model: str = "quick", allow: frozenset[str] 
                 hint=f"give {u.name} uid {u.uid} and gid {u.gid} again (e.g. useradd --system --uid {u.uid} "
                      f"--gid {u.gid} {u.name}), or re-create the snapshot on this host",
                 details={"engine_user": who})
-    mount_problems = t.host.check_external_mounts(m.criu.external_mounts)
+    mount_problems = host.check_external_mounts(m.criu.external_mounts)
     if mount_problems:
         raise IncompatibleHostError(
             "mounts the snapshot binds from the host differ:\n  " + "\n  ".join(mount_problems),
             hint="mount the same file systems at the same places, or re-create the snapshot",
             details={"mounts": mount_problems})
     if port is not None:
-        t.host.port_free(*port)
+        host.port_free(*port)
     if check_images:
-        t.files.verify_images(snapshot, m)
-    problems = t.files.check_tree_files(m)
+        files.verify_images(snapshot, m)
+    problems = files.check_tree_files(m)
     if problems:
         raise IncompatibleHostError(
             "files the engine had open or mapped changed since the snapshot was created:\n  " + "\n  ".join(problems),
             hint="restore with the same venv/libraries, or re-create the snapshot")
     if pins is not None:  # before the check: a change made after it shows in the stat
-        pins.extend(t.model.model_stats(Path(m.model.path), m.model.files))
-    t.model.verify_model(Path(m.model.path), m.model.files, verify_model)  # added files: refused or ignored
+        pins.extend(model.model_stats(Path(m.model.path), m.model.files))
+    model.verify_model(Path(m.model.path), m.model.files, verify_model)  # added files: refused or ignored
     return m, warnings
 
 
@@ -200,7 +221,7 @@ def verify(snapshot: Path, allow: frozenset[str] = frozenset(), tools: Tools | N
     t = tools or local_tools()
     snapshot = t.store.canonical(snapshot)
     with t.store.snapshot_lock(snapshot, shared=True):
-        m, warnings = validate(snapshot, "full", allow, check_images=True, tools=t)
+        m, warnings = _validate(t.host, t.model, t.files, snapshot, "full", allow, check_images=True)
         raise_code_changed(t.files.check_code(snapshot, m))
     return Verified(str(snapshot), len(m.images), len(m.model.files), warnings)
 
@@ -258,205 +279,271 @@ def restore(req: RestoreRequest, rep: Reporter, tools: Tools | None = None) -> t
     return r, engine
 
 
+@dataclass
+class _Restoring:
+    """What a restore holds between its phases, and what a failure must undo: each phase sets
+    what it made, the cleanup (:func:`_undo`) reads it."""
+
+    snapshot: Path
+    m: Manifest | None = None
+    stage: Path | None = None
+    checking: StagedImages | None = None
+    placed: list[Path] = field(default_factory=list)
+    channel: EngineChannel | None = None
+    engine: Engine | None = None
+    code_check: Future | None = None
+    placement: Placement | None = None
+    gpu_held: ExitStack = field(default_factory=ExitStack)  # CUDA: the GPU's lock until the engine woke
+
+
 def _restore_locked(t: Tools, req: RestoreRequest, rep: Reporter, snapshot: Path) -> tuple[Restored, Engine]:
+    """The phases of a restore, in order: validate -> stage -> CRIU -> adopt and verify ->
+    serve; any failure undoes what the phases made (:func:`_undo`)."""
     report_reclaimed(rep, t.store.reclaim(snapshot.parent))
     with rep.phase("validate", "validating snapshot, host and model"):
-        fe = frontend.check(list(req.frontend), t.host.environ())  # the options' values and files, before CRIU
-        pins: list = []  # the model files' stats as checked: a level-2 wake reloads from them
-        m, warnings = validate(snapshot, req.verify_model, req.allow, port=(req.host, req.port), tools=t, pins=pins)
-        if fe.files and m.engine.user is not None:  # the unprivileged engine opens them when it serves
-            unreadable = t.host.unreadable_by(m.engine.user, [Path(p) for p in fe.files])
-            if unreadable:
-                u = m.engine.user.name
-                raise UsageError(f"the engine runs as {u}, which cannot read the TLS files:\n  " + "\n  ".join(unreadable),
-                                 hint=f"make them readable to {u} only, e.g. `chgrp {u} FILE && chmod 0640 FILE`, and "
-                                      f"every directory above them searchable to it (e.g. `setfacl -m u:{u}:x DIR`)")
-        short = resources.check(m.sizes["raw"], t.host.memory_offer(req.detach))
-        if short:
-            raise InsufficientResources(short, hint="free memory (stop other engines: vllm-snapshot status / stop), "
-                                                    "raise the memory limit of the cgroup, or restore on a larger host")
-        log_file = None
-        if req.detach:
-            if req.log_file is not None:
-                t.engine.check_log_file(req.log_file)
-            log_file = req.log_file or t.engine.default_log_file(snapshot, req.port)
+        m, warnings, fe, pins, log_file = _validate_request(t, req, snapshot)
     for w in warnings:
         rep.info(w)
-    stage: Path | None = None
-    placed: list[Path] = []
-    channel = None
-    engine: Engine | None = None
-    code_check = None
-    placement = None
-    checking = None
-    gpu_held = ExitStack()  # CUDA: the GPU's lock, from the capacity check until the engine has woken
+    st = _Restoring(snapshot, m)
     try:
-        if m.engine.kind == "cuda":
-            # before staging (a waiter holds no staged images in RAM) and before the CRIU lock (a
-            # waiter never blocks restores onto other GPUs); held until the engine has woken
-            gpu_held.enter_context(t.checkpoint.gpu_lock(m.host.get("gpu_uuid_used", ""), rep.info))
-        # the code identity check (0.1-0.6 s of stat calls) runs alongside staging, CRIU and the
-        # oracle, like the image checksums; it is decided with them, before anything is bound
-        code_check = _pool().submit(t.files.check_code, snapshot, m)
-        with rep.phase("stage", "staging images (checksums verified alongside CRIU)"):
-            stage, checking = t.files.stage_checking(snapshot, m)
-            placed = t.checkpoint.put_back_remaps(snapshot, m)
-        isolated = m.engine.network == "isolated"
-        channel = t.engine.new_channel(log_file)
-        with t.checkpoint.criu_lock():
-            # Host-network snapshots (made before engines had a network namespace of their
-            # own): checked under the host-wide CRIU lock, so a concurrent restore of the same
-            # snapshot that just bound them is seen: refuse before CRIU would fail on them.
-            taken = [] if isolated else t.host.listeners_taken(m.criu.listeners)
-            if taken:
-                raise BusyError(
-                    f"loopback ports the engine tree listened on at snapshot time ({len(m.criu.listeners)}) "
-                    "are taken (another engine restored from this snapshot?):\n  " + "\n  ".join(taken),
-                    hint="stop the engine holding them (vllm-snapshot status / stop), or re-create the snapshot")
-            opts = criu.RestoreOptions(flags=m.criu.flags, inherit_fds=channel.inherit_fds(m.criu.inherit),
-                                       external=mountpolicy.restore_args(m.criu.external_mounts),
-                                       network_lock=criu.NETWORK_LOCK_ISOLATED if isolated else None)
-            t.checkpoint.check_gpu_capacity(m)  # CUDA: the GPU has room (after switch stopped the old engine)
-            if req.detach:  # a cgroup of its own: it must outlive whoever launched it (cgroups module doc)
-                placement = t.runtime.engine_cgroup(f"{snapshot.name}-{req.port}")
-                if placement.skipped:
-                    rep.info("the engine stays in this command's cgroup in: " + ", ".join(placement.skipped))
-            # A compressed snapshot's memory pages images are still being unpacked (and
-            # verified, frame by frame): CRIU waits for them once the tree's namespaces exist,
-            # before any task maps its memory; a tree without namespaces waits before CRIU.
-            ready = checking.ready if isinstance(checking, UnpackingImages) else None
-            if ready is not None and not isolated:
-                with rep.phase("unpack", "unpacking the memory images"):
-                    ready()
-                ready = None
-            with rep.phase("criu_restore", "CRIU restore"):
-                if placement is not None:
-                    placement.enter()  # CRIU and every process it forks are born there
-                try:
-                    pid = t.checkpoint.restore_tree(m.engine.kind, opts, stage, before_memory=ready, cuda_pids=m.criu.cuda_pids)
-                finally:
-                    if placement is not None:
-                        placement.leave()
-            if ready is not None:  # CRIU held for the unpacking: its own phase (timings add up)
-                waited = round(checking.waited_s, 3)
-                rep.timings["criu_restore"] = round(rep.timings.get("criu_restore", 0.0) - waited, 3)
-                rep.timings["unpack_wait"] = waited
-        engine = t.engine.adopt(pid, channel, None if req.detach else req.engine_log)
-        channel = None
-        got_tree = t.checkpoint.tree_commands(pid)
-        if len(got_tree) != len(m.criu.tree_pids) or got_tree[:1] != m.criu.tree_commands[:1]:
-            raise CriuError(
-                f"CRIU restored a tree that is not the recorded one: {len(got_tree)} processes "
-                f"(recorded {len(m.criu.tree_pids)}), root {got_tree[:1] or ['gone']} "
-                f"(recorded {list(m.criu.tree_commands[:1])}); stopped it",
-                hint="re-run the restore; if it repeats, re-create the snapshot")
-        if m.engine.user is not None:  # CRIU restores the dumped credentials: check, never assume
-            u = m.engine.user
-            wrong = privilege.tree_problems(t.checkpoint.tree_creds(pid), u.uid, u.gid, u.groups)
-            if wrong:
-                raise CriuError("the restored tree does not run with the recorded credentials "
-                                f"({m.engine.user.name}, no capability, NoNewPrivs); stopped it:\n  "
-                                + "\n  ".join(wrong[:10]), hint="re-create the snapshot with this CRIU")
-        engine.send("attach")  # from now on the tree dies with us until `serve` decides
-        engine.wait_event("attached", RESTORE_ORACLE_TIMEOUT_S)
-        t.files.unstage(stage)
-        stage = None
-        try:  # CRIU consumed them; never leave ours behind (a leftover is harmless: warn)
-            t.checkpoint.cleanup_remaps(placed)
-            placed = []
-        except OSError as e:
-            rep.info(f"could not remove link-remap files put back for CRIU: {e}")
-        if m.engine.sleep_level:
-            with rep.phase("wake", "waking engine (reload weights, reset prefix cache)"):
-                reload_since_ns = int(t.clock.now() * 1e9)
-                engine.send("wake")
-                engine.wait_event("woken", wake_timeout_s(m))
-                if m.engine.sleep_level >= 2:  # it read the weights from disk: still the checked ones?
-                    t.model.recheck_model(Path(m.model.path), tuple(pins), reload_since_ns,
+        _stage(t.files, t.checkpoint, rep, st)
+        pid = _criu_restore(t.host, t.engine, t.checkpoint, t.runtime, req, rep, st, log_file)
+        _adopt_and_verify(t.engine, t.checkpoint, t.files, t.model, t.clock, req, rep, st, pid, pins)
+        url = _serve_verified(t.engine, t.clock, req, rep, st, fe, log_file)
+        interrupts.hold()  # serving, validated: see restore()
+        placement = st.placement
+        return Restored(str(snapshot), pid, url, m.model.served_name, dict(rep.timings), warnings, req.detach,
+                        tuple(fe.describe()), placement.cgroup if placement and placement.leaves else "",
+                        frontend.fingerprint(fe.args), bool(fe.api_keys), req.drain_s), st.engine
+    except BaseException as e:
+        _undo(t.files, t.checkpoint, st, e)
+        raise
+
+
+def _validate_request(t: Tools, req: RestoreRequest, snapshot: Path):
+    """Phase 1, before anything is staged: the front-end options (values and files), every
+    check of :func:`validate` (the port before the model), the TLS files readable to the engine
+    user, the memory the engine will need, the log file. Returns (manifest, warnings, front
+    end, the model files' stats as checked, log file or None)."""
+    fe = frontend.check(list(req.frontend), t.host.environ())  # the options' values and files, before CRIU
+    pins: list = []  # the model files' stats as checked: a level-2 wake reloads from them
+    m, warnings = _validate(t.host, t.model, t.files, snapshot, req.verify_model, req.allow,
+                            port=(req.host, req.port), pins=pins)
+    if fe.files and m.engine.user is not None:  # the unprivileged engine opens them when it serves
+        unreadable = t.host.unreadable_by(m.engine.user, [Path(p) for p in fe.files])
+        if unreadable:
+            u = m.engine.user.name
+            raise UsageError(f"the engine runs as {u}, which cannot read the TLS files:\n  " + "\n  ".join(unreadable),
+                             hint=f"make them readable to {u} only, e.g. `chgrp {u} FILE && chmod 0640 FILE`, and "
+                                  f"every directory above them searchable to it (e.g. `setfacl -m u:{u}:x DIR`)")
+    short = resources.check(m.sizes["raw"], t.host.memory_offer(req.detach))
+    if short:
+        raise InsufficientResources(short, hint="free memory (stop other engines: vllm-snapshot status / stop), "
+                                                "raise the memory limit of the cgroup, or restore on a larger host")
+    log_file = None
+    if req.detach:
+        if req.log_file is not None:
+            t.engine.check_log_file(req.log_file)
+        log_file = req.log_file or t.engine.default_log_file(snapshot, req.port)
+    return m, warnings, fe, pins, log_file
+
+
+def _stage(files: SnapshotFiles, cp: CheckpointTools, rep: Reporter, st: _Restoring) -> None:
+    """Phase 2: (CUDA: the GPU's lock) the code identity check started alongside, the images
+    staged with their checksums verified in the background, link-remap files put back."""
+    m = st.m
+    if m.engine.kind == "cuda":
+        # before staging (a waiter holds no staged images in RAM) and before the CRIU lock (a
+        # waiter never blocks restores onto other GPUs); held until the engine has woken
+        st.gpu_held.enter_context(cp.gpu_lock(m.host.get("gpu_uuid_used", ""), rep.info))
+    # the code identity check (0.1-0.6 s of stat calls) runs alongside staging, CRIU and the
+    # oracle, like the image checksums; it is decided with them, before anything is bound
+    st.code_check = _pool().submit(files.check_code, st.snapshot, m)
+    with rep.phase("stage", "staging images (checksums verified alongside CRIU)"):
+        st.stage, st.checking = files.stage_checking(st.snapshot, m)
+        st.placed = cp.put_back_remaps(st.snapshot, m)
+
+
+def _criu_restore(host: HostTools, et: EngineTools, cp: CheckpointTools, rt: RuntimeTools, req: RestoreRequest,
+                  rep: Reporter, st: _Restoring, log_file: Path | None) -> int:
+    """Phase 3: a fresh channel, then under the host-wide CRIU lock: (host-network snapshots)
+    their loopback listeners free, the GPU's room, (detached) a cgroup of its own, CRIU restore
+    (a compressed snapshot's pages unpacked before CRIU reads them). Returns the root's PID."""
+    m = st.m
+    isolated = m.engine.network == "isolated"
+    st.channel = et.new_channel(log_file)
+    with cp.criu_lock():
+        # Host-network snapshots (made before engines had a network namespace of their
+        # own): checked under the host-wide CRIU lock, so a concurrent restore of the same
+        # snapshot that just bound them is seen: refuse before CRIU would fail on them.
+        taken = [] if isolated else host.listeners_taken(m.criu.listeners)
+        if taken:
+            raise BusyError(
+                f"loopback ports the engine tree listened on at snapshot time ({len(m.criu.listeners)}) "
+                "are taken (another engine restored from this snapshot?):\n  " + "\n  ".join(taken),
+                hint="stop the engine holding them (vllm-snapshot status / stop), or re-create the snapshot")
+        opts = criu.RestoreOptions(flags=m.criu.flags, inherit_fds=st.channel.inherit_fds(m.criu.inherit),
+                                   external=mountpolicy.restore_args(m.criu.external_mounts),
+                                   network_lock=criu.NETWORK_LOCK_ISOLATED if isolated else None)
+        cp.check_gpu_capacity(m)  # CUDA: the GPU has room (after switch stopped the old engine)
+        if req.detach:  # a cgroup of its own: it must outlive whoever launched it (cgroups module doc)
+            st.placement = rt.engine_cgroup(f"{st.snapshot.name}-{req.port}")
+            if st.placement.skipped:
+                rep.info("the engine stays in this command's cgroup in: " + ", ".join(st.placement.skipped))
+        # A compressed snapshot's memory pages images are still being unpacked (and
+        # verified, frame by frame): CRIU waits for them once the tree's namespaces exist,
+        # before any task maps its memory; a tree without namespaces waits before CRIU.
+        unpacking = st.checking if isinstance(st.checking, UnpackingImages) else None
+        ready = unpacking.ready if unpacking is not None else None
+        if ready is not None and not isolated:
+            with rep.phase("unpack", "unpacking the memory images"):
+                ready()
+            ready = None
+        with rep.phase("criu_restore", "CRIU restore"):
+            if st.placement is not None:
+                st.placement.enter()  # CRIU and every process it forks are born there
+            try:
+                pid = cp.restore_tree(m.engine.kind, opts, st.stage, before_memory=ready, cuda_pids=m.criu.cuda_pids)
+            finally:
+                if st.placement is not None:
+                    st.placement.leave()
+        if ready is not None:  # CRIU held for the unpacking: its own phase (timings add up)
+            waited = round(unpacking.waited_s, 3)
+            rep.timings["criu_restore"] = round(rep.timings.get("criu_restore", 0.0) - waited, 3)
+            rep.timings["unpack_wait"] = waited
+    return pid
+
+
+def _adopt_and_verify(et: EngineTools, cp: CheckpointTools, files: SnapshotFiles, model: ModelTools, clock: Clock,
+                      req: RestoreRequest, rep: Reporter, st: _Restoring, pid: int, pins: list) -> None:
+    """Phase 4: adopt the tree; it is the recorded one (processes, root, credentials); attach;
+    staging and link-remap files removed; (sleep level: wake; level 2: the model re-checked);
+    the oracle inside the engine; the images' checksums and the code identity decided."""
+    m = st.m
+    st.engine = engine = et.adopt(pid, st.channel, None if req.detach else req.engine_log)
+    st.channel = None
+    got_tree = cp.tree_commands(pid)
+    if len(got_tree) != len(m.criu.tree_pids) or got_tree[:1] != m.criu.tree_commands[:1]:
+        raise CriuError(
+            f"CRIU restored a tree that is not the recorded one: {len(got_tree)} processes "
+            f"(recorded {len(m.criu.tree_pids)}), root {got_tree[:1] or ['gone']} "
+            f"(recorded {list(m.criu.tree_commands[:1])}); stopped it",
+            hint="re-run the restore; if it repeats, re-create the snapshot")
+    if m.engine.user is not None:  # CRIU restores the dumped credentials: check, never assume
+        u = m.engine.user
+        wrong = privilege.tree_problems(cp.tree_creds(pid), u.uid, u.gid, u.groups)
+        if wrong:
+            raise CriuError("the restored tree does not run with the recorded credentials "
+                            f"({m.engine.user.name}, no capability, NoNewPrivs); stopped it:\n  "
+                            + "\n  ".join(wrong[:10]), hint="re-create the snapshot with this CRIU")
+    engine.send("attach")  # from now on the tree dies with us until `serve` decides
+    engine.wait_event("attached", RESTORE_ORACLE_TIMEOUT_S)
+    files.unstage(st.stage)
+    st.stage = None
+    try:  # CRIU consumed them; never leave ours behind (a leftover is harmless: warn)
+        cp.cleanup_remaps(st.placed)
+        st.placed = []
+    except OSError as e:
+        rep.info(f"could not remove link-remap files put back for CRIU: {e}")
+    if m.engine.sleep_level:
+        with rep.phase("wake", "waking engine (reload weights, reset prefix cache)"):
+            reload_since_ns = int(clock.now() * 1e9)
+            engine.send("wake")
+            engine.wait_event("woken", wake_timeout_s(m))
+            if m.engine.sleep_level >= 2:  # it read the weights from disk: still the checked ones?
+                model.recheck_model(Path(m.model.path), tuple(pins), reload_since_ns,
                                     during="since restore checked them (the wake reloaded the weights from them)",
                                     hint="nothing serves; keep the model directory unchanged while restoring and "
                                          "restore again (if the change is meant, re-create the snapshot)")
-        gpu_held.close()  # the engine holds its GPU memory now: another restore's capacity check sees it
-        with rep.phase("oracle", "replaying the oracle inside the engine"):
-            engine.send("oracle")
-            got = oracle.Oracle.model_validate(engine.wait_event("oracle", RESTORE_ORACLE_TIMEOUT_S)["oracle"])
-            diffs = oracle.compare(m.oracle, got)
-            if diffs:
-                raise OracleMismatchError("the restored engine's oracle differs; refusing to serve:\n  " + "\n  ".join(diffs),
-                                          details={"expected": m.oracle.model_dump(), "actual": got.model_dump()})
-        # The decision on the images' checksums, verified while CRIU and the oracle ran: before
-        # anything is bound (a mismatch kills the restored tree; nothing unverified is served).
-        with rep.phase("checksums", "image checksums"):
-            checking.wait()
-            checking = None
-        with rep.phase("code_check", "checking the Python files the engine imports from"):
-            raise_code_changed(code_check.result())
-        url = ports.url(req.host, req.port, fe.scheme)
-        with rep.phase("bind", f"binding {ports.fmt_addr(req.host, req.port)}"):
-            if isolated:  # bound here, in the host's namespace, and handed to the engine
-                t.engine.serve_engine(engine, req.host, req.port, die_with_parent=not req.detach, frontend=tuple(fe.args),
-                               drain_s=req.drain_s)
-            else:
-                engine.send("serve", host=req.host, port=req.port, die_with_parent=not req.detach, frontend=fe.args,
+    st.gpu_held.close()  # the engine holds its GPU memory now: another restore's capacity check sees it
+    with rep.phase("oracle", "replaying the oracle inside the engine"):
+        engine.send("oracle")
+        got = oracle.Oracle.model_validate(engine.wait_event("oracle", RESTORE_ORACLE_TIMEOUT_S)["oracle"])
+        diffs = oracle.compare(m.oracle, got)
+        if diffs:
+            raise OracleMismatchError("the restored engine's oracle differs; refusing to serve:\n  " + "\n  ".join(diffs),
+                                      details={"expected": m.oracle.model_dump(), "actual": got.model_dump()})
+    # The decision on the images' checksums, verified while CRIU and the oracle ran: before
+    # anything is bound (a mismatch kills the restored tree; nothing unverified is served).
+    with rep.phase("checksums", "image checksums"):
+        st.checking.wait()
+        st.checking = None
+    with rep.phase("code_check", "checking the Python files the engine imports from"):
+        raise_code_changed(st.code_check.result())
+
+
+def _serve_verified(et: EngineTools, clock: Clock, req: RestoreRequest, rep: Reporter, st: _Restoring, fe,
+                    log_file: Path | None) -> str:
+    """Phase 5, only after everything was verified: bind ``host:port`` (isolated: here, handed
+    to the engine), ``/health``, the HTTP canary. Returns the URL served."""
+    m, engine = st.m, st.engine
+    url = ports.url(req.host, req.port, fe.scheme)
+    with rep.phase("bind", f"binding {ports.fmt_addr(req.host, req.port)}"):
+        if m.engine.network == "isolated":  # bound here, in the host's namespace, and handed to the engine
+            et.serve_engine(engine, req.host, req.port, die_with_parent=not req.detach, frontend=tuple(fe.args),
                             drain_s=req.drain_s)
-            engine.wait_event("binding", BIND_TIMEOUT_S)
-        with rep.phase("http_ready", "waiting for the HTTP server (/health)"):
-            deadline = t.clock.monotonic() + BIND_TIMEOUT_S
-            while not t.engine.http_health(url):
-                if not engine.alive():
-                    raise _exited_while_serving(t.engine, engine, log_file)
-                if t.clock.monotonic() > deadline:
-                    raise EngineError(f"server did not become healthy within {BIND_TIMEOUT_S:.0f} s",
-                                      details={"stage": SERVER_START})
-                t.clock.sleep(HEALTH_POLL_S)
-        with rep.phase("canary", "canary request over HTTP"):
-            diffs = t.engine.http_canary(url, m, fe.api_keys[0] if fe.api_keys else None)
-            if diffs:
-                raise OracleMismatchError("the HTTP canary differs from the oracle; stopped the engine:\n  " + "\n  ".join(diffs))
-        interrupts.hold()  # serving, validated: see restore()
-        return Restored(str(snapshot), pid, url, m.model.served_name, dict(rep.timings), warnings, req.detach,
-                        tuple(fe.describe()), placement.cgroup if placement and placement.leaves else "",
-                        frontend.fingerprint(fe.args), bool(fe.api_keys), req.drain_s), engine
-    except BaseException as e:
-        if code_check is not None:
-            code_check.cancel()
-        steps = []
-        if engine is not None:
-            eng = engine
-            steps += [("stop the restored engine", eng.kill), ("close the engine channel", eng.close)]
-        if channel is not None:
-            steps.append(("close the channel", channel.close))
-        # by owner PID, not by the variable: a signal can land between a staging dir's
-        # creation and the assignment that remembers it
-        steps.append(("remove the staging dirs of this restore", lambda: t.files.unstage_all(snapshot.parent)))
-        steps.append(("remove link-remap files put back", lambda: t.checkpoint.cleanup_remaps(placed)))
-        if placement is not None:
-            steps.append(("remove the engine's cgroup", placement.remove))
-        steps.append(("release the GPU lock", gpu_held.close))  # after the tree (and its GPU memory) is gone
-        corrupt: list[CorruptSnapshotError] = []
-        if checking is not None:
-            if isinstance(e, Exception) and not isinstance(e, Interrupted):
-                # a failure while the checksums were still being verified (CRIU, the engine, the
-                # oracle) may come from corrupt images: their verdict names the cause
-                pending = checking
+        else:
+            engine.send("serve", host=req.host, port=req.port, die_with_parent=not req.detach, frontend=fe.args,
+                        drain_s=req.drain_s)
+        engine.wait_event("binding", BIND_TIMEOUT_S)
+    with rep.phase("http_ready", "waiting for the HTTP server (/health)"):
+        deadline = clock.monotonic() + BIND_TIMEOUT_S
+        while not et.http_health(url):
+            if not engine.alive():
+                raise _exited_while_serving(et, engine, log_file)
+            if clock.monotonic() > deadline:
+                raise EngineError(f"server did not become healthy within {BIND_TIMEOUT_S:.0f} s",
+                                  details={"stage": SERVER_START})
+            clock.sleep(HEALTH_POLL_S)
+    with rep.phase("canary", "canary request over HTTP"):
+        diffs = et.http_canary(url, m, fe.api_keys[0] if fe.api_keys else None)
+        if diffs:
+            raise OracleMismatchError("the HTTP canary differs from the oracle; stopped the engine:\n  " + "\n  ".join(diffs))
+    return url
 
-                def verdict() -> None:
-                    try:
-                        pending.wait()
-                    except CorruptSnapshotError as ce:
-                        if ce is not e:  # an Unpacking's ready() raised it: it is e already
-                            corrupt.append(ce)
 
-                steps.append(("finish the checksum verification", verdict))
-            else:  # interrupted: stop it
-                steps.append(("stop the checksum verification", checking.cancel))
-        run_cleanups(e, steps)
-        if corrupt:
-            ce = corrupt[0]
-            ce.message = f"{ce.message}\n(the restore had already failed: {type(e).__name__}: {e}; the restored tree was stopped)"
-            ce.args = (ce.message,)
-            raise ce from e
-        raise
+def _undo(files: SnapshotFiles, cp: CheckpointTools, st: _Restoring, e: BaseException) -> None:
+    """After a failed phase: stop the tree, close the channel, remove staging and link-remap
+    files, the cgroup, release the GPU lock; the checksums' verdict names corrupt images as
+    the cause of a failure they may explain (then raised instead of ``e``, chained to it)."""
+    if st.code_check is not None:
+        st.code_check.cancel()
+    steps = []
+    if st.engine is not None:
+        eng = st.engine
+        steps += [("stop the restored engine", eng.kill), ("close the engine channel", eng.close)]
+    if st.channel is not None:
+        steps.append(("close the channel", st.channel.close))
+    # by owner PID, not by the variable: a signal can land between a staging dir's
+    # creation and the assignment that remembers it
+    steps.append(("remove the staging dirs of this restore", lambda: files.unstage_all(st.snapshot.parent)))
+    steps.append(("remove link-remap files put back", lambda: cp.cleanup_remaps(st.placed)))
+    if st.placement is not None:
+        steps.append(("remove the engine's cgroup", st.placement.remove))
+    steps.append(("release the GPU lock", st.gpu_held.close))  # after the tree (and its GPU memory) is gone
+    corrupt: list[CorruptSnapshotError] = []
+    if st.checking is not None:
+        if isinstance(e, Exception) and not isinstance(e, Interrupted):
+            # a failure while the checksums were still being verified (CRIU, the engine, the
+            # oracle) may come from corrupt images: their verdict names the cause
+            pending = st.checking
+
+            def verdict() -> None:
+                try:
+                    pending.wait()
+                except CorruptSnapshotError as ce:
+                    if ce is not e:  # an Unpacking's ready() raised it: it is e already
+                        corrupt.append(ce)
+
+            steps.append(("finish the checksum verification", verdict))
+        else:  # interrupted: stop it
+            steps.append(("stop the checksum verification", st.checking.cancel))
+    run_cleanups(e, steps)
+    if corrupt:
+        ce = corrupt[0]
+        ce.message = f"{ce.message}\n(the restore had already failed: {type(e).__name__}: {e}; the restored tree was stopped)"
+        ce.args = (ce.message,)
+        raise ce from e
 
 
 def serve_foreground(r: Restored, engine: Engine, on_signal_msg: Callable[[str], None] | None = None,

@@ -41,7 +41,7 @@ from ..checkpoint.inventory import Inventory
 from ..report.progress import Reporter
 from ..report.results import Created
 from ..host.envpolicy import redact_args, scrubbed_env
-from ..effects.protocols import Engine
+from ..effects.protocols import Engine, EngineTools
 from ..effects.tools import Tools, local_tools
 from .cleanup import report_reclaimed, run_cleanups
 
@@ -255,8 +255,8 @@ def engine_user_record(user: privilege.User) -> manifest.EngineUser:
     return manifest.EngineUser(name=user.name, uid=user.uid, gid=user.gid, groups=user.groups, home=user.home)
 
 
-def _start_engine(t: Tools, req: CreateRequest, spec: dict, env: dict[str, str], tmp: Path) -> tuple[Engine, dict]:
-    engine = t.engine.launch_engine(spec, env, tmp / layout.CREATE_LOG, req.engine_log)
+def _start_engine(et: EngineTools, req: CreateRequest, spec: dict, env: dict[str, str], tmp: Path) -> tuple[Engine, dict]:
+    engine = et.launch_engine(spec, env, tmp / layout.CREATE_LOG, req.engine_log)
     try:
         return engine, engine.wait_event("initialized", ENGINE_START_TIMEOUT_S)
     except EngineError as e:
@@ -353,7 +353,7 @@ def _create_locked(t: Tools, req: CreateRequest, rep: Reporter, target: Path, mo
             spec["served_model_name"] = req.model  # serve a Hugging Face id by its id, as `vllm serve` does
         loading_since_ns = int(t.clock.now() * 1e9)  # the engine may read the model files from here on
         with rep.phase("engine_start", "starting engine (load, compile, warm-up)"):
-            engine, init = _start_engine(t, req, spec, env, tmp)
+            engine, init = _start_engine(t.engine, req, spec, env, tmp)
         info = init["info"]
         recorded = oracle.Oracle.model_validate(init["oracle"])
         check_cpu_kv_cache(req.engine_args, t.host.environ(), info["kind"])  # the device vLLM actually chose

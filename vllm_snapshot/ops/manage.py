@@ -13,6 +13,7 @@ from ..errors import BusyError, CorruptSnapshotError, Interrupted, SnapshotError
 from ..report.progress import Reporter
 from ..store.registry import Entry
 from ..report.results import Deleted, Engines, Listed, Pruned, Stopped, Switched
+from ..effects.protocols import Clock, HostTools, RuntimeTools, StoreTools
 from ..effects.tools import Tools, local_tools
 from .restore import RestoreRequest, restore, validate
 
@@ -64,11 +65,11 @@ def list_snapshots(root: Path, tools: Tools | None = None) -> Listed:
     return Listed(str(root), [describe(p, t) for p in t.store.list_snapshots(root)], t.host.path_exists(root))
 
 
-def _engines_of(t: Tools, snapshot: Path, entries: list[Entry] | None = None) -> list[Entry]:
+def _engines_of(store: StoreTools, rt: RuntimeTools, snapshot: Path, entries: list[Entry] | None = None) -> list[Entry]:
     """Registered engines (``entries``, default the registry's) restored from ``snapshot``,
     compared by canonical path (a symlinked root or ``..`` names the same snapshot)."""
-    me = t.store.canonical(snapshot)
-    return [e for e in (t.runtime.engines() if entries is None else entries) if t.store.canonical(Path(e.snapshot)) == me]
+    me = store.canonical(snapshot)
+    return [e for e in (rt.engines() if entries is None else entries) if store.canonical(Path(e.snapshot)) == me]
 
 
 def delete(snapshot: Path, force: bool = False, tools: Tools | None = None) -> Deleted:
@@ -83,7 +84,7 @@ def delete(snapshot: Path, force: bool = False, tools: Tools | None = None) -> D
         if not snapshot.is_dir():  # the exit-code rule: a file is a usage error, as for inspect
             raise UsageError(f"{snapshot} is not a directory (a snapshot is a directory)")
         raise CorruptSnapshotError(f"{snapshot} has no manifest.json; refusing to delete a directory that is not a snapshot")
-    running = _engines_of(t, snapshot)
+    running = _engines_of(t.store, t.runtime, snapshot)
     if running and not force:
         raise BusyError(f"engines restored from {snapshot} are running: PIDs {[e.pid for e in running]}",
                         hint="stop them (vllm-snapshot stop), or pass --force")
@@ -136,7 +137,7 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
         victims |= aged
     deleted, kept = [], []
     for p in sorted(victims):
-        if _engines_of(t, p):
+        if _engines_of(t.store, t.runtime, p):
             kept.append(str(p))
             continue
         if not dry_run:
@@ -172,7 +173,7 @@ def stop_engines(snapshot: Path | None, port: int | None, tools: Tools | None = 
     matches."""
     t = tools or local_tools()
     entries = t.runtime.engines()
-    mine = _engines_of(t, snapshot, entries) if snapshot is not None else []
+    mine = _engines_of(t.store, t.runtime, snapshot, entries) if snapshot is not None else []
     match = [e for e in entries
              if e in mine or (port is not None and e.port == port) or (pid is not None and e.pid == pid)]
     if not match:
@@ -196,7 +197,7 @@ class _Stopping:
     new connection, requests in flight finish, for at most ``drain_s`` seconds) while the next
     engine is restored. ``wait()`` joins it; ``reports`` holds each engine's StopReport."""
 
-    def __init__(self, t: Tools, old: list[Entry], drain_s: float | None) -> None:
+    def __init__(self, rt: RuntimeTools, old: list[Entry], drain_s: float | None) -> None:
         import threading
 
         self.reports: list = []
@@ -207,7 +208,7 @@ class _Stopping:
             self._began.set()
             try:
                 for e in old:
-                    self.reports.append(t.runtime.stop_engine(e, drain_s))
+                    self.reports.append(rt.stop_engine(e, drain_s))
             except BaseException as e:  # noqa: BLE001 - re-raised by wait()
                 self.error = e
 
@@ -223,16 +224,16 @@ class _Stopping:
             raise self.error
         return self.reports
 
-    def wait_port(self, t: Tools, host: str, port: int) -> None:
+    def wait_port(self, net: HostTools, clock: Clock, host: str, port: int) -> None:
         """Until ``host:port`` can be bound (the old engines closed their listening sockets:
         they drain now) or they are gone."""
         self._began.wait()
         while not self.done():
             try:
-                t.host.port_free(host, port)
+                net.port_free(host, port)
                 return
             except BusyError:
-                t.clock.sleep(0.05)
+                clock.sleep(0.05)
 
 
 def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, rep: Reporter,
@@ -327,11 +328,11 @@ def _switch_locked(t: Tools, snapshot: Path, host: str | None, port: int, log_fi
         drains = sorted({e.drain_s if drain_s is None else drain_s for e in old})
         with rep.phase("stop_previous", f"stopping the engine on port {port}: it takes no new connection and "
                                         f"drains (requests in flight finish, up to {drains[-1]:g} s)"):
-            stopping = _Stopping(t, old, drain_s)
+            stopping = _Stopping(t.runtime, old, drain_s)
             if m.engine.kind == "cuda" or m.engine.network != "isolated":
                 stopping.wait()  # GPU memory / loopback listeners of the old tree: released first
             else:
-                stopping.wait_port(t, host, port)
+                stopping.wait_port(t.host, t.clock, host, port)
     t1 = t.clock.monotonic()
     stopped = [{"pid": e.pid, "snapshot": e.snapshot, "host": e.host, "port": e.port} for e in old]
     req = RestoreRequest(snapshot=snapshot, host=host, port=port, detach=True, log_file=log_file,

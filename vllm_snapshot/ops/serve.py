@@ -55,7 +55,7 @@ from ..report.results import Served
 from ..host.privilege import DEFAULT_USER
 from ..store.registry import DRAIN_S
 from ..host.envpolicy import scrubbed_env
-from ..effects.protocols import Engine
+from ..effects.protocols import Engine, HostTools, ModelTools, SnapshotFiles, StoreTools
 from ..effects.tools import Tools, local_tools
 from .create import CreateRequest, arg_value, check_engine_args, check_keep_env, create
 from .manage import _first_lines
@@ -103,18 +103,18 @@ class ServeRequest:
     registry: object | None = None
 
 
-def _published(t: Tools, root: Path) -> list[tuple[Path, Manifest]]:
+def _published(host: HostTools, store: StoreTools, files: SnapshotFiles, root: Path) -> list[tuple[Path, Manifest]]:
     """(path, manifest) of every snapshot under ``root`` that opens (trust, schema, digest)."""
     out = []
-    for p in t.store.list_snapshots(root) if t.host.path_exists(root) else []:
+    for p in store.list_snapshots(root) if host.path_exists(root) else []:
         try:
-            out.append((p, t.files.open_snapshot(p)))
+            out.append((p, files.open_snapshot(p)))
         except (SnapshotError, OSError):
             continue  # listed as unusable by `list`; never a candidate
     return out
 
 
-def _normalized(t: Tools, snaps: list[tuple[Path, Manifest]], req: ServeRequest, vllm: str) -> dict[str, str]:
+def _normalized(model: ModelTools, snaps: list[tuple[Path, Manifest]], req: ServeRequest, vllm: str) -> dict[str, str]:
     """The normalized engine args: a manifest's, when it was made from the same raw args with
     the same vLLM (no vLLM import), else vLLM's parser."""
     if snapkey.memoizable(req.engine_args):
@@ -122,7 +122,7 @@ def _normalized(t: Tools, snaps: list[tuple[Path, Manifest]], req: ServeRequest,
         for _, m in snaps:
             if m.key is not None and m.key.raw_args == raw:
                 return dict(m.key.normalized_args)
-    return t.model.normalize_engine_args(req.engine_args)
+    return model.normalize_engine_args(req.engine_args)
 
 
 def compute_key(t: Tools, req: ServeRequest, model_dir: Path, snaps: list[tuple[Path, Manifest]],
@@ -132,7 +132,7 @@ def compute_key(t: Tools, req: ServeRequest, model_dir: Path, snaps: list[tuple[
     read again. Raises UsageError (args vLLM rejects), OSError."""
     kind = t.host.engine_device()  # what create will record (a CPU build of vLLM on a GPU host is "cpu")
     host = t.host.host_identity(kind)
-    normalized = _normalized(t, snaps, req, host.get("vllm", ""))
+    normalized = _normalized(t.model, snaps, req, host.get("vllm", ""))
     known: tuple[ModelFile, ...] = tuple(f for _, m in snaps if m.model.path == str(model_dir) for f in m.model.files)
     files = t.model.digest_model(model_dir, known)
     env = scrubbed_env(t.host.environ(), req.keep_env, t.host.engine_user(req.user))
@@ -195,14 +195,14 @@ def added_since(m: Manifest, key, files: tuple[ModelFile, ...]) -> list[str]:
     return sorted(set(now) - set(was))
 
 
-def _name_for(t: Tools, root: Path, model: str, model_dir: Path, hf_id: bool, key: str) -> Path:
+def _name_for(host: HostTools, root: Path, model: str, model_dir: Path, hf_id: bool, key: str) -> Path:
     """``<model dir name, or the Hugging Face id with / as -->-<key prefix>[-N]``, unused under ``root``."""
     base = model.strip("/").replace("/", "--") if hf_id else model_dir.name
     base = "".join(c if (c.isalnum() or c in "._-") else "-" for c in base.replace("/", "--")).lstrip(".") or "model"
     stem = f"{base[:100]}-{key[:12]}"
     for n in range(1, 1000):
         p = root / (stem if n == 1 else f"{stem}-{n}")
-        if not t.host.path_exists(p):
+        if not host.path_exists(p):
             return p
     raise UsageError(f"too many snapshots named {stem}-N under {root}", hint="vllm-snapshot prune")
 
@@ -245,7 +245,8 @@ def _prepare(t: Tools, req: ServeRequest, rep: Reporter, check_port: bool):
     if check_port:
         t.host.port_free(req.host, req.port)
     with rep.phase("key", "computing the snapshot key (model digest, engine args, host)"):
-        key, files, host = compute_key(t, req, model_dir, _published(t, req.root), rev is not None)
+        snaps = _published(t.host, t.store, t.files, req.root)
+        key, files, host = compute_key(t, req, model_dir, snaps, rev is not None)
     rep.info(f"snapshot key {key.value[:12]}")
     return model_dir, rev is not None, key, files, host
 
@@ -256,7 +257,7 @@ def _find_or_build(t: Tools, req: ServeRequest, rep: Reporter, model_dir: Path, 
     first, recording refusals; none left -> build one (unless ``never``) and ``use`` it.
     Returns (``"restored"`` | ``"built"``, what ``use`` returned, refused, warnings, others)."""
     with t.store.key_lock(key.value, rep.info):
-        snaps = _published(t, req.root)  # again: a serve we waited for may have built it
+        snaps = _published(t.host, t.store, t.files, req.root)  # again: a serve we waited for may have built it
         matching = sorted((x for x in snaps if x[1].key is not None and snapkey.key_of(x[1]) == key.value),
                           key=lambda x: x[1].created_at, reverse=True)
         refused: list[dict] = []
@@ -288,7 +289,7 @@ def _find_or_build(t: Tools, req: ServeRequest, rep: Reporter, model_dir: Path, 
                      "now with `serve --rebuild`",
                 details={"snapshot": str(p), "changed": [], "missing": [], "added": added})
         if req.registry is not None and req.build != "always":
-            target = _name_for(t, req.root, req.model, model_dir, hf_id, key.value)
+            target = _name_for(t.host, req.root, req.model, model_dir, hf_id, key.value)
             try:
                 pulled = req.registry.fetch(key.value, target)
             except (IncompatibleHostError, ModelChangedError) as e:  # this node does not fit: build here
@@ -318,7 +319,7 @@ def _find_or_build(t: Tools, req: ServeRequest, rep: Reporter, model_dir: Path, 
                 + reasons,
                 hint="fix what the reasons name (see `vllm-snapshot list`), then `serve --rebuild`, or delete them "
                      "(`vllm-snapshot prune --unusable`)")
-        target = _name_for(t, req.root, req.model, model_dir, hf_id, key.value)
+        target = _name_for(t.host, req.root, req.model, model_dir, hf_id, key.value)
         rep.info(f"building snapshot {target.name} (cold start, oracle, dump)")
         created = create(CreateRequest(model=req.model, target=target, engine_args=list(req.engine_args),
                                        oracle_prompt=req.oracle_prompt, sleep_level=req.sleep_level,

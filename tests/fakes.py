@@ -647,6 +647,12 @@ class FakeRuntimeTools(_Role, RuntimeTools):
         self.w._call("terminate")
         self.w.terminated.append(pid)
 
+    def hold_signals(self) -> None:
+        self.w._call("hold_signals")
+
+    def release_signals(self) -> None:
+        self.w._call("release_signals")
+
 
 class FakeClock(_Role, Clock):
 

@@ -95,6 +95,7 @@ def test_a_signal_after_a_detached_restore_served_is_dropped_and_a_foreground_on
     from vllm_snapshot.report.progress import Reporter
 
     from fakes import FakeWorld
+    from vllm_snapshot.effects.runtime import LocalRuntimeTools
 
     for detach in (True, False):
         interrupts.reset()
@@ -106,6 +107,8 @@ def test_a_signal_after_a_detached_restore_served_is_dropped_and_a_foreground_on
             orig(entry)
 
         t.tools.runtime.register = register
+        real = LocalRuntimeTools()  # the hold itself is the real one: it is what is tested here
+        t.tools.runtime.hold_signals, t.tools.runtime.release_signals = real.hold_signals, real.release_signals
         req = ops.RestoreRequest(snapshot=Path("/snaps/tiny"), port=8123, detach=detach)
         if detach:
             r, _ = ops.restore(req, Reporter(), tools=t.tools)

@@ -408,6 +408,20 @@ def test_model_changed_while_the_engine_loaded_refuses_the_create():
     assert t.engine.killed and t.discarded == [SNAP.parent / ".tiny.tmp-x"]
 
 
+def test_signals_are_held_once_the_engine_serves_validated_and_released_only_in_the_foreground():
+    # the hold goes through the seam (a module-global hold left by an in-process detached
+    # restore once made a later test's SIGTERM vanish)
+    from vllm_snapshot.host import interrupts
+
+    t = FakeWorld()
+    _restore(t, detach=True)
+    assert _before(t.calls, "http_canary", "hold_signals") and "release_signals" not in t.calls
+    t = FakeWorld()
+    _restore(t, detach=False)
+    assert _before(t.calls, "hold_signals", "register") and _before(t.calls, "register", "release_signals")
+    assert interrupts._state["depth"] == 0  # nothing held in this process by the fakes
+
+
 # ------------------------------------------------------------------ management
 
 def test_switch_stops_the_old_engine_then_restores_detached():

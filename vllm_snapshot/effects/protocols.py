@@ -429,6 +429,13 @@ class RuntimeTools(Protocol):
     def terminate(self, pid: int) -> None:
         """SIGTERM to ``pid``; nothing when it is gone."""
 
+    def hold_signals(self) -> None:
+        """Hold SIGINT/SIGTERM/SIGHUP from now on (:func:`vllm_snapshot.host.interrupts.hold`):
+        the moment a restored engine serves validated, its bookkeeping must not be cut."""
+
+    def release_signals(self) -> None:
+        """End :meth:`hold_signals`. Raises Interrupted when a signal came meanwhile."""
+
 
 class Clock(Protocol):
     """Time."""

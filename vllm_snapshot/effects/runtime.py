@@ -82,6 +82,16 @@ class LocalRuntimeTools(RuntimeTools):
         except ProcessLookupError:
             pass
 
+    def hold_signals(self) -> None:
+        from ..host import interrupts
+
+        interrupts.hold()
+
+    def release_signals(self) -> None:
+        from ..host import interrupts
+
+        interrupts.release()
+
 
 @contextmanager
 def _forwarding(handler: Callable[[int], None]) -> Iterator[None]:

@@ -47,7 +47,7 @@ from typing import Callable
 
 from ..checkpoint import criu, mountpolicy
 from ..supervise import frontend
-from ..host import identity, interrupts, ports, privilege, resources
+from ..host import identity, ports, privilege, resources
 from ..store import oracle
 from ..errors import (
     BusyError,
@@ -261,7 +261,7 @@ def restore(req: RestoreRequest, rep: Reporter, tools: Tools | None = None) -> t
         with t.store.snapshot_lock(snapshot, shared=True):
             r, engine = _restore_locked(t, req, rep, snapshot)
         served = True
-        # signals are held from the moment the engine serves validated (interrupts.hold in
+        # signals are held from the moment the engine serves validated (hold_signals in
         # _restore_locked): the registry must learn of an engine that keeps running
         try:
             t.runtime.register(Entry(snapshot=str(snapshot), pid=r.pid, supervisor_pid=0 if req.detach else os.getpid(),
@@ -275,7 +275,7 @@ def restore(req: RestoreRequest, rep: Reporter, tools: Tools | None = None) -> t
             rep.info(f"could not record the engine in the registry: {e}")
     finally:
         if served and not req.detach:  # foreground: a signal that came meanwhile stops it now (it dies with us)
-            interrupts.release()
+            t.runtime.release_signals()
     return r, engine
 
 
@@ -310,7 +310,7 @@ def _restore_locked(t: Tools, req: RestoreRequest, rep: Reporter, snapshot: Path
         pid = _criu_restore(t.host, t.engine, t.checkpoint, t.runtime, req, rep, st, log_file)
         _adopt_and_verify(t.engine, t.checkpoint, t.files, t.model, t.clock, req, rep, st, pid, pins)
         url = _serve_verified(t.engine, t.clock, req, rep, st, fe, log_file)
-        interrupts.hold()  # serving, validated: see restore()
+        t.runtime.hold_signals()  # serving, validated: see restore()
         placement = st.placement
         return Restored(str(snapshot), pid, url, m.model.served_name, dict(rep.timings), warnings, req.detach,
                         tuple(fe.describe()), placement.cgroup if placement and placement.leaves else "",

@@ -19,7 +19,8 @@ from vllm_snapshot.checkpoint.criu import DumpOptions, RestoreOptions
 from vllm_snapshot.host.cgroups import Placement
 from vllm_snapshot.checkpoint.gpu import GpuUse
 from vllm_snapshot.checkpoint.inventory import Inventory
-from vllm_snapshot.store.manifest import CodeIdentity, EngineUser, ExternalMount, ImageFile, Manifest, ModelFile
+from vllm_snapshot.checkpoint.carry import Plan as CarryPlan
+from vllm_snapshot.store.manifest import CarriedDir, CarriedFile, CodeIdentity, EngineUser, ExternalMount, ImageFile, Manifest, ModelFile
 from vllm_snapshot.store.model_digest import ModelCheck
 from vllm_snapshot.host.privilege import Creds, User
 from vllm_snapshot.store.registry import Entry, StopReport
@@ -176,6 +177,11 @@ class FakeWorld:
         self.user_unreadable: list[str] = []
         #: tree_creds's answer; None: every tree process runs as self.user with no capability
         self.creds: dict[int, Creds] | None = None
+        #: carry_files's answer; plan_carried's answer; what put_back_carried says it wrote
+        self.carried_files: list[CarriedFile] = []
+        self.carried_dirs: list[CarriedDir] = []
+        self.carry_plan = CarryPlan()
+        self.carry_written: list[str] = []
         #: the signal handler serve_foreground installed (forward_signals), and the PIDs terminated
         self.signal_handler: Callable[[int], None] | None = None
         self.terminated: list[int] = []
@@ -373,6 +379,10 @@ class FakeSnapshotFiles(_Role, SnapshotFiles):
         self.w._call("check_tree_files")
         return []
 
+    def plan_carried(self, snapshot: Path, m: Manifest) -> CarryPlan:
+        self.w._call("plan_carried")
+        return self.w.carry_plan
+
     def pin_code(self, modules: list[str], sys_path: list[str], work_dir: Path) -> CodeIdentity:
         self.w._call("pin_code")
         self.w.pinned_modules = list(modules)
@@ -452,6 +462,15 @@ class FakeCheckpointTools(_Role, CheckpointTools):
     def put_back_remaps(self, snapshot: Path, m: Manifest) -> list[Path]:
         self.w._call("put_back_remaps")
         return []
+
+    def carry_files(self, files: tuple, model_dir: Path, model_files: tuple[ModelFile, ...], sys_path: list[str],
+                    work_dir: Path) -> tuple[tuple[CarriedFile, ...], tuple[CarriedDir, ...]]:
+        self.w._call("carry_files")
+        return tuple(self.w.carried_files), tuple(self.w.carried_dirs)
+
+    def put_back_carried(self, snapshot: Path, m: Manifest) -> list[str]:
+        self.w._call("put_back_carried")
+        return list(self.w.carry_written)
 
     def criu_lock(self) -> AbstractContextManager:
         self.w._call("criu_lock")

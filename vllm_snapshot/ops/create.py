@@ -13,6 +13,8 @@
    with no capability and NoNewPrivs), channel keys, link-remap watch; model re-check (a file
    whose stat changed since the digest is re-hashed; a change the engine may have read
    refuses: :func:`vllm_snapshot.store.model_digest.recheck`);
+   the files the tree maps or holds open outside the model, the Python environment and the
+   system copied into ``carried/`` (:mod:`vllm_snapshot.checkpoint.carry`);
 7. CRIU dump (host-wide lock), tree gone, link-remap files saved;
 8. checksums / compression; code identity (:mod:`vllm_snapshot.host.codeid`: the files of the
    distributions the engine imported from, pinned by stat); host identity; manifest (pure
@@ -31,7 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from .. import __version__
-from ..checkpoint import criu, mountpolicy
+from ..checkpoint import carry, criu, mountpolicy
 from ..store import layout, manifest, oracle, snapkey
 from ..host import privilege
 from ..engine.mounts import PRIVATE as PRIVATE_MOUNTS
@@ -297,6 +299,7 @@ def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, revisio
                    recorded: oracle.Oracle, sleep_level: int, env: dict[str, str], criu_ver: str,
                    host: dict[str, str], inv: Inventory, inherit: dict[str, str], dump_opts: criu.DumpOptions,
                    externals: tuple, images: tuple, extra: tuple, timings: dict[str, float],
+                   carried: manifest.Carried | None = None,
                    created_at: str, key: manifest.SnapshotKey | None = None,
                    code: manifest.CodeIdentity | None = None,
                    engine_user: manifest.EngineUser | None = None,
@@ -326,10 +329,13 @@ def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, revisio
         images=images,
         extra_files=extra,
         sizes={"raw": sum(i.raw_bytes for i in images), "stored": sum(i.stored_bytes for i in images),
-               "model": sum(f.size for f in files)},
+               "model": sum(f.size for f in files),
+               **({"carried": sum(b.raw_bytes for b in carried.blobs),
+                   "carried_stored": sum(b.stored_bytes for b in carried.blobs)} if carried is not None else {})},
         timings=dict(timings),
         key=key,
         code=code,
+        carried=carried,
     )
 
 
@@ -391,6 +397,16 @@ def _create_locked(t: Tools, req: CreateRequest, rep: Reporter, target: Path, mo
             t.model.recheck_model(model_dir, files, loading_since_ns, during="between the hash and the dump, while the "
                             "engine loaded them", hint="nothing was published; keep the model directory unchanged "
                             "while create runs (stop what writes to it: a download, a sync) and run create again")
+        # what the tree maps or holds open outside the model, the Python environment and the
+        # system (compile caches under the engine user's HOME) travels with the snapshot:
+        # copied now, while the tree still maps exactly these bytes (checkpoint/carry.py)
+        with rep.phase("carry", "copying the files outside the model, the Python environment and the system"):
+            carried_files, carried_dirs = t.checkpoint.carry_files(inv.files, model_dir, files, ready.get("sys_path") or [], tmp)
+            moved = carry.changed_since(inv.files, carried_files)
+            if moved:
+                raise UnsnapshottableError("files the engine maps changed while create copied them into the "
+                                           "snapshot (another engine rewrote its cache?):\n  " + "\n  ".join(moved[:10]),
+                                           hint="nothing was published; run create again")
         # the tree's network namespace holds only its own processes: no network lock to take
         # (criu.NETWORK_LOCK_ISOLATED says why)
         dump_opts = criu.DumpOptions(pid=engine.root_pid, external=mountpolicy.dump_args(externals),
@@ -408,6 +424,7 @@ def _create_locked(t: Tools, req: CreateRequest, rep: Reporter, target: Path, mo
         with rep.phase("pack", f"checksums + compression ({req.compression})"):
             images = t.files.pack(tmp / layout.IMAGES, str(req.compression))
             extra = t.files.pack(tmp / layout.FILES, "none")
+            blobs = t.files.pack(tmp / layout.CARRIED, str(req.compression))
         with rep.phase("code_identity", "pinning the files of the Python distributions the engine imported from"):
             code = t.files.pin_code(ready.get("modules") or [], ready.get("sys_path") or [], tmp)
         t.checkpoint.cleanup_remaps(remaps)  # the copies live in the snapshot now
@@ -416,6 +433,7 @@ def _create_locked(t: Tools, req: CreateRequest, rep: Reporter, target: Path, mo
             req=req, target=target, model_dir=model_dir, revision=revision, files=files, info=info, recorded=recorded,
             sleep_level=sleep_level, env=env, criu_ver=criu_ver, host={**host, **gpu_id},
             inv=inv, inherit=inherit, dump_opts=dump_opts, externals=externals, images=images, extra=extra,
+            carried=carry.carried(carried_files, carried_dirs, blobs),
             timings=rep.timings, key=key, code=code, engine_user=who, rehearsal_wake_s=woke_s,
             cuda_pids=use.cuda_pids if use is not None else (), env_scrubbed=env_scrubbed,
             created_at=_dt.datetime.fromtimestamp(t.clock.now(), _dt.timezone.utc).isoformat(timespec="seconds"))

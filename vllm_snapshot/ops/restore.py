@@ -5,13 +5,14 @@
 payload): trust (owner, modes, members) -> manifest (schema, digest) -> layout (stat) ->
 recorded CRIU flags known -> host identity field by field -> the engine user (same name, uid,
 gid and groups here) -> the HTTP port free -> files the
-tree had open or mapped -> model files (re-hashing last: a taken port is found in
+tree had open or mapped (those the snapshot carries: only what cannot be put back refuses,
+:mod:`vllm_snapshot.checkpoint.carry`) -> model files (re-hashing last: a taken port is found in
 milliseconds, not after every model byte was read).
 
 :func:`restore` -- validate -> stage (compressed images: decompressed and verified; uncompressed:
 hard-linked; meanwhile the code identity of :mod:`vllm_snapshot.host.codeid` starts) -> put back
 link-remap files -> fresh
-channel -> CRIU restore with the recorded flags (into a fresh network namespace) -> adopt the
+channel -> under the CRIU lock: the carried files verified and put back where missing -> CRIU restore with the recorded flags (into a fresh network namespace) -> adopt the
 tree -> its credentials are the recorded ones -> (CUDA: wake; level 2: the model files re-checked
 against the stats validation saw, :func:`vllm_snapshot.store.model_digest.recheck`) -> oracle inside the engine ->
 the image checksums' verdict (uncompressed images are verified in a background thread while
@@ -45,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..checkpoint import criu, mountpolicy
+from ..checkpoint import carry, criu, mountpolicy
 from ..supervise import frontend
 from ..host import identity, ports, privilege, resources
 from ..store import oracle
@@ -199,6 +200,11 @@ def _validate(host: HostTools, model: ModelTools, files: SnapshotFiles, snapshot
         raise IncompatibleHostError(
             "files the engine had open or mapped changed since the snapshot was created:\n  " + "\n  ".join(problems),
             hint="restore with the same venv/libraries, or re-create the snapshot")
+    # files the snapshot carries: missing or replaceable ones are put back right before CRIU;
+    # what cannot be (another owner's file differs, a live process holds a differing one) refuses now
+    refused = carry.refusal(files.plan_carried(snapshot, m))
+    if refused is not None:
+        raise refused
     if pins is not None:  # before the check: a change made after it shows in the stat
         pins.extend(model.model_stats(Path(m.model.path), m.model.files))
     model.verify_model(Path(m.model.path), m.model.files, verify_model)  # added files: refused or ignored
@@ -386,6 +392,14 @@ def _criu_restore(host: HostTools, et: EngineTools, cp: CheckpointTools, rt: Run
                                    external=mountpolicy.restore_args(m.criu.external_mounts),
                                    network_lock=criu.NETWORK_LOCK_ISOLATED if isolated else None)
         cp.check_gpu_capacity(m)  # CUDA: the GPU has room (after switch stopped the old engine)
+        if m.carried is not None and m.carried.files:
+            # under the CRIU lock: no other restore replaces a carried file between this
+            # put-back and this CRIU (checkpoint/carry.py)
+            with rep.phase("carried", "putting back the files the snapshot carries where missing"):
+                written = cp.put_back_carried(st.snapshot, m)
+            if written:
+                rep.info(f"put back {len(written)} of the {len(m.carried.files)} files the snapshot carries "
+                         f"(e.g. {written[0]})")
         if req.detach:  # a cgroup of its own: it must outlive whoever launched it (cgroups module doc)
             st.placement = rt.engine_cgroup(f"{st.snapshot.name}-{req.port}")
             if st.placement.skipped:

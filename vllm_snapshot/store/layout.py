@@ -8,6 +8,10 @@ Layout of a published snapshot ``DIR`` (dir 0700, files 0600)::
     DIR/images/            CRIU images (``NAME`` or ``NAME.zst``), exactly those in the manifest
     DIR/files/             host files CRIU consumes at restore (link-remap files, see
                            :mod:`vllm_snapshot.checkpoint.remaps`), put back before each restore
+    DIR/carried/           copies of the host files the tree had open or mapped outside the
+                           model, the Python environment and the system (compile caches),
+                           one per content, named by its BLAKE3 (``NAME`` or ``NAME.zst``);
+                           put back before CRIU where missing (:mod:`vllm_snapshot.checkpoint.carry`)
     DIR/code.json          the pinned files of the Python distributions the engine imported
                            from (:mod:`vllm_snapshot.host.codeid`; digest in the manifest)
     DIR/engine-create.log  the engine's log during create
@@ -32,6 +36,7 @@ from ..errors import CorruptSnapshotError, UsageError
 MANIFEST = "manifest.json"
 IMAGES = "images"
 FILES = "files"
+CARRIED = "carried"
 CREATE_LOG = "engine-create.log"
 DUMP_LOG = "criu-dump.log"
 RESTORE_LOG = "criu-restore.log"
@@ -42,7 +47,7 @@ CODE_TABLE = "code.json"
 PULLED = "pulled.json"
 OWNER_PID = "owner.pid"
 #: Every name a published snapshot may hold at its top level.
-MEMBERS = frozenset({MANIFEST, IMAGES, FILES, CREATE_LOG, DUMP_LOG, STATS_DUMP, CODE_TABLE, PULLED})
+MEMBERS = frozenset({MANIFEST, IMAGES, FILES, CARRIED, CREATE_LOG, DUMP_LOG, STATS_DUMP, CODE_TABLE, PULLED})
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,10 @@ class SnapshotDir:
     @property
     def files(self) -> Path:
         return self.path / FILES
+
+    @property
+    def carried(self) -> Path:
+        return self.path / CARRIED
 
     @property
     def create_log(self) -> Path:

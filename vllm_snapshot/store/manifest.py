@@ -200,6 +200,55 @@ class CriuInfo(_Strict):
     cuda_pids: tuple[int, ...] = ()
 
 
+class CarriedFile(_Strict):
+    """A host file the engine tree had open or mapped that travels with the snapshot
+    (:mod:`vllm_snapshot.checkpoint.carry`): its absolute canonical ``path``, ``size`` (bytes),
+    the BLAKE3 of its content (hex; also the name of its copy in ``carried/``), permission
+    bits ``mode`` (CRIU refuses a mapped file whose mode differs), owner ``uid``/``gid`` and
+    ``mtime_ns`` as they were at create; restore puts it back with exactly these."""
+
+    path: str = Field(pattern=r"^/")
+    size: int = Field(ge=0)
+    blake3: str = Field(pattern=r"^[0-9a-f]{64}$")
+    mode: int = Field(ge=0, le=0o7777)
+    uid: int = Field(ge=0)
+    gid: int = Field(ge=0)
+    mtime_ns: int
+
+
+class CarriedDir(_Strict):
+    """A directory above a carried file, as it was at create: restore creates it with this
+    ``mode`` (permission bits) and owner when it is missing (an empty HOME), never changes an
+    existing one."""
+
+    path: str = Field(pattern=r"^/")
+    mode: int = Field(ge=0, le=0o7777)
+    uid: int = Field(ge=0)
+    gid: int = Field(ge=0)
+
+
+class Carried(_Strict):
+    """What travels with the snapshot besides the images: every file the tree had open or
+    mapped outside the model, the Python environment and the system (compile caches under the
+    engine user's HOME, ...), the directories above them, and ``blobs``, the stored copies in
+    ``carried/`` (one per distinct content, named by the BLAKE3 of the raw content; compressed
+    like the images)."""
+
+    files: tuple[CarriedFile, ...]
+    dirs: tuple[CarriedDir, ...]
+    blobs: tuple[ImageFile, ...]
+
+    @model_validator(mode="after")
+    def _blobs_match(self) -> "Carried":
+        want = {f.blake3 for f in self.files}
+        have = {b.name for b in self.blobs}
+        if want != have or any(b.name != b.blake3 for b in self.blobs):
+            raise ValueError("each carried file's content is exactly one blob, named by its BLAKE3")
+        if len({f.path for f in self.files}) != len(self.files):
+            raise ValueError("a carried path is listed twice")
+        return self
+
+
 class SnapshotKey(_Strict):
     """The snapshot key (:mod:`vllm_snapshot.store.snapkey`): ``value`` is BLAKE3 over the part
     digests ``parts`` (``model``, ``engine``, ``env``, ``host``); ``raw_args`` digests the
@@ -248,6 +297,9 @@ class Manifest(_Strict):
     #: absent in snapshots made before code identity existed (restore then checks only the
     #: files the tree had open or mapped)
     code: CodeIdentity | None = None
+    #: absent in snapshots made before files travelled with the snapshot (restore then only
+    #: checks the files the tree had open or mapped, and refuses a vanished one)
+    carried: Carried | None = None
     digest: str = ""
 
 

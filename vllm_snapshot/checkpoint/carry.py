@@ -376,6 +376,8 @@ def put_back(c: Carried, blobs_dir: Path, todo: Iterable[CarriedFile]) -> list[s
     (atomic: a reader sees the old file or ours, a live mapping of the old one is untouched).
     Returns the paths written. Raises OSError (a symlink on the way: ELOOP/ENOTDIR),
     CorruptSnapshotError."""
+    import zstandard
+
     from ..store import archive
 
     blobs = {b.name: b for b in c.blobs}
@@ -390,11 +392,14 @@ def put_back(c: Carried, blobs_dir: Path, todo: Iterable[CarriedFile]) -> list[s
             try:
                 h = blake3.blake3()
                 n = 0
-                with archive.open_raw(blobs_dir, blobs[f.blake3]) as src:
-                    while chunk := src.read(CHUNK):
-                        h.update(chunk)
-                        n += len(chunk)
-                        os.write(out, chunk)
+                try:
+                    with archive.open_raw(blobs_dir, blobs[f.blake3]) as src:
+                        while chunk := src.read(CHUNK):
+                            h.update(chunk)
+                            n += len(chunk)
+                            os.write(out, chunk)
+                except zstandard.ZstdError:
+                    n = -1  # a damaged stream: the same refusal as a wrong digest
                 if (n, h.hexdigest()) != (f.size, f.blake3):
                     raise CorruptSnapshotError(f"the snapshot's copy of {f.path} fails its checksum while it is "
                                                "put back", hint="the snapshot is damaged; re-create it")

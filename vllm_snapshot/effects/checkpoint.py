@@ -6,6 +6,7 @@ host."""
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Callable
@@ -14,7 +15,7 @@ from ..checkpoint.criu import DumpOptions, RestoreOptions
 from ..checkpoint.gpu import GpuUse
 from ..checkpoint.inventory import Inventory
 from ..host.privilege import Creds
-from ..store.manifest import ExternalMount, Manifest
+from ..store.manifest import CarriedDir, CarriedFile, ExternalMount, Manifest, ModelFile
 from .protocols import CheckpointTools
 
 
@@ -176,6 +177,28 @@ class LocalCheckpointTools(CheckpointTools):
         from ..checkpoint import remaps
 
         return remaps.put_back(layout.SnapshotDir(snapshot).files, [f.name for f in m.extra_files])
+
+    def carry_files(self, files: tuple, model_dir: Path, model_files: tuple[ModelFile, ...], sys_path: list[str],
+                    work_dir: Path) -> tuple[tuple[CarriedFile, ...], tuple[CarriedDir, ...]]:
+        from ..checkpoint import carry
+        from ..store import layout
+
+        model = [str(model_dir), os.path.realpath(model_dir)]
+        model += [os.path.realpath(model_dir / f.path) for f in model_files]
+        env = carry.python_prefixes([sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix], sys_path)
+        return carry.collect(carry.select(files, model, env), work_dir / layout.CARRIED)
+
+    def put_back_carried(self, snapshot: Path, m: Manifest) -> list[str]:
+        from ..checkpoint import carry
+        from ..store import layout
+
+        if m.carried is None or not m.carried.files:
+            return []
+        plan = carry.plan(m.carried)
+        err = carry.refusal(plan)
+        if err is not None:
+            raise err
+        return carry.put_back(m.carried, layout.SnapshotDir(snapshot).carried, plan.place)
 
     def criu_lock(self) -> AbstractContextManager:
         from ..store import locks

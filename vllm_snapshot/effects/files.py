@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from .. import paths
+from ..checkpoint.carry import Plan as CarryPlan
 from ..store.manifest import CodeIdentity, ImageFile, Manifest
 from .protocols import SnapshotFiles, StagedImages
 
@@ -42,6 +43,8 @@ class LocalSnapshotFiles(SnapshotFiles):
         m = manifest.read(sd.path)
         archive.check_layout(sd.images, m.images)
         archive.check_layout(sd.files, m.extra_files)
+        if m.carried is not None:
+            archive.check_layout(sd.carried, m.carried.blobs)
         return m
 
     def pulled_from(self, snapshot: Path) -> dict | None:
@@ -55,11 +58,25 @@ class LocalSnapshotFiles(SnapshotFiles):
         sd = layout.SnapshotDir(snapshot)
         archive.verify(sd.images, m.images)
         archive.verify(sd.files, m.extra_files)
+        if m.carried is not None:
+            from ..checkpoint import carry
+
+            carry.verify(m.carried, sd.carried)
 
     def check_tree_files(self, m: Manifest) -> list[str]:
         from ..checkpoint import inventory
 
-        return inventory.check_files(m.criu.tree_files)
+        carried = {f.path for f in m.carried.files} if m.carried is not None else set()
+        return inventory.check_files([f for f in m.criu.tree_files if f.path not in carried])
+
+    def plan_carried(self, snapshot: Path, m: Manifest) -> CarryPlan:
+        from ..checkpoint import carry
+        from ..store import layout
+
+        if m.carried is None:
+            return carry.Plan()
+        carry.verify(m.carried, layout.SnapshotDir(snapshot).carried)
+        return carry.plan(m.carried)
 
     def pin_code(self, modules: list[str], sys_path: list[str], work_dir: Path) -> CodeIdentity:
         from ..host import codeid

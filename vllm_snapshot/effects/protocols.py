@@ -21,7 +21,8 @@ from ..checkpoint.inventory import Inventory
 from ..host.cgroups import Placement
 from ..host.privilege import Creds, User
 from ..host.resources import Offer
-from ..store.manifest import CodeIdentity, EngineUser, ExternalMount, ImageFile, Manifest, ModelFile
+from ..checkpoint.carry import Plan as CarryPlan
+from ..store.manifest import CarriedDir, CarriedFile, CodeIdentity, EngineUser, ExternalMount, ImageFile, Manifest, ModelFile
 from ..store.model_digest import ModelCheck
 from ..store.registry import Entry, StopReport
 
@@ -204,7 +205,14 @@ class SnapshotFiles(Protocol):
         """Every image and saved file checksum. Raises CorruptSnapshotError."""
 
     def check_tree_files(self, m: Manifest) -> list[str]:
-        """Problems with the files the tree had open or mapped (empty = unchanged)."""
+        """Problems with the files the tree had open or mapped (empty = unchanged), those the
+        snapshot carries left out (:meth:`plan_carried` decides about them)."""
+
+    def plan_carried(self, snapshot: Path, m: Manifest) -> CarryPlan:
+        """Verify every stored copy of the snapshot's carried files (CorruptSnapshotError naming
+        the file), then what a restore would do with each here
+        (:func:`vllm_snapshot.checkpoint.carry.plan`; empty for a snapshot without carried files).
+        Writes nothing."""
 
     def pin_code(self, modules: list[str], sys_path: list[str], work_dir: Path) -> CodeIdentity:
         """Pin the files of the distributions owning ``modules`` on ``sys_path``
@@ -281,6 +289,20 @@ class CheckpointTools(Protocol):
     def cleanup_remaps(self, found: list[Path]) -> None: ...
 
     def put_back_remaps(self, snapshot: Path, m: Manifest) -> list[Path]: ...
+
+    # carried files (vllm_snapshot/checkpoint/carry.py): create copies, restore puts back
+    def carry_files(self, files: tuple, model_dir: Path, model_files: tuple[ModelFile, ...], sys_path: list[str],
+                    work_dir: Path) -> tuple[tuple[CarriedFile, ...], tuple[CarriedDir, ...]]:
+        """Copy the tree files (``files``: :class:`~vllm_snapshot.store.manifest.TreeFile`) outside
+        the model, the Python environment (this interpreter's prefixes and the engine's
+        ``sys_path``) and the system into ``work_dir/carried`` (:func:`vllm_snapshot.checkpoint.carry.collect`).
+        Returns (files, the directories above them). Raises OSError."""
+
+    def put_back_carried(self, snapshot: Path, m: Manifest) -> list[str]:
+        """Right before CRIU (after :meth:`SnapshotFiles.plan_carried` verified the stored
+        copies): plan again, raise :func:`vllm_snapshot.checkpoint.carry.refusal`
+        (IncompatibleHostError, BusyError), then write the missing or replaceable files, each
+        copy hashed again as it is written (CorruptSnapshotError). Returns the paths written."""
 
     def criu_lock(self) -> AbstractContextManager:
         """Host-wide lock around one CRIU run."""

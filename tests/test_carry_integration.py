@@ -142,7 +142,7 @@ def test_serve_after_emptying_the_home_restores_the_snapshot_it_has_and_builds_n
     port = free_port()
     try:
         t0 = time.monotonic()
-        p = cli("serve", str(TINY), "--root", str(root), "--user", name, "--port", str(port), "--detach", "--json",
+        p = cli("--root", str(root), "serve", str(TINY), "--user", name, "--port", str(port), "--detach", "--json",
                 "--", *ENGINE_ARGS)
         assert p.returncode == 0, p.stdout + p.stderr
         out = json.loads(p.stdout)

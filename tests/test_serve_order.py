@@ -423,3 +423,25 @@ def test_no_build_still_pulls_from_the_registry():
     reg.t = b
     r, _ = _serve(b, registry=reg, build="never")
     assert r.path == "pulled"
+
+
+def test_before_building_a_replacement_serve_says_everything_that_differed():
+    """Issue 29: a refusal of the existing snapshot of the key must not be met by a silent second
+    build: every line of what differed (not only the first), its hint, and that the new one
+    replaces it, keeping it marked."""
+    t = _tools()
+    _serve(t)
+    (old,) = t.snapshots
+    from vllm_snapshot.errors import IncompatibleHostError
+
+    t.refuse[old] = IncompatibleHostError("files the engine had open or mapped changed since the snapshot was created:"
+                                          "\n  /venv/lib/libA.so changed: size 1 -> 2 bytes"
+                                          "\n  /venv/lib/libB.so vanished",
+                                          hint="restore with the same venv/libraries, or re-create the snapshot")
+    rep = Rec()
+    b, _ = _serve(t, rep)
+    assert b.path == "built"
+    said = "\n".join(rep.lines)
+    assert "/venv/lib/libA.so changed" in said and "/venv/lib/libB.so vanished" in said
+    assert "restore with the same venv/libraries" in said
+    assert f"to replace {old.name}" in said and "marked ✗" in said

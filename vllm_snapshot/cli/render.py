@@ -290,6 +290,13 @@ def manifest_table(m: Manifest, path: str) -> None:
     t.add_row("images", f"{len(m.images)} files, raw {human_bytes(m.sizes['raw'])}, stored {human_bytes(m.sizes['stored'])}"
               + (f" ({100 * m.sizes['stored'] / max(1, m.sizes['raw']):.1f}%)" if m.sizes['raw'] else ""))
     t.add_row("compression", ", ".join(sorted({i.compression for i in m.images})) or "none")
+    if m.carried is not None:
+        raw = sum(b.raw_bytes for b in m.carried.blobs)
+        t.add_row("carried", f"{len(m.carried.files)} files ({human_bytes(raw)}) the tree maps outside the model, the "
+                  "Python environment and the system [dim](compile caches; put back before CRIU where missing)[/]")
+    else:
+        t.add_row("carried", "[dim](none: made before files travelled with snapshots; a cleaned compile cache "
+                  "refuses its restore)[/]")
     t.add_row("CRIU", f"{m.criu.version}  flags: {' '.join('--' + f for f in m.criu.flags)}")
     t.add_row("process tree", f"{len(m.criu.tree_pids)} processes in their own PID + mount namespace"
               if m.criu.pid_namespace else f"{len(m.criu.tree_pids)} processes")

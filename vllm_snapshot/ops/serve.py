@@ -22,8 +22,16 @@ the model directory since a snapshot of it was made refuses (naming it; ``--rebu
 snapshot of the model as it is now) instead of a silent cold rebuild.
 
 Refusals that make ``serve`` move on to another snapshot or build: host identity, model files,
-corrupt snapshot, oracle mismatch, CRIU or engine failure at restore. A busy port, a usage error,
-a missing host prerequisite or an interruption stop ``serve`` as they stop ``restore``. After
+corrupt snapshot, oracle mismatch, CRIU or engine failure at restore -- what lasts: the snapshot
+will not restore here as it is, and the operator (at 3 a.m., under a unit that restarts serve)
+wants the service back, validated, rather than a refusal loop. ``serve`` prints what differed
+(every line of the refusal, with its hint) and that it builds a *replacement* of the same key,
+keeping the refused one (✗ in ``list``). What passes by itself costs no rebuild: files the
+snapshot carries that are missing or rotated in the engine user's compile cache are put back
+(:mod:`vllm_snapshot.checkpoint.carry`; before, a cleaned cache made every restore refuse and
+serve built a duplicate of the same key), and a differing carried file that a live process
+holds, a busy port, a usage error, a missing host prerequisite or an interruption stop ``serve``
+as they stop ``restore``, naming the cause, with nothing recorded against the snapshot. After
 :data:`MAX_REFUSED_PER_KEY` refused snapshots of one key ``serve`` stops building (a host that
 refuses every snapshot would otherwise fill the disk, one cold start per restart).
 """
@@ -320,7 +328,12 @@ def _find_or_build(t: Tools, req: ServeRequest, rep: Reporter, model_dir: Path, 
                 hint="fix what the reasons name (see `vllm-snapshot list`), then `serve --rebuild`, or delete them "
                      "(`vllm-snapshot prune --unusable`)")
         target = _name_for(t.host, req.root, req.model, model_dir, hf_id, key.value)
-        rep.info(f"building snapshot {target.name} (cold start, oracle, dump)")
+        if errors:  # a second snapshot of this key: only for a refusal that lasts (see the module doc)
+            rep.info(f"building snapshot {target.name} to replace {', '.join(Path(r['snapshot']).name for r in refused)} "
+                     "(same key; cold start, oracle, dump): the refused snapshot is kept, marked ✗ in `list` with "
+                     "the reason above (`vllm-snapshot prune --unusable` removes it)")
+        else:
+            rep.info(f"building snapshot {target.name} (cold start, oracle, dump)")
         created = create(CreateRequest(model=req.model, target=target, engine_args=list(req.engine_args),
                                        oracle_prompt=req.oracle_prompt, sleep_level=req.sleep_level,
                                        compression=req.compression, keep_env=req.keep_env, user=req.user,
@@ -367,9 +380,16 @@ def _restore_req(req: ServeRequest, snapshot: Path) -> RestoreRequest:
                           drain_s=req.drain_s)
 
 
+#: Lines of a refusal ``serve`` prints before it builds a replacement (what differed, named).
+REFUSAL_LINES = 8
+
+
 def _refuse(t: Tools, rep: Reporter, p: Path, e: SnapshotError, refused: list[dict]) -> None:
     line = _first_lines(e)
-    rep.info(f"snapshot {p.name} refused: {line}")
+    lines = (e.message or str(e)).splitlines()
+    more = len(lines) - REFUSAL_LINES
+    rep.info(f"snapshot {p.name} refused ({e.code}): " + "\n  ".join(x.strip() for x in lines[:REFUSAL_LINES])
+             + (f"\n  ... and {more} more" if more > 0 else "") + (f"\n  hint: {e.hint}" if e.hint else ""))
     refused.append({"snapshot": str(p), "code": e.code, "reason": line})
     try:
         t.store.record_refusal(p, e.code, line)

@@ -65,13 +65,13 @@ PSEUDO_PREFIXES: tuple[str, ...] = ("/proc", "/sys", "/dev")
 JIT_CACHES: tuple[tuple[str, str, str], ...] = (
     ("/torch_compile_cache/", "vLLM torch.compile cache",
      "keep VLLM_CACHE_ROOT (default ~/.cache/vllm) unchanged between create and restore, "
-     "or re-create the snapshot"),
+     "or re-create the snapshot (a snapshot made now carries these files and puts them back)"),
     ("/.triton/", "Triton kernel cache",
      "set TRITON_CACHE_DIR to a directory nothing cleans (default ~/.triton/cache), "
-     "or re-create the snapshot"),
+     "or re-create the snapshot (a snapshot made now carries these files and puts them back)"),
     ("/torchinductor_", "TorchInductor cache",
      "set TORCHINDUCTOR_CACHE_DIR to a directory nothing cleans (default /tmp/torchinductor_USER), "
-     "or re-create the snapshot"),
+     "or re-create the snapshot (a snapshot made now carries these files and puts them back)"),
 )
 
 HINT_TCP = ("CRIU can only restore TCP connections whose both ends are in the tree; close "

@@ -178,3 +178,36 @@ def test_a_flipped_byte_in_a_carried_copy_refuses_before_criu_naming_the_file(co
         assert "criu_restore" not in json.dumps(err.get("details") or {})
     finally:
         _stop(port)
+
+
+def test_a_rotated_cache_restores_same_bytes_kept_other_bytes_of_the_engines_own_file_replaced(compiled, engine_user):
+    """A create of another model rewrote cache files the snapshot maps: one with the same bytes
+    (a new inode and mtime), one with other bytes of the same size (owned by the engine user,
+    held by nothing). Before: exit 3 ("... changed: content differs")."""
+    _root, snap, m = compiled
+    name, home = engine_user
+    mapped = [f for f in m["criu"]["tree_files"] if f["path"].startswith(str(home) + "/") and f["blake3"]]
+    same, other = mapped[0], mapped[1]
+    port = free_port()
+    if not all(os.path.exists(f["path"]) for f in (same, other)):  # an earlier test emptied the HOME
+        p = cli("restore", str(snap), "--port", str(port), "--detach", "--json")  # puts them back
+        _stop(port)
+        assert p.returncode == 0, p.stdout + p.stderr
+    u = pwd.getpwnam(name)
+    for f, data in ((same, Path(same["path"]).read_bytes()), (other, os.urandom(other["size"]))):
+        mode = os.stat(f["path"]).st_mode & 0o7777
+        tmp = Path(f["path"] + ".rotating")
+        tmp.write_bytes(data)
+        os.chown(tmp, u.pw_uid, u.pw_gid)
+        os.chmod(tmp, mode)
+        os.rename(tmp, f["path"])  # as inductor writes its cache: a temp file renamed over
+    same_ino = os.stat(same["path"]).st_ino
+    try:
+        p = cli("restore", str(snap), "--port", str(port), "--detach", "--json")
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert os.stat(same["path"]).st_ino == same_ino  # same content: used as it is
+        import blake3
+
+        assert blake3.blake3(Path(other["path"]).read_bytes()).hexdigest() == other["blake3"]  # ours again
+    finally:
+        _stop(port)

@@ -37,6 +37,9 @@ file is one of:
   recorded path is canonical; nothing is ever written through a symlink: every directory is
   opened with ``O_NOFOLLOW`` from ``/`` down).
 
+Files put back stay after the restore, whatever its outcome: they are the cache entries the
+engine expects (it may open them again by path), as a create would have left them.
+
 Fail closed: every stored copy's digest is checked before anything is placed; a copy that fails
 refuses (CorruptSnapshotError naming the host path), and a copy is hashed again as it is
 written.

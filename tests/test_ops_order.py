@@ -846,3 +846,52 @@ def test_a_bad_criu_timeout_in_the_environment_refuses_create_and_restore_first(
         with pytest.raises(UsageError, match="VLLM_SNAPSHOT_CRIU_TIMEOUT"):
             run(t)
         assert t.calls == ["require_root"]
+
+
+# ------------------------------------------------------------------ carried files
+
+def _carried():
+    from vllm_snapshot.store.manifest import Carried, CarriedFile, ImageFile
+
+    digest = "ab" * 32
+    f = CarriedFile(path="/var/lib/eng/.cache/vllm/k.so", size=3, blake3=digest, mode=0o644, uid=990, gid=990,
+                    mtime_ns=1)
+    return Carried(files=(f,), dirs=(), blobs=(ImageFile(name=digest, raw_bytes=3, stored_bytes=3, blake3=digest),))
+
+
+def test_carried_files_are_checked_at_validate_and_put_back_under_the_criu_lock_right_before_criu():
+    """The put-back runs under the host-wide CRIU lock (no other restore replaces a carried file
+    between it and this CRIU), after staging, right before CRIU; the stored copies and what
+    cannot be put back are decided at validate, before anything is staged."""
+    t = FakeWorld(manifest=isolated_manifest(carried=_carried()))
+    t.carry_written = ["/var/lib/eng/.cache/vllm/k.so"]
+    _restore(t)
+    order = ["check_tree_files", "plan_carried", "verify_model:quick", "stage_checking", "criu_lock",
+             "check_gpu_capacity", "put_back_carried", "restore_tree"]
+    assert [x for x in t.calls if x in order] == order
+
+
+@pytest.mark.parametrize("err,code", [(IncompatibleHostError("another owner's file differs"), 3),
+                                      (BusyError("a live process holds a differing carried file"), 9)])
+def test_what_cannot_be_put_back_refuses_at_validate_before_anything_is_staged(err, code):
+    from vllm_snapshot.checkpoint.carry import Plan
+
+    t = FakeWorld(manifest=isolated_manifest(carried=_carried()))
+    t.carry_plan = Plan(differs=["/x: differs"]) if code == 3 else Plan(held=["/x: held by PID 1"])
+    with pytest.raises(type(err)) as e:
+        _restore(t)
+    assert e.value.exit_code == code and "/x" in e.value.message
+    assert not {"stage_checking", "criu_lock", "put_back_carried", "restore_tree"} & set(t.calls)
+
+
+def test_a_snapshot_made_before_carried_files_puts_nothing_back():
+    t = FakeWorld(manifest=isolated_manifest())
+    _restore(t)
+    assert "put_back_carried" not in t.calls
+
+
+def test_create_copies_the_carried_files_before_the_dump_and_packs_them_like_the_images():
+    t = FakeWorld()
+    _create(t)
+    assert _before(t.calls, "inspect_tree", "carry_files") and _before(t.calls, "carry_files", "dump")
+    assert "pack:carried" in t.calls

@@ -211,3 +211,44 @@ def test_a_rotated_cache_restores_same_bytes_kept_other_bytes_of_the_engines_own
         assert blake3.blake3(Path(other["path"]).read_bytes()).hexdigest() == other["blake3"]  # ours again
     finally:
         _stop(port)
+
+
+def test_a_differing_carried_file_a_live_process_holds_stops_serve_as_busy_and_builds_nothing(compiled, engine_user):
+    """The transient refusal: another engine (a create in progress, say) maps a cache file with
+    other bytes. Replacing it would turn that engine's mapping into a deleted file at its dump,
+    so serve says so (busy, the file and the holder named) and builds no second snapshot of the
+    key; once the holder is gone the snapshot restores."""
+    root, snap, m = compiled
+    name, home = engine_user
+    f = [x for x in m["carried"]["files"]][0]
+    port = free_port()
+    if not os.path.exists(f["path"]):  # an earlier test emptied the HOME
+        p = cli("restore", str(snap), "--port", str(port), "--detach", "--json")
+        _stop(port)
+        assert p.returncode == 0, p.stdout + p.stderr
+    u = pwd.getpwnam(name)
+    tmp = Path(f["path"] + ".rotating")
+    tmp.write_bytes(os.urandom(f["size"]))
+    os.chown(tmp, u.pw_uid, u.pw_gid)
+    os.chmod(tmp, f["mode"])
+    os.rename(tmp, f["path"])
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1], 'rb'); time.sleep(600)",
+                               f["path"]])
+    before = sorted(p.name for p in root.iterdir())
+    try:
+        time.sleep(1)
+        p = cli("--root", str(root), "serve", str(TINY), "--user", name, "--port", str(port), "--detach", "--json",
+                "--", *ENGINE_ARGS)
+        assert p.returncode == 9, p.stdout + p.stderr
+        err = json.loads(p.stdout)["error"]
+        assert f["path"] in err["message"] and f"PID {holder.pid}" in err["message"], err
+        assert sorted(p.name for p in root.iterdir()) == before  # no second snapshot of the key
+    finally:
+        holder.kill()
+        holder.wait()
+        _stop(port)
+    try:
+        p = cli("restore", str(snap), "--port", str(port), "--detach", "--json")
+        assert p.returncode == 0, p.stdout + p.stderr
+    finally:
+        _stop(port)

@@ -220,7 +220,7 @@ def test_a_differing_carried_file_a_live_process_holds_stops_serve_as_busy_and_b
     key; once the holder is gone the snapshot restores."""
     root, snap, m = compiled
     name, home = engine_user
-    f = [x for x in m["carried"]["files"]][0]
+    f = [x for x in m["criu"]["tree_files"] if x["path"].startswith(str(home) + "/") and x["blake3"]][0]
     port = free_port()
     if not os.path.exists(f["path"]):  # an earlier test emptied the HOME
         p = cli("restore", str(snap), "--port", str(port), "--detach", "--json")
@@ -228,9 +228,10 @@ def test_a_differing_carried_file_a_live_process_holds_stops_serve_as_busy_and_b
         assert p.returncode == 0, p.stdout + p.stderr
     u = pwd.getpwnam(name)
     tmp = Path(f["path"] + ".rotating")
+    mode = os.stat(f["path"]).st_mode & 0o7777
     tmp.write_bytes(os.urandom(f["size"]))
     os.chown(tmp, u.pw_uid, u.pw_gid)
-    os.chmod(tmp, f["mode"])
+    os.chmod(tmp, mode)
     os.rename(tmp, f["path"])
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1], 'rb'); time.sleep(600)",
                                f["path"]])

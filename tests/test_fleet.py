@@ -372,3 +372,18 @@ def test_without_credentials_the_token_refusal_says_how_to_log_in(tmp_path, monk
     with pytest.raises(EnvironmentProblem, match="token service .* answered 401") as e:
         transport.Registry(RegistryRef(host, "snaps/tiny", "v1"), plain_http=True).get_manifest("v1")
     assert "podman login" in e.value.hint
+
+
+def test_a_snapshots_carried_files_travel_as_layers_of_their_own_type(tmp_path):
+    """The copies of the files the engine mapped outside the model, the Python environment and
+    the system (its compile cache, checkpoint/carry.py) are pushed and pulled with the snapshot:
+    a fresh node restores them from there."""
+    snap, _ = _snapshot(tmp_path / "s")
+    (snap / "carried").mkdir(mode=0o700)
+    for name in ("ab" * 32, "cd" * 32 + ".zst"):
+        (snap / "carried" / name).write_bytes(b"kernel")
+        os.chmod(snap / "carried" / name, 0o600)
+    parts = {p.member: p.media_type for p in oci.plan(snap)}
+    assert parts["carried/" + "ab" * 32] == oci.CARRIED_TYPE
+    assert parts["carried/" + "cd" * 32 + ".zst"] == oci.CARRIED_ZSTD_TYPE
+    assert oci.member_ok("carried/" + "ab" * 32) and not oci.member_ok("carried/../x")

@@ -37,8 +37,12 @@ CONFIG_TYPE = "application/vnd.vllm-snapshot.manifest.v1+json"
 IMAGE_TYPE = "application/vnd.vllm-snapshot.criu-image.v1"
 IMAGE_ZSTD_TYPE = "application/vnd.vllm-snapshot.criu-image.v1+zstd"
 REMAP_TYPE = "application/vnd.vllm-snapshot.remap-file.v1"
+#: a copy of a host file the tree mapped outside the model, the Python environment and the
+#: system (``carried/BLAKE3``, ``carried/BLAKE3.zst`` stored as zstd frames: checkpoint/carry.py)
+CARRIED_TYPE = "application/vnd.vllm-snapshot.carried-file.v1"
+CARRIED_ZSTD_TYPE = "application/vnd.vllm-snapshot.carried-file.v1+zstd"
 MEMBER_TYPE = "application/vnd.vllm-snapshot.member.v1"
-LAYER_TYPES = frozenset({IMAGE_TYPE, IMAGE_ZSTD_TYPE, REMAP_TYPE, MEMBER_TYPE})
+LAYER_TYPES = frozenset({IMAGE_TYPE, IMAGE_ZSTD_TYPE, REMAP_TYPE, CARRIED_TYPE, CARRIED_ZSTD_TYPE, MEMBER_TYPE})
 
 #: Bytes per layer of a large file: 256 MiB parts give the pages image of the tiny CPU model
 #: (1.3 GB) five streams; a lost connection re-sends at most one part.
@@ -97,13 +101,13 @@ class Part:
 
 def member_ok(member: str) -> bool:
     """A member path a snapshot may hold: a top-level member file, or ``images/NAME`` /
-    ``files/NAME`` with a plain name (no ``..``, no further ``/``)."""
-    from ..store.layout import CODE_TABLE, CREATE_LOG, DUMP_LOG, FILES, IMAGES, STATS_DUMP
+    ``files/NAME`` / ``carried/NAME`` with a plain name (no ``..``, no further ``/``)."""
+    from ..store.layout import CARRIED, CODE_TABLE, CREATE_LOG, DUMP_LOG, FILES, IMAGES, STATS_DUMP
 
     top, sep, name = member.partition("/")
     if not sep:
         return member in {CODE_TABLE, CREATE_LOG, DUMP_LOG, STATS_DUMP}
-    return top in (IMAGES, FILES) and "/" not in name and name not in (".", "..") and bool(_NAME.match(name))
+    return top in (IMAGES, FILES, CARRIED) and "/" not in name and name not in (".", "..") and bool(_NAME.match(name))
 
 
 def _media_type(member: str) -> str:
@@ -111,6 +115,8 @@ def _media_type(member: str) -> str:
         return IMAGE_ZSTD_TYPE if member.endswith(".zst") else IMAGE_TYPE
     if member.startswith("files/"):
         return REMAP_TYPE
+    if member.startswith("carried/"):
+        return CARRIED_ZSTD_TYPE if member.endswith(".zst") else CARRIED_TYPE
     return MEMBER_TYPE
 
 
@@ -118,13 +124,13 @@ def plan(snapshot: Path, part_bytes: int = PART_BYTES) -> list[Part]:
     """The layers of the snapshot directory ``snapshot`` (every regular file but
     ``manifest.json`` and ``pulled.json``), unhashed, in member order. Raises CorruptSnapshotError for a member
     that is not a plain file of an allowed name."""
-    from ..store.layout import FILES, IMAGES, MANIFEST, PULLED
+    from ..store.layout import CARRIED, FILES, IMAGES, MANIFEST, PULLED
 
     members = []
     for name in sorted(os.listdir(snapshot)):
         if name in (MANIFEST, PULLED):  # the config; this node's pull record
             continue
-        if name in (IMAGES, FILES):
+        if name in (IMAGES, FILES, CARRIED):
             members += [f"{name}/{n}" for n in sorted(os.listdir(snapshot / name))]
         else:
             members.append(name)

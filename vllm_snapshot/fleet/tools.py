@@ -84,6 +84,9 @@ class LocalFleetTools(FleetTools):
         archive.check_layout(sd.files, m.extra_files)
         archive.verify(sd.images, m.images)
         archive.verify(sd.files, m.extra_files)
+        if m.carried is not None:  # the files restore puts back on this node (checkpoint/carry.py)
+            archive.check_layout(sd.carried, m.carried.blobs)
+            archive.verify(sd.carried, m.carried.blobs)
         if m.code is not None:
             try:
                 table = (staging / layout.CODE_TABLE).read_bytes()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 
-from .layout import FILES, IMAGES, MANIFEST, OWNER_PID
+from .layout import CARRIED, FILES, IMAGES, MANIFEST, OWNER_PID
 from .. import paths
 
 TMP_MARK = ".tmp-"
@@ -26,7 +26,7 @@ NO_PID_GRACE_S = 60.0
 
 def prepare_target(target: Path) -> Path:
     """Check ``target`` can be created, clean stale temp siblings, and return a new private
-    temp dir beside it (with ``images/`` and ``files/``). Raises UsageError."""
+    temp dir beside it (with ``images/``, ``files/`` and ``carried/``). Raises UsageError."""
     if os.path.lexists(target):
         raise UsageError(f"{target} already exists; refusing to overwrite a snapshot",
                          hint="choose another --snapshot-dir, or delete the old one first")
@@ -47,6 +47,7 @@ def prepare_target(target: Path) -> Path:
     (tmp / OWNER_PID).write_text(str(os.getpid()))
     (tmp / IMAGES).mkdir(mode=0o700)
     (tmp / FILES).mkdir(mode=0o700)
+    (tmp / CARRIED).mkdir(mode=0o700)
     return tmp
 
 

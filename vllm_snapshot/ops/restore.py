@@ -200,8 +200,9 @@ def _validate(host: HostTools, model: ModelTools, files: SnapshotFiles, snapshot
         raise IncompatibleHostError(
             "files the engine had open or mapped changed since the snapshot was created:\n  " + "\n  ".join(problems),
             hint="restore with the same venv/libraries, or re-create the snapshot")
-    # files the snapshot carries: missing or replaceable ones are put back right before CRIU;
-    # what cannot be (another owner's file differs, a live process holds a differing one) refuses now
+    # files the snapshot carries: their stored copies verified (a damaged one refuses, naming
+    # the file); missing or replaceable ones are put back right before CRIU; what cannot be
+    # (another owner's file differs, a live process holds a differing one) refuses now
     refused = carry.refusal(files.plan_carried(snapshot, m))
     if refused is not None:
         raise refused

@@ -114,7 +114,7 @@ def test_inspect_of_a_regular_file_is_a_usage_error(tmp_path):
 def test_create_under_a_file_says_so(tmp_path):
     f = tmp_path / "afile"
     f.write_text("x")
-    with pytest.raises(UsageError, match="is not a directory"):
+    with pytest.raises(UsageError, match=f"{f} is a file, not a directory"):
         store.prepare_target(f / "snap")
 
 

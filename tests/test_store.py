@@ -237,3 +237,22 @@ def test_check_file_modes_refuses_a_file_owned_by_another_user(tmp_path):
     os.chown(f, 12345, 12345)
     with pytest.raises(CorruptSnapshotError, match="owned by uid 12345"):
         layout.check_file_modes(d)
+
+
+def test_a_path_under_a_regular_file_says_the_file_is_a_file(base, monkeypatch):
+    # a trial: `create --snapshot-dir LOG/x` and `restore --log-file LOG/x` with LOG a regular
+    # file said "LOG does not exist"; one level deeper (LOG/x/y) create was an internal error
+    from vllm_snapshot import paths
+    from vllm_snapshot.store import locks
+
+    monkeypatch.setenv("VLLM_SNAPSHOT_RUN_DIR", str(base / "run"))
+    f = base / "create1.log"
+    f.write_text("log\n")
+    for target in (f / "x", f / "x" / "y"):
+        assert store.canonical(target) == target  # no NotADirectoryError
+        for refuse in (lambda: locks.snapshot_lock(target, must_exist=False), lambda: store.prepare_target(target)):
+            with pytest.raises(UsageError) as e:
+                refuse()
+            assert f"{f} is a file, not a directory" in e.value.message and "does not exist" not in e.value.message
+    assert paths.why_not_a_dir(base / "no" / "where") == f"{base / 'no' / 'where'} does not exist"
+    assert f.read_text() == "log\n" and sorted(p.name for p in base.iterdir()) == ["create1.log"]

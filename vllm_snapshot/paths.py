@@ -23,6 +23,7 @@ otherwise, or in /dev/shm for compressed images).
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 DEFAULT_ROOT = Path("/var/lib/vllm-snapshot")
@@ -91,6 +92,25 @@ def lexists(path: Path | str) -> bool:
         return False
     except PermissionError as e:
         raise not_allowed(path) from e
+
+
+def why_not_a_dir(d: Path | str) -> str:
+    """Why ``d`` cannot be used as a directory, in words, for a message: "``X`` is a file,
+    not a directory" when ``d`` or the nearest of its parents that exists is not a directory
+    (a regular file, say), else "``d`` does not exist"."""
+    d = Path(d).absolute()
+    for p in (d, *d.parents):
+        try:
+            st = os.stat(p)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError:
+            break
+        if stat.S_ISDIR(st.st_mode):
+            break
+        kind = "a file" if stat.S_ISREG(st.st_mode) else "not a regular file"
+        return f"{p} is {kind}, not a directory"
+    return f"{d} does not exist"
 
 
 def not_allowed(path: Path | str):

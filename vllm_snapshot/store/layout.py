@@ -160,14 +160,15 @@ def check_dir_safety(path: Path) -> None:
 def check_parent_symlinks(path: Path, stop_at_missing: bool = False) -> None:
     """Every directory component of ``path`` as given: a symlink is trusted only when root owns
     it (system layout such as /var/run -> /run); anyone else could redirect us. With
-    ``stop_at_missing`` the walk ends at the first component that does not exist (else that
-    raises FileNotFoundError). Raises CorruptSnapshotError naming the symlink."""
+    ``stop_at_missing`` the walk ends at the first component that does not exist or is not a
+    directory (a file: the caller then says so; else that raises FileNotFoundError or
+    NotADirectoryError). Raises CorruptSnapshotError naming the symlink."""
     probe = Path(path.absolute().anchor)
     for part in path.absolute().parts[1:-1]:
         probe = probe / part
         try:
             lst = os.lstat(probe)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             if stop_at_missing:
                 return
             raise

@@ -147,9 +147,10 @@ def snapshot_lock(snapshot: Path, shared: bool = False, must_exist: bool = True)
     parent directory does not exist, so no lock file is left beside a non-snapshot."""
     from ..errors import UsageError
 
-    if not snapshot.absolute().parent.is_dir():
-        raise UsageError(f"{snapshot.absolute().parent} does not exist")
     from .. import paths
+
+    if not snapshot.absolute().parent.is_dir():
+        raise UsageError(paths.why_not_a_dir(snapshot.absolute().parent))
 
     if must_exist and not paths.lexists(snapshot):
         raise UsageError(f"snapshot {snapshot} does not exist")

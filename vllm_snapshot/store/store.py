@@ -31,10 +31,8 @@ def prepare_target(target: Path) -> Path:
         raise UsageError(f"{target} already exists; refusing to overwrite a snapshot",
                          hint="choose another --snapshot-dir, or delete the old one first")
     parent = target.parent
-    if not parent.exists():
-        raise UsageError(f"parent directory {parent} does not exist")
     if not parent.is_dir():
-        raise UsageError(f"{parent} is not a directory")
+        raise UsageError(f"cannot create {target}: " + paths.why_not_a_dir(parent))
     from .layout import check_parents
 
     check_parents(target)  # restore would refuse a snapshot there: say so before the engine starts

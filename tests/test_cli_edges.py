@@ -331,14 +331,30 @@ def test_unrestorable_engine_settings_are_named():
 
 
 def test_create_target_under_a_world_writable_parent_refused_before_anything(tmp_path):
-    from vllm_snapshot.errors import CorruptSnapshotError
+    # a trial: `--root DIR` with DIR 0777 was exit 5 "corrupt-snapshot" with no hint; the
+    # snapshot is not at fault, the store's directory is (exit 11, the chmod that fixes it)
+    from vllm_snapshot.errors import EnvironmentProblem
 
     d = tmp_path / "open"
     d.mkdir()
     os.chmod(d, 0o777)
-    with pytest.raises(CorruptSnapshotError, match="writable by group/others"):
+    with pytest.raises(EnvironmentProblem, match="writable by group/others") as e:
         store.prepare_target(d / "snap")
+    assert e.value.exit_code == 11 and e.value.hint.startswith(f"chmod 0700 {d}")
     assert list(d.iterdir()) == []
+    os.chmod(d, 0o755)  # the hint's alternative is accepted
+    assert store.prepare_target(d / "snap").parent == d
+
+
+def test_a_snapshot_dir_writable_by_others_is_still_corrupt(tmp_path):
+    # the snapshot's own directory writable by others is the snapshot's fault: exit 5 stays
+    from vllm_snapshot.store import layout
+
+    d = tmp_path / "snap"
+    (d / "images").mkdir(parents=True)
+    os.chmod(d, 0o777)
+    with pytest.raises(CorruptSnapshotError, match="0777"):
+        layout.check_dir_safety(d)
 
 
 def test_restored_tree_that_is_not_the_recorded_one_is_killed():

@@ -12,7 +12,7 @@ import pytest
 from vllm_snapshot.store import layout, store
 from vllm_snapshot import ops
 from vllm_snapshot.host import ports
-from vllm_snapshot.errors import CorruptSnapshotError, UsageError
+from vllm_snapshot.errors import CorruptSnapshotError, EnvironmentProblem, UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -92,7 +92,7 @@ def test_symlinked_parent_owned_by_another_user_is_refused(tmp_path):
     link.symlink_to(real)
     layout.check_dir_safety(link / "snap")  # a root-owned symlink is trusted
     os.lchown(link, 12345, 12345)
-    with pytest.raises(CorruptSnapshotError, match="symlink owned by uid 12345"):
+    with pytest.raises(EnvironmentProblem, match="symlink owned by uid 12345"):
         layout.check_dir_safety(link / "snap")
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from vllm_snapshot.store import layout, store
-from vllm_snapshot.errors import CorruptSnapshotError, UsageError
+from vllm_snapshot.errors import CorruptSnapshotError, EnvironmentProblem, UsageError
 
 
 @pytest.fixture
@@ -69,9 +69,9 @@ def test_group_writable_parent_is_refused(base):
     mid.mkdir()
     os.chmod(mid, 0o775)
     d = _snapdir(mid)
-    with pytest.raises(CorruptSnapshotError, match="writable by group/others") as ei:
+    with pytest.raises(EnvironmentProblem, match="writable by group/others") as ei:
         layout.check_dir_safety(d)
-    assert str(mid) in ei.value.message
+    assert str(mid) in ei.value.message and ei.value.hint.startswith(f"chmod 0700 {mid}")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown")
@@ -83,7 +83,7 @@ def test_sticky_parent_is_trusted_only_when_root_owned(base):
     os.chown(mid, 0, 0)
     layout.check_dir_safety(d)  # like /tmp
     os.chown(mid, 1234, 1234)  # sticky and world-writable, owned by someone else
-    with pytest.raises(CorruptSnapshotError, match=str(mid)):
+    with pytest.raises(EnvironmentProblem, match=str(mid)):
         layout.check_dir_safety(d)
 
 

@@ -11,13 +11,14 @@ exit code                     meaning
 2    ``usage``                bad command line, bad engine args, target exists
 3    ``incompatible-host``    host identity differs from the snapshot's
 4    ``model-changed``        model files differ from those the snapshot was made from
-5    ``corrupt-snapshot``     missing/extra/corrupt files, bad manifest, unsafe permissions
+5    ``corrupt-snapshot``     missing/extra/corrupt files, bad manifest, unsafe snapshot permissions
 6    ``oracle-mismatch``      the restored engine's oracle differs from the recorded one
 7    ``criu-failed``          CRIU dump/restore failed (its log excerpt is in the message)
 8    ``engine-failed``        the engine failed to start, died, or timed out
 9    ``busy``                 a port, PID, or lock needed is held by someone else
 10   ``unsnapshottable``      the engine tree holds something CRIU cannot restore safely
-11   ``environment``          this host lacks something required (root, CRIU, vLLM)
+11   ``environment``          this host lacks something required (root, CRIU, vLLM), or a
+                              directory above a snapshot is writable by others
 12   ``insufficient-resources`` not enough memory here (MemAvailable or cgroup) to restore
 130  ``interrupted``          SIGINT/SIGTERM/SIGHUP stopped the command; it cleaned up
 ==== ======================== ====================================================

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import paths
-from ..errors import CorruptSnapshotError, UsageError
+from ..errors import CorruptSnapshotError, EnvironmentProblem, UsageError
 
 MANIFEST = "manifest.json"
 IMAGES = "images"
@@ -134,7 +134,8 @@ def check_dir_safety(path: Path) -> None:
 
     ``path`` and each parent must not be a symlink (``path`` itself), must be owned by us or
     root, and must not be group/world-writable unless sticky and root-owned (like /tmp).
-    ``path`` itself must be mode 0700. Raises CorruptSnapshotError naming the path.
+    ``path`` itself must be mode 0700. Raises CorruptSnapshotError naming the path (the
+    snapshot's own fault), EnvironmentProblem for a parent (:func:`check_parents`).
     """
     uid = os.geteuid()
     try:
@@ -162,7 +163,8 @@ def check_parent_symlinks(path: Path, stop_at_missing: bool = False) -> None:
     it (system layout such as /var/run -> /run); anyone else could redirect us. With
     ``stop_at_missing`` the walk ends at the first component that does not exist or is not a
     directory (a file: the caller then says so; else that raises FileNotFoundError or
-    NotADirectoryError). Raises CorruptSnapshotError naming the symlink."""
+    NotADirectoryError). Raises EnvironmentProblem (exit 11: a fault of this host's directories,
+    not of a snapshot) naming the symlink."""
     probe = Path(path.absolute().anchor)
     for part in path.absolute().parts[1:-1]:
         probe = probe / part
@@ -173,7 +175,9 @@ def check_parent_symlinks(path: Path, stop_at_missing: bool = False) -> None:
                 return
             raise
         if stat.S_ISLNK(lst.st_mode) and lst.st_uid != 0:
-            raise CorruptSnapshotError(f"parent {probe} is a symlink owned by uid {lst.st_uid}; refusing to follow it")
+            raise EnvironmentProblem(f"parent {probe} is a symlink owned by uid {lst.st_uid}; refusing to follow it "
+                                     "(its owner could point it elsewhere)",
+                                     hint=f"make root own it (chown -h root {probe}) or name the real directory")
 
 
 def check_parents(path: Path) -> None:
@@ -181,17 +185,24 @@ def check_parents(path: Path) -> None:
     :func:`check_dir_safety`; create applies it to its target before anything starts, so it
     never spends minutes on a snapshot restore would refuse): a symlink among them only when
     root owns it, each owned by us or root, none writable by group/others unless sticky and
-    root-owned (like /tmp). Raises CorruptSnapshotError naming the directory."""
+    root-owned (like /tmp). Raises EnvironmentProblem (exit 11) naming the directory: the
+    snapshot itself is intact (not exit 5, which ``prune --unusable`` would count against it);
+    the store's directories need fixing, whichever of --root, $VLLM_SNAPSHOT_ROOT, the default
+    root or a --snapshot-dir path named them."""
     uid = os.geteuid()
     check_parent_symlinks(path)
     for parent in path.absolute().parent.resolve().joinpath("x").parents:
         pst = os.stat(parent)
         if pst.st_uid not in (0, uid):
-            raise CorruptSnapshotError(f"parent directory {parent} is owned by uid {pst.st_uid}")
+            raise EnvironmentProblem(f"parent directory {parent} is owned by uid {pst.st_uid}, not by root or us "
+                                     f"(uid {uid}): its owner could swap the snapshots below it",
+                                     hint=f"chown root {parent}" if uid == 0 else f"chown {uid} {parent} (as root)")
         writable = stat.S_IMODE(pst.st_mode) & 0o022
         sticky_root = pst.st_mode & stat.S_ISVTX and pst.st_uid == 0
         if writable and not sticky_root:
-            raise CorruptSnapshotError(f"parent directory {parent} is writable by group/others")
+            raise EnvironmentProblem(f"parent directory {parent} (mode {stat.S_IMODE(pst.st_mode):04o}) is writable by "
+                                     "group/others: they could swap the snapshots below it",
+                                     hint=f"chmod 0700 {parent} (or 0755 to let other users list it)")
 
 
 def check_file_modes(path: Path) -> None:

@@ -124,7 +124,7 @@ def canonical(path: str | Path) -> Path:
     and deletion: absolute, with ``..`` and symlinked parent directories resolved (the final
     component is kept as it is: a snapshot that *is* a symlink is refused by its trust check).
     A parent symlink is followed only when root owns it (system layout such as
-    /var/run -> /run), as the trust check requires. Raises CorruptSnapshotError otherwise."""
+    /var/run -> /run), as the trust check requires. Raises EnvironmentProblem otherwise."""
     from .layout import check_parent_symlinks
 
     p = Path(path).absolute()

@@ -404,3 +404,25 @@ def test_framed_stored_file_is_one_zstd_stream(tmp_path):
     with open(snap / archive.stored_name(img), "rb") as f:
         r = zstandard.ZstdDecompressor().stream_reader(f, read_across_frames=True)
         assert b"".join(iter(lambda: r.read(1 << 16), b"")) == files[PAGES]
+
+
+def test_staging_order_and_ram_only_when_memory_holds_staging_and_tree(tmp_path, monkeypatch):
+    # a trial: a read-only store's images went to /dev/shm, not to the staging dir README named;
+    # tmpfs is kept (faster), but only when memory holds the staged copy and the restored tree
+    from vllm_snapshot.store.manifest import ImageFile
+
+    ro, stage, gib = tmp_path / "ro", tmp_path / "stage", 1 << 30
+    ro.mkdir()
+    monkeypatch.setattr(archive, "_read_only", lambda p: Path(p) == ro)
+    monkeypatch.setattr(archive, "_free", lambda p: 100 * gib)  # room everywhere
+    monkeypatch.setenv("VLLM_SNAPSHOT_STAGING_DIR", str(stage))
+    raw = (ImageFile(name="pages-1.img", raw_bytes=10 * gib, stored_bytes=10 * gib, blake3="0" * 64),)
+    zst = (ImageFile(name="pages-1.img", raw_bytes=10 * gib, stored_bytes=2 * gib, blake3="0" * 64,
+                     compression="zstd"),)
+    monkeypatch.setattr(archive, "_memory_room", lambda: 64 * gib, raising=False)
+    assert archive.staging_parent(10 * gib, tmp_path, raw) == tmp_path  # hard links beside it
+    assert archive.staging_parent(10 * gib, ro, raw) == Path("/dev/shm")
+    assert archive.staging_parent(10 * gib, tmp_path, zst) == Path("/dev/shm")
+    monkeypatch.setattr(archive, "_memory_room", lambda: 15 * gib, raising=False)  # the images fit once, not twice
+    assert archive.staging_parent(10 * gib, ro, raw) == stage
+    assert archive.staging_parent(10 * gib, tmp_path, zst) == tmp_path

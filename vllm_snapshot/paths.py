@@ -16,8 +16,9 @@ staging_dir()      /var/tmp/vllm-snapshot-staging  ``$VLLM_SNAPSHOT_STAGING_DIR`
 
 ``run_dir()`` holds locks (``locks/``) and the engine registry (``engines/``); ``log_dir()``
 holds detached engines' logs and the CRIU logs of failed dumps and restores. ``staging_dir()``
-is used only for snapshots on a read-only filesystem (restore stages beside the snapshot
-otherwise, or in /dev/shm for compressed images).
+is used only for snapshots on a read-only filesystem, and only when /dev/shm is not taken
+(restore stages beside the snapshot, or in /dev/shm when memory allows: the order is
+:func:`vllm_snapshot.store.archive.staging_parent`'s).
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def log_dir() -> Path:
 
 
 def staging_dir() -> Path:
-    """Where restore stages images of a snapshot whose directory is read-only."""
+    """Where restore stages images of a snapshot whose directory is read-only, when /dev/shm
+    is short of room or memory (``archive.staging_parent``)."""
     return Path(os.environ.get("VLLM_SNAPSHOT_STAGING_DIR") or "/var/tmp/vllm-snapshot-staging")
 
 

@@ -523,18 +523,27 @@ def link_stage(src_dir: Path, images: tuple[ImageFile, ...], parent: Path) -> Pa
 
 
 def staging_parent(raw_bytes: int, fallback: Path, images: tuple[ImageFile, ...] = ()) -> Path:
-    """Where to stage: ``fallback`` (the snapshot's parent: same filesystem, so uncompressed
-    images are hard-linked, not copied) when no image is compressed and ``fallback`` is
-    writable; else /dev/shm when its free space exceeds ``raw_bytes`` by 25% plus 1 GiB; else
-    ``fallback`` when writable; else :func:`paths.staging_dir` (a read-only snapshot store:
-    images are copied there). Raises EnvironmentProblem when that has too little free space."""
+    """Where to stage, the first that fits of:
+
+    1. ``fallback`` (the snapshot's parent: same filesystem, so uncompressed images are
+       hard-linked, not copied; nothing is written) when no image is compressed and it is
+       writable;
+    2. /dev/shm (tmpfs: decompressing or copying there is ~3x faster than onto a disk, see
+       docs/benchmarks.md) when its free space exceeds ``raw_bytes`` by 25% plus 1 GiB *and*
+       the memory on offer (:func:`vllm_snapshot.host.resources.offer`) holds the staged images
+       and the restored tree at once (twice ``raw_bytes`` plus 1 GiB): tmpfs pages are RAM until
+       the restore removes its staging, and the memory check before CRIU counts the images once;
+    3. ``fallback`` when writable (compressed images decompressed onto its disk);
+    4. :func:`paths.staging_dir` (a read-only snapshot store: images are copied there).
+
+    Raises EnvironmentProblem when that has too little free space."""
     from .. import paths
     from ..errors import EnvironmentProblem
 
     writable = os.access(fallback, os.W_OK | os.X_OK) and not _read_only(fallback)
     if writable and images and all(i.compression == "none" for i in images):
         return fallback
-    if _free(Path("/dev/shm")) > raw_bytes * 1.25 + (1 << 30):
+    if _free(Path("/dev/shm")) > raw_bytes * 1.25 + (1 << 30) and _memory_room() > 2 * raw_bytes + (1 << 30):
         return Path("/dev/shm")
     if writable:
         return fallback
@@ -545,6 +554,17 @@ def staging_parent(raw_bytes: int, fallback: Path, images: tuple[ImageFile, ...]
             f"{_free(d) >> 20} MiB free; staging needs {raw_bytes >> 20} MiB",
             hint="free space there, or point VLLM_SNAPSHOT_STAGING_DIR at a filesystem with room")
     return d
+
+
+def _memory_room() -> int:
+    """Bytes of memory on offer to this process (MemAvailable or its cgroup's headroom, the
+    smaller); 0 when it cannot be read (then nothing is staged in RAM)."""
+    from ..host import resources
+
+    try:
+        return resources.offer().available
+    except (OSError, ValueError):
+        return 0
 
 
 def _free(p: Path) -> int:

@@ -623,9 +623,10 @@ def test_list_and_status_never_cut_a_reason_or_a_path(capsys):
                          "mode": "detached", "cgroup": cg}])
     out = capsys.readouterr().out
     assert "…" not in out
-    cells = [line.split("│")[1:-1] for line in out.splitlines() if line.startswith("│")]
-    column = ["".join(c[i].strip() for c in cells) for i in range(6)]  # a folded cell, joined again
-    assert column[0] == path and column[5] == cg, column
+    # a trial: the table folded the path and the cgroup mid-word ("…/m1-f015e7594" / "6da"):
+    # not copyable; they are whole, each engine's on one line of its own
+    assert f"\n4242: {path}  cgroup {cg}\n" in out, out
+    assert out.count(path) == 1 and out.count(cg) == 1
 
 
 def test_a_closed_pipe_is_exit_141_not_an_internal_error(tmp_path):

@@ -377,8 +377,12 @@ def engine_list(rows: list[dict]) -> None:
         c.print("no restored engines running")
         return
     t = Table(title="restored engines", title_justify="left")
-    for col in ("snapshot", "pid", "url", "started", "mode", "cgroup"):
-        t.add_column(col, overflow="fold")  # a narrow terminal wraps a path, never cuts it
+    for col in ("pid", "snapshot", "url", "started", "mode"):
+        t.add_column(col, overflow="fold")  # a narrow terminal wraps a cell, never cuts it
     for r in rows:
-        t.add_row(r["snapshot"], str(r["pid"]), r["url"], _when(r["started_at"]), r["mode"], r.get("cgroup") or "?")
+        t.add_row(str(r["pid"]), Path(r["snapshot"]).name, r["url"], _when(r["started_at"]), r["mode"])
     c.print(t)
+    # a path or a cgroup folded across table lines cannot be copied: whole, on lines of their own
+    for r in rows:
+        c.print(f"{r['pid']}: {r['snapshot']}  cgroup {r.get('cgroup') or '?'}", markup=False, highlight=False,
+                soft_wrap=True)

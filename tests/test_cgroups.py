@@ -133,7 +133,8 @@ def test_status_doctor_and_prune_see_a_real_empty_engine_cgroup(tmp_path, monkey
         assert leaves <= set(json.loads(capsys.readouterr().out)["empty_cgroups"])
         # doctor's leftovers check
         left = doctor.RealProbes().leftovers(str(tmp_path / "root"))
-        assert all(f"empty engine cgroup {leaf}" in left for leaf in leaves), left
+        mine = [x for x in left if x.startswith(f"empty engine cgroup /vllm-snapshot/{p.name} ")]
+        assert len(mine) == 1, left  # one engine's cgroup is one leftover, in however many hierarchies
         # prune removes it, and says what it removed
         assert cli.main(["--root", str(tmp_path / "root"), "prune"]) == 0
         assert not any(v.exists() for v in p.leaves.values())

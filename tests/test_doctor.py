@@ -523,6 +523,21 @@ def test_leftovers_of_killed_commands_are_reported():
     assert not c.ok and c.severity == "warning" and "vllm-snapshot-stage-99-x" in c.detail and "prune" in c.remedy
 
 
+def test_one_empty_engine_cgroup_in_ten_hierarchies_is_one_leftover_that_holds_nothing():
+    # a trial: "10 leftover(s) of killed commands hold disk or RAM" for ONE empty cgroup
+    leaves = [f"/sys/fs/cgroup/{h}/vllm-snapshot/6da7c6f1-4242" for h in
+              ("memory", "cpu,cpuacct", "pids", "blkio", "devices", "freezer", "net_cls", "perf_event", "hugetlb",
+               "unified")]
+    left = doctor.empty_cgroups(leaves)
+    assert left == ["empty engine cgroup /vllm-snapshot/6da7c6f1-4242 (holds no process and no memory; "
+                    "in 10 hierarchies)"]
+    c = _by_name(doctor.run_checks(FakeProbes(left=left)))["leftovers"]
+    assert c.detail.startswith("1 leftover(s) ") and "hold disk or RAM" not in c.detail, c.detail
+    assert doctor.empty_cgroups(leaves[:1] + ["/sys/fs/cgroup/memory/vllm-snapshot/b"]) == [
+        "empty engine cgroup /vllm-snapshot/6da7c6f1-4242 (holds no process and no memory)",
+        "empty engine cgroup /vllm-snapshot/b (holds no process and no memory)"]
+
+
 def test_mounts_are_listed_with_what_the_engine_namespace_does_with_them():
     c = _by_name(doctor.run_checks(FakeProbes()))
     assert "/mnt/x (ext4)" in c["mounts-detached"].detail and "/sys/fs/bpf (bpf)" in c["mounts-detached"].detail

@@ -249,22 +249,23 @@ class RealProbes(Probes):
         from ..store import registry
 
         root = Path(snapshot_root)
-        out: list = archive.stale_staging([Path("/dev/shm"), paths.staging_dir(), root])
+        out = [f"staging dir {p} of a killed restore ({'RAM' if p.is_relative_to('/dev/shm') else 'disk'})"
+               for p in archive.stale_staging([Path("/dev/shm"), paths.staging_dir(), root])]
         try:
-            out += [f"orphaned engine tree PID {p.pid}" for p in registry.orphans()]
+            out += [f"engine tree PID {p.pid} nobody owns (memory)" for p in registry.orphans()]
         except OSError:
             pass
         try:
-            out += store.stale_temps(root)
+            out += [f"temp dir {p} of a killed create (disk)" for p in store.stale_temps(root)]
         except OSError:
             pass
         from ..host import cgroups
 
         try:
-            out += [f"empty engine cgroup {p}" for p in cgroups.empty_leaves()]
+            out += empty_cgroups([str(p) for p in cgroups.empty_leaves()])
         except OSError:
             pass
-        return [str(p) for p in out]
+        return out
 
 
     def engine_user(self, name: str):
@@ -510,14 +511,26 @@ def _check_mounts(p: Probes) -> list[Check]:
     return out
 
 
+def empty_cgroups(leaves: list[str]) -> list[str]:
+    """Empty engine cgroup leaves (one per hierarchy: ``/sys/fs/cgroup/memory/vllm-snapshot/X``,
+    ``/sys/fs/cgroup/cpu/vllm-snapshot/X``, ...) as one leftover per engine, named by its
+    ``/vllm-snapshot/X`` (what ``status`` names and ``prune`` removes at once). Pure."""
+    by_name: dict[str, int] = {}
+    for leaf in leaves:
+        name = leaf.rstrip("/").rsplit("/", 1)[-1]
+        by_name[name] = by_name.get(name, 0) + 1
+    return [f"empty engine cgroup /vllm-snapshot/{n} (holds no process and no memory"
+            + (f"; in {k} hierarchies)" if k > 1 else ")") for n, k in sorted(by_name.items())]
+
+
 def _check_leftovers(p: Probes, root: str) -> Check:
     if p.euid() != 0:  # staging, the engine registry and the store are root's: another user sees none
         return _not_checked("leftovers", p.euid(), "looking for leftovers (root's staging, engine registry and cgroups)")
     left = p.leftovers(root)
     if not left:
         return Check("leftovers", True, "warning", "no leftovers of killed creates or restores, no empty engine cgroups")
-    return Check("leftovers", False, "warning",
-                 f"{len(left)} leftover(s) of killed commands hold disk or RAM: " + ", ".join(left[:5])
+    return Check("leftovers", False, "warning",  # each says what it holds: an empty cgroup holds nothing
+                 f"{len(left)} leftover(s) of killed commands or exited engines: " + "; ".join(left[:5])
                  + (" ..." if len(left) > 5 else ""),
                  "vllm-snapshot prune (or the next create/restore) removes them")
 

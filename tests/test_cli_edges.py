@@ -692,6 +692,21 @@ def test_a_failure_after_a_signal_is_reported_as_the_interruption(monkeypatch, c
     interrupts.reset()
     assert cli.main(["--root", "/tmp", "verify", "some-name"]) == 130  # fired again by the fake
     interrupts.reset()
+    # what CRIU said comes whole, not "what they reported: CRIU dump failed; log excerpt:)"
+    for said, expect in (("CRIU dump failed; log excerpt:\n(00.1) x\n(00.2) Error (cr-dump.c:9): Interrupted",
+                          "what they reported: CRIU dump failed (Error (cr-dump.c:9): Interrupted))"),
+                         ("CRIU dump failed; log excerpt:\n", "what they reported: CRIU dump failed (its log: /k.log))"),
+                         ("CRIU dump failed; its log /k.log is empty", "CRIU dump failed; its log /k.log is empty)")):
+        def cut(*a, said=said, **k):
+            interrupts._state["fired"] = signal.SIGINT
+            raise CriuError(said, hint="full log: /k.log", details={"log": "/k.log"})
+
+        interrupts.reset()
+        monkeypatch.setattr(ops, "verify", cut)
+        assert cli.main(["--root", "/tmp", "verify", "some-name"]) == 130
+        err = capsys.readouterr().err
+        assert expect in err and "excerpt:)" not in err, err
+    interrupts.reset()
     monkeypatch.setattr(ops, "verify", lambda *a, **k: (_ for _ in ()).throw(CriuError("plain failure")))
     assert cli.main(["--root", "/tmp", "verify", "some-name"]) == 7  # no signal: CRIU's own code
 

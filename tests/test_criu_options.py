@@ -510,3 +510,16 @@ def test_log_excerpt_leaves_out_the_cuda_plugins_benign_not_cuda_lines(tmp_path)
     out = criu.log_excerpt(log, context=2)
     assert real in out and unavailable in out
     assert "no CUDA in process" not in out
+
+
+def test_a_criu_run_killed_before_it_logged_says_its_log_is_empty(tmp_path):
+    # a trial: Ctrl-C during the dump: "CRIU dump failed; log excerpt:" and nothing after it
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / criu.DUMP_LOG).write_text("")
+    runner = criu.Criu("/nonexistent/criu", keep_log_dir=tmp_path / "logs")
+    err = runner._failed("dump", work, criu.DUMP_LOG)
+    assert "excerpt" not in err.message and err.message == f"CRIU dump failed; its log {err.details['log']} is empty"
+    (work / criu.DUMP_LOG).unlink()
+    err = runner._failed("dump", work, criu.DUMP_LOG)
+    assert err.message == f"CRIU dump failed; it wrote no log ({work / criu.DUMP_LOG})"

@@ -157,7 +157,7 @@ def test_stop_drains_for_the_engines_own_timeout_by_default(busy_server):
 
 # ------------------------------------------------------------------ the engine's signal handling
 
-def test_install_drain_first_signal_drains_second_cancels_what_is_in_flight():
+def test_install_drain_first_signal_drains_second_cancels_what_is_in_flight(capsys):
     from vllm_snapshot.engine import main
     from vllm_snapshot.engine.main import install_drain
 
@@ -190,6 +190,8 @@ def test_install_drain_first_signal_drains_second_cancels_what_is_in_flight():
     # the second: the request still in flight is cancelled now, and a connection still open
     # CUT_GRACE_S later (its client stopped reading) is aborted
     assert cancelled and early == [] and aborted == [1]
+    err = capsys.readouterr().err  # the signal by its name (a trial read "signal 15")
+    assert "vllm-snapshot: SIGTERM: draining" in err and "vllm-snapshot: SIGTERM again: cancelling" in err, err
 
 
 # ------------------------------------------------------------------ switch

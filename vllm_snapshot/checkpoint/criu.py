@@ -638,8 +638,13 @@ class Criu:
             why = explain(log.read_text(errors="replace"))
         except OSError:
             why = None
+        excerpt = log_excerpt(log)
+        if excerpt.strip():
+            tail = f"; log excerpt:\n{excerpt}"
+        else:  # killed before it wrote a line (a Ctrl-C reaches CRIU too): say so, not "excerpt:" and nothing
+            tail = f"; its log {kept or log} is empty" if log.is_file() else f"; it wrote no log ({log})"
         return CriuError(
-            f"{lead or f'CRIU {what} failed'}{': ' + why if why else ''}; log excerpt:\n{log_excerpt(log)}",
+            f"{lead or f'CRIU {what} failed'}{': ' + why if why else ''}{tail}",
             hint=f"full log: {kept}" if kept else f"the CRIU log could not be kept ({log})",
             details={"log": str(kept) if kept else None})
 

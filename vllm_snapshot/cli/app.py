@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -698,7 +699,13 @@ def _after_signal(e: SnapshotError, sig: SnapshotError | None) -> SnapshotError:
 
     if sig is None or isinstance(e, Interrupted):
         return e
-    first = e.message.splitlines()[0] if e.message else type(e).__name__
+    lines = e.message.splitlines() if e.message else [type(e).__name__]
+    first = lines[0]
+    if first.endswith("log excerpt:"):  # CRIU's message: the excerpt is on the next lines, not here
+        errors = [re.sub(r"^\(\s*[\d.]+\)\s*", "", ln.strip()) for ln in lines[1:] if "Error" in ln]  # no timestamp
+        first = first.removesuffix("log excerpt:").rstrip("; ")
+        first += f" ({errors[0]})" if errors else (f" (its log: {e.details['log']})"
+                                                   if isinstance(e.details, dict) and e.details.get("log") else "")
     return Interrupted(f"{sig.message} (the signal reached its child processes too; what they reported: {first})",
                        hint=e.hint, details={**(sig.details or {}), "then": {"code": e.code, "message": e.message}})
 

@@ -245,12 +245,13 @@ def install_drain(loop: asyncio.AbstractEventLoop, server, drain_s: float) -> No
     def on_signal(signum: int) -> None:
         state["signals"] += 1
         busy = len(server.server_state.tasks)
+        name = signal.Signals(signum).name  # a trial read "signal 15": named, as the supervisor names its own
         if state["signals"] == 1:
-            print(f"vllm-snapshot: signal {signum}: draining: no new connections, {busy} request(s) in flight "
+            print(f"vllm-snapshot: {name}: draining: no new connections, {busy} request(s) in flight "
                   f"may finish for up to {drain_s:g} s", file=sys.stderr, flush=True)
             server.should_exit = True
             return
-        print(f"vllm-snapshot: signal {signum} again: cancelling {busy} request(s) still in flight",
+        print(f"vllm-snapshot: {name} again: cancelling {busy} request(s) still in flight",
               file=sys.stderr, flush=True)
         server.should_exit = True
         for task in list(server.server_state.tasks):

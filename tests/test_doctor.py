@@ -157,7 +157,7 @@ class FakeProbes(doctor.Probes):
             [f"can write {x}" for x in nowrite if x in self.user_writable]
 
     def python_paths(self) -> dict[str, str]:
-        return {"Python environment": "/venv", "vllm package": "/venv/lib/vllm"}
+        return getattr(self, "py_paths", None) or {"Python environment": "/venv", "vllm package": "/venv/lib/vllm"}
 
 
 def _by_name(checks) -> dict[str, Check]:
@@ -586,3 +586,33 @@ def test_engine_user_reads_the_model_store():
     by = _by_name(doctor.run_checks(WithStore(denied=["/var/cache/vllm-snapshot/models"])))
     c = by["engine-user:models"]
     assert not c.ok and c.severity == "warning" and "setfacl" in c.remedy
+
+
+def test_an_interpreter_other_users_cannot_reach_is_a_warning_naming_it_and_make_setup():
+    # a trial: doctor as root said "ready" with the venv on /root/.pyenv's Python: no other user
+    # could start the CLI (inspect, list and doctor are meant to work for every user)
+    exe = "/root/.pyenv/versions/3.11.9/bin/python3.11"
+    p = FakeProbes()
+    p.py_paths = {"Python interpreter": exe, "standard library": "/root/.pyenv/versions/3.11.9/lib/python3.11",
+                  "Python environment": "/var/cache/vllm-snapshot/venv", "vllm_snapshot package": "/srv/vs/vllm_snapshot"}
+    exe_file = _st(stat.S_IFREG | 0o755)
+    p.stats.update({"/root": DIR_0700, "/root/.pyenv": DIR_0755, "/root/.pyenv/versions": DIR_0755,
+                    "/root/.pyenv/versions/3.11.9": DIR_0755, "/root/.pyenv/versions/3.11.9/bin": DIR_0755,
+                    "/root/.pyenv/versions/3.11.9/lib": DIR_0755, "/root/.pyenv/versions/3.11.9/lib/python3.11": DIR_0755,
+                    exe: exe_file, "/var/cache": DIR_0755, "/var/cache/vllm-snapshot": DIR_0755,
+                    "/var/cache/vllm-snapshot/venv": DIR_0755, "/srv": DIR_0755, "/srv/vs": DIR_0755,
+                    "/srv/vs/vllm_snapshot": DIR_0755})
+    checks = doctor.run_checks(p)
+    c = _by_name(checks)["python-for-all-users"]
+    assert (c.ok, c.severity) == (False, "warning"), c
+    assert exe in c.detail and "lies below /root (mode 0700" in c.detail and c.remedy.startswith("make setup"), c
+    assert doctor.exit_code(checks) == 0  # root can still work: not an error
+    p.stats["/root"] = _st(stat.S_IFDIR | 0o711)  # traversable: every user can run it
+    assert _by_name(doctor.run_checks(p))["python-for-all-users"].ok
+    p.stats["/srv/vs"] = DIR_0700  # the checkout out of reach: clone it elsewhere
+    c = _by_name(doctor.run_checks(p))["python-for-all-users"]
+    assert not c.ok and "/srv/vs/vllm_snapshot lies below /srv/vs" in c.detail and "/opt" in c.remedy, c
+    p.stats["/srv/vs"] = DIR_0755
+    p.stats[exe] = _st(stat.S_IFREG | 0o750)  # the program itself
+    c = _by_name(doctor.run_checks(p))["python-for-all-users"]
+    assert not c.ok and "has mode 0750: other users lack x" in c.detail, c

@@ -597,6 +597,56 @@ def _check_python(p: Probes) -> list[Check]:
     return out
 
 
+#: What of this Python other users need to start the CLI (``inspect``, ``list``, ``doctor``
+#: work without root), from :meth:`Probes.python_paths`: key -> (mode bits "other" needs, fix).
+_FOR_EVERY_USER = (
+    ("Python interpreter", stat.S_IXOTH, "make setup (it rebuilds the venv on a Python every user can run, passing "
+     "over one under /root)"),
+    ("standard library", stat.S_IROTH | stat.S_IXOTH, "make setup (it rebuilds the venv on a Python every user can "
+     "run, passing over one under /root)"),
+    ("Python environment", stat.S_IROTH | stat.S_IXOTH, "make setup (it rebuilds the venv where every user can "
+     "read it)"),
+    ("vllm_snapshot package", stat.S_IROTH | stat.S_IXOTH, "clone the checkout where every user can read it "
+     "(e.g. /opt or /srv), then make setup"),
+)
+
+
+def _out_of_others_reach(p: Probes, path: str, need: int) -> str | None:
+    """Why users other than root (and than those an ACL names) cannot use ``path``: a directory
+    above it without o+x, or ``path`` itself without ``need``; None when they can, or when a
+    stat fails (nothing to say). Mode bits only, as setup's check."""
+    target = Path(path)
+    for d in reversed(target.parents):
+        st = p.stat(str(d))
+        if st is None:
+            return None
+        if not st.st_mode & stat.S_IXOTH:
+            return (f"lies below {d} (mode {stat.S_IMODE(st.st_mode):04o}, owner uid {st.st_uid}), which other users "
+                    "cannot traverse")
+    st = p.stat(path)
+    if st is None or st.st_mode & need == need:
+        return None
+    return f"has mode {stat.S_IMODE(st.st_mode):04o}: other users lack {'r' if need & stat.S_IROTH else ''}x"
+
+
+def _check_python_for_every_user(p: Probes) -> Check:
+    """A warning, not an error (root can still create and restore): when the interpreter (a
+    pyenv Python under /root), the standard library, the venv or the checkout are out of other
+    users' reach, no user but root (and the engine user, given an ACL) can start the CLI."""
+    py = p.python_paths()
+    exe = py.get("Python interpreter", "?")
+    for key, need, fix in _FOR_EVERY_USER:
+        path = py.get(key)
+        why = _out_of_others_reach(p, path, need) if path else None
+        if why:
+            return Check("python-for-all-users", False, "warning",
+                         f"users other than root cannot start vllm-snapshot: its {key} {path} {why}"
+                         + ("" if key == "Python interpreter" else f" (interpreter {exe})")
+                         + "; inspect, list and doctor are meant to work for every user", fix)
+    return Check("python-for-all-users", True, "warning",
+                 f"every user can start vllm-snapshot (its interpreter {exe})")
+
+
 def _check_plugin(p: Probes, criu_binary: str | None) -> list[Check]:
     # the same lookup CRIU runs use (criu.find_cuda_plugin: paired with the binary), with this
     # probe's files and cache setting; then the config files that could redirect CRIU's libdir
@@ -702,7 +752,8 @@ def _check_engine_user(p: Probes) -> list[Check]:
 def run_checks(probes: Probes | None = None, *, snapshot_root: str = DEFAULT_SNAPSHOT_ROOT) -> list[Check]:
     """Every check, in a fixed order: root/capabilities, CRIU (version, ``criu check``,
     features), io_uring, kernel, glibc, snapshot root (permissions, free space), /dev/shm,
-    helper programs, vLLM, pycriu, the engine user (exists, reads the venv and the model
+    helper programs, vLLM, pycriu, whether every user can start the CLI (its interpreter, venv
+    and checkout within other users' reach), the engine user (exists, reads the venv and the model
     store, writable HOME), and on GPU hosts the GPU, driver, CRIU CUDA plugin and
     cuda-checkpoint helper."""
     p = probes or RealProbes()
@@ -720,6 +771,7 @@ def run_checks(probes: Probes | None = None, *, snapshot_root: str = DEFAULT_SNA
     checks += _check_mounts(p)
     checks += _check_programs(p)
     checks += _check_python(p)
+    checks.append(_check_python_for_every_user(p))
     checks += _check_engine_user(p)
     checks += _check_gpu(p, binary)
     return checks

@@ -465,6 +465,12 @@ def test_log_file_must_be_a_writable_regular_file(tmp_path):
     with pytest.raises(UsageError, match="pseudo filesystem"):
         check_log_file(Path("/proc/version"))
     check_log_file(tmp_path / "ok.log")
+    # a trial: `restore --detach --log-file LOG/x` with LOG a regular file said "LOG does not exist"
+    for bad in (tmp_path / "ok.log" / "x", tmp_path / "ok.log" / "x" / "y"):
+        with pytest.raises(UsageError, match=f"{tmp_path / 'ok.log'} is a file, not a directory"):
+            check_log_file(bad)
+    with pytest.raises(UsageError, match=f"{tmp_path / 'no'} does not exist"):
+        check_log_file(tmp_path / "no" / "x.log")
 
 
 def test_json_after_double_dash_belongs_to_the_engine_args(capsys):

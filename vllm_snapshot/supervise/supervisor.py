@@ -404,10 +404,11 @@ def check_log_file(path: Path) -> None:
     """Refuse what cannot be an engine log file (``--log-file``): a directory, a missing parent,
     a path on a pseudo filesystem, anything but a regular file this process can append to
     (the file is created, 0600, when absent). Raises UsageError naming why."""
+    from .. import paths
     from ..errors import UsageError
 
     if path.is_dir() or not path.parent.is_dir():
-        raise UsageError(f"--log-file {path}: " + ("is a directory" if path.is_dir() else f"{path.parent} does not exist"))
+        raise UsageError(f"--log-file {path}: " + ("is a directory" if path.is_dir() else paths.why_not_a_dir(path.parent)))
     real = os.path.realpath(path)
     if real.startswith(("/proc/", "/sys/", "/dev/")):
         raise UsageError(f"--log-file {path} is on a pseudo filesystem ({real}); name a regular file")

@@ -33,10 +33,10 @@ def run_cleanups(cause: BaseException, steps: list[tuple[str, Callable[[], objec
 def report_reclaimed(rep: Reporter, gone: list[str]) -> None:
     """Say what ``reclaim`` removed: each leftover of a killed command on a line of its own;
     engine cgroups left empty (by an engine that exited, was stopped outside vllm-snapshot or
-    killed: not necessarily a killed command) in one line; lock files of snapshot paths that no
-    longer exist (bookkeeping, not a failure: a deleted or renamed snapshot leaves one) in one
-    line with their count."""
-    locks = [g for g in gone if g.endswith(".lock")]
+    killed: not necessarily a killed command) in one line. Lock files of snapshot paths that no
+    longer exist are removed silently: bookkeeping of the whole host (a deleted or renamed
+    snapshot, a test's temp dir leaves one), not news about this command (a trial saw "removed 5
+    lock file(s) ..." before every create and restore); ``prune`` lists them."""
     cgroups = [g.removeprefix("empty cgroup ") for g in gone if g.startswith("empty cgroup ")]
     for g in gone:
         if not g.endswith(".lock") and not g.startswith("empty cgroup "):
@@ -45,5 +45,3 @@ def report_reclaimed(rep: Reporter, gone: list[str]) -> None:
         names = sorted({Path(c).name for c in cgroups})
         rep.info(f"removed the empty cgroups of {len(names)} engine(s) that exited: {', '.join(names)} "
                  f"(under /vllm-snapshot in {len(cgroups)} hierarchy path(s))")
-    if locks:
-        rep.info(f"removed {len(locks)} lock file(s) of snapshot paths that no longer exist")

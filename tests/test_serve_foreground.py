@@ -128,13 +128,22 @@ def test_a_signal_is_forwarded_as_sigterm_and_the_engines_code_returned():
     eng = _Engine(w, after=1, code=0)
     code, said = _serve(w, eng, {1.0: signal.SIGHUP})
     assert code == 0 and w.terminated == [777] and not eng.killed
-    assert said == [f"received signal {int(signal.SIGHUP)}; stopping the engine (draining: requests in flight may "
+    assert said == ["received SIGHUP; stopping the engine (draining: requests in flight may "
                     "finish for up to 5 s)"]
     c = w.calls
     # signals forwarded from before the first look until the log is drained; then closed and unregistered
     assert c.index("forward_signals") < c.index("engine.reap") < c.index("terminate")
     assert c.index("engine.drain_log") < c.index("forward_signals.end") < c.index("engine.close") < c.index("unregister")
     assert w.signal_handler is None  # the old handlers are back
+
+
+def test_the_signal_received_is_named_not_the_sigterm_forwarded():
+    # a trial: Ctrl-C to a foreground serve was logged as "signal 15" (what the engine is sent)
+    import signal
+
+    w = FakeWorld()
+    code, said = _serve(w, _Engine(w, after=1, code=0), {1.0: signal.SIGINT})
+    assert code == 0 and said[0].startswith("received SIGINT; stopping the engine"), said
 
 
 def test_a_second_signal_cuts_the_drain_short():

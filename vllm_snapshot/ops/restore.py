@@ -574,6 +574,14 @@ def serve_foreground(r: Restored, engine: Engine, on_signal_msg: Callable[[str],
                              r.drain_s + TEARDOWN_S if stop_grace_s is None else stop_grace_s)
 
 
+def _signame(signum: int) -> str:
+    """``SIGINT`` for 2; ``signal N`` for a number without a name."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
 def _serve_until_exit(rt: RuntimeTools, clock: Clock, r: Restored, engine: Engine,
                       on_signal_msg: Callable[[str], None] | None, stop_grace_s: float) -> int:
     """:func:`serve_foreground` over its two roles: signals and the registry (``rt``), time."""
@@ -581,7 +589,9 @@ def _serve_until_exit(rt: RuntimeTools, clock: Clock, r: Restored, engine: Engin
 
     def _fwd(signum: int) -> None:
         if on_signal_msg:
-            on_signal_msg(f"received signal {signum}; stopping the engine" + (
+            # by name (a trial's Ctrl-C read as "signal 15": the engine's own line names the
+            # SIGTERM it is sent, this one what the command received)
+            on_signal_msg(f"received {_signame(signum)}; stopping the engine" + (
                 f" (draining: requests in flight may finish for up to {r.drain_s:g} s)" if stopping["at"] is None
                 else " now (requests still in flight are cut)"))
         stopping["at"] = stopping["at"] or clock.monotonic()

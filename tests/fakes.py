@@ -601,9 +601,9 @@ class FakeStoreTools(_Role, StoreTools):
         self.w._call("reclaim")
         return []
 
-    def record_refusal(self, snapshot: Path, code: str, reason: str) -> None:
+    def record_refusal(self, snapshot: Path, code: str, reason: str, by: str = "serve") -> None:
         self.w._call("record_refusal")
-        self.w.refusals[str(snapshot)] = {"code": code, "reason": reason, "at": 0.0}
+        self.w.refusals[str(snapshot)] = {"code": code, "reason": reason, "at": 0.0, "by": by}
 
     def refusal(self, snapshot: Path) -> dict | None:
         return self.w.refusals.get(str(snapshot))

@@ -771,6 +771,33 @@ def test_a_corrupted_frame_stops_the_restore_before_anything_serves(isolated):
     assert "unstage_all" in t.calls
 
 
+@pytest.mark.parametrize("compressed", [True, False])
+def test_a_restore_refused_for_corrupt_images_marks_the_snapshot_for_list_and_prune(compressed):
+    # a trial: a restore refused with exit 5 (an image failing its checksum) left `list` at ✓
+    # and `prune --unusable` found nothing; serve's refusals were recorded, restore's were not
+    from vllm_snapshot.errors import CorruptSnapshotError
+
+    t = FakeWorld()
+    t.unpacking = compressed
+    bad = CorruptSnapshotError("image pages-1.img fails its checksum")
+    if compressed:
+        t.corrupt_frame = bad
+    t.corrupt_images = bad
+    with pytest.raises(CorruptSnapshotError):
+        _restore(t)
+    assert t.refusals[str(SNAP)]["code"] == "corrupt-snapshot" and t.refusals[str(SNAP)]["by"] == "restore"
+    row = ops.describe(SNAP, t.tools)
+    assert row["compatible"] is False and row["why"] == "refused by restore: image pages-1.img fails its checksum"
+
+
+def test_a_restore_that_fails_for_another_reason_marks_nothing():
+    # CRIU, a busy port, the engine: not the snapshot's fault (serve records those, restore does not)
+    t = FakeWorld(fail={"restore_tree": CriuError("CRIU restore failed; log excerpt:\nError (x): y")})
+    with pytest.raises(CriuError):
+        _restore(t)
+    assert "record_refusal" not in t.calls and ops.describe(SNAP, t.tools)["compatible"] is True
+
+
 class _Lines(Reporter):
     """A reporter that keeps its info lines."""
 

@@ -401,8 +401,9 @@ class StoreTools(Protocol):
         staging dir, ``near``), orphaned engine trees, stale registry entries and lock files.
         Never a live one's. ``dry_run``: only list them."""
 
-    def record_refusal(self, snapshot: Path, code: str, reason: str) -> None:
-        """Remember that ``serve`` refused ``snapshot`` here (shown by ``list``)."""
+    def record_refusal(self, snapshot: Path, code: str, reason: str, by: str = "serve") -> None:
+        """Remember that ``by`` (``serve``, or ``restore`` for corrupt images) refused
+        ``snapshot`` here (shown by ``list``)."""
 
     def refusal(self, snapshot: Path) -> dict | None:
         """The refusal recorded for ``snapshot`` since its last restore, or None."""

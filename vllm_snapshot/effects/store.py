@@ -76,10 +76,10 @@ class LocalStoreTools(StoreTools):
 
         return reclaim.reclaim(near, dry_run)
 
-    def record_refusal(self, snapshot: Path, code: str, reason: str) -> None:
+    def record_refusal(self, snapshot: Path, code: str, reason: str, by: str = "serve") -> None:
         from ..store import store
 
-        store.record_refusal(snapshot, code, reason)
+        store.record_refusal(snapshot, code, reason, by)
 
     def refusal(self, snapshot: Path) -> dict | None:
         from ..store import store

@@ -45,3 +45,4 @@ def report_reclaimed(rep: Reporter, gone: list[str]) -> None:
         names = sorted({Path(c).name for c in cgroups})
         rep.info(f"removed the empty cgroups of {len(names)} engine(s) that exited: {', '.join(names)} "
                  f"(under /vllm-snapshot in {len(cgroups)} hierarchy path(s))")
+

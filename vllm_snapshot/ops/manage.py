@@ -42,7 +42,7 @@ def describe(snapshot: Path, tools: Tools | None = None) -> dict:
                raw_bytes=m.sizes["raw"], stored_bytes=m.sizes["stored"], key=m.key.value if m.key else None)
     refused = t.store.refusal(snapshot)
     if refused is not None:  # `serve` restored it and it failed (oracle, CRIU, ...): say so
-        row.update(compatible=False, why=f"refused by serve: {refused['reason']}")
+        row.update(compatible=False, why=f"refused by {refused.get('by', 'serve')}: {refused['reason']}")
         return row
     try:
         hard = [d for d in identity.compare(m.host, t.host.host_identity(m.engine.kind),

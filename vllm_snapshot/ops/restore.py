@@ -313,6 +313,22 @@ def _restore_locked(t: Tools, req: RestoreRequest, rep: Reporter, snapshot: Path
         rep.info(w)
     st = _Restoring(snapshot, m)
     try:
+        return _restore_phases(t, req, rep, st, m, warnings, fe, pins, log_file)
+    except CorruptSnapshotError as e:  # an image or a saved file failed its checksum: mark it for list/prune
+        line = e.message.splitlines()[0]  # the verdict; not what else had failed already (CRIU's excerpt)
+        try:
+            t.store.record_refusal(snapshot, e.code, line, by="restore")
+        except OSError as err:  # bookkeeping only
+            rep.info(f"could not record the refusal of {snapshot.name}: {err}")
+        raise
+
+
+def _restore_phases(t: Tools, req: RestoreRequest, rep: Reporter, st: _Restoring, m: Manifest, warnings: list[str],
+                    fe, pins: list, log_file: Path | None) -> tuple[Restored, Engine]:
+    """Stage -> CRIU -> adopt and verify -> serve, after validation; undoes what they made on
+    any failure."""
+    snapshot = st.snapshot
+    try:
         _stage(t.files, t.checkpoint, rep, st)
         pid = _criu_restore(t.host, t.engine, t.checkpoint, t.runtime, req, rep, st, log_file)
         _adopt_and_verify(t.engine, t.checkpoint, t.files, t.model, t.clock, req, rep, st, pid, pins)

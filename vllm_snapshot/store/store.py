@@ -183,9 +183,10 @@ def record_restore(snapshot: Path, overrides: list[str] | None = None) -> None:
     os.chmod(p, 0o600)
 
 
-def record_refusal(snapshot: Path, code: str, reason: str) -> None:
-    """Remember that ``serve`` refused ``snapshot`` on this host (error ``code``, one-line
-    ``reason``), keeping its last-restore time; ``list`` shows it as unusable until a restore
+def record_refusal(snapshot: Path, code: str, reason: str, by: str = "serve") -> None:
+    """Remember that ``by`` (``serve``; ``restore`` when the snapshot's images or files proved
+    corrupt) refused ``snapshot`` on this host (error ``code``, one-line ``reason``), keeping
+    its last-restore time; ``list`` shows it as unusable until a restore
     of it succeeds again (:func:`record_restore` rewrites the record). The snapshot itself is
     never written to."""
     import json
@@ -195,7 +196,7 @@ def record_refusal(snapshot: Path, code: str, reason: str) -> None:
         state = json.loads(p.read_text())
     except (OSError, ValueError):
         state = {"snapshot": str(snapshot.absolute()), "last_restore": None, "overrides": []}
-    state["refused"] = {"at": time.time(), "code": code, "reason": reason}
+    state["refused"] = {"at": time.time(), "code": code, "reason": reason, "by": by}
     p.write_text(json.dumps(state))
     os.chmod(p, 0o600)
 

@@ -329,3 +329,21 @@ def test_serve_builds_as_the_user_it_is_given(monkeypatch, tmp_path, extra, want
     monkeypatch.setattr(ops, "serve", fake_serve)
     assert cli.main(["serve", "/models/tiny", *extra, "--", "--dtype", "float32"]) == 2
     assert [r.user for r in got] == [want] and got[0].engine_args == ["--dtype", "float32"]
+
+
+@pytest.mark.parametrize("command", ["restore", "verify"])
+def test_restore_refuses_a_model_the_engine_user_can_no_longer_read_before_criu(command):
+    # a trial: create refuses a model dir the engine user cannot read (exit 2); a restore after
+    # a chmod went on to CRIU (a level-2 wake then fails to reload the weights as that user)
+    t = FakeWorld()
+    t.user_unreadable = ["/models/tiny"]
+    with pytest.raises(UsageError) as e:
+        if command == "restore":
+            ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8123), Reporter(), tools=t.tools)
+        else:
+            ops.verify(SNAP, tools=t.tools)
+    assert e.value.exit_code == 2 and "cannot read the model at /models/tiny" in e.value.message
+    assert "setfacl -R -m u:vllm-snapshot:rX /models/tiny" in e.value.hint
+    assert "restore_tree" not in t.calls and "stage_checking" not in t.calls
+    t.user_unreadable = []
+    ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8123), Reporter(), tools=t.tools)

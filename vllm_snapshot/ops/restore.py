@@ -82,7 +82,7 @@ from ..effects.protocols import (
 )
 from ..effects.tools import Tools, local_tools
 from .cleanup import report_reclaimed, run_cleanups
-from .create import wake_timeout_s
+from .create import check_access, wake_timeout_s
 
 RESTORE_ORACLE_TIMEOUT_S = 300.0
 BIND_TIMEOUT_S = 120.0
@@ -209,6 +209,9 @@ def _validate(host: HostTools, model: ModelTools, files: SnapshotFiles, snapshot
     if pins is not None:  # before the check: a change made after it shows in the stat
         pins.extend(model.model_stats(Path(m.model.path), m.model.files))
     model.verify_model(Path(m.model.path), m.model.files, verify_model)  # added files: refused or ignored
+    if m.engine.user is not None:  # as create refuses: a level-2 wake reloads the weights as that user
+        model_dir = Path(m.model.path)
+        check_access(m.engine.user, model_dir, {"model": host.unreadable_by(m.engine.user, [model_dir])})
     return m, warnings
 
 

@@ -13,7 +13,7 @@ from helpers import make_manifest, write_snapshot_dir
 
 from vllm_snapshot.cli import app as cli
 from vllm_snapshot import errors
-from vllm_snapshot.store import manifest
+from vllm_snapshot.store import layout, manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -124,7 +124,7 @@ def test_inspect_table_of_a_valid_snapshot(tmp_path, capsys):
 
 def test_inspect_of_a_hand_edited_manifest_exits_5(tmp_path, capsys):
     write_snapshot_dir(tmp_path / "snap")
-    path = tmp_path / "snap" / manifest.MANIFEST_NAME
+    path = tmp_path / "snap" / layout.MANIFEST
     doc = json.loads(path.read_text())
     doc["oracle"]["token_id"] += 1
     path.write_text(json.dumps(doc))

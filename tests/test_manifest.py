@@ -10,7 +10,7 @@ import pytest
 from helpers import make_manifest, manifest_fields
 from pydantic import ValidationError
 
-from vllm_snapshot.store import manifest
+from vllm_snapshot.store import layout, manifest
 from vllm_snapshot.errors import CorruptSnapshotError
 
 
@@ -40,9 +40,9 @@ def test_seal_fills_a_digest_over_the_content():
 def test_write_atomic_and_read_round_trip(tmp_path):
     m = make_manifest()
     path = manifest.write_atomic(m, tmp_path)
-    assert path == tmp_path / manifest.MANIFEST_NAME
+    assert path == tmp_path / layout.MANIFEST
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    assert sorted(os.listdir(tmp_path)) == [manifest.MANIFEST_NAME]  # no temp file left
+    assert sorted(os.listdir(tmp_path)) == [layout.MANIFEST]  # no temp file left
     back = manifest.read(tmp_path)
     assert back == m
     assert back.oracle.top_logprobs == m.oracle.top_logprobs
@@ -50,11 +50,11 @@ def test_write_atomic_and_read_round_trip(tmp_path):
 
 
 def test_write_atomic_replaces_an_existing_manifest_keeping_mode(tmp_path):
-    (tmp_path / manifest.MANIFEST_NAME).write_text("old")
+    (tmp_path / layout.MANIFEST).write_text("old")
     m = make_manifest()
     manifest.write_atomic(m, tmp_path)
     assert manifest.read(tmp_path) == m
-    assert stat.S_IMODE(os.stat(tmp_path / manifest.MANIFEST_NAME).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(tmp_path / layout.MANIFEST).st_mode) == 0o600
 
 
 def test_read_missing_manifest_is_corrupt_in_a_snapshot_dir_else_a_usage_error(tmp_path):
@@ -63,7 +63,7 @@ def test_read_missing_manifest_is_corrupt_in_a_snapshot_dir_else_a_usage_error(t
     with pytest.raises(UsageError, match="is not a snapshot"):
         manifest.read(tmp_path)
     (tmp_path / "images").mkdir()
-    with pytest.raises(CorruptSnapshotError, match="not found"):
+    with pytest.raises(CorruptSnapshotError, match="incomplete snapshot"):
         manifest.read(tmp_path)
 
 

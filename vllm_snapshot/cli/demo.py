@@ -16,7 +16,7 @@ import time
 import urllib.error
 from pathlib import Path
 
-from ..store import manifest
+from ..store import layout
 from .. import ops
 from ..dev import tiny_model
 from ..errors import EngineError, SnapshotError
@@ -123,7 +123,7 @@ def run(snap: Path, port: int, skip_cold: bool, as_json: bool) -> DemoReport:
     with rep.phase("model", "tiny model"):
         model = tiny_model.generate(tiny_model.default_model_dir())
     m = None
-    if (snap / manifest.MANIFEST_NAME).exists():
+    if (snap / layout.MANIFEST).exists():
         try:
             m, _ = ops.validate(snap, tools=t)
             if list(m.engine.engine_args) != ENGINE_ARGS:

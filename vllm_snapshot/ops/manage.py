@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from ..host import identity
-from ..store import manifest
+from ..store import layout, manifest
 from ..errors import BusyError, CorruptSnapshotError, Interrupted, SnapshotError, UsageError
 from ..report.progress import Reporter
 from ..store.registry import Entry
@@ -78,12 +78,12 @@ def delete(snapshot: Path, force: bool = False, tools: Tools | None = None) -> D
     (missing), CorruptSnapshotError (a directory that is not a snapshot)."""
     t = tools or local_tools()
     snapshot = t.store.canonical(snapshot)
-    if not t.host.path_exists(snapshot / manifest.MANIFEST_NAME):
+    if not t.host.path_exists(snapshot / layout.MANIFEST):
         if not t.host.path_exists(snapshot):
             raise UsageError(f"{snapshot} does not exist")
         if not snapshot.is_dir():  # the exit-code rule: a file is a usage error, as for inspect
             raise UsageError(f"{snapshot} is not a directory (a snapshot is a directory)")
-        raise CorruptSnapshotError(f"{snapshot} has no manifest.json; refusing to delete a directory that is not a snapshot")
+        raise CorruptSnapshotError(f"{snapshot} has no {layout.MANIFEST}; refusing to delete a directory that is not a snapshot")
     running = _engines_of(t.store, t.runtime, snapshot)
     if running and not force:
         raise BusyError(f"engines restored from {snapshot} are running: PIDs {[e.pid for e in running]}",

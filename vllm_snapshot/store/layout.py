@@ -46,6 +46,8 @@ CODE_TABLE = "code.json"
 #: digest, the key that verified it) and the machine that pulled it; absent in snapshots made here
 PULLED = "pulled.json"
 OWNER_PID = "owner.pid"
+#: The manifest's temp name while :func:`vllm_snapshot.store.manifest.write_atomic` writes it.
+MANIFEST_TMP = f".{MANIFEST}.tmp"
 #: Every name a published snapshot may hold at its top level.
 MEMBERS = frozenset({MANIFEST, IMAGES, FILES, CARRIED, CREATE_LOG, DUMP_LOG, STATS_DUMP, CODE_TABLE, PULLED})
 
@@ -81,19 +83,49 @@ class SnapshotDir:
         return self.path / DUMP_LOG
 
 
+NOT_OURS_HINT = "name a directory made by `vllm-snapshot create` (`vllm-snapshot list` shows them)"
+
+
+def judge(path: Path) -> UsageError | CorruptSnapshotError | None:
+    """The one judgement of "is ``path`` a snapshot directory at all?", made before anything in
+    it is trusted or read (by :func:`open_trusted`, :func:`vllm_snapshot.store.manifest.read`
+    and :func:`not_a_snapshot`). None when ``path`` is a directory holding :data:`MANIFEST`;
+    else the error to raise -- a UsageError (exit 2: a wrong argument) when ``path`` does not
+    exist, is not a directory, or is a directory with neither :data:`MANIFEST` nor
+    :data:`IMAGES` (not ours at all); a CorruptSnapshotError (exit 5) when it holds
+    :data:`IMAGES` but no :data:`MANIFEST` (ours, but the manifest never got written). Follows
+    a symlink (the trust checks refuse one separately). Reads only directory entries. Raises
+    EnvironmentProblem (exit 11) when this user may not look (:func:`vllm_snapshot.paths.lexists`)."""
+    if not paths.lexists(path):
+        return UsageError(f"{path} does not exist")
+    if not path.is_dir():
+        return UsageError(f"{path} is not a directory (a snapshot is a directory)", hint=NOT_OURS_HINT)
+    if paths.lexists(path / MANIFEST):
+        return None
+    if not paths.lexists(path / IMAGES):
+        return UsageError(f"{path} is not a snapshot (no {MANIFEST}, no {IMAGES}/)", hint=NOT_OURS_HINT)
+    return CorruptSnapshotError(f"{path} is an incomplete snapshot (no {MANIFEST})",
+                                hint=f"remove the directory (`rm -r {path}`: `vllm-snapshot delete` deletes only "
+                                     "snapshots with a manifest) and create it again")
+
+
 def not_a_snapshot(path: Path) -> str | None:
     """Why ``path`` is not a vllm-snapshot snapshot directory (None when it is one, possibly a
-    damaged one): only a directory with an ``images/`` member and a ``manifest.json`` that is a
-    JSON object with this tool's top-level fields (``schema_version``, ``criu``, ``images``)
-    and no names outside :data:`MEMBERS` counts -- so ``delete``/``prune`` never remove a web
-    app's or another tool's directory that merely has a ``manifest.json``. Reads only the
-    manifest (at most 64 MiB)."""
+    damaged one): the removal judgement, stricter than :func:`judge` (which it applies first):
+    only a directory with an ``images/`` directory and a ``manifest.json`` that is a JSON object
+    with this tool's top-level fields (``schema_version``, ``criu``, ``images``) and no names
+    outside :data:`MEMBERS` counts -- so ``delete``/``prune`` never remove a web app's or
+    another tool's directory that merely has a ``manifest.json``. Reads only the manifest (at
+    most 64 MiB)."""
     import json
 
+    refused = judge(path)
+    if refused is not None:
+        return refused.message
     try:
         if not (path / IMAGES).is_dir() or (path / IMAGES).is_symlink():
             return f"it has no {IMAGES}/ directory"
-        extra = sorted(set(os.listdir(path)) - MEMBERS - {f".{MANIFEST}.tmp"})
+        extra = sorted(set(os.listdir(path)) - MEMBERS - {MANIFEST_TMP})
         if extra:
             return "it holds " + ", ".join(extra[:5]) + " (a snapshot holds only " + ", ".join(sorted(MEMBERS)) + ")"
         with open(path / MANIFEST, "rb") as f:
@@ -106,20 +138,15 @@ def not_a_snapshot(path: Path) -> str | None:
 
 
 def open_trusted(path: Path) -> SnapshotDir:
-    """Run the trust checks once -- :func:`check_dir_safety`, :func:`check_file_modes`, and
-    no unexpected top-level member -- and return the snapshot's :class:`SnapshotDir`.
-    Raises UsageError (missing), CorruptSnapshotError (untrusted or unexpected content)."""
+    """Run the trust checks once -- :func:`judge` (a symlink is refused by the next check, not
+    followed), :func:`check_dir_safety`, :func:`check_file_modes`, and no unexpected top-level
+    member -- and return the snapshot's :class:`SnapshotDir`. Raises UsageError (missing, not a
+    directory, not a snapshot), CorruptSnapshotError (incomplete, untrusted or unexpected
+    content)."""
     path = path.absolute()
-    if os.path.lexists(path) and not path.is_symlink() and not path.is_dir():
-        raise UsageError(f"{path} is not a directory (a snapshot is a directory)",
-                         hint="name a directory made by `vllm-snapshot create` (`vllm-snapshot list` shows them)")
-    if path.is_dir() and not path.is_symlink() and not (path / MANIFEST).exists():
-        if not (path / IMAGES).exists():  # not ours at all: a wrong argument, not a damaged snapshot
-            raise UsageError(f"{path} is not a snapshot (no {MANIFEST}, no {IMAGES}/)",
-                             hint="name a directory made by `vllm-snapshot create` (`vllm-snapshot list` shows them)")
-        raise CorruptSnapshotError(f"{path} is an incomplete snapshot (no {MANIFEST})",
-                                   hint=f"remove the directory (`rm -r {path}`: `vllm-snapshot delete` deletes only "
-                                        "snapshots with a manifest) and create it again")
+    refused = None if path.is_symlink() else judge(path)
+    if refused is not None:
+        raise refused
     check_dir_safety(path)
     check_file_modes(path)
     extra = sorted(set(os.listdir(path)) - MEMBERS)

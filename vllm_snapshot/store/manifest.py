@@ -18,10 +18,10 @@ import blake3
 from pydantic import BaseModel, ConfigDict, Field, SerializationInfo, ValidationError, model_serializer, model_validator
 
 from ..errors import CorruptSnapshotError
+from .layout import MANIFEST, MANIFEST_TMP, judge
 from .oracle import Oracle
 
 SCHEMA_VERSION = 1
-MANIFEST_NAME = "manifest.json"
 
 
 class _Strict(BaseModel):
@@ -326,8 +326,8 @@ def to_json(m: Manifest) -> str:
 
 def write_atomic(m: Manifest, directory: Path) -> Path:
     """Write ``directory/manifest.json`` (mode 0600) via a temp file, fsync, rename, fsync dir."""
-    path = directory / MANIFEST_NAME
-    tmp = directory / f".{MANIFEST_NAME}.tmp"
+    path = directory / MANIFEST
+    tmp = directory / MANIFEST_TMP
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.write(fd, to_json(m).encode())
@@ -365,7 +365,7 @@ def _loc(err: dict) -> str:
     return "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"])
 
 
-def parse(text: str, source: str = MANIFEST_NAME) -> Manifest:
+def parse(text: str, source: str = MANIFEST) -> Manifest:
     """Parse and verify manifest text strictly.
 
     Raises CorruptSnapshotError naming the JSON path of the first problems: invalid JSON, an
@@ -410,24 +410,14 @@ def read(directory: Path) -> Manifest:
 
     A missing directory raises UsageError; a directory without a manifest raises
     CorruptSnapshotError (an incomplete or foreign directory)."""
-    path = directory / MANIFEST_NAME
-    from ..errors import UsageError
-
-    from .. import paths
-
-    if not paths.lexists(directory):
-        raise UsageError(f"snapshot {directory} does not exist")
-    if not os.path.isdir(directory):
-        raise UsageError(f"{directory} is not a directory (a snapshot is a directory)")
+    refused = judge(directory)
+    if refused is not None:
+        raise refused
+    path = directory / MANIFEST
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
         raise CorruptSnapshotError(f"{path} is not UTF-8 text: {e}") from e
-    except FileNotFoundError as e:
-        if not os.path.lexists(directory / "images"):  # not ours at all: a wrong argument (as layout.open_trusted)
-            raise UsageError(f"{directory} is not a snapshot (no {MANIFEST_NAME}, no images/)",
-                             hint="name a directory made by `vllm-snapshot create` (`vllm-snapshot list` shows them)") from e
-        raise CorruptSnapshotError(
-            f"{path} not found: an incomplete snapshot",
-        ) from e
+    except FileNotFoundError as e:  # removed since the judgement
+        raise CorruptSnapshotError(f"{path} not found: an incomplete snapshot") from e
     return parse(text, str(path))

@@ -1,0 +1,89 @@
+"""One owner per contract, read from the source with ast: the snapshot's member names are
+spelled only in store/layout.py, and the other contracts' owners are the only modules that
+state them (docs/architecture.md lists the contracts and their owners)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from vllm_snapshot.store import layout
+
+PKG = Path(__file__).resolve().parent.parent / "vllm_snapshot"
+
+
+def _trees() -> dict[str, ast.AST]:
+    """{path relative to the package: its parsed source} of every module of the package."""
+    return {str(p.relative_to(PKG)): ast.parse(p.read_text(), str(p)) for p in sorted(PKG.rglob("*.py"))}
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of the string constants that are docstrings (prose may name a member)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+    return out
+
+
+#: Member names no other string of the package can mean: spelled anywhere else, they are a
+#: second owner. ``images`` and ``files`` are also manifest/code-table field names, so for them
+#: only a path join (``x / "images"``) counts.
+UNAMBIGUOUS = {layout.MANIFEST, layout.MANIFEST_TMP, layout.CREATE_LOG, layout.DUMP_LOG, layout.RESTORE_LOG,
+               layout.STATS_DUMP, layout.CODE_TABLE, layout.OWNER_PID}
+
+
+def member_spellings(trees: dict[str, ast.AST]) -> list[str]:
+    """Every place outside store/layout.py that spells a member name: ``"FILE:LINE: 'name'"``."""
+    out = []
+    for rel, tree in trees.items():
+        if rel == "store/layout.py":
+            continue
+        docs = _docstrings(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+                if node.value in UNAMBIGUOUS:
+                    out.append(f"{rel}:{node.lineno}: {node.value!r}")
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and isinstance(node.right, ast.Constant) \
+                    and node.right.value in layout.MEMBERS | {layout.RESTORE_LOG, layout.OWNER_PID}:
+                out.append(f"{rel}:{node.lineno}: / {node.right.value!r}")
+    return sorted(out)
+
+
+def test_the_finder_finds_a_second_spelling():
+    trees = {"store/manifest.py": ast.parse('"""manifest.json is prose here"""\nNAME = "manifest.json"\n'),
+             "effects/tools.py": ast.parse('p = snapshot / "images"\nrow = {"images": 1}\n'),
+             "store/layout.py": ast.parse('MANIFEST = "manifest.json"\n')}
+    assert member_spellings(trees) == ["effects/tools.py:1: / 'images'", "store/manifest.py:2: 'manifest.json'"]
+
+
+def test_only_layout_spells_a_member_name():
+    assert member_spellings(_trees()) == []
+
+
+def test_one_judgement_of_is_this_a_snapshot(tmp_path):
+    # open_trusted, manifest.read and the removal check (not_a_snapshot) give the same answer,
+    # layout.judge's, for what is no snapshot at all or an incomplete one
+    import os
+
+    import pytest
+
+    from vllm_snapshot.errors import CorruptSnapshotError, UsageError
+    from vllm_snapshot.store import manifest
+
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "empty").mkdir(mode=0o700)
+    (tmp_path / "half" / layout.IMAGES).mkdir(parents=True)
+    os.chmod(tmp_path / "half", 0o700)
+    cases = {"missing": UsageError, "afile": UsageError, "empty": UsageError, "half": CorruptSnapshotError}
+    for name, kind in cases.items():
+        d = tmp_path / name
+        verdict = layout.judge(d)
+        assert type(verdict) is kind, name
+        for reader in (layout.open_trusted, manifest.read):
+            with pytest.raises(kind) as ei:
+                reader(d)
+            assert ei.value.message == verdict.message, (name, reader)
+        assert layout.not_a_snapshot(d) == verdict.message

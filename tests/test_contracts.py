@@ -87,3 +87,24 @@ def test_one_judgement_of_is_this_a_snapshot(tmp_path):
                 reader(d)
             assert ei.value.message == verdict.message, (name, reader)
         assert layout.not_a_snapshot(d) == verdict.message
+
+
+def callers(trees: dict[str, ast.AST], name: str) -> list[str]:
+    """Modules (relative paths) that call a function or method named ``name``."""
+    out = set()
+    for rel, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                f = node.func
+                if (isinstance(f, ast.Attribute) and f.attr == name) or (isinstance(f, ast.Name) and f.id == name):
+                    out.add(rel)
+    return sorted(out)
+
+
+def test_only_archive_lists_the_staging_parents():
+    # where restore stages (/dev/shm, paths.staging_dir(), beside the snapshot) is decided by
+    # archive.staging_parent and listed by archive.staging_parents; cleanup, reclaim and doctor
+    # ask for that list instead of writing it out again
+    trees = _trees()
+    assert callers(trees, "staging_dir") == ["store/archive.py"]
+    assert set(callers(trees, "stale_staging") + callers(trees, "own_staging")) <= set(callers(trees, "staging_parents"))

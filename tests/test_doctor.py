@@ -616,3 +616,18 @@ def test_an_interpreter_other_users_cannot_reach_is_a_warning_naming_it_and_make
     p.stats[exe] = _st(stat.S_IFREG | 0o750)  # the program itself
     c = _by_name(doctor.run_checks(p))["python-for-all-users"]
     assert not c.ok and "has mode 0750: other users lack x" in c.detail, c
+
+
+def test_the_model_store_is_where_paths_says(monkeypatch):
+    # doctor asks vllm_snapshot.paths (the one owner of default paths), with its probe's env
+    from vllm_snapshot import paths
+
+    @dataclass
+    class WithStore(FakeProbes):
+        def is_dir(self, path: str) -> bool:
+            return path in ("/srv/cache/models", "/srv/env-cache/models")
+
+    monkeypatch.setattr(paths, "DEFAULT_CACHE", Path("/srv/cache"))
+    assert "can read every model under /srv/cache/models" in _by_name(doctor.run_checks(WithStore()))["engine-user:models"].detail
+    by = _by_name(doctor.run_checks(WithStore(environ={"VLLM_SNAPSHOT_CACHE": "/srv/env-cache"})))
+    assert "/srv/env-cache/models" in by["engine-user:models"].detail

@@ -7,6 +7,7 @@ function           default (as root)               override
 snapshot_root()    /var/lib/vllm-snapshot          ``--root`` / ``$VLLM_SNAPSHOT_ROOT``
                    (non-root: $XDG_DATA_HOME/vllm-snapshot)
 cache_dir()        /var/cache/vllm-snapshot        ``$VLLM_SNAPSHOT_CACHE``
+model_store()      cache_dir()/models              (with the cache)
 run_dir()          /run/vllm-snapshot              ``$VLLM_SNAPSHOT_RUN_DIR``
 state_dir()        /var/lib/vllm-snapshot/.state   ``$VLLM_SNAPSHOT_STATE_DIR``
                    (non-root: run_dir()/state)
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 DEFAULT_ROOT = Path("/var/lib/vllm-snapshot")
@@ -47,9 +49,15 @@ def snapshot_root(cli_root: Path | None = None) -> Path:
     return Path(xdg) / "vllm-snapshot"
 
 
-def cache_dir() -> Path:
-    """Setup's cache (CRIU build, venv, tiny model, cuda-checkpoint helper)."""
-    return Path(os.environ.get("VLLM_SNAPSHOT_CACHE") or DEFAULT_CACHE)
+def cache_dir(env: Callable[[str], str | None] = os.environ.get) -> Path:
+    """Setup's cache (CRIU build, venv, tiny model, cuda-checkpoint helper). ``env`` reads one
+    environment variable (default this process's; ``doctor`` passes its probe's)."""
+    return Path(env("VLLM_SNAPSHOT_CACHE") or DEFAULT_CACHE)
+
+
+def model_store(env: Callable[[str], str | None] = os.environ.get) -> Path:
+    """Where setup puts models (the tiny model among them): ``cache_dir(env)/models``."""
+    return cache_dir(env) / "models"
 
 
 def run_dir() -> Path:

@@ -249,8 +249,8 @@ class RealProbes(Probes):
         from ..store import registry
 
         root = Path(snapshot_root)
-        out = [f"staging dir {p} of a killed restore ({'RAM' if p.is_relative_to('/dev/shm') else 'disk'})"
-               for p in archive.stale_staging([Path("/dev/shm"), paths.staging_dir(), root])]
+        out = [f"staging dir {p} of a killed restore ({'RAM' if p.is_relative_to(archive.SHM) else 'disk'})"
+               for p in archive.stale_staging(archive.staging_parents(root))]
         try:
             out += [f"engine tree PID {p.pid} nobody owns (memory)" for p in registry.orphans()]
         except OSError:
@@ -725,7 +725,7 @@ def _check_engine_user(p: Probes) -> list[Check]:
         return [Check("engine-user", False, "error", f"the engine user {name} has uid 0: the engine would run as root",
                       f"userdel {name}, then: {privilege.USERADD_HINT}")]
     out = [Check("engine-user", True, "error", f"{name} (uid {u.uid}, gid {u.gid}, HOME {u.home})")]
-    store = os.path.join(p.env("VLLM_SNAPSHOT_CACHE") or "/var/cache/vllm-snapshot", "models")
+    store = str(paths.model_store(p.env))
     euid = p.euid()
     if euid != 0:  # the checks below run a process as that user (setuid, setgroups: root's)
         names = ["engine-user:python", "engine-user:home"] + (["engine-user:models"] if p.is_dir(store) else [])

@@ -37,10 +37,9 @@ def default_model_dir() -> Path:
 
     The cache defaults to ``/var/cache/vllm-snapshot`` (as in scripts/setup.sh).
     """
-    from ..paths import cache_dir
+    from ..paths import model_store
 
-    cache = cache_dir()
-    return cache / "models" / SERVED_NAME
+    return model_store() / SERVED_NAME
 
 
 def is_complete(path: Path) -> bool:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .. import paths
 from ..checkpoint.carry import Plan as CarryPlan
 from ..store.manifest import CodeIdentity, ImageFile, Manifest
 from .protocols import SnapshotFiles, StagedImages
@@ -131,5 +130,5 @@ class LocalSnapshotFiles(SnapshotFiles):
     def unstage_all(self, near: Path) -> None:
         from ..store import archive
 
-        for d in archive.own_staging([Path("/dev/shm"), paths.staging_dir(), near]):
+        for d in archive.own_staging(archive.staging_parents(near)):
             archive.remove_staging(d)

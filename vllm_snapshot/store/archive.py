@@ -522,6 +522,19 @@ def link_stage(src_dir: Path, images: tuple[ImageFile, ...], parent: Path) -> Pa
     return stage
 
 
+#: Memory-backed staging for compressed images (:func:`staging_parent`).
+SHM = Path("/dev/shm")
+
+
+def staging_parents(near: Path) -> list[Path]:
+    """Every directory :func:`staging_parent` may stage under for snapshots beside ``near``
+    (/dev/shm, :func:`paths.staging_dir`, ``near``): where :func:`own_staging` and
+    :func:`stale_staging` look. Pure."""
+    from .. import paths
+
+    return [SHM, paths.staging_dir(), near]
+
+
 def staging_parent(raw_bytes: int, fallback: Path, images: tuple[ImageFile, ...] = ()) -> Path:
     """Where to stage, the first that fits of:
 
@@ -543,8 +556,8 @@ def staging_parent(raw_bytes: int, fallback: Path, images: tuple[ImageFile, ...]
     writable = os.access(fallback, os.W_OK | os.X_OK) and not _read_only(fallback)
     if writable and images and all(i.compression == "none" for i in images):
         return fallback
-    if _free(Path("/dev/shm")) > raw_bytes * 1.25 + (1 << 30) and _memory_room() > 2 * raw_bytes + (1 << 30):
-        return Path("/dev/shm")
+    if _free(SHM) > raw_bytes * 1.25 + (1 << 30) and _memory_room() > 2 * raw_bytes + (1 << 30):
+        return SHM
     if writable:
         return fallback
     d = paths.ensure_private_dir(paths.staging_dir())

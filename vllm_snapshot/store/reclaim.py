@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .. import paths
-
 
 def reclaim(near: Path, dry_run: bool = False) -> list[str]:
     """Remove what killed commands left, and say what (one line each): staging dirs of dead
@@ -19,7 +17,7 @@ def reclaim(near: Path, dry_run: bool = False) -> list[str]:
     from . import archive, locks, registry, store
 
     gone = []
-    for d in archive.stale_staging([Path("/dev/shm"), paths.staging_dir(), near]):
+    for d in archive.stale_staging(archive.staging_parents(near)):
         if not dry_run:
             archive.remove_staging(d)
         gone.append(str(d))

@@ -319,7 +319,7 @@ def test_demo_cold_start_uses_its_own_temp_dir_and_removes_it(monkeypatch):
 def test_unrestorable_engine_settings_are_named():
     from argparse import Namespace
 
-    from vllm_snapshot.engine.main import unrestorable
+    from vllm_snapshot.engine.args import unrestorable
 
     assert unrestorable(Namespace()) == []
     got = unrestorable(Namespace(api_key=["k"], ssl_certfile="/c", uds="/s", middleware=["m"],
@@ -512,7 +512,7 @@ def test_a_bad_criu_timeout_is_a_usage_error_before_anything_runs(value, monkeyp
 @pytest.mark.parametrize("flag", ["--hf-token", "--hf-token=hf_x", "--hf-tok"])
 def test_create_refuses_a_hugging_face_token(flag):
     # the engine runs offline; the token would only end up in the images
-    from vllm_snapshot.ops.create import check_engine_args
+    from vllm_snapshot.engine.args import check_engine_args
 
     with pytest.raises(UsageError, match="Hugging Face token"):
         check_engine_args(["--dtype", "float32", flag] + ([] if "=" in flag else ["hf_x"]))

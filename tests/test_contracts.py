@@ -108,3 +108,43 @@ def test_only_archive_lists_the_staging_parents():
     trees = _trees()
     assert callers(trees, "staging_dir") == ["store/archive.py"]
     assert set(callers(trees, "stale_staging") + callers(trees, "own_staging")) <= set(callers(trees, "staging_parents"))
+
+
+#: The engine-argument rules and tables engine/args.py owns: no other module defines them.
+ARG_RULES = {"arg_value", "has_flag", "last_value", "flag_name", "check_engine_args", "unrestorable",
+             "argparse_reason", "RESTORE_OWNED_ARGS", "FRONTEND_OPTIONS", "FRONTEND_REFUSED", "EARLY_REFUSED",
+             "PARALLEL_SIZES"}
+
+
+def arg_rule_owners(trees: dict[str, ast.AST]) -> list[str]:
+    """Every place outside engine/args.py that defines an :data:`ARG_RULES` name or scans args
+    for a flag by hand (``a.startswith("--flag=")``): ``"FILE:LINE: what"``."""
+    import re
+
+    out = []
+    for rel, tree in trees.items():
+        if rel == "engine/args.py":
+            continue
+        for node in ast.walk(tree):
+            if rel == "cli/app.py" and isinstance(node, ast.Call):
+                continue  # it scans vllm-snapshot's own argv (--root=), not engine args
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in ARG_RULES:
+                out.append(f"{rel}:{node.lineno}: def {node.name}")
+            elif isinstance(node, ast.Assign):
+                out += [f"{rel}:{node.lineno}: {t.id} =" for t in node.targets
+                        if isinstance(t, ast.Name) and t.id in ARG_RULES]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "startswith" \
+                    and node.args and isinstance(node.args[0], ast.Constant) \
+                    and re.fullmatch(r"--[a-z][a-z0-9-]*=", str(node.args[0].value)):
+                out.append(f"{rel}:{node.lineno}: startswith({node.args[0].value!r})")
+    return sorted(out)
+
+
+def test_the_finder_finds_a_second_arg_rule():
+    trees = {"ops/create.py": ast.parse('def arg_value(a, f): pass\nsized = any(a.startswith("--kv-cache=") for a in x)\n'),
+             "engine/args.py": ast.parse("def arg_value(a, f): pass\n")}
+    assert arg_rule_owners(trees) == ["ops/create.py:1: def arg_value", "ops/create.py:2: startswith('--kv-cache=')"]
+
+
+def test_only_engine_args_holds_the_engine_argument_rules():
+    assert arg_rule_owners(_trees()) == []

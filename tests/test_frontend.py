@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from vllm_snapshot.supervise import frontend
+from vllm_snapshot.engine.args import FRONTEND_OPTIONS
 from vllm_snapshot import ops
 from vllm_snapshot.errors import UsageError
 from vllm_snapshot.report.progress import Reporter
@@ -149,7 +150,7 @@ print(json.dumps({"flags": by_flag, "origins": ns.allowed_origins, "count": ns.h
 
 @pytest.mark.integration
 def test_option_table_matches_vllms_parser():
-    """Every flag of frontend.OPTIONS is one vLLM's own `vllm serve` parser knows, with that dest
+    """Every flag of FRONTEND_OPTIONS is one vLLM's own `vllm serve` parser knows, with that dest
     and arity; every REFUSED flag exists too (vLLM 0.32). Integration: imports vLLM (~10 s), in a
     child process so that this test session stays free of vLLM's imports."""
     import json
@@ -160,7 +161,7 @@ def test_option_table_matches_vllms_parser():
     assert p.returncode == 0, p.stderr[-2000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
     by_flag = got["flags"]
-    for flag, (dest, arity) in frontend.OPTIONS.items():
+    for flag, (dest, arity) in FRONTEND_OPTIONS.items():
         assert flag in by_flag, f"{flag} is not a vLLM option"
         assert by_flag[flag][0] == dest, flag
         want = {0: 0, 1: None, "+": "+"}[arity]

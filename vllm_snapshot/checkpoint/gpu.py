@@ -26,6 +26,7 @@ from pathlib import Path
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from ..engine.args import last_value
 from ..errors import BusyError, EnvironmentProblem
 
 #: The query, its columns in order.
@@ -338,17 +339,7 @@ def gpu_memory_utilization(engine_args: Sequence[str], normalized: Mapping[str, 
         text = normalized.get("gpu_memory_utilization")
         raw = None if text is None else str(json.loads(text))
     else:
-        full = "--gpu-memory-utilization"
-        args = list(engine_args)
-        for i, a in enumerate(args):
-            flag, eq, value = a.partition("=")
-            flag = "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag
-            if len(flag) < len("--gpu") or not full.startswith(flag):
-                continue
-            if eq:
-                raw = value
-            elif i + 1 < len(args):
-                raw = args[i + 1]
+        raw = last_value(engine_args, "--gpu-memory-utilization", "--gpu")
     try:
         util = DEFAULT_GPU_MEMORY_UTILIZATION if raw is None else float(raw)
     except ValueError:

@@ -46,7 +46,7 @@ class LocalModelTools(ModelTools):
             with contextlib.redirect_stderr(captured):
                 return snapkey.normalize_args(list(engine_args))
         except SystemExit as e:
-            from ..engine.main import argparse_reason
+            from ..engine.args import argparse_reason
 
             raise UsageError(f"invalid engine arguments: {argparse_reason(captured.getvalue())}",
                              hint="the engine args are those of `vllm serve`") from e

@@ -21,6 +21,7 @@ import threading
 import traceback
 
 from ..host.procs import set_parent_death_signal
+from .args import PARALLEL_SIZES, argparse_reason, unrestorable
 from .protocol import FD_EVENTS, decode, encode_event
 
 _events = None
@@ -45,14 +46,6 @@ def _commands(loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> None:
             continue
         loop.call_soon_threadsafe(q.put_nowait, cmd)
     loop.call_soon_threadsafe(q.put_nowait, None)  # EOF: the supervisor closed the pipe
-
-
-def argparse_reason(stderr_text: str) -> str:
-    """The REASON of argparse's ``prog: error: REASON`` in captured stderr (its last non-empty
-    line when there is none). Pure."""
-    lines = [ln for ln in stderr_text.splitlines() if ln.strip()]
-    return next((ln.split("error:", 1)[1].strip() for ln in reversed(lines) if "error:" in ln),
-                lines[-1] if lines else "rejected by vLLM's argument parser")
 
 
 #: vLLM's parser as built at create (kept in the snapshot: building it again after a restore
@@ -86,41 +79,6 @@ def parse_engine_args(model: str, engine_args: list[str]):
                          + "\n  ".join(problems))
     validate_parsed_serve_args(args)
     return args
-
-
-#: Every parallel size of vLLM 0.32's engine args; a snapshot is of one device.
-PARALLEL_SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
-                  "prefill_context_parallel_size", "decode_context_parallel_size")
-#: Front-end settings refused at create: secrets and TLS belong to restore (vllm_snapshot.supervise.frontend),
-#: the rest can never be validated by the canary.
-FRONTEND_REFUSED = {
-    "api_key": "an API key would be frozen into the snapshot's memory; give it to restore/serve instead "
-               "(--api-key, or VLLM_API_KEY in their environment)",
-    "ssl_keyfile": "TLS is set up when the server starts; give the TLS options to restore/serve instead",
-    "ssl_certfile": "TLS is set up when the server starts; give the TLS options to restore/serve instead",
-    "ssl_ca_certs": "TLS is set up when the server starts; give the TLS options to restore/serve instead",
-    "uds": "a unix socket listener (restore binds --host/--port)",
-    "middleware": "custom middleware (it may reject or change the canary)",
-}
-
-
-#: The same, by flag, for create's early check (exact flag names; the engine-side check also
-#: catches abbreviations): flag -> reason.
-EARLY_REFUSED = {"--" + k.replace("_", "-"): why for k, why in FRONTEND_REFUSED.items()}
-EARLY_REFUSED["--speculative-config"] = "speculative decoding (a draft model is not reloaded after sleep)"
-
-
-def unrestorable(args) -> list[str]:
-    """Settings of parsed ``vllm serve`` args that make a snapshot unrestorable or its oracle
-    meaningless, each with the reason. Pure (over the namespace)."""
-    out = [f"--{k.replace('_', '-')}: {why}" for k, why in FRONTEND_REFUSED.items() if getattr(args, k, None)]
-    if getattr(args, "speculative_config", None):
-        out.append("--speculative-config: speculative decoding (a draft model is not reloaded after sleep, and "
-                   "the oracle checks one model only)")
-    mode = getattr(args, "logprobs_mode", None)
-    if mode in ("raw_logits", "processed_logits"):
-        out.append(f"--logprobs-mode {mode}: the oracle compares logprobs in nats; logits break its tolerance")
-    return out
 
 
 async def run_oracle(engine, prompt: str) -> dict:

@@ -36,6 +36,7 @@ from .. import __version__
 from ..checkpoint import carry, criu, mountpolicy
 from ..store import layout, manifest, oracle, snapkey
 from ..host import privilege
+from ..engine.args import arg_value, check_engine_args, has_flag
 from ..engine.mounts import PRIVATE as PRIVATE_MOUNTS
 from ..store.archive import DEFAULT_COMPRESSION, Compression
 from ..errors import CriuError, EngineError, EnvironmentProblem, OracleMismatchError, UnsnapshottableError, UsageError
@@ -79,60 +80,12 @@ def check_cpu_kv_cache(engine_args: list[str], env: dict[str, str], device: str)
     all of it (22 GiB for a 1.4 MiB model seen here). Pure. Raises UsageError with the remedy."""
     if device != "cpu":
         return
-    sized = any(a == "--kv-cache-memory-bytes" or a.startswith("--kv-cache-memory-bytes=") for a in engine_args)
-    if sized or env.get("VLLM_CPU_KVCACHE_SPACE"):
+    if has_flag(engine_args, "--kv-cache-memory-bytes") or env.get("VLLM_CPU_KVCACHE_SPACE"):
         return
     raise UsageError(
         "on CPU the whole engine memory is captured, KV cache included, and vLLM reserves 90% of "
         "host RAM for it unless told otherwise; size it explicitly",
         hint="add an engine arg like --kv-cache-memory-bytes 1G (or set VLLM_CPU_KVCACHE_SPACE=GiB)")
-
-
-#: ``vllm serve`` options that belong to restore: the snapshot's engine binds nothing until
-#: restore, which takes the address from its own ``--host``/``--port``.
-RESTORE_OWNED_ARGS = ("--host", "--port", "--uds")
-
-
-def arg_value(engine_args: list[str], flag: str) -> str | None:
-    """The value of ``flag`` in ``vllm serve`` args (``--flag V`` or ``--flag=V``), last one
-    wins; None when absent. Pure."""
-    val = None
-    for i, a in enumerate(engine_args):
-        if a == flag and i + 1 < len(engine_args):
-            val = engine_args[i + 1]
-        elif a.startswith(flag + "="):
-            val = a.split("=", 1)[1]
-    return val
-
-
-def check_engine_args(engine_args: list[str]) -> None:
-    """Refuse engine args the snapshot could only record and ignore, and (early, before the
-    engine starts) the settings that make a snapshot unrestorable -- the engine's parse
-    (:func:`vllm_snapshot.engine.main.unrestorable`) stays the authority, abbreviations
-    included. Pure. Raises UsageError."""
-    from ..engine.main import EARLY_REFUSED
-    from ..supervise.frontend import OPTIONS
-
-    for a in engine_args:
-        flag = a.split("=", 1)[0]
-        if flag == "--uds":
-            raise UsageError("--uds: a restored engine serves TCP only (restore hands it a socket bound to "
-                             "--host/--port after the oracle matched)", hint="use --host/--port of serve/restore")
-        if flag in RESTORE_OWNED_ARGS:
-            raise UsageError(f"{flag} is not an engine arg here: the snapshot's engine binds nothing until restore",
-                             hint=f"pass {flag} to `vllm-snapshot restore`, serve or switch instead")
-        if flag.startswith("--hf-t") and "--hf-token".startswith(flag):  # argparse takes abbreviations
-            raise UsageError("--hf-token would put a Hugging Face token into the snapshot's memory (the images), "
-                             "and the engine never downloads: it runs offline",
-                             hint="download the model first (e.g. `huggingface-cli download`), then create "
-                                  "without --hf-token")
-        if flag in EARLY_REFUSED and flag in OPTIONS:  # a front-end option: restore owns it
-            raise UsageError(f"{flag} is not taken at create: {EARLY_REFUSED[flag]}",
-                             hint=f"create without it; then `vllm-snapshot restore NAME {flag} ...` (or serve/switch)"
-                                  + (", or VLLM_API_KEY in restore's environment" if flag == "--api-key" else ""))
-        if flag in EARLY_REFUSED:
-            raise UsageError(f"{flag}: {EARLY_REFUSED[flag]}; a snapshot made with it could never be restored "
-                             "or validated", hint=f"create without {flag}")
 
 
 def check_keep_env(keep_env: tuple[str, ...]) -> None:

@@ -65,7 +65,8 @@ from ..store.registry import DRAIN_S
 from ..host.envpolicy import scrubbed_env
 from ..effects.protocols import Engine, HostTools, ModelTools, SnapshotFiles, StoreTools
 from ..effects.tools import Tools, local_tools
-from .create import CreateRequest, arg_value, check_engine_args, check_keep_env, create
+from ..engine.args import arg_value, check_engine_args
+from .create import CreateRequest, check_keep_env, create
 from .manage import _first_lines
 from .restore import RestoreRequest, restore
 

@@ -97,7 +97,9 @@ def raw_args_digest(requested_model: str, engine_args: Iterable[str], vllm_versi
 def memoizable(engine_args: Iterable[str]) -> bool:
     """False when the args name a file whose content the parse depends on (``--config``): those
     are normalized afresh every time. Pure."""
-    return not any(a == "--config" or a.startswith("--config=") for a in engine_args)
+    from ..engine.args import has_flag
+
+    return not has_flag(engine_args, "--config")
 
 
 def model_part(files) -> str:

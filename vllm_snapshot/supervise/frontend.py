@@ -9,9 +9,9 @@ does not depend on them, so the restoring command owns them, like ``--host``/``-
 Who parses what:
 
 * Here, lexically and without vLLM (importing its parser costs ~10-16 s): which tokens are
-  front-end options (:data:`OPTIONS`, exact flag names as vLLM 0.32's ``FrontendArgs`` and
-  ``AsyncEngineArgs`` define them; ``tests/test_frontend.py`` checks the table against vLLM's
-  own parser), so ``restore`` can refuse an engine option before CRIU and ``serve`` can keep
+  front-end options (:data:`vllm_snapshot.engine.args.FRONTEND_OPTIONS`, the owner of the
+  engine-argument rules: exact flag names as vLLM 0.32's ``FrontendArgs`` and ``AsyncEngineArgs``
+  define them; ``tests/test_frontend.py`` checks the table against vLLM's own parser), so ``restore`` can refuse an engine option before CRIU and ``serve`` can keep
   them out of the snapshot key; then :func:`check` validates values and files (TLS key and
   certificate load together, JSON lists, log levels) before CRIU.
 * In the restored engine (``engine/main.py``): vLLM's own parser, kept from create, parses
@@ -30,38 +30,9 @@ import os
 import ssl
 from dataclasses import dataclass, field
 
+from ..engine.args import FRONTEND_OPTIONS, flag_name
 from ..errors import UsageError
 
-#: flag -> (dest, arity): 0 a switch (with its ``--no-`` form where vLLM has one), 1 one
-#: value, "+" one or more values. vLLM 0.32 ``vllm/entrypoints/launchers/cli_args.py``
-#: (FrontendArgs) and ``vllm/engine/arg_utils.py`` (``--enable-log-requests``).
-OPTIONS: dict[str, tuple[str, int | str]] = {
-    "--api-key": ("api_key", "+"),
-    "--ssl-keyfile": ("ssl_keyfile", 1),
-    "--ssl-certfile": ("ssl_certfile", 1),
-    "--ssl-ca-certs": ("ssl_ca_certs", 1),
-    "--ssl-ciphers": ("ssl_ciphers", 1),
-    "--enable-ssl-refresh": ("enable_ssl_refresh", 0),
-    "--no-enable-ssl-refresh": ("enable_ssl_refresh", 0),
-    "--allowed-origins": ("allowed_origins", 1),
-    "--allowed-methods": ("allowed_methods", 1),
-    "--allowed-headers": ("allowed_headers", 1),
-    "--allow-credentials": ("allow_credentials", 0),
-    "--no-allow-credentials": ("allow_credentials", 0),
-    "--root-path": ("root_path", 1),
-    "--uvicorn-log-level": ("uvicorn_log_level", 1),
-    "--disable-uvicorn-access-log": ("disable_uvicorn_access_log", 0),
-    "--no-disable-uvicorn-access-log": ("disable_uvicorn_access_log", 0),
-    "--disable-access-log-for-endpoints": ("disable_access_log_for_endpoints", 1),
-    "--enable-log-requests": ("enable_log_requests", 0),
-    "--no-enable-log-requests": ("enable_log_requests", 0),
-    "--enable-request-id-headers": ("enable_request_id_headers", 0),
-    "--no-enable-request-id-headers": ("enable_request_id_headers", 0),
-    "--disable-fastapi-docs": ("disable_fastapi_docs", 0),
-    "--no-disable-fastapi-docs": ("disable_fastapi_docs", 0),
-    "--h11-max-incomplete-event-size": ("h11_max_incomplete_event_size", 1),
-    "--h11-max-header-count": ("h11_max_header_count", 1),
-}
 #: Dests the OpenAI app reads when vLLM builds it (``build_app``/``init_entrypoints_middleware``):
 #: changing one means rebuilding the app in the restored engine.
 APP_DESTS = frozenset({"api_key", "allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials",
@@ -107,8 +78,9 @@ class Frontend:
             out.append("API key required")
         if self.tls:
             out.append("TLS")
-        flags = [_flag(a) for a in self.args if a.startswith("--")]
-        out += sorted({f for f in flags if OPTIONS.get(f, ("",))[0] not in ("api_key", "ssl_keyfile", "ssl_certfile")})
+        flags = [flag_name(a) for a in self.args if a.startswith("--")]
+        out += sorted({f for f in flags
+                       if FRONTEND_OPTIONS.get(f, ("",))[0] not in ("api_key", "ssl_keyfile", "ssl_certfile")})
         return out
 
 
@@ -140,10 +112,6 @@ def same_settings(args: list[str], fp: str) -> bool:
     return bool(salt) and fp in (fingerprint(args, salt), _digest(salt, json.dumps(list(args))))
 
 
-def _flag(token: str) -> str:
-    return token.split("=", 1)[0]
-
-
 def _walk(args: list[str]):
     """Each option of ``args`` as ``(name, tokens, values)``: ``tokens`` the slice it took as
     given, ``values`` its values (``[]`` for a switch) -- or ``None`` for a token that is not a
@@ -153,12 +121,12 @@ def _walk(args: list[str]):
     i = 0
     while i < len(args):
         tok = args[i]
-        name = _flag(tok)
+        name = flag_name(tok)
         start, i = i, i + 1
-        if name not in OPTIONS:
+        if name not in FRONTEND_OPTIONS:
             yield name, [tok], None
             continue
-        arity = OPTIONS[name][1]
+        arity = FRONTEND_OPTIONS[name][1]
         vals = [tok.split("=", 1)[1]] if "=" in tok else []
         if "=" not in tok and arity == 1 and i < len(args):
             vals.append(args[i])
@@ -186,13 +154,13 @@ def without_secrets(args: list[str]) -> list[str]:
     key), order kept: what may be written to disk (the registry's record of what an engine
     serves with). Pure."""
     return [tok for name, tokens, vals in _walk(args)
-            if not (vals is not None and OPTIONS[name][0] in SECRET_DESTS) for tok in tokens]
+            if not (vals is not None and FRONTEND_OPTIONS[name][0] in SECRET_DESTS) for tok in tokens]
 
 
 def secrets(args: list[str]) -> list[str]:
     """The tokens of ``args`` that :func:`without_secrets` leaves out (``--api-key K``). Pure."""
     return [tok for name, tokens, vals in _walk(args)
-            if vals is not None and OPTIONS[name][0] in SECRET_DESTS for tok in tokens]
+            if vals is not None and FRONTEND_OPTIONS[name][0] in SECRET_DESTS for tok in tokens]
 
 
 def carry(given: list[str], recorded: list[str]) -> tuple[list[str], list[str]]:
@@ -202,11 +170,11 @@ def carry(given: list[str], recorded: list[str]) -> tuple[list[str], list[str]]:
     same setting (``--no-allow-credentials`` replaces ``--allow-credentials``). Returns
     ``(tokens, the flags carried over)``. Tokens of ``recorded`` that are not front-end options
     here (a newer vllm-snapshot's) are left out. Pure."""
-    named = {OPTIONS[name][0] for name, _tokens, vals in _walk(given) if vals is not None}
+    named = {FRONTEND_OPTIONS[name][0] for name, _tokens, vals in _walk(given) if vals is not None}
     kept: list[str] = []
     flags: list[str] = []
     for name, tokens, vals in _walk(recorded):
-        if vals is None or OPTIONS[name][0] in named:
+        if vals is None or FRONTEND_OPTIONS[name][0] in named:
             continue
         kept.extend(tokens)
         flags.append(name)
@@ -219,7 +187,7 @@ def values(args: list[str]) -> dict[str, list[str] | bool]:
     for name, tokens, vals in _walk(args):
         if vals is None:
             raise UsageError(f"{tokens[0]!r} is not a front-end option")
-        dest, arity = OPTIONS[name]
+        dest, arity = FRONTEND_OPTIONS[name]
         if arity == 0:
             if vals:
                 raise UsageError(f"{name} takes no value")
@@ -248,7 +216,7 @@ def refuse_engine_options(args: list[str], where: str = "restore") -> None:
             raise UsageError(f"unexpected argument {tok!r}", hint="front-end options are --flag [value]")
         import difflib
 
-        near = difflib.get_close_matches(name, [*OPTIONS, *OWN_OPTIONS], n=1, cutoff=0.75)
+        near = difflib.get_close_matches(name, [*FRONTEND_OPTIONS, *OWN_OPTIONS], n=1, cutoff=0.75)
         if near:  # a typo, not an engine option: say so instead of sending the user to re-create
             raise UsageError(f"unknown option {name} (did you mean {near[0]}?)",
                              hint=f"`vllm-snapshot {where} --help` lists its options")

@@ -42,14 +42,6 @@ def default_model_dir() -> Path:
     return model_store() / SERVED_NAME
 
 
-def is_complete(path: Path) -> bool:
-    """True when ``path`` holds a tiny model written by this generator version."""
-    try:
-        return (path / STAMP).read_text().strip() == GENERATOR_VERSION
-    except OSError:
-        return False
-
-
 def generate(out: Path, hidden: int = 128, layers: int = 2, heads: int = 2, intermediate: int | None = None) -> Path:
     """Write a random-weight Llama (default: the tiny model) to ``out`` atomically (temp
     sibling, then rename) and return it. ``hidden`` = heads x 64 (vLLM's CPU attention head

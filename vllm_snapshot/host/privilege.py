@@ -26,7 +26,6 @@ another. Root is refused.
 from __future__ import annotations
 
 import ctypes
-import grp
 import json
 import os
 import pwd
@@ -346,14 +345,6 @@ def python_paths() -> dict[str, Path]:
         for loc in (spec.submodule_search_locations or [])[:1] if spec else []:
             out[f"{name} package"] = Path(loc)
     return out
-
-
-def group_name(gid: int) -> str:
-    """The group's name, or the number when it has none."""
-    try:
-        return grp.getgrgid(gid).gr_name
-    except KeyError:
-        return str(gid)
 
 
 __all__ = ["DEFAULT_HOME", "DEFAULT_USER", "Creds", "User", "access_problems", "creds_problems", "drop_to",

@@ -487,17 +487,6 @@ class Checking:
         self._thread.join()
 
 
-class Verified:
-    """A :class:`Checking` whose checksums were already verified (a compressed snapshot's images
-    are verified while they are decompressed): :meth:`wait` and :meth:`cancel` return at once."""
-
-    def wait(self) -> None:
-        """Nothing left to verify."""
-
-    def cancel(self) -> None:
-        """Nothing to stop."""
-
-
 def link_stage(src_dir: Path, images: tuple[ImageFile, ...], parent: Path) -> Path:
     """Stage uncompressed images as hard links (copies across file systems) in a new private
     dir under ``parent``, WITHOUT verifying them: the caller verifies concurrently

@@ -59,10 +59,6 @@ class SnapshotDir:
     path: Path
 
     @property
-    def manifest(self) -> Path:
-        return self.path / MANIFEST
-
-    @property
     def images(self) -> Path:
         return self.path / IMAGES
 
@@ -73,14 +69,6 @@ class SnapshotDir:
     @property
     def carried(self) -> Path:
         return self.path / CARRIED
-
-    @property
-    def create_log(self) -> Path:
-        return self.path / CREATE_LOG
-
-    @property
-    def dump_log(self) -> Path:
-        return self.path / DUMP_LOG
 
 
 NOT_OURS_HINT = "name a directory made by `vllm-snapshot create` (`vllm-snapshot list` shows them)"

@@ -54,6 +54,14 @@ class SnapshotError(Exception):
         }
 
 
+def first_lines(e: BaseException) -> str:
+    """A one-line summary of ``e`` for a table cell or a progress line: the first line of its
+    message (``SnapshotError.message``, else ``str(e)``), plus the second one stripped when
+    there is one (often the reason). Pure; never raises for any exception."""
+    lines = (getattr(e, "message", None) or str(e)).splitlines() or [""]
+    return lines[0] + (" " + lines[1].strip() if len(lines) > 1 else "")
+
+
 class UsageError(SnapshotError):
     code, exit_code = "usage", 2
 

@@ -41,9 +41,8 @@ import os
 import socket
 import stat
 import struct
-import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, TypeVar
+from typing import Callable, Iterable, Mapping
 
 import blake3
 import psutil
@@ -52,7 +51,7 @@ from ..errors import EngineError, EnvironmentProblem, UnsnapshottableError
 from ..engine import net
 from ..engine.mounts import PRIVATE as PRIVATE_MOUNTS
 from ..store.manifest import TreeFile
-from ..host.procs import command, socket_inodes, tree
+from ..host.procs import command, run_in_namespace, socket_inodes, tree
 
 #: Files up to this many bytes get a BLAKE3 content digest in their record.
 HASH_LIMIT_BYTES = 1 << 20
@@ -96,12 +95,9 @@ _TCP_STATES = {1: "ESTABLISHED", 2: "SYN_SENT", 3: "SYN_RECV", 4: "FIN_WAIT1", 5
 _TCP_LISTEN, _TCP_CLOSE, _TCP_TIME_WAIT = 10, 7, 6
 _UNIX_TYPES = {1: "stream", 2: "datagram", 5: "seqpacket"}
 
-_CLONE_NEWNET = 0x40000000
-_CLONE_NEWIPC = 0x08000000
 _GETPID = 11  # semctl command: PID of the last semop on one semaphore
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_T = TypeVar("_T")
 
 
 # ----------------------------------------------------------------------------- results
@@ -197,42 +193,6 @@ def _read_proc(p: psutil.Process) -> _Proc | None:
 
 def _under(path: str, prefixes: Iterable[str]) -> bool:
     return any(path == p or path.startswith(p.rstrip("/") + "/") for p in prefixes)
-
-
-def _in_ns(pid: int, kind: str, flag: int, fn: Callable[[], _T]) -> _T:
-    """Run ``fn`` in PID's ``kind`` namespace (``net``/``ipc``): directly when it is ours, else
-    in a helper thread that setns()-es first (needs CAP_SYS_ADMIN)."""
-    try:
-        theirs = os.readlink(f"/proc/{pid}/ns/{kind}")
-    except OSError:
-        return fn()
-    if theirs == os.readlink(f"/proc/thread-self/ns/{kind}"):
-        return fn()
-    box: dict = {}
-
-    def body() -> None:
-        try:
-            fd = os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY)
-            try:
-                if _libc.setns(fd, flag) != 0:
-                    e = ctypes.get_errno()
-                    raise OSError(e, f"setns({kind}) into PID {pid}: {os.strerror(e)}")
-            finally:
-                os.close(fd)
-            box["v"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed back to the caller
-            box["e"] = e
-
-    t = threading.Thread(target=body, name=f"inventory-{kind}ns", daemon=True)
-    t.start()
-    t.join()
-    if "e" in box:
-        raise box["e"]
-    return box["v"]
-
-
-#: Public name of :func:`_in_ns` (the serve hand-off creates its socket in an engine's namespace).
-run_in_namespace = _in_ns
 
 
 # ----------------------------------------------------------------------------- TCP
@@ -579,7 +539,7 @@ def _check_sockets(procs: list[_Proc], tree_socks: dict[int, _Proc], findings: l
     unix: dict[int, _UnixEntry] = {}
     for ns, ns_pid in by_ns.items():
         tcp += [(ns, e) for e in read_tcp_table(ns_pid)]
-        unix.update(read_unix_table() if ns_pid == "self" else _in_ns(ns_pid, "net", _CLONE_NEWNET, read_unix_table))
+        unix.update(read_unix_table() if ns_pid == "self" else run_in_namespace(ns_pid, "net", read_unix_table))
     by_pair: dict[tuple[str, tuple[str, int], tuple[str, int]], list[int]] = {}
     for ns, e in tcp:
         by_pair.setdefault((ns, e.local, e.remote), []).append(e.inode)
@@ -655,7 +615,7 @@ def _check_sysv(procs: list[_Proc], tree_pids: set[int], findings: list[Finding]
     def probe() -> tuple[list[dict[str, int]], dict[int, list[int]]]:
         return _read_sysv("/proc/sysvipc/shm"), _sem_last_pids()
 
-    shm_rows, sems = _in_ns(procs[0].pid, "ipc", _CLONE_NEWIPC, probe)
+    shm_rows, sems = run_in_namespace(procs[0].pid, "ipc", probe)
     for row in shm_rows:
         shmid = row.get("shmid")
         users = attached.get(shmid) if shmid is not None else None
@@ -814,5 +774,5 @@ def check_files(records: Iterable[TreeFile | Mapping]) -> list[str]:
     return problems
 
 
-__all__ = ["run_in_namespace", "Inventory", "Finding", "inspect_tree", "check_files", "file_record", "read_tcp_table",
+__all__ = ["Inventory", "Finding", "inspect_tree", "check_files", "file_record", "read_tcp_table",
            "read_unix_table", "HASH_LIMIT_BYTES", "PRIVATE_PREFIXES", "JIT_CACHES"]

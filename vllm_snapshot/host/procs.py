@@ -1,15 +1,22 @@
 """Process-tree helpers shared by the supervisor, inventory, registry and operations (one
-walk, one way to set the parent-death signal)."""
+walk, one way to set the parent-death signal, one way to run code in another process's
+namespace)."""
 
 from __future__ import annotations
 
 import ctypes
 import os
+import threading
 import time
+from collections.abc import Callable
+from typing import Literal, TypeVar
 
 import psutil
 
 PR_SET_PDEATHSIG = 1
+#: setns(2) flags by namespace kind (CLONE_NEWNET, CLONE_NEWIPC)
+NS_FLAGS = {"net": 0x40000000, "ipc": 0x08000000}
+_T = TypeVar("_T")
 
 
 def tree(pid: int) -> list[psutil.Process]:
@@ -124,6 +131,42 @@ def wait_gone(procs: list[psutil.Process], timeout_s: float, poll_s: float = 0.0
         time.sleep(poll_s)
         left = [p for p in left if not _exited(p)]
     return [p.pid for p in left]
+
+
+def run_in_namespace(pid: int, kind: Literal["net", "ipc"], fn: Callable[[], _T]) -> _T:
+    """``fn()`` run in PID ``pid``'s ``kind`` namespace, its result returned: directly when that
+    namespace is ours (or ``pid``'s cannot be read), else in a helper thread that setns()-es
+    first (needs CAP_SYS_ADMIN), so this thread never changes namespace. Used by the inventory
+    (sockets and SysV IPC of the engine tree) and the serve hand-off (a socket in the engine's
+    network namespace). Raises OSError when setns fails; whatever ``fn`` raises, re-raised."""
+    try:
+        theirs = os.readlink(f"/proc/{pid}/ns/{kind}")
+    except OSError:
+        return fn()
+    if theirs == os.readlink(f"/proc/thread-self/ns/{kind}"):
+        return fn()
+    box: dict = {}
+
+    def body() -> None:
+        try:
+            fd = os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY)
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                if libc.setns(fd, NS_FLAGS[kind]) != 0:
+                    e = ctypes.get_errno()
+                    raise OSError(e, f"setns({kind}) into PID {pid}: {os.strerror(e)}")
+            finally:
+                os.close(fd)
+            box["v"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed back to the caller
+            box["e"] = e
+
+    t = threading.Thread(target=body, name=f"setns-{kind}", daemon=True)
+    t.start()
+    t.join()
+    if "e" in box:
+        raise box["e"]
+    return box["v"]
 
 
 def set_parent_death_signal(sig: int) -> None:

@@ -9,18 +9,13 @@ from pathlib import Path
 
 from ..host import identity
 from ..store import layout, manifest
-from ..errors import BusyError, CorruptSnapshotError, Interrupted, SnapshotError, UsageError
+from ..errors import BusyError, CorruptSnapshotError, Interrupted, SnapshotError, UsageError, first_lines
 from ..report.progress import Reporter
 from ..store.registry import Entry
 from ..report.results import Deleted, Engines, Listed, Pruned, Stopped, Switched
 from ..effects.protocols import Clock, HostTools, RuntimeTools, StoreTools
 from ..effects.tools import Tools, local_tools
 from .restore import RestoreRequest, restore, validate
-
-
-def _first_lines(e: Exception) -> str:
-    lines = (getattr(e, "message", None) or str(e)).splitlines()
-    return lines[0] + (" " + lines[1].strip() if len(lines) > 1 else "")
 
 
 def describe(snapshot: Path, tools: Tools | None = None) -> dict:
@@ -37,7 +32,7 @@ def describe(snapshot: Path, tools: Tools | None = None) -> dict:
         m = t.files.open_snapshot(snapshot)
     except Exception as e:  # noqa: BLE001 - a broken snapshot is still listed, as incompatible
         return {**row, "model": None, "key": None, "created": None, "kind": None, "sleep_level": None,
-                "raw_bytes": None, "stored_bytes": None, "compatible": False, "why": _first_lines(e)}
+                "raw_bytes": None, "stored_bytes": None, "compatible": False, "why": first_lines(e)}
     row.update(model=m.model.requested, created=m.created_at, kind=m.engine.kind, sleep_level=m.engine.sleep_level,
                raw_bytes=m.sizes["raw"], stored_bytes=m.sizes["stored"], key=m.key.value if m.key else None)
     refused = t.store.refusal(snapshot)
@@ -53,7 +48,7 @@ def describe(snapshot: Path, tools: Tools | None = None) -> dict:
         t.model.verify_model(Path(m.model.path), m.model.files, "quick")
         row.update(compatible=True, why="")
     except Exception as e:  # noqa: BLE001
-        row.update(compatible=False, why=_first_lines(e))
+        row.update(compatible=False, why=first_lines(e))
     return row
 
 

@@ -54,6 +54,7 @@ from ..errors import (
     OracleMismatchError,
     SnapshotError,
     UsageError,
+    first_lines,
 )
 from ..store.manifest import Manifest, ModelFile
 from ..store.model_digest import ignored, kind
@@ -67,7 +68,6 @@ from ..effects.protocols import Engine, HostTools, ModelTools, SnapshotFiles, St
 from ..effects.tools import Tools, local_tools
 from ..engine.args import arg_value, check_engine_args
 from .create import CreateRequest, check_keep_env, create
-from .manage import _first_lines
 from .restore import RestoreRequest, restore
 
 #: Errors that mean "this snapshot cannot serve here": record it, try the next, or build.
@@ -302,7 +302,7 @@ def _find_or_build(t: Tools, req: ServeRequest, rep: Reporter, model_dir: Path, 
             try:
                 pulled = req.registry.fetch(key.value, target)
             except (IncompatibleHostError, ModelChangedError) as e:  # this node does not fit: build here
-                rep.info(f"not pulling {req.registry.image(key.value)}: {_first_lines(e)}")
+                rep.info(f"not pulling {req.registry.image(key.value)}: {first_lines(e)}")
                 pulled = None
             if pulled is not None:
                 try:
@@ -386,7 +386,7 @@ REFUSAL_LINES = 8
 
 
 def _refuse(t: Tools, rep: Reporter, p: Path, e: SnapshotError, refused: list[dict]) -> None:
-    line = _first_lines(e)
+    line = first_lines(e)
     lines = (e.message or str(e)).splitlines()
     more = len(lines) - REFUSAL_LINES
     rep.info(f"snapshot {p.name} refused ({e.code}): " + "\n  ".join(x.strip() for x in lines[:REFUSAL_LINES])

@@ -28,11 +28,10 @@ import time
 from typing import Callable
 
 from ..errors import EngineError
-from ..checkpoint.inventory import run_in_namespace
+from ..host.procs import run_in_namespace
 
 #: Seconds to wait for the engine to connect to the hand-off socket.
 ACCEPT_TIMEOUT_S = 60.0
-_CLONE_NEWNET = 0x40000000
 
 
 class Handoff:
@@ -50,7 +49,7 @@ class Handoff:
             return s
 
         # a socket belongs to the namespace of the thread that creates it
-        self.sock = run_in_namespace(root_pid, "net", _CLONE_NEWNET, make)
+        self.sock = run_in_namespace(root_pid, "net", make)
 
     def give(self, listener: socket.socket, timeout_s: float = ACCEPT_TIMEOUT_S,
              alive: Callable[[], bool] = lambda: True) -> None:

@@ -20,10 +20,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("VLLM_SNAPSHOT_CACHE", "/var/cache/vllm-snapshot"))
 TINY = CACHE / "models" / "tiny-llama"
-#: Random "secrets" in the environment of the session snapshot's create: they must not reach
-#: the engine (test_no_planted_secret_in_images searches every image for them).
-#: set in the environment of the session snapshot's create: none may reach an image (VLLM_API_KEY
-#: included: vllm serve would read it; the key belongs to restore)
+#: Random "secrets" set in the environment of the session snapshot's create: none may reach an
+#: image (test_no_planted_secret_in_images searches every image for them), VLLM_API_KEY included
+#: (vllm serve would read it; the key belongs to restore).
 PLANTED_SECRETS = {"HF_TOKEN": "hf_" + os.urandom(12).hex(), "OPENAI_API_KEY": "sk-" + os.urandom(12).hex(),
                    "VLLM_API_KEY": "vk-" + os.urandom(12).hex()}
 ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes", "64M",

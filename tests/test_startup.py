@@ -1,4 +1,4 @@
-"""Start-up of ``inspect`` and ``--help`` (issue 22, target 5: each whole process <= 0.3 s).
+"""Start-up of ``inspect`` and ``--help`` (docs/benchmarks.md target 5: each whole process <= 0.3 s).
 
 Not timed (timings are scripts/bench.py's): these check, in a fresh interpreter started the
 way the console script starts, that the fast commands import only what they use. Each entry of

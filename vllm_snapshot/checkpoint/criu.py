@@ -2,7 +2,8 @@
 
 The flags shared by dump and restore are one constant, :data:`SHARED_FLAGS`, recorded in the
 manifest. They were measured to dump and restore a vLLM CPU engine tree with CRIU 4.2.1
-(design notes §1): ``--shell-job --ext-unix-sk --tcp-established --link-remap --file-locks``.
+(README.md, "How it works"; docs/mounts-experiments.md uses the same):
+``--shell-job --ext-unix-sk --tcp-established --link-remap --file-locks``.
 The engine tree is the init of its own PID + mount namespace, so restore passes ``--root /``
 (CRIU: "The --root option is required to restore a mount namespace").
 
@@ -231,7 +232,7 @@ def parse_version(text: str) -> str | None:
 
 
 def version_ok(version: str) -> bool:
-    """True for CRIU >= :data:`MIN_VERSION` (4.1.1 fails on kernels >= 6.16, design notes)."""
+    """True for CRIU >= :data:`MIN_VERSION` (4.1.1 fails on kernels >= 6.16: docs/operations.md, "Distro CRIU")."""
     parts = [int(p) for p in re.findall(r"\d+", version)[:2]]
     return tuple(parts) >= MIN_VERSION
 

@@ -3,8 +3,8 @@ prints results (progress lines are :mod:`vllm_snapshot.report.progress`'s; error
 ``cli.main``'s). :func:`show` takes any :mod:`vllm_snapshot.report.results` object.
 
 rich is imported by the functions that draw tables, not here: ``--json`` and the one-line
-results never pay for it; nor are the result classes imported (issue 22, target 5: ``inspect``
-start-up)."""
+results never pay for it; nor are the result classes imported (``inspect``'s start-up budget:
+a whole process within 0.3 s, docs/benchmarks.md target 5)."""
 
 from __future__ import annotations
 

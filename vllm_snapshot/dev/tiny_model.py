@@ -1,6 +1,6 @@
 """The embedded tiny model: a random-weight Llama generated deterministically, offline.
 
-Shape (chosen so vLLM's CPU attention accepts it, see design notes): hidden 128, 2 layers,
+Shape (chosen so vLLM's CPU attention accepts it: head size 64): hidden 128, 2 layers,
 2 attention heads of head_dim 64, 1 KV head, a ~300-token byte-level BPE vocabulary trained with
 ``tokenizers`` on a fixed text, weights from ``torch.manual_seed(0)``. On disk ~0.5 MB
 (safetensors, float32). Greedy decoding on it is deterministic, which is all the oracle needs.
@@ -47,7 +47,7 @@ def generate(out: Path, hidden: int = 128, layers: int = 2, heads: int = 2, inte
     sibling, then rename) and return it. ``hidden`` = heads x 64 (vLLM's CPU attention head
     size); ``intermediate`` defaults to 2 x hidden (256 for the tiny model), one KV head.
     Weights are float32: about 4 x layers x (2 x hidden^2 + 3 x hidden x intermediate) bytes;
-    benchmarks use ``hidden=2048, layers=16, heads=32, intermediate=7168`` (3.1 GiB, issue 22).
+    benchmarks use ``hidden=2048, layers=16, heads=32, intermediate=7168`` (3.1 GiB, the big model of docs/benchmarks.md).
     Raises OSError when ``out``'s parent cannot be written. Imports torch/transformers/tokenizers."""
     intermediate = intermediate or 2 * hidden
     stamp = GENERATOR_VERSION if (hidden, layers, heads, intermediate) == (128, 2, 2, 256) else \

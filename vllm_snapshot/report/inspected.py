@@ -2,7 +2,8 @@
 
 It lives alone so that ``inspect`` does not build the other result classes: each frozen
 dataclass costs ~1 ms to create (its methods are compiled from source at import), and
-``inspect``'s whole process has a start-up budget (issue 22, target 5)."""
+``inspect``'s whole process has a start-up budget (within 0.3 s: docs/benchmarks.md, target 5;
+tests/test_startup.py checks what it imports)."""
 
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ from .manifest import Frame, ImageFile
 CHUNK = 4 << 20  # bytes per read
 DEFAULT_LEVEL = 3
 #: The default for ``create --compress``. Measured on the tiny-model CPU engine (1280 MiB raw,
-#: docs/benchmarks.md, final run of issue 22): ``none`` restores in 1.07 s (checksums over
+#: docs/benchmarks.md, "The targets, final run"): ``none`` restores in 1.07 s (checksums over
 #: hard-linked images), zstd:3 stores 18.8% of raw but restore takes 2.87 s on 2 cores with the
 #: images in the page cache (decompression is CPU work CRIU waits for); read from disk, both take
 #: ~3.7 s ("Page cache cold vs warm"). Start time is what this tool exists for, and restored

@@ -8,7 +8,7 @@ socket keeps the network namespace it was created in, so the supervisor binds ``
 here (:func:`vllm_snapshot.host.ports.bind_listener`) and passes the socket to the engine; the
 engine accepts the host's connections on it while the rest of its traffic stays inside.
 
-How: CRIU's ``--inherit-fd`` cannot re-bind a TCP socket (design notes §4), and a channel fd
+How: CRIU's ``--inherit-fd`` hands back pipes and files, not a bound TCP socket, and a channel fd
 that is a unix socket would be a socket of the host's namespace that CRIU's dump of the tree's
 namespace does not find. So the hand-off happens after restore, through a rendezvous: in a
 helper thread that joined the engine's network namespace, the supervisor creates an abstract

@@ -6,7 +6,7 @@ vllm_snapshot.engine.main SPEC``: it becomes PID 1 of a new PID namespace with i
 its own mount namespace and a network namespace holding only ``lo`` (engine/net.py), and
 calls ``setsid()`` itself (CRIU refuses a tree whose session leader is outside its PID
 namespace), and owns only fds opened inside the namespace plus three pipes from us (pipes have
-no mount, so CRIU can dump them; design notes: an inherited /dev/null cannot be dumped).
+no mount, so CRIU can dump them, while a /dev/null inherited from the caller could not be dumped).
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from vllm_snapshot.host import cgroups
@@ -37,7 +38,16 @@ def test_parse_mountinfo_finds_v1_controller_sets_v2_and_read_only_mounts():
     assert hs["memory"].path("/process_api/abc") == Path("/sys/fs/cgroup/memory/process_api/abc")
 
 
-def test_where_names_the_v2_path_when_there_is_one(tmp_path, monkeypatch):
+def test_where_names_the_v2_path_when_there_is_one():
+    hybrid = cgroups.parse_proc_cgroup(PROC)  # v2 path /user.slice/session-3.scope, memory /process_api/abc
+    assert cgroups.where_in(hybrid) == "/user.slice/session-3.scope"
+    # v2 at its root (the v1 controllers place it): the memory hierarchy's path, else the first
+    v1 = cgroups.parse_proc_cgroup("4:memory:/process_api/abc\n2:cpu,cpuacct:/cpu-x\n0::/\n")
+    assert cgroups.where_in(v1) == "/process_api/abc"
+    assert cgroups.where_in({"cpu,cpuacct": "/cpu-x", "": "/"}) == "/cpu-x"
+    assert cgroups.where_in({"": "/"}) == "/"  # a pure v2 host: its root
+    assert cgroups.where_in({}) == "?"
+    assert cgroups.where(os.getpid()) == cgroups.where_in(cgroups.parse_proc_cgroup(Path("/proc/self/cgroup").read_text()))
     assert cgroups.where(2**22 + 12345) == "?"  # no such process
 
 

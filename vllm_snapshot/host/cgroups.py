@@ -94,12 +94,20 @@ def hierarchies() -> list[Hierarchy]:
 
 
 def where(pid: int) -> str:
-    """Where a process runs, in words: its v2 path, else its memory (or first) v1 path;
-    ``"?"`` when it is gone."""
+    """Where a process runs, in words (:func:`where_in` of its /proc/PID/cgroup); ``"?"`` when
+    it is gone."""
     try:
         cg = parse_proc_cgroup(Path(f"/proc/{pid}/cgroup").read_text())
     except OSError:
         return "?"
+    return where_in(cg)
+
+
+def where_in(cg: dict[str, str]) -> str:
+    """The cgroup path that says where a process runs, from its :func:`parse_proc_cgroup`
+    (``{controller set or "" for v2: path}``): the v2 path when it is not ``/`` or v2 is the
+    only hierarchy (a pure v2 host), else the ``memory`` v1 path, else the first v1 path;
+    ``"?"`` for an empty table. Pure."""
     if cg.get("", "/") != "/" or len(cg) == 1:
         return cg.get("", "?")
     return cg.get("memory") or next(iter(cg.values()), "?")

@@ -42,7 +42,7 @@ def test_where_names_the_v2_path_when_there_is_one():
     hybrid = cgroups.parse_proc_cgroup(PROC)  # v2 path /user.slice/session-3.scope, memory /process_api/abc
     assert cgroups.where_in(hybrid) == "/user.slice/session-3.scope"
     # v2 at its root (the v1 controllers place it): the memory hierarchy's path, else the first
-    v1 = cgroups.parse_proc_cgroup("4:memory:/process_api/abc\n2:cpu,cpuacct:/cpu-x\n0::/\n")
+    v1 = cgroups.parse_proc_cgroup("2:cpu,cpuacct:/cpu-x\n4:memory:/process_api/abc\n0::/\n")
     assert cgroups.where_in(v1) == "/process_api/abc"
     assert cgroups.where_in({"cpu,cpuacct": "/cpu-x", "": "/"}) == "/cpu-x"
     assert cgroups.where_in({"": "/"}) == "/"  # a pure v2 host: its root

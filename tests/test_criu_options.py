@@ -146,8 +146,30 @@ def test_apply_flags_refuses_unknown_flag():
 
 
 def test_every_shared_flag_maps_to_an_rpc_option():
-    # a flag added to SHARED_FLAGS without an RPC mapping would make every dump fail
-    criu.apply_flags(_FakeOpts(), criu.SHARED_FLAGS)
+    # a flag added to SHARED_FLAGS without an RPC mapping, or mapped to a misspelt field, would
+    # make every dump fail: pycriu's real message refuses a field it does not have
+    import pycriu
+
+    req = pycriu.rpc.criu_opts()
+    criu.apply_flags(req, criu.SHARED_FLAGS)
+    assert {f.name: v for f, v in req.ListFields()} == {criu._FLAG_TO_OPT[f]: True for f in criu.SHARED_FLAGS}
+    assert set(criu._FLAG_TO_OPT.values()) <= set(req.DESCRIPTOR.fields_by_name)  # every mapping, shared or not
+
+
+def test_dump_and_restore_rpc_fill_a_real_criu_opts_message():
+    # the _Rpc stand-in above accepts any attribute; the real message checks names and types
+    import pycriu
+
+    req = pycriu.rpc.criu_opts()
+    criu.restore_rpc(RestoreOptions(inherit_fds=(("pipe:[123]", 5), ("pipe:[456]", 7)), external=("mnt[m0]:/data",),
+                                    network_lock="skip"), req)
+    assert req.rst_sibling and req.root == "/" and req.log_file == criu.RESTORE_LOG
+    assert [(i.key, i.fd) for i in req.inherit_fd] == [("pipe:[123]", 5), ("pipe:[456]", 7)]
+    assert list(req.external) == ["mnt[m0]:/data"] and req.HasField("network_lock")
+    assert all(getattr(req, criu._FLAG_TO_OPT[f]) is True for f in criu.SHARED_FLAGS)
+    req = pycriu.rpc.criu_opts()
+    criu.dump_rpc(DumpOptions(pid=42, external=("mnt[/a]:a",)), req)
+    assert req.pid == 42 and req.log_file == criu.DUMP_LOG and list(req.external) == ["mnt[/a]:a"]
 
 
 @pytest.mark.parametrize("version,ok", [

@@ -137,7 +137,8 @@ def main() -> int:
         elif name == "prepare-dump":
             set_parent_death_signal(0)  # as the real engine: CRIU would deliver it after restore
             CALLS.clear()  # what the test reads after a restore starts here
-            emit("dump-ready")
+            # the same fields as the real engine root: the code identity pins what it imported
+            emit("dump-ready", modules=sorted({m.split(".", 1)[0] for m in list(sys.modules)}), sys_path=list(sys.path))
         elif name == "attach":
             set_parent_death_signal(signal.SIGKILL)
             emit("attached")

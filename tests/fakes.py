@@ -43,6 +43,7 @@ from vllm_snapshot.effects.tools import Tools
 from vllm_snapshot.fleet import reference
 from vllm_snapshot.fleet.tools import FleetTools
 from vllm_snapshot.fleet.transport import Target
+from vllm_snapshot.engine.protocol import decode, encode_event
 
 from helpers import ENGINE_USER, make_manifest, make_oracle
 
@@ -76,15 +77,18 @@ class FakeEngine(Engine):
 
     def wait_event(self, name: str, timeout: float) -> dict:
         self.timeouts[name] = timeout
+        fields: dict = {}
         if name == "initialized":
-            return {"event": name, "oracle": self._next_oracle(),
-                    "info": {"kind": self.kind, "vllm": "x", "torch": "y", "served_model_name": "tiny",
-                             "normalized_args": {"args": " ".join(self.engine_args)}}}
-        if name == "oracle":
-            return {"event": name, "oracle": self._next_oracle()}
-        if name == "dump-ready":
-            return {"event": name, "modules": ["vllm", "torch"], "sys_path": ["/site-packages"]}
-        return {"event": name}
+            fields = {"oracle": self._next_oracle(),
+                      "info": {"kind": self.kind, "vllm": "x", "torch": "y", "served_model_name": "tiny",
+                               "normalized_args": {"args": " ".join(self.engine_args)}}}
+        elif name == "oracle":
+            fields = {"oracle": self._next_oracle()}
+        elif name == "dump-ready":
+            fields = {"modules": ["vllm", "torch"], "sys_path": ["/site-packages"]}
+        elif name == "binding":
+            fields = {"address": "http://127.0.0.1:8123"}
+        return decode(encode_event(name, **fields))  # the protocol's field table, as the real engine's
 
     def alive(self) -> bool:
         return self._alive

@@ -43,3 +43,60 @@ def test_every_command_the_operations_send_is_declared():
     for f in (ROOT / "vllm_snapshot" / "ops").glob("*.py"):
         sent |= set(re.findall(r'\.send\("([a-z-]+)"', f.read_text()))
     assert sent and sent <= set(protocol.COMMANDS)
+
+
+def test_the_encoder_enforces_each_events_fields():
+    assert tuple(protocol.EVENT_FIELDS) == protocol.EVENTS
+    with pytest.raises(ValueError, match="modules"):
+        protocol.encode_event("dump-ready")  # what tests/fake_engine.py once sent
+    with pytest.raises(ValueError):
+        protocol.encode_event("binding", address="http://x", extra=1)
+    with pytest.raises(ValueError, match="info"):
+        protocol.encode_event("initialized", oracle={}, info={"kind": "cpu"})
+    line = protocol.encode_event("dump-ready", modules=["vllm"], sys_path=["/s"])
+    assert protocol.missing_fields(protocol.decode(line)) == []
+    assert protocol.missing_fields({"event": "dump-ready", "modules": []}) == ["sys_path"]
+
+
+def emit_calls(path: Path) -> list[tuple[int, str, set[str] | None]]:
+    """Each ``emit("name", k=...)`` call in ``path``: (line, event, its keywords; None when it
+    passes ``**kw``, which only the encoder can check)."""
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "emit" and node.args \
+                and isinstance(node.args[0], ast.Constant):
+            kws = {k.arg for k in node.keywords}
+            out.append((node.lineno, node.args[0].value, None if None in kws else kws))
+    return out
+
+
+@pytest.mark.parametrize("path", ["vllm_snapshot/engine/main.py", "tests/fake_engine.py"])
+def test_the_engine_and_the_fake_engine_send_each_events_fields(path):
+    # read from the source, so the fake engine's payloads are checked without running it
+    calls = emit_calls(ROOT / path)
+    assert calls
+    wrong = [(line, ev, sorted(kws)) for line, ev, kws in calls
+             if kws is not None and kws != set(protocol.EVENT_FIELDS[ev])]
+    assert wrong == []
+
+
+def test_the_supervisor_refuses_an_event_without_its_fields(tmp_path):
+    # wait_event checks the awaited event against EVENT_FIELDS (an old fake's bare dump-ready)
+    import os
+
+    from vllm_snapshot.errors import EngineError
+    from vllm_snapshot.supervise.supervisor import EngineHandle
+
+    r, w = os.pipe()
+    os.write(w, b'{"event": "dump-ready"}\n{"event": "slept"}\n')
+    ep = EngineHandle(root_pid=os.getpid(), control=None, events_fd=r, log=None)
+    try:
+        assert ep.wait_event("slept", 5) == {"event": "slept"}  # an event without fields passes
+        os.write(w, b'{"event": "dump-ready", "modules": ["vllm"]}\n')
+        with pytest.raises(EngineError, match="sys_path"):
+            ep.wait_event("dump-ready", 5)
+    finally:
+        os.close(r)
+        os.close(w)

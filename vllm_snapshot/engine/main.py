@@ -28,12 +28,14 @@ _events = None
 
 
 def emit(event: str, **kw) -> None:
-    """Write one event line to fd 3; ignore a vanished reader (``--detach``)."""
+    """Write one event line to fd 3; ignore a vanished reader (``--detach``). Raises
+    ValueError for an event or fields the protocol does not define (:data:`EVENT_FIELDS`)."""
     global _events
+    line = encode_event(event, **kw)  # outside the try: a payload off the table is a bug, not a vanished reader
     try:
         if _events is None:
             _events = os.fdopen(FD_EVENTS, "w", buffering=1)
-        _events.write(encode_event(event, **kw))
+        _events.write(line)
         _events.flush()
     except (OSError, ValueError):
         pass

@@ -29,7 +29,8 @@ Commands (``{"cmd": NAME, ...}``):
   before that (manifest ``engine.network`` ``host``) get no ``handoff`` and bind themselves.
 * ``exit`` -- exit cleanly.
 
-Events (``{"event": NAME, ...}``):
+Events (``{"event": NAME, ...}``; each event's fields are :data:`EVENT_FIELDS`, which the
+encoder enforces and the supervisor checks on receipt):
 
 * ``initialized`` ``{oracle, info}`` -- the engine is up; ``info``: kind, vllm, torch, served_model_name.
 * ``oracle`` ``{oracle}``, ``slept``, ``woken``, ``attached``.
@@ -53,7 +54,22 @@ FD_EVENTS = 3
 ROLES: dict[str, int] = {"control": FD_CONTROL, "log": FD_LOG, "events": FD_EVENTS}
 
 COMMANDS = ("oracle", "sleep", "wake", "prepare-dump", "attach", "serve", "exit")
-EVENTS = ("initialized", "oracle", "slept", "woken", "dump-ready", "attached", "binding", "error")
+#: event -> its payload fields (besides ``"event"``), every one always sent: the one table the
+#: engine root, the test fake engine (both through :func:`encode_event`) and the supervisor
+#: (:func:`missing_fields`) use.
+EVENT_FIELDS: dict[str, tuple[str, ...]] = {
+    "initialized": ("oracle", "info"),
+    "oracle": ("oracle",),
+    "slept": (),
+    "woken": (),
+    "dump-ready": ("modules", "sys_path"),
+    "attached": (),
+    "binding": ("address",),
+    "error": ("kind", "message"),
+}
+#: The fields of ``initialized``'s ``info``.
+INFO_FIELDS = ("kind", "vllm", "torch", "served_model_name", "normalized_args")
+EVENTS = tuple(EVENT_FIELDS)
 
 
 def encode_command(name: str, **kw) -> str:
@@ -64,10 +80,22 @@ def encode_command(name: str, **kw) -> str:
 
 
 def encode_event(name: str, **kw) -> str:
-    """One event line (with ``\\n``). Raises ValueError for a name not in :data:`EVENTS`."""
+    """One event line (with ``\\n``). Raises ValueError for a name not in :data:`EVENTS`, or
+    fields other than its :data:`EVENT_FIELDS` (``initialized``: its ``info`` other than
+    :data:`INFO_FIELDS`)."""
     if name not in EVENTS:
         raise ValueError(f"unknown engine event {name!r}")
+    if set(kw) != set(EVENT_FIELDS[name]):
+        raise ValueError(f"engine event {name!r} takes the fields {list(EVENT_FIELDS[name])}, not {sorted(kw)}")
+    if name == "initialized" and (not isinstance(kw["info"], dict) or set(kw["info"]) != set(INFO_FIELDS)):
+        raise ValueError(f"the info of engine event 'initialized' takes the fields {list(INFO_FIELDS)}")
     return json.dumps({"event": name, **kw}) + "\n"
+
+
+def missing_fields(event: dict) -> list[str]:
+    """The :data:`EVENT_FIELDS` of a decoded event that it lacks (``[]`` for an unknown event:
+    the caller decides about those). Pure."""
+    return [f for f in EVENT_FIELDS.get(event.get("event"), ()) if f not in event]
 
 
 def decode(line: bytes | str) -> dict | None:

@@ -379,7 +379,7 @@ def _create_locked(t: Tools, req: CreateRequest, rep: Reporter, target: Path, mo
             extra = t.files.pack(tmp / layout.FILES, "none")
             blobs = t.files.pack(tmp / layout.CARRIED, str(req.compression))
         with rep.phase("code_identity", "pinning the files of the Python distributions the engine imported from"):
-            code = t.files.pin_code(ready.get("modules") or [], ready.get("sys_path") or [], tmp)
+            code = t.files.pin_code(ready["modules"], ready["sys_path"], tmp)
         t.checkpoint.cleanup_remaps(remaps)  # the copies live in the snapshot now
         remaps = []
         m = build_manifest(

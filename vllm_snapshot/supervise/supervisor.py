@@ -26,7 +26,7 @@ from typing import IO, Callable
 
 import psutil
 
-from ..engine.protocol import FD_EVENTS, FD_LOG, ROLES, decode, encode_command
+from ..engine.protocol import FD_EVENTS, FD_LOG, ROLES, decode, encode_command, missing_fields
 from ..host.procs import set_parent_death_signal, tree, wait_gone
 from ..errors import EngineError
 
@@ -226,6 +226,10 @@ class EngineHandle:
                         details=ev,
                     )
                 if ev.get("event") == name:
+                    missing = missing_fields(ev)
+                    if missing:
+                        raise EngineError(f"the engine's {name!r} event lacks {', '.join(missing)} "
+                                          "(engine/protocol.py EVENT_FIELDS)", details=ev)
                     return ev
             left = deadline - time.monotonic()
             if left <= 0:

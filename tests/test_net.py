@@ -17,6 +17,8 @@ from vllm_snapshot.host import ports
 from vllm_snapshot.engine import net
 from vllm_snapshot.errors import BusyError, EngineError, UsageError
 
+from fakes import FakeEngine
+
 pytestmark = pytest.mark.timeout(60)
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 
@@ -106,11 +108,13 @@ def test_bind_listener_like_vllm_serve():
         ports.bind_listener("192.0.2.1", 0)  # TEST-NET-1: never assigned here, nothing is sent
 
 
-class _Engine:
-    """The engine side in a thread of this process (SO_PEERCRED reports our PID)."""
+class _Engine(FakeEngine):
+    """The engine side in a thread of this process (SO_PEERCRED reports our PID): a whole
+    :class:`FakeEngine` (tied to the Engine Protocol by test_protocols) whose ``send("serve")``
+    takes the listening socket."""
 
     def __init__(self, root_pid: int):
-        self.root_pid = root_pid
+        super().__init__([], pid=root_pid)
         self.sent: list[tuple[str, dict]] = []
         self.got: list[socket.socket] = []
         self.errors: list[BaseException] = []
@@ -164,32 +168,25 @@ def test_handoff_refuses_a_peer_that_is_not_the_engine_root():
         other.wait()
 
 
-def test_handoff_times_out_when_the_engine_never_connects(monkeypatch):
-    class Silent:
-        root_pid = os.getpid()
-
-        def send(self, cmd, **kw):
-            pass
-
-    monkeypatch.setattr(handoff.Handoff.give, "__defaults__", (0.5, lambda: True))
-    with pytest.raises(EngineError, match="did not take the listening socket"):
-        handoff.serve_engine(Silent(), "127.0.0.1", 0, die_with_parent=True)
+def test_handoff_times_out_when_the_engine_never_connects():
+    silent = FakeEngine([], pid=os.getpid())  # alive, takes "serve", never connects
+    with pytest.raises(EngineError, match="did not take the listening socket within 0 s"):
+        handoff.serve_engine(silent, "127.0.0.1", 0, die_with_parent=True, accept_timeout_s=0.5)
+    assert silent.sent == ["serve"]
 
 
 def test_handoff_gives_up_at_once_when_the_engine_dies():
-    class Dead:
-        root_pid = os.getpid()
+    class Dead(FakeEngine):
+        polls = 0
 
-        def send(self, cmd, **kw):
-            pass
-
-        def alive(self):
+        def alive(self) -> bool:
+            self.polls += 1
             return False
 
-    t0 = time.monotonic()
+    dead = Dead([], pid=os.getpid())
     with pytest.raises(EngineError, match="exited before it took"):
-        handoff.serve_engine(Dead(), "127.0.0.1", 0, die_with_parent=True)
-    assert time.monotonic() - t0 < 5
+        handoff.serve_engine(dead, "127.0.0.1", 0, die_with_parent=True)
+    assert dead.polls == 1  # at the first poll, not at the 60 s deadline
 
 
 def test_receive_listener_without_a_name_says_why():

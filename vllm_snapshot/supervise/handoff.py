@@ -29,7 +29,6 @@ from typing import Callable
 
 from ..errors import EngineError
 from ..host.procs import run_in_namespace
-
 #: Seconds to wait for the engine to connect to the hand-off socket.
 ACCEPT_TIMEOUT_S = 60.0
 
@@ -79,14 +78,15 @@ class Handoff:
 
 
 def serve_engine(engine, host: str, port: int, die_with_parent: bool, frontend: tuple[str, ...] = (),
-                 drain_s: float | None = None) -> None:
+                 drain_s: float | None = None, accept_timeout_s: float = ACCEPT_TIMEOUT_S) -> None:
     """Bind ``host:port`` here (the host's network namespace), send ``serve`` to ``engine``
     (an :class:`vllm_snapshot.effects.tools.Engine` whose tree lives in its own namespace) and hand it
     the listening socket. ``frontend``: front-end option tokens the engine applies before it
     serves (:mod:`vllm_snapshot.supervise.frontend`; they may hold an API key: they travel only in the
     control pipe). ``drain_s``: how long the engine lets requests in flight finish when it is
-    signalled to stop (seconds; None: the engine's default). Our copy is closed afterwards:
-    the engine holds the port alone.
+    signalled to stop (seconds; None: the engine's default). ``accept_timeout_s``: how long the
+    engine has to take the socket (seconds). Our copy is closed afterwards: the engine holds
+    the port alone.
     Raises BusyError/UsageError (the port), EngineError (the engine did not take it)."""
     from ..host import ports
 
@@ -99,7 +99,7 @@ def serve_engine(engine, host: str, port: int, die_with_parent: bool, frontend: 
         try:
             engine.send("serve", host=host, port=port, die_with_parent=die_with_parent, handoff=handoff.name,
                         frontend=list(frontend), **({} if drain_s is None else {"drain_s": float(drain_s)}))
-            handoff.give(listener, alive=getattr(engine, "alive", lambda: True))
+            handoff.give(listener, accept_timeout_s, alive=engine.alive)
         finally:
             handoff.close()
     finally:

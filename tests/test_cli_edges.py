@@ -270,6 +270,17 @@ def test_a_waiter_on_a_removed_lock_file_locks_the_new_one(tmp_path, monkeypatch
     s.mkdir()
     p = locks.snapshot_lock_path(s)
     seen = {}
+    polling = threading.Event()  # set when the waiter's flock on the file it opened has failed
+
+    class Clock:  # locks' clock; its sleep is the poll after a failed flock
+        monotonic = staticmethod(time.monotonic)
+
+        @staticmethod
+        def sleep(s: float) -> None:
+            polling.set()
+            time.sleep(s)
+
+    monkeypatch.setattr(locks, "time", Clock)
 
     def waiter():
         with locks.lock(p, "snapshot s", wait_s=10):
@@ -278,7 +289,7 @@ def test_a_waiter_on_a_removed_lock_file_locks_the_new_one(tmp_path, monkeypatch
     with locks.snapshot_lock(s):
         th = threading.Thread(target=waiter)
         th.start()
-        time.sleep(0.3)  # the waiter has opened the old file and is polling flock
+        assert polling.wait(10)  # the waiter has opened the old file and is polling flock
         locks.remove_lock_file(s)
     th.join(10)
     assert seen == {"exists": True}

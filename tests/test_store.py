@@ -32,7 +32,13 @@ def _snapdir(base: Path, name: str = "s", mode: int = 0o700) -> Path:
 
 
 def test_private_dir_is_trusted(base):
-    layout.check_dir_safety(_snapdir(base))
+    # the trust checks' false refusal: a private snapshot of ours under a private parent passes
+    d = _snapdir(base)
+    assert layout.check_dir_safety(d) is None
+    (d / layout.IMAGES).mkdir(mode=0o700)
+    (d / layout.MANIFEST).write_text("{}")
+    os.chmod(d / layout.MANIFEST, 0o600)
+    assert layout.open_trusted(d) == layout.SnapshotDir(d)
 
 
 def test_missing_dir_is_a_usage_error(base):

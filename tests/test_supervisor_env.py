@@ -158,12 +158,22 @@ def test_redact_args_does_not_modify_its_input_and_hides_every_secret():
 
 # ----------------------------------------------------------------------------- ports.port_free
 
-def test_port_free_accepts_a_free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    ports.port_free("127.0.0.1", port)
+def test_port_free_accepts_a_port_left_in_time_wait():
+    # what a stopped engine leaves: its side of a closed connection in TIME_WAIT on the port;
+    # restore must still bind it (SO_REUSEADDR), as vllm serve would
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port), timeout=5)
+    conn, _ = srv.accept()
+    conn.close()  # the server side closes first: its end of the connection stays in TIME_WAIT on `port`
+    assert client.recv(1) == b""  # the FIN arrived
+    client.close()
+    srv.close()
+    assert ports.port_free("127.0.0.1", port) is None
+    ports.bind_listener("127.0.0.1", port).close()  # and restore's listener binds it right after
 
 
 def test_port_free_refuses_a_listening_port_and_names_the_holder():

@@ -99,16 +99,35 @@ def test_serve_builds_then_restores_refuses_no_build_and_rebuilds_after_a_model_
     assert sorted(x.name for x in root.iterdir()) == [Path(third["snapshot"]).name]
 
 
-def test_serve_finds_the_snapshot_create_made(snapshot, snap_root):
+#: Runs the CLI as ``python -m vllm_snapshot`` does and, at exit, writes the names in its
+#: ``sys.modules`` to ``$MODULES_OUT`` (the form of tests/test_startup.py: a fact, not a timing).
+MODULES_AT_EXIT = """
+import atexit, json, os, runpy, sys
+out = os.environ["MODULES_OUT"]
+atexit.register(lambda: open(out, "w").write(json.dumps(sorted(sys.modules))))
+sys.argv = ["vllm_snapshot", *sys.argv[1:]]
+runpy.run_module("vllm_snapshot", run_name="__main__", alter_sys=True)
+"""
+#: vLLM's argument parser (what snapkey.normalize_args imports; ~10-16 s)
+VLLM_PARSER = ("vllm.entrypoints.launchers.cli_args", "vllm.engine.arg_utils")
+
+
+def test_serve_finds_the_snapshot_create_made(snapshot, snap_root, tmp_path):
     """The key serve computes before building (args normalized from the manifest, no vLLM
     import) is the one create recorded from the engine's own parse."""
     port = free_port()
-    p = _serve(snap_root, TINY, port, "--no-build")
+    out = tmp_path / "modules.json"
+    p = subprocess.run([sys.executable, "-c", MODULES_AT_EXIT, "--root", str(snap_root), "serve", str(TINY),
+                        "--port", str(port), "--detach", "--json", "--no-build", "--", *ENGINE_ARGS],
+                       capture_output=True, text=True, timeout=900, cwd=ROOT,
+                       env={**engine_env(), "MODULES_OUT": str(out)})
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
     try:
         assert r["path"] == "restored" and Path(r["snapshot"]) == snapshot
-        assert r["timings"]["key"] < 5.0, r["timings"]  # no vLLM parser import on this path
+        modules = json.loads(out.read_text())
+        assert "vllm_snapshot.ops.serve" in modules  # the report is of this run
+        assert [m for m in modules if m in VLLM_PARSER] == []  # no vLLM parser import on this path
         assert _complete(port)
     finally:
         _stop(port)

@@ -1,11 +1,11 @@
 """The rules about ``vllm serve`` engine args, read lexically and without vLLM (importing its
-parser costs ~10-16 s): the one owner of what a token means here. Both sides use it -- create
-and serve (:func:`check_engine_args`, :func:`arg_value`), the GPU check of restore
-(:func:`last_value`), the key's normalization (:func:`argparse_reason`), the snapshot key (:func:`has_flag`), restore's front-end split
-(:data:`FRONTEND_OPTIONS`, :func:`flag_name`) and the engine root's own parse
-(:func:`unrestorable`, :data:`PARALLEL_SIZES`, :func:`argparse_reason`). The engine's parse with vLLM's parser
-(``engine/main.py``) stays the authority for what vLLM accepts; these rules refuse early what
-would make a snapshot unrestorable, before any engine starts.
+parser costs ~10-16 s): the one owner of what a token means here. Its users: create and serve
+(:func:`check_engine_args`, :func:`arg_value`), the GPU check of restore (:func:`last_value`),
+the snapshot key (:func:`has_flag`), restore's front-end split (:data:`FRONTEND_OPTIONS`,
+:func:`flag_name`), the engine root's own parse and the key's normalization
+(:func:`unrestorable`, :data:`PARALLEL_SIZES`, :func:`argparse_reason`). The engine's parse
+with vLLM's parser (``engine/main.py``) stays the authority for what vLLM accepts; these rules
+refuse early what would make a snapshot unrestorable, before any engine starts.
 
 Pure, and imports only :mod:`vllm_snapshot.errors` (a layer-1 leaf: tests/test_layering.py).
 Secrets in args (``--api-key`` values in logs) are :mod:`vllm_snapshot.host.envpolicy`'s rule

@@ -28,11 +28,13 @@ def _docstrings(tree: ast.AST) -> set[int]:
     return out
 
 
-#: Member names no other string of the package can mean: spelled anywhere else, they are a
-#: second owner. ``images`` and ``files`` are also manifest/code-table field names, so for them
-#: only a path join (``x / "images"``) counts.
-UNAMBIGUOUS = {layout.MANIFEST, layout.MANIFEST_TMP, layout.CREATE_LOG, layout.DUMP_LOG, layout.RESTORE_LOG,
-               layout.STATS_DUMP, layout.CODE_TABLE, layout.OWNER_PID}
+#: Every name layout gives to something in a snapshot directory (published or being made).
+NAMES = layout.MEMBERS | {layout.RESTORE_LOG, layout.OWNER_PID, layout.MANIFEST_TMP}
+#: The names no other string of the package can mean (file names: ``manifest.json``,
+#: ``criu-dump.log``, ...): spelled anywhere else, they are a second owner. ``images`` and
+#: ``files`` are also manifest field names, so for the plain words only a path join
+#: (``x / "images"``) counts.
+UNAMBIGUOUS = {n for n in NAMES if "." in n or "-" in n}
 
 
 def member_spellings(trees: dict[str, ast.AST]) -> list[str]:
@@ -47,7 +49,7 @@ def member_spellings(trees: dict[str, ast.AST]) -> list[str]:
                 if node.value in UNAMBIGUOUS:
                     out.append(f"{rel}:{node.lineno}: {node.value!r}")
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and isinstance(node.right, ast.Constant) \
-                    and node.right.value in layout.MEMBERS | {layout.RESTORE_LOG, layout.OWNER_PID}:
+                    and node.right.value in NAMES:
                 out.append(f"{rel}:{node.lineno}: / {node.right.value!r}")
     return sorted(out)
 

@@ -150,3 +150,26 @@ def test_the_finder_finds_a_second_arg_rule():
 
 def test_only_engine_args_holds_the_engine_argument_rules():
     assert arg_rule_owners(_trees()) == []
+
+
+def private_imports(trees: dict[str, ast.AST]) -> list[str]:
+    """Every ``from M import _name`` of a package module (a private helper used across modules:
+    it wants a public home): ``"FILE:LINE: M._name"``."""
+    out = []
+    for rel, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module != "__future__" and (node.level or (node.module or "")
+                                                                                     .startswith("vllm_snapshot")):
+                out += [f"{rel}:{node.lineno}: {node.module or '.'}.{a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+    return sorted(out)
+
+
+def test_the_finder_finds_a_private_import():
+    trees = {"ops/serve.py": ast.parse("from .manage import _first_lines\nfrom vllm_snapshot import __version__\n")}
+    assert private_imports(trees) == ["ops/serve.py:1: manage._first_lines"]
+
+
+def test_no_module_imports_another_modules_private_name():
+    # serve once took manage's _first_lines and demo tools' _http_json: shared helpers are public
+    assert private_imports(_trees()) == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 
@@ -103,3 +104,15 @@ def readable_by_engine(path) -> None:
             fp = os.path.join(d, f)
             if not os.path.islink(fp):
                 os.chmod(fp, _stat.S_IMODE(os.stat(fp).st_mode) | 0o444)
+
+
+def stand_in(real, fake):
+    """``fake``, checked to take exactly the parameters of ``real`` (names, kinds, which have a
+    default), for ``monkeypatch.setattr(module, name, stand_in(module.name, fake))``: a double
+    with another signature than the function it replaces fails here, not silently later.
+    Raises AssertionError naming both signatures."""
+    def shape(f):
+        return [(p.name, p.kind, p.default is inspect.Parameter.empty) for p in inspect.signature(f).parameters.values()]
+
+    assert shape(fake) == shape(real), f"{fake.__name__}{inspect.signature(fake)} does not stand for {real.__qualname__}{inspect.signature(real)}"
+    return fake

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import write_snapshot_dir
+from helpers import stand_in, write_snapshot_dir
 
 from vllm_snapshot.store import archive, locks, store
 from vllm_snapshot.cli import app as cli
@@ -697,11 +697,11 @@ def test_a_failure_after_a_signal_is_reported_as_the_interruption(monkeypatch, c
 
     from vllm_snapshot.host import interrupts
 
-    def dump_cut_by_sigint(*a, **k):
+    def dump_cut_by_sigint(snapshot, allow=frozenset(), tools=None):
         interrupts._state["fired"] = signal.SIGINT  # what the handler records
         raise CriuError("CRIU dump failed; log excerpt: (00.742236) page-xfer: p 0x556c", hint="full log: /x.log")
 
-    monkeypatch.setattr(ops, "verify", dump_cut_by_sigint)
+    monkeypatch.setattr(ops, "verify", stand_in(ops.verify, dump_cut_by_sigint))
     monkeypatch.setattr(cli, "_root_only", lambda what: None)
     assert cli.main(["--root", "/tmp", "verify", "some-name"]) == 130
     err = capsys.readouterr().err
@@ -714,17 +714,22 @@ def test_a_failure_after_a_signal_is_reported_as_the_interruption(monkeypatch, c
                           "what they reported: CRIU dump failed (Error (cr-dump.c:9): Interrupted))"),
                          ("CRIU dump failed; log excerpt:\n", "what they reported: CRIU dump failed (its log: /k.log))"),
                          ("CRIU dump failed; its log /k.log is empty", "CRIU dump failed; its log /k.log is empty)")):
-        def cut(*a, said=said, **k):
-            interrupts._state["fired"] = signal.SIGINT
-            raise CriuError(said, hint="full log: /k.log", details={"log": "/k.log"})
+        def cutting(said):
+            def cut(snapshot, allow=frozenset(), tools=None):
+                interrupts._state["fired"] = signal.SIGINT
+                raise CriuError(said, hint="full log: /k.log", details={"log": "/k.log"})
+            return cut
 
         interrupts.reset()
-        monkeypatch.setattr(ops, "verify", cut)
+        monkeypatch.setattr(ops, "verify", stand_in(ops.verify, cutting(said)))
         assert cli.main(["--root", "/tmp", "verify", "some-name"]) == 130
         err = capsys.readouterr().err
         assert expect in err and "excerpt:)" not in err, err
     interrupts.reset()
-    monkeypatch.setattr(ops, "verify", lambda *a, **k: (_ for _ in ()).throw(CriuError("plain failure")))
+    def plain(snapshot, allow=frozenset(), tools=None):
+        raise CriuError("plain failure")
+
+    monkeypatch.setattr(ops, "verify", stand_in(ops.verify, plain))
     assert cli.main(["--root", "/tmp", "verify", "some-name"]) == 7  # no signal: CRIU's own code
 
 

@@ -19,6 +19,7 @@ from vllm_snapshot.cli import app as cli
 from vllm_snapshot.host import notify
 from vllm_snapshot import ops
 from vllm_snapshot.report.progress import NotifyingReporter, Reporter
+from helpers import stand_in
 
 ROOT = Path(__file__).resolve().parent.parent
 UNITS = ROOT / "scripts" / "systemd"
@@ -170,7 +171,7 @@ def _fake_restored():
 def test_restore_command_notifies_phases_ready_and_stopping(path_socket, monkeypatch, tmp_path, capsys):
     seen = {}
 
-    def fake_restore(req, rep):
+    def fake_restore(req, rep, tools=None):
         seen["wrapped"] = isinstance(rep, NotifyingReporter)
         with rep.phase("validate", "validating snapshot, host and model"):
             pass
@@ -178,14 +179,14 @@ def test_restore_command_notifies_phases_ready_and_stopping(path_socket, monkeyp
         seen["before_return"] = path_socket.pending()
         return _fake_restored()
 
-    def fake_serve(r, engine, on_msg):
+    def fake_serve(r, engine, on_signal_msg=None, stop_grace_s=None, tools=None):
         seen["at_serve"] = path_socket.pending()
-        on_msg("received signal 15; stopping the engine")
-        on_msg("received signal 15; stopping the engine")
+        on_signal_msg("received signal 15; stopping the engine")
+        on_signal_msg("received signal 15; stopping the engine")
         return 0
 
-    monkeypatch.setattr(ops, "restore", fake_restore)
-    monkeypatch.setattr(ops, "serve_foreground", fake_serve)
+    monkeypatch.setattr(ops, "restore", stand_in(ops.restore, fake_restore))
+    monkeypatch.setattr(ops, "serve_foreground", stand_in(ops.serve_foreground, fake_serve))
     code = cli.main(["restore", str(tmp_path), "--port", "8123", "-q"])
     assert code == 0
     assert seen["wrapped"] is True
@@ -195,8 +196,14 @@ def test_restore_command_notifies_phases_ready_and_stopping(path_socket, monkeyp
 
 
 def test_restore_command_stopping_when_engine_exits_on_its_own(path_socket, monkeypatch, tmp_path):
-    monkeypatch.setattr(ops, "restore", lambda req, rep: _fake_restored())
-    monkeypatch.setattr(ops, "serve_foreground", lambda r, engine, on_msg: 3)
+    def fake_restore(req, rep, tools=None):
+        return _fake_restored()
+
+    def fake_serve(r, engine, on_signal_msg=None, stop_grace_s=None, tools=None):
+        return 3
+
+    monkeypatch.setattr(ops, "restore", stand_in(ops.restore, fake_restore))
+    monkeypatch.setattr(ops, "serve_foreground", stand_in(ops.serve_foreground, fake_serve))
     assert cli.main(["restore", str(tmp_path), "--port", "8123", "-q"]) == 3
     assert path_socket.pending() == [f"READY=1\nSTATUS=serving tiny on http://127.0.0.1:8123\nMAINPID={os.getpid()}".encode(),
                                      b"STOPPING=1"]
@@ -207,7 +214,7 @@ def test_serve_command_notifies_ready_only_after_serve_returned(path_socket, mon
 
     seen = {}
 
-    def fake_serve(req, rep):
+    def fake_serve(req, rep, tools=None):
         seen["req"] = req
         with rep.phase("engine_start", "starting engine (load, compile, warm-up)"):
             pass
@@ -215,13 +222,13 @@ def test_serve_command_notifies_ready_only_after_serve_returned(path_socket, mon
         r, engine = _fake_restored()
         return Served("built", r, "k" * 64, [], [], {"engine_start": 1.0}, 1.0), engine
 
-    def fake_foreground(r, engine, on_msg):
+    def fake_foreground(r, engine, on_signal_msg=None, stop_grace_s=None, tools=None):
         seen["at_serve"] = path_socket.pending()
         return 0
 
     monkeypatch.setenv("VLLM_SNAPSHOT_ROOT", str(tmp_path))
-    monkeypatch.setattr(ops, "serve", fake_serve)
-    monkeypatch.setattr(ops, "serve_foreground", fake_foreground)
+    monkeypatch.setattr(ops, "serve", stand_in(ops.serve, fake_serve))
+    monkeypatch.setattr(ops, "serve_foreground", stand_in(ops.serve_foreground, fake_foreground))
     # `vllm serve` form: --port among the engine args is serve's own
     assert cli.main(["serve", "/models/tiny", "--dtype", "float32", "--port", "8123", "-q"]) == 0
     assert seen["req"].port == 8123 and seen["req"].engine_args == ["--dtype", "float32"]
@@ -234,16 +241,16 @@ def test_restore_command_without_notify_socket_is_unchanged(monkeypatch, tmp_pat
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     seen = {}
 
-    def fake_restore(req, rep):
+    def fake_restore(req, rep, tools=None):
         seen["wrapped"] = isinstance(rep, NotifyingReporter)
         return _fake_restored()
 
-    def fake_serve(r, engine, on_msg):
-        seen["on_msg"] = on_msg
+    def fake_serve(r, engine, on_signal_msg=None, stop_grace_s=None, tools=None):
+        seen["on_msg"] = on_signal_msg
         return 0
 
-    monkeypatch.setattr(ops, "restore", fake_restore)
-    monkeypatch.setattr(ops, "serve_foreground", fake_serve)
+    monkeypatch.setattr(ops, "restore", stand_in(ops.restore, fake_restore))
+    monkeypatch.setattr(ops, "serve_foreground", stand_in(ops.serve_foreground, fake_serve))
     assert cli.main(["restore", str(tmp_path), "--port", "8123", "-q"]) == 0
     assert seen["wrapped"] is False
     assert callable(seen["on_msg"])

@@ -23,7 +23,7 @@ from vllm_snapshot.report.progress import Reporter
 from vllm_snapshot.host.envpolicy import scrubbed_env
 
 from fakes import FakeWorld
-from helpers import ENGINE_USER, make_manifest
+from helpers import ENGINE_USER, make_manifest, stand_in
 
 SNAP = Path("/snaps/tiny")
 
@@ -274,8 +274,10 @@ def test_restore_refuses_tls_files_the_engine_user_cannot_read_before_criu(monke
     t = FakeWorld()
     t.user_unreadable = ["/etc/ssl/private/k.pem"]
     # the key pair itself is fine (frontend.check loads it as root); only the engine user cannot read it
-    monkeypatch.setattr(frontend, "check", lambda args, env=None: frontend.Frontend(
-        args=list(args), tls=True, files=["/etc/ssl/private/k.pem", "/etc/ssl/c.pem"]))
+    def fake_check(args, environ=None):
+        return frontend.Frontend(args=list(args), tls=True, files=["/etc/ssl/private/k.pem", "/etc/ssl/c.pem"])
+
+    monkeypatch.setattr(frontend, "check", stand_in(frontend.check, fake_check))
     with pytest.raises(UsageError) as e:
         ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8123, frontend=(
             "--ssl-keyfile", "/etc/ssl/private/k.pem", "--ssl-certfile", "/etc/ssl/c.pem")), Reporter(), tools=t.tools)
@@ -321,12 +323,12 @@ def test_serve_builds_as_the_user_it_is_given(monkeypatch, tmp_path, extra, want
 
     got = []
 
-    def fake_serve(req, rep):
+    def fake_serve(req, rep, tools=None):
         got.append(req)
         raise UsageError("stop here")
 
     monkeypatch.setenv("VLLM_SNAPSHOT_ROOT", str(tmp_path))
-    monkeypatch.setattr(ops, "serve", fake_serve)
+    monkeypatch.setattr(ops, "serve", stand_in(ops.serve, fake_serve))
     assert cli.main(["serve", "/models/tiny", *extra, "--", "--dtype", "float32"]) == 2
     assert [r.user for r in got] == [want] and got[0].engine_args == ["--dtype", "float32"]
 

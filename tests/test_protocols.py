@@ -99,3 +99,21 @@ def test_every_role_of_the_bundle_has_a_row_and_the_local_bundle_fills_it():
 def test_no_role_is_wider_than_thirty_methods():
     widths = {p.__name__: len(_methods(p)) for p, _, _ in PAIRS[:9]}
     assert max(widths.values()) <= 30, widths
+
+
+def test_a_stand_in_with_another_signature_is_refused():
+    # review: module-level replacements had other arities than what they replaced (lambda req, rep
+    # for ops.restore(req, rep, tools=None); env= for frontend.check's environ=)
+    from helpers import stand_in
+    from vllm_snapshot import ops
+    from vllm_snapshot.supervise import frontend
+
+    with pytest.raises(AssertionError, match="does not stand for"):
+        stand_in(ops.restore, lambda req, rep: None)
+    with pytest.raises(AssertionError, match="does not stand for"):
+        stand_in(frontend.check, lambda args, env=None: None)
+
+    def ok(args, environ=None):
+        return None
+
+    assert stand_in(frontend.check, ok) is ok

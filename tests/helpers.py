@@ -116,3 +116,15 @@ def stand_in(real, fake):
 
     assert shape(fake) == shape(real), f"{fake.__name__}{inspect.signature(fake)} does not stand for {real.__qualname__}{inspect.signature(real)}"
     return fake
+
+
+def python_outside_usr(monkeypatch) -> None:
+    """Make this Python's prefixes and executable (which the engine needs:
+    :func:`vllm_snapshot.engine.mounts.needed_paths`) /opt/py, for mount tests whose expected
+    answers assume a Python outside /usr: with Debian's /usr/bin/python3.11 every mount under
+    /usr is needed for that reason alone."""
+    import sys
+
+    for name in ("prefix", "base_prefix", "exec_prefix"):
+        monkeypatch.setattr(sys, name, "/opt/py")
+    monkeypatch.setattr(sys, "executable", "/opt/py/bin/python3.11")

@@ -548,13 +548,9 @@ def test_mounts_are_listed_with_what_the_engine_namespace_does_with_them():
 
 
 def test_mounts_show_the_driver_directory_on_ld_library_path_as_external(monkeypatch):
-    # the engine needs this Python's prefixes (engine.mounts.needed_paths): put them outside /usr,
-    # or a Python in /usr (Debian's) makes every mount under /usr needed for that reason instead
-    import sys
+    from helpers import python_outside_usr
 
-    for name in ("prefix", "base_prefix", "exec_prefix"):
-        monkeypatch.setattr(sys, name, "/opt/py")
-    monkeypatch.setattr(sys, "executable", "/opt/py/bin/python3.11")
+    python_outside_usr(monkeypatch)
     gke = "22 1 254:0 / / rw - ext4 /dev/vda rw\n40 22 254:1 /home/kubernetes/bin/nvidia /usr/local/nvidia ro - ext4 /dev/vdb rw\n"
     c = _by_name(doctor.run_checks(FakeProbes(mounts=gke, environ={"LD_LIBRARY_PATH": "/usr/local/nvidia/lib64"})))
     assert "/usr/local/nvidia (ext4): holds /usr/local/nvidia/lib64" in c["mounts-external"].detail

@@ -321,6 +321,9 @@ def test_driver_paths_ld_library_path_cache_resolved_dirs_and_devices(tmp_path):
 
 def _gpu_actions(monkeypatch, env):
     # the container's loader cache and GPU devices, as the engine would see them there
+    from helpers import python_outside_usr
+
+    python_outside_usr(monkeypatch)
     monkeypatch.setattr(M, "ldconfig_cache", lambda: LDCONFIG, raising=False)
     monkeypatch.setattr(M, "nvidia_devices", lambda dev="/dev": ["/dev/nvidia0", "/dev/nvidiactl"], raising=False)
     needed = M.needed_paths(None, env)

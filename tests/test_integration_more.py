@@ -23,6 +23,7 @@ from vllm_snapshot.store import manifest as mf
 
 from conftest import ENGINE_ARGS, PLANTED_SECRETS, ROOT, TINY, cli, engine_env
 from test_integration import engine_pids, free_port, port_accepts, post, stop, wait_gone
+from helpers import readable_by_engine
 
 pytestmark = pytest.mark.integration
 
@@ -55,10 +56,11 @@ def test_identity_override_only_for_safe_fields(clone_snapshot):
     assert p.returncode == 2 and "cannot override" in p.stderr
 
 
-def test_changed_model_byte_refused(clone_snapshot, tmp_path):
+def test_changed_model_byte_refused(clone_snapshot, engine_tmp):
     snap = clone_snapshot("model")
-    model = tmp_path / "model-copy"
+    model = engine_tmp / "model-copy"
     shutil.copytree(TINY, model)
+    readable_by_engine(model)  # restore and verify check the engine user can read it (as create does)
     from vllm_snapshot.store import model_digest
 
     m = mf.read(snap)

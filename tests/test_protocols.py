@@ -117,3 +117,28 @@ def test_a_stand_in_with_another_signature_is_refused():
         return None
 
     assert stand_in(frontend.check, ok) is ok
+
+
+def test_the_demo_calls_only_what_the_role_bundle_has():
+    # `make demo` broke when the one seam became a bundle of roles (t.require_root() on Tools):
+    # no test runs the demo command, so its calls on the bundle are checked here
+    import ast
+    import dataclasses
+    import typing
+    from pathlib import Path
+
+    from vllm_snapshot.effects import tools as T
+
+    hints = typing.get_type_hints(T.Tools)
+    fields = {f.name: hints[f.name] for f in dataclasses.fields(T.Tools)}
+    src = Path(T.__file__).resolve().parents[1] / "cli" / "demo.py"
+    used = [(n.value.attr, n.attr) if isinstance(n.value, ast.Attribute) else (n.attr, None)
+            for n in ast.walk(ast.parse(src.read_text()))
+            if isinstance(n, ast.Attribute) and (
+                (isinstance(n.value, ast.Name) and n.value.id == "t" and not isinstance(getattr(n, "ctx", None), ast.Store))
+                or (isinstance(n.value, ast.Attribute) and isinstance(n.value.value, ast.Name) and n.value.value.id == "t"))]
+    assert used, "the demo no longer uses the bundle named t: update this test"
+    for role, method in used:
+        assert role in fields, f"demo.py uses t.{role}: Tools has no such role ({sorted(fields)})"
+        if method is not None:
+            assert hasattr(fields[role], method), f"demo.py uses t.{role}.{method}: {fields[role].__name__} has no such method"

@@ -117,7 +117,7 @@ def run(snap: Path, port: int, skip_cold: bool, as_json: bool) -> DemoReport:
     """Run the demo (see module doc) on the snapshot ``snap``; returns the report (rendered by
     the caller). Raises SnapshotError subclasses on failure."""
     t = local_tools()
-    t.require_root()
+    t.host.require_root()
     rep = make_reporter(as_json)
     snap = snap.absolute()
     with rep.phase("model", "tiny model"):
@@ -158,6 +158,6 @@ def run(snap: Path, port: int, skip_cold: bool, as_json: bool) -> DemoReport:
     finally:
         engine.kill(grace=15)
         engine.close()
-        t.unregister(r.pid)
+        t.runtime.unregister(r.pid)
     return DemoReport(str(snap), r.url, text, dict(m.timings), dict(r.timings), restore_s, cold,
                       m.sizes["raw"], m.sizes["stored"])

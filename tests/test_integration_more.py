@@ -298,6 +298,9 @@ def test_bench_quick_smoke(snapshot, tmp_path):
     assert run["speedup_vs_cold"] == round(res["cold_start_s"] / run["restore_median_s"], 2)
     assert set(run["restores"][0]["phases"]) >= {"validate", "stage", "criu_restore", "oracle", "bind", "canary"}
     assert res["help_s"] > 0 and res["inspect_s"] > 0
+    assert res["cold_start_s"] == min(res["cold_starts_s"].values())
+    assert [row[0] for row in res["targets"]] == [1, 3, 4, 5]  # issue 32's, the big model's 2 aside
+    assert res["targets"][-1][4] is True, res["targets"][-1]  # every verdict before the bind
 
 
 def test_changed_mapped_library_refused_before_criu(clone_snapshot, tmp_path):

@@ -59,8 +59,8 @@ class FakeDriver(cc.Driver):
         self._need("cuCheckpointProcessCheckpoint", pid, "locked")
         self.states[pid] = "checkpointed"
 
-    def restore(self, pid: int) -> None:
-        self.calls.append(("restore", pid))
+    def restore(self, pid: int, pairs=()) -> None:
+        self.calls.append(("restore", pid, tuple(pairs)) if pairs else ("restore", pid))
         self._need("cuCheckpointProcessRestore", pid, "checkpointed")
         self.states[pid] = "locked"
 
@@ -68,6 +68,11 @@ class FakeDriver(cc.Driver):
         self.calls.append(("unlock", pid))
         self._need("cuCheckpointProcessUnlock", pid, "locked")
         self.states[pid] = "running"
+
+    def remap_unavailable(self) -> str | None:
+        return self.no_remap
+
+    no_remap: str | None = None
 
 
 @pytest.fixture
@@ -344,7 +349,18 @@ CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid) { if (!inited)
 CUresult cuCheckpointProcessGetState(int pid, int *st) { if (!inited) return 3; if (!ours(pid)) return 1; *st = get(); return 0; }
 CUresult cuCheckpointProcessLock(int pid, unsigned int *args) { logmsg("lock-timeoutMs", args ? (long)args[0] : -1); return step(pid, 0, 1); }
 CUresult cuCheckpointProcessCheckpoint(int pid, void *args) { logmsg("checkpoint-args", args != 0); return step(pid, 1, 2); }
-CUresult cuCheckpointProcessRestore(int pid, void *args) { logmsg("restore-args", args != 0); return step(pid, 2, 1); }
+/* CUcheckpointRestoreArgs: CUcheckpointGpuPair *gpuPairs; unsigned int gpuPairsCount; ... (cuda.h 13);
+   a pair is two 16-byte CUuuid: logged as "restore-pair OLDHEX=NEWHEX" */
+typedef struct { unsigned char b[16]; } uuid16;
+typedef struct { uuid16 oldUuid, newUuid; } gpupair;
+typedef struct { gpupair *gpuPairs; unsigned int gpuPairsCount; } restoreargs;
+static void hex(FILE *f, const uuid16 *u) { for (int i = 0; i < 16; i++) fprintf(f, "%02x", u->b[i]); }
+CUresult cuCheckpointProcessRestore(int pid, restoreargs *args) {
+  logmsg("restore-args", args != 0);
+  if (args) { FILE *f = fopen(getenv("STUB_LOG"), "a"); if (f) { fprintf(f, "restore-pairs %u\n", args->gpuPairsCount);
+    for (unsigned i = 0; i < args->gpuPairsCount; i++) { fprintf(f, "restore-pair "); hex(f, &args->gpuPairs[i].oldUuid);
+      fprintf(f, "="); hex(f, &args->gpuPairs[i].newUuid); fprintf(f, "\n"); } fclose(f); } }
+  return step(pid, 2, 1); }
 CUresult cuCheckpointProcessUnlock(int pid, void *args) { logmsg("unlock-args", args != 0); return step(pid, 1, 0); }
 CUresult cuGetErrorName(CUresult e, const char **s) { *s = e == 401 ? "CUDA_ERROR_ILLEGAL_STATE" : e == 1 ? "CUDA_ERROR_INVALID_VALUE" : "CUDA_ERROR_UNKNOWN"; return 0; }
 CUresult cuGetErrorString(CUresult e, const char **s) { *s = "stub"; return 0; }
@@ -401,6 +417,165 @@ def test_cuda_driver_over_cuda_bindings_with_stub_libcuda(tmp_path, stub_cuda):
         assert calls[0] == "cuInit 0"
         assert "lock-timeoutMs 10000" in calls
         assert "checkpoint-args 0" in calls and "restore-args 0" in calls
+    finally:
+        target.kill()
+        target.wait()
+
+
+# --- GPU remapping: --device-map / $VLLM_SNAPSHOT_CUDA_DEVICE_MAP -> gpuPairs --------------------
+
+OLD_GPU = "GPU-0c4a1b2e-1111-2222-3333-444455556666"
+NEW_GPU = "GPU-9f8e7d6c-aaaa-bbbb-cccc-ddddeeeeffff"
+
+
+def test_parse_device_map_normalizes_and_keeps_order():
+    assert cc.parse_device_map(f"{OLD_GPU}={NEW_GPU}") == ((OLD_GPU, NEW_GPU),)
+    # without the GPU- prefix, upper case, spaces: the same pairs
+    text = f" {OLD_GPU[4:].upper()} = {NEW_GPU} , {NEW_GPU}={OLD_GPU}"
+    assert cc.parse_device_map(text, recorded=[OLD_GPU, NEW_GPU]) == ((OLD_GPU, NEW_GPU), (NEW_GPU, OLD_GPU))
+    assert cc.format_device_map(cc.parse_device_map(text)) == f"{OLD_GPU}={NEW_GPU},{NEW_GPU}={OLD_GPU}"
+
+
+@pytest.mark.parametrize("text,recorded,says", [
+    ("", (), "empty"),
+    (f"{OLD_GPU}={NEW_GPU},", (), "empty item"),
+    (f"{OLD_GPU}:{NEW_GPU}", (), "has no '='"),
+    (f"{OLD_GPU}=GPU-123", (), "'GPU-123' is not a GPU UUID"),
+    (f"MIG-{OLD_GPU[4:]}={NEW_GPU}", (), "is not a GPU UUID"),
+    (f"{OLD_GPU}={NEW_GPU},{OLD_GPU}={OLD_GPU}", (), "more than once"),
+    (f"{OLD_GPU}={NEW_GPU},{NEW_GPU}={NEW_GPU}", (), "several GPUs onto " + NEW_GPU),
+    (f"{OLD_GPU}={NEW_GPU}", (NEW_GPU,), f"does not map {NEW_GPU}"),
+])
+def test_parse_device_map_refuses_bad_maps(text, recorded, says):
+    with pytest.raises(ValueError, match=re_escape(says)):
+        cc.parse_device_map(text, recorded)
+
+
+def re_escape(s: str) -> str:
+    import re
+
+    return re.escape(s)
+
+
+def _to_checkpointed(drv, proc, capsys):
+    for action in ("lock", "checkpoint"):
+        assert run(["--action", action, "--pid", str(PID)], drv, proc, capsys)[0] == 0
+
+
+def test_restore_passes_the_device_map_to_the_driver(proc, capsys, monkeypatch):
+    monkeypatch.delenv(cc.DEVICE_MAP_ENV, raising=False)
+    drv = FakeDriver()
+    _to_checkpointed(drv, proc, capsys)
+    code, out, err = run(["--action", "restore", "--pid", str(PID), "--device-map", f"{OLD_GPU}={NEW_GPU}"],
+                         drv, proc, capsys)
+    assert (code, out, err) == (0, "", "")
+    assert drv.calls[-1] == ("restore", PID, ((OLD_GPU, NEW_GPU),))
+
+
+def test_restore_takes_the_map_from_the_environment_the_command_line_wins(proc, capsys, monkeypatch):
+    # CRIU 4.2.1's plugin passes no map: vllm-snapshot puts it in CRIU's environment
+    monkeypatch.setenv(cc.DEVICE_MAP_ENV, f"{OLD_GPU}={NEW_GPU}")
+    drv = FakeDriver()
+    _to_checkpointed(drv, proc, capsys)
+    assert run(["--action", "restore", "--pid", str(PID)], drv, proc, capsys)[0] == 0
+    assert drv.calls[-1] == ("restore", PID, ((OLD_GPU, NEW_GPU),))
+    assert run(["--action", "unlock", "--pid", str(PID)], drv, proc, capsys)[0] == 0  # unlock ignores it
+    assert drv.calls[-1] == ("unlock", PID)
+    drv = FakeDriver()
+    _to_checkpointed(drv, proc, capsys)
+    assert run(["--action", "restore", "--pid", str(PID), "--device-map", f"{OLD_GPU}={OLD_GPU}"],
+               drv, proc, capsys)[0] == 0
+    assert drv.calls[-1] == ("restore", PID, ((OLD_GPU, OLD_GPU),))
+
+
+def test_a_bad_or_misplaced_device_map_is_a_usage_error_before_the_driver(proc, capsys, monkeypatch):
+    monkeypatch.setenv(cc.DEVICE_MAP_ENV, "nonsense")
+    drv = FakeDriver({PID: "checkpointed"})
+    code, out, err = run(["--action", "restore", "--pid", str(PID)], drv, proc, capsys)
+    assert code == cc.EXIT_USAGE and f"${cc.DEVICE_MAP_ENV}" in err and "has no '='" in err
+    code, out, err = run(["--action", "lock", "--pid", str(PID), "--device-map", f"{OLD_GPU}={NEW_GPU}"],
+                         drv, proc, capsys)
+    assert code == cc.EXIT_USAGE and "only to --action restore" in err
+    assert drv.calls == [] and drv.states[PID] == "checkpointed"
+
+
+def test_help_names_device_map_only_when_the_driver_can_remap(capsys):
+    drv = FakeDriver()
+    assert cc.main(["-h"], driver=drv) == 0
+    out = capsys.readouterr().out
+    assert cc.REMAP_HELP in out and cc.NO_REMAP_HELP not in out
+    assert "--action" in out.encode()[:2047].decode() and len(out.encode()) < 2047
+    drv.no_remap = "driver API 12080 restores only onto the GPU checkpointed on"
+    assert cc.main(["-h"], driver=drv) == 0
+    out = capsys.readouterr().out
+    assert cc.REMAP_HELP not in out and f"{cc.NO_REMAP_HELP} driver API 12080" in out and "--action" in out
+
+
+def _driver_over(module, version: int) -> cc.CudaDriver:
+    d = cc.CudaDriver.__new__(cc.CudaDriver)  # no cuInit: only the remap decision is under test
+    d._d, d._version = module, version
+    return d
+
+
+def test_cuda_driver_can_remap_only_with_gpu_pairs_and_a_r580_driver():
+    drv = pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed")
+    assert _driver_over(drv, cc.MIN_REMAP_DRIVER_API).remap_unavailable() is None
+    assert "r580" in _driver_over(drv, cc.MIN_REMAP_DRIVER_API - 10).remap_unavailable()
+
+    class OldBindings:  # cuda-bindings before the remap fields
+        class CUcheckpointRestoreArgs:
+            pass
+
+    assert "gpuPairs" in _driver_over(OldBindings, 13000).remap_unavailable()
+    with pytest.raises(cc.DriverError, match="CUDA_ERROR_NOT_SUPPORTED.*gpuPairs"):
+        _driver_over(OldBindings, 13000).restore(PID, ((OLD_GPU, NEW_GPU),))
+
+
+def test_restore_args_are_accepted_by_the_real_cuda_bindings_types():
+    # the types only, no driver call: a misspelt field or a wrong value type fails here
+    drv = pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed")
+    args, keep = cc.restore_args(drv, ((OLD_GPU, NEW_GPU), (NEW_GPU, OLD_GPU)))
+    assert isinstance(args, drv.CUcheckpointRestoreArgs) and args.gpuPairsCount == 2
+    got = [(p.oldUuid.bytes.hex(), p.newUuid.bytes.hex()) for p in args.gpuPairs]
+    hx = lambda u: u.removeprefix("GPU-").replace("-", "")  # noqa: E731
+    assert got == [(hx(OLD_GPU), hx(NEW_GPU)), (hx(NEW_GPU), hx(OLD_GPU))]
+    del keep  # the pairs hold copies: the buffers may go
+    import gc
+
+    gc.collect()
+    assert args.gpuPairs[0].oldUuid.bytes.hex() == hx(OLD_GPU)
+    with pytest.raises(AttributeError):
+        args.gpuPair = []  # what a misspelling does with these types
+
+
+def test_device_map_reaches_the_driver_through_the_real_bindings(tmp_path, stub_cuda):
+    # wrapper -> helper -> cuda-bindings -> (stub) libcuda: the C struct the driver reads
+    target = subprocess.Popen(["sleep", "60"])
+    try:
+        d = cc.helper_dir(tmp_path / "cache")
+        log, state = tmp_path / "stub.log", tmp_path / "stub.state"
+        env = _env_with(d, LD_LIBRARY_PATH=str(stub_cuda), STUB_PID=str(target.pid),
+                        STUB_LOG=str(log), STUB_STATE=str(state))
+
+        def helper(*args: str, **more: str) -> tuple[int, str]:
+            cp = subprocess.run(["cuda-checkpoint", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env={**env, **more}, cwd=tmp_path, timeout=60)
+            return cp.returncode, cp.stdout
+
+        pid = str(target.pid)
+        code, out = helper("-h")
+        assert code == 0 and cc.REMAP_HELP in out  # the stub reports driver API 13000
+        for action in ("lock", "checkpoint"):
+            assert helper("--action", action, "--pid", pid) == (0, "")
+        assert helper("--action", "restore", "--pid", pid, "--device-map", f"{OLD_GPU}={NEW_GPU}") == (0, "")
+        for action in ("unlock", "lock", "checkpoint"):
+            assert helper("--action", action, "--pid", pid) == (0, "")
+        assert helper("--action", "restore", "--pid", pid, **{cc.DEVICE_MAP_ENV: f"{NEW_GPU}={NEW_GPU}"}) == (0, "")
+        lines = log.read_text().splitlines()
+        hx = lambda u: u.removeprefix("GPU-").replace("-", "")  # noqa: E731
+        pairs = [ln for ln in lines if ln.startswith("restore-pair ")]
+        assert pairs == [f"restore-pair {hx(OLD_GPU)}={hx(NEW_GPU)}", f"restore-pair {hx(NEW_GPU)}={hx(NEW_GPU)}"]
+        assert lines.count("restore-pairs 1") == 2 and "restore-args 1" in lines
     finally:
         target.kill()
         target.wait()

@@ -37,6 +37,17 @@ The contract, read from CRIU 4.2.1 ``plugins/cuda/cuda_plugin.c`` (functions nam
   ``criu/include/cr_options.h``) in **milliseconds**. ``--action checkpoint`` (from
   ``cuda_plugin_checkpoint_devices``), ``--action restore`` and ``--action unlock`` (from
   ``resume_device``) never get ``--timeout``. All PIDs are host PIDs (``item->pid->real``).
+* ``--action restore`` may take ``--device-map OLD=NEW[,OLD=NEW...]`` (NVIDIA's cuda-checkpoint
+  r580+ spelling): restore the GPU state checkpointed on GPU ``OLD`` onto GPU ``NEW`` (UUIDs as
+  nvidia-smi prints them, ``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx``). CRIU 4.2.1's plugin
+  passes no map (``--plugin-option cuda.device-map`` is CRIU 4.3), so vllm-snapshot sets
+  :data:`DEVICE_MAP_ENV` in CRIU's environment, which the plugin's ``execvp`` hands to this
+  program; a ``--device-map`` on the command line wins over it, and other actions ignore it.
+  The map becomes ``CUcheckpointRestoreArgs.gpuPairs``/``gpuPairsCount`` (an array of
+  ``CUcheckpointGpuPair{oldUuid, newUuid}``; the driver requires every checkpointed GPU in it).
+  ``-h`` lists ``--device-map`` (:data:`REMAP_HELP`) only when this driver and these bindings
+  can remap (:data:`MIN_REMAP_DRIVER_API`, the ``gpuPairs`` field); vllm-snapshot asks before a
+  restore that needs a remap.
 * Order during ``criu dump``: get-restore-tid, get-state(tid), lock (PAUSE_DEVICES, before the
   freeze); checkpoint (CHECKPOINT_DEVICES, frozen); and on ``--leave-running`` or error,
   restore + unlock (``cuda_plugin_fini`` -> ``resume_device``). During ``criu restore``:
@@ -48,8 +59,13 @@ returns a tuple whose first item is a ``CUresult``): ``cuInit(0) -> (err,)``,
 ``cuCheckpointProcessGetRestoreThreadId(pid) -> (err, tid)``,
 ``cuCheckpointProcessLock(pid, CUcheckpointLockArgs | None) -> (err,)`` (``timeoutMs``:
 milliseconds, 0 = no timeout), ``cuCheckpointProcessCheckpoint(pid, None)``,
-``cuCheckpointProcessRestore(pid, None)``, ``cuCheckpointProcessUnlock(pid, None)`` (``None``
-= default arguments: GPU memory goes to/comes from host memory, no GPU remapping).
+``cuCheckpointProcessRestore(pid, None | CUcheckpointRestoreArgs)``, ``cuCheckpointProcessUnlock(pid,
+None)`` (``None`` = default arguments: GPU memory goes to/comes from host memory, no GPU
+remapping). A remap passes ``CUcheckpointRestoreArgs`` with ``gpuPairs`` = a list of
+``CUcheckpointGpuPair`` and ``gpuPairsCount``; ``CUuuid.bytes`` is read-only in cuda-bindings
+13.5.0, so a ``CUuuid`` is built over 16 bytes of our memory (``CUuuid(address)``) and
+assigning it to a pair copies the bytes (introspected; tests/test_cuda_checkpoint.py checks
+it against the installed bindings).
 ``CUprocessState``: RUNNING 0, LOCKED 1, CHECKPOINTED 2, FAILED 3, CHECKPOINTING 4,
 RESTORING 5. ``cuInit(0)`` is called first: the driver documents that process restore
 "requires persistence mode to be enabled or cuInit to have been called".
@@ -76,6 +92,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import re
 import shlex
 import stat
 import sys
@@ -95,6 +112,16 @@ UNAVAILABLE = f"{PROG}: unavailable:"
 MIN_DRIVER_API = 12080
 #: The NVIDIA driver branch that ships it (``nvidia-smi`` driver_version major).
 MIN_DRIVER_BRANCH = 570
+#: ``cuDriverGetVersion`` of the first driver that restores onto another GPU (``gpuPairs``):
+#: driver r580 (CUDA 13.0), the branch whose cuda-checkpoint offers ``--device-map``.
+MIN_REMAP_DRIVER_API = 13000
+MIN_REMAP_DRIVER_BRANCH = 580
+#: CRIU's environment variable carrying a ``--device-map`` value to ``--action restore``.
+DEVICE_MAP_ENV = "VLLM_SNAPSHOT_CUDA_DEVICE_MAP"
+#: The line of ``-h`` that says this helper can remap GPUs (absent when it cannot).
+REMAP_HELP = "  --device-map OLD=NEW[,...]"
+#: How the line of ``-h`` that says why it cannot starts.
+NO_REMAP_HELP = "GPU remapping (--device-map): not available:"
 #: What identifies this helper's behaviour in a snapshot's host identity. Bump it when the
 #: command-line contract or the driver calls change (not for comments): a snapshot made with
 #: one protocol is restored only by a helper of the same protocol.
@@ -113,7 +140,7 @@ CUDA {MIN_DRIVER_API // 1000}.{MIN_DRIVER_API % 1000 // 10}).
 """
 
 _HELP = f"""\
-usage: {PROG} --action {{lock,checkpoint,restore,unlock}} --pid PID [--timeout MS]
+usage: {PROG} --action {{lock,checkpoint,restore,unlock}} --pid PID [--timeout MS] [--device-map MAP]
        {PROG} --get-state --pid PID
        {PROG} --get-restore-tid --pid PID
 
@@ -122,6 +149,7 @@ CUDA checkpoint/restore of another process (vllm-snapshot, over cuda-bindings).
   --action ACTION    lock | checkpoint | restore | unlock the CUDA state of PID
   --pid PID          host PID (a thread ID is mapped to its process)
   --timeout MS       lock only: give up locking after MS milliseconds (0 = wait forever)
+@REMAP@
   --get-state        print running, locked, checkpointed or failed
   --get-restore-tid  print the TID of PID's CUDA restore thread
   -h, --help         show this help
@@ -152,12 +180,64 @@ class DriverUnavailable(DriverError):
         self.api_missing = api_missing
 
 
+#: One GPU remap: (UUID checkpointed on, UUID to restore onto), each ``GPU-<uuid>`` lower-case.
+GpuPair = tuple[str, str]
+
+_UUID = re.compile(r"^(?:GPU-)?([0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12})$")
+
+
+def normalize_uuid(text: str) -> str:
+    """``GPU-<uuid>`` in lower case for a GPU UUID as nvidia-smi prints it (the ``GPU-`` prefix
+    optional). Pure. Raises ValueError naming the text for anything else (MIG UUIDs included:
+    the driver remaps whole GPUs)."""
+    m = _UUID.match(text.strip())
+    if not m:
+        raise ValueError(f"{text.strip()!r} is not a GPU UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, as "
+                         "`nvidia-smi -L` prints it)")
+    return "GPU-" + m.group(1).lower()
+
+
+def parse_device_map(text: str, recorded: Sequence[str] = ()) -> tuple[GpuPair, ...]:
+    """The pairs of a ``--device-map`` value ``OLD=NEW[,OLD=NEW...]`` (NVIDIA's spelling), in
+    order, UUIDs normalized (:func:`normalize_uuid`). ``recorded``: the GPUs the process was
+    checkpointed on, each of which must be mapped (the driver requires every checkpointed GPU in
+    the array). Pure. Raises ValueError saying what is wrong: an empty map, an item without
+    ``=``, a bad UUID, a GPU mapped twice, two GPUs mapped onto one, a recorded GPU unmapped."""
+    items = [i.strip() for i in text.split(",")]
+    if not text.strip() or not all(items):
+        raise ValueError(f"device map {text!r} is empty or has an empty item; expected OLD=NEW[,OLD=NEW...]")
+    pairs: list[GpuPair] = []
+    for item in items:
+        old, eq, new = item.partition("=")
+        if not eq:
+            raise ValueError(f"device map item {item!r} has no '='; expected OLD=NEW (GPU UUIDs)")
+        pairs.append((normalize_uuid(old), normalize_uuid(new)))
+    olds, news = [o for o, _ in pairs], [n for _, n in pairs]
+    twice = sorted({o for o in olds if olds.count(o) > 1})
+    if twice:
+        raise ValueError(f"device map maps {', '.join(twice)} more than once")
+    shared = sorted({n for n in news if news.count(n) > 1})
+    if shared:
+        raise ValueError(f"device map maps several GPUs onto {', '.join(shared)}; each GPU restores onto its own")
+    missing = [u for u in (normalize_uuid(r) for r in recorded) if u not in olds]
+    if missing:
+        raise ValueError(f"device map {text!r} does not map {', '.join(missing)}, which the process was "
+                         "checkpointed on (the driver needs every checkpointed GPU mapped)")
+    return tuple(pairs)
+
+
+def format_device_map(pairs: Sequence[GpuPair]) -> str:
+    """The ``--device-map`` spelling of ``pairs`` (``OLD=NEW,...``). Pure."""
+    return ",".join(f"{o}={n}" for o, n in pairs)
+
+
 class Driver(Protocol):
     """The six checkpoint operations on another process, by host PID.
 
     Failures raise :class:`DriverError`. ``get_state`` returns the lower-case
     ``CU_PROCESS_STATE_*`` suffix: running, locked, checkpointed, failed, checkpointing or
-    restoring.
+    restoring. ``restore``'s ``pairs`` remap GPUs (:data:`GpuPair`; empty: back onto the GPUs
+    checkpointed on); :meth:`remap_unavailable` says why this driver cannot (None: it can).
     """
 
     def get_state(self, pid: int) -> str: ...
@@ -168,9 +248,11 @@ class Driver(Protocol):
 
     def checkpoint(self, pid: int) -> None: ...
 
-    def restore(self, pid: int) -> None: ...
+    def restore(self, pid: int, pairs: Sequence[GpuPair] = ()) -> None: ...
 
     def unlock(self, pid: int) -> None: ...
+
+    def remap_unavailable(self) -> str | None: ...
 
 
 class CudaDriver(Driver):
@@ -200,6 +282,7 @@ class CudaDriver(Driver):
                 "cuDriverGetVersion", f"driver API {int(version)}",
                 f"the checkpoint API needs {MIN_DRIVER_API} (NVIDIA driver r{MIN_DRIVER_BRANCH}+)"
                 + (f"; cuda-bindings lacks {', '.join(missing)}" if missing else ""), api_missing=True)
+        self._version = int(version)
 
     def _err_name(self, err) -> str:
         try:
@@ -249,11 +332,60 @@ class CudaDriver(Driver):
     def checkpoint(self, pid: int) -> None:
         self._call("cuCheckpointProcessCheckpoint", pid, None)
 
-    def restore(self, pid: int) -> None:
-        self._call("cuCheckpointProcessRestore", pid, None)
+    def restore(self, pid: int, pairs: Sequence[GpuPair] = ()) -> None:
+        if not pairs:
+            self._call("cuCheckpointProcessRestore", pid, None)
+            return
+        why = self.remap_unavailable()
+        if why:
+            raise DriverError("cuCheckpointProcessRestore", "CUDA_ERROR_NOT_SUPPORTED", f"GPU remapping: {why}")
+        args, _keep = restore_args(self._d, pairs)
+        self._call("cuCheckpointProcessRestore", pid, args)
+
+    def remap_unavailable(self) -> str | None:
+        d = self._d
+        if not (hasattr(d, "CUcheckpointGpuPair") and hasattr(d, "CUuuid")
+                and hasattr(d, "CUcheckpointRestoreArgs") and hasattr(d.CUcheckpointRestoreArgs(), "gpuPairs")):
+            return "these cuda-bindings have no CUcheckpointRestoreArgs.gpuPairs (install cuda-bindings 13)"
+        if self._version < MIN_REMAP_DRIVER_API:
+            return (f"driver API {self._version} restores only onto the GPU checkpointed on; remapping needs "
+                    f"{MIN_REMAP_DRIVER_API} (NVIDIA driver r{MIN_REMAP_DRIVER_BRANCH}+)")
+        return None
 
     def unlock(self, pid: int) -> None:
         self._call("cuCheckpointProcessUnlock", pid, None)
+
+
+def restore_args(driver, pairs: Sequence[GpuPair]) -> tuple[object, list]:
+    """``(CUcheckpointRestoreArgs, buffers)`` of ``driver`` (the ``cuda.bindings.driver``
+    module, or a fake with the same types) remapping ``pairs``: ``gpuPairs`` a list of
+    ``CUcheckpointGpuPair`` (``oldUuid``/``newUuid`` set from the UUIDs' 16 bytes, in the order
+    nvidia-smi prints them), ``gpuPairsCount`` their number. ``buffers``: the memory the
+    ``CUuuid`` objects were built over; keep it alive until the call returned (assigning a
+    ``CUuuid`` to a pair copies it, but nothing is lost by keeping it). Raises ValueError for a
+    bad UUID, AttributeError when the bindings lack a field (a misspelt name fails here)."""
+    import ctypes
+    import uuid as uuidlib
+
+    keep: list = []
+
+    def cu_uuid(text: str):
+        raw = uuidlib.UUID(normalize_uuid(text).removeprefix("GPU-")).bytes
+        buf = ctypes.create_string_buffer(raw, 16)
+        keep.append(buf)
+        return driver.CUuuid(ctypes.addressof(buf))
+
+    items = []
+    for old, new in pairs:
+        pair = driver.CUcheckpointGpuPair()
+        pair.oldUuid = cu_uuid(old)
+        pair.newUuid = cu_uuid(new)
+        items.append(pair)
+    keep.extend(items)
+    args = driver.CUcheckpointRestoreArgs()
+    args.gpuPairs = items
+    args.gpuPairsCount = len(items)
+    return args, keep
 
 
 _API = ("cuCheckpointProcessGetState", "cuCheckpointProcessGetRestoreThreadId", "cuCheckpointProcessLock",
@@ -283,7 +415,7 @@ def resolve_pid(n: int, proc_root: str | os.PathLike = "/proc") -> int:
 
 class _Parser(argparse.ArgumentParser):
     def format_help(self) -> str:
-        return _HELP
+        return _HELP.replace("@REMAP@\n", "")
 
     def format_usage(self) -> str:
         return _HELP.split("\n\n", 1)[0] + "\n"
@@ -297,7 +429,17 @@ def _parser() -> argparse.ArgumentParser:
     what.add_argument("--get-restore-tid", action="store_true")
     p.add_argument("--pid", type=int, required=True)
     p.add_argument("--timeout", type=int, default=None, metavar="MS")
+    p.add_argument("--device-map", default=None, metavar="MAP")
     return p
+
+
+def _help(driver: Driver) -> str:
+    """The full help, with :data:`REMAP_HELP` when ``driver`` can remap GPUs, else the line
+    saying why not (:data:`NO_REMAP_HELP`)."""
+    why = driver.remap_unavailable()
+    line = (REMAP_HELP + "  restore only: restore onto other GPUs (GPU UUIDs; $" + DEVICE_MAP_ENV + ")"
+            if why is None else f"  ({NO_REMAP_HELP} {why})")
+    return _HELP.replace("@REMAP@", line)
 
 
 def main(argv: Sequence[str] | None = None, driver: Driver | None = None, *,
@@ -318,13 +460,13 @@ def main(argv: Sequence[str] | None = None, driver: Driver | None = None, *,
 
     if "-h" in args or "--help" in args:
         try:
-            _ = driver if driver is not None else probe()
+            drv = driver if driver is not None else probe()
         except DriverUnavailable as e:
             if e.api_missing:
                 print(_HELP_NO_API.format(why=e), end="", flush=True)
                 return EXIT_OK
             return fail(f"unavailable: {e}", EXIT_UNAVAILABLE)
-        print(_HELP, end="", flush=True)
+        print(_help(drv), end="", flush=True)
         return EXIT_OK
     parser = _parser()
     try:
@@ -339,6 +481,17 @@ def main(argv: Sequence[str] | None = None, driver: Driver | None = None, *,
             return fail("--timeout applies only to --action lock", EXIT_USAGE)
         if not 0 <= ns.timeout <= MAX_TIMEOUT_MS:
             return fail(f"--timeout must be 0..{MAX_TIMEOUT_MS} milliseconds, got {ns.timeout}", EXIT_USAGE)
+    if ns.device_map is not None and ns.action != "restore":
+        return fail("--device-map applies only to --action restore", EXIT_USAGE)
+    pairs: tuple[GpuPair, ...] = ()
+    if ns.action == "restore":
+        text, where = ((ns.device_map, "--device-map") if ns.device_map is not None
+                       else (os.environ.get(DEVICE_MAP_ENV), f"${DEVICE_MAP_ENV}"))
+        if text is not None:
+            try:
+                pairs = parse_device_map(text)
+            except ValueError as e:
+                return fail(f"{where}: {e}", EXIT_USAGE)
     what = f"--action {ns.action}" if ns.action else ("--get-state" if ns.get_state else "--get-restore-tid")
     try:
         pid = resolve_pid(ns.pid, proc_root)
@@ -355,6 +508,8 @@ def main(argv: Sequence[str] | None = None, driver: Driver | None = None, *,
             print(drv.get_restore_tid(pid), flush=True)
         elif ns.action == "lock":
             drv.lock(pid, ns.timeout or 0)
+        elif ns.action == "restore":
+            drv.restore(pid, pairs)
         else:
             getattr(drv, ns.action)(pid)
     except DriverUnavailable as e:

@@ -17,7 +17,7 @@ from typing import Callable
 from vllm_snapshot.store import manifest as mf
 from vllm_snapshot.checkpoint.criu import DumpOptions, RestoreOptions
 from vllm_snapshot.host.cgroups import Placement
-from vllm_snapshot.checkpoint.gpu import GpuUse
+from vllm_snapshot.checkpoint.gpu import GpuSlot, GpuUse
 from vllm_snapshot.checkpoint.inventory import Inventory
 from vllm_snapshot.checkpoint.carry import Plan as CarryPlan
 from vllm_snapshot.store.manifest import CarriedDir, CarriedFile, CodeIdentity, EngineUser, ExternalMount, ImageFile, Manifest, ModelFile
@@ -157,6 +157,12 @@ class FakeWorld:
         self.missing_caps: list[int] = []  # what caps_missing finds
         self.restored_tree: list[str] | None = None
         self.uuids: list[str] = ["GPU-fake-0"]
+        #: this host's GPUs (gpu_slots); None: one "Fake GPU" per ``uuids``, minors 0, 1, ...
+        self.slots: list[GpuSlot] | None = None
+        #: raised by restore_tree when asked to remap GPUs (the helper cannot remap)
+        self.remap_refusal: BaseException | None = None
+        self.restore_gpu_map: tuple = ()
+        self.capacity_uuid: str | None = None
         self.model_files: tuple[ModelFile, ...] | None = None
         self.refusals: dict[str, dict] = {}
         #: str(snapshot) -> its pull record (``pulled_from``): a snapshot pulled from a registry
@@ -257,6 +263,11 @@ class FakeHostTools(_Role, HostTools):
 
     def gpu_uuids(self) -> list[str]:
         return list(self.w.uuids)
+
+    def gpu_slots(self) -> list[GpuSlot]:
+        if self.w.slots is not None:
+            return list(self.w.slots)
+        return [GpuSlot(u, "Fake GPU", i) for i, u in enumerate(self.w.uuids)]
 
     def engine_device(self) -> str:
         return self.w.device
@@ -436,7 +447,7 @@ class FakeCheckpointTools(_Role, CheckpointTools):
 
     def gpu_used(self, inv: Inventory) -> GpuUse:
         self.w._call("gpu_used")
-        return GpuUse("GPU-fake-0", (2,))  # the tree's second process (namespace PID 2) has CUDA
+        return GpuUse("GPU-fake-0", (2,), 0, "Fake GPU")  # the tree's second process (namespace PID 2) has CUDA
 
     def check_dump_room(self, inv: Inventory, gpu_uuid: str, work_dir: Path) -> None:
         self.w._call("check_dump_room")
@@ -492,13 +503,18 @@ class FakeCheckpointTools(_Role, CheckpointTools):
                 self.w.calls.append("gpu_unlock")
         return held()
 
-    def check_gpu_capacity(self, m: Manifest) -> None:
+    def check_gpu_capacity(self, m: Manifest, uuid: str) -> None:
+        self.w.capacity_uuid = uuid
         self.w._call("check_gpu_capacity")
 
     def restore_tree(self, kind: str, opts: RestoreOptions, stage: Path,
-                     before_memory: Callable[[], None] | None = None, cuda_pids: tuple[int, ...] = ()) -> int:
+                     before_memory: Callable[[], None] | None = None, cuda_pids: tuple[int, ...] = (),
+                     gpu_map: tuple[tuple[str, str], ...] = ()) -> int:
         self.w.restore_opts = opts
         self.w.restore_cuda_pids = cuda_pids
+        self.w.restore_gpu_map = gpu_map
+        if gpu_map and self.w.remap_refusal is not None:
+            raise self.w.remap_refusal
         self.w._call("restore_tree")
         if before_memory is not None:
             before_memory()

@@ -60,7 +60,7 @@ def test_switch_rolls_back_when_the_new_engine_fails_and_says_so():
     t.entries = [_old()]
     tries = []
 
-    def restore_tree(kind, opts, stage, before_memory=None, cuda_pids=()):
+    def restore_tree(kind, opts, stage, before_memory=None, cuda_pids=(), gpu_map=()):
         tries.append(opts)
         t.calls.append("restore_tree")
         if len(tries) == 1:

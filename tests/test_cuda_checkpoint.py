@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from conftest import skip_on_gpu_host
 from vllm_snapshot.checkpoint import cuda_checkpoint as cc
 from vllm_snapshot.errors import EnvironmentProblem
 
+GpuPair = cc.GpuPair
 PID, TID, OTHER = 4242, 4250, 5000  # a CUDA process, its restore thread, a process without CUDA
 
 
@@ -59,7 +61,7 @@ class FakeDriver(cc.Driver):
         self._need("cuCheckpointProcessCheckpoint", pid, "locked")
         self.states[pid] = "checkpointed"
 
-    def restore(self, pid: int, pairs=()) -> None:
+    def restore(self, pid: int, pairs: Sequence[GpuPair] = ()) -> None:
         self.calls.append(("restore", pid, tuple(pairs)) if pairs else ("restore", pid))
         self._need("cuCheckpointProcessRestore", pid, "checkpointed")
         self.states[pid] = "locked"

@@ -56,7 +56,12 @@ class _Host(LocalHostTools):
         return dict(self.ident)
 
     def gpu_uuids(self):
-        return []
+        return [s.uuid for s in self.slots]
+
+    slots: list = []  # this node's GPUs (GpuSlot): none unless a test gives some
+
+    def gpu_slots(self):
+        return list(self.slots)
 
     def user_problems(self, u):
         return []
@@ -313,3 +318,37 @@ def test_restore_image_pulls_once_then_uses_the_store_and_refuses_a_name_holding
     (first / PULLED).write_text(json.dumps({"image": "elsewhere", "digest": "sha256:" + "1" * 64}))
     with pytest.raises(UsageError, match="was not pulled from"):
         fleet.ensure_pulled(req, Reporter(), Tools())
+
+
+def test_a_node_fits_a_cuda_image_by_the_gpu_model_at_the_recorded_minor_not_by_its_uuid(model):
+    """The GPU's UUID pins one machine: another node of the class has the same model at the same
+    device minor under another UUID, and the restore remaps onto it; pull refuses (before any
+    blob) a node whose GPU at that minor is another model, or that has none there."""
+    from vllm_snapshot.checkpoint.gpu import GpuSlot
+    from vllm_snapshot.store.snapkey import model_part
+
+    files = model_digest.digest_dir(model)
+    f = manifest_fields(host={**HOST, "gpu_name": "NVIDIA H200", "gpu_driver": "580.95.05",
+                              "gpu_uuid_used": "GPU-0c4a1b2e-1111-2222-3333-444455556666",
+                              "gpu_minor_used": "0", "gpu_name_used": "NVIDIA H200"})
+    f["engine"] = f["engine"].model_copy(update={"kind": "cuda"})
+    f["model"] = manifest.ModelIdentity(requested=str(model), path=str(model), served_name="tiny", files=files,
+                                        total_bytes=sum(x.size for x in files))
+    m = manifest.seal(manifest.Manifest(**f))
+    ann = oci.annotations(m, model_part(files))
+    assert ann[oci.A_MACHINE + "gpu_uuid_used"] == "GPU-0c4a1b2e-1111-2222-3333-444455556666"
+    assert ann[oci.A_MACHINE + "gpu_minor_used"] == "0" and ann[oci.A_MACHINE + "gpu_name_used"] == "NVIDIA H200"
+    assert ann[oci.A_CLASS + "gpu_name"] == "NVIDIA H200" and not any(k.startswith(oci.A_CLASS + "gpu_uuid") for k in ann)
+    facts = oci.facts(ann, "IMG")
+    node = {**HOST, "machine_id": "b" * 32, "hostname": "node-b", "gpu_name": "NVIDIA H200", "gpu_driver": "580.95.05"}
+    t = Tools(node)
+    t.host.slots = [GpuSlot("GPU-9f8e7d6c-aaaa-bbbb-cccc-ddddeeeeffff", "NVIDIA H200", 0)]
+    fleet.compatibility(facts, t, "IMG")  # fits: the restore remaps onto node-b's GPU
+    for slots, says in (([GpuSlot("GPU-9f8e7d6c-aaaa-bbbb-cccc-ddddeeeeffff", "NVIDIA H100", 0)],
+                         "/dev/nvidia0 here is a NVIDIA H100"),
+                        ([GpuSlot("GPU-9f8e7d6c-aaaa-bbbb-cccc-ddddeeeeffff", "NVIDIA H200", 1)],
+                         "needs a NVIDIA H200 at /dev/nvidia0")):
+        t.host.slots = slots
+        with pytest.raises(IncompatibleHostError, match="does not fit this node") as ei:
+            fleet.compatibility(facts, t, "IMG")
+        assert says in ei.value.message and "GPU-0c4a1b2e-1111-2222-3333-444455556666" in ei.value.message

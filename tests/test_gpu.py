@@ -338,11 +338,13 @@ def test_capacity_check_reads_the_utilization_the_engine_parsed_abbreviations_in
                          normalized_args={"gpu_memory_utilization": "0.5"})
     m = make_manifest(engine=base.engine.model_copy(update={"kind": "cuda", "engine_args": ("--gpu-mem", "0.5")}),
                       host={**HOST, "gpu_uuid_used": "GPU-a"}, key=key)
-    monkeypatch.setattr(gpu, "memory", lambda uuid: (100 * GIB, 60 * GIB, 40 * GIB))  # 60 % free
-    local_tools().checkpoint.check_gpu_capacity(m)  # needs 50 GiB: fits
+    asked = []
+    monkeypatch.setattr(gpu, "memory", lambda uuid: asked.append(uuid) or (100 * GIB, 60 * GIB, 40 * GIB))  # 60 % free
+    local_tools().checkpoint.check_gpu_capacity(m, "GPU-b")  # needs 50 GiB: fits
+    assert asked == ["GPU-b"]  # the GPU the state goes onto (remapped), not the recorded one
     tight = m.model_copy(update={"key": key.model_copy(update={"normalized_args": {"gpu_memory_utilization": "0.7"}})})
     with pytest.raises(BusyError, match=r"needs 70\.00 GiB"):
-        local_tools().checkpoint.check_gpu_capacity(tight)
+        local_tools().checkpoint.check_gpu_capacity(tight, "GPU-a")
     # snapshots made before keys existed: the abbreviation in the recorded args
     assert gpu.gpu_memory_utilization(["--gpu-mem", "0.5"]) == 0.5
     assert gpu.gpu_memory_utilization(["--gpu_memory_utilization=0.25"]) == 0.25
@@ -437,6 +439,8 @@ def _local_gpu_tools(monkeypatch, cuda: set[int]):
     monkeypatch.setattr(CriuRunners, "helper", staticmethod(helper))
     monkeypatch.setattr(gpu, "compute_apps", lambda: [(101, "GPU-3")])
     monkeypatch.setattr(gpu, "uuids_by_minor", lambda: {i: f"GPU-{i}" for i in range(8)})
+    monkeypatch.setattr(gpu, "query", lambda: [gpu.GpuInfo("580.95.05", "NVIDIA H100 80GB HBM3", f"GPU-{i}", 0, 0)
+                                               for i in range(8)])
     monkeypatch.setattr(procs, "ns_pid", lambda pid: pid - 99)
     return local_tools().checkpoint, asked
 
@@ -456,7 +460,10 @@ def test_create_refuses_a_process_holding_nvidia_files_without_a_cuda_context(mo
 def test_create_picks_the_gpu_of_the_cuda_context_and_records_its_processes(monkeypatch):
     inv = type("Inv", (_Inv,), {"cuda_pids": (101,)})()
     t, _ = _local_gpu_tools(monkeypatch, cuda={101})
-    assert t.gpu_used(inv) == gpu.GpuUse("GPU-3", (2,))  # not "uses 8 GPUs"; namespace PID 2
+    # not "uses 8 GPUs"; namespace PID 2; its minor and model recorded for a restore elsewhere
+    assert t.gpu_used(inv) == gpu.GpuUse("GPU-3", (2,), 3, "NVIDIA H100 80GB HBM3")
+    assert t.gpu_used(inv).host_fields() == {"gpu_uuid_used": "GPU-3", "gpu_minor_used": "3",
+                                             "gpu_name_used": "NVIDIA H100 80GB HBM3"}
 
 
 def test_restore_probes_only_the_recorded_cuda_processes(monkeypatch, tmp_path):
@@ -491,3 +498,111 @@ def test_restore_probes_only_the_recorded_cuda_processes(monkeypatch, tmp_path):
         t.restore_tree("cuda", None, tmp_path, cuda_pids=(2,))
     with pytest.raises(CriuError, match="1 of its processes have CUDA state where the dump had 2"):
         gpu.check_restored([(101, "running")], expected=2)
+
+
+# ---- GPU placement: a CUDA snapshot restores onto another GPU of its model (issue 31) --------
+
+REC = {"gpu_uuid_used": "GPU-0c4a1b2e-1111-2222-3333-444455556666", "gpu_minor_used": "1",
+       "gpu_name_used": "NVIDIA H200"}
+OTHER = "GPU-9f8e7d6c-aaaa-bbbb-cccc-ddddeeeeffff"
+
+
+def test_place_prefers_the_recorded_gpu_then_the_same_model_at_the_same_minor():
+    S = gpu.GpuSlot
+    assert gpu.place({"kernel": "6.18"}, [S(OTHER, "NVIDIA H200", 0)]) is None  # a CPU snapshot
+    here = [S(OTHER, "NVIDIA H200", 0), S(REC["gpu_uuid_used"], "NVIDIA H200", 3)]
+    p = gpu.place(REC, here)  # its own GPU, even at another minor: as before, no map
+    assert (p.target, p.remapped, p.pairs, p.minor) == (REC["gpu_uuid_used"], False, (), 3)
+    assert p.describe() == f"GPU {REC['gpu_uuid_used']}"
+    p = gpu.place(REC, [S(OTHER, "NVIDIA H200", 0), S("GPU-1" + OTHER[5:], "NVIDIA H200", 1)])
+    assert p.target == "GPU-1" + OTHER[5:] and p.minor == 1 and p.remapped
+    assert p.pairs == ((REC["gpu_uuid_used"], "GPU-1" + OTHER[5:]),)
+    assert p.describe() == f"GPU GPU-1{OTHER[5:]} (recorded {REC['gpu_uuid_used']})"
+
+
+@pytest.mark.parametrize("recorded,here,says", [
+    (REC, [gpu.GpuSlot(OTHER, "NVIDIA H200", 0)], "needs a NVIDIA H200 at /dev/nvidia1"),
+    (REC, [gpu.GpuSlot(OTHER, "NVIDIA H100 80GB HBM3", 1)], "/dev/nvidia1 here is a NVIDIA H100 80GB HBM3"),
+    (REC, [], "GPUs here: none"),
+    ({"gpu_uuid_used": REC["gpu_uuid_used"]}, [gpu.GpuSlot(OTHER, "NVIDIA H200", 1)], "made before GPU remapping"),
+    ({**REC, "gpu_uuid_used": "MIG-0c4a1b2e-1111-2222-3333-444455556666"}, [gpu.GpuSlot(OTHER, "NVIDIA H200", 1)],
+     "MIG instance"),
+])
+def test_place_refuses_naming_the_recorded_gpu_and_the_gpus_here(recorded, here, says):
+    from vllm_snapshot.errors import IncompatibleHostError
+
+    with pytest.raises(IncompatibleHostError) as ei:
+        gpu.place(recorded, here)
+    msg = ei.value.message
+    assert says in msg and recorded["gpu_uuid_used"] in msg and "which this host does not have" in msg
+    assert all(s.uuid in msg for s in here) and ei.value.hint
+
+
+def test_the_gpu_used_is_not_compared_as_identity_nor_part_of_the_key():
+    from vllm_snapshot.store import snapkey
+
+    base = {"kernel": "6.18.0", "gpu_name": "NVIDIA H200", "gpu_driver": "580.95.05"}
+    assert identity.compare({**base, **REC}, dict(base)) == []
+    assert snapkey.host_part({**base, **REC}) == snapkey.host_part(base)
+
+
+def test_gpu_slots_join_the_proc_minors_with_nvidia_smi_names(tmp_path):
+    for bus, minor, uuid in (("0000:01:00.0", 0, OTHER), ("0000:02:00.0", 1, REC["gpu_uuid_used"])):
+        (tmp_path / bus).mkdir()
+        (tmp_path / bus / "information").write_text(f"Model: \t NVIDIA H200\nDevice Minor: \t {minor}\n"
+                                                     f"GPU UUID: \t {uuid}\n")
+    out = f"580.95.05, NVIDIA H200, {REC['gpu_uuid_used']}, 1, 2\n580.95.05, NVIDIA H200, {OTHER}, 1, 2\n"
+    runner = FakeRunner(out)
+    got = gpu.slots(runner, which=lambda n: "/x/nvidia-smi", proc_gpus=str(tmp_path))
+    assert got == [gpu.GpuSlot(OTHER, "NVIDIA H200", 0), gpu.GpuSlot(REC["gpu_uuid_used"], "NVIDIA H200", 1)]
+    assert gpu.slots(runner, proc_gpus=str(tmp_path / "none")) == []
+
+
+def test_check_remap_usable_reads_the_helpers_help():
+    from vllm_snapshot.checkpoint import cuda_checkpoint as cc
+
+    gpu.check_remap_usable(0, f"usage: ... --action ...\n{cc.REMAP_HELP}  restore only\n")
+    with pytest.raises(EnvironmentProblem, match="driver API 12080 restores only") as ei:
+        gpu.check_remap_usable(0, f"usage: --action\n  ({cc.NO_REMAP_HELP} driver API 12080 restores only onto it)\n")
+    assert "r580" in ei.value.hint
+    with pytest.raises(EnvironmentProblem, match="VLLM_SNAPSHOT_CUDA_CHECKPOINT=/opt/cuda-checkpoint"):
+        gpu.check_remap_usable(0, cc.REMAP_HELP, "/opt/cuda-checkpoint")
+
+
+def test_cuda_restore_hands_the_device_map_to_criu_and_checks_the_helper_takes_it(monkeypatch, tmp_path):
+    """The map reaches our helper through CRIU's environment (CRIU 4.2.1's plugin passes none);
+    a helper whose -h does not offer --device-map refuses before CRIU."""
+    from vllm_snapshot.checkpoint import criu
+    from vllm_snapshot.checkpoint import cuda_checkpoint as cc
+    from vllm_snapshot.host import procs
+
+    t, asked = _local_gpu_tools(monkeypatch, cuda={101})
+    runner = _Runner()
+    monkeypatch.setattr(type(t.criu), "runner", lambda self, kind: runner)
+    monkeypatch.setattr(criu, "check_cuda_run", lambda log, what: None)
+    monkeypatch.setattr(procs, "tree", lambda pid: [type("P", (), {"pid": p})() for p in (4242, 101)])
+    monkeypatch.delenv("VLLM_SNAPSHOT_CUDA_CHECKPOINT", raising=False)
+    help_text = ["usage: cuda-checkpoint --action ...\n  (" + cc.NO_REMAP_HELP + " driver API 12080 restores only)\n"]
+    envs = []
+
+    def helper(env):
+        def run(args):
+            envs.append(dict(env))
+            if args == ["-h"]:
+                return 0, help_text[0]
+            return (0, "101\n") if args[0] == "--get-restore-tid" else (0, "running\n")
+        return run
+
+    monkeypatch.setattr(type(t.criu), "helper", staticmethod(helper))
+    pairs = ((REC["gpu_uuid_used"], OTHER),)
+    with pytest.raises(EnvironmentProblem, match="needs a driver that remaps GPUs, and this one cannot: .*driver API 12080"):
+        t.restore_tree("cuda", None, tmp_path, cuda_pids=(2,), gpu_map=pairs)
+    assert not runner.restored
+    help_text[0] = "usage: cuda-checkpoint --action ...\n" + cc.REMAP_HELP + "  restore only\n"
+    assert t.restore_tree("cuda", None, tmp_path, cuda_pids=(2,), gpu_map=pairs) == 4242 and runner.restored
+    assert runner.env[cc.DEVICE_MAP_ENV] == f"{REC['gpu_uuid_used']}={OTHER}"
+    assert envs[-1][cc.DEVICE_MAP_ENV] == runner.env[cc.DEVICE_MAP_ENV]
+    fresh = _Runner()  # no map: nothing set, and a helper without remapping is fine
+    monkeypatch.setattr(type(t.criu), "runner", lambda self, kind: fresh)
+    help_text[0] = "usage: cuda-checkpoint --action ...\n"
+    assert t.restore_tree("cuda", None, tmp_path, cuda_pids=(2,)) == 4242 and cc.DEVICE_MAP_ENV not in fresh.env

@@ -47,12 +47,12 @@ class FakeGpuCheckpoint(LocalCheckpointTools):
         from vllm_snapshot.host.procs import ns_pid
 
         cuda, _ = gpu.cuda_processes(inv.pids, self.criu.helper(self.criu.runner("cuda").env))
-        return gpu.GpuUse("GPU-fake-0000", tuple(sorted(ns_pid(p) for p in cuda)))
+        return gpu.GpuUse("GPU-fake-0000", tuple(sorted(ns_pid(p) for p in cuda)), 0, "Fake GPU")
 
     def check_dump_room(self, inv, gpu_uuid, work_dir):  # no nvidia-smi here: the fake holds no GPU memory
         pass
 
-    def check_gpu_capacity(self, m):  # no nvidia-smi here
+    def check_gpu_capacity(self, m, uuid):  # no nvidia-smi here
         pass
 
 
@@ -61,6 +61,11 @@ class FakeGpuHost(LocalHostTools):
 
     def gpu_uuids(self):
         return ["GPU-fake-0000"]
+
+    def gpu_slots(self):
+        from vllm_snapshot.checkpoint.gpu import GpuSlot
+
+        return [GpuSlot("GPU-fake-0000", "Fake GPU", 0)]
 
 
 FAKECUDA = Path(__file__).resolve().parent / "fakecuda"

@@ -503,20 +503,50 @@ def test_hf_id_is_served_by_its_id_and_its_revision_recorded():
     assert "served_model_name" not in t2.launch_spec  # an explicit name wins
 
 
-def test_cuda_create_records_the_gpu_used_and_restore_needs_it_here():
+def test_cuda_create_records_the_gpu_used_and_restore_places_the_state_by_it():
+    from vllm_snapshot.checkpoint.gpu import GpuSlot
     from vllm_snapshot.errors import UnsnapshottableError
 
     t = FakeWorld(kind="cuda")
     m = _create(t).manifest
     assert m.host["gpu_uuid_used"] == "GPU-fake-0" and m.criu.cuda_pids == (2,)
+    assert m.host["gpu_minor_used"] == "0" and m.host["gpu_name_used"] == "Fake GPU"
     ok = FakeWorld(manifest=m)
-    _restore(ok)
+    r, _ = _restore(ok)
     assert ok.restore_cuda_pids == (2,)  # restore probes the recorded CUDA processes only
-    gone = FakeWorld(manifest=m)
+    assert ok.restore_gpu_map == () and ok.capacity_uuid == "GPU-fake-0" and r.gpu == "GPU GPU-fake-0"
+    # another GPU of the same model at the same minor (a node of the same class): remapped onto it
+    moved = FakeWorld(manifest=m)
+    moved.slots = [GpuSlot("GPU-other", "Fake GPU", 0), GpuSlot("GPU-fake-1", "Fake GPU", 1)]
+    r, _ = _restore(moved)
+    assert moved.restore_gpu_map == (("GPU-fake-0", "GPU-other"),)
+    assert "gpu_lock:GPU-other" in moved.calls and moved.capacity_uuid == "GPU-other"
+    assert r.gpu == "GPU GPU-other (recorded GPU-fake-0)" and r.to_json()["gpu"] == r.gpu
+    # no GPU of that model at that minor: refused before anything is staged, naming what is here
+    for slots, says in (([GpuSlot("GPU-other", "Other GPU", 0)], "/dev/nvidia0 here is a Other GPU"),
+                        ([GpuSlot("GPU-other", "Fake GPU", 1)], "needs a Fake GPU at /dev/nvidia0")):
+        gone = FakeWorld(manifest=m)
+        gone.slots = slots
+        with pytest.raises(IncompatibleHostError, match="used GPU GPU-fake-0, which this host does not have") as ei:
+            _restore(gone)
+        assert says in ei.value.message and "GPU-other" in ei.value.message
+        assert "stage_checking" not in gone.calls and "restore_tree" not in gone.calls
+    # the helper cannot remap (driver before r580): refused before CRIU, nothing served
+    from vllm_snapshot.errors import EnvironmentProblem
+
+    old = FakeWorld(manifest=m)
+    old.uuids = ["GPU-other"]
+    old.remap_refusal = EnvironmentProblem("restoring onto another GPU needs a driver that remaps GPUs")
+    with pytest.raises(EnvironmentProblem, match="remaps GPUs"):
+        _restore(old)
+    assert "engine.serve" not in old.calls and "gpu_unlock" in old.calls
+    # a snapshot made before the minor and model were recorded: only onto its own GPU
+    legacy = make_manifest(engine=m.engine, host={k: v for k, v in m.host.items()
+                                                  if k not in ("gpu_minor_used", "gpu_name_used")})
+    gone = FakeWorld(manifest=legacy)
     gone.uuids = ["GPU-other"]
-    with pytest.raises(IncompatibleHostError, match="gpu_uuid_used"):
+    with pytest.raises(IncompatibleHostError, match="made before GPU remapping"):
         _restore(gone)
-    assert "restore_tree" not in gone.calls
     nogpu = FakeWorld(kind="cuda", fail={"gpu_used": UnsnapshottableError("no process of its tree has a /dev/nvidia*")})
     with pytest.raises(UnsnapshottableError):
         _create(nogpu)

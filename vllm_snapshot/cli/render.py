@@ -86,7 +86,8 @@ def _created(r: R.Created, quiet: bool) -> None:
 def _inspected(r: R.Inspected, quiet: bool) -> None:
     manifest_table(r.manifest, r.snapshot)
     b = r.built
-    _line(f"built on: machine {b['machine_id'] or '(not recorded)'}, host {b['hostname'] or '(not recorded)'}")
+    _line(f"built on: machine {b['machine_id'] or '(not recorded)'}, host {b['hostname'] or '(not recorded)'}"
+          + (f", GPU {b['gpu']}" if b.get("gpu") else ""))
     p = r.pulled
     if p is not None:
         signed = f", signature verified by key {p['verified_by']}" if p.get("verified_by") else ", signature not checked"
@@ -125,7 +126,8 @@ def _verified(r: R.Verified, quiet: bool) -> None:
 
 def _restored(r: R.Restored, quiet: bool) -> None:
     if not quiet:
-        sys.stderr.write(f"[vllm-snapshot] serving {r.served_name} at {r.url} (engine PID {r.pid}); "
+        sys.stderr.write(f"[vllm-snapshot] serving {r.served_name} at {r.url} (engine PID {r.pid}"
+                         + (f", restored on {r.gpu}" if r.gpu else "") + "); "
                          f"restore took {sum(r.timings.values()):.2f} s"
                          + (f"; {', '.join(r.frontend)}" if r.frontend else "") + "\n")
         sys.stderr.flush()

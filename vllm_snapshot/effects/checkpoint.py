@@ -66,12 +66,17 @@ class CriuRunners:
             return p.returncode, p.stdout
         return run
 
-    def cuda_preflight(self, env: dict[str, str]) -> None:
+    def cuda_preflight(self, env: dict[str, str], remap: bool = False) -> None:
         """The test CRIU's plugin makes at init, with the PATH CRIU will get
-        (:func:`vllm_snapshot.checkpoint.gpu.check_helper_usable`). Raises EnvironmentProblem."""
+        (:func:`vllm_snapshot.checkpoint.gpu.check_helper_usable`); ``remap``: also that it takes
+        a device map (:func:`vllm_snapshot.checkpoint.gpu.check_remap_usable`). Raises
+        EnvironmentProblem."""
         from ..checkpoint import gpu
 
-        gpu.check_helper_usable(*self.helper(env)(["-h"]))
+        rc, out = self.helper(env)(["-h"])
+        gpu.check_helper_usable(rc, out)
+        if remap:
+            gpu.check_remap_usable(rc, out, os.environ.get("VLLM_SNAPSHOT_CUDA_CHECKPOINT"))
 
 class LocalCheckpointTools(CheckpointTools):
     """:class:`CheckpointTools` over this host (``criu``: the CRIU binary and helpers shared
@@ -105,8 +110,12 @@ class LocalCheckpointTools(CheckpointTools):
 
         cuda, skipped = gpu.cuda_processes(inv.cuda_pids, self.criu.helper(self.criu.runner("cuda").env))
         gpu.refuse_skipped(skipped, dict(zip(inv.pids, inv.commands)))
-        uuid = gpu.used_gpu(cuda, inv.nvidia_files, gpu.uuids_by_minor(), gpu.compute_apps() if cuda else ())
-        return GpuUse(uuid, tuple(sorted(n for p in cuda if (n := ns_pid(p)) is not None)))
+        by_minor = gpu.uuids_by_minor()
+        uuid = gpu.used_gpu(cuda, inv.nvidia_files, by_minor, gpu.compute_apps() if cuda else ())
+        # its device minor and model: a restore on another host places the GPU state by them
+        minor = next((n for n, u in by_minor.items() if u == uuid), None)
+        name = next((g.name for g in gpu.query() or () if g.uuid == uuid), "")
+        return GpuUse(uuid, tuple(sorted(n for p in cuda if (n := ns_pid(p)) is not None)), minor, name)
 
     def check_dump_room(self, inv: Inventory, gpu_uuid: str, work_dir: Path) -> None:
         from ..checkpoint import gpu
@@ -210,26 +219,28 @@ class LocalCheckpointTools(CheckpointTools):
 
         return locks.gpu_lock(uuid, on_wait)
 
-    def check_gpu_capacity(self, m: Manifest) -> None:
+    def check_gpu_capacity(self, m: Manifest, uuid: str) -> None:
         from ..checkpoint import gpu
 
         if m.engine.kind != "cuda":
             return
-        uuid = m.host.get("gpu_uuid_used", "")
         total, free, _used = gpu.memory(uuid)
         need = gpu.required_restore_bytes(m.engine.engine_args, total, m.key.normalized_args if m.key else None)
         gpu.check_free_memory(need, free, gpu=uuid)
 
     def restore_tree(self, kind: str, opts: RestoreOptions, stage: Path,
-                     before_memory: Callable[[], None] | None = None, cuda_pids: tuple[int, ...] = ()) -> int:
-        from ..checkpoint import criu
+                     before_memory: Callable[[], None] | None = None, cuda_pids: tuple[int, ...] = (),
+                     gpu_map: tuple[tuple[str, str], ...] = ()) -> int:
+        from ..checkpoint import criu, cuda_checkpoint
         from ..checkpoint import gpu
         from ..store import layout
         from ..host.procs import ns_pid, tree
 
         runner = self.criu.runner(kind)
-        if kind == "cuda":  # as at dump: a helper that cannot reach the driver fails here, not after CRIU
-            self.criu.cuda_preflight(runner.env)
+        if kind == "cuda" and gpu_map:  # CRIU 4.2.1's plugin passes no map: our helper reads it from CRIU's env
+            runner.env = {**runner.env, cuda_checkpoint.DEVICE_MAP_ENV: cuda_checkpoint.format_device_map(gpu_map)}
+        if kind == "cuda":  # as at dump: a helper that cannot reach the driver (or remap) fails here, not after CRIU
+            self.criu.cuda_preflight(runner.env, remap=bool(gpu_map))
         pid = runner.restore(opts, stage, stage, before_memory)
         if kind == "cuda":
             try:

@@ -7,12 +7,16 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..host.privilege import User
 from ..host.resources import Offer
 from ..store.manifest import EngineUser, ExternalMount
 from .checkpoint import CriuRunners
 from .protocols import HostTools
+
+if TYPE_CHECKING:
+    from ..checkpoint.gpu import GpuSlot
 
 
 class LocalHostTools(HostTools):
@@ -49,6 +53,11 @@ class LocalHostTools(HostTools):
         from ..checkpoint import gpu
 
         return sorted(gpu.uuids_by_minor().values())
+
+    def gpu_slots(self) -> list[GpuSlot]:
+        from ..checkpoint import gpu
+
+        return gpu.slots()
 
     def engine_device(self) -> str:
         from ..checkpoint import gpu

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Protocol, runtime_checkable
 
 from ..checkpoint.criu import DumpOptions, RestoreOptions
-from ..checkpoint.gpu import GpuUse
+from ..checkpoint.gpu import GpuSlot, GpuUse
 from ..checkpoint.inventory import Inventory
 from ..host.cgroups import Placement
 from ..host.privilege import Creds, User
@@ -99,6 +99,10 @@ class HostTools(Protocol):
 
     def gpu_uuids(self) -> list[str]:
         """UUIDs of this host's GPUs ([] without)."""
+
+    def gpu_slots(self) -> list[GpuSlot]:
+        """This host's GPUs with model and device minor, by minor ([] without;
+        :func:`vllm_snapshot.checkpoint.gpu.slots`). Raises EnvironmentProblem (nvidia-smi)."""
 
     def engine_device(self) -> str:
         """``"cpu"`` or ``"cuda"``: what the installed vLLM build will run the engine on (a CPU
@@ -312,14 +316,20 @@ class CheckpointTools(Protocol):
         CUDA restore from its capacity check until its engine has woken; ``on_wait`` hears who
         holds it before waiting. Raises BusyError after the wait."""
 
-    def check_gpu_capacity(self, m: Manifest) -> None:
-        """CUDA snapshot: raise BusyError unless the GPU it used has the memory the engine
-        will need free (:func:`vllm_snapshot.checkpoint.gpu.required_restore_bytes`). Call right before
-        CRIU (after ``switch`` stopped the old engine)."""
+    def check_gpu_capacity(self, m: Manifest, uuid: str) -> None:
+        """CUDA snapshot: raise BusyError unless the GPU ``uuid`` it is restored onto (the one it
+        used, or the one :func:`vllm_snapshot.checkpoint.gpu.place` chose) has the memory the
+        engine will need free (:func:`vllm_snapshot.checkpoint.gpu.required_restore_bytes`). Call
+        right before CRIU (after ``switch`` stopped the old engine)."""
 
     def restore_tree(self, kind: str, opts: RestoreOptions, stage: Path,
-                     before_memory: Callable[[], None] | None = None, cuda_pids: tuple[int, ...] = ()) -> int:
-        """CRIU restore as our child; returns the root's host PID. ``before_memory``: called
+                     before_memory: Callable[[], None] | None = None, cuda_pids: tuple[int, ...] = (),
+                     gpu_map: tuple[tuple[str, str], ...] = ()) -> int:
+        """CRIU restore as our child; returns the root's host PID. ``gpu_map``: ``(recorded UUID,
+        target UUID)`` pairs when the GPU state goes onto another GPU
+        (:attr:`vllm_snapshot.checkpoint.gpu.GpuPlacement.pairs`): handed to our
+        ``cuda-checkpoint`` in CRIU's environment, after checking that it can remap
+        (EnvironmentProblem before CRIU otherwise). ``before_memory``: called
         once the tree's namespaces exist, before CRIU reads any pages image (a tree with
         namespaces only; its exception aborts CRIU and is raised). For ``cuda``: before CRIU,
         the ``cuda-checkpoint`` CRIU will run must reach the driver (EnvironmentProblem, as

@@ -69,10 +69,12 @@ A_KEY = NS + "key"
 A_STORED_BYTES = NS + "stored-bytes"
 
 #: Host identity fields that pin one machine, not a class of identical machines
-#: (:data:`vllm_snapshot.host.identity.MACHINE_FIELDS`, and ``gpu_uuid_used``: one physical
-#: GPU, which pull checks is on the node, as restore does): annotated as where the snapshot
-#: was built, not required to match on a node that pulls it.
-MACHINE_FIELDS = frozenset({"machine_id", "hostname", "gpu_uuid_used"})
+#: (:data:`vllm_snapshot.host.identity.MACHINE_FIELDS`, and the GPU the engine used,
+#: :data:`~vllm_snapshot.host.identity.GPU_USED_FIELDS`: one physical GPU, its device minor and
+#: model, from which pull, as restore, places the GPU state on the node:
+#: :func:`vllm_snapshot.checkpoint.gpu.place`): annotated as where the snapshot was built, not
+#: required to match on a node that pulls it.
+MACHINE_FIELDS = frozenset({"machine_id", "hostname", "gpu_uuid_used", "gpu_minor_used", "gpu_name_used"})
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:+@-]{0,254}$")
 _SHA = re.compile(r"^sha256:[0-9a-f]{64}$")

@@ -122,12 +122,19 @@ class Difference:
         return s + (" (overridden)" if self.overridden else "")
 
 
-#: Fields older snapshots recorded that are no longer compared: ``gpu_uuid`` joined the UUIDs
+#: The manifest host fields that record the one GPU a CUDA snapshot's tree used, where it was
+#: built: its UUID (one physical GPU: a *machine* fact), device minor (``/dev/nvidiaN``) and
+#: model. Facts of the dump, not of a host: not compared field by field; a restore places the
+#: GPU state by them (:func:`vllm_snapshot.checkpoint.gpu.place`): onto that GPU when the host
+#: has it, else onto the GPU of the same model at the same minor, remapped.
+GPU_USED_FIELDS: tuple[str, ...] = ("gpu_uuid_used", "gpu_minor_used", "gpu_name_used")
+
+#: Fields that are recorded and not compared: ``gpu_uuid`` (older snapshots) joined the UUIDs
 #: of every GPU of the host, so replacing a GPU the engine never used blocked every restore;
-#: the GPU the tree used is pinned by ``gpu_uuid_used`` (checked to be on the restoring host).
+#: the GPU the tree used is recorded in :data:`GPU_USED_FIELDS` and placed, not compared.
 #: ``hostname`` is recorded (where a snapshot was built, shown by ``inspect``) and never
 #: compared: containers and DHCP rename hosts; ``machine_id`` is the machine's identity.
-NOT_COMPARED: frozenset[str] = frozenset({"gpu_uuid", "hostname"})
+NOT_COMPARED: frozenset[str] = frozenset({"gpu_uuid", "hostname", *GPU_USED_FIELDS})
 
 #: The fields that pin one *machine*; every other field pins the host *class* (kernel, CPU,
 #: libraries, CRIU, driver, GPU model...). A snapshot pulled from a registry restores on any

@@ -334,7 +334,7 @@ def _create_locked(t: Tools, req: CreateRequest, rep: Reporter, target: Path, mo
             before = t.checkpoint.watch_remaps(inv.deleted_files)
             externals = t.checkpoint.external_mounts(engine.root_pid)
             use = t.checkpoint.gpu_used(inv) if info["kind"] == "cuda" else None  # refuses NVML-only holders
-            gpu_id = {"gpu_uuid_used": use.uuid} if use is not None else {}
+            gpu_id = use.host_fields() if use is not None else {}  # the GPU, its minor and model: restore places by them
             check_offline(inv)
             wrong = privilege.tree_problems(t.checkpoint.tree_creds(engine.root_pid), who.uid, who.gid, who.groups, inv.pids)
             if wrong:

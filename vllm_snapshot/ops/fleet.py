@@ -105,9 +105,13 @@ def compatibility(f: oci.Facts, t: Tools, where: str) -> None:
     if f.user is not None:
         problems += [f"engine user: {p}" for p in t.host.user_problems(f.user)]
     problems += [f"mount: {p}" for p in t.host.check_external_mounts(f.mounts)]
-    gpu = f.machine.get("gpu_uuid_used")
-    if gpu is not None and gpu not in t.host.gpu_uuids():  # as restore checks: CUDA state goes back to that GPU
-        problems.append(f"gpu_uuid_used: the snapshot's engine used GPU {gpu}, which this node does not have")
+    if f.machine.get("gpu_uuid_used"):  # as restore places it: the recorded GPU, else its model at its minor
+        from ..checkpoint import gpu
+
+        try:
+            gpu.place(f.machine, t.host.gpu_slots())
+        except IncompatibleHostError as e:
+            problems.append(f"GPU: {e.message}")
     if problems:
         raise IncompatibleHostError(
             f"{where} does not fit this node (nothing was downloaded):\n  " + "\n  ".join(problems),

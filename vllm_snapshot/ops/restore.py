@@ -3,7 +3,9 @@
 
 :func:`validate` -- every check before CRIU, metadata first (podman reads metadata before the
 payload): trust (owner, modes, members) -> manifest (schema, digest) -> layout (stat) ->
-recorded CRIU flags known -> host identity field by field -> the engine user (same name, uid,
+recorded CRIU flags known -> host identity field by field -> (CUDA) the GPU the state goes onto
+(:func:`vllm_snapshot.checkpoint.gpu.place`: the recorded one, else the same model at the same
+device minor, remapped) -> the engine user (same name, uid,
 gid and groups here) -> the HTTP port free -> files the
 tree had open or mapped (those the snapshot carries: only what cannot be put back refuses,
 :mod:`vllm_snapshot.checkpoint.carry`) -> model files (re-hashing last: a taken port is found in
@@ -44,9 +46,12 @@ from contextlib import ExitStack
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..checkpoint import carry, criu, mountpolicy
+
+if TYPE_CHECKING:
+    from ..checkpoint.gpu import GpuPlacement
 from ..supervise import frontend
 from ..host import identity, ports, privilege, resources
 from ..store import oracle
@@ -130,7 +135,8 @@ def _pool():
 def validate(snapshot: Path, verify_model: str = "quick", allow: frozenset[str] = frozenset(),
              check_images: bool = False, port: tuple[str, int] | None = None,
              tools: Tools | None = None, pins: list | None = None) -> tuple[Manifest, list[str]]:
-    """Every check a restore makes before CRIU, in the order of the module doc; ``port``
+    """Every check a restore makes before CRIU, in the order of the module doc (the GPU
+    placement included, not whether that GPU is free: the restore decides that under its lock); ``port``
     (host, port) is probed before the model files are re-hashed; ``check_images`` adds every
     image checksum (``verify``); ``pins`` receives the model files' stats as the check saw
     them (:func:`vllm_snapshot.store.model_digest.stat_pins`). Returns (manifest, warnings). Raises UsageError,
@@ -142,8 +148,9 @@ def validate(snapshot: Path, verify_model: str = "quick", allow: frozenset[str] 
 
 def _validate(host: HostTools, model: ModelTools, files: SnapshotFiles, snapshot: Path, verify_model: str = "quick",
               allow: frozenset[str] = frozenset(), check_images: bool = False, port: tuple[str, int] | None = None,
-              pins: list | None = None) -> tuple[Manifest, list[str]]:
-    """:func:`validate` over the three roles it uses."""
+              pins: list | None = None, gpu: list | None = None) -> tuple[Manifest, list[str]]:
+    """:func:`validate` over the three roles it uses; ``gpu`` receives the CUDA snapshot's
+    :class:`~vllm_snapshot.checkpoint.gpu.GpuPlacement` (nothing for a CPU snapshot)."""
     snapshot = snapshot.absolute()
     m = files.open_snapshot(snapshot)
     try:
@@ -152,8 +159,6 @@ def _validate(host: HostTools, model: ModelTools, files: SnapshotFiles, snapshot
         raise CorruptSnapshotError(f"{snapshot}: the manifest's CRIU flags are not restorable by this tool: {e}",
                                    hint="re-create the snapshot with this version of vllm-snapshot") from e
     here = host.host_identity(m.engine.kind)
-    if "gpu_uuid_used" in m.host:  # the one GPU the tree used must be on this host
-        here["gpu_uuid_used"] = m.host["gpu_uuid_used"] if m.host["gpu_uuid_used"] in host.gpu_uuids() else "absent"
     pulled = files.pulled_from(snapshot)  # pulled from a registry: any machine of its host class restores it
     try:
         diffs = identity.compare(m.host, here, allow, machine=pulled is None)
@@ -166,6 +171,12 @@ def _validate(host: HostTools, model: ModelTools, files: SnapshotFiles, snapshot
             "this host differs from the one the snapshot was created on:\n  " + "\n  ".join(map(str, hard)),
             hint="restore on a matching host, or re-create the snapshot here",
             details=[d.__dict__ for d in hard])
+    if "gpu_uuid_used" in m.host:  # the GPU its state goes onto: the recorded one, else one of its model, remapped
+        from ..checkpoint import gpu as gpus
+
+        placed = gpus.place(m.host, host.gpu_slots())
+        if gpu is not None and placed is not None:
+            gpu.append(placed)
     if m.engine.user is None:
         missing = files.caps_missing(snapshot, m)
         if missing:  # CRIU would log "Unable to restore capabilities" and hang (docs/operations.md)
@@ -304,6 +315,12 @@ class _Restoring:
     code_check: Future | None = None
     placement: Placement | None = None
     gpu_held: ExitStack = field(default_factory=ExitStack)  # CUDA: the GPU's lock until the engine woke
+    gpu: GpuPlacement | None = None  # CUDA: the GPU the state goes onto (validation placed it)
+
+    @property
+    def gpu_uuid(self) -> str:
+        """The UUID of the GPU the state goes onto ("" for a CPU snapshot)."""
+        return self.gpu.target if self.gpu is not None else ""
 
 
 def _restore_locked(t: Tools, req: RestoreRequest, rep: Reporter, snapshot: Path) -> tuple[Restored, Engine]:
@@ -311,10 +328,13 @@ def _restore_locked(t: Tools, req: RestoreRequest, rep: Reporter, snapshot: Path
     serve; any failure undoes what the phases made (:func:`_undo`)."""
     report_reclaimed(rep, t.store.reclaim(snapshot.parent))
     with rep.phase("validate", "validating snapshot, host and model"):
-        m, warnings, fe, pins, log_file = _validate_request(t, req, snapshot)
+        m, warnings, fe, pins, log_file, placed = _validate_request(t, req, snapshot)
     for w in warnings:
         rep.info(w)
-    st = _Restoring(snapshot, m)
+    if placed is not None and placed.remapped:
+        rep.info(f"the snapshot's GPU {placed.recorded} is not on this host: restoring its GPU state onto "
+                 f"GPU {placed.target} (/dev/nvidia{placed.minor}, the same model and device minor), remapped")
+    st = _Restoring(snapshot, m, gpu=placed)
     try:
         return _restore_phases(t, req, rep, st, m, warnings, fe, pins, log_file)
     except CorruptSnapshotError as e:  # an image or a saved file failed its checksum: mark it for list/prune
@@ -340,7 +360,8 @@ def _restore_phases(t: Tools, req: RestoreRequest, rep: Reporter, st: _Restoring
         placement = st.placement
         return Restored(str(snapshot), pid, url, m.model.served_name, dict(rep.timings), warnings, req.detach,
                         tuple(fe.describe()), placement.cgroup if placement and placement.leaves else "",
-                        frontend.fingerprint(fe.args), bool(fe.api_keys), req.drain_s), st.engine
+                        frontend.fingerprint(fe.args), bool(fe.api_keys), req.drain_s,
+                        st.gpu.describe() if st.gpu is not None else ""), st.engine
     except BaseException as e:
         _undo(t.files, t.checkpoint, st, e)
         raise
@@ -350,11 +371,12 @@ def _validate_request(t: Tools, req: RestoreRequest, snapshot: Path):
     """Phase 1, before anything is staged: the front-end options (values and files), every
     check of :func:`validate` (the port before the model), the TLS files readable to the engine
     user, the memory the engine will need, the log file. Returns (manifest, warnings, front
-    end, the model files' stats as checked, log file or None)."""
+    end, the model files' stats as checked, log file or None, the GPU placement or None)."""
     fe = frontend.check(list(req.frontend), t.host.environ())  # the options' values and files, before CRIU
     pins: list = []  # the model files' stats as checked: a level-2 wake reloads from them
+    placed: list = []
     m, warnings = _validate(t.host, t.model, t.files, snapshot, req.verify_model, req.allow,
-                            port=(req.host, req.port), pins=pins)
+                            port=(req.host, req.port), pins=pins, gpu=placed)
     if fe.files and m.engine.user is not None:  # the unprivileged engine opens them when it serves
         unreadable = t.host.unreadable_by(m.engine.user, [Path(p) for p in fe.files])
         if unreadable:
@@ -371,7 +393,7 @@ def _validate_request(t: Tools, req: RestoreRequest, snapshot: Path):
         if req.log_file is not None:
             t.engine.check_log_file(req.log_file)
         log_file = req.log_file or t.engine.default_log_file(snapshot, req.port)
-    return m, warnings, fe, pins, log_file
+    return m, warnings, fe, pins, log_file, (placed[0] if placed else None)
 
 
 def _stage(files: SnapshotFiles, cp: CheckpointTools, rep: Reporter, st: _Restoring) -> None:
@@ -381,7 +403,7 @@ def _stage(files: SnapshotFiles, cp: CheckpointTools, rep: Reporter, st: _Restor
     if m.engine.kind == "cuda":
         # before staging (a waiter holds no staged images in RAM) and before the CRIU lock (a
         # waiter never blocks restores onto other GPUs); held until the engine has woken
-        st.gpu_held.enter_context(cp.gpu_lock(m.host.get("gpu_uuid_used", ""), rep.info))
+        st.gpu_held.enter_context(cp.gpu_lock(st.gpu_uuid, rep.info))
     # the code identity check (0.1-0.6 s of stat calls) runs alongside staging, CRIU and the
     # oracle, like the image checksums; it is decided with them, before anything is bound
     st.code_check = _pool().submit(files.check_code, st.snapshot, m)
@@ -411,7 +433,7 @@ def _criu_restore(host: HostTools, et: EngineTools, cp: CheckpointTools, rt: Run
         opts = criu.RestoreOptions(flags=m.criu.flags, inherit_fds=st.channel.inherit_fds(m.criu.inherit),
                                    external=mountpolicy.restore_args(m.criu.external_mounts),
                                    network_lock=criu.NETWORK_LOCK_ISOLATED if isolated else None)
-        cp.check_gpu_capacity(m)  # CUDA: the GPU has room (after switch stopped the old engine)
+        cp.check_gpu_capacity(m, st.gpu_uuid)  # CUDA: the GPU has room (after switch stopped the old engine)
         if m.carried is not None and m.carried.files:
             # under the CRIU lock: no other restore replaces a carried file between this
             # put-back and this CRIU (checkpoint/carry.py)
@@ -437,7 +459,8 @@ def _criu_restore(host: HostTools, et: EngineTools, cp: CheckpointTools, rt: Run
             if st.placement is not None:
                 st.placement.enter()  # CRIU and every process it forks are born there
             try:
-                pid = cp.restore_tree(m.engine.kind, opts, st.stage, before_memory=ready, cuda_pids=m.criu.cuda_pids)
+                pid = cp.restore_tree(m.engine.kind, opts, st.stage, before_memory=ready, cuda_pids=m.criu.cuda_pids,
+                                      gpu_map=st.gpu.pairs if st.gpu is not None else ())
             finally:
                 if st.placement is not None:
                     st.placement.leave()

@@ -26,8 +26,16 @@ class Inspected:
 
     @property
     def built(self) -> dict:
-        """Where the snapshot was built: ``{"machine_id", "hostname"}`` (None when not recorded)."""
-        return {k: self.manifest.host.get(k) for k in ("machine_id", "hostname")}
+        """Where the snapshot was built: ``{"machine_id", "hostname"}`` (None when not recorded),
+        and for a CUDA snapshot ``"gpu"``: the GPU its engine used, ``<uuid>`` with ``(<model>,
+        /dev/nvidia<minor>)`` when recorded (a restore elsewhere goes onto that model at that minor)."""
+        h = self.manifest.host
+        out = {k: h.get(k) for k in ("machine_id", "hostname")}
+        if h.get("gpu_uuid_used"):
+            where = [x for x in (h.get("gpu_name_used"), f"/dev/nvidia{h['gpu_minor_used']}"
+                                 if h.get("gpu_minor_used") else None) if x]
+            out["gpu"] = h["gpu_uuid_used"] + (f" ({', '.join(where)})" if where else "")
+        return out
 
     def to_json(self) -> dict:
         return {"snapshot": self.snapshot, "manifest": self.manifest.model_dump(mode="json"), "built": self.built,

@@ -45,11 +45,14 @@ class Restored:
     auth: bool = False
     #: seconds the engine lets requests in flight finish when it is stopped (registry, foreground)
     drain_s: float = 30.0
+    #: CUDA: the GPU the engine runs on, ``GPU <uuid>`` and, when its state was remapped from the
+    #: GPU recorded at create, ``(recorded <uuid>)`` (GpuPlacement.describe); "" on CPU
+    gpu: str = ""
 
     def to_json(self) -> dict:
         return {"snapshot": self.snapshot, "pid": self.pid, "url": self.url, "timings": self.timings,
                 "warnings": self.warnings, "oracle": "match", "frontend": list(self.frontend),
-                "cgroup": self.cgroup}
+                "cgroup": self.cgroup, "gpu": self.gpu}
 
 
 @dataclass(frozen=True)

@@ -154,8 +154,9 @@ def env_differences(was: Mapping[str, str], now: Mapping[str, str]) -> list[str]
 
 
 def host_part(host: Mapping[str, str]) -> str:
-    """Digest of the host-*class* identity fields (``gpu_uuid_used`` is a fact of the dump, not
-    of the host, and is left out, as are the fields restore no longer compares,
+    """Digest of the host-*class* identity fields (the GPU the tree used,
+    :data:`vllm_snapshot.host.identity.GPU_USED_FIELDS`, is a fact of the dump, not of the host,
+    and is left out, as are the other fields restore does not compare,
     :data:`vllm_snapshot.host.identity.NOT_COMPARED`, and the ones that pin one machine,
     :data:`~vllm_snapshot.host.identity.MACHINE_FIELDS`: every node of a class computes the
     same key, which ``serve --registry`` uses as the tag). Pure."""

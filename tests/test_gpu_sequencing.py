@@ -47,7 +47,7 @@ class FakeGpuCheckpoint(LocalCheckpointTools):
         from vllm_snapshot.host.procs import ns_pid
 
         cuda, _ = gpu.cuda_processes(inv.pids, self.criu.helper(self.criu.runner("cuda").env))
-        return gpu.GpuUse("GPU-fake-0000", tuple(sorted(ns_pid(p) for p in cuda)), 0, "Fake GPU")
+        return gpu.GpuUse(FAKE_GPU, tuple(sorted(ns_pid(p) for p in cuda)), 0, "Fake GPU")
 
     def check_dump_room(self, inv, gpu_uuid, work_dir):  # no nvidia-smi here: the fake holds no GPU memory
         pass
@@ -57,18 +57,22 @@ class FakeGpuCheckpoint(LocalCheckpointTools):
 
 
 class FakeGpuHost(LocalHostTools):
-    """This host, with the one GPU the fake CUDA engine "uses"."""
+    """This host, with the one GPU the fake CUDA engine "uses" (``uuid``: another GPU of the
+    same model at the same minor, as on another node of the class)."""
+
+    uuid = "GPU-0c4a1b2e-0000-4000-8000-000000000000"
 
     def gpu_uuids(self):
-        return ["GPU-fake-0000"]
+        return [self.uuid]
 
     def gpu_slots(self):
         from vllm_snapshot.checkpoint.gpu import GpuSlot
 
-        return [GpuSlot("GPU-fake-0000", "Fake GPU", 0)]
+        return [GpuSlot(self.uuid, "Fake GPU", 0)]
 
 
 FAKECUDA = Path(__file__).resolve().parent / "fakecuda"
+FAKE_GPU = FakeGpuHost.uuid
 
 
 @pytest.fixture()
@@ -134,7 +138,7 @@ def test_gpu_create_rehearses_then_sleeps_and_restore_wakes_before_oracle(tmp_pa
     # rehearsal: sleep -> wake (reload) -> oracle must match -> sleep again, then the dump
     assert calls_in_log(snap) == ["sleep", "wake", "oracle", "sleep", "prepare-dump"]
     assert m.host["cuda_checkpoint_helper"] == "vllm-snapshot protocol 2"
-    assert m.host["gpu_uuid_used"] == "GPU-fake-0000" and m.host["cuda_plugin"].startswith("sha256:")
+    assert m.host["gpu_uuid_used"] == FAKE_GPU and m.host["cuda_plugin"].startswith("sha256:")
     log = (snap / "criu-dump.log").read_text()
     # the plugin ran our helper from the PATH we gave CRIU, for every process of the tree
     assert "cuda_plugin: initialized: cuda_plugin stage" in log
@@ -246,3 +250,36 @@ def test_gpu_restore_refused_before_criu_when_the_helper_cannot_reach_the_driver
         ops.restore(ops.RestoreRequest(snapshot=snap, port=free_port(), detach=True), Reporter(), tools=fake_tools)
     assert not (tmp_path / "criu-restore.log").exists() and our_children() == []
     assert "restore " not in (fake_cuda / "calls.log").read_text()  # CRIU's plugin never ran a GPU restore
+
+
+def test_gpu_restore_onto_another_gpu_hands_the_device_map_through_criu_to_the_driver(tmp_path, fake_tools, fake_cuda,
+                                                                                       monkeypatch):
+    """Issue 31: a snapshot restores on another node of its class, whose GPU has another UUID.
+    The map goes from restore through CRIU's environment, the plugin's exec of our helper, to
+    the driver's gpuPairs (CRIU 4.2.1 passes none itself); a driver that refuses the remap
+    fails the restore, and nothing is left running."""
+    snap = tmp_path / "gpu"
+    ops.create(ops.CreateRequest(model=str(TINY), target=snap, sleep_level=2), Reporter(), tools=fake_tools)
+    other = "GPU-9f8e7d6c-aaaa-4bbb-8ccc-ddddeeeeffff"
+    host = FakeGpuHost(fake_tools.host.criu)
+    host.uuid = other
+    elsewhere = dataclasses.replace(fake_tools, host=host)
+    port = free_port()
+    r, engine = ops.restore(ops.RestoreRequest(snapshot=snap, port=port, detach=True), Reporter(), tools=elsewhere)
+    try:
+        assert r.gpu == f"GPU {other} (recorded {FAKE_GPU})"
+        assert calls(fake_cuda)[2:] == [f"restore pairs={FAKE_GPU}>{other} CUDA_SUCCESS", "unlock CUDA_SUCCESS"]
+        assert (fake_cuda / "state").read_text() == "0"
+    finally:
+        engine.kill(grace=5)
+        engine.close()
+        fake_tools.runtime.unregister(r.pid)
+    assert our_children() == []
+    # the same restore where the driver refuses to remap: CRIU's plugin only logs the failure;
+    # the log check refuses and the restored tree is killed
+    (fake_cuda / "state").write_text("2")  # checkpointed again, as the images say
+    monkeypatch.setenv("FAKE_CUDA_FAIL", "remap")
+    with pytest.raises(CriuError, match="restore of the GPU state failed"):
+        ops.restore(ops.RestoreRequest(snapshot=snap, port=free_port(), detach=True), Reporter(), tools=elsewhere)
+    assert f"restore pairs={FAKE_GPU}>{other} CUDA_ERROR_NOT_SUPPORTED" in calls(fake_cuda)
+    assert our_children() == []

@@ -9,7 +9,14 @@ real CRIU on a host without a GPU (tests/test_gpu_sequencing.py).
 * ``$FAKE_CUDA_INIT=fail``: cuInit fails (CUDA_ERROR_NO_DEVICE, as without a GPU).
 * ``$FAKE_CUDA_DRIVER_API``: what cuDriverGetVersion reports (default 13000).
 * ``$FAKE_CUDA_FAIL=restore``: cuCheckpointProcessRestore fails (CUDA_ERROR_OUT_OF_MEMORY);
-  ``=stay-locked``: unlock answers success but the process stays locked (a silent failure).
+  ``=stay-locked``: unlock answers success but the process stays locked (a silent failure);
+  ``=remap``: a restore with GPU pairs fails with CUDA_ERROR_NOT_SUPPORTED.
+* GPU remapping as cuda-bindings 13.5.0 spells it: ``CUuuid(address)`` over 16 bytes (``bytes``
+  read-only), ``CUcheckpointGpuPair`` (``oldUuid``/``newUuid``; assigning copies),
+  ``CUcheckpointRestoreArgs`` (``gpuPairs`` a list of pairs, ``gpuPairsCount``; any other
+  attribute is an AttributeError, as with the real types). A restore logs its pairs
+  (``restore <pid> pairs=OLD>NEW,...``); a count that is not the list's length is
+  CUDA_ERROR_INVALID_VALUE.
 Transitions follow the driver's documented state machine: lock RUNNING->LOCKED, checkpoint
 LOCKED->CHECKPOINTED, restore CHECKPOINTED->LOCKED, unlock LOCKED->RUNNING; anything else is
 CUDA_ERROR_ILLEGAL_STATE.
@@ -38,6 +45,7 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_OUT_OF_MEMORY = 2
     CUDA_ERROR_NOT_INITIALIZED = 3
     CUDA_ERROR_NO_DEVICE = 100
+    CUDA_ERROR_NOT_SUPPORTED = 801
     CUDA_ERROR_ILLEGAL_STATE = 401
 
 
@@ -51,6 +59,58 @@ class CUprocessState(enum.IntEnum):
 class CUcheckpointLockArgs:
     def __init__(self):
         self.timeoutMs = 0
+
+
+class CUuuid:
+    """16 bytes read from ``address`` at construction (cuda-bindings: a view; copied on assignment)."""
+
+    __slots__ = ("_b",)
+
+    def __init__(self, address=0):
+        import ctypes
+
+        self._b = ctypes.string_at(address, 16) if address else bytes(16)
+
+    @property
+    def bytes(self):
+        return self._b
+
+
+def _uuid_text(u):
+    h = u.bytes.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+class CUcheckpointGpuPair:
+    __slots__ = ("_old", "_new")
+
+    def __init__(self):
+        self._old, self._new = CUuuid(), CUuuid()
+
+    @property
+    def oldUuid(self):
+        return self._old
+
+    @oldUuid.setter
+    def oldUuid(self, u):
+        self._old = CUuuid.__new__(CUuuid)
+        self._old._b = bytes(u.bytes)
+
+    @property
+    def newUuid(self):
+        return self._new
+
+    @newUuid.setter
+    def newUuid(self, u):
+        self._new = CUuuid.__new__(CUuuid)
+        self._new._b = bytes(u.bytes)
+
+
+class CUcheckpointRestoreArgs:
+    __slots__ = ("gpuPairs", "gpuPairsCount", "customStorageInfo_out")
+
+    def __init__(self):
+        self.gpuPairs, self.gpuPairsCount, self.customStorageInfo_out = [], 0, 0
 
 
 _OK = CUresult.CUDA_SUCCESS
@@ -159,7 +219,16 @@ def cuCheckpointProcessCheckpoint(pid, args):
 
 
 def cuCheckpointProcessRestore(pid, args):
-    return _step("restore", pid, S.CU_PROCESS_STATE_CHECKPOINTED, S.CU_PROCESS_STATE_LOCKED)
+    if args is None or not args.gpuPairsCount:
+        return _step("restore", pid, S.CU_PROCESS_STATE_CHECKPOINTED, S.CU_PROCESS_STATE_LOCKED)
+    pairs = ",".join(f"{_uuid_text(p.oldUuid)}>{_uuid_text(p.newUuid)}" for p in args.gpuPairs)
+    if args.gpuPairsCount != len(args.gpuPairs):
+        _log(f"restore {pid} pairs={pairs} count={args.gpuPairsCount} CUDA_ERROR_INVALID_VALUE")
+        return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+    if os.environ.get("FAKE_CUDA_FAIL") == "remap":
+        _log(f"restore {pid} pairs={pairs} CUDA_ERROR_NOT_SUPPORTED")
+        return (CUresult.CUDA_ERROR_NOT_SUPPORTED,)
+    return _step("restore", pid, S.CU_PROCESS_STATE_CHECKPOINTED, S.CU_PROCESS_STATE_LOCKED, f" pairs={pairs}")
 
 
 def cuCheckpointProcessUnlock(pid, args):

@@ -28,7 +28,9 @@
 #     vLLM's cumem allocator); create's inventory, then LocalCheckpointTools.dump / restore_tree (pycriu
 #     swrk, plugin, our helper, the product's checks); then wake re-maps at the same VA and the
 #     output matches. Also reports what NVML descriptors (torch.cuda.device_count() with
-#     PYTORCH_NVML_BASED_CUDA_CHECK=1, as vLLM) do to the inventory and to CRIU.
+#     PYTORCH_NVML_BASED_CUDA_CHECK=1, as vLLM) do to the inventory and to CRIU. The restore
+#     takes the GPU remap path with the identity device map (the one GPU's UUID onto itself:
+#     "C restore with the identity device map"); GPU_CHECK_REMAP=0 restores without a map.
 #   part A (after C, when 60 s are left): a torch CUDA worker allocates a deterministic tensor
 #     (GPU_CHECK_MIB MiB, default 256) and prints its checksum when sent SIGUSR1. Then, via our
 #     helper, each call timed (one run = one driver attach; CRIU's freeze timeout is sized from
@@ -46,7 +48,8 @@
 #
 # Usage:  bash scripts/gpu_check.sh [--verdict FILE]
 #   env: OUT, PYTHON, GPU_CHECK_MIB, GPU_CHECK_BUDGET_S, GPU_CHECK_USER (default vllm-snapshot),
-#   GPU_CHECK_NVML=0 (no NVML call in part C's child), GPU_CHECK_CARRY (default <repo>/.criu-carry),
+#   GPU_CHECK_NVML=0 (no NVML call in part C's child), GPU_CHECK_REMAP=0 (part C restores without
+#   the identity device map), GPU_CHECK_CARRY (default <repo>/.criu-carry),
 #   GPU_CHECK_FAKE=1 (CPU dry run for tests: the fake driver of tests/fakecuda, parts A and B
 #   not run, the verdict at best NOT RUN).
 # `[ test ] && result PASS ... || result FAIL ...` is safe here: result() always returns 0.
@@ -434,6 +437,7 @@ partC() {
   log "== part C: the product's dump/restore of a tree in its own namespaces, as the engine user, asleep at level 2"
   [ "$FAKE" = 1 ] && args+=(--fake)
   [ "${GPU_CHECK_NVML:-1}" = 0 ] && args+=(--no-nvml)
+  [ "${GPU_CHECK_REMAP:-1}" = 0 ] && args+=(--no-remap)
   PYTHONPATH="$C_PY_PATH${PYTHONPATH:+:$PYTHONPATH}" tmo 200 "$PY" -W ignore "$REPO/scripts/gpu_check_tree.py" \
     --criu "$CRIU_BIN" --user "$ENGINE_USER" --out "$OUT" --mib "$MIB" "${args[@]+"${args[@]}"}" >"$OUT/partC.txt" 2>&1; rc=$?
   while read -r _ st rest; do

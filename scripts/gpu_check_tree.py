@@ -36,6 +36,15 @@ What is the product's and what is not:
   inventory and CRIU make of them is in the results). vLLM itself is not run (it does not fit
   the 64 MiB carry).
 
+The restore goes through the **GPU remap path** (issue 31: a snapshot restored onto another GPU
+of its model): ``restore_tree(..., gpu_map=((U, U),))`` with the identity device map of the
+GPU ``U`` the tree used (the machine has one GPU), so the product puts
+``$VLLM_SNAPSHOT_CUDA_DEVICE_MAP`` in CRIU's environment, checks that the helper's ``-h`` offers
+``--device-map``, and our helper calls ``cuCheckpointProcessRestore`` with ``gpuPairs``. When
+the helper cannot remap here (driver before r580), the restore runs without a map and an INFO
+line says why; ``--no-remap`` (``GPU_CHECK_REMAP=0``) restores without one, to tell a failing
+remap from a failing restore.
+
 ``--fake`` runs the same sequence without torch or a GPU: the child imports the fake
 ``cuda.bindings.driver`` of tests/fakecuda (copied next to the package), which fakes the same
 VMM calls over host memory (reservation = ``PROT_NONE`` mapping), has a thread named
@@ -43,7 +52,7 @@ VMM calls over host memory (reservation = ``PROT_NONE`` mapping), has a thread n
 With tests/fakecuda first on PYTHONPATH and ``CRIU_FAULT=138`` this runs the harness through
 real CRIU on a CPU host (tests/test_gpu_check_script.py).
 
-Usage: python scripts/gpu_check_tree.py --criu BIN --user NAME --out DIR [--mib N] [--fake] [--no-nvml]
+Usage: python scripts/gpu_check_tree.py --criu BIN --user NAME --out DIR [--mib N] [--fake] [--no-nvml] [--no-remap]
 ``BIN`` must sit in a CRIU source layout (``<src>/criu/criu`` with ``<src>/plugins/cuda/
 cuda_plugin.so``), as the product pairs binary and plugin. Prints one ``RESULT PASS|FAIL name:
 detail`` line per check and exits 0 (all passed) or 1.
@@ -273,6 +282,46 @@ def copy_package(work: Path, fake: bool) -> Path:
     return pkg
 
 
+#: The GPU the fake run "uses" (any well-formed UUID: the fake driver logs the pairs it gets).
+FAKE_GPU = "GPU-00000000-0000-4000-8000-00000000fa4e"
+
+
+def remap_plan(a, helper, uuid: str) -> tuple:
+    """The device map part C restores with: the identity map of ``uuid`` when the helper's
+    ``-h`` offers ``--device-map``; ``()`` (with an INFO line saying why) otherwise."""
+    from vllm_snapshot.checkpoint import cuda_checkpoint as cc
+
+    if a.no_remap:
+        result("INFO", "C remap path", "not run: --no-remap (GPU_CHECK_REMAP=0)")
+        return ()
+    if not uuid:
+        result("INFO", "C remap path", "not run: the GPU the tree used is unknown (see the inventory line)")
+        return ()
+    rc, text = helper(["-h"])
+    if rc != 0 or cc.REMAP_HELP not in text:
+        why = next((ln.strip(" ()") for ln in text.splitlines() if cc.NO_REMAP_HELP in ln), f"exit {rc}: {text[:200]}")
+        result("INFO", "C remap path", f"not run: our helper cannot remap on this host: {why}")
+        return ()
+    return ((uuid, uuid),)
+
+
+def remap_result(a, gpu_map: tuple) -> None:
+    """The RESULT of the remap path after a restore with ``gpu_map`` passed: with the fake
+    driver, the pairs it got (its calls.log); on a GPU, the driver accepted them (the restore
+    and every CUDA process ``running`` depend on it; the driver reports nothing more)."""
+    want = f"pairs={gpu_map[0][0]}>{gpu_map[0][1]}"
+    if a.fake:
+        log = Path(os.environ.get("FAKE_CUDA_DIR", "/nonexistent"), "calls.log")
+        got = [ln for ln in (log.read_text().splitlines() if log.exists() else []) if ln.startswith("restore ")]
+        ok = any(want in ln and ln.endswith("CUDA_SUCCESS") for ln in got)
+        result("PASS" if ok else "FAIL", "C restore with the identity device map (the remap path)",
+               f"the fake driver's restore calls: {got}")
+        return
+    result("PASS", "C restore with the identity device map (the remap path)",
+           f"{gpu_map[0][0]}={gpu_map[0][1]} through CRIU's environment ($VLLM_SNAPSHOT_CUDA_DEVICE_MAP) to our "
+           "helper's cuCheckpointProcessRestore gpuPairs; the driver accepted it")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--criu", required=True, help="the criu binary, in a CRIU source layout")
@@ -281,6 +330,7 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--fake", action="store_true", help="no torch/GPU: see the module docstring")
     ap.add_argument("--no-nvml", action="store_true", help="skip the child's NVML device count")
+    ap.add_argument("--no-remap", action="store_true", help="restore without the identity device map")
     a = ap.parse_args()
     # gpu_check.sh runs this under `timeout`: its SIGTERM must still kill the tree, keep the
     # logs and remove the work dir (the finally blocks)
@@ -403,10 +453,11 @@ def run(a, out: Path, work: Path, pkg: Path) -> int:
         except SnapshotError as e:
             result("FAIL", "C inventory + external mounts (create's checks)", f"{e.message} {e.hint or ''}"[:1500])
             return 1
-        used = ""
+        used, gpu_uuid = "", FAKE_GPU if a.fake else ""
         if not a.fake:
             try:
-                used = f", GPU {t.gpu_used(inv)}"
+                use = t.gpu_used(inv)
+                used, gpu_uuid = f", GPU {use}", use.uuid
             except SnapshotError as e:
                 result("FAIL", "C one GPU held by the tree (create's gpu_used)", f"{e.message} {e.hint or ''}"[:600])
         result("PASS", "C inventory + external mounts (create's checks)",
@@ -435,10 +486,12 @@ def run(a, out: Path, work: Path, pkg: Path) -> int:
             result("FAIL", "C tree gone after the dump", f"PIDs {alive} survived")
             return 1
 
+        gpu_map = remap_plan(a, helper, gpu_uuid)
         t0 = time.monotonic()
         try:
             restored = t.restore_tree("cuda", criu.RestoreOptions(external=mountpolicy.restore_args(externals),
-                                                                  network_lock=criu.NETWORK_LOCK_ISOLATED), images)
+                                                                  network_lock=criu.NETWORK_LOCK_ISOLATED), images,
+                                      gpu_map=gpu_map)
         except SnapshotError as e:
             result("FAIL", "C criu restore (product's LocalCheckpointTools.restore_tree)", f"{e.message} {e.hint or ''}"[:1500])
             return 1
@@ -447,7 +500,10 @@ def run(a, out: Path, work: Path, pkg: Path) -> int:
                 shutil.copy(images / layout.RESTORE_LOG, out / "partC-restore.log")
         rpids = [p.pid for p in tree(restored)]
         result("PASS", "C criu restore (product's LocalCheckpointTools.restore_tree)",
-               f"{time.monotonic() - t0:.1f} s, root {restored}, every CUDA process running")
+               f"{time.monotonic() - t0:.1f} s, root {restored}, every CUDA process running"
+               + (f", device map {gpu_map[0][0]}={gpu_map[0][1]}" if gpu_map else ", no device map"))
+        if gpu_map:
+            remap_result(a, gpu_map)
         wrong = privilege.tree_problems(t.tree_creds(restored), user.uid, user.gid, user.groups)
         result("FAIL" if wrong else "PASS", "C restored tree runs as the engine user",
                "; ".join(wrong[:5]) if wrong else f"{len(rpids)} processes")

@@ -35,6 +35,9 @@ TREE = ROOT / "scripts" / "gpu_check_tree.py"
 VENV_PY = Path(os.environ.get("VLLM_SNAPSHOT_CACHE", "/var/cache/vllm-snapshot")) / "venv" / "bin" / "python"
 
 #: part C's steps whose PASS the verdict requires (names as gpu_check_tree.py prints them)
+#: part C's check of the GPU remap path (the identity device map on the restore)
+REMAP_STEP = "C restore with the identity device map (the remap path)"
+FAKE_GPU = "GPU-00000000-0000-4000-8000-00000000fa4e"  # gpu_check_tree.FAKE_GPU
 C_REQUIRED = ["C criu dump (product's LocalCheckpointTools.dump)", "C criu restore (product's LocalCheckpointTools.restore_tree)",
               "C wake (create + map at the same VA)", "C same output after restore + wake"]
 
@@ -309,7 +312,7 @@ def test_dry_run_of_the_whole_check_with_the_fake_driver(tmp_path):
     for step in ("C/B criu check", "C/B ip runs here", "C product modules import", "C engine user", "C tree started",
                  "C tree runs as the engine user", "C root has no CUDA", "C child is a running CUDA process",
                  "C sleep (unmap + release, VA kept)", "C inventory + external mounts (create's checks)", *C_REQUIRED,
-                 "C restored tree runs as the engine user"):
+                 "C restored tree runs as the engine user", REMAP_STEP):
         assert step in names, (step, names)
     imported = dict((r[1], r[2]) for r in results)["C product modules import"]
     assert "/site/pydantic/__init__.py" in imported  # the carried wheel, not the venv's pydantic
@@ -321,6 +324,9 @@ def test_dry_run_of_the_whole_check_with_the_fake_driver(tmp_path):
     assert "HF_TOKEN" not in env_line and "FAKE_CUDA_DIR" not in env_line and "HF_HUB_OFFLINE" in env_line
     calls = [c.split()[0] for c in (fc / "calls.log").read_text().splitlines() if not c.startswith("get-restore-tid")]
     assert calls == ["lock", "checkpoint", "restore", "unlock"]
+    # the restore took the remap path: the identity device map reached the (fake) driver's gpuPairs
+    restore = next(c for c in (fc / "calls.log").read_text().splitlines() if c.startswith("restore "))
+    assert f"pairs={FAKE_GPU}>{FAKE_GPU} CUDA_SUCCESS" in restore, restore
     env_txt = files["environment.txt"]  # L7
     for section in ("## /proc/self/mountinfo", "## LD_LIBRARY_PATH", "## ldconfig -p | grep -E 'libcuda|libnvidia-ml'",
                     "## command -v ip"):
@@ -352,10 +358,11 @@ def test_part_c_harness_through_real_criu_with_the_fake_driver(tmp_path):
     assert results and all(r.startswith("RESULT PASS") for r in results), results
     names = " | ".join(results)
     for step in ("root has no CUDA", "child is a running CUDA process", "tree runs as the engine user",
-                 "sleep (unmap + release, VA kept)", *C_REQUIRED, "restored tree runs as the engine user"):
+                 "sleep (unmap + release, VA kept)", *C_REQUIRED, "restored tree runs as the engine user", REMAP_STEP):
         assert step in names
     calls = [c for c in (fc / "calls.log").read_text().splitlines() if not c.startswith("get-restore-tid")]
     assert [c.split()[0] for c in calls] == ["lock", "checkpoint", "restore", "unlock"]
+    assert f"pairs={FAKE_GPU}>{FAKE_GPU}" in calls[2]
     assert "timeoutMs=" in calls[0] and calls[0].split("timeoutMs=")[1].split()[0] != "10000"  # not CRIU's 10 s
     assert set(Path("/var/lib/vllm-snapshot-gpu-check").glob("tree.*")) == before  # its work dir is gone
     for log in ("partC-dump.log", "partC-restore.log"):

@@ -606,3 +606,24 @@ def test_cuda_restore_hands_the_device_map_to_criu_and_checks_the_helper_takes_i
     monkeypatch.setattr(type(t.criu), "runner", lambda self, kind: fresh)
     help_text[0] = "usage: cuda-checkpoint --action ...\n"
     assert t.restore_tree("cuda", None, tmp_path, cuda_pids=(2,)) == 4242 and cc.DEVICE_MAP_ENV not in fresh.env
+
+
+def test_inspect_and_restore_say_which_gpu(capsys):
+    """Where things ran: inspect's "built on" names the GPU the engine used (model, minor);
+    restore says "restored on GPU NEW (recorded OLD)" when it remapped."""
+    from fakes import HOST
+    from helpers import make_manifest
+    from vllm_snapshot.cli import render
+    from vllm_snapshot.report.results import Inspected, Restored
+
+    m = make_manifest(host={**HOST, **REC})
+    built = Inspected("/s", m).built
+    assert built["gpu"] == f"{REC['gpu_uuid_used']} (NVIDIA H200, /dev/nvidia1)"
+    render._inspected(Inspected("/s", m), False)
+    out = capsys.readouterr().out
+    assert f"GPU {REC['gpu_uuid_used']} (NVIDIA H200, /dev/nvidia1)" in out.split("built on:")[1]
+    assert "gpu" not in Inspected("/s", make_manifest()).built  # a CPU snapshot
+    p = gpu.place(REC, [gpu.GpuSlot(OTHER, "NVIDIA H200", 1)])
+    r = Restored("/s", 1, "http://127.0.0.1:8000", "tiny", {"criu_restore": 1.0}, [], gpu=p.describe())
+    render._restored(r, False)
+    assert f"restored on GPU {OTHER} (recorded {REC['gpu_uuid_used']})" in capsys.readouterr().err

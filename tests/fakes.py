@@ -262,9 +262,10 @@ class FakeHostTools(_Role, HostTools):
         return dict(self.w.host)
 
     def gpu_uuids(self) -> list[str]:
-        return list(self.w.uuids)
+        return [s.uuid for s in self.w.slots] if self.w.slots is not None else list(self.w.uuids)
 
     def gpu_slots(self) -> list[GpuSlot]:
+        self.w._call("gpu_slots")  # nvidia-smi on a real host
         if self.w.slots is not None:
             return list(self.w.slots)
         return [GpuSlot(u, "Fake GPU", i) for i, u in enumerate(self.w.uuids)]

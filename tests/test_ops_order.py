@@ -515,6 +515,7 @@ def test_cuda_create_records_the_gpu_used_and_restore_places_the_state_by_it():
     r, _ = _restore(ok)
     assert ok.restore_cuda_pids == (2,)  # restore probes the recorded CUDA processes only
     assert ok.restore_gpu_map == () and ok.capacity_uuid == "GPU-fake-0" and r.gpu == "GPU GPU-fake-0"
+    assert "gpu_slots" not in ok.calls  # its own GPU is found in /proc: no nvidia-smi on the usual path
     # another GPU of the same model at the same minor (a node of the same class): remapped onto it
     moved = FakeWorld(manifest=m)
     moved.slots = [GpuSlot("GPU-other", "Fake GPU", 0), GpuSlot("GPU-fake-1", "Fake GPU", 1)]
@@ -522,6 +523,7 @@ def test_cuda_create_records_the_gpu_used_and_restore_places_the_state_by_it():
     assert moved.restore_gpu_map == (("GPU-fake-0", "GPU-other"),)
     assert "gpu_lock:GPU-other" in moved.calls and moved.capacity_uuid == "GPU-other"
     assert r.gpu == "GPU GPU-other (recorded GPU-fake-0)" and r.to_json()["gpu"] == r.gpu
+    assert moved.calls.count("gpu_slots") == 1  # validated once; the placement is kept for the phases
     # no GPU of that model at that minor: refused before anything is staged, naming what is here
     for slots, says in (([GpuSlot("GPU-other", "Other GPU", 0)], "/dev/nvidia0 here is a Other GPU"),
                         ([GpuSlot("GPU-other", "Fake GPU", 1)], "needs a Fake GPU at /dev/nvidia0")):

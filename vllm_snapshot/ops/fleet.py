@@ -105,7 +105,8 @@ def compatibility(f: oci.Facts, t: Tools, where: str) -> None:
     if f.user is not None:
         problems += [f"engine user: {p}" for p in t.host.user_problems(f.user)]
     problems += [f"mount: {p}" for p in t.host.check_external_mounts(f.mounts)]
-    if f.machine.get("gpu_uuid_used"):  # as restore places it: the recorded GPU, else its model at its minor
+    if f.machine.get("gpu_uuid_used") and f.machine["gpu_uuid_used"] not in t.host.gpu_uuids():
+        # as restore places it: the recorded GPU, else its model at its minor
         from ..checkpoint import gpu
 
         try:

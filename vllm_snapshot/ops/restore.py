@@ -174,7 +174,10 @@ def _validate(host: HostTools, model: ModelTools, files: SnapshotFiles, snapshot
     if "gpu_uuid_used" in m.host:  # the GPU its state goes onto: the recorded one, else one of its model, remapped
         from ..checkpoint import gpu as gpus
 
-        placed = gpus.place(m.host, host.gpu_slots())
+        recorded = m.host["gpu_uuid_used"]
+        # the recorded GPU here: known from the driver's /proc files, without running nvidia-smi
+        placed = (gpus.GpuPlacement(recorded, recorded) if recorded in host.gpu_uuids()
+                  else gpus.place(m.host, host.gpu_slots()))
         if gpu is not None and placed is not None:
             gpu.append(placed)
     if m.engine.user is None:

@@ -6,6 +6,8 @@ CRIU core-image capabilities (checkpoint/criu.py), the CRIU timeout's environmen
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import blake3
@@ -95,3 +97,50 @@ def test_reclaim_dry_run_lists_without_removing(tmp_path, monkeypatch):
     monkeypatch.setattr(locks, "clean_stale", lambda: [Path("/run/x.lock")])
     assert reclaim.reclaim(tmp_path) == [str(stale), "/run/x.lock", "empty cgroup /sys/fs/cgroup/vllm-snapshot/a-1"]
     assert removed == [stale]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare for a PID namespace")
+@pytest.mark.parametrize("serving", [False, True])
+def test_an_engine_root_whose_parent_died_is_an_orphan_unless_it_serves(serving):
+    # what a SIGKILLed restore leaves: PID 1 of its own namespace, spec as last argument,
+    # reparented to init, serving nothing; the same tree with its parent alive is no orphan,
+    # nor one that listens on a TCP port of this namespace (somebody's live server)
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from vllm_snapshot.store import registry
+
+    spec = '{"oracle_prompt": "test-orphan-%d"}' % os.getpid()
+    code = ("import socket, time; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); time.sleep(60)" if serving
+            else "import time; time.sleep(60)")
+    p = subprocess.Popen(["unshare", "--pid", "--fork", sys.executable, "-c", code, spec], start_new_session=True)
+    root = None
+    try:
+        deadline = time.monotonic() + 10
+        while root is None and time.monotonic() < deadline:
+            kids = psutil.Process(p.pid).children()
+            root = kids[0].pid if kids and kids[0].cmdline()[-1:] == [spec] else None
+            time.sleep(0.02)
+        assert root is not None, "the namespace's init did not start"
+        assert root not in [o.pid for o in registry.orphans()]  # its parent (unshare) lives
+        p.kill()
+        p.wait()
+        deadline = time.monotonic() + 10
+        while psutil.Process(root).ppid() == p.pid and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if serving:  # listening by now: the same process bound before it slept
+            deadline = time.monotonic() + 10
+            while not psutil.Process(root).net_connections() and time.monotonic() < deadline:
+                time.sleep(0.02)
+        assert (root in [o.pid for o in registry.orphans()]) is not serving
+    finally:
+        p.kill()
+        p.wait()
+        if root is not None:
+            try:
+                psutil.Process(root).kill()
+            except psutil.Error:
+                pass

@@ -10,6 +10,7 @@ engine is a :class:`FakeEngine` answering the engine protocol from a script.
 
 from __future__ import annotations
 
+import socket
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Callable
@@ -248,6 +249,16 @@ class _Role:
         self.w = w
 
 
+class FakeListener:
+    """What :meth:`FakeHostTools.take_listener` hands out: the old engine's socket (``pid``)."""
+
+    def __init__(self, pid: int, host: str, port: int) -> None:
+        self.pid, self.host, self.port, self.closed = pid, host, port, False
+
+    def close(self) -> None:
+        self.closed = True
+
+
 class FakeHostTools(_Role, HostTools):
 
     def require_root(self) -> None:
@@ -324,6 +335,15 @@ class FakeHostTools(_Role, HostTools):
 
     def ports_held_by(self, pid: int) -> set[int]:
         return set()
+
+    def take_listener(self, pid: int, host: str, port: int) -> socket.socket:
+        self.w._call("take_listener")
+        self.w.listener = FakeListener(pid, host, port)
+        return self.w.listener
+
+    def holds_socket(self, pid: int, sock: socket.socket) -> bool:
+        self.w._call("holds_socket")
+        return "stop_engine" not in self.w.calls  # the old engine closes its copy once told to stop
 
 
 class FakeModelTools(_Role, ModelTools):
@@ -556,10 +576,12 @@ class FakeEngineTools(_Role, EngineTools):
         return self.w.engine
 
     def serve_engine(self, engine: Engine, host: str, port: int, die_with_parent: bool,
-                     frontend: tuple[str, ...] = (), drain_s: float | None = None) -> None:
+                     frontend: tuple[str, ...] = (), drain_s: float | None = None,
+                     listener: socket.socket | None = None) -> None:
         self.w._call("serve_engine")
         self.w.served_frontend = tuple(frontend)
         self.w.served_drain = drain_s
+        self.w.served_listener = listener
         engine.send("serve", host=host, port=port, die_with_parent=die_with_parent, handoff="fake-handoff",
                     frontend=list(frontend), drain_s=drain_s)
 

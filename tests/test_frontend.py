@@ -12,7 +12,7 @@ import pytest
 from vllm_snapshot.supervise import frontend
 from vllm_snapshot.engine.args import FRONTEND_OPTIONS
 from vllm_snapshot import ops
-from vllm_snapshot.errors import UsageError
+from vllm_snapshot.errors import OracleMismatchError, UsageError
 from vllm_snapshot.report.progress import Reporter
 
 from fakes import FakeWorld, isolated_manifest
@@ -303,25 +303,31 @@ def test_switch_to_the_serving_snapshot_with_its_carried_options_in_another_orde
 def test_a_rolled_back_engine_gets_its_own_options_back_with_the_switchs_key():
     from vllm_snapshot.errors import CriuError
 
-    t = FakeWorld(manifest=isolated_manifest())
-    t.tools.host.environ = lambda: {}
-    t.entries = [_serving(("--allowed-origins", ORIGINS,), auth=True)]
-    real, served, tries = t.tools.checkpoint.restore_tree, [], []
+    for handover in (False, True):
+        # stop-then-restore (the old socket cannot be shared): the new engine's CRIU fails;
+        # hand-over: the new engine's canary fails after the old one stopped accepting
+        t = FakeWorld(manifest=isolated_manifest(), fail={} if handover else {"take_listener": LookupError("none")})
+        t.tools.host.environ = lambda: {}
+        t.entries = [_serving(("--allowed-origins", ORIGINS,), auth=True)]
+        real, served, tries = t.tools.checkpoint.restore_tree, [], []
 
-    def restore_tree(*a, **k):
-        tries.append(1)
-        if len(tries) == 1:
-            raise CriuError("CRIU restore failed")
-        return real(*a, **k)
+        def restore_tree(*a, **k):
+            tries.append(1)
+            if len(tries) == 1 and not handover:
+                raise CriuError("CRIU restore failed")
+            return real(*a, **k)
 
-    serve = t.tools.engine.serve_engine
-    t.tools.checkpoint.restore_tree = restore_tree
-    t.tools.engine.serve_engine = lambda *a, **k: (served.append(tuple(k.get("frontend", ()))), serve(*a, **k))[1]
-    with pytest.raises(CriuError, match="rolled back"):
-        ops.switch(SNAP, None, 8123, None, Reporter(), tools=t.tools,
-                   frontend=("--api-key", "k", "--allowed-origins", '["https://b.example"]', "--root-path", "/v2"))
-    assert served == [("--allowed-origins", ORIGINS, "--api-key", "k")]  # the rollback: not the new CORS nor root path
-    assert t.registered[-1].frontend_args == ("--allowed-origins", ORIGINS)
+        canary = t.tools.engine.http_canary
+        t.tools.engine.http_canary = lambda *a: ["token 1 != 2"] if len(tries) == 1 else canary(*a)
+        serve = t.tools.engine.serve_engine
+        t.tools.checkpoint.restore_tree = restore_tree
+        t.tools.engine.serve_engine = lambda *a, **k: (served.append(tuple(k.get("frontend", ()))), serve(*a, **k))[1]
+        with pytest.raises(OracleMismatchError if handover else CriuError, match="rolled back"):
+            ops.switch(SNAP, None, 8123, None, Reporter(), tools=t.tools,
+                       frontend=("--api-key", "k", "--allowed-origins", '["https://b.example"]', "--root-path", "/v2"))
+        # the rollback: not the new CORS nor root path
+        assert served[-1] == ("--allowed-origins", ORIGINS, "--api-key", "k")
+        assert t.registered[-1].frontend_args == ("--allowed-origins", ORIGINS)
 
 
 def test_an_engine_registered_without_a_record_of_its_options_keeps_the_old_behaviour():

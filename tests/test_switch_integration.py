@@ -1,6 +1,7 @@
 """Time-sharing without outages and the store's edges, end to end (real engine + CRIU):
-switch to a bad target keeps the old engine serving; a switch whose restore fails rolls the
-old snapshot back; a snapshot on a read-only mount restores; delete through a symlinked root
+switch to a bad target keeps the old engine serving; a switch hands the port over with no
+refused connection and no failed request; a switch whose restore fails after the old engine
+stopped (no hand-over) rolls the old snapshot back; a snapshot on a read-only mount restores; delete through a symlinked root
 refuses while the engine runs; faster stop."""
 
 from __future__ import annotations
@@ -8,11 +9,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+import threading
+import time
+import urllib.error
 from pathlib import Path
 
 import pytest
 
-from conftest import cli, engine_env
+from conftest import ROOT, cli, engine_env
 from test_integration import free_port, port_accepts, post, wait_gone
 from test_integration_more import _break_link
 
@@ -56,9 +61,22 @@ def test_switch_bad_target_keeps_serving_and_failed_restore_rolls_back(clone_sna
             assert p.returncode == code, p.stderr
             assert [e["pid"] for e in _status(env) if e["port"] == port] == [r["pid"]]
             assert _complete(port, "::1") is not None
-        # 3. the target fails after the old engine was stopped: rolled back, and said so
+        # 3. the target fails its oracle: a hand-over restores and checks it while the old engine
+        # serves: nothing changes (same engine, same answer) and the error says so
+        before = _complete(port, "::1")
         p = cli("switch", str(wrong), "--port", str(port), "--json", env=env, timeout=300)
         assert p.returncode == 6, p.stderr
+        err = json.loads(p.stdout)["error"]
+        assert f"was not touched: it still serves http://[::1]:{port}" in err["message"], err["message"]
+        assert err["details"]["stopped"] == [] and err["details"]["serving"]["pid"] == r["pid"]
+        assert [e["pid"] for e in _status(env) if e["port"] == port] == [r["pid"]]
+        assert _complete(port, "::1") == before
+        # 4. the same target on another address: no hand-over (the old engine stops first), the
+        # target fails after the old engine was stopped: rolled back, and said so
+        p = cli("switch", str(wrong), "--port", str(port), "--host", "::", "--json", env=env, timeout=300)
+        assert p.returncode == 6, p.stderr
+        assert "(no hand-over: the new engine is to listen on ::, the old one listens on ::1)" in \
+            json.loads(p.stdout)["error"]["message"], p.stdout
         err = json.loads(p.stdout)["error"]
         assert "rolled back" in err["message"] and err["details"]["stopped"][0]["pid"] == r["pid"]
         serving = err["details"]["serving"]
@@ -66,7 +84,7 @@ def test_switch_bad_target_keeps_serving_and_failed_restore_rolls_back(clone_sna
         assert wait_gone(r["pid"], 5)
         assert [(e["pid"], e["host"]) for e in _status(env) if e["port"] == port] == [(serving["pid"], "::1")]
         assert _complete(port, "::1") is not None
-        # 4. switching to what already serves there is a no-op
+        # 5. switching to what already serves there is a no-op
         p = json.loads(cli("switch", str(a), "--port", str(port), "--json", env=env, timeout=120, check=True).stdout)
         assert p["pid"] == serving["pid"] and p["switch_s"] == 0.0
     finally:
@@ -164,5 +182,85 @@ def test_switch_keeps_the_front_end_options_of_the_engine_it_replaces(snapshot, 
                 if f.is_file():
                     assert key.encode() not in f.read_bytes(), f"key in {f}"
     finally:
+        cli("stop", "--port", str(port), env=env, timeout=120)
+    assert not port_accepts(port)
+
+
+def _hammer(port: int, stop: threading.Event, out: list, pause_s: float = 0.02) -> None:
+    """POST one-token completions to ``port`` back to back until ``stop``; each outcome into
+    ``out`` as (start, end, error or None): a refused or reset connection, a timeout or a
+    non-200 answer is an error."""
+    while not stop.is_set():
+        t0 = time.monotonic()
+        try:
+            _complete(port)
+            out.append((t0, time.monotonic(), None))
+        except (OSError, urllib.error.URLError, ValueError, KeyError) as e:  # HTTPError is a URLError
+            out.append((t0, time.monotonic(), f"{type(e).__name__}: {e}"))
+        time.sleep(pause_s)
+
+
+def test_switch_hands_over_with_no_refused_connection_and_no_failed_request(clone_snapshot):
+    """Issue 32, target 4: while a client hammers the port and a long request runs on the old
+    engine, `switch` restores the new engine beside it, hands it the old engine's own listening
+    socket, then drains the old one: no connection is refused, no request fails, the long
+    request (accepted by the old engine) completes, the answers stay the same."""
+    a, b = clone_snapshot("ho-a"), clone_snapshot("ho-b")
+    env = engine_env()
+    port = free_port()
+    r = json.loads(cli("restore", str(a), "--port", str(port), "--detach", "--json",
+                       env=env, timeout=300, check=True).stdout)
+    results: list = []
+    stop = threading.Event()
+    long: dict = {}
+
+    def long_request() -> None:
+        long["t0"] = time.monotonic()
+        try:
+            long["text"] = post(f"http://127.0.0.1:{port}/v1/completions",
+                                {"model": "tiny-llama", "prompt": "Once", "max_tokens": 400, "ignore_eos": True},
+                                timeout=120)["choices"][0]["text"]
+        except (OSError, urllib.error.URLError) as e:
+            long["error"] = f"{type(e).__name__}: {e}"
+        long["t1"] = time.monotonic()
+
+    try:
+        before = _complete(port)
+        hammer = threading.Thread(target=_hammer, args=(port, stop, results), daemon=True)
+        hammer.start()
+        p = cli("switch", str(b), "--port", str(port), "--json", env=env, timeout=300)
+        # the long request starts once the switch's own work is under way: it goes to whichever
+        # engine accepts it; in flight when the old one is told to stop, it must finish anyway
+        assert p.returncode == 0, p.stderr[-3000:]
+        out = json.loads(p.stdout)
+        stop.set()
+        hammer.join(60)
+        assert out["handover"] is True and out["fallback"] == "" and out["stopped"] == [r["pid"]], out
+        failed = [x for x in results if x[2] is not None]
+        assert not failed, failed[:5]
+        assert len(results) > 20, len(results)
+        assert wait_gone(r["pid"], 30)
+        assert [e["pid"] for e in _status(env) if e["port"] == port] == [out["pid"]]
+        assert _complete(port) == before
+        # a long request the old engine accepted right before the hand-over completes: sent when
+        # the switch replays the oracle inside the new engine (the old one alone accepts then)
+        c = subprocess.Popen([sys.executable, "-m", "vllm_snapshot", "switch", str(a), "--port", str(port)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        t = threading.Thread(target=long_request)
+        err_lines = []
+        for line in c.stderr:
+            err_lines.append(line)
+            if "replaying the oracle inside the engine ..." in line and not t.is_alive():
+                t.start()
+            if "accepts no more and drains" in line and "handed" not in long:
+                long["handed"] = time.monotonic()
+        out_text = c.stdout.read()
+        assert c.wait(300) == 0, "".join(err_lines)[-3000:]
+        assert "by hand-over" in out_text, out_text
+        t.join(150)
+        assert "error" not in long and len(long.get("text", "")) > 0, long
+        assert long["t0"] < long["handed"] < long["t1"], long  # in flight when the old engine was told to stop
+    finally:
+        stop.set()
         cli("stop", "--port", str(port), env=env, timeout=120)
     assert not port_accepts(port)

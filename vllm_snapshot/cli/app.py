@@ -347,15 +347,21 @@ def switch(
     rollback: bool = typer.Option(True, "--rollback/--no-rollback",
                                   help="If the new snapshot fails to restore, restore the old one again (default)."),
     no_build: bool = typer.Option(False, "--no-build", help="With --model: never build, use a valid snapshot or fail."),
+    handover: bool = typer.Option(True, "--handover/--no-handover",
+                                  help="Restore and check the new engine while the old one serves, then hand it "
+                                       "the old one's listening socket (default, when both fit in memory); "
+                                       "--no-handover: stop the old engine first."),
     drain_timeout: Optional[float] = typer.Option(
         None, "--drain-timeout", min=0, help="Seconds the old engine lets requests in flight finish (default: its "
         "own); also the new engine's drain timeout (default $VLLM_SNAPSHOT_DRAIN_TIMEOUT, else 30)."),
     as_json: bool = typer.Option(False, "--json"),
     quiet: bool = typer.Option(False, "--quiet", "-q"),
 ) -> None:
-    """Time-sharing: validate SNAPSHOT, stop whatever serves on PORT (it takes no new connection
-    and drains: requests in flight finish), restore SNAPSHOT there (detached) while it drains;
-    roll back to the old engine if that fails. Switches of one port run one after the other.
+    """Time-sharing: validate SNAPSHOT, restore and check it (detached) while the engine on PORT
+    still serves, hand it that engine's listening socket (the port never stops listening), then
+    stop the old engine (it takes no new connection and drains: requests in flight finish). When
+    both engines do not fit at once (memory, GPU memory) or with --no-handover: stop the old
+    engine first, restore SNAPSHOT while it drains, roll back to it if that fails. Switches of one port run one after the other.
     Reports the measured switch time. With --model MODEL [-- engine args] the snapshot is the
     one `serve` would use (built first, while the old engine keeps serving, when none is valid).
     The old engine's front-end options (CORS, TLS, --root-path, logging, ...) are kept; one given
@@ -385,14 +391,14 @@ def switch(
                              hint="a snapshot's engine args are frozen at create; front-end options (API key, "
                                   "TLS, CORS, ...) are accepted after --")
         switched = ops.switch(_resolve(snapshot), host, port, log_file, _reporter(quiet, as_json), rollback,
-                              frontend=tuple(front), drain_s=drain_timeout)
+                              frontend=tuple(front), drain_s=drain_timeout, handover=handover)
         _handed_off()
         render.show(switched, as_json, quiet)
         return
     req = ops.ServeRequest(model=model, root=store.ensure_root(_root_dir()), engine_args=engine_args, port=port,
                            log_file=log_file, build="never" if no_build else "auto", detach=True,
                            frontend=tuple(front), drain_s=_drain(drain_timeout))
-    switched, _path = ops.switch_model(req, host, rollback, _reporter(quiet, as_json))
+    switched, _path = ops.switch_model(req, host, rollback, _reporter(quiet, as_json), handover=handover)
     _handed_off()
     render.show(switched, as_json, quiet)
 

@@ -200,6 +200,10 @@ def _switched(r: R.Switched, quiet: bool) -> None:
     if r.unchanged:  # a trial: "nothing to switch" on stderr, "switched port ... 0.00 s" on stdout
         _line(f"port {r.port} already serves {r.snapshot} (engine PID {r.pid}): nothing switched")
         return
+    if r.handover:
+        _line(f"switched port {r.port} to {r.snapshot} (engine PID {r.pid}) by hand-over: restore {r.restore_s:.2f} s "
+              f"while the old engine served, then it drained and stopped in {r.stop_s:.2f} s")
+        return
     _line(f"switched port {r.port} to {r.snapshot} (engine PID {r.pid}): "
           f"stop {r.stop_s:.2f} s + restore {r.restore_s:.2f} s = {r.switch_s:.2f} s")
 

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Callable
 
@@ -47,10 +48,11 @@ class LocalEngineTools(EngineTools):
         return restored_handle(pid, channel, [echo] if echo else [])
 
     def serve_engine(self, engine: Engine, host: str, port: int, die_with_parent: bool,
-                     frontend: tuple[str, ...] = (), drain_s: float | None = None) -> None:
+                     frontend: tuple[str, ...] = (), drain_s: float | None = None,
+                     listener: socket.socket | None = None) -> None:
         from ..supervise import handoff
 
-        handoff.serve_engine(engine, host, port, die_with_parent, frontend, drain_s)
+        handoff.serve_engine(engine, host, port, die_with_parent, frontend, drain_s, listener=listener)
 
     def http_health(self, url: str) -> bool:
         from . import http

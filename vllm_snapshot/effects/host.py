@@ -144,6 +144,16 @@ class LocalHostTools(HostTools):
 
         return ports.listeners_taken(listeners)
 
+    def take_listener(self, pid: int, host: str, port: int) -> socket.socket:
+        from ..host import ports
+
+        return ports.take_listener(pid, host, port)
+
+    def holds_socket(self, pid: int, sock: socket.socket) -> bool:
+        from ..host import ports
+
+        return ports.holds_socket(pid, sock)
+
     def ports_held_by(self, pid: int) -> set[int]:
         import psutil
 

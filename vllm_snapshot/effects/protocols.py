@@ -11,6 +11,7 @@ class without such a test). Policies live in the leaves the implementations call
 
 from __future__ import annotations
 
+import socket
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Callable, Protocol, runtime_checkable
@@ -155,6 +156,15 @@ class HostTools(Protocol):
 
     def ports_held_by(self, pid: int) -> set[int]:
         """TCP ports the tree rooted at ``pid`` listens on."""
+
+    def take_listener(self, pid: int, host: str, port: int) -> socket.socket:
+        """A duplicate of the listening socket bound to ``host:port`` (in our network namespace)
+        that process ``pid`` holds: the same socket, so its backlog is shared
+        (:func:`vllm_snapshot.host.ports.take_listener`). Raises LookupError (``pid`` holds
+        none), OSError (it cannot be taken)."""
+
+    def holds_socket(self, pid: int, sock: socket.socket) -> bool:
+        """Whether process ``pid`` still has a descriptor of ``sock``; False when it is gone."""
 
 
 class ModelTools(Protocol):
@@ -357,12 +367,15 @@ class EngineTools(Protocol):
     def adopt(self, pid: int, channel: EngineChannel, echo: Callable[[bytes], None] | None) -> Engine: ...
 
     def serve_engine(self, engine: Engine, host: str, port: int, die_with_parent: bool,
-                     frontend: tuple[str, ...] = (), drain_s: float | None = None) -> None:
+                     frontend: tuple[str, ...] = (), drain_s: float | None = None,
+                     listener: socket.socket | None = None) -> None:
         """Bind ``host:port`` in our (the host's) network namespace, send ``serve`` and hand the
         listening socket to the engine, whose tree has a network namespace of its own
         (:mod:`vllm_snapshot.supervise.handoff`); ``frontend``: option tokens the engine applies first
         (:mod:`vllm_snapshot.supervise.frontend`); ``drain_s``: seconds the engine lets requests in flight
-        finish when signalled to stop. Raises BusyError/UsageError (port), EngineError."""
+        finish when signalled to stop; ``listener``: a socket already listening on ``host:port``
+        to hand over instead of binding (a switch's hand-over; the caller keeps and closes it).
+        Raises BusyError/UsageError (port), EngineError."""
 
     def http_health(self, url: str) -> bool: ...
 

@@ -5,13 +5,16 @@ doctor ask here)."""
 from __future__ import annotations
 
 import errno as _errno
+import ctypes
+import ipaddress
+import os
 import socket
 from typing import Iterable
 
 import psutil
 
 from ..errors import BusyError, UsageError
-from .procs import brief
+from .procs import brief, socket_inodes
 
 
 def url(host: str, port: int, scheme: str = "http") -> str:
@@ -126,3 +129,85 @@ def listeners_taken(listeners: Iterable[tuple[str, int] | list]) -> list[str]:
         problems.append(f"{len(addrs)} of them held by {who}: {', '.join(addrs[:4])}"
                         + (f" and {len(addrs) - 4} more" if len(addrs) > 4 else ""))
     return problems
+
+
+#: pidfd_getfd(2) (Linux >= 5.6; one number on every architecture since the syscall tables were unified)
+SYS_PIDFD_GETFD = 438
+#: ``st`` of a listening socket in ``/proc/net/tcp``
+TCP_LISTEN = "0A"
+
+
+def listening_inodes(port: int, net: str = "/proc/self/net") -> set[int]:
+    """Inodes of the TCP sockets listening on ``port`` (any address) in the caller's network
+    namespace, read from ``NET/tcp`` and ``NET/tcp6``; empty when none or unreadable."""
+    out: set[int] = set()
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(f"{net}/{name}") as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if len(cols) > 9 and cols[3] == TCP_LISTEN and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                out.add(int(cols[9]))
+    return out
+
+
+def _getfd(pid: int, fd: int) -> int:
+    """A duplicate (close-on-exec) of process ``pid``'s descriptor ``fd`` (pidfd_getfd(2); needs
+    ptrace rights over it: root). Raises OSError."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        got = libc.syscall(SYS_PIDFD_GETFD, pidfd, fd, 0)
+        if got < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"pidfd_getfd of fd {fd} of PID {pid}: {os.strerror(err)}")
+        return got
+    finally:
+        os.close(pidfd)
+
+
+def _same_address(a: str, b: str) -> bool:
+    try:
+        return ipaddress.ip_address(a.split("%", 1)[0]) == ipaddress.ip_address(b.split("%", 1)[0])
+    except ValueError:
+        return a == b
+
+
+def take_listener(pid: int, host: str, port: int) -> socket.socket:
+    """A duplicate of the listening TCP socket bound to ``host:port`` in the caller's network
+    namespace that process ``pid`` holds (an engine root: the socket its supervisor bound and
+    handed to it), taken with pidfd_getfd(2) (root). The socket is the same one, not a new
+    bind: connections queued in its backlog are accepted by whoever accepts next, none is reset
+    when one holder closes its descriptor. Raises LookupError when ``pid`` holds no such socket,
+    OSError when it cannot be taken (the process is gone, a kernel before 5.6, not root)."""
+    candidates = listening_inodes(port)
+    held = socket_inodes(pid) & candidates
+    if not held:
+        raise LookupError(f"PID {pid} holds no socket listening on {fmt_addr(host, port)} in this network namespace")
+    for fd in sorted(os.listdir(f"/proc/{pid}/fd"), key=int):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if not target.startswith("socket:[") or int(target[8:-1]) not in held:
+            continue
+        sock = socket.socket(fileno=_getfd(pid, int(fd)))
+        try:
+            name = sock.getsockname()
+            if (sock.type == socket.SOCK_STREAM and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                    and name[1] == port and _same_address(name[0], host)):
+                return sock
+        except OSError:
+            pass
+        sock.close()
+    raise LookupError(f"PID {pid} holds no socket listening on {fmt_addr(host, port)} (it listens on that port "
+                      "on another address)")
+
+
+def holds_socket(pid: int, sock: socket.socket) -> bool:
+    """Whether process ``pid`` still has a descriptor of ``sock`` (the same open socket: its
+    inode among ``pid``'s fds). False when ``pid`` is gone."""
+    return os.fstat(sock.fileno()).st_ino in socket_inodes(pid)

@@ -219,6 +219,14 @@ class _Stopping:
             raise self.error
         return self.reports
 
+    def wait_closed(self, net: HostTools, clock: Clock, pid: int, sock) -> None:
+        """Until process ``pid`` (the old engine's root) has closed its descriptor of the shared
+        listening socket ``sock`` (it accepts no more: what is queued goes to the new engine),
+        or the old engines are gone."""
+        self._began.wait()
+        while not self.done() and net.holds_socket(pid, sock):
+            clock.sleep(0.01)
+
     def wait_port(self, net: HostTools, clock: Clock, host: str, port: int) -> None:
         """Until ``host:port`` can be bound (the old engines closed their listening sockets:
         they drain now) or they are gone."""
@@ -233,7 +241,7 @@ class _Stopping:
 
 def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, rep: Reporter,
            rollback: bool = True, tools: Tools | None = None, frontend: tuple[str, ...] = (),
-           drain_s: float | None = None) -> Switched:
+           drain_s: float | None = None, handover: bool = True) -> Switched:
     """Serve ``snapshot`` on ``port`` instead of whatever serves there, never leaving the port
     dark by mistake and never cutting an accepted request:
 
@@ -242,6 +250,23 @@ def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, r
     1. the target is validated completely first (everything restore checks before CRIU except
        the port, which the old engine still holds): a typo, a changed model, a corrupt or
        incompatible snapshot refuse here and the old engine keeps serving;
+
+    then, as a **hand-over** (``handover``, the default) when one engine serves the port on the
+    same address, the target's engine has a network namespace of its own and both engines fit
+    at once (:func:`handover_blocker`: host memory, and GPU memory for a CUDA target):
+
+    2h. the target is restored detached while the old engine serves, and checked completely
+        (identity, model, code, image checksums, the oracle inside the engine); it is then handed
+        the old engine's own listening socket (a duplicate taken with pidfd_getfd: the port never
+        stops listening, connections waiting in its backlog are accepted by whichever engine
+        accepts next, none is refused or reset); the old engine is told to stop (it closes its
+        descriptor and drains its requests), and once it accepts no more the new engine's
+        ``/health`` and canary run (they reach it alone); see :func:`_hand_over`. A failure
+        before the hand-over leaves the old engine serving untouched and the error says so; a
+        failed canary restores the old snapshot again on the same socket (``rollback``).
+
+    Otherwise (the reason is said, and kept in ``Switched.fallback``) the old way:
+
     2. the old engine is told to stop: it closes its listening socket at once and drains
        (requests in flight finish, for at most its drain timeout; ``drain_s`` overrides it) in
        the background;
@@ -267,16 +292,18 @@ def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, r
     :func:`vllm_snapshot.store.registry.drain_timeout`).
 
     Durations in seconds: ``stop_s`` until the restore could start (the old engine closed the
-    port), ``restore_s``, ``switch_s`` their sum. Raises the errors of :func:`restore`,
+    port; after a hand-over: the old engine's drain, after the new engine took over),
+    ``restore_s``, ``switch_s`` their sum. Raises the errors of :func:`restore`,
     BusyError (the port's lock, after :data:`vllm_snapshot.store.locks.PORT_WAIT_S`)."""
     t = tools or local_tools()
     t.host.require_root()
     with t.store.port_lock(port, rep.info):
-        return _switch_locked(t, snapshot, host, port, log_file, rep, rollback, frontend, drain_s)
+        return _switch_locked(t, snapshot, host, port, log_file, rep, rollback, frontend, drain_s, handover)
 
 
 def _switch_locked(t: Tools, snapshot: Path, host: str | None, port: int, log_file: Path | None,
-                   rep: Reporter, rollback: bool, frontend: tuple[str, ...], drain_s: float | None) -> Switched:
+                   rep: Reporter, rollback: bool, frontend: tuple[str, ...], drain_s: float | None,
+                   handover: bool = True) -> Switched:
     from ..supervise import frontend as fe
     from ..errors import InsufficientResources
     from ..store.registry import drain_timeout
@@ -317,6 +344,27 @@ def _switch_locked(t: Tools, snapshot: Path, host: str | None, port: int, log_fi
     if carried:
         rep.info(f"keeping the front-end options of the engine on port {port}: {', '.join(dict.fromkeys(carried))} "
                  "(give one to switch to change it)")
+    req = RestoreRequest(snapshot=snapshot, host=host, port=port, detach=True, log_file=log_file,
+                         frontend=tuple(tokens), drain_s=new_drain)
+    why = ""
+    if old:
+        why = (handover_blocker(t, m, old, host, port) or "") if handover else "--no-handover"
+        listener = None
+        if not why:
+            try:
+                listener = t.host.take_listener(old[0].pid, host, port)
+            except (LookupError, OSError) as e:
+                why = f"the old engine's listening socket cannot be shared ({e})"
+        if listener is not None:
+            try:
+                done = _hand_over(t, req, old[0], listener, rep, rollback, tuple(back), drain_s)
+            finally:
+                listener.close()
+            if isinstance(done, Switched):
+                return done
+            why = done
+        rep.info(f"no hand-over: {why}; the old engine stops first (the port refuses connections until the "
+                 "new one serves)")
     t0 = t.clock.monotonic()
     stopping = None
     if old:
@@ -330,8 +378,6 @@ def _switch_locked(t: Tools, snapshot: Path, host: str | None, port: int, log_fi
                 stopping.wait_port(t.host, t.clock, host, port)
     t1 = t.clock.monotonic()
     stopped = [{"pid": e.pid, "snapshot": e.snapshot, "host": e.host, "port": e.port} for e in old]
-    req = RestoreRequest(snapshot=snapshot, host=host, port=port, detach=True, log_file=log_file,
-                         frontend=tuple(tokens), drain_s=new_drain)
     try:
         try:
             r, engine = restore(req, rep, tools=t)
@@ -349,7 +395,7 @@ def _switch_locked(t: Tools, snapshot: Path, host: str | None, port: int, log_fi
             if (old and rollback and not isinstance(err, Interrupted)) else None
         gone = {e.pid for e in old}
         _explain_switch_failure(err, port, stopped, serving, rollback,
-                                [e for e in t.runtime.engines() if e.port == port and e.pid not in gone])
+                                [e for e in t.runtime.engines() if e.port == port and e.pid not in gone], why)
         raise
     except BaseException:
         if stopping is not None:
@@ -360,7 +406,102 @@ def _switch_locked(t: Tools, snapshot: Path, host: str | None, port: int, log_fi
     if stopping is not None:
         _finish(stopping, rep)
     return Switched(str(snapshot), port, r.pid, r.url, round(t1 - t0, 3), round(t2 - t1, 3),
-                    round(t2 - t0, 3), [e.pid for e in old], host)
+                    round(t2 - t0, 3), [e.pid for e in old], host, fallback=why)
+
+
+def handover_blocker(t: Tools, m, old: list[Entry], host: str, port: int) -> str | None:
+    """Why the engine of manifest ``m`` cannot take over ``port`` from ``old`` (the engines
+    serving it, at least one) while they still serve, in words; None when it can: one engine
+    serves the port, on the same address; the target's engine has a network namespace of its
+    own (it is handed a socket: older snapshots bind the port themselves); and both engines fit
+    at once -- host memory for the target's images beside the old engine (what a restore
+    checks, :func:`vllm_snapshot.host.resources.check`), and for a CUDA target the GPU's free
+    memory beside the old engine's (:meth:`CheckpointTools.check_gpu_capacity`). Raises
+    nothing of its own."""
+    from ..errors import InsufficientResources
+    from ..host import resources
+
+    if len(old) > 1:
+        return f"{len(old)} engines serve port {port} (PIDs {', '.join(str(e.pid) for e in old)})"
+    if old[0].host != host:
+        return f"the new engine is to listen on {host}, the old one listens on {old[0].host}"
+    if m.engine.network != "isolated":
+        return "the target binds its port itself (made before engines had a network namespace of their own)"
+    if m.engine.kind == "cuda":
+        try:
+            t.checkpoint.check_gpu_capacity(m)
+        except InsufficientResources as e:
+            return f"the GPU has no room for both engines at once: {e.message.splitlines()[0]}"
+    try:
+        short = resources.check(m.sizes["raw"], t.host.memory_offer(True))
+    except InsufficientResources as e:
+        short = e.message.splitlines()[0]
+    if short:
+        return f"both engines do not fit in memory at once: {short}"
+    return None
+
+
+def _hand_over(t: Tools, req: RestoreRequest, prev: Entry, listener, rep: Reporter, rollback: bool,
+               back: tuple[str, ...], drain_s: float | None) -> Switched | str:
+    """Restore ``req`` while ``prev`` still serves, on ``prev``'s own listening socket
+    (``listener``, a duplicate: the port never stops listening, its backlog is shared, so no
+    connection is refused or reset). Every check of the restore (identity, model, code, image
+    checksums, oracle inside the engine) passes before the new engine gets the socket; then
+    ``prev`` is told to stop (it closes its descriptor: accepts no more; the requests it
+    accepted finish within its drain) and, once it stopped accepting, ``/health`` and the
+    canary reach the new engine alone. A failure before that leaves ``prev`` serving untouched
+    (the error says so); after it (``/health``/canary), ``prev``'s snapshot is restored again
+    on the same socket unless ``rollback`` is false. Returns the result, or a reason (str)
+    when the restore found too little memory before anything was touched (the caller then
+    stops first). Raises the errors of :func:`restore`."""
+    from ..errors import InsufficientResources
+    import dataclasses
+
+    port = req.port
+    state: dict = {"stopping": None, "handed": None}
+
+    def on_serving() -> None:
+        state["handed"] = t.clock.monotonic()
+        drains = prev.drain_s if drain_s is None else drain_s
+        with rep.phase("hand_over", f"the new engine accepts on port {port}; the old one (PID {prev.pid}) "
+                                    f"accepts no more and drains (requests in flight finish, up to {drains:g} s)"):
+            state["stopping"] = _Stopping(t.runtime, [prev], drain_s)
+            state["stopping"].wait_closed(t.host, t.clock, prev.pid, listener)
+
+    t0 = t.clock.monotonic()
+    try:
+        r, engine = restore(dataclasses.replace(req, listener=listener, on_serving=on_serving), rep, tools=t)
+    except SnapshotError as err:
+        stopping = state["stopping"]
+        if stopping is None:
+            if isinstance(err, InsufficientResources):
+                return f"the restore found too little memory beside the old engine ({err.message.splitlines()[0]})"
+            serving = {"snapshot": prev.snapshot, "pid": prev.pid, "url": prev.url}
+            err.message = (f"{err.message}\nswitch: the engine on port {port} (PID {prev.pid}, {prev.snapshot}) was "
+                           f"not touched: it still serves {prev.url}")
+            err.args = (err.message,)
+            err.details = {"cause": err.details, "stopped": [], "serving": serving}
+            raise
+        # /health or the canary failed after the old engine stopped accepting: the socket is
+        # still ours, the old snapshot takes it again (connections wait in its backlog)
+        serving = _roll_back(t, prev, rep, back, req.drain_s, listener) \
+            if rollback and not isinstance(err, Interrupted) else None
+        _finish(stopping, rep)
+        _explain_switch_failure(err, port, [{"pid": prev.pid, "snapshot": prev.snapshot, "host": prev.host,
+                                             "port": prev.port}], serving, rollback,
+                                [e for e in t.runtime.engines() if e.port == port and e.pid != prev.pid])
+        raise
+    except BaseException:
+        if state["stopping"] is not None:
+            _finish(state["stopping"], rep)
+        raise
+    engine.close()
+    t1 = t.clock.monotonic()
+    if state["stopping"] is not None:
+        _finish(state["stopping"], rep)
+    t2 = t.clock.monotonic()
+    return Switched(str(req.snapshot), port, r.pid, r.url, round(t2 - t1, 3), round(t1 - t0, 3), round(t2 - t0, 3),
+                    [prev.pid], req.host, handover=True)
 
 
 def _finish(stopping: _Stopping, rep: Reporter) -> None:
@@ -371,14 +512,16 @@ def _finish(stopping: _Stopping, rep: Reporter) -> None:
 
 
 def _roll_back(t: Tools, prev: Entry, rep: Reporter, frontend: tuple[str, ...] = (),
-               drain_s: float | None = None) -> dict | None:
+               drain_s: float | None = None, listener=None) -> dict | None:
     """Restore the engine a failed switch stopped (with ``frontend``: its own recorded options
-    and the switch's API key); its serving record, or None."""
+    and the switch's API key; on ``listener`` when the port's socket was kept); its serving
+    record, or None."""
     try:
         with rep.phase("rollback", f"restoring {Path(prev.snapshot).name} again on port {prev.port}"):
             r, engine = restore(RestoreRequest(snapshot=Path(prev.snapshot), host=prev.host, port=prev.port,
                                                detach=True, frontend=frontend,
-                                               drain_s=prev.drain_s if drain_s is None else drain_s), rep, tools=t)
+                                               drain_s=prev.drain_s if drain_s is None else drain_s,
+                                               listener=listener), rep, tools=t)
         engine.close()
         return {"snapshot": prev.snapshot, "pid": r.pid, "url": r.url}
     except SnapshotError as e:
@@ -387,10 +530,11 @@ def _roll_back(t: Tools, prev: Entry, rep: Reporter, frontend: tuple[str, ...] =
 
 
 def _explain_switch_failure(err: SnapshotError, port: int, stopped: list[dict], serving: dict | None,
-                            rollback: bool, now: list[Entry] | None = None) -> None:
+                            rollback: bool, now: list[Entry] | None = None, why: str = "") -> None:
     """Append to ``err`` what the failed switch stopped and what serves on ``port`` now:
     ``serving`` (the rollback's engine), else the registry's engines on the port (``now``:
-    another command's, e.g. a restore that took the port meanwhile), else nothing."""
+    another command's, e.g. a restore that took the port meanwhile), else nothing; and ``why``
+    the old engine was stopped before the restore (no hand-over), when it was."""
     rolled_back = serving is not None
     if not rolled_back and now:
         e = now[0]
@@ -406,6 +550,8 @@ def _explain_switch_failure(err: SnapshotError, port: int, stopped: list[dict], 
     else:
         what = (f"the engine that served port {port} (PID {stopped[0]['pid']}, {stopped[0]['snapshot']}) was "
                 f"stopped; {here}")
+    if why and stopped:
+        what += f" (no hand-over: {why})"
     err.message = f"{err.message}\nswitch: {what}"
     err.args = (err.message,)
     err.details = {"cause": err.details, "stopped": stopped, "serving": serving}

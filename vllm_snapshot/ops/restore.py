@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 from contextlib import ExitStack
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -117,6 +118,14 @@ class RestoreRequest:
     #: seconds the engine lets requests in flight finish when it is stopped (SIGTERM, ``stop``):
     #: :func:`vllm_snapshot.store.registry.drain_timeout`
     drain_s: float = DRAIN_S
+    #: a socket already listening on ``host:port`` to serve on instead of binding one (a
+    #: switch's hand-over: the old engine's own socket); the caller keeps and closes it, and the
+    #: port is not probed (it is ours). Only for snapshots whose engine has a network namespace
+    #: of its own (``engine.network`` ``isolated``).
+    listener: socket.socket | None = None
+    #: called once the engine took the socket, before ``/health`` and the canary (a switch's
+    #: hand-over stops the old engine's accepting there, so both reach the new engine only)
+    on_serving: Callable[[], None] | None = None
 
 
 _POOL = None
@@ -379,7 +388,7 @@ def _validate_request(t: Tools, req: RestoreRequest, snapshot: Path):
     pins: list = []  # the model files' stats as checked: a level-2 wake reloads from them
     placed: list = []
     m, warnings = _validate(t.host, t.model, t.files, snapshot, req.verify_model, req.allow,
-                            port=(req.host, req.port), pins=pins, gpu=placed)
+                            port=None if req.listener is not None else (req.host, req.port), pins=pins, gpu=placed)
     if fe.files and m.engine.user is not None:  # the unprivileged engine opens them when it serves
         unreadable = t.host.unreadable_by(m.engine.user, [Path(p) for p in fe.files])
         if unreadable:
@@ -541,11 +550,16 @@ def _serve_verified(et: EngineTools, clock: Clock, req: RestoreRequest, rep: Rep
     with rep.phase("bind", f"binding {ports.fmt_addr(req.host, req.port)}"):
         if m.engine.network == "isolated":  # bound here, in the host's namespace, and handed to the engine
             et.serve_engine(engine, req.host, req.port, die_with_parent=not req.detach, frontend=tuple(fe.args),
-                            drain_s=req.drain_s)
+                            drain_s=req.drain_s, listener=req.listener)
+        elif req.listener is not None:
+            raise UsageError(f"{st.snapshot.name} binds its port itself (made before engines had a network "
+                             "namespace of their own): it cannot take over a listening socket")
         else:
             engine.send("serve", host=req.host, port=req.port, die_with_parent=not req.detach, frontend=fe.args,
                         drain_s=req.drain_s)
         engine.wait_event("binding", BIND_TIMEOUT_S)
+    if req.on_serving is not None:
+        req.on_serving()
     with rep.phase("http_ready", "waiting for the HTTP server (/health)"):
         deadline = clock.monotonic() + BIND_TIMEOUT_S
         while not et.http_health(url):

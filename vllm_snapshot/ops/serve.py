@@ -359,7 +359,7 @@ def _offer(req: ServeRequest, snapshot: Path, key: str) -> list[str]:
 
 
 def switch_model(req: ServeRequest, host: str | None, rollback: bool, rep: Reporter,
-                 tools: Tools | None = None):
+                 tools: Tools | None = None, handover: bool = True):
     """``switch --model MODEL [engine args]``: the snapshot of this key (validated, or built now
     -- while whatever serves on ``req.port`` keeps serving), then :func:`~.manage.switch` to
     it. Returns (:class:`~vllm_snapshot.report.results.Switched`, path taken: ``restored`` when an
@@ -372,7 +372,7 @@ def switch_model(req: ServeRequest, host: str | None, rollback: bool, rep: Repor
     path, snapshot, _refused, _warnings, _others = _find_or_build(
         t, req, rep, model_dir, hf_id, key, files, host_id, lambda p: (validate(p, tools=t), p)[1])
     return switch(snapshot, host, req.port, req.log_file, rep, rollback, tools=t, frontend=req.frontend,
-                  drain_s=req.drain_s), path
+                  drain_s=req.drain_s, handover=handover), path
 
 
 def _restore_req(req: ServeRequest, snapshot: Path) -> RestoreRequest:

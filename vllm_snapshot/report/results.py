@@ -172,6 +172,11 @@ class Switched:
     stopped: list[int] = field(default_factory=list)
     host: str = "127.0.0.1"
     unchanged: bool = False
+    #: the new engine took over the old one's listening socket (the port never stopped
+    #: listening); ``stop_s`` is then the old engine's drain after the hand-over
+    handover: bool = False
+    #: why there was no hand-over ("" when there was one, or nothing served the port)
+    fallback: str = ""
 
     def to_json(self) -> dict:
         d = asdict(self)

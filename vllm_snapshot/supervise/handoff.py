@@ -78,7 +78,8 @@ class Handoff:
 
 
 def serve_engine(engine, host: str, port: int, die_with_parent: bool, frontend: tuple[str, ...] = (),
-                 drain_s: float | None = None, accept_timeout_s: float = ACCEPT_TIMEOUT_S) -> None:
+                 drain_s: float | None = None, accept_timeout_s: float = ACCEPT_TIMEOUT_S,
+                 listener: socket.socket | None = None) -> None:
     """Bind ``host:port`` here (the host's network namespace), send ``serve`` to ``engine``
     (an :class:`vllm_snapshot.effects.tools.Engine` whose tree lives in its own namespace) and hand it
     the listening socket. ``frontend``: front-end option tokens the engine applies before it
@@ -86,11 +87,15 @@ def serve_engine(engine, host: str, port: int, die_with_parent: bool, frontend: 
     control pipe). ``drain_s``: how long the engine lets requests in flight finish when it is
     signalled to stop (seconds; None: the engine's default). ``accept_timeout_s``: how long the
     engine has to take the socket (seconds). Our copy is closed afterwards: the engine holds
-    the port alone.
+    the port alone. ``listener``: a socket already listening on ``host:port`` to hand over
+    instead of binding one (a switch's hand-over: the old engine's own socket, so the port never
+    stops listening); the caller keeps its copy and closes it.
     Raises BusyError/UsageError (the port), EngineError (the engine did not take it)."""
     from ..host import ports
 
-    listener = ports.bind_listener(host, port)
+    ours = listener is None
+    if listener is None:
+        listener = ports.bind_listener(host, port)
     try:
         try:
             handoff = Handoff(engine.root_pid)
@@ -103,4 +108,5 @@ def serve_engine(engine, host: str, port: int, die_with_parent: bool, frontend: 
         finally:
             handoff.close()
     finally:
-        listener.close()
+        if ours:
+            listener.close()

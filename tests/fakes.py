@@ -345,6 +345,10 @@ class FakeHostTools(_Role, HostTools):
         self.w._call("holds_socket")
         return "stop_engine" not in self.w.calls  # the old engine closes its copy once told to stop
 
+    def accepting(self, pid: int, sock: socket.socket) -> bool:
+        self.w._call("accepting")
+        return True
+
 
 class FakeModelTools(_Role, ModelTools):
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from vllm_snapshot import ops
-from vllm_snapshot.errors import InsufficientResources, OracleMismatchError
+from vllm_snapshot.errors import EngineError, InsufficientResources, OracleMismatchError
 from vllm_snapshot.host.resources import Offer
 from vllm_snapshot.ops.manage import handover_blocker
 from vllm_snapshot.report.progress import Reporter
@@ -49,8 +49,8 @@ def test_both_fit_the_new_engine_takes_the_old_socket_before_the_old_one_is_stop
     # every check of the restore, the oracle inside the engine included, before the socket is
     # handed over; the old engine is told to stop only then, and /health + the canary come after
     # it stopped accepting (they reach the new engine alone)
-    order = ["take_listener", "restore_tree", "engine.oracle", "serve_engine", "stop_engine", "http_health",
-             "http_canary", "register"]
+    order = ["take_listener", "restore_tree", "engine.oracle", "serve_engine", "accepting", "stop_engine",
+             "http_health", "http_canary", "register"]
     assert [x for x in c if x in order] == order
     assert c.index("holds_socket") < c.index("http_health")
     assert t.served_listener is t.listener and t.listener.pid == 77  # the old engine's own socket
@@ -147,3 +147,73 @@ def test_handover_blocker_is_none_only_when_everything_allows_it():
     assert "cgroup /vllm-snapshot memory.max" in handover_blocker(t.tools, m, [_old()], "127.0.0.1", PORT)
     t.offer = Offer(m.sizes["raw"], "exactly enough")
     assert handover_blocker(t.tools, m, [_old()], "127.0.0.1", PORT) is None
+
+
+def test_a_new_engine_that_dies_before_it_accepts_leaves_the_old_one_untouched():
+    t = _world()
+    t.tools.host.accepting = lambda pid, sock: False
+    alive = iter([True, True, False])
+    orig = t.tools.engine.adopt
+
+    def adopt(*a):
+        e = orig(*a)
+        e.alive = lambda: next(alive, False)
+        return e
+
+    t.tools.engine.adopt = adopt
+    with pytest.raises(EngineError, match="exited before it accepted") as ei:
+        _switch(t)
+    assert "stop_engine" not in t.calls and "http_health" not in t.calls and "register" not in t.calls
+    assert "was not touched" in ei.value.message
+
+
+# ------------------------------------------------------------------ the socket itself (real processes)
+
+_HOLDER = """
+import asyncio, socket, sys
+sock = socket.socket(fileno=int(sys.argv[1]))
+async def main():
+    server = await asyncio.get_running_loop().create_server(asyncio.Protocol, sock=sock)
+    print("serving", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    server.close()  # what a draining engine does: it accepts no more and drops its descriptor
+    print("closed", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+asyncio.run(main())
+"""
+
+
+def test_the_listener_is_taken_shared_and_survives_its_first_holder():
+    import socket
+    import subprocess
+    import sys
+
+    from vllm_snapshot.host import ports
+
+    lst = ports.bind_listener("127.0.0.1", 0)
+    port = lst.getsockname()[1]
+    p = subprocess.Popen([sys.executable, "-c", _HOLDER, str(lst.fileno())], pass_fds=(lst.fileno(),),
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    lst.close()  # the holder alone has it, as an engine after the hand-off
+    try:
+        assert p.stdout.readline().strip() == "serving"
+        with pytest.raises(LookupError, match="another address"):
+            ports.take_listener(p.pid, "::1", port)
+        shared = ports.take_listener(p.pid, "127.0.0.1", port)
+        assert ports.holds_socket(p.pid, shared) and ports.accepting(p.pid, shared)
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "closed"
+        assert not ports.holds_socket(p.pid, shared) and not ports.accepting(p.pid, shared)
+        # the port still listens: a connection made now waits in the backlog for the next holder
+        client = socket.create_connection(("127.0.0.1", port), timeout=2)
+        shared.settimeout(2)
+        conn, _ = shared.accept()
+        conn.close()
+        client.close()
+        shared.close()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=2)
+    finally:
+        p.kill()
+        p.wait()

@@ -33,6 +33,14 @@ def _complete(port: int, host: str = "127.0.0.1") -> str:
     return post(f"http://{h}:{port}/v1/completions", {"model": "tiny-llama", "prompt": "Hi", "max_tokens": 1})["choices"][0]["text"]
 
 
+def _greedy(port: int, host: str = "127.0.0.1") -> tuple:
+    """A greedy 3-token completion's text and token logprobs (the same engine state answers the same)."""
+    h = f"[{host}]" if ":" in host else host
+    c = post(f"http://{h}:{port}/v1/completions", {"model": "tiny-llama", "prompt": "Once upon a time",
+                                                   "max_tokens": 3, "temperature": 0, "logprobs": 1})["choices"][0]
+    return c["text"], c["logprobs"]["token_logprobs"]
+
+
 def test_switch_bad_target_keeps_serving_and_failed_restore_rolls_back(clone_snapshot, tmp_path):
     from vllm_snapshot.store import manifest as mf
 
@@ -63,14 +71,14 @@ def test_switch_bad_target_keeps_serving_and_failed_restore_rolls_back(clone_sna
             assert _complete(port, "::1") is not None
         # 3. the target fails its oracle: a hand-over restores and checks it while the old engine
         # serves: nothing changes (same engine, same answer) and the error says so
-        before = _complete(port, "::1")
+        before = _greedy(port, "::1")
         p = cli("switch", str(wrong), "--port", str(port), "--json", env=env, timeout=300)
         assert p.returncode == 6, p.stderr
         err = json.loads(p.stdout)["error"]
         assert f"was not touched: it still serves http://[::1]:{port}" in err["message"], err["message"]
         assert err["details"]["stopped"] == [] and err["details"]["serving"]["pid"] == r["pid"]
         assert [e["pid"] for e in _status(env) if e["port"] == port] == [r["pid"]]
-        assert _complete(port, "::1") == before
+        assert _greedy(port, "::1") == before
         # 4. the same target on another address: no hand-over (the old engine stops first), the
         # target fails after the old engine was stopped: rolled back, and said so
         p = cli("switch", str(wrong), "--port", str(port), "--host", "::", "--json", env=env, timeout=300)
@@ -218,14 +226,14 @@ def test_switch_hands_over_with_no_refused_connection_and_no_failed_request(clon
         long["t0"] = time.monotonic()
         try:
             long["text"] = post(f"http://127.0.0.1:{port}/v1/completions",
-                                {"model": "tiny-llama", "prompt": "Once", "max_tokens": 400, "ignore_eos": True},
+                                {"model": "tiny-llama", "prompt": "Once", "max_tokens": 480, "ignore_eos": True},
                                 timeout=120)["choices"][0]["text"]
         except (OSError, urllib.error.URLError) as e:
             long["error"] = f"{type(e).__name__}: {e}"
         long["t1"] = time.monotonic()
 
     try:
-        before = _complete(port)
+        before = _greedy(port)
         hammer = threading.Thread(target=_hammer, args=(port, stop, results), daemon=True)
         hammer.start()
         p = cli("switch", str(b), "--port", str(port), "--json", env=env, timeout=300)
@@ -241,16 +249,17 @@ def test_switch_hands_over_with_no_refused_connection_and_no_failed_request(clon
         assert len(results) > 20, len(results)
         assert wait_gone(r["pid"], 30)
         assert [e["pid"] for e in _status(env) if e["port"] == port] == [out["pid"]]
-        assert _complete(port) == before
+        assert _greedy(port) == before
         # a long request the old engine accepted right before the hand-over completes: sent when
-        # the switch replays the oracle inside the new engine (the old one alone accepts then)
+        # the switch checks the new engine's code identity, its last check before the hand-over
+        # (the old engine alone accepts then)
         c = subprocess.Popen([sys.executable, "-m", "vllm_snapshot", "switch", str(a), "--port", str(port)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         t = threading.Thread(target=long_request)
         err_lines = []
         for line in c.stderr:
             err_lines.append(line)
-            if "replaying the oracle inside the engine ..." in line and not t.is_alive():
+            if "checking the Python files the engine imports from ..." in line and not t.is_alive():
                 t.start()
             if "accepts no more and drains" in line and "handed" not in long:
                 long["handed"] = time.monotonic()

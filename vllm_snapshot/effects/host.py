@@ -4,6 +4,7 @@ over ``/proc``, the user database, mounts, devices and sockets."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -153,6 +154,11 @@ class LocalHostTools(HostTools):
         from ..host import ports
 
         return ports.holds_socket(pid, sock)
+
+    def accepting(self, pid: int, sock: socket.socket) -> bool:
+        from ..host import ports
+
+        return ports.accepting(pid, sock)
 
     def ports_held_by(self, pid: int) -> set[int]:
         import psutil

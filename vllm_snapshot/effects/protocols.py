@@ -166,6 +166,10 @@ class HostTools(Protocol):
     def holds_socket(self, pid: int, sock: socket.socket) -> bool:
         """Whether process ``pid`` still has a descriptor of ``sock``; False when it is gone."""
 
+    def accepting(self, pid: int, sock: socket.socket) -> bool:
+        """Whether process ``pid``'s event loop waits for connections on ``sock`` (an epoll
+        instance of it watches the socket: :func:`vllm_snapshot.host.ports.accepting`)."""
+
 
 class ModelTools(Protocol):
     """The model directory: resolve, hash, stat, re-check, and vLLM's reading of the engine args."""

@@ -207,6 +207,30 @@ def take_listener(pid: int, host: str, port: int) -> socket.socket:
                       "on another address)")
 
 
+def accepting(pid: int, sock: socket.socket) -> bool:
+    """Whether an epoll instance of process ``pid`` watches ``sock`` (a ``tfd`` line of its
+    ``/proc/PID/fdinfo`` names the socket's inode): its event loop waits for connections on it
+    (asyncio registers a listening socket in its selector while it serves, and removes it when it
+    stops). False when ``pid`` is gone or none does."""
+    ino = os.fstat(sock.fileno()).st_ino
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") != "anon_inode:[eventpoll]":
+                continue
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                info = f.read()
+        except OSError:
+            continue
+        for line in info.splitlines():
+            if line.startswith("tfd:") and " ino:" in line and int(line.split(" ino:", 1)[1].split()[0], 16) == ino:
+                return True
+    return False
+
+
 def holds_socket(pid: int, sock: socket.socket) -> bool:
     """Whether process ``pid`` still has a descriptor of ``sock`` (the same open socket: its
     inode among ``pid``'s fds). False when ``pid`` is gone."""

@@ -441,26 +441,44 @@ def handover_blocker(t: Tools, m, old: list[Entry], host: str, port: int) -> str
     return None
 
 
+#: Seconds a handed-over engine has to start accepting on the shared socket (its HTTP server's
+#: start-up) before the switch gives up, the old engine untouched.
+HANDOVER_ACCEPT_S = 120.0
+
+
 def _hand_over(t: Tools, req: RestoreRequest, prev: Entry, listener, rep: Reporter, rollback: bool,
                back: tuple[str, ...], drain_s: float | None) -> Switched | str:
     """Restore ``req`` while ``prev`` still serves, on ``prev``'s own listening socket
     (``listener``, a duplicate: the port never stops listening, its backlog is shared, so no
     connection is refused or reset). Every check of the restore (identity, model, code, image
-    checksums, oracle inside the engine) passes before the new engine gets the socket; then
-    ``prev`` is told to stop (it closes its descriptor: accepts no more; the requests it
+    checksums, oracle inside the engine) passes before the new engine gets the socket; once its
+    event loop waits on the socket (:meth:`HostTools.accepting`: no connection waits for its
+    server's start-up) ``prev`` is told to stop (it closes its descriptor: accepts no more; the requests it
     accepted finish within its drain) and, once it stopped accepting, ``/health`` and the
     canary reach the new engine alone. A failure before that leaves ``prev`` serving untouched
     (the error says so); after it (``/health``/canary), ``prev``'s snapshot is restored again
     on the same socket unless ``rollback`` is false. Returns the result, or a reason (str)
     when the restore found too little memory before anything was touched (the caller then
     stops first). Raises the errors of :func:`restore`."""
-    from ..errors import InsufficientResources
+    from ..errors import EngineError, InsufficientResources
     import dataclasses
 
     port = req.port
     state: dict = {"stopping": None, "handed": None}
 
-    def on_serving() -> None:
+    def on_serving(engine) -> None:
+        # the old engine keeps accepting until the new one's event loop waits on the socket:
+        # no connection waits for the new server's start-up
+        with rep.phase("new_accepting", f"waiting until the new engine accepts on port {port}"):
+            deadline = t.clock.monotonic() + HANDOVER_ACCEPT_S
+            while not t.host.accepting(engine.root_pid, listener):
+                if not engine.alive():
+                    raise EngineError("the new engine exited before it accepted on the port; the old one serves on",
+                                      details={"stage": "handover"})
+                if t.clock.monotonic() > deadline:
+                    raise EngineError(f"the new engine did not accept on port {port} within {HANDOVER_ACCEPT_S:g} s; "
+                                      "the old one serves on", details={"stage": "handover"})
+                t.clock.sleep(0.01)
         state["handed"] = t.clock.monotonic()
         drains = prev.drain_s if drain_s is None else drain_s
         with rep.phase("hand_over", f"the new engine accepts on port {port}; the old one (PID {prev.pid}) "

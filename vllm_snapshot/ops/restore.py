@@ -123,9 +123,10 @@ class RestoreRequest:
     #: port is not probed (it is ours). Only for snapshots whose engine has a network namespace
     #: of its own (``engine.network`` ``isolated``).
     listener: socket.socket | None = None
-    #: called once the engine took the socket, before ``/health`` and the canary (a switch's
-    #: hand-over stops the old engine's accepting there, so both reach the new engine only)
-    on_serving: Callable[[], None] | None = None
+    #: called with the engine once it took the socket, before ``/health`` and the canary (a
+    #: switch's hand-over stops the old engine's accepting there, so both reach the new engine
+    #: only); what it raises fails the restore
+    on_serving: Callable[[Engine], None] | None = None
 
 
 _POOL = None
@@ -559,7 +560,7 @@ def _serve_verified(et: EngineTools, clock: Clock, req: RestoreRequest, rep: Rep
                         drain_s=req.drain_s)
         engine.wait_event("binding", BIND_TIMEOUT_S)
     if req.on_serving is not None:
-        req.on_serving()
+        req.on_serving(engine)
     with rep.phase("http_ready", "waiting for the HTTP server (/health)"):
         deadline = clock.monotonic() + BIND_TIMEOUT_S
         while not et.http_health(url):

@@ -4,11 +4,13 @@
 # A target may also be a model with its engine args, as `vllm-snapshot serve` takes them:
 #   scripts/timeshare.sh "model=/srv/m1 --max-model-len 512" "model=/srv/m2 --dtype float32" 8000 6
 # (the snapshot of that key is used, built first -- while the other engine serves -- if none is valid).
-# Each switch stops whatever serves on PORT (waiting until its memory is released) and
-# restores the other snapshot there (oracle checked before the port is bound), then sends one
-# completion. Prints one line per switch with two times -- the switch command as a whole
-# (finding the snapshot: a model target's key computation hashes the model; validation) and the
-# part of it where PORT is not served (the stop and the restore) -- and a summary of each
+# Each switch restores the other snapshot while whatever serves on PORT keeps serving (oracle
+# checked before it gets the port), hands it the port's listening socket and then stops the old
+# engine (or, when both do not fit in memory, stops the old engine first and restores after),
+# then sends one completion. Prints one line per switch with two times -- the switch command as
+# a whole (finding the snapshot: a model target's key computation hashes the model; validation)
+# and the part of it where PORT is not served (0 after a hand-over: the port never stops
+# listening; else the stop and the restore) -- and a summary of each
 # (median, min, max seconds); stops the last engine at the end. Needs root and the venv from
 # scripts/setup.sh.
 set -euo pipefail
@@ -31,7 +33,7 @@ for i in $(seq 1 "$N"); do
     out=$("$VS" switch "$snap" --port "$PORT" --json -q)
   fi
   wall=$("$PY" -c "print(f'{$EPOCHREALTIME - $t0:.3f}')")
-  s=$(printf '%s' "$out" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["switch_s"])')
+  s=$(printf '%s' "$out" | "$PY" -c 'import json,sys; d = json.load(sys.stdin); print(0.0 if d.get("handover") else d["switch_s"])')
   used=$(printf '%s' "$out" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["serving"]["snapshot"])')
   model=$("$VS" inspect "$used" --json | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["manifest"]["model"]["served_name"])')
   curl -fsS "http://127.0.0.1:$PORT/v1/completions" -H 'Content-Type: application/json' \

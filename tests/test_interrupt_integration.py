@@ -167,9 +167,28 @@ def test_switch_interrupted_between_stop_and_restore_leaves_the_port_free(snapsh
     port = free_port()
     r = json.loads(cli("restore", str(snap), "--port", str(port), "--detach", "--json", timeout=300,
                        check=True).stdout)
-    rc, err = _interrupt_at(["switch", str(snapshots["zstd"]), "--port", str(port)],
+    rc, err = _interrupt_at(["switch", str(snapshots["zstd"]), "--port", str(port), "--no-handover"],
                             "staging images", signal.SIGTERM)
     assert rc == 130, err[-3000:]
     assert "stopped" in err and "nothing serves on port" in err  # no rollback on an interruption
     assert not psutil.pid_exists(r["pid"]) or psutil.Process(r["pid"]).status() == psutil.STATUS_ZOMBIE
+    assert_nothing_left(snapshots["zstd"], port, before)
+
+
+def test_a_hand_over_interrupted_before_the_new_engine_took_the_port_leaves_the_old_one_serving(snapshots):
+    snap = snapshots["none"]
+    before = engine_pids()
+    port = free_port()
+    r = json.loads(cli("restore", str(snap), "--port", str(port), "--detach", "--json", timeout=300,
+                       check=True).stdout)
+    try:
+        rc, err = _interrupt_at(["switch", str(snapshots["zstd"]), "--port", str(port)],
+                                "replaying the oracle inside the engine", signal.SIGTERM)
+        assert rc == 130, err[-3000:]
+        assert "was not touched: it still serves" in err, err[-3000:]
+        st = json.loads(cli("status", "--json", check=True).stdout)["engines"]
+        assert [e["pid"] for e in st if e["port"] == port] == [r["pid"]]
+        assert port_accepts(port)
+    finally:
+        cli("stop", "--port", str(port), timeout=120)
     assert_nothing_left(snapshots["zstd"], port, before)

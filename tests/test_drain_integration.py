@@ -186,12 +186,15 @@ def test_sigterm_to_a_foreground_restore_drains_and_exits_0(clone_snapshot):
 
 
 def test_switch_with_a_request_in_flight_does_not_cut_it(clone_snapshot):
+    """The stop-then-restore switch (--no-handover): the old engine is told to stop at once and
+    drains. (A hand-over's old engine serves through the restore: its long request in flight at
+    the hand-over is tests/test_switch_integration.py's.)"""
     a, b = clone_snapshot("drain-sw-a"), clone_snapshot("drain-sw-b")
     port = free_port()
     old = _restore(a, port)
     try:
         req = _busy(port)
-        p = cli("switch", str(b), "--port", str(port), "--json", env=engine_env(), timeout=300)
+        p = cli("switch", str(b), "--port", str(port), "--json", "--no-handover", env=engine_env(), timeout=300)
         t1 = time.monotonic()
         req.join(60)
         assert p.returncode == 0, p.stderr

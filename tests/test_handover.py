@@ -217,3 +217,36 @@ def test_the_listener_is_taken_shared_and_survives_its_first_holder():
     finally:
         p.kill()
         p.wait()
+
+
+def test_an_engine_whose_socket_is_also_held_elsewhere_still_serves():
+    """While a switch holds a duplicate of the old engine's listening socket, the old engine must
+    not look like an orphan that serves nothing (a concurrent `prune`/restore would kill it):
+    psutil names one holder per socket only -- here the later one."""
+    import socket
+    import subprocess
+    import sys
+
+    import psutil
+
+    from vllm_snapshot.store import registry
+
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen()
+    holders = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], pass_fds=(lst.fileno(),))
+               for _ in range(2)]
+    lst.close()
+    try:
+        engine = psutil.Process(holders[0].pid)  # the old engine; holders[1] plays the switch
+        assert registry._serves(engine, registry._serving_inodes())
+        bare = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            assert not registry._serves(psutil.Process(bare.pid), registry._serving_inodes())
+        finally:
+            bare.kill()
+            bare.wait()
+    finally:
+        for h in holders:
+            h.kill()
+            h.wait()

@@ -137,9 +137,10 @@ SYS_PIDFD_GETFD = 438
 TCP_LISTEN = "0A"
 
 
-def listening_inodes(port: int, net: str = "/proc/self/net") -> set[int]:
-    """Inodes of the TCP sockets listening on ``port`` (any address) in the caller's network
-    namespace, read from ``NET/tcp`` and ``NET/tcp6``; empty when none or unreadable."""
+def listening_inodes(port: int | None = None, net: str = "/proc/self/net") -> set[int]:
+    """Inodes of the TCP sockets listening on ``port`` (any address; None: on any port) in the
+    caller's network namespace, read from ``NET/tcp`` and ``NET/tcp6``; empty when none or
+    unreadable."""
     out: set[int] = set()
     for name in ("tcp", "tcp6"):
         try:
@@ -149,7 +150,7 @@ def listening_inodes(port: int, net: str = "/proc/self/net") -> set[int]:
             continue
         for line in lines:
             cols = line.split()
-            if len(cols) > 9 and cols[3] == TCP_LISTEN and int(cols[1].rsplit(":", 1)[1], 16) == port:
+            if len(cols) > 9 and cols[3] == TCP_LISTEN and (port is None or int(cols[1].rsplit(":", 1)[1], 16) == port):
                 out.add(int(cols[9]))
     return out
 

@@ -307,18 +307,22 @@ def _is_engine_root(p: psutil.Process) -> bool:
     return len(pids) > 1 and pids[-1] == 1
 
 
-def _serving_pids() -> set[int]:
-    """PIDs holding a listening TCP socket of this (the host's) network namespace: a served
-    engine holds the one its restore bound and handed over; a never-served orphan has none."""
-    try:
-        return {c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.pid}
-    except (psutil.Error, OSError):
-        return set()
+def _serving_inodes() -> set[int]:
+    """Inodes of the listening TCP sockets of this (the host's) network namespace: a served
+    engine holds the one its restore bound and handed over; a never-served orphan has none.
+    By inode, not by the PID ``psutil.net_connections`` names: a socket several processes hold
+    (a switch's hand-over duplicates the old engine's) is named with one of them only."""
+    from ..host.ports import listening_inodes
+
+    return listening_inodes()
 
 
 def _serves(p: psutil.Process, serving: set[int]) -> bool:
+    """Whether a process of the tree rooted at ``p`` holds one of the sockets ``serving``."""
+    from ..host.procs import socket_inodes
+
     try:
-        return p.pid in serving or any(c.pid in serving for c in p.children(recursive=True))
+        return any(socket_inodes(q.pid) & serving for q in [p, *p.children(recursive=True)])
     except psutil.Error:
         return False
 
@@ -344,7 +348,7 @@ def orphans() -> list[psutil.Process]:
             parent = ""
         if ppid in (0, 1) or parent in REAPERS:
             if serving is None:
-                serving = _serving_pids()
+                serving = _serving_inodes()
             if not _serves(p, serving):
                 out.append(p)
     return out

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from vllm_snapshot import ops
-from vllm_snapshot.errors import EngineError, InsufficientResources, OracleMismatchError
+from vllm_snapshot.errors import BusyError, EngineError, InsufficientResources, OracleMismatchError
 from vllm_snapshot.host.resources import Offer
 from vllm_snapshot.ops.manage import handover_blocker
 from vllm_snapshot.report.progress import Reporter
@@ -79,10 +79,10 @@ def test_gpu_memory_short_for_both_falls_back_to_stop_then_restore():
     t = _world(manifest=cuda)
     looks = []
 
-    def capacity(m):
-        looks.append(m.engine.kind)
+    def capacity(m, uuid):
+        looks.append(uuid)
         if len(looks) == 1:  # the old engine still holds its GPU memory
-            raise InsufficientResources("the GPU has 10.0 GiB free, the engine needs 126.0 GiB")
+            raise BusyError("GPU GPU-1 has 10.0 GiB free, the engine needs 126.0 GiB")
 
     t.tools.checkpoint.check_gpu_capacity = capacity
     res = _switch(t)

@@ -415,9 +415,9 @@ def handover_blocker(t: Tools, m, old: list[Entry], host: str, port: int) -> str
     serves the port, on the same address; the target's engine has a network namespace of its
     own (it is handed a socket: older snapshots bind the port themselves); and both engines fit
     at once -- host memory for the target's images beside the old engine (what a restore
-    checks, :func:`vllm_snapshot.host.resources.check`), and for a CUDA target the GPU's free
-    memory beside the old engine's (:meth:`CheckpointTools.check_gpu_capacity`). Raises
-    nothing of its own."""
+    checks, :func:`vllm_snapshot.host.resources.check`), and for a CUDA target the free memory
+    of the GPU it goes onto beside the old engine's (:meth:`CheckpointTools.check_gpu_capacity`).
+    Raises the errors of :func:`vllm_snapshot.checkpoint.gpu.place` (validation passed them)."""
     from ..errors import InsufficientResources
     from ..host import resources
 
@@ -428,9 +428,14 @@ def handover_blocker(t: Tools, m, old: list[Entry], host: str, port: int) -> str
     if m.engine.network != "isolated":
         return "the target binds its port itself (made before engines had a network namespace of their own)"
     if m.engine.kind == "cuda":
-        try:
-            t.checkpoint.check_gpu_capacity(m)
-        except InsufficientResources as e:
+        from ..checkpoint import gpu as gpus
+
+        recorded = m.host.get("gpu_uuid_used", "")
+        try:  # the GPU the restore will put the state on (as validation placed it)
+            placed = gpus.GpuPlacement(recorded, recorded) if recorded in t.host.gpu_uuids() \
+                else gpus.place(m.host, t.host.gpu_slots())
+            t.checkpoint.check_gpu_capacity(m, placed.target if placed is not None else recorded)
+        except (BusyError, InsufficientResources) as e:
             return f"the GPU has no room for both engines at once: {e.message.splitlines()[0]}"
     try:
         short = resources.check(m.sizes["raw"], t.host.memory_offer(True))

@@ -753,6 +753,12 @@ class FakeFleetTools(_Role, FleetTools):
     def check_pulled(self, staging: Path, m) -> None:
         self.w._call("check_pulled")
 
+    def pull_staging(self, dest: Path, digest: str) -> AbstractContextManager:
+        self.w._call("pull_staging")
+        from vllm_snapshot.fleet.partial import Staging
+
+        return nullcontext(Staging(dest.parent / (".pull-" + digest.split(":")[-1]), True, []))
+
     def publish_pulled(self, staging: Path, target: Path, config: bytes, provenance: dict) -> None:
         self.w._call("publish_pulled")
         self.w.pulled[str(target)] = dict(provenance)

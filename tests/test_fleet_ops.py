@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,9 @@ import pytest
 from helpers import manifest_fields, write_snapshot_dir
 from test_fleet import _b3, _keypair
 from vllm_snapshot.store import manifest, model_digest, store
-from vllm_snapshot.errors import CorruptSnapshotError, IncompatibleHostError, ModelChangedError, UsageError
-from vllm_snapshot.fleet import oci, sign, transport
+from vllm_snapshot.errors import (CorruptSnapshotError, EnvironmentProblem, IncompatibleHostError, ModelChangedError,
+                                  UsageError)
+from vllm_snapshot.fleet import oci, partial, sign, transport
 from vllm_snapshot.effects.checkpoint import CriuRunners
 from vllm_snapshot.effects.files import LocalSnapshotFiles
 from vllm_snapshot.effects.host import LocalHostTools
@@ -32,9 +34,16 @@ HOST = {"kernel": "6.18.0", "cpu_flags": "f00d", "vllm": "0.32.0", "machine_id":
 
 class CountingLayout(transport.Layout):
     gets: list[str] = []
+    #: a member whose blob download fails half-way, as a dropped connection does (None: none)
+    fail_member: str | None = None
 
     def get_blob(self, digest, size, sink, what):
         CountingLayout.gets.append(what)
+        if what == CountingLayout.fail_member:
+            def half(chunk):
+                sink(chunk[: len(chunk) // 2])
+                raise EnvironmentProblem(f"connection to the registry lost while fetching {what}")
+            return super().get_blob(digest, size, half, what)
         return super().get_blob(digest, size, sink, what)
 
 
@@ -98,6 +107,7 @@ class _Files(LocalSnapshotFiles):
 def Tools(host: dict[str, str] | None = None):  # noqa: N802 - reads as the bundle it builds
     """The local roles, with this node's identity ``host`` and the overrides above."""
     CountingLayout.gets = []
+    CountingLayout.fail_member = None
     return dataclasses.replace(local_tools(), host=_Host(dict(host or HOST)), store=_Store(), files=_Files(),
                                fleet=_Fleet())
 
@@ -111,21 +121,23 @@ def model(tmp_path) -> Path:
     return d
 
 
-def make_snapshot(d: Path, model: Path, scrubbed: bool = True) -> manifest.Manifest:
-    pages, inv = os.urandom(50000), b"inventory"
+def make_snapshot(d: Path, model: Path, scrubbed: bool = True, pages_files: int = 1) -> manifest.Manifest:
+    """A snapshot dir of ``inventory.img`` and ``pages_files`` random ``pages-N.img`` (50 kB each)."""
+    inv = b"inventory"
+    pages = [os.urandom(50000) for _ in range(pages_files)]
     files = model_digest.digest_dir(model)
     f = manifest_fields(host=dict(HOST))
     f["engine"] = f["engine"].model_copy(update={"env_scrubbed": scrubbed})
     f["model"] = manifest.ModelIdentity(requested=str(model), path=str(model), served_name="tiny", files=files,
                                         total_bytes=sum(x.size for x in files))
     f["images"] = (manifest.ImageFile(name="inventory.img", raw_bytes=len(inv), stored_bytes=len(inv), blake3=_b3(inv)),
-                   manifest.ImageFile(name="pages-1.img", raw_bytes=len(pages), stored_bytes=len(pages),
-                                      blake3=_b3(pages)))
+                   *(manifest.ImageFile(name=f"pages-{i}.img", raw_bytes=len(pg), stored_bytes=len(pg), blake3=_b3(pg))
+                     for i, pg in enumerate(pages, 1)))
     m = manifest.seal(manifest.Manifest(**f))
     write_snapshot_dir(d, m)
     for sub in ("images", "files"):
         (d / sub).mkdir(mode=0o700)
-    for name, data in (("inventory.img", inv), ("pages-1.img", pages)):
+    for name, data in (("inventory.img", inv), *((f"pages-{i}.img", pg) for i, pg in enumerate(pages, 1))):
         (d / "images" / name).write_bytes(data)
         os.chmod(d / "images" / name, 0o600)
     return m
@@ -254,6 +266,127 @@ def test_a_killed_pulls_staging_dir_is_removed_by_the_next_pull(tmp_path, pushed
     (dead / "owner.pid").write_text("999999999")
     r = fleet.pull(fleet.PullRequest(image=pushed["image"], root=root, name="tiny"), Reporter(), Tools())
     assert os.listdir(root) == ["tiny"] and str(dead) in r.warnings[0]
+
+
+# --------------------------------------------------------------------------- resumed pulls
+
+@pytest.fixture
+def pushed6(tmp_path, model):
+    """A snapshot of seven layers pushed to an image layout."""
+    snap = tmp_path / "snaps" / "six"
+    snap.parent.mkdir(mode=0o700)
+    make_snapshot(snap, model, pages_files=6)
+    image = f"oci:{tmp_path / 'layout6'}:v1"
+    r = fleet.push(fleet.PushRequest(snapshot=snap, image=image), Reporter(), Tools())
+    return {"image": image, "snapshot": snap, "result": r}
+
+
+def _layers(gets: list[str]) -> list[str]:
+    return [g for g in gets if g.startswith("images/")]
+
+
+def _interrupted(root: Path, image: str, member: str) -> Path:
+    """Pull ``image`` with ``member``'s download failing half-way (a lost connection; the
+    smallest member is downloaded last, so every other layer has completed): the partial dir
+    it leaves."""
+    t = Tools()
+    CountingLayout.fail_member = member
+    with pytest.raises(EnvironmentProblem, match="connection to the registry lost"):
+        fleet.pull(fleet.PullRequest(image=image, root=root, name="six"), Reporter(), t)
+    [left] = os.listdir(root)
+    assert left.startswith(partial.PREFIX) and store.list_snapshots(root) == []  # nothing listed
+    return root / left
+
+
+def test_an_interrupted_pull_is_resumed_downloading_only_the_layers_it_lacked(tmp_path, pushed6):
+    root = _root(tmp_path)
+    left = _interrupted(root, pushed6["image"], "images/inventory.img")
+    digest = pushed6["result"].digest
+    assert left == partial.partial_dir(root, digest)
+    assert os.stat(left).st_mode & 0o777 == 0o700
+    assert all(os.stat(p).st_mode & 0o077 == 0 for p in (left / "images").iterdir())
+    marked = len(os.listdir(left / partial.MARKS))
+    assert marked == pushed6["result"].blobs - 1  # every layer but the one that failed half-way
+    t = Tools()
+    r = fleet.pull(fleet.PullRequest(image=pushed6["image"], root=root, name="six"), Reporter(), t)
+    assert _layers(CountingLayout.gets) == ["images/inventory.img"]  # only the missing layer
+    assert r.reused_blobs == marked and r.fetched_bytes == len(b"inventory") and r.reused_bytes + r.fetched_bytes == r.bytes
+    assert os.listdir(root) == ["six"] and not (root / "six" / partial.MARKS).exists()
+    for n in os.listdir(pushed6["snapshot"] / "images"):
+        assert (root / "six" / "images" / n).read_bytes() == (pushed6["snapshot"] / "images" / n).read_bytes()
+
+
+def test_a_marked_layer_whose_bytes_changed_since_is_downloaded_again(tmp_path, pushed6):
+    root = _root(tmp_path)
+    left = _interrupted(root, pushed6["image"], "images/inventory.img")
+    with open(left / "images" / "pages-2.img", "r+b") as f:  # verified then, damaged since
+        f.seek(10)
+        f.write(b"\x00\x01")
+    r = fleet.pull(fleet.PullRequest(image=pushed6["image"], root=root, name="six"), Reporter(), Tools())
+    assert sorted(_layers(CountingLayout.gets)) == ["images/inventory.img", "images/pages-2.img"]
+    assert (root / "six" / "images" / "pages-2.img").read_bytes() == \
+        (pushed6["snapshot"] / "images" / "pages-2.img").read_bytes()
+    assert r.reused_blobs == pushed6["result"].blobs - 2
+
+
+def test_stale_partial_dirs_are_removed_and_a_live_pulls_is_left_alone(tmp_path, pushed6, monkeypatch):
+    import fcntl
+
+    root = _root(tmp_path)
+    other = root / (partial.PREFIX + "1" * 64)  # a killed pull of another artifact
+    old = _interrupted(root, pushed6["image"], "images/inventory.img")  # this artifact's, but a day old
+    live = root / (partial.PREFIX + "2" * 64)  # another artifact's, its pull still running
+    for d in (other, live):
+        d.mkdir(mode=0o700)
+    long_ago = time.time() - partial.MAX_AGE_S - 60
+    for p in (old, old / partial.MARKS):
+        os.utime(p, (long_ago, long_ago))
+    fd = os.open(live, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        r = fleet.pull(fleet.PullRequest(image=pushed6["image"], root=root, name="six"), Reporter(), Tools())
+    finally:
+        os.close(fd)
+    assert sorted(os.listdir(root)) == sorted(["six", live.name])
+    assert any(str(other) in w for w in r.warnings) and any(str(old) in w for w in r.warnings)
+    assert r.reused_blobs == 0 and len(_layers(CountingLayout.gets)) == pushed6["result"].blobs  # the old one unused
+
+
+def test_a_second_pull_of_an_artifact_being_pulled_stages_on_its_own(tmp_path, pushed6):
+    """Another pull holds the partial dir (a live pull of the same artifact under another name):
+    this one writes none of its files and publishes from a dir of its own."""
+    import fcntl
+
+    root = _root(tmp_path)
+    left = _interrupted(root, pushed6["image"], "images/inventory.img")
+    before = {p.name: p.read_bytes() for p in (left / "images").iterdir()}
+    marks = sorted(os.listdir(left / partial.MARKS))
+    fd = os.open(left, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        r = fleet.pull(fleet.PullRequest(image=pushed6["image"], root=root, name="other"), Reporter(), Tools())
+    finally:
+        os.close(fd)
+    assert r.reused_blobs == 0 and sorted(os.listdir(root)) == sorted(["other", left.name])
+    assert {p.name: p.read_bytes() for p in (left / "images").iterdir()} == before
+    assert sorted(os.listdir(left / partial.MARKS)) == marks
+    # and the held partial is resumed by the next pull once released
+    r = fleet.pull(fleet.PullRequest(image=pushed6["image"], root=root, name="six"), Reporter(), Tools())
+    assert r.reused_blobs == len(marks) and sorted(os.listdir(root)) == ["other", "six"]
+
+
+def test_a_pull_that_fails_verification_removes_its_partial_dir(tmp_path, pushed6):
+    root = _root(tmp_path)
+    left = _interrupted(root, pushed6["image"], "images/inventory.img")
+    t = Tools()
+
+    def refuse(staging, m):
+        raise CorruptSnapshotError("pages-2.img does not match its checksum")
+
+    t.fleet.check_pulled = refuse
+    with pytest.raises(CorruptSnapshotError):
+        fleet.pull(fleet.PullRequest(image=pushed6["image"], root=root, name="six"), Reporter(), t)
+    assert not left.exists() and os.listdir(root) == []
 
 
 def test_default_names():

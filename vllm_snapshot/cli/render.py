@@ -109,7 +109,9 @@ def _pulled(r: R.Pulled, quiet: bool) -> None:
     if quiet:
         return
     _line(f"pulled {r.image} ({r.digest}) into {r.snapshot}: {human_bytes(r.bytes)} in {r.seconds:.2f} s, every "
-          "digest and checksum verified" + (f", signed by key {r.verified_by}" if r.verified_by else ""))
+          "digest and checksum verified" + (f", signed by key {r.verified_by}" if r.verified_by else "")
+          + (f"; resumed: {r.reused_blobs} layers ({human_bytes(r.reused_bytes)}) an interrupted pull had verified "
+             f"were reused, {human_bytes(r.fetched_bytes)} downloaded" if r.reused_blobs else ""))
 
 
 def _image_inspected(r: R.ImageInspected, quiet: bool) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Protocol
 
@@ -31,10 +32,18 @@ class FleetTools(Protocol):
         every image and saved file's BLAKE3, the code table's digest. Raises
         CorruptSnapshotError naming the file."""
 
+    def pull_staging(self, dest: Path, digest: str) -> AbstractContextManager:
+        """Where a pull of the artifact ``digest`` (``sha256:HEX``) to be published as ``dest``
+        writes: a :class:`.partial.Staging` (the store's partial dir of that artifact, locked,
+        with what an interrupted pull of it left; or a private dir of this pull's own when
+        another pull holds it), after removing stale partial and temp dirs beside ``dest``.
+        Leaving by an exception keeps the partial dir for an interruption or a registry
+        problem and removes it otherwise (:mod:`.partial`)."""
+
     def publish_pulled(self, staging: Path, target: Path, config: bytes, provenance: dict) -> None:
         """Write ``manifest.json`` (``config``, byte for byte) and :data:`PULLED`
-        (``provenance``), 0600, then rename ``staging`` to ``target`` (UsageError when
-        ``target`` appeared meanwhile)."""
+        (``provenance``), 0600, drop the resume marks, then rename ``staging`` to ``target``
+        (UsageError when ``target`` appeared meanwhile)."""
 
 
 def read_pulled(snapshot: Path) -> dict | None:
@@ -95,9 +104,28 @@ class LocalFleetTools(FleetTools):
             if blake3.blake3(table).hexdigest() != m.code.table_digest:
                 raise CorruptSnapshotError(f"the artifact's {layout.CODE_TABLE} does not match its digest in the manifest")
 
+    def pull_staging(self, dest: Path, digest: str) -> AbstractContextManager:
+        import contextlib
+        import shutil
+
+        from ..store import store
+        from . import partial
+
+        @contextlib.contextmanager
+        def cm():
+            temps = [str(p) for p in store.clean_stale_temps(Path(dest).parent)]  # killed pulls of old versions
+            with partial.staging(dest, digest, store.prepare_target,
+                                 lambda p: shutil.rmtree(p, ignore_errors=True)) as st:
+                st.removed[:0] = temps
+                yield st
+
+        return cm()
+
     def publish_pulled(self, staging: Path, target: Path, config: bytes, provenance: dict) -> None:
         from ..store import layout, store
+        from . import partial
 
+        partial.finish(staging)
         _write_private(staging / PULLED, json.dumps(provenance, indent=2, sort_keys=True).encode() + b"\n")
         _write_private(staging / layout.MANIFEST, config)
         store.publish(staging, target)

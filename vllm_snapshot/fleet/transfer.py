@@ -8,7 +8,9 @@ with a key, the cosign-layout signature (:mod:`.sign`).
 Download: the config and every layer streamed with their digests checked as they arrive
 (:mod:`.transport`), layers in parallel, each part written at its offset of its member file
 (0600, dirs 0700) inside a staging directory the caller publishes by rename only when
-everything -- blob digests, then the snapshot's own checksums -- checked.
+everything -- blob digests, then the snapshot's own checksums -- checked. In a resumable
+staging dir (:mod:`.partial`) each layer is marked once its verified bytes are on disk, and a
+later pull of the same artifact downloads only the layers not marked.
 """
 
 from __future__ import annotations
@@ -160,25 +162,80 @@ def verify_signature(target: Target, art: oci.Artifact, pub, where: str) -> str:
                               hint="check --verify-key names the public key of the key it was pushed with")
 
 
+@dataclass(frozen=True)
+class Downloaded:
+    """Result of :func:`download`: layers (``fetched``) and bytes (``fetched_bytes``) downloaded
+    now, and those an interrupted pull of the same artifact had already put in place and that
+    hashed to their digests again (``reused``, ``reused_bytes``)."""
+
+    fetched: int
+    fetched_bytes: int
+    reused: int
+    reused_bytes: int
+
+
+def _region_matches(fd: int, offset: int, size: int, digest: str) -> bool:
+    """True when ``size`` bytes of ``fd`` from ``offset`` hash to ``digest`` (``sha256:HEX``)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    at, end = offset, offset + size
+    while at < end:
+        chunk = os.pread(fd, min(1 << 20, end - at), at)
+        if not chunk:
+            return False
+        h.update(chunk)
+        at += len(chunk)
+    return "sha256:" + h.hexdigest() == digest
+
+
 def download(target: Target, art: oci.Artifact, staging: Path, workers: int = WORKERS,
-             on_blob: Callable[[oci.Part], None] | None = None) -> None:
+             on_blob: Callable[[oci.Part], None] | None = None, resumable: bool = False) -> Downloaded:
     """Download every layer of ``art`` into ``staging`` (an existing private dir with
-    ``images/`` and ``files/``): member files preallocated to their size, each part written at
-    its offset as its digest-checked bytes stream in, in parallel. Raises
+    ``images/``, ``files/`` and ``carried/``): member files sized to their size, each part
+    written at its offset as its digest-checked bytes stream in, in parallel. Raises
     CorruptSnapshotError naming the blob and member that did not match, NotFound for a missing
-    blob (the caller discards ``staging``)."""
+    blob (the caller discards ``staging``).
+
+    ``resumable`` (a partial dir, :mod:`.partial`): member files already there are reused; a
+    layer whose marker ``.parts/INDEX`` exists and whose region hashes to its digest again is
+    not downloaded; every layer downloaded now is flushed to disk, then marked."""
+    from .partial import MARKS
+
     sizes: dict[str, int] = {}
     for p in art.parts:
         sizes[p.member] = p.file_size
+    marks = staging / MARKS
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | (0 if resumable else os.O_EXCL)
     fds: dict[str, int] = {}
+    counts = [0, 0, 0, 0]  # fetched, fetched bytes, reused, reused bytes
+    lock = threading.Lock()
     try:
         for member, size in sizes.items():
-            path = staging / member
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            fd = os.open(staging / member, flags, 0o600)
             fds[member] = fd
-            os.ftruncate(fd, size)
+            os.fchmod(fd, 0o600)
+            if os.fstat(fd).st_size != size:
+                os.ftruncate(fd, size)
+        indexed = list(enumerate(art.parts))
+        todo = indexed
+        if resumable:
+            def reusable(ip: tuple[int, oci.Part]) -> None:
+                i, p = ip
+                if (marks / str(i)).is_file() and _region_matches(fds[p.member], p.offset, p.size, p.digest):
+                    with lock:
+                        counts[2] += 1
+                        counts[3] += p.size
+                    done.add(i)
+                else:
+                    (marks / str(i)).unlink(missing_ok=True)
 
-        def get(p: oci.Part) -> None:
+            done: set[int] = set()
+            _parallel(reusable, indexed, workers)
+            todo = [ip for ip in indexed if ip[0] not in done]
+
+        def get(ip: tuple[int, oci.Part]) -> None:
+            i, p = ip
             at = [p.offset]
             fd = fds[p.member]
 
@@ -191,12 +248,19 @@ def download(target: Target, art: oci.Artifact, staging: Path, workers: int = WO
             except NotFound as e:
                 raise CorruptSnapshotError(f"{target.describe()}: blob {p.digest} ({p.member}) is missing",
                                            hint="push the snapshot again") from e
+            if resumable:  # the bytes on disk before the mark: a marked layer survives a crash
+                os.fdatasync(fd)
+                os.close(os.open(marks / str(i), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+            with lock:
+                counts[0] += 1
+                counts[1] += p.size
             if on_blob:
                 on_blob(p)
 
-        _parallel(get, sorted(art.parts, key=lambda p: -p.size), workers)
+        _parallel(get, sorted(todo, key=lambda ip: -ip[1].size), workers)
         for fd in fds.values():
             os.fsync(fd)
     finally:
         for fd in fds.values():
             os.close(fd)
+    return Downloaded(fetched=counts[0], fetched_bytes=counts[1], reused=counts[2], reused_bytes=counts[3])

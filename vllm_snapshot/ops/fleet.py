@@ -8,8 +8,11 @@ engine user, external mounts, the model at its path with the same bytes): a refu
 blob -> signature (``--verify-key``) -> per-name lock, staging dir beside the store -> config
 (the snapshot manifest; must agree with the annotations) -> layers in parallel, digests
 checked while streaming -> the snapshot's own checksums and code table digest -> manifest last,
-``pulled.json`` (where from), publish by rename. Any failure removes the staging dir: nothing
-half-pulled is listed or restorable.
+``pulled.json`` (where from), publish by rename. Nothing half-pulled is listed or restorable.
+The staging dir is the store's partial dir of that artifact (``.pull-HEX``, fleet/partial.py):
+an interrupted pull (a signal, a registry or network failure) leaves the layers it verified
+there and the next pull of the same artifact downloads only the rest; a failed verification
+removes it.
 """
 
 from __future__ import annotations
@@ -165,9 +168,10 @@ def pull(req: PullRequest, rep, t: Tools) -> Pulled:
     with t.store.snapshot_lock(dest, shared=False, must_exist=False):
         if t.host.path_exists(dest):
             raise UsageError(f"{dest} already exists; nothing was pulled", hint="pass --name NAME, or delete it first")
-        report = t.store.reclaim(dest.parent)  # a killed pull's staging dir
-        staging = t.files.prepare_target(dest)
-        try:
+        report = t.store.reclaim(dest.parent)
+        with t.fleet.pull_staging(dest, art.digest) as st:  # resumes what a killed pull of this artifact left
+            staging = st.path
+            report += st.removed
             config = transfer.fetch_bytes(target, art.config_digest, art.config_size, "config (snapshot manifest)")
             try:
                 m = manifest.parse(config.decode("utf-8"), f"{ref} config")
@@ -180,7 +184,7 @@ def pull(req: PullRequest, rep, t: Tools) -> Pulled:
                                            f"({', '.join(wrong[:5])}); nothing was pulled",
                                            hint="push the snapshot again with `vllm-snapshot push`")
             with rep.phase("download", f"downloading {art.blob_bytes / 1e6:.0f} MB"):
-                transfer.download(target, art, staging)
+                got = transfer.download(target, art, staging, resumable=st.resumable)
             with rep.phase("verify", "checking the snapshot's own checksums"):
                 t.fleet.check_pulled(staging, m)
             here = t.host.host_identity(m.engine.kind)
@@ -189,12 +193,10 @@ def pull(req: PullRequest, rep, t: Tools) -> Pulled:
                 "pulled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t.clock.now())),
                 "machine_id": here.get("machine_id", "unknown"), "hostname": here.get("hostname", "unknown"),
                 "verified_by": verified_by})
-        except BaseException:
-            t.files.discard(staging)
-            raise
     return Pulled(snapshot=str(dest), image=str(ref), digest=art.digest, bytes=art.blob_bytes,
-                      seconds=round(t.clock.monotonic() - t0, 3), verified_by=verified_by,
-                      warnings=[f"removed leftover {p}" for p in report])
+                  seconds=round(t.clock.monotonic() - t0, 3), verified_by=verified_by,
+                  fetched_bytes=got.fetched_bytes, reused_blobs=got.reused, reused_bytes=got.reused_bytes,
+                  warnings=[f"removed leftover {p}" for p in report])
 
 
 def ensure_pulled(req: PullRequest, rep, t: Tools) -> Path:

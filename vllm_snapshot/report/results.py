@@ -245,7 +245,9 @@ class Pushed:
 class Pulled:
     """``pull``: the published snapshot directory, the ``image`` and artifact ``digest`` it came
     from, the layer ``bytes``, ``seconds`` (manifest to publish), the fingerprint of the key
-    that verified its signature (or None), warnings (leftovers removed)."""
+    that verified its signature (or None), ``fetched_bytes`` downloaded now, ``reused_blobs``
+    / ``reused_bytes`` an interrupted pull of the same artifact had verified already (resumed),
+    warnings (leftovers removed)."""
 
     snapshot: str
     image: str
@@ -253,6 +255,9 @@ class Pulled:
     bytes: int
     seconds: float
     verified_by: str | None
+    fetched_bytes: int = 0
+    reused_blobs: int = 0
+    reused_bytes: int = 0
     warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:

@@ -225,23 +225,57 @@ def test_unsigned_or_wrongly_signed_is_refused(registry, pushed, keys, tmp_path)
         assert r.status_code == 201
 
 
-def test_kill_during_pull_lists_nothing_and_the_next_pull_succeeds(registry, pushed, tmp_path):
+def _config_digest(reg: RegistryServer, tag: str, repo: str = REPO) -> str:
+    return requests.get(f"http://{reg.host}/v2/{repo}/manifests/{tag}",
+                        headers={"Accept": "application/vnd.oci.image.manifest.v1+json"}, timeout=10).json()[
+        "config"]["digest"]
+
+
+def test_kill_during_pull_lists_nothing_and_the_next_pull_fetches_only_the_missing_blobs(registry, pushed, tmp_path):
     root = _private(tmp_path / "store")
+    blobs = pushed["result"]["blobs"]
     mark = len(registry.requests_log())
     proc = subprocess.Popen([sys.executable, "-m", "vllm_snapshot", "--root", str(root), "pull", pushed["image"],
                              "--plain-http", "--name", "tiny"], cwd=ROOT, env=engine_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
-    while len(registry.blob_gets(mark)) < 2 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)  # the config and a first layer arrived: the download is under way
+    while len(registry.blob_gets(mark)) < 1 + max(2, blobs // 3) and proc.poll() is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.005)  # the config and a third of the layers sent: the download is under way
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(30) == -signal.SIGKILL, "the pull finished before it could be killed"
     assert _listed(root) == []
-    assert [n for n in os.listdir(root) if not n.startswith(".")] == []  # only a hidden staging dir, if any
+    assert [n for n in os.listdir(root) if not n.startswith(".")] == []  # only the hidden partial dir
+    partial = root / (".pull-" + pushed["digest"].split(":")[1])
+    assert os.stat(partial).st_mode & 0o777 == 0o700
+    marked = len(os.listdir(partial / ".parts"))  # layers downloaded, digest-checked and flushed before the kill
+    assert 0 < marked < blobs, (marked, blobs)
+    time.sleep(1)  # the registry logs the killed connections' requests too
+    mark = len(registry.requests_log())
     p = cli("--root", str(root), "pull", pushed["image"], "--plain-http", "--name", "tiny", "--json", check=True)
-    assert json.loads(p.stdout)["digest"] == pushed["digest"]
-    assert _listed(root) == ["tiny"] and os.listdir(root) == ["tiny"]  # the killed pull's staging dir removed
+    got = json.loads(p.stdout)
+    assert got["digest"] == pushed["digest"] and got["reused_blobs"] == marked
+    cfg = _config_digest(registry, "v1")
+    layer_gets = [line for line in registry.blob_gets(mark) if cfg not in line]
+    assert len(layer_gets) == blobs - marked  # only the missing layers were requested
+    assert got["reused_bytes"] + got["fetched_bytes"] == got["bytes"] and got["fetched_bytes"] < got["bytes"]
+    assert _listed(root) == ["tiny"] and os.listdir(root) == ["tiny"]  # the partial dir became the snapshot
+    assert not (root / "tiny" / ".parts").exists()
     cli("--root", str(root), "verify", "tiny", check=True)
+
+
+def test_two_pulls_of_one_artifact_at_once_both_publish_verified_snapshots(registry, pushed, tmp_path):
+    """The second finds the partial dir locked by the first and stages in a dir of its own."""
+    root = _private(tmp_path / "store")
+    procs = [subprocess.Popen([sys.executable, "-m", "vllm_snapshot", "--root", str(root), "pull", pushed["image"],
+                               "--plain-http", "--name", name, "--json"], cwd=ROOT, env=engine_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in ("one", "two")]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    assert all(json.loads(o[0])["digest"] == pushed["digest"] for o in outs)
+    assert sorted(_listed(root)) == ["one", "two"] and sorted(os.listdir(root)) == ["one", "two"]
+    for name in ("one", "two"):
+        cli("--root", str(root), "verify", name, check=True)
 
 
 def test_kill_during_push_leaves_no_tag(snapshot, own_registry, tmp_path):
@@ -328,3 +362,118 @@ def test_serve_with_a_registry_pushes_from_the_first_node_and_the_second_pulls(s
         assert len(completion(port_b)["logprobs"]) == 4  # four tokens generated (their text may be partial UTF-8)
     finally:
         _stop(b["pid"])
+
+
+def _complete(reg: RegistryServer, repo: str, tag: str) -> str | None:
+    """The digest the tag names when every blob of that manifest is in the registry; None when
+    the tag does not resolve. Raises AssertionError when it names an incomplete artifact."""
+    r = requests.get(f"http://{reg.host}/v2/{repo}/manifests/{tag}",
+                     headers={"Accept": "application/vnd.oci.image.manifest.v1+json"}, timeout=10)
+    if r.status_code == 404:
+        return None
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    for d in [doc["config"], *doc["layers"]]:
+        h = requests.head(f"http://{reg.host}/v2/{repo}/blobs/{d['digest']}", timeout=10)
+        assert h.status_code == 200, f"the tag names a manifest whose blob {d['digest']} is missing"
+    return r.headers["Docker-Content-Digest"]
+
+
+def test_two_nodes_serving_one_key_at_once_both_serve_and_the_tag_never_names_an_incomplete_artifact(
+        own_registry, tmp_path):
+    """Two "nodes" (own namespaces, machine ids, stores, key locks and engine registries, as two
+    machines have)
+    start `serve --registry` for one key together, with empty stores and an empty repository:
+    both build (a registry has no lock to share), both serve; each pushes only when the tag is
+    absent once its build is done, manifest last. Polled all along, the tag never names an
+    artifact with a blob missing; at the end it names one of theirs, which a third node pulls and
+    verifies."""
+    import threading
+
+    from vllm_snapshot import paths
+
+    repo_path = "fleet/race"
+    repo = f"{own_registry.host}/{repo_path}"
+    # The host-wide CRIU lock also guards the engine cgroups, which the two "nodes" share on this
+    # one machine (two real machines share none): each node's /run holds that one lock file,
+    # bind-mounted; its key locks and engine registry are its own.
+    host_run = paths.run_dir()
+    host_run.mkdir(parents=True, exist_ok=True)
+    criu_lock = host_run / "criu.lock"
+    os.close(os.open(criu_lock, os.O_WRONLY | os.O_CREAT, 0o600))
+    nodes = {}
+    for n in ("a", "b"):
+        run = _private(tmp_path / f"run-{n}")
+        (run / "criu.lock").touch(mode=0o600)
+        nodes[n] = {"root": _private(tmp_path / f"store-{n}"), "port": free_port(), "run": run,
+                    "env": {**engine_env(), "VLLM_SNAPSHOT_RUN_DIR": str(run)}}
+    key: list[str] = []
+    seen: set[str] = set()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def poll() -> None:
+        while not stop.is_set():
+            try:
+                if key and (d := _complete(own_registry, repo_path, key[0])):
+                    seen.add(d)
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+                return
+            time.sleep(0.05)
+
+    procs = {}
+    for n, node in nodes.items():
+        script = _node_script([["--root", str(node["root"]), "serve", str(TINY), "--port", str(node["port"]),
+                                "--detach", "--json", "--registry", repo, "--plain-http", "--", *ENGINE_ARGS]],
+                              ("a" if n == "a" else "b") * 32, f"node-{n}-race",
+                              binds={str(criu_lock): str(node["run"] / "criu.lock")})
+        procs[n] = subprocess.Popen(script, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env=node["env"], cwd=ROOT)
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    out: dict[str, dict] = {}
+    done: dict[str, tuple[str, str]] = {}
+    try:
+        deadline = time.monotonic() + 1200
+        while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
+            if not key:  # the tag a push will use: the key of the first snapshot a node published
+                for node in nodes.values():
+                    for m in node["root"].glob("*/manifest.json"):
+                        k = json.loads(m.read_text()).get("key")
+                        if k:
+                            key.append(k["value"] if isinstance(k, dict) else k)
+                            break
+                    if key:
+                        break
+            time.sleep(0.2)
+        for n, p in procs.items():
+            done[n] = p.communicate(timeout=60)
+    finally:
+        stop.set()
+        poller.join(30)
+        for n, p in procs.items():
+            if n not in done:
+                p.kill()
+                done[n] = p.communicate()
+        for n in ("a", "b"):
+            Path(f"/var/tmp/vsnap-machine-id-{os.getpid()}-node-{n}-race").unlink(missing_ok=True)
+        for n, node in nodes.items():  # every engine that serves is stopped, whatever failed
+            try:
+                out[n] = json.loads(done[n][0])
+            except ValueError:
+                continue
+            if "pid" in out[n]:
+                cli("stop", "--pid", str(out[n]["pid"]), timeout=120, env=node["env"])
+    for n, p in procs.items():
+        assert p.returncode == 0, f"node {n}: {done[n][1][-4000:]}"
+    assert not errors, errors[0]
+    a, b = out["a"], out["b"]
+    assert a["key"] == b["key"] and {a["path"], b["path"]} <= {"built", "pulled"} and "built" in {a["path"], b["path"]}
+    final = _complete(own_registry, repo_path, a["key"])
+    assert final is not None and seen, "the tag never resolved while the nodes ran"
+    # whatever the tag names now is a whole snapshot of the key: a third node pulls and verifies it
+    root_c = _private(tmp_path / "store-c")
+    p = cli("--root", str(root_c), "pull", f"{repo}:{a['key']}", "--plain-http", "--name", "c", "--json", check=True)
+    assert json.loads(p.stdout)["digest"] == final
+    cli("--root", str(root_c), "verify", "c", check=True)

@@ -253,3 +253,42 @@ def test_a_differing_carried_file_a_live_process_holds_stops_serve_as_busy_and_b
         assert p.returncode == 0, p.stdout + p.stderr
     finally:
         _stop(port)
+
+
+def test_a_compiled_snapshot_pulled_on_another_node_restores_with_the_engine_users_home_empty(
+        compiled, engine_user, tmp_path):
+    """Issue 31 item 7 after a pull: push -> pull into an empty store on a second "node" (its
+    own mount and UTS namespaces, machine id and hostname) whose engine user's HOME (compile
+    cache) is empty -> restore there: the carried kernels travel as layers of their own, are put
+    back before CRIU, and the oracle matches with no --allow-mismatch."""
+    from registry_server import RegistryServer
+    from test_fleet_integration import _private, on_node
+
+    _root, snap, m = compiled
+    _name, home = engine_user
+    reg = RegistryServer(tmp_path / "registry")
+    try:
+        image = f"{reg.host}/fleet/compiled:v1"
+        cli("push", str(snap), image, "--plain-http", check=True)
+        _empty(home)
+        root_b = _private(tmp_path / "node-b-store")
+        port = free_port()
+        p = on_node([["--root", str(root_b), "pull", image, "--plain-http", "--name", "compiled", "--json"],
+                     ["--root", str(root_b), "restore", "compiled", "--port", str(port), "--detach", "--json"]],
+                    hostname="node-b-compiled")
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+        import re
+
+        docs = [json.loads(x) for x in re.findall(r"^\{.*?^\}$|^\{.*\}$", p.stdout, re.M | re.S)]
+        pulled, restored = docs[0], docs[1]
+        try:
+            assert pulled["snapshot"] == str(root_b / "compiled") and pulled["reused_blobs"] == 0
+            assert restored["oracle"] == "match" and not restored["warnings"], restored
+            assert "carried" in restored["timings"]
+            for f in m["carried"]["files"]:  # put back, as they were
+                st = os.stat(f["path"])
+                assert (st.st_size, st.st_uid, st.st_mtime_ns) == (f["size"], f["uid"], f["mtime_ns"]), f["path"]
+        finally:
+            _stop(port)
+    finally:
+        reg.stop()

@@ -329,7 +329,7 @@ def test_a_marked_layer_whose_bytes_changed_since_is_downloaded_again(tmp_path, 
     assert r.reused_blobs == pushed6["result"].blobs - 2
 
 
-def test_stale_partial_dirs_are_removed_and_a_live_pulls_is_left_alone(tmp_path, pushed6, monkeypatch):
+def test_stale_partial_dirs_are_removed_and_a_live_pulls_is_left_alone(tmp_path, pushed6):
     import fcntl
 
     root = _root(tmp_path)

@@ -186,6 +186,30 @@ def test_push_then_download_gives_the_same_bytes(kind, tmp_path, request):
     assert again.skipped == 5 and again.sent_bytes == 0 and again.digest == pushed.digest
 
 
+@pytest.mark.parametrize("kind", ["layout", "registry"])
+def test_a_ranged_get_continues_a_blob_and_checks_the_digest_over_all_of_it(kind, tmp_path, request):
+    """A resumed layer: the caller hashed the first ``start`` bytes it holds; the transport
+    fetches the rest (an HTTP range from the registry) and checks the digest over the whole."""
+    import hashlib
+
+    data = os.urandom(300000)
+    blob = tmp_path / "blob"
+    blob.write_bytes(data)
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    target = _targets(kind, tmp_path, lambda: request.getfixturevalue("registry"))
+    target.put_blob(digest, len(data), blob)
+    got = bytearray()
+    target.get_blob(digest, len(data), got.extend, "pages", start=123456, h=hashlib.sha256(data[:123456]))
+    assert bytes(got) == data[123456:]
+    if kind == "registry":  # the registry sent only the rest
+        log = request.getfixturevalue("registry").requests_log()
+        assert any(f"/blobs/{digest}" in line and '" 206 ' in line for line in log), log[-3:]
+    other = bytearray(data[:123456])
+    other[7] ^= 1  # the caller's prefix does not hold: refused, the digest covers it
+    with pytest.raises(CorruptSnapshotError, match="does not match its digest"):
+        target.get_blob(digest, len(data), bytearray().extend, "pages", start=123456, h=hashlib.sha256(other))
+
+
 def test_a_blob_damaged_at_rest_is_refused_naming_it(tmp_path, registry):
     snap, m = _snapshot(tmp_path / "s", pages=os.urandom(20000))
     target = transport.Registry(RegistryRef(registry.host, "snaps/tiny", "v1"), plain_http=True)

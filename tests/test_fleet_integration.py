@@ -248,7 +248,9 @@ def test_kill_during_pull_lists_nothing_and_the_next_pull_fetches_only_the_missi
     assert [n for n in os.listdir(root) if not n.startswith(".")] == []  # only the hidden partial dir
     partial = root / (".pull-" + pushed["digest"].split(":")[1])
     assert os.stat(partial).st_mode & 0o777 == 0o700
-    marked = len(os.listdir(partial / ".parts"))  # layers downloaded, digest-checked and flushed before the kill
+    marks = os.listdir(partial / ".parts")
+    marked = len([m for m in marks if m.isdigit()])  # layers downloaded, digest-checked and flushed before the kill
+    cut = {int(m.removesuffix(".at")) for m in marks if m.endswith(".at")}  # layers cut off half-way
     assert 0 < marked < blobs, (marked, blobs)
     time.sleep(1)  # the registry logs the killed connections' requests too
     mark = len(registry.requests_log())
@@ -258,6 +260,10 @@ def test_kill_during_pull_lists_nothing_and_the_next_pull_fetches_only_the_missi
     cfg = _config_digest(registry, "v1")
     layer_gets = [line for line in registry.blob_gets(mark) if cfg not in line]
     assert len(layer_gets) == blobs - marked  # only the missing layers were requested
+    layers = requests.get(f"http://{registry.host}/v2/{REPO}/manifests/v1",
+                          headers={"Accept": "application/vnd.oci.image.manifest.v1+json"}, timeout=10).json()["layers"]
+    for i in cut:  # of a layer cut off half-way, only the rest (a range: 206)
+        assert any(layers[i]["digest"] in line and '" 206 ' in line for line in layer_gets), (i, layer_gets)
     assert got["reused_bytes"] + got["fetched_bytes"] == got["bytes"] and got["fetched_bytes"] < got["bytes"]
     assert _listed(root) == ["tiny"] and os.listdir(root) == ["tiny"]  # the partial dir became the snapshot
     assert not (root / "tiny" / ".parts").exists()

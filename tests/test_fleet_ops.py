@@ -34,17 +34,30 @@ HOST = {"kernel": "6.18.0", "cpu_flags": "f00d", "vllm": "0.32.0", "machine_id":
 
 class CountingLayout(transport.Layout):
     gets: list[str] = []
-    #: a member whose blob download fails half-way, as a dropped connection does (None: none)
+    #: where each download began (member -> the ``start`` of each call)
+    starts: dict[str, list[int]] = {}
+    #: a member whose blob download fails after ``fail_after`` bytes (default half a chunk), as a
+    #: dropped connection does (None: none)
     fail_member: str | None = None
+    fail_after: int | None = None
 
-    def get_blob(self, digest, size, sink, what):
+    def get_blob(self, digest, size, sink, what, start=0, h=None):
         CountingLayout.gets.append(what)
+        CountingLayout.starts.setdefault(what, []).append(start)
         if what == CountingLayout.fail_member:
-            def half(chunk):
-                sink(chunk[: len(chunk) // 2])
-                raise EnvironmentProblem(f"connection to the registry lost while fetching {what}")
-            return super().get_blob(digest, size, half, what)
-        return super().get_blob(digest, size, sink, what)
+            sent = [0]
+
+            def cut(chunk):
+                limit = CountingLayout.fail_after if CountingLayout.fail_after is not None else len(chunk) // 2
+                for i in range(0, len(chunk), 1000):  # as a socket delivers it: in pieces
+                    piece = chunk[i:i + 1000][: max(0, limit - sent[0])]
+                    if piece:
+                        sink(piece)
+                        sent[0] += len(piece)
+                    if sent[0] >= limit:
+                        raise EnvironmentProblem(f"connection to the registry lost while fetching {what}")
+            return super().get_blob(digest, size, cut, what, start, h)
+        return super().get_blob(digest, size, sink, what, start, h)
 
 
 class _Fleet(LocalFleetTools):
@@ -107,7 +120,9 @@ class _Files(LocalSnapshotFiles):
 def Tools(host: dict[str, str] | None = None):  # noqa: N802 - reads as the bundle it builds
     """The local roles, with this node's identity ``host`` and the overrides above."""
     CountingLayout.gets = []
+    CountingLayout.starts = {}
     CountingLayout.fail_member = None
+    CountingLayout.fail_after = None
     return dataclasses.replace(local_tools(), host=_Host(dict(host or HOST)), store=_Store(), files=_Files(),
                                fleet=_Fleet())
 
@@ -327,6 +342,44 @@ def test_a_marked_layer_whose_bytes_changed_since_is_downloaded_again(tmp_path, 
     assert (root / "six" / "images" / "pages-2.img").read_bytes() == \
         (pushed6["snapshot"] / "images" / "pages-2.img").read_bytes()
     assert r.reused_blobs == pushed6["result"].blobs - 2
+
+
+def test_a_layer_cut_off_half_way_resumes_from_its_flushed_bytes(tmp_path, pushed6, monkeypatch):
+    """The layer the connection dropped in recorded how far its flushed bytes reached; the next
+    pull hashes that prefix from disk and fetches only the rest, the digest checked whole."""
+    from vllm_snapshot.fleet import transfer
+
+    monkeypatch.setattr(transfer, "PROGRESS_BYTES", 4096)
+    root = _root(tmp_path)
+    CountingLayout.fail_after = 30000  # of pages-3.img's 50000 bytes
+    left = _interrupted(root, pushed6["image"], "images/pages-3.img")
+    art = fleet.fetch(fleet.reference.parse(pushed6["image"]), False, Tools())[1]
+    i = next(n for n, p in enumerate(art.parts) if p.member == "images/pages-3.img")
+    kept = int((left / partial.MARKS / f"{i}.at").read_text())
+    assert 4096 <= kept <= 30000  # a progress record: bytes flushed before the cut
+    r = fleet.pull(fleet.PullRequest(image=pushed6["image"], root=root, name="six"), Reporter(), Tools())
+    assert _layers(CountingLayout.gets) == ["images/pages-3.img"] and CountingLayout.starts["images/pages-3.img"] == [kept]
+    assert r.fetched_bytes == 50000 - kept and r.reused_bytes == r.bytes - r.fetched_bytes
+    assert (root / "six" / "images" / "pages-3.img").read_bytes() == \
+        (pushed6["snapshot"] / "images" / "pages-3.img").read_bytes()
+
+
+def test_a_kept_prefix_that_does_not_hold_fetches_the_whole_layer_again(tmp_path, pushed6, monkeypatch):
+    from vllm_snapshot.fleet import transfer
+
+    monkeypatch.setattr(transfer, "PROGRESS_BYTES", 4096)
+    root = _root(tmp_path)
+    CountingLayout.fail_after = 30000
+    left = _interrupted(root, pushed6["image"], "images/pages-3.img")
+    with open(left / "images" / "pages-3.img", "r+b") as f:  # flushed then, damaged since
+        f.seek(100)
+        f.write(b"\xff\x00")
+    r = fleet.pull(fleet.PullRequest(image=pushed6["image"], root=root, name="six"), Reporter(), Tools())
+    starts = CountingLayout.starts["images/pages-3.img"]
+    assert len(starts) == 2 and starts[0] > 0 and starts[1] == 0  # the range, then the whole layer
+    assert (root / "six" / "images" / "pages-3.img").read_bytes() == \
+        (pushed6["snapshot"] / "images" / "pages-3.img").read_bytes()
+    assert r.fetched_bytes == 50000
 
 
 def test_stale_partial_dirs_are_removed_and_a_live_pulls_is_left_alone(tmp_path, pushed6):

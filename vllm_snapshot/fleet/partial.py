@@ -7,8 +7,10 @@ Each layer is written at its offset of its member file; only after the layer's b
 its digest (:mod:`.transport` hashes them as they stream) and were flushed to disk does the
 pull write the layer's marker ``.parts/INDEX`` (the layer's index in the manifest, which the
 digest fixes). A later pull of the same manifest digest hashes the marked regions again and
-skips those that still match; a layer whose marker is missing (it was half-written when the
-pull died) or whose bytes no longer match is downloaded again. Nothing in ``.pull-*`` is ever
+skips those that still match; a layer whose bytes no longer match is downloaded again. A
+layer cut off half-way continues from the bytes it had flushed (``.parts/INDEX.at``, written
+every :data:`.transfer.PROGRESS_BYTES`): that prefix is hashed from disk and only the rest is
+fetched, the digest checked over the whole layer (:func:`.transfer.download`). Nothing in ``.pull-*`` is ever
 listed (hidden names) or restorable (it is published by rename only after the snapshot's own
 checksums passed, as before).
 

@@ -165,8 +165,9 @@ def verify_signature(target: Target, art: oci.Artifact, pub, where: str) -> str:
 @dataclass(frozen=True)
 class Downloaded:
     """Result of :func:`download`: layers (``fetched``) and bytes (``fetched_bytes``) downloaded
-    now, and those an interrupted pull of the same artifact had already put in place and that
-    hashed to their digests again (``reused``, ``reused_bytes``)."""
+    now, and what an interrupted pull of the same artifact had already put in place and that
+    hashed to their digests again: whole layers (``reused``) and bytes (``reused_bytes``:
+    those layers' and the flushed prefixes of layers it was cut off in)."""
 
     fetched: int
     fetched_bytes: int
@@ -174,8 +175,12 @@ class Downloaded:
     reused_bytes: int
 
 
-def _region_matches(fd: int, offset: int, size: int, digest: str) -> bool:
-    """True when ``size`` bytes of ``fd`` from ``offset`` hash to ``digest`` (``sha256:HEX``)."""
+#: a layer being downloaded into a partial dir records how far it got (flushed) every this many bytes
+PROGRESS_BYTES = 32 << 20
+
+
+def _hash_region(fd: int, offset: int, size: int):
+    """A sha256 object fed ``size`` bytes of ``fd`` from ``offset``; None when the file is shorter."""
     import hashlib
 
     h = hashlib.sha256()
@@ -183,10 +188,36 @@ def _region_matches(fd: int, offset: int, size: int, digest: str) -> bool:
     while at < end:
         chunk = os.pread(fd, min(1 << 20, end - at), at)
         if not chunk:
-            return False
+            return None
         h.update(chunk)
         at += len(chunk)
-    return "sha256:" + h.hexdigest() == digest
+    return h
+
+
+def _region_matches(fd: int, offset: int, size: int, digest: str) -> bool:
+    """True when ``size`` bytes of ``fd`` from ``offset`` hash to ``digest`` (``sha256:HEX``)."""
+    h = _hash_region(fd, offset, size)
+    return h is not None and "sha256:" + h.hexdigest() == digest
+
+
+def _progress(marks: Path, i: int, size: int) -> int:
+    """How many leading bytes of layer ``i`` (``size`` long) an earlier pull wrote and flushed
+    (``.parts/INDEX.at``); 0 when unknown."""
+    try:
+        n = int((marks / f"{i}.at").read_text())
+    except (OSError, ValueError):
+        return 0
+    return n if 0 < n < size else 0
+
+
+def _record_progress(marks: Path, i: int, n: int) -> None:
+    tmp = marks / f"{i}.at.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, str(n).encode())
+    finally:
+        os.close(fd)
+    os.rename(tmp, marks / f"{i}.at")
 
 
 def download(target: Target, art: oci.Artifact, staging: Path, workers: int = WORKERS,
@@ -199,7 +230,11 @@ def download(target: Target, art: oci.Artifact, staging: Path, workers: int = WO
 
     ``resumable`` (a partial dir, :mod:`.partial`): member files already there are reused; a
     layer whose marker ``.parts/INDEX`` exists and whose region hashes to its digest again is
-    not downloaded; every layer downloaded now is flushed to disk, then marked."""
+    not downloaded; every layer downloaded now is flushed to disk, then marked. A layer cut
+    off half-way records every :data:`PROGRESS_BYTES` how far its flushed bytes reach
+    (``.parts/INDEX.at``); the next pull hashes that prefix from disk and fetches only the
+    rest (an HTTP range), the digest checked over the whole layer; a prefix that does not
+    hold makes that layer be fetched whole once more."""
     from .partial import MARKS
 
     sizes: dict[str, int] = {}
@@ -234,26 +269,47 @@ def download(target: Target, art: oci.Artifact, staging: Path, workers: int = WO
             _parallel(reusable, indexed, workers)
             todo = [ip for ip in indexed if ip[0] not in done]
 
-        def get(ip: tuple[int, oci.Part]) -> None:
-            i, p = ip
-            at = [p.offset]
+        def fetch(i: int, p: oci.Part, start: int) -> None:
             fd = fds[p.member]
+            h = _hash_region(fd, p.offset, start) if start else None
+            if start and h is None:
+                start = 0
+            at = [p.offset + start, 0]  # where the next byte goes, bytes since the last progress record
 
             def sink(chunk: bytes) -> None:
                 os.pwrite(fd, chunk, at[0])
                 at[0] += len(chunk)
+                if resumable:
+                    at[1] += len(chunk)
+                    if at[1] >= PROGRESS_BYTES:
+                        os.fdatasync(fd)
+                        _record_progress(marks, i, at[0] - p.offset)
+                        at[1] = 0
 
             try:
-                target.get_blob(p.digest, p.size, sink, p.member)
+                target.get_blob(p.digest, p.size, sink, p.member, start=start, h=h)
             except NotFound as e:
                 raise CorruptSnapshotError(f"{target.describe()}: blob {p.digest} ({p.member}) is missing",
                                            hint="push the snapshot again") from e
-            if resumable:  # the bytes on disk before the mark: a marked layer survives a crash
-                os.fdatasync(fd)
-                os.close(os.open(marks / str(i), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
             with lock:
                 counts[0] += 1
-                counts[1] += p.size
+                counts[1] += p.size - start
+                counts[3] += start
+
+        def get(ip: tuple[int, oci.Part]) -> None:
+            i, p = ip
+            start = _progress(marks, i, p.size) if resumable else 0
+            try:
+                fetch(i, p, start)
+            except CorruptSnapshotError:
+                if not start:
+                    raise
+                (marks / f"{i}.at").unlink(missing_ok=True)  # the kept prefix did not hold: the whole layer
+                fetch(i, p, 0)
+            if resumable:  # the bytes on disk before the mark: a marked layer survives a crash
+                os.fdatasync(fds[p.member])
+                os.close(os.open(marks / str(i), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+                (marks / f"{i}.at").unlink(missing_ok=True)
             if on_blob:
                 on_blob(p)
 

@@ -52,11 +52,15 @@ class Target(Protocol):
         EnvironmentProblem (network/registry), CorruptSnapshotError (the registry refused the
         digest)."""
 
-    def get_blob(self, digest: str, size: int, sink: Callable[[bytes], None], what: str) -> None:
+    def get_blob(self, digest: str, size: int, sink: Callable[[bytes], None], what: str, start: int = 0,
+                 h=None) -> None:
         """Stream blob ``digest`` into ``sink`` chunk by chunk, hashing as it goes; raise
         CorruptSnapshotError naming ``what`` and the digest when the bytes do not hash to
         ``digest`` or are not ``size`` long (the sink has then seen bad bytes: the caller
-        discards what it wrote). NotFound when absent."""
+        discards what it wrote). NotFound when absent. ``start`` > 0 (a resumed download):
+        only the bytes from ``start`` on are fetched and given to ``sink``; ``h`` is a sha256
+        object already fed with the first ``start`` bytes (the caller's copy), and the digest
+        checked covers them too."""
 
     def put_manifest(self, tag: str, raw: bytes, media_type: str = oci.OCI_MANIFEST) -> str:
         """Publish manifest ``raw`` under ``tag``; returns its digest."""
@@ -66,9 +70,10 @@ class Target(Protocol):
         reference when it is a digest). NotFound when absent."""
 
 
-def _check_stream(chunks, digest: str, size: int, sink: Callable[[bytes], None], what: str) -> None:
-    h = hashlib.sha256()
-    n = 0
+def _check_stream(chunks, digest: str, size: int, sink: Callable[[bytes], None], what: str, start: int = 0,
+                  h=None) -> None:
+    h = h if h is not None else hashlib.sha256()
+    n = start
     for chunk in chunks:
         if not chunk:
             continue
@@ -145,11 +150,12 @@ class Layout:
             tmp.unlink(missing_ok=True)
             raise
 
-    def get_blob(self, digest: str, size: int, sink: Callable[[bytes], None], what: str) -> None:
+    def get_blob(self, digest: str, size: int, sink: Callable[[bytes], None], what: str, start: int = 0,
+                 h=None) -> None:
         p = self._blob(digest)
         if not p.is_file():
             raise NotFound(f"blob {digest} is not in {self.describe()}")
-        _check_stream(_read_range(p, 0, p.stat().st_size), digest, size, sink, what)
+        _check_stream(_read_range(p, start, max(0, p.stat().st_size - start)), digest, size, sink, what, start, h)
 
     def _index(self) -> dict:
         try:
@@ -193,6 +199,16 @@ class Layout:
         if oci.sha256(raw) != digest:
             raise CorruptSnapshotError(f"{self.describe()}: manifest {digest} does not match its digest")
         return raw, digest
+
+
+def _skip(chunks, n: int):
+    """``chunks`` without their first ``n`` bytes."""
+    for chunk in chunks:
+        if n >= len(chunk):
+            n -= len(chunk)
+            continue
+        yield chunk[n:] if n else chunk
+        n = 0
 
 
 def _read_range(path: Path, offset: int, size: int):
@@ -385,14 +401,23 @@ class Registry:
         if r.status_code not in (201, 204):
             raise EnvironmentProblem(f"{self.ref.host} refused blob {digest} ({r.status_code}: {r.text[:200]})")
 
-    def get_blob(self, digest: str, size: int, sink: Callable[[bytes], None], what: str) -> None:
-        r = self._request("GET", self.base + f"blobs/{digest}", stream=True)
+    def get_blob(self, digest: str, size: int, sink: Callable[[bytes], None], what: str, start: int = 0,
+                 h=None) -> None:
+        ranged = {"Range": f"bytes={start}-"} if start else None
+        r = self._request("GET", self.base + f"blobs/{digest}", stream=True, headers=ranged)
         try:
             if r.status_code == 404:
                 raise NotFound(f"blob {digest} ({what}) is not in {self.describe()}")
-            if r.status_code != 200:
+            chunks = r.iter_content(CHUNK)
+            if start and r.status_code == 206:
+                if not r.headers.get("Content-Range", "").startswith(f"bytes {start}-"):
+                    raise EnvironmentProblem(f"{self.ref.host} answered another range than bytes {start}- for blob "
+                                             f"{digest} ({what}): {r.headers.get('Content-Range')!r}")
+            elif r.status_code == 200:
+                chunks = _skip(chunks, start)  # a registry that ignores Range: the whole blob again
+            else:
                 raise EnvironmentProblem(f"{self.ref.host} answered {r.status_code} for blob {digest} ({what})")
-            _check_stream(r.iter_content(CHUNK), digest, size, sink, what)
+            _check_stream(chunks, digest, size, sink, what, start, h)
         finally:
             r.close()
 

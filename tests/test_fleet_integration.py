@@ -480,6 +480,7 @@ def test_two_nodes_serving_one_key_at_once_both_serve_and_the_tag_never_names_an
         assert p.returncode == 0, f"node {n}: {done[n][1][-4000:]}"
     assert not errors, errors[0]
     a, b = out["a"], out["b"]
+    print(f"node a: {a['path']}, node b: {b['path']}; digests the tag named: {len(seen)}")
     assert a["key"] == b["key"] and {a["path"], b["path"]} <= {"built", "pulled"} and "built" in {a["path"], b["path"]}
     final = _complete(own_registry, repo_path, a["key"])
     assert final is not None and seen, "the tag never resolved while the nodes ran"

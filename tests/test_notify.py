@@ -209,6 +209,43 @@ def test_restore_command_stopping_when_engine_exits_on_its_own(path_socket, monk
                                      b"STOPPING=1"]
 
 
+def test_restore_command_engine_killed_while_serving_exits_8_with_its_reason(path_socket, monkeypatch, tmp_path, capsys):
+    # a trial: `kill -9 <engine PID>` under a foreground restore: exit 137, nothing said
+    from vllm_snapshot.ops.restore import died_while_serving
+
+    def fake_restore(req, rep, tools=None):
+        return _fake_restored()
+
+    def fake_serve(r, engine, on_signal_msg=None, stop_grace_s=None, tools=None):
+        raise died_while_serving(r, 137)
+
+    monkeypatch.setattr(ops, "restore", stand_in(ops.restore, fake_restore))
+    monkeypatch.setattr(ops, "serve_foreground", stand_in(ops.serve_foreground, fake_serve))
+    assert cli.main(["restore", str(tmp_path), "--port", "8123", "-q"]) == 8
+    err = capsys.readouterr().err
+    assert "error [engine-failed]" in err and "PID 999" in err and "killed by SIGKILL" in err, err
+    assert "journalctl" in err, err  # where its log is: the journal under systemd
+    assert path_socket.pending()[-1] == b"STOPPING=1"
+
+
+@pytest.mark.parametrize("flags", [["-q"], ["--json"], []])
+def test_the_signal_the_command_received_is_said_on_stderr_even_when_quiet(monkeypatch, tmp_path, capsys, flags):
+    # a trial: SIGHUP to `restore -q` logged only the engine's "SIGTERM: draining"
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+
+    def fake_restore(req, rep, tools=None):
+        return _fake_restored()
+
+    def fake_serve(r, engine, on_signal_msg=None, stop_grace_s=None, tools=None):
+        on_signal_msg("received SIGHUP; stopping the engine (draining: ...)")
+        return 0
+
+    monkeypatch.setattr(ops, "restore", stand_in(ops.restore, fake_restore))
+    monkeypatch.setattr(ops, "serve_foreground", stand_in(ops.serve_foreground, fake_serve))
+    assert cli.main(["restore", str(tmp_path), "--port", "8123", *flags]) == 0
+    assert "received SIGHUP; stopping the engine" in capsys.readouterr().err
+
+
 def test_serve_command_notifies_ready_only_after_serve_returned(path_socket, monkeypatch, tmp_path):
     from vllm_snapshot.report.results import Served
 

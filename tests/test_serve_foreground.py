@@ -30,8 +30,9 @@ HARNESS = textwrap.dedent(r"""
 
     class Engine:
         root_pid = child.pid
-        def reap(self, block=False):
-            return child.poll()
+        def reap(self, block=False):  # as EngineHandle.reap: a signal N is 128 + N
+            rc = child.poll()
+            return rc if rc is None or rc >= 0 else 128 - rc
         def kill(self):
             child.kill(); child.wait()
         def drain_log(self, timeout):
@@ -47,7 +48,7 @@ HARNESS = textwrap.dedent(r"""
     time.sleep(0.3)  # the child's handler is set
     threading.Timer(0.2, os.kill, (os.getpid(), SIG)).start()
     t0 = time.monotonic()
-    code = serve_foreground(SimpleNamespace(pid=child.pid, drain_s=GRACE), Engine(), print, stop_grace_s=GRACE,
+    code = serve_foreground(SimpleNamespace(pid=child.pid, drain_s=GRACE, served_name="tiny", url="http://x"), Engine(), print, stop_grace_s=GRACE,
                             tools=dataclasses.replace(local_tools(), runtime=Runtime()))
     print("code", code, "alive", child.poll() is None, "took", round(time.monotonic() - t0, 1))
 """)
@@ -116,7 +117,7 @@ def _serve(w: FakeWorld, engine: _Engine, signals_at: dict[float, int], grace: f
             w.signal_handler(signals_at.pop(at))
 
     w.on_sleep = on_sleep
-    code = serve_foreground(SimpleNamespace(pid=777, drain_s=drain_s), engine, said.append, stop_grace_s=grace,
+    code = serve_foreground(SimpleNamespace(pid=777, drain_s=drain_s, served_name="tiny", url="http://127.0.0.1:8123"), engine, said.append, stop_grace_s=grace,
                             tools=w.tools)
     return code, said
 
@@ -184,8 +185,8 @@ def test_the_default_grace_is_the_drain_plus_the_teardown_time():
 
 def test_an_engine_that_exits_by_itself_needs_no_signal_and_is_unregistered_even_when_draining_fails():
     w = FakeWorld()
-    eng = _Engine(w, after=0, code=3)
-    assert _serve(w, eng, {})[0] == 3 and w.terminated == [] and "unregister" in w.calls
+    eng = _Engine(w, after=0, code=0)  # `vllm-snapshot stop` from another shell: drained, exit 0
+    assert _serve(w, eng, {})[0] == 0 and w.terminated == [] and "unregister" in w.calls
 
     w = FakeWorld()
     eng = _Engine(w, after=0)
@@ -199,3 +200,52 @@ def test_an_engine_that_exits_by_itself_needs_no_signal_and_is_unregistered_even
     with pytest.raises(OSError):
         _serve(w, eng, {})
     assert w.calls[-2:] == ["engine.close", "unregister"] and w.signal_handler is None
+
+
+def test_an_engine_killed_while_serving_is_an_engine_failure_naming_pid_signal_and_log():
+    # a trial: `kill -9 <engine PID>` under a foreground restore exited 137 with no message
+    import pytest
+
+    from vllm_snapshot.errors import EngineError
+
+    w = FakeWorld()
+    eng = _Engine(w, after=0, code=137)
+    with pytest.raises(EngineError) as ei:
+        _serve(w, eng, {})
+    e = ei.value
+    assert e.exit_code == 8 and e.code == "engine-failed"
+    assert "PID 777" in e.message and "killed by SIGKILL (exit status 137)" in e.message, e.message
+    assert "stderr" in e.hint and "journalctl" in e.hint and "oom" in e.hint.lower(), e.hint
+    assert e.details["signal"] == "SIGKILL" and e.details["exit_status"] == 137
+    assert w.terminated == [] and w.calls[-2:] == ["engine.close", "unregister"]
+
+
+def test_an_engine_that_crashes_while_serving_names_its_exit_status():
+    import pytest
+
+    from vllm_snapshot.errors import EngineError
+
+    w = FakeWorld()
+    with pytest.raises(EngineError) as ei:
+        _serve(w, _Engine(w, after=0, code=3), {})
+    assert "exited with status 3" in ei.value.message and ei.value.details["signal"] is None
+
+
+def test_an_engine_killed_by_a_real_sigkill_is_reported_through_the_real_forwarding():
+    cp = subprocess.run([sys.executable, "-c", HARNESS_KILLED], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert "EngineError engine-failed 8" in cp.stdout and "killed by SIGKILL" in cp.stdout, cp.stdout + cp.stderr
+    assert "unregistered" in cp.stdout
+
+
+HARNESS_KILLED = HARNESS.replace(
+    "threading.Timer(0.2, os.kill, (os.getpid(), SIG)).start()",
+    "threading.Timer(0.2, os.kill, (child.pid, signal.SIGKILL)).start()  # kill -9 <engine PID>",
+).replace(
+    "code = serve_foreground(",
+    "try:\n    code = serve_foreground(",
+).replace(
+    "                        tools=dataclasses.replace(local_tools(), runtime=Runtime()))",
+    "                        tools=dataclasses.replace(local_tools(), runtime=Runtime()))\n"
+    "except Exception as e:\n    print(type(e).__name__, e.code, e.exit_code, e.message); code = None",
+).replace("SIG, GRACE, IGNORE_TERM = signal.Signals[sys.argv[1]], float(sys.argv[2]), sys.argv[3] == \"1\"",
+          "SIG, GRACE, IGNORE_TERM = signal.SIGTERM, 5.0, False")

@@ -457,7 +457,7 @@ def restore(
     if detach:
         _handed_off()
     render.show(r, as_json, quiet)
-    _run_engine(r, engine, rep, lifecycle, detach)
+    _run_engine(r, engine, rep, lifecycle, detach, quiet or as_json)
 
 
 def _lifecycle_reporter(quiet: bool, as_json: bool):
@@ -485,9 +485,12 @@ def _handed_off() -> None:
             signal.signal(s, signal.SIG_IGN)
 
 
-def _run_engine(r, engine, rep, lifecycle, detach: bool) -> None:
+def _run_engine(r, engine, rep, lifecycle, detach: bool, silent: bool = False) -> None:
     """After a restore: detached -> return; foreground -> READY=1, serve until the engine
-    exits (SIGINT/SIGTERM stop it), exit with its code."""
+    exits (SIGINT/SIGTERM/SIGHUP stop it), exit with its code; an engine that dies by itself
+    raises EngineError (exit 8, see ``ops.serve_foreground``). The line naming the signal the
+    command received is printed on stderr even when ``silent`` (``-q``/``--json``: the
+    reporter prints nothing), so a log or the journal says what stopped the engine."""
     from .. import ops
 
     if detach:
@@ -498,10 +501,15 @@ def _run_engine(r, engine, rep, lifecycle, detach: bool) -> None:
 
     def on_signal(msg: str) -> None:
         lifecycle.stopping()
-        rep.info(msg)
+        if silent:
+            print(f"vllm-snapshot: {msg}", file=sys.stderr, flush=True)
+        else:
+            rep.info(msg)
 
-    code = ops.serve_foreground(r, engine, on_signal)
-    lifecycle.stopping()  # once: a no-op when a signal already said so
+    try:
+        code = ops.serve_foreground(r, engine, on_signal)
+    finally:
+        lifecycle.stopping()  # once: a no-op when a signal already said so
     raise typer.Exit(code)
 
 
@@ -610,7 +618,7 @@ def serve(
     if detach:
         _handed_off()
     render.show(served, as_json, quiet)
-    _run_engine(served.restored, engine, rep, lifecycle, detach)
+    _run_engine(served.restored, engine, rep, lifecycle, detach, quiet or as_json)
 
 
 @app.command()

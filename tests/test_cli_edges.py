@@ -807,3 +807,28 @@ def test_a_switch_to_what_already_serves_says_nothing_was_switched(capsys):
     assert capsys.readouterr().out == "port 18020 already serves /s/trial-b (engine PID 4242): nothing switched\n"
     render.show(Switched("/s/trial-b", 18020, 4242, "http://127.0.0.1:18020", 0.5, 1.0, 1.5, [4000]))
     assert capsys.readouterr().out.startswith("switched port 18020 to /s/trial-b (engine PID 4242): stop 0.50 s")
+
+
+@pytest.mark.parametrize("prompt", ["", "   \n"])
+def test_create_refuses_an_empty_oracle_prompt_before_anything_starts(prompt):
+    # a trial: `create ... --oracle-prompt ""` succeeded and recorded the default prompt instead
+    t = FakeWorld()
+    with pytest.raises(UsageError, match="--oracle-prompt is empty") as ei:
+        ops.create(ops.CreateRequest(model="/m", target=SNAP, engine_args=["--kv-cache-memory-bytes", "1M"],
+                                     oracle_prompt=prompt), Reporter(), tools=t.tools)
+    assert ei.value.exit_code == 2 and "leave the option out" in ei.value.hint
+    assert "launch_engine" not in t.calls and "prepare_target" not in t.calls
+
+
+def test_create_command_hands_an_empty_oracle_prompt_on_instead_of_the_default(monkeypatch, tmp_path):
+    seen = {}
+
+    def fake_create(req, rep, tools=None):
+        seen["prompt"] = req.oracle_prompt
+        from vllm_snapshot.ops.create import check_oracle_prompt
+
+        check_oracle_prompt(req.oracle_prompt)
+
+    monkeypatch.setattr(ops, "create", stand_in(ops.create, fake_create))
+    assert cli.main(["create", str(tmp_path), "--snapshot-dir", str(tmp_path / "s"), "--oracle-prompt", "", "-q"]) == 2
+    assert seen["prompt"] == ""

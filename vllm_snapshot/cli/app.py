@@ -142,7 +142,7 @@ def create(
         snapshot_dir = store.ensure_root(_root_dir()) / name
     req = ops.CreateRequest(
         model=model, target=snapshot_dir, engine_args=engine_args,
-        oracle_prompt=oracle_prompt or oracle.DEFAULT_PROMPT, sleep_level=sleep_level,
+        oracle_prompt=oracle.DEFAULT_PROMPT if oracle_prompt is None else oracle_prompt, sleep_level=sleep_level,
         compression=archive.Compression.parse(compress), keep_env=tuple(keep_env), user=user,
         engine_log=_stderr_sink if verbose else None)
     render.show(ops.create(req, _reporter(quiet, as_json)), as_json, quiet)
@@ -595,8 +595,10 @@ def serve(
         if not p.isdigit() or not 1 <= int(p) <= 65535:
             raise UsageError(f"--port {p!r}: expected a port number 1-65535")
         port = int(p)
-    if oracle_prompt is not None and not oracle_prompt.strip():
-        raise UsageError("--oracle-prompt is empty", hint="give a prompt, or leave the option out for the default")
+    if oracle_prompt is not None:
+        from ..ops.create import check_oracle_prompt
+
+        check_oracle_prompt(oracle_prompt)
     rep, lifecycle = _lifecycle_reporter(quiet, as_json)
     cache = None
     if registry is not None:
@@ -610,7 +612,7 @@ def serve(
         model=model, root=store.ensure_root(_root_dir()), engine_args=engine_args, host=host, port=port,
         detach=detach, log_file=log_file, verify_model=verify_model,
         build="never" if no_build else "always" if rebuild else "auto",
-        oracle_prompt=oracle_prompt or oracle.DEFAULT_PROMPT, sleep_level=sleep_level,
+        oracle_prompt=oracle.DEFAULT_PROMPT if oracle_prompt is None else oracle_prompt, sleep_level=sleep_level,
         compression=archive.Compression.parse(compress), keep_env=tuple(keep_env), user=user,
         engine_log=_stderr_sink, create_log=_stderr_sink if verbose else None, frontend=tuple(front),
         drain_s=_drain(drain_timeout), registry=cache)

@@ -88,6 +88,15 @@ def check_cpu_kv_cache(engine_args: list[str], env: dict[str, str], device: str)
         hint="add an engine arg like --kv-cache-memory-bytes 1G (or set VLLM_CPU_KVCACHE_SPACE=GiB)")
 
 
+def check_oracle_prompt(prompt: str) -> None:
+    """Refuse an empty or whitespace-only oracle prompt (UsageError, exit 2): it would record
+    an oracle of nothing; leaving ``--oracle-prompt`` out gives :data:`oracle.DEFAULT_PROMPT`."""
+    if not prompt.strip():
+        raise UsageError(f"--oracle-prompt is empty{' (only whitespace)' if prompt else ''}: the oracle needs a prompt "
+                         "to record the engine's first token for",
+                         hint=f"give a prompt, or leave the option out for the default ({oracle.DEFAULT_PROMPT!r})")
+
+
 def check_keep_env(keep_env: tuple[str, ...]) -> None:
     """Refuse ``--keep-env`` of what must never be in a snapshot's memory. Pure. Raises UsageError."""
     if "VLLM_API_KEY" in keep_env:
@@ -138,6 +147,7 @@ def create(req: CreateRequest, rep: Reporter, tools: Tools | None = None) -> Cre
     criu_ver = t.host.criu_version()
     if req.sleep_level not in (0, 1, 2):
         raise UsageError("--sleep-level must be 0, 1 or 2")
+    check_oracle_prompt(req.oracle_prompt)
     check_engine_args(req.engine_args)
     check_keep_env(req.keep_env)
     target = t.store.canonical(req.target)

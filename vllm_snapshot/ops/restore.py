@@ -43,11 +43,11 @@ from __future__ import annotations
 import os
 import signal
 import socket
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from ..checkpoint import carry, criu, mountpolicy
 
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from ..checkpoint.gpu import GpuPlacement
 from ..supervise import frontend
 from ..host import identity, ports, privilege, resources
-from ..store import oracle
+from ..store import layout, oracle
 from ..errors import (
     BusyError,
     CorruptSnapshotError,
@@ -249,12 +249,24 @@ def raise_code_changed(problems: list[str]) -> None:
             details={"code": problems})
 
 
+@contextmanager
+def _damaged_hint(snapshot: Path) -> Iterator[None]:
+    """A CorruptSnapshotError (exit 5: an image failing its checksum, a manifest that is not
+    JSON, ...) raised without a hint gets one: delete and re-create, or pull again."""
+    try:
+        yield
+    except CorruptSnapshotError as e:
+        if e.hint is None:
+            e.hint = layout.damaged_hint(snapshot)
+        raise
+
+
 def verify(snapshot: Path, allow: frozenset[str] = frozenset(), tools: Tools | None = None) -> Verified:
     """``verify``: :func:`validate` with every image checksum and a full model re-hash, under
     the snapshot's shared lock. Returns :class:`Verified`."""
     t = tools or local_tools()
     snapshot = t.store.canonical(snapshot)
-    with t.store.snapshot_lock(snapshot, shared=True):
+    with _damaged_hint(snapshot), t.store.snapshot_lock(snapshot, shared=True):
         m, warnings = _validate(t.host, t.model, t.files, snapshot, "full", allow, check_images=True)
         raise_code_changed(t.files.check_code(snapshot, m))
     return Verified(str(snapshot), len(m.images), len(m.model.files), warnings)
@@ -292,7 +304,7 @@ def restore(req: RestoreRequest, rep: Reporter, tools: Tools | None = None) -> t
     snapshot = t.store.canonical(req.snapshot)
     served = False
     try:
-        with t.store.snapshot_lock(snapshot, shared=True):
+        with _damaged_hint(snapshot), t.store.snapshot_lock(snapshot, shared=True):
             r, engine = _restore_locked(t, req, rep, snapshot)
         served = True
         # signals are held from the moment the engine serves validated (hold_signals in

@@ -85,7 +85,7 @@ def judge(path: Path) -> UsageError | CorruptSnapshotError | None:
     a symlink (the trust checks refuse one separately). Reads only directory entries. Raises
     EnvironmentProblem (exit 11) when this user may not look (:func:`vllm_snapshot.paths.lexists`)."""
     if not paths.lexists(path):
-        return UsageError(f"{path} does not exist")
+        return UsageError(f"{path} does not exist", hint=missing_hint(path))
     if not path.is_dir():
         return UsageError(f"{path} is not a directory (a snapshot is a directory)", hint=NOT_OURS_HINT)
     if paths.lexists(path / MANIFEST):
@@ -95,6 +95,18 @@ def judge(path: Path) -> UsageError | CorruptSnapshotError | None:
     return CorruptSnapshotError(f"{path} is an incomplete snapshot (no {MANIFEST})",
                                 hint=f"remove the directory (`rm -r {path}`: `vllm-snapshot delete` deletes only "
                                      "snapshots with a manifest) and create it again")
+
+
+def damaged_hint(snapshot: Path) -> str:
+    """The hint of a refusal of a damaged snapshot (a corrupt image or manifest, a missing
+    file: exit 5): what to do, with the command to run."""
+    return (f"its files are damaged: delete it (`vllm-snapshot delete {snapshot}`) and re-create it "
+            "(`create`; `serve` builds it again by itself), or pull it again (`vllm-snapshot pull IMAGE`)")
+
+
+def missing_hint(path: Path) -> str:
+    """The hint of a snapshot reference that names nothing: where to see the snapshots."""
+    return f"`vllm-snapshot --root {path.parent} list` shows the snapshots there (a name means ROOT/NAME)"
 
 
 def not_a_snapshot(path: Path) -> str | None:
@@ -156,7 +168,7 @@ def check_dir_safety(path: Path) -> None:
     try:
         st = os.lstat(path)
     except FileNotFoundError as e:
-        raise UsageError(f"{path} does not exist") from e
+        raise UsageError(f"{path} does not exist", hint=missing_hint(path)) from e
     except PermissionError as e:
         raise paths.not_allowed(path) from e
     if stat.S_ISLNK(st.st_mode):

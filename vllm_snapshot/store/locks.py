@@ -153,7 +153,9 @@ def snapshot_lock(snapshot: Path, shared: bool = False, must_exist: bool = True)
         raise UsageError(paths.why_not_a_dir(snapshot.absolute().parent))
 
     if must_exist and not paths.lexists(snapshot):
-        raise UsageError(f"snapshot {snapshot} does not exist")
+        from .layout import missing_hint
+
+        raise UsageError(f"snapshot {snapshot} does not exist", hint=missing_hint(snapshot))
     return lock(snapshot_lock_path(snapshot), f"snapshot {snapshot}", shared=shared, label=str(snapshot.absolute()))
 
 

@@ -18,7 +18,7 @@ import blake3
 from pydantic import BaseModel, ConfigDict, Field, SerializationInfo, ValidationError, model_serializer, model_validator
 
 from ..errors import CorruptSnapshotError
-from .layout import MANIFEST, MANIFEST_TMP, judge
+from .layout import MANIFEST, MANIFEST_TMP, damaged_hint, judge
 from .oracle import Oracle
 
 SCHEMA_VERSION = 1
@@ -420,4 +420,9 @@ def read(directory: Path) -> Manifest:
         raise CorruptSnapshotError(f"{path} is not UTF-8 text: {e}") from e
     except FileNotFoundError as e:  # removed since the judgement
         raise CorruptSnapshotError(f"{path} not found: an incomplete snapshot") from e
-    return parse(text, str(path))
+    try:
+        return parse(text, str(path))
+    except CorruptSnapshotError as e:
+        if e.hint is None:
+            e.hint = damaged_hint(directory)
+        raise

@@ -32,7 +32,10 @@ def test_split_keeps_engine_args_and_takes_front_end_options_with_their_values()
     (["--ssl-cert-reqs", "2"], "mutual TLS"),
     (["--middleware", "x.y"], "middleware"),
     (["--port", "9"], "restore's own option"),
-    (["--api-k", "x"], r"unknown option --api-k \(did you mean --api-key\?\)"),  # abbreviations: refused
+    # abbreviations: refused, naming what they could mean (a trial: `--api` was called "frozen")
+    (["--api-k", "x"], r"--api-k is an abbreviation, and abbreviations are not accepted here; it could mean --api-key$"),
+    (["--api", "x"], r"--api is an abbreviation.*could mean --api-key$"),
+    (["--ssl-c=x"], r"could mean --ssl-ca-certs or --ssl-cert-reqs or --ssl-certfile or --ssl-ciphers$"),
     (["--prot", "9"], r"did you mean --port\?"),  # a typo of restore's own option
     (["--detatch"], r"did you mean --detach\?"),
     (["--bogus-flag"], "engine options are frozen"),

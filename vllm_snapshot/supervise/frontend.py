@@ -201,7 +201,8 @@ def values(args: list[str]) -> dict[str, list[str] | bool]:
 
 def refuse_engine_options(args: list[str], where: str = "restore") -> None:
     """Raise UsageError naming the first option of ``args`` that is not a front-end option
-    (an engine option: frozen in the snapshot), a refused front-end setting, or a stray value.
+    (an engine option: frozen in the snapshot), an abbreviation of front-end options (naming
+    what it could mean), a refused front-end setting, or a stray value.
     Values of known options are skipped by their arity. Pure."""
     for name, tokens, vals in _walk(args):
         if vals is not None:
@@ -214,6 +215,12 @@ def refuse_engine_options(args: list[str], where: str = "restore") -> None:
                              hint=f"give {name} before any --")
         if not tok.startswith("-"):
             raise UsageError(f"unexpected argument {tok!r}", hint="front-end options are --flag [value]")
+        could = sorted(o for o in (*FRONTEND_OPTIONS, *REFUSED) if name.startswith("--") and len(name) > 2
+                       and o.startswith(name))
+        if could:  # `--api`: vLLM's parser takes abbreviations; frozen options could not be told from them
+            raise UsageError(f"{name} is an abbreviation, and abbreviations are not accepted here; it could mean "
+                             f"{' or '.join(could)}",
+                             hint="spell the option out in full")
         import difflib
 
         near = difflib.get_close_matches(name, [*FRONTEND_OPTIONS, *OWN_OPTIONS], n=1, cutoff=0.75)

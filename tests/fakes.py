@@ -356,6 +356,9 @@ class FakeModelTools(_Role, ModelTools):
         self.w._call("resolve_model")
         return Path(model), None
 
+    def check_model_config(self, model_dir: Path, engine_args: list[str]) -> None:
+        pass  # the real check reads config.json (tests/test_trial_model.py); no call recorded
+
     def digest_model(self, model_dir: Path, known: tuple[ModelFile, ...] = ()) -> tuple[ModelFile, ...]:
         self.w._call("digest_model")
         return self.w.model_files if self.w.model_files is not None else self.w.manifest.model.files
@@ -609,6 +612,10 @@ class FakeEngineTools(_Role, EngineTools):
     def read_log_tail(self, path: Path, lines: int = 20) -> str | None:
         self.w._call("read_log_tail")
         return self.w.log_file_tail
+
+    def keep_log(self, path: Path, what: str) -> Path | None:
+        self.w._call("keep_log")
+        return Path(f"/var/log/vllm-snapshot/engine-{what}-20260101-000000-1.log")
 
 
 class FakeStoreTools(_Role, StoreTools):

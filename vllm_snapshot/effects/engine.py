@@ -72,6 +72,11 @@ class LocalEngineTools(EngineTools):
     def default_log_file(self, snapshot: Path, port: int) -> Path:
         return paths.ensure_private_dir(paths.log_dir()) / f"{snapshot.name}-{port}.log"
 
+    def keep_log(self, path: Path, what: str) -> Path | None:
+        from ..supervise.supervisor import keep_log
+
+        return keep_log(path, what)
+
     def read_log_tail(self, path: Path, lines: int = 20) -> str | None:
         from ..supervise.supervisor import log_file_tail
 

@@ -18,6 +18,11 @@ class LocalModelTools(ModelTools):
 
         return model_digest.resolve_model(model, revision)
 
+    def check_model_config(self, model_dir: Path, engine_args: list[str]) -> None:
+        from ..store import model_digest
+
+        model_digest.check_config(model_dir, engine_args)
+
     def digest_model(self, model_dir: Path, known: tuple[ModelFile, ...] = ()) -> tuple[ModelFile, ...]:
         from ..store import model_digest
 

@@ -177,6 +177,10 @@ class ModelTools(Protocol):
     def resolve_model(self, model: str, revision: str | None) -> tuple[Path, str | None]:
         """(local directory, resolved HF revision or None) of ``model``. Raises UsageError."""
 
+    def check_model_config(self, model_dir: Path, engine_args: list[str]) -> None:
+        """Refuse a ``config.json`` vLLM cannot use before the engine starts
+        (:func:`vllm_snapshot.store.model_digest.check_config`). Raises UsageError."""
+
     def digest_model(self, model_dir: Path, known: tuple[ModelFile, ...] = ()) -> tuple[ModelFile, ...]:
         """Every model file's digest; files whose stat equals a ``known`` record reuse its digest."""
 
@@ -395,6 +399,11 @@ class EngineTools(Protocol):
 
     def read_log_tail(self, path: Path, lines: int = 20) -> str | None:
         """The last ``lines`` lines of the engine log file ``path`` (None when it cannot be read)."""
+
+    def keep_log(self, path: Path, what: str) -> Path | None:
+        """Copy the engine log ``path`` into the log directory as ``engine-WHAT-<time>-<pid>.log``
+        (0600; :func:`vllm_snapshot.supervise.supervisor.keep_log`) before its directory is
+        removed; the copy, or None when it could not be kept."""
 
 
 class StoreTools(Protocol):

@@ -152,6 +152,7 @@ def create(req: CreateRequest, rep: Reporter, tools: Tools | None = None) -> Cre
     check_keep_env(req.keep_env)
     target = t.store.canonical(req.target)
     model_dir, revision = t.model.resolve_model(req.model, arg_value(req.engine_args, "--revision"))
+    t.model.check_model_config(model_dir, req.engine_args)  # a bad config.json: seconds, not a cold start
     check_visible({"model": model_dir, **t.host.code_paths()}, [Path(p) for p in PRIVATE_MOUNTS])
     user = t.host.engine_user(req.user)
     t.host.check_mounts(model_dir, scrubbed_env(t.host.environ(), req.keep_env, user))
@@ -220,8 +221,10 @@ def engine_user_record(user: privilege.User) -> manifest.EngineUser:
     return manifest.EngineUser(name=user.name, uid=user.uid, gid=user.gid, groups=user.groups, home=user.home)
 
 
-def _start_engine(et: EngineTools, req: CreateRequest, spec: dict, env: dict[str, str], tmp: Path) -> tuple[Engine, dict]:
-    engine = et.launch_engine(spec, env, tmp / layout.CREATE_LOG, req.engine_log)
+def _start_engine(et: EngineTools, req: CreateRequest, spec: dict, env: dict[str, str], tmp: Path,
+                  model_dir: Path) -> tuple[Engine, dict]:
+    log = tmp / layout.CREATE_LOG
+    engine = et.launch_engine(spec, env, log, req.engine_log)
     try:
         return engine, engine.wait_event("initialized", ENGINE_START_TIMEOUT_S)
     except EngineError as e:
@@ -229,7 +232,39 @@ def _start_engine(et: EngineTools, req: CreateRequest, spec: dict, env: dict[str
         engine.close()
         if isinstance(e.details, dict) and e.details.get("kind") == "usage":
             raise UsageError(e.message, hint="the engine args are those of `vllm serve`") from e
-        raise
+        raise start_failure(e, et.keep_log(log, "create"), model_dir) from e
+
+
+#: lines of the engine's own error message an engine start failure shows (the rest: its log)
+START_ERROR_LINES = 4
+
+
+def start_failure(e: EngineError, kept: Path | None, model_dir: Path) -> EngineError:
+    """The error for an engine that failed to start at create, in words and short (a trial got
+    ~25 lines of pydantic/vLLM traceback): the engine's error -- its exception type and message,
+    at most :data:`START_ERROR_LINES` lines of 300 characters -- or, when it died without one,
+    what ended the wait and the last exception line of its log; where the full log is kept
+    (``kept``, None: not kept) and a hint to check ``model_dir``. ``details`` keeps the engine's
+    event and adds ``log``. Pure."""
+    import re
+
+    ev = e.details if isinstance(e.details, dict) else {}
+    if isinstance(ev.get("message"), str):
+        lines = [ln.strip() for ln in ev["message"].splitlines()
+                 if ln.strip() and not ln.strip().startswith("For further information visit")]
+    else:  # exited or timed out without an error event: the wait's own line, the log's last exception
+        first, *tail = e.message.splitlines() or [""]
+        errs = [ln.strip() for ln in tail if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b", ln.strip())]
+        lines = [first] + (errs[-1:] or [ln.strip() for ln in tail if ln.strip()][-3:])
+    lines = [ln if len(ln) <= 300 else ln[:297] + "..." for ln in lines] or ["(no message)"]
+    more = len(lines) - START_ERROR_LINES
+    shown = lines[:START_ERROR_LINES] + ([f"({more} more line(s) in the log)"] if more > 0 else [])
+    where = f"the engine's full log: {kept}" if kept is not None else "the engine's log could not be kept"
+    return EngineError("the engine failed while starting (loading the model): " + "\n  ".join(shown),
+                       hint=f"{where}; if the error is about the model, check the model folder {model_dir}: "
+                            "config.json, the weights and the tokenizer files must be the model's own, as its "
+                            "publisher ships them",
+                       details={**ev, "log": str(kept) if kept is not None else None})
 
 
 def _rehearse_sleep(engine: Engine, level: int, recorded: oracle.Oracle, clock: Callable[[], float]) -> float:
@@ -322,7 +357,7 @@ def _create_locked(t: Tools, req: CreateRequest, rep: Reporter, target: Path, mo
             spec["served_model_name"] = req.model  # serve a Hugging Face id by its id, as `vllm serve` does
         loading_since_ns = int(t.clock.now() * 1e9)  # the engine may read the model files from here on
         with rep.phase("engine_start", "starting engine (load, compile, warm-up)"):
-            engine, init = _start_engine(t.engine, req, spec, env, tmp)
+            engine, init = _start_engine(t.engine, req, spec, env, tmp, model_dir)
         info = init["info"]
         recorded = oracle.Oracle.model_validate(init["oracle"])
         check_cpu_kv_cache(req.engine_args, t.host.environ(), info["kind"])  # the device vLLM actually chose

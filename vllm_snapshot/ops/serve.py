@@ -251,6 +251,7 @@ def _prepare(t: Tools, req: ServeRequest, rep: Reporter, check_port: bool):
     check_keep_env(req.keep_env)
     frontend.check(list(req.frontend), t.host.environ())  # a bad TLS file is found before a build, not after
     model_dir, rev = t.model.resolve_model(req.model, arg_value(req.engine_args, "--revision"))
+    t.model.check_model_config(model_dir, req.engine_args)
     if check_port:
         t.host.port_free(req.host, req.port)
     with rep.phase("key", "computing the snapshot key (model digest, engine args, host)"):

@@ -23,6 +23,7 @@ what a cold start would build. Unknown kinds refuse too (fail closed).
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -122,6 +123,42 @@ def resolve_model(model: str, revision: str | None = None) -> tuple[Path, str | 
             hint="pass a local model directory, or a revision the cache holds; vllm-snapshot never downloads models",
         ) from e
     return d.resolve(), d.name
+
+
+#: engine args with which vLLM does not read the model directory's ``config.json`` as the
+#: Hugging Face config (a Mistral-format model's ``params.json``, a config elsewhere)
+_OTHER_CONFIG = ("--config-format", "--hf-config-path")
+
+
+def check_config(model_dir: Path, engine_args: list[str]) -> None:
+    """Refuse, in milliseconds, a model directory whose ``config.json`` vLLM cannot use, instead
+    of after a cold start of tens of seconds: present but not UTF-8 JSON, not a JSON object, or
+    naming neither ``model_type`` nor ``architectures`` (``{}``). Checks nothing when there is
+    no ``config.json`` (a GGUF file, a Mistral-format model) or when ``engine_args`` point vLLM
+    at another config (``--config-format`` other than ``auto``/``hf``, ``--hf-config-path``).
+    Raises UsageError (exit 2) naming the file, what is wrong and what to do."""
+    for i, a in enumerate(engine_args):
+        name, _, val = a.partition("=")
+        if name in _OTHER_CONFIG:
+            val = val or (engine_args[i + 1] if i + 1 < len(engine_args) else "")
+            if name == "--hf-config-path" or val not in ("auto", "hf"):
+                return
+    cfg = model_dir / "config.json"
+    if not cfg.is_file():
+        return
+    hint = ("check the model folder: config.json must be the model's Hugging Face config (as the model's "
+            "publisher ships it, naming its model_type and architectures), beside its weights and tokenizer files")
+    try:
+        raw = json.loads(cfg.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise UsageError(f"the model's {cfg} is not JSON: {e}", hint=hint) from e
+    except OSError as e:
+        raise UsageError(f"the model's {cfg} cannot be read: {e}", hint=hint) from e
+    if not isinstance(raw, dict):
+        raise UsageError(f"the model's {cfg} is a JSON {type(raw).__name__}, not an object", hint=hint)
+    if not raw.get("model_type") and not raw.get("architectures"):
+        raise UsageError(f"the model's {cfg} names neither model_type nor architectures: vLLM cannot tell "
+                         "which model it is", hint=hint)
 
 
 def _stat_key(st: os.stat_result) -> tuple[int, int, int, int, int]:

@@ -292,6 +292,9 @@ class FakeHostTools(_Role, HostTools):
             return path in self.w.snapshots or any(path in p.parents for p in self.w.snapshots)
         return False
 
+    def path_kind(self, path: Path) -> str:
+        return "a directory" if self.path_exists(path) else "nothing"
+
     def code_paths(self) -> dict[str, Path]:
         return {"Python environment": Path("/venv")}
 
@@ -634,6 +637,9 @@ class FakeStoreTools(_Role, StoreTools):
     def port_lock(self, port: int, on_wait: Callable[[str], None]) -> AbstractContextManager:
         self.w._call("port_lock")
         return nullcontext()
+
+    def root_problem(self, root: Path) -> str | None:
+        return getattr(self.w, "root_problem", None)
 
     def list_snapshots(self, root: Path) -> list[Path]:
         self.w._call("list_snapshots")

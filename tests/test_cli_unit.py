@@ -64,12 +64,12 @@ def test_subcommand_help_is_light():
         f"RESULT {c} 0 True []" for c in ("create", "restore", "inspect", "verify")]
 
 
-def test_inspect_of_a_missing_dir_exits_2_with_one_line(tmp_path):
+def test_inspect_of_a_missing_dir_exits_2_with_one_error_line_and_a_hint(tmp_path):
     p = subprocess.run([sys.executable, "-m", "vllm_snapshot", "inspect", str(tmp_path / "nope")],
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1, p.stderr
+    assert len(lines) == 2 and lines[1].startswith("hint:") and f"--root {tmp_path} list" in lines[1], p.stderr
     assert lines[0].startswith("error [usage]:") and "nope" in lines[0] and "does not exist" in lines[0]
     assert "Traceback" not in p.stderr and p.stdout == ""
 

@@ -75,3 +75,47 @@ def test_the_lock_of_a_missing_snapshot_points_at_list(tmp_path):
         with locks.snapshot_lock(tmp_path / "nosuch", shared=True):
             pass
     assert "list" in (ei.value.hint or ""), ei.value.hint
+
+
+def test_list_under_a_world_writable_root_warns_in_creates_words(tmp_path, monkeypatch, capsys):
+    # a trial: `--root` on a 0777 folder: create refuses, list said nothing
+    import os
+
+    from vllm_snapshot.errors import EnvironmentProblem
+    from vllm_snapshot.store import layout
+
+    root = tmp_path / "root"
+    root.mkdir()
+    os.chmod(root, 0o777)
+    with pytest.raises(EnvironmentProblem) as ei:  # what create says (store.prepare_target)
+        layout.check_parents(root / "new")
+    assert cli.main(["--root", str(root), "list"]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: {ei.value.message}" in err and "(fix: chmod 0700" in err, err
+    assert "create and restore refuse snapshots below it" in err
+    assert cli.main(["--root", str(root), "list", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["warnings"][0].startswith(ei.value.message)
+    os.chmod(root, 0o700)
+    assert cli.main(["--root", str(root), "list"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_create_onto_a_file_says_it_is_a_file_not_a_snapshot(tmp_path):
+    from vllm_snapshot.effects.tools import local_tools
+
+    f = tmp_path / "passwd"
+    f.write_text("root:x:0:0\n")
+    t = FakeWorld()
+    t.tools.host.path_exists = lambda p: p == f
+    t.tools.host.path_kind = local_tools().host.path_kind
+    with pytest.raises(UsageError) as ei:
+        ops.create(ops.CreateRequest(model="/m", target=f, engine_args=["--kv-cache-memory-bytes", "1M"]),
+                   Reporter(), tools=t.tools)
+    assert ei.value.message == f"{f} already exists and is a file, not a snapshot; refusing to overwrite it"
+    assert "launch_engine" not in t.calls
+    t.tools.host.path_exists = lambda p: p in (SNAP, SNAP / "manifest.json")  # a snapshot: said as before
+    with pytest.raises(UsageError, match="refusing to overwrite a snapshot"):
+        ops.create(ops.CreateRequest(model="/m", target=SNAP, engine_args=["--kv-cache-memory-bytes", "1M"]),
+                   Reporter(), tools=t.tools)
+    assert local_tools().host.path_kind(tmp_path) == "a directory"
+    assert local_tools().host.path_kind(tmp_path / "none") == "nothing"

@@ -156,6 +156,8 @@ def _listed(r: R.Listed, quiet: bool) -> None:
     if not r.root_exists:
         _line(f"no snapshots: the snapshot root {r.root} does not exist (yet; `create` makes it)")
         return
+    for w in r.warnings:
+        sys.stderr.write(f"warning: {w}\n")
     snapshot_list(r.rows, r.root)
 
 

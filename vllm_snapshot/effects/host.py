@@ -71,6 +71,16 @@ class LocalHostTools(HostTools):
     def path_exists(self, path: Path) -> bool:
         return os.path.lexists(path)
 
+    def path_kind(self, path: Path) -> str:
+        import stat
+
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            return "nothing"
+        return ("a directory" if stat.S_ISDIR(mode) else "a file" if stat.S_ISREG(mode)
+                else "a symlink" if stat.S_ISLNK(mode) else "a special file")
+
     def code_paths(self) -> dict[str, Path]:
         return {"Python environment": Path(sys.prefix).resolve(),
                 "vllm_snapshot package": Path(__file__).resolve().parents[1]}

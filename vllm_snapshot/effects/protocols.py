@@ -113,6 +113,10 @@ class HostTools(Protocol):
 
     def path_exists(self, path: Path) -> bool: ...
 
+    def path_kind(self, path: Path) -> str:
+        """What ``path`` is, in words, not following a symlink: ``"a directory"``, ``"a file"``,
+        ``"a symlink"``, ``"a special file"``, or ``"nothing"`` (absent)."""
+
     def code_paths(self) -> dict[str, Path]:
         """What the engine must see besides the model: ``{what: path}``."""
 
@@ -422,6 +426,12 @@ class StoreTools(Protocol):
         ``on_wait`` hears who holds it before waiting."""
 
     def list_snapshots(self, root: Path) -> list[Path]: ...
+
+    def root_problem(self, root: Path) -> str | None:
+        """Why create and restore would refuse snapshots under ``root`` (it or a directory
+        above it writable by group/others, owned by another user, an unsafe symlink:
+        :func:`vllm_snapshot.store.layout.check_parents`), with what to do; None when safe or
+        absent."""
 
     def disk_room(self, target: Path, model_dir: Path) -> tuple[tuple[str, int] | None, int]:
         """(``(path, raw image bytes)`` of the newest readable snapshot of ``model_dir`` beside

@@ -39,6 +39,20 @@ class LocalStoreTools(StoreTools):
 
         return store.list_snapshots(root)
 
+    def root_problem(self, root: Path) -> str | None:
+        from ..errors import EnvironmentProblem
+        from ..store import layout
+
+        if not root.is_dir():
+            return None
+        try:
+            layout.check_parents(root / "x")  # root itself is a parent of what it holds
+        except EnvironmentProblem as e:
+            return e.message + (f" (fix: {e.hint})" if e.hint else "")
+        except OSError:
+            return None
+        return None
+
     def disk_room(self, target: Path, model_dir: Path) -> tuple[tuple[str, int] | None, int]:
         from ..store import manifest, store
         from ..errors import SnapshotError

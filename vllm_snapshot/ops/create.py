@@ -161,8 +161,12 @@ def create(req: CreateRequest, rep: Reporter, tools: Tools | None = None) -> Cre
         raise UsageError(f"{target} is inside the snapshot {inside}; a snapshot cannot hold another",
                          hint="choose a --snapshot-dir/--name outside any snapshot")
     if t.host.path_exists(target):
-        raise UsageError(f"{target} already exists; refusing to overwrite a snapshot",
-                         hint="choose another --snapshot-dir/--name, or delete the old one first")
+        if t.host.path_exists(target / layout.MANIFEST):
+            raise UsageError(f"{target} already exists; refusing to overwrite a snapshot",
+                             hint="choose another --snapshot-dir/--name, or delete the old one first")
+        raise UsageError(f"{target} already exists and is {t.host.path_kind(target)}, not a snapshot; "
+                         "refusing to overwrite it",
+                         hint="choose another --snapshot-dir/--name (a path where nothing is yet)")
     check_disk_room(target, *t.store.disk_room(target, model_dir))  # not after minutes of cold start
     device = t.host.engine_device()
     check_cpu_kv_cache(req.engine_args, t.host.environ(), device)

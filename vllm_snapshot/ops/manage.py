@@ -53,11 +53,15 @@ def describe(snapshot: Path, tools: Tools | None = None) -> dict:
 
 
 def list_snapshots(root: Path, tools: Tools | None = None) -> Listed:
-    """``list``: a :func:`describe` row per published snapshot under ``root``."""
+    """``list``: a :func:`describe` row per published snapshot under ``root``; ``warnings``
+    says why create and restore would refuse snapshots there (a root writable by
+    group/others, ...), in create's words."""
     t = tools or local_tools()
     if t.host.path_exists(root) and not Path(root).is_dir():
         raise UsageError(f"the snapshot root {root} is not a directory", hint="check --root / VLLM_SNAPSHOT_ROOT")
-    return Listed(str(root), [describe(p, t) for p in t.store.list_snapshots(root)], t.host.path_exists(root))
+    problem = t.store.root_problem(root)
+    return Listed(str(root), [describe(p, t) for p in t.store.list_snapshots(root)], t.host.path_exists(root),
+                  (f"{problem}; create and restore refuse snapshots below it",) if problem else ())
 
 
 def _engines_of(store: StoreTools, rt: RuntimeTools, snapshot: Path, entries: list[Entry] | None = None) -> list[Entry]:

@@ -102,9 +102,14 @@ class Listed:
     root: str
     rows: list[dict]
     root_exists: bool = True
+    #: why create/restore would refuse snapshots under ``root`` (a 0777 root, ...), in words
+    warnings: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
-        return {"root": self.root, "root_exists": self.root_exists, "snapshots": self.rows}
+        out = {"root": self.root, "root_exists": self.root_exists, "snapshots": self.rows}
+        if self.warnings:
+            out["warnings"] = list(self.warnings)
+        return out
 
 
 @dataclass(frozen=True)

@@ -121,3 +121,20 @@ def test_a_long_engine_error_is_cut_to_a_few_lines():
     lines = e.message.splitlines()
     assert len(lines) == START_ERROR_LINES + 1 and lines[-1].strip() == "(6 more line(s) in the log)"
     assert all(len(ln) < 400 for ln in lines[1:])
+
+
+def test_an_engine_error_pointing_above_gets_the_logs_last_error():
+    tail = "\n".join(['  File "/x.py", line 1', "safetensors_rust.SafetensorError: Error while deserializing header",
+                      '  File "/y.py", line 2'])
+    ev = {"event": "error", "kind": "engine", "message": "RuntimeError: Engine core initialization failed. "
+                                                          "See root cause above."}
+    e = start_failure(EngineError(f"engine error (engine): {ev['message']}\n{tail}", details=ev), Path("/l"), Path("/m"))
+    assert e.message.splitlines()[1:] == [
+        "  its log's last error: safetensors_rust.SafetensorError: Error while deserializing header"], e.message
+
+
+def test_the_logs_copy_of_the_engines_own_error_is_not_repeated():
+    ev = {"event": "error", "kind": "engine", "message": TRACEBACK_MESSAGE}
+    tail = '  File "/x.py", line 1\npydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig\n  x'
+    e = start_failure(EngineError(f"engine error (engine): {TRACEBACK_MESSAGE}\n{tail}", details=ev), None, Path("/m"))
+    assert "its log's last error" not in e.message and len(e.message.splitlines()) == 2, e.message

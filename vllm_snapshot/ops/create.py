@@ -246,19 +246,25 @@ START_ERROR_LINES = 4
 def start_failure(e: EngineError, kept: Path | None, model_dir: Path) -> EngineError:
     """The error for an engine that failed to start at create, in words and short (a trial got
     ~25 lines of pydantic/vLLM traceback): the engine's error -- its exception type and message,
-    at most :data:`START_ERROR_LINES` lines of 300 characters -- or, when it died without one,
+    at most :data:`START_ERROR_LINES` lines of 300 characters, and the last exception line of
+    the log tail ``e.message`` carries when that is another one -- or, when it died without one,
     what ended the wait and the last exception line of its log; where the full log is kept
     (``kept``, None: not kept) and a hint to check ``model_dir``. ``details`` keeps the engine's
     event and adds ``log``. Pure."""
     import re
 
     ev = e.details if isinstance(e.details, dict) else {}
+    first, *tail = e.message.splitlines() or [""]  # the error's own line(s), then the log's last lines
+    errs = [ln.strip() for ln in tail if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b", ln.strip())]
     if isinstance(ev.get("message"), str):
         lines = [ln.strip() for ln in ev["message"].splitlines()
                  if ln.strip() and not ln.strip().startswith("For further information visit")]
+        def bare(ln: str) -> str:  # pydantic_core._pydantic_core.ValidationError: x -> ValidationError: x
+            return re.sub(r"^[\w.]*\.(?=\w+:)", "", ln)
+
+        if errs and bare(errs[-1]) not in map(bare, lines):  # "Engine core ... failed. See root cause above"
+            lines = lines[:START_ERROR_LINES - 1] + [f"its log's last error: {errs[-1]}"]
     else:  # exited or timed out without an error event: the wait's own line, the log's last exception
-        first, *tail = e.message.splitlines() or [""]
-        errs = [ln.strip() for ln in tail if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b", ln.strip())]
         lines = [first] + (errs[-1:] or [ln.strip() for ln in tail if ln.strip()][-3:])
     lines = [ln if len(ln) <= 300 else ln[:297] + "..." for ln in lines] or ["(no message)"]
     more = len(lines) - START_ERROR_LINES

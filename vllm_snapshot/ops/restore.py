@@ -679,7 +679,7 @@ def died_while_serving(r: Restored, code: int) -> EngineError:
     said, sig = how_it_ended(code)
     return EngineError(
         f"the engine (PID {r.pid}) serving {r.served_name} on {r.url} ended while serving: {said}; "
-        "nothing here asked it to stop",
+        "it was not stopped through this command",
         hint="its log is the output above (stderr; under systemd: `journalctl -u UNIT`); "
              + ("a SIGKILL nobody sent by hand is often the kernel's OOM killer: `dmesg | grep -i oom`"
                 if sig == "SIGKILL" else "its last lines say why"),

@@ -236,3 +236,18 @@ def test_inspect_says_who_the_engine_runs_as(tmp_path, capsys):
     write_snapshot_dir(tmp_path / "old", legacy)
     code, out, err = _run_main(capsys, "inspect", str(tmp_path / "old"))
     assert code == 0 and "root with every capability" in " ".join(out.split())
+
+
+def test_demo_report_compares_with_the_faster_cold_start(capsys):
+    """The demo's ratio is against the faster cold start a user could choose (issue 32)."""
+    from vllm_snapshot.cli import render
+    from vllm_snapshot.report.results import DemoReport
+
+    r = DemoReport("/s", "http://127.0.0.1:1", "hi", {}, {}, 1.0, 30.0, 10, 10,
+                   {"compiled": 38.0, "eager": 30.0})
+    j = r.to_json()
+    assert j["cold_starts_s"] == {"compiled": 38.0, "eager": 30.0} and j["speedup"] == 30.0
+    render.show(r)
+    cap = capsys.readouterr()
+    out = cap.out + cap.err
+    assert "compiled 38.00 s, eager 30.00 s" in out and "30.0× faster than the faster cold start" in out

@@ -3,7 +3,8 @@
 Creates a snapshot if none exists (or the existing one no longer validates), measures a cold
 start of ``python -m vllm.entrypoints.openai.api_server`` to its first completion, restores
 the snapshot to its first validated completion, sends one completion, prints the phase timings
-and the cold-vs-restore ratio measured in this run, then stops the engine.
+and the cold-vs-restore ratio measured in this run (against the faster of a compiled cold start
+with a warm compile cache and one with ``--enforce-eager``), then stops the engine.
 """
 
 from __future__ import annotations
@@ -142,9 +143,13 @@ def run(snap: Path, port: int, skip_cold: bool, as_json: bool) -> DemoReport:
         m = ops.create(ops.CreateRequest(model=str(model), target=snap, engine_args=list(ENGINE_ARGS)),
                        make_reporter(as_json), tools=t).manifest
     cold = None
-    if not skip_cold:
+    colds: dict[str, float] = {}
+    if not skip_cold:  # the faster start a user could choose instead: compiled (warm cache) or eager
         with rep.phase("cold_start", "measuring a cold start for comparison (start, first completion, stop)"):
-            cold = cold_start(model, free_port())
+            colds["compiled"] = cold_start(model, free_port())
+        with rep.phase("cold_start_eager", "measuring a cold start with --enforce-eager for comparison"):
+            colds["eager"] = cold_start(model, free_port(), [*ENGINE_ARGS, "--enforce-eager"])
+        cold = min(colds.values())
     port = port or free_port()
     t0 = time.monotonic()
     r, engine = ops.restore(ops.RestoreRequest(snapshot=snap, port=port), make_reporter(as_json), tools=t)
@@ -160,4 +165,4 @@ def run(snap: Path, port: int, skip_cold: bool, as_json: bool) -> DemoReport:
         engine.close()
         t.runtime.unregister(r.pid)
     return DemoReport(str(snap), r.url, text, dict(m.timings), dict(r.timings), restore_s, cold,
-                      m.sizes["raw"], m.sizes["stored"])
+                      m.sizes["raw"], m.sizes["stored"], colds)

@@ -214,10 +214,14 @@ class DemoReport:
     cold_s: float | None
     raw_bytes: int
     stored_bytes: int
+    #: every cold start measured, by name (``compiled``: the demo's args with a warm compile
+    #: cache; ``eager``: with ``--enforce-eager``) -> seconds; ``cold_s`` is the faster
+    cold_starts: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {
             "snapshot": self.snapshot, "url": self.url, "completion": self.completion,
+            "cold_starts_s": {k: round(v, 3) for k, v in self.cold_starts.items()},
             "create_timings": self.create_timings, "create_s": round(sum(self.create_timings.values()), 3),
             "restore_timings": self.restore_timings, "restore_to_validated_completion_s": round(self.restore_s, 3),
             "cold_start_to_first_completion_s": round(self.cold_s, 3) if self.cold_s else None,

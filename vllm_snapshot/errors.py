@@ -20,6 +20,7 @@ exit code                     meaning
 11   ``environment``          this host lacks something required (root, CRIU, vLLM), or a
                               directory above a snapshot is writable by others
 12   ``insufficient-resources`` not enough memory here (MemAvailable or cgroup) to restore
+13   ``untrusted-artifact``   pull --verify-key: the artifact is unsigned, or no signature by that key
 130  ``interrupted``          SIGINT/SIGTERM/SIGHUP stopped the command; it cleaned up
 ==== ======================== ====================================================
 """
@@ -109,6 +110,14 @@ class InsufficientResources(SnapshotError):
     code, exit_code = "insufficient-resources", 12
 
 
+class UntrustedArtifactError(SnapshotError):
+    """``pull``/``restore IMAGE``/``serve --registry`` with ``--verify-key``: the artifact is
+    unsigned, or no signature beside it verifies with the key (a trust refusal: the artifact
+    may be intact; nothing was downloaded)."""
+
+    code, exit_code = "untrusted-artifact", 13
+
+
 class Interrupted(SnapshotError):
     """SIGINT, SIGTERM or SIGHUP stopped the command; everything it had started was cleaned
     up (see :mod:`vllm_snapshot.host.interrupts`)."""
@@ -130,4 +139,5 @@ ALL_ERRORS: tuple[type[SnapshotError], ...] = (
     EnvironmentProblem,
     Interrupted,
     InsufficientResources,
+    UntrustedArtifactError,
 )

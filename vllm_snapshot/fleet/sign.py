@@ -22,7 +22,7 @@ import json
 import os
 from pathlib import Path
 
-from ..errors import CorruptSnapshotError, UsageError
+from ..errors import UntrustedArtifactError, UsageError
 from . import oci
 
 PAYLOAD_TYPE = "application/vnd.dev.cosign.simplesigning.v1+json"
@@ -31,8 +31,9 @@ SIG_CONFIG_TYPE = "application/vnd.oci.image.config.v1+json"
 PASSWORD_ENV = "VLLM_SNAPSHOT_SIGN_PASSWORD"
 
 
-class SignatureError(CorruptSnapshotError):
-    """The artifact is unsigned, or no signature verifies with the given key."""
+class SignatureError(UntrustedArtifactError):
+    """The artifact is unsigned, or no signature verifies with the given key (exit 13,
+    ``untrusted-artifact``: a trust refusal, not corruption)."""
 
 
 def sig_tag(digest: str) -> str:

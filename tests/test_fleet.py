@@ -244,7 +244,7 @@ def test_a_push_that_fails_midway_leaves_no_tag(tmp_path):
 
     with pytest.raises(EnvironmentProblem):
         transfer.push(snap, (snap / "manifest.json").read_bytes(), oci.annotations(m, "d" * 64),
-                      Failing(layout.path), "v1", part_bytes=4096, workers=1)
+                      Failing(layout.path, create=True), "v1", part_bytes=4096, workers=1)
     with pytest.raises(transport.NotFound):
         layout.get_manifest("v1")
 

@@ -268,8 +268,10 @@ def test_push_refuses_a_snapshot_whose_create_kept_variables(tmp_path, model):
 def test_pull_refuses_an_existing_name_and_a_bad_one(tmp_path, pushed):
     root = _root(tmp_path)
     fleet.pull(fleet.PullRequest(image=pushed["image"], root=root, name="tiny"), Reporter(), Tools())
-    with pytest.raises(UsageError, match="already exists"):
+    (root / "tiny" / PULLED).write_text(json.dumps({"image": "elsewhere:v1", "digest": "sha256:" + "1" * 64}))
+    with pytest.raises(UsageError, match="already exists \\(pulled from elsewhere:v1") as e:
         fleet.pull(fleet.PullRequest(image=pushed["image"], root=root, name="tiny"), Reporter(), Tools())
+    assert "--name NAME" in e.value.hint and "vllm-snapshot delete tiny" in e.value.hint
     with pytest.raises(UsageError, match="not a valid snapshot name"):
         fleet.pull(fleet.PullRequest(image=pushed["image"], root=root, name=".hidden"), Reporter(), Tools())
 
@@ -502,8 +504,10 @@ def test_restore_image_pulls_once_then_uses_the_store_and_refuses_a_name_holding
     t = Tools()
     assert fleet.ensure_pulled(req, Reporter(), t) == first and CountingLayout.gets == []  # nothing downloaded again
     (first / PULLED).write_text(json.dumps({"image": "elsewhere", "digest": "sha256:" + "1" * 64}))
-    with pytest.raises(UsageError, match="was not pulled from"):
-        fleet.ensure_pulled(req, Reporter(), Tools())
+    with pytest.raises(UsageError, match="already exists \\(pulled from elsewhere"):  # a --name that holds another
+        fleet.ensure_pulled(dataclasses.replace(req, name=first.name), Reporter(), Tools())
+    beside = fleet.ensure_pulled(req, Reporter(), Tools())  # the default name: the artifact goes beside it
+    assert beside == root / f"{first.name}-{pushed['result'].digest.split(':')[1][:12]}"
 
 
 def test_a_node_fits_a_cuda_image_by_the_gpu_model_at_the_recorded_minor_not_by_its_uuid(model):

@@ -381,8 +381,9 @@ class FakeRegistry:
         self.t.snapshots[target] = self.held[key]
         return target
 
-    def offer(self, snapshot: Path, key: str) -> list[str]:
+    def offer(self, snapshot: Path, key: str, serving: str | None = None) -> list[str]:
         self.calls.append(f"offer:{snapshot.name}")
+        self.serving = serving
         self.held.setdefault(key, self.t.snapshots[snapshot])
         return []
 
@@ -401,6 +402,31 @@ def test_with_a_registry_the_first_node_builds_and_pushes_the_next_pulls_without
     b.calls.clear()
     third, _ = _serve(b, registry=reg)  # now local: restored, nothing fetched
     assert third.path == "restored" and reg.calls[-1].startswith("offer")
+
+
+def test_serve_reports_the_push_apart_from_the_time_to_serving(capsys):
+    """A trial: `serve --registry --detach` said "restored snapshot ... in 39.14 s", 27 s of it
+    the push that ran after the engine served. The push gets its own number (JSON ``push_s``,
+    ``serving_after_s`` without it) and the serving URL is handed to the push, which says it."""
+    from vllm_snapshot.cli import render
+
+    a = _tools()
+
+    class Timed(FakeRegistry):
+        def offer(self, snapshot, key, serving=None):
+            a._t += 27.0  # the push: 27 s after the engine served
+            self.push_s = 27.0
+            return super().offer(snapshot, key, serving)
+
+    reg = Timed(a)
+    r, _ = _serve(a, registry=reg)
+    assert reg.serving == r.restored.url
+    doc = r.to_json()
+    assert doc["push_s"] == 27.0 and doc["serving_after_s"] == round(r.total_s - 27.0, 3) and r.total_s >= 27.0
+    render.show(r, False, False)
+    err = capsys.readouterr().err
+    assert f"serving after {r.total_s - 27.0:.2f} s" in err and "the push to the registry then took 27.00 s" in err
+    assert f"in {r.total_s:.2f} s" not in err
 
 
 def test_a_node_that_does_not_fit_the_registrys_snapshot_builds_its_own():

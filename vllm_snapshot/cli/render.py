@@ -108,6 +108,11 @@ def _pulled(r: R.Pulled, quiet: bool) -> None:
         _line(f"note: {w}")
     if quiet:
         return
+    if r.already:
+        _line(f"{r.image} ({r.digest}) is already in the store as {r.snapshot} (pulled from that artifact before): "
+              "nothing downloaded; restore verifies it as always"
+              + (f"; signed by key {r.verified_by}" if r.verified_by else ""))
+        return
     _line(f"pulled {r.image} ({r.digest}) into {r.snapshot}: {human_bytes(r.bytes)} in {r.seconds:.2f} s, every "
           "digest and checksum verified" + (f", signed by key {r.verified_by}" if r.verified_by else "")
           + (f"; resumed: {r.reused_blobs} layers ({human_bytes(r.reused_bytes)}) an interrupted pull had verified "
@@ -143,10 +148,12 @@ def _served(r: R.Served, quiet: bool) -> None:
     if not quiet:
         how = {"restored": "restored snapshot", "pulled": "pulled (registry) and restored snapshot"}.get(
             r.path, "built (cold start + dump) and restored snapshot")
-        sys.stderr.write(f"[vllm-snapshot] {how} {Path(r.restored.snapshot).name} (key {r.key[:12]}) "
-                         f"in {r.total_s:.2f} s\n")
+        sys.stderr.write(f"[vllm-snapshot] {how} {Path(r.restored.snapshot).name} (key {r.key[:12]}): serving "
+                         f"after {r.total_s - (r.push_s or 0.0):.2f} s\n")
         sys.stderr.write(f"[vllm-snapshot] serving {r.restored.served_name} at {r.restored.url} "
-                         f"(engine PID {r.restored.pid}); restore took {r.restore_s:.2f} s\n")
+                         f"(engine PID {r.restored.pid}); restore took {r.restore_s:.2f} s"
+                         + (f"; the push to the registry then took {r.push_s:.2f} s" if r.push_s is not None else "")
+                         + "\n")
         sys.stderr.flush()
     if r.restored.detached:
         _line(str(r.restored.pid))  # scripts read the engine PID from stdout

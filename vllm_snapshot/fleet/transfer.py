@@ -25,7 +25,7 @@ from typing import Callable
 
 from ..errors import CorruptSnapshotError
 from . import oci, sign
-from .transport import NotFound, Target
+from .transport import STOP, NotFound, Stopped, Target
 
 #: parallel streams per push/pull (measured: docs/benchmarks.md "Fleet")
 WORKERS = 4
@@ -50,9 +50,26 @@ class Pushed:
 
 def _parallel(fn, items, workers: int) -> None:
     """Run ``fn`` over ``items`` on ``workers`` threads; the first error is raised once every
-    started call returned (the rest are cancelled)."""
-    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="vllm-snapshot-blob") as ex:
-        futs = [ex.submit(fn, x) for x in items]
+    started call returned (the rest are cancelled). An exception in the calling thread while
+    it waits (an interruption: SIGINT/SIGTERM/SIGHUP raise there) sets the workers' stop event
+    (:data:`.transport.STOP`): each running blob transfer stops at its next chunk
+    (:class:`.transport.Stopped`) instead of finishing its layer, and calls not started are
+    dropped, so an interrupted push or pull exits within about a chunk's time (a resumed pull
+    continues a stopped layer from its last progress record)."""
+    stop = threading.Event()
+
+    def run(x):
+        if stop.is_set():
+            raise Stopped("not started: another transfer failed or the command was interrupted")
+        STOP.event = stop
+        try:
+            return fn(x)
+        finally:
+            STOP.event = None
+
+    ex = ThreadPoolExecutor(max(1, workers), thread_name_prefix="vllm-snapshot-blob")
+    try:
+        futs = [ex.submit(run, x) for x in items]
         err = None
         for f in futs:
             if err is not None:
@@ -60,10 +77,15 @@ def _parallel(fn, items, workers: int) -> None:
                 continue
             try:
                 f.result()
-            except BaseException as e:  # noqa: BLE001
-                err = e
+            except Exception as e:  # noqa: BLE001 - a worker's error: the running ones finish (a
+                err = e               # resumed pull reuses their layers), the rest are dropped
         if err is not None:
             raise err
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
 
 
 def push(snapshot: Path, config: bytes, ann: dict[str, str], target: Target, tag: str, *,

@@ -38,6 +38,24 @@ class NotFound(Exception):
     """The registry or layout has no manifest or blob of that name."""
 
 
+class Stopped(Exception):
+    """A blob transfer stopped between two chunks because its stop event was set (another
+    transfer failed, or the command was interrupted: :func:`.transfer._parallel`)."""
+
+
+#: per thread: ``STOP.event`` is the :class:`threading.Event` that stops this thread's blob
+#: transfers (set by :func:`.transfer._parallel` on its worker threads; None elsewhere)
+STOP = threading.local()
+
+
+def check_stop() -> None:
+    """Raise :class:`Stopped` when this thread's stop event is set (checked once per chunk
+    streamed in or out)."""
+    ev = getattr(STOP, "event", None)
+    if ev is not None and ev.is_set():
+        raise Stopped("the transfer was stopped (another one failed, or the command was interrupted)")
+
+
 class Target(Protocol):
     """Where artifacts live: one repository of a registry, or one image-layout directory."""
 
@@ -75,6 +93,7 @@ def _check_stream(chunks, digest: str, size: int, sink: Callable[[bytes], None],
     h = h if h is not None else hashlib.sha256()
     n = start
     for chunk in chunks:
+        check_stop()
         if not chunk:
             continue
         n += len(chunk)
@@ -97,22 +116,43 @@ class Layout:
     """An OCI image-layout directory (``oci-layout``, ``index.json``, ``blobs/sha256/``):
     blobs written to a temp name and renamed once their digest checked; ``index.json``
     rewritten atomically (temp + rename) when a manifest is tagged. Files 0600, dirs 0700
-    (a snapshot holds process memory)."""
+    (a snapshot holds process memory).
+
+    ``create``: the directory may be absent (created 0700, parents too), empty, or a layout
+    already; it is checked here and written only on the first blob or manifest (so a push
+    refused later, e.g. by a snapshot checksum, writes nothing). Raises UsageError, naming the
+    path and what to do, for a path that is a file, or an existing non-empty directory that is
+    not a layout (no ``oci-layout`` file); without ``create`` also for an absent directory or
+    one that is not a layout."""
 
     def __init__(self, path: Path, create: bool = False):
         self.path = Path(path)
         self._lock = threading.Lock()
-        if create:
-            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-            (self.path / "blobs" / "sha256").mkdir(mode=0o700, parents=True, exist_ok=True)
-            if not (self.path / "oci-layout").exists():
-                self._write(self.path / "oci-layout", b'{"imageLayoutVersion":"1.0.0"}')
-            if not (self.path / "index.json").exists():
-                self._write(self.path / "index.json", json.dumps(
-                    {"schemaVersion": 2, "mediaType": oci.OCI_INDEX, "manifests": []}).encode())
-        elif not (self.path / "oci-layout").is_file():
-            raise UsageError(f"{self.path} is not an OCI image layout (no oci-layout file)",
-                             hint="name a directory written by `vllm-snapshot push SNAPSHOT oci:DIR`")
+        self._ready = False
+        check_layout_dir(self.path, create)
+        self._ready = (self.path / "oci-layout").is_file()
+
+    def _ensure(self) -> None:
+        """Create the layout (dir 0700, ``oci-layout``, an empty ``index.json``) if it is not
+        one yet. Raises EnvironmentProblem when the directory cannot be written."""
+        if self._ready:
+            return
+        with self._lock:
+            if self._ready:
+                return
+            check_layout_dir(self.path, True)  # again: it may have changed since the check
+            try:
+                self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+                (self.path / "blobs" / "sha256").mkdir(mode=0o700, parents=True, exist_ok=True)
+                if not (self.path / "index.json").exists():
+                    self._write(self.path / "index.json", json.dumps(
+                        {"schemaVersion": 2, "mediaType": oci.OCI_INDEX, "manifests": []}).encode())
+                if not (self.path / "oci-layout").exists():
+                    self._write(self.path / "oci-layout", b'{"imageLayoutVersion":"1.0.0"}')
+            except OSError as e:
+                raise EnvironmentProblem(f"cannot create the OCI image layout {self.path}: {e.strerror or e}",
+                                         hint="name a directory this user can write (oci:DIR)") from e
+            self._ready = True
 
     def describe(self) -> str:
         return f"oci:{self.path}"
@@ -137,6 +177,7 @@ class Layout:
         return self._blob(digest).is_file()
 
     def put_blob(self, digest: str, size: int, path: Path, offset: int = 0) -> None:
+        self._ensure()
         dst = self._blob(digest)
         tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}-{threading.get_ident()}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -167,6 +208,7 @@ class Layout:
         return idx
 
     def put_manifest(self, tag: str, raw: bytes, media_type: str = oci.OCI_MANIFEST) -> str:
+        self._ensure()
         digest = oci.sha256(raw)
         p = self._blob(digest)
         if not p.is_file():
@@ -199,6 +241,41 @@ class Layout:
         if oci.sha256(raw) != digest:
             raise CorruptSnapshotError(f"{self.describe()}: manifest {digest} does not match its digest")
         return raw, digest
+
+
+def check_layout_dir(path: Path, create: bool) -> None:
+    """Refuse ``path`` as an image layout (UsageError, naming it and what to do): a file or
+    anything not a directory; a directory that is not a layout (no ``oci-layout`` file), unless
+    ``create`` and it is empty; an absent one unless ``create`` (then its nearest existing
+    ancestor must be a directory). Reads only."""
+    p = Path(path)
+    usage = "name a new or empty directory, or an image layout `vllm-snapshot push` wrote (oci:DIR[:TAG])" \
+        if create else "name a directory written by `vllm-snapshot push SNAPSHOT oci:DIR`"
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{p} is a file, not a directory (an OCI image layout is a directory)", hint=usage)
+    if not p.exists():
+        if not create:
+            raise UsageError(f"{p} does not exist (no OCI image layout there)", hint=usage)
+        up = p.parent
+        while not up.exists() and up != up.parent:
+            up = up.parent
+        if not up.is_dir():
+            raise UsageError(f"{up} is a file, not a directory, so the OCI image layout {p} cannot be made "
+                             "beneath it", hint=usage)
+        return
+    if (p / "oci-layout").is_file():
+        return
+    try:
+        entries = sorted(os.listdir(p))
+    except OSError as e:
+        raise UsageError(f"{p} cannot be read ({e.strerror or e})", hint=usage) from e
+    if not create:
+        raise UsageError(f"{p} is not an OCI image layout (no oci-layout file)", hint=usage)
+    if entries:
+        shown = ", ".join(entries[:3]) + (f", ... ({len(entries)} entries)" if len(entries) > 3 else "")
+        raise UsageError(f"{p} is not empty ({shown}) and not an OCI image layout (no oci-layout file); nothing "
+                         "was written there", hint="push into a new or empty directory, or one a push wrote "
+                                                   "(oci:DIR[:TAG]); nothing in that directory was changed")
 
 
 def _skip(chunks, n: int):
@@ -234,6 +311,7 @@ class _Slice:
         self.len = size
 
     def read(self, n: int = -1) -> bytes:
+        check_stop()
         if self._left <= 0:
             return b""
         n = self._left if n is None or n < 0 else min(n, self._left)

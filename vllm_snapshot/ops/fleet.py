@@ -65,6 +65,9 @@ def push(req: PushRequest, rep, t: Tools) -> Pushed:
     ref = reference.parse(req.image)
     tag = _tag_of(ref, "push")
     key = sign.load_private(req.sign_key) if req.sign_key is not None else None
+    # the destination before the seconds of checksumming: a file, or a folder that is neither
+    # empty nor a layout, is refused here with nothing written (a layout is made on its first blob)
+    target = t.fleet.open_target(ref, req.plain_http, True)
     snapshot = t.store.canonical(req.snapshot)
     with t.store.snapshot_lock(snapshot, shared=True):
         m = t.files.open_snapshot(snapshot)
@@ -76,7 +79,6 @@ def push(req: PushRequest, rep, t: Tools) -> Pushed:
         with rep.phase("verify", "checking every image checksum"):
             t.files.verify_images(snapshot, m)
         config = t.fleet.snapshot_config(snapshot)
-        target = t.fleet.open_target(ref, req.plain_http, True)
         with rep.phase("push", f"pushing to {ref}"):
             r = transfer.push(snapshot, config, oci.annotations(m, model_part(m.model.files)), target, tag,
                               signing_key=key, docker_reference=str(ref.with_tag(tag)).removesuffix(f":{tag}"))
@@ -141,9 +143,59 @@ def default_name(ref: reference.Ref) -> str:
     return f"{base}-{suffix}"
 
 
+def held(root: Path, digest: str, prefer: str | None, t: Tools) -> Path | None:
+    """The snapshot under ``root`` whose pull record names the artifact manifest ``digest``
+    (``sha256:HEX``) and that no restore refused since (``list`` shows it ✗): ``root/prefer``
+    when it is one, else the first by name; None when there is none. Reads only."""
+    from ..errors import SnapshotError
+
+    if not t.host.path_exists(root):
+        return None
+    found = []
+    for p in t.store.list_snapshots(root):
+        try:
+            rec = t.files.pulled_from(p)
+        except SnapshotError:
+            continue  # a record that is not one: `list` shows it; never reused
+        if rec is not None and rec.get("digest") == digest and t.store.refusal(p) is None:
+            found.append(p)
+    if not found:
+        return None
+    return next((p for p in found if p.name == prefer), sorted(found)[0])
+
+
+def _taken(dest: Path, name: str, ref: reference.Ref, digest: str, t: Tools) -> UsageError:
+    """The refusal of a pull whose store name ``dest`` exists, saying what it holds."""
+    from ..errors import SnapshotError
+
+    try:
+        rec = t.files.pulled_from(dest)
+    except SnapshotError:
+        rec = None
+    ways = f"pull it under another name (--name NAME), or delete {name} (`vllm-snapshot delete {name}`) and pull again"
+    if rec is not None and rec.get("digest") == digest:
+        why = (t.store.refusal(dest) or {}).get("reason", "see `vllm-snapshot list`")
+        return UsageError(f"{dest} holds this artifact ({digest}) but a restore refused it ({why}); nothing was "
+                          "pulled", hint=ways)
+    if rec is not None and rec.get("image") == str(ref):
+        return UsageError(f"{dest} was pulled from {ref} when that tag named {rec.get('digest')}; the tag now names "
+                          f"another artifact ({rec.get('digest')} -> {digest}); nothing was pulled", hint=ways)
+    origin = f"pulled from {rec.get('image')} ({rec.get('digest')})" if rec is not None else "made on this node"
+    return UsageError(f"{dest} already exists ({origin}, not {ref} {digest}); nothing was pulled", hint=ways)
+
+
 def pull(req: PullRequest, rep, t: Tools) -> Pulled:
     """Pull ``req.image`` into the store ``req.root`` (see the module doc for the order).
-    Raises UsageError, IncompatibleHostError, ModelChangedError, SignatureError/
+    When the store already holds that artifact (a snapshot whose pull record has the same
+    manifest digest and that no restore refused: :func:`held`; without ``--name`` any such,
+    with it only that name), that snapshot is the result and nothing is downloaded
+    (``Pulled.already``; its signature checked again with ``req.verify_key``; restore verifies
+    its checksums as always). Without ``--name``, when the default name (:func:`default_name`)
+    holds another artifact (the tag moved since), it is pulled as ``NAME-DIGEST12`` beside it
+    (a warning says so; the old copy is kept). Raises UsageError (``--name`` exists holding
+    something else: the message says what it holds and, after a tag moved, the digest before
+    -> now),
+    IncompatibleHostError, ModelChangedError, UntrustedArtifactError (``--verify-key``),
     CorruptSnapshotError, EnvironmentProblem, BusyError; publishes nothing on any of them."""
     from ..store import manifest, store
     from ..store.snapkey import model_part
@@ -157,6 +209,22 @@ def pull(req: PullRequest, rep, t: Tools) -> Pulled:
     with rep.phase("manifest", f"reading {ref}"):
         target, art = fetch(ref, req.plain_http, t)
         f = oci.facts(art.annotations, str(ref))
+    have = held(req.root, art.digest, name, t)
+    if have is not None and (req.name is None or have.name == req.name):
+        verified_by = None
+        if pub is not None:
+            with rep.phase("signature", "verifying the signature"):
+                verified_by = transfer.verify_signature(target, art, pub, str(ref))
+        return Pulled(snapshot=str(have), image=str(ref), digest=art.digest, bytes=art.blob_bytes,
+                      seconds=round(t.clock.monotonic() - t0, 3), verified_by=verified_by, already=True)
+    notes = []
+    if req.name is None and t.host.path_exists(req.root / name):
+        # the default name holds another artifact (the tag moved since, or another image's):
+        # this one goes beside it, named by its digest; the old copy is left as it is
+        was = name
+        name = f"{name}-{art.digest.split(':', 1)[1][:12]}"
+        notes.append(f"{was} holds another artifact than {ref} names now ({art.digest}); pulling it as {name} "
+                     f"(delete {was} when nothing restores it any more)")
     with rep.phase("fit", "checking this node fits (host class, user, mounts, model)"):
         compatibility(f, t, str(ref))
     verified_by = None
@@ -167,7 +235,7 @@ def pull(req: PullRequest, rep, t: Tools) -> Pulled:
     dest = t.store.canonical(req.root / name)
     with t.store.snapshot_lock(dest, shared=False, must_exist=False):
         if t.host.path_exists(dest):
-            raise UsageError(f"{dest} already exists; nothing was pulled", hint="pass --name NAME, or delete it first")
+            raise _taken(dest, name, ref, art.digest, t)
         report = t.store.reclaim(dest.parent)
         with t.fleet.pull_staging(dest, art.digest) as st:  # resumes what a killed pull of this artifact left
             staging = st.path
@@ -196,30 +264,21 @@ def pull(req: PullRequest, rep, t: Tools) -> Pulled:
     return Pulled(snapshot=str(dest), image=str(ref), digest=art.digest, bytes=art.blob_bytes,
                   seconds=round(t.clock.monotonic() - t0, 3), verified_by=verified_by,
                   fetched_bytes=got.fetched_bytes, reused_blobs=got.reused, reused_bytes=got.reused_bytes,
-                  warnings=[f"removed leftover {p}" for p in report])
+                  warnings=notes + [f"removed leftover {p}" for p in report])
 
 
 def ensure_pulled(req: PullRequest, rep, t: Tools) -> Path:
-    """``restore IMAGE``: the store's snapshot of ``req.image`` (named as :func:`pull` names
-    it), pulled first when the store lacks it. A snapshot of that name pulled from the same
-    artifact digest is used as it is (its signature checked again with ``req.verify_key``);
-    one holding anything else is refused. Raises what :func:`pull` raises."""
-    from ..store import store
-
-    ref = reference.parse(req.image)
-    name = req.name or default_name(ref)
-    dest = t.store.canonical(req.root / name) if store.valid_name(name) else None
-    if dest is None or not t.host.path_exists(dest):
-        return Path(pull(req, rep, t).snapshot)
-    target, art = fetch(ref, req.plain_http, t)
-    rec = t.files.pulled_from(dest)
-    if rec is None or rec.get("digest") != art.digest:
-        raise UsageError(f"{dest} exists and was not pulled from {ref} ({art.digest}); nothing was restored",
-                         hint=f"delete it (`vllm-snapshot delete {name}`), or pull the image under another --name and "
-                              "restore that")
-    if req.verify_key is not None:
-        transfer.verify_signature(target, art, sign.load_public(req.verify_key), str(ref))
-    return dest
+    """``restore IMAGE``: the store's snapshot of ``req.image``: one that holds the same
+    artifact (:func:`held`, the default name first) is used as it is (its signature checked
+    again with ``req.verify_key``; the restore verifies it as always), else it is pulled as
+    :func:`pull` names it (the default name, or ``NAME-DIGEST12`` when that holds another
+    artifact). Says which snapshot it uses (``rep.info``). Raises what :func:`pull` raises."""
+    r = pull(req, rep, t)
+    for w in r.warnings:
+        rep.info(f"note: {w}")
+    rep.info(f"{r.image} ({r.digest}) is " + (f"already in the store as {Path(r.snapshot).name}: nothing downloaded"
+                                              if r.already else f"pulled as {Path(r.snapshot).name}"))
+    return Path(r.snapshot)
 
 
 def inspect_image(image: str, plain_http: bool, t: Tools) -> ImageInspected:
@@ -245,6 +304,8 @@ class RegistryCache:
                              hint="serve tags each snapshot with its key")
         self.repo, self.t, self.rep = repo, tools, rep
         self.plain_http, self.sign_key, self.verify_key = plain_http, sign_key, verify_key
+        #: seconds of the last :meth:`offer`'s push (None: nothing pushed)
+        self.push_s: float | None = None
 
     def image(self, key: str) -> str:
         """The IMAGE of the snapshot of ``key``."""
@@ -269,17 +330,26 @@ class RegistryCache:
                  self.rep, self.t)
         return Path(r.snapshot)
 
-    def offer(self, snapshot: Path, key: str) -> list[str]:
+    def offer(self, snapshot: Path, key: str, serving: str | None = None) -> list[str]:
         """Push ``snapshot`` under ``key`` unless the repository has that tag already (two nodes
         building one key at once: both push complete artifacts, the manifest last, so the tag
-        always names a complete one). Returns warnings (a push that failed: serving goes on)."""
+        always names a complete one). The push runs in this process, after the engine serves
+        at ``serving`` (a URL, said before the push starts: the command returns when the push
+        is done; ``push_s`` its seconds). Returns warnings (a push that failed: serving goes on)."""
         from ..errors import SnapshotError
 
+        start = None
         try:
             if self.has(key):
                 return []
+            self.rep.info((f"serving on {serving}; " if serving else "")
+                          + f"pushing to {self.repo} (the engine serves meanwhile)")
+            start = self.t.clock.monotonic()
             r = push(PushRequest(snapshot, self.image(key), self.plain_http, self.sign_key), self.rep, self.t)
         except SnapshotError as e:
             return [f"not pushed to {self.repo}: {e.message}"]
-        self.rep.info(f"pushed {snapshot.name} to {r.image} ({r.digest})")
+        finally:
+            if start is not None:
+                self.push_s = round(self.t.clock.monotonic() - start, 3)
+        self.rep.info(f"pushed {snapshot.name} to {r.image} ({r.digest}) in {self.push_s:.2f} s")
         return []

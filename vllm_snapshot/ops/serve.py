@@ -236,8 +236,9 @@ def serve(req: ServeRequest, rep: Reporter, tools: Tools | None = None) -> tuple
 
     path, (r, engine), refused, warnings, others = _find_or_build(
         t, req, rep, model_dir, hf_id, key, files, host, use)
+    push_s = getattr(req.registry, "push_s", None) if req.registry is not None else None
     return Served(path, r, key.value, refused, warnings, dict(rep.timings), round(t.clock.monotonic() - t0, 3), others,
-                  took["restore_s"]), engine
+                  took["restore_s"], push_s), engine
 
 
 def _prepare(t: Tools, req: ServeRequest, rep: Reporter, check_port: bool):
@@ -277,7 +278,7 @@ def _find_or_build(t: Tools, req: ServeRequest, rep: Reporter, model_dir: Path, 
         for p, m in [] if req.build == "always" else matching:
             try:
                 out = use(p)
-                return "restored", out, refused, _offer(req, p, key.value), others
+                return "restored", out, refused, _offer(req, p, key.value, out), others
             except REFUSALS as e:
                 if req.frontend and isinstance(e, EngineError) and (e.details or {}).get("stage") == SERVER_START:
                     # the oracle matched: the snapshot is good; a server that does not start
@@ -347,16 +348,20 @@ def _find_or_build(t: Tools, req: ServeRequest, rep: Reporter, model_dir: Path, 
                             "will not find it -- please report this")
         try:
             out = use(target)
-            return "built", out, refused, warnings + _offer(req, target, key.value), others
+            return "built", out, refused, warnings + _offer(req, target, key.value, out), others
         except REFUSALS as e:
             _refuse(t, rep, target, e, refused)
             raise
 
 
-def _offer(req: ServeRequest, snapshot: Path, key: str) -> list[str]:
+def _offer(req: ServeRequest, snapshot: Path, key: str, out=None) -> list[str]:
     """With ``--registry``: push the snapshot that serves when the repository lacks its key
-    (after the restore: the engine already serves). Returns warnings."""
-    return req.registry.offer(snapshot, key) if req.registry is not None else []
+    (after the restore: the engine already serves at ``out``'s URL, said before the push
+    starts; the push's seconds are the registry's ``push_s``). Returns warnings."""
+    if req.registry is None:
+        return []
+    url = getattr(out[0], "url", None) if isinstance(out, tuple) and out else None
+    return req.registry.offer(snapshot, key, serving=url)
 
 
 def switch_model(req: ServeRequest, host: str | None, rollback: bool, rep: Reporter,

@@ -86,13 +86,17 @@ class Served:
     others: list[dict] = field(default_factory=list)
     #: seconds of the restore that serves (validation to canary), without key or build
     restore_s: float = 0.0
+    #: ``--registry``: seconds of the push after the engine served (None: nothing pushed); it is
+    #: in ``total_s`` but not in the time to serving (``total_s - push_s``)
+    push_s: float | None = None
 
     def to_json(self) -> dict:
         r = self.restored
         return {"path": self.path, "snapshot": r.snapshot, "key": self.key, "pid": r.pid, "url": r.url,
                 "served_name": r.served_name, "detached": r.detached, "oracle": "match", "refused": self.refused,
                 "warnings": [*r.warnings, *self.warnings], "timings": self.timings, "total_s": self.total_s,
-                "restore_s": self.restore_s, "not_matching": self.others}
+                "restore_s": self.restore_s, "push_s": self.push_s,
+                "serving_after_s": round(self.total_s - (self.push_s or 0.0), 3), "not_matching": self.others}
 
 
 @dataclass(frozen=True)
@@ -256,7 +260,8 @@ class Pulled:
     from, the layer ``bytes``, ``seconds`` (manifest to publish), the fingerprint of the key
     that verified its signature (or None), ``fetched_bytes`` downloaded now, ``reused_blobs``
     / ``reused_bytes`` an interrupted pull of the same artifact had verified already (resumed),
-    warnings (leftovers removed)."""
+    warnings (leftovers removed), ``already``: True when the store held this artifact (the same
+    manifest digest, by its pull record) as ``snapshot`` and nothing was downloaded."""
 
     snapshot: str
     image: str
@@ -268,6 +273,7 @@ class Pulled:
     reused_blobs: int = 0
     reused_bytes: int = 0
     warnings: list[str] = field(default_factory=list)
+    already: bool = False
 
     def to_json(self) -> dict:
         return {**asdict(self), "MB_s": round(self.bytes / 1e6 / max(self.seconds, 1e-9), 1)}

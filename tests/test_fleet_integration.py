@@ -306,6 +306,68 @@ def test_kill_during_push_leaves_no_tag(snapshot, own_registry, tmp_path):
     assert tags.status_code == 404 or not (tags.json().get("tags") or [])
 
 
+def _interrupt(args: list[str], under_way) -> tuple[int, float, str]:
+    """Run ``vllm-snapshot ARGS``, SIGINT it once ``under_way()``: (exit code, seconds from the
+    SIGINT to the exit, stderr)."""
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_snapshot", *args], cwd=ROOT, env=engine_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and not under_way() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert proc.poll() is None, f"{args[:4]} ended before it could be interrupted: {proc.stderr.read()[-2000:]}"
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    return proc.returncode, time.monotonic() - t0, err
+
+
+def test_ctrl_c_of_a_pull_or_a_push_exits_130_within_seconds_leaving_nothing_listed_or_tagged(
+        snapshot, own_registry, tmp_path):
+    """A trial: Ctrl-C of a pull took 12.7 s to exit, of a push ~7 s: every transfer thread
+    finished its layer (up to 256 MiB). Now they stop between chunks."""
+    copy = _clone(snapshot, tmp_path / "a" / "tiny")
+    image = f"{own_registry.host}/{REPO}:v1"
+    cli("push", str(copy), image, "--plain-http", check=True)
+    root = _private(tmp_path / "store")
+    mark = len(own_registry.requests_log())
+    rc, took, err = _interrupt(["--root", str(root), "pull", image, "--plain-http", "--name", "tiny"],
+                               lambda: len(own_registry.blob_gets(mark)) >= 2)  # the config and a layer sent
+    assert rc == 130 and "interrupted" in err, err[-2000:]
+    assert took < 3.0, f"pull exited {took:.2f} s after SIGINT"
+    assert _listed(root) == [] and [n for n in os.listdir(root) if not n.startswith(".")] == []
+    mark = len(own_registry.requests_log())
+    began: list[float] = []
+
+    def uploading() -> bool:
+        if not began and any('"POST /v2/' in x and "/blobs/uploads/" in x for x in own_registry.requests_log()[mark:]):
+            began.append(time.monotonic())
+        return bool(began) and time.monotonic() - began[0] >= 0.3
+    rc, took, err = _interrupt(["push", str(copy), f"{own_registry.host}/fleet/other:v1", "--plain-http"], uploading)
+    assert rc == 130 and "interrupted" in err, err[-2000:]
+    assert took < 3.0, f"push exited {took:.2f} s after SIGINT"
+    assert not _tag_resolves(own_registry, "v1", "fleet/other")
+
+
+def test_pull_reuses_the_same_artifact_already_in_the_store_and_push_refuses_a_foreign_folder(
+        registry, pushed, snapshot, tmp_path):
+    root = _private(tmp_path / "store")
+    cli("--root", str(root), "pull", pushed["image"], "--plain-http", "--name", "trial-pulled", check=True)
+    mark = len(registry.requests_log())
+    p = cli("--root", str(root), "pull", pushed["image"], "--plain-http", "--json", check=True)
+    got = json.loads(p.stdout)
+    assert got["already"] and got["snapshot"] == str(root / "trial-pulled") and got["digest"] == pushed["digest"]
+    time.sleep(0.5)  # the registry logs a moment after the response
+    assert registry.blob_gets(mark) == [] and _listed(root) == ["trial-pulled"]
+    dest = tmp_path / "trial-nonempty"
+    dest.mkdir()
+    (dest / "file.txt").write_text("mine")
+    p = cli("push", str(snapshot), f"oci:{dest}:v1")
+    assert p.returncode == 2 and f"{dest} is not empty (file.txt) and not an OCI image layout" in p.stderr, p.stderr
+    assert os.listdir(dest) == ["file.txt"]
+    p = cli("push", str(snapshot), "oci:/etc/passwd:v1")
+    assert p.returncode == 2 and "/etc/passwd is a file, not a directory" in p.stderr, p.stderr
+
+
 def test_a_byte_flipped_in_a_blob_at_rest_refuses_the_pull_naming_it(snapshot, own_registry, tmp_path):
     copy = _clone(snapshot, tmp_path / "a" / "tiny")
     cli("push", str(copy), f"{own_registry.host}/{REPO}:v1", "--plain-http", check=True)
@@ -363,6 +425,8 @@ def test_serve_with_a_registry_pushes_from_the_first_node_and_the_second_pulls(s
     a = json.loads(p.stdout)
     _stop(a["pid"])
     assert a["path"] == "restored" and _tag_resolves(own_registry, a["key"], "fleet/serve")
+    # the push ran after the engine served: its seconds apart from the time to serving
+    assert a["push_s"] > 0 and a["serving_after_s"] == round(a["total_s"] - a["push_s"], 3), a
     root_b = _private(tmp_path / "b")
     p = on_node([["--root", str(root_b), "serve", str(TINY), "--port", str(port_b), "--detach", "--json",
                   "--registry", repo, "--plain-http", "--", *ENGINE_ARGS]])
@@ -370,6 +434,7 @@ def test_serve_with_a_registry_pushes_from_the_first_node_and_the_second_pulls(s
     b = json.loads(p.stdout)
     try:
         assert b["path"] == "pulled" and b["key"] == a["key"] and "engine_start" not in b["timings"]
+        assert b["push_s"] is None  # the repository had it: nothing pushed
         assert len(completion(port_b)["logprobs"]) == 4  # four tokens generated (their text may be partial UTF-8)
     finally:
         _stop(b["pid"])

@@ -356,6 +356,7 @@ def test_pull_reuses_the_same_artifact_already_in_the_store_and_push_refuses_a_f
     p = cli("--root", str(root), "pull", pushed["image"], "--plain-http", "--json", check=True)
     got = json.loads(p.stdout)
     assert got["already"] and got["snapshot"] == str(root / "trial-pulled") and got["digest"] == pushed["digest"]
+    assert got["MB_s"] == 0.0 and got["fetched_bytes"] == 0
     time.sleep(0.5)  # the registry logs a moment after the response
     assert registry.blob_gets(mark) == [] and _listed(root) == ["trial-pulled"]
     dest = tmp_path / "trial-nonempty"

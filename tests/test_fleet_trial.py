@@ -149,6 +149,7 @@ def test_restore_image_reuses_a_snapshot_of_the_same_artifact_under_another_name
     t = Tools()
     again = fleet.pull(fleet.PullRequest(image=image, root=root), Reporter(), t)
     assert again.already and again.snapshot == str(root / "trial-pulled") and CountingLayout.gets == []
+    assert again.to_json()["MB_s"] == 0.0 and again.fetched_bytes == 0
     assert sorted(os.listdir(root)) == ["trial-pulled"]
     # an explicit other --name is a copy of its own
     t = Tools()

@@ -276,7 +276,8 @@ class Pulled:
     already: bool = False
 
     def to_json(self) -> dict:
-        return {**asdict(self), "MB_s": round(self.bytes / 1e6 / max(self.seconds, 1e-9), 1)}
+        """The fields, and ``MB_s`` (layer bytes per second; 0 when nothing was downloaded)."""
+        return {**asdict(self), "MB_s": 0.0 if self.already else round(self.bytes / 1e6 / max(self.seconds, 1e-9), 1)}
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,24 @@ def ensure_private_dir(d: Path) -> Path:
     return d
 
 
+def keep_log_copy(src: Path, prefix: str, keep_dir: Path | None = None) -> Path | None:
+    """Copy the log file ``src`` into ``keep_dir`` (default :func:`log_dir`, made 0700) as
+    ``PREFIX-YYYYmmdd-HHMMSS-PID.log`` (0600) so it outlives the run that wrote it; return the
+    copy, or None when it could not be kept (any OSError: the caller's message then names no
+    file)."""
+    import shutil
+    import time
+
+    try:
+        d = ensure_private_dir(keep_dir or log_dir())
+        dst = d / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+        shutil.copyfile(src, dst)
+        os.chmod(dst, 0o600)
+        return dst
+    except OSError:
+        return None
+
+
 def lexists(path: Path | str) -> bool:
     """``os.path.lexists`` that tells "absent" from "not allowed to look": True when ``path``
     exists (a dangling link too), False when it or a parent does not. Raises EnvironmentProblem

@@ -508,18 +508,7 @@ def keep_log(log: Path, what: str, keep_dir: Path | None = None) -> Path | None:
     """Copy a CRIU log to ``keep_dir`` (default :func:`paths.log_dir`) as
     ``criu-WHAT-YYYYmmdd-HHMMSS-PID.log`` (0600); return the copy, or None when it could not
     be kept."""
-    import shutil
-    import time
-
-    d = keep_dir or paths.log_dir()
-    try:
-        paths.ensure_private_dir(d)
-        dst = d / f"criu-{what}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
-        shutil.copyfile(log, dst)
-        os.chmod(dst, 0o600)
-        return dst
-    except OSError:
-        return None
+    return paths.keep_log_copy(log, f"criu-{what}", keep_dir)
 
 
 class _env:

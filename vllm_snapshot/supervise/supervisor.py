@@ -431,18 +431,9 @@ def keep_log(path: Path, what: str) -> Path | None:
     """Copy the engine log ``path`` to :func:`vllm_snapshot.paths.log_dir` as
     ``engine-WHAT-YYYYmmdd-HHMMSS-PID.log`` (0600); return the copy, or None when it could not
     be kept (then the error names no file)."""
-    import shutil
-
     from .. import paths
 
-    try:
-        d = paths.ensure_private_dir(paths.log_dir())
-        dst = d / f"engine-{what}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
-        shutil.copyfile(path, dst)
-        os.chmod(dst, 0o600)
-        return dst
-    except OSError:
-        return None
+    return paths.keep_log_copy(path, f"engine-{what}")
 
 
 def log_file_tail(path: Path, lines: int = 20) -> str | None:

@@ -204,9 +204,12 @@ def test_timeshare_script_switches_between_a_model_form_and_a_snapshot(snapshot,
     # it, the time the port was not served
     import re
 
-    for line in lines[:3]:
+    # (the first switch has nothing to hand over from: the port is dark while it restores; the
+    # later ones hand the port over, which the script counts as 0 s not served)
+    for i, line in enumerate(lines[:3]):
         m = re.search(r": ([0-9.]+) s \(port not served: ([0-9.]+) s\)$", line)
-        assert m and float(m[1]) >= float(m[2]) > 0, line
+        assert m and float(m[1]) >= float(m[2]) >= 0, line
+        assert float(m[2]) > 0 if i == 0 else float(m[2]) == 0.0, line
     assert lines[-2].startswith("3 switches, whole switch command: median")
     assert lines[-1].startswith("3 switches, port not served: median")
     assert sorted(x.name for x in snap_root.iterdir()) == before  # found by key: nothing built

@@ -220,17 +220,25 @@ def test_switch_hands_over_with_no_refused_connection_and_no_failed_request(clon
                        env=env, timeout=300, check=True).stdout)
     results: list = []
     stop = threading.Event()
-    long: dict = {}
 
-    def long_request() -> None:
-        long["t0"] = time.monotonic()
-        try:
-            long["text"] = post(f"http://127.0.0.1:{port}/v1/completions",
-                                {"model": "tiny-llama", "prompt": "Once", "max_tokens": 480, "ignore_eos": True},
-                                timeout=120)["choices"][0]["text"]
-        except (OSError, urllib.error.URLError) as e:
-            long["error"] = f"{type(e).__name__}: {e}"
-        long["t1"] = time.monotonic()
+    longs: list[dict] = []
+    handed = threading.Event()
+
+    def long_requests() -> None:
+        # back to back until the old engine has been told to stop, so that one of them is in
+        # flight then (one takes ~0.7 s on this CPU: too short to aim a single one)
+        while True:
+            x = {"t0": time.monotonic()}
+            try:
+                x["text"] = post(f"http://127.0.0.1:{port}/v1/completions",
+                                 {"model": "tiny-llama", "prompt": "Once", "max_tokens": 480, "ignore_eos": True},
+                                 timeout=120)["choices"][0]["text"]
+            except (OSError, urllib.error.URLError) as e:
+                x["error"] = f"{type(e).__name__}: {e}"
+            x["t1"] = time.monotonic()
+            longs.append(x)
+            if handed.is_set() or "error" in x or len(longs) > 300:
+                return
 
     try:
         before = _greedy(port)
@@ -255,20 +263,24 @@ def test_switch_hands_over_with_no_refused_connection_and_no_failed_request(clon
         # (the old engine alone accepts then)
         c = subprocess.Popen([sys.executable, "-m", "vllm_snapshot", "switch", str(a), "--port", str(port)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-        t = threading.Thread(target=long_request)
+        t = threading.Thread(target=long_requests)
         err_lines = []
+        handed_at = None
         for line in c.stderr:
             err_lines.append(line)
             if "checking the Python files the engine imports from ..." in line and not t.is_alive():
                 t.start()
-            if "accepts no more and drains" in line and "handed" not in long:
-                long["handed"] = time.monotonic()
+            if "accepts no more and drains" in line and handed_at is None:
+                handed_at = time.monotonic()
+                handed.set()
         out_text = c.stdout.read()
         assert c.wait(300) == 0, "".join(err_lines)[-3000:]
         assert "by hand-over" in out_text, out_text
         t.join(150)
-        assert "error" not in long and len(long.get("text", "")) > 0, long
-        assert long["t0"] < long["handed"] < long["t1"], long  # in flight when the old engine was told to stop
+        assert handed_at is not None and longs, (handed_at, longs)
+        assert all("error" not in x and len(x.get("text", "")) > 0 for x in longs), longs
+        # one was in flight when the old engine was told to stop, and it completed
+        assert [x for x in longs if x["t0"] < handed_at < x["t1"]], (handed_at, [(x["t0"], x["t1"]) for x in longs])
     finally:
         stop.set()
         cli("stop", "--port", str(port), env=env, timeout=120)

@@ -14,7 +14,7 @@ from typing import Iterable
 import psutil
 
 from ..errors import BusyError, UsageError
-from .procs import brief, socket_inodes
+from .procs import brief, socket_fds, socket_inodes
 
 
 def url(host: str, port: int, scheme: str = "http") -> str:
@@ -137,6 +137,20 @@ SYS_PIDFD_GETFD = 438
 TCP_LISTEN = "0A"
 
 
+def tcp_rows(table: str) -> list[tuple[int, str, int]]:
+    """``(local port, state, inode)`` of every socket in one ``/proc/.../net/tcp`` or ``tcp6``
+    table (``state`` as the kernel writes it: :data:`TCP_LISTEN`, ``01`` established, ...).
+    Raises OSError when the table cannot be read, ValueError/IndexError on a malformed line."""
+    with open(table) as f:
+        lines = f.read().splitlines()[1:]
+    rows = []
+    for line in lines:
+        cols = line.split()
+        if len(cols) > 9:
+            rows.append((int(cols[1].rsplit(":", 1)[1], 16), cols[3], int(cols[9])))
+    return rows
+
+
 def listening_inodes(port: int | None = None, net: str = "/proc/self/net") -> set[int]:
     """Inodes of the TCP sockets listening on ``port`` (any address; None: on any port) in the
     caller's network namespace, read from ``NET/tcp`` and ``NET/tcp6``; empty when none or
@@ -144,14 +158,10 @@ def listening_inodes(port: int | None = None, net: str = "/proc/self/net") -> se
     out: set[int] = set()
     for name in ("tcp", "tcp6"):
         try:
-            with open(f"{net}/{name}") as f:
-                lines = f.read().splitlines()[1:]
+            rows = tcp_rows(f"{net}/{name}")
         except OSError:
             continue
-        for line in lines:
-            cols = line.split()
-            if len(cols) > 9 and cols[3] == TCP_LISTEN and (port is None or int(cols[1].rsplit(":", 1)[1], 16) == port):
-                out.add(int(cols[9]))
+        out |= {ino for p, st, ino in rows if st == TCP_LISTEN and (port is None or p == port)}
     return out
 
 
@@ -188,14 +198,10 @@ def take_listener(pid: int, host: str, port: int) -> socket.socket:
     held = socket_inodes(pid) & candidates
     if not held:
         raise LookupError(f"PID {pid} holds no socket listening on {fmt_addr(host, port)} in this network namespace")
-    for fd in sorted(os.listdir(f"/proc/{pid}/fd"), key=int):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
+    for fd, ino in sorted(socket_fds(pid).items()):
+        if ino not in held:
             continue
-        if not target.startswith("socket:[") or int(target[8:-1]) not in held:
-            continue
-        sock = socket.socket(fileno=_getfd(pid, int(fd)))
+        sock = socket.socket(fileno=_getfd(pid, fd))
         try:
             name = sock.getsockname()
             if (sock.type == socket.SOCK_STREAM and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)

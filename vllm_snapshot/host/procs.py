@@ -28,10 +28,10 @@ def tree(pid: int) -> list[psutil.Process]:
         return []
 
 
-def socket_inodes(pid: int) -> set[int]:
-    """Inodes of the sockets process ``pid`` has open (``socket:[N]`` links of its fds); empty
-    when it is gone or its fds cannot be read."""
-    out: set[int] = set()
+def socket_fds(pid: int) -> dict[int, int]:
+    """Descriptor -> socket inode of every socket process ``pid`` has open (``socket:[N]``
+    links of its fds); empty when it is gone or its fds cannot be read."""
+    out: dict[int, int] = {}
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
@@ -42,8 +42,14 @@ def socket_inodes(pid: int) -> set[int]:
         except OSError:
             continue
         if target.startswith("socket:["):
-            out.add(int(target[8:-1]))
+            out[int(fd)] = int(target[8:-1])
     return out
+
+
+def socket_inodes(pid: int) -> set[int]:
+    """Inodes of the sockets process ``pid`` has open (see :func:`socket_fds`); empty when it
+    is gone or its fds cannot be read."""
+    return set(socket_fds(pid).values())
 
 
 def ns_pids(pid: int, proc: str = "/proc") -> list[int]:

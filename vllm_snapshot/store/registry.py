@@ -195,7 +195,8 @@ class StopReport:
     killed: bool = False
 
 
-_TCP_LISTEN, _TCP_ESTABLISHED = "0A", "01"
+#: ``st`` of an established TCP socket in ``/proc/net/tcp``
+_TCP_ESTABLISHED = "01"
 
 
 def _socket_inodes(procs: list[psutil.Process]) -> set[int]:
@@ -212,14 +213,10 @@ def _port_sockets(procs: list[psutil.Process], port: int) -> tuple[bool, int] | 
     listening, established = False, 0
     try:
         for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-            with open(table) as f:
-                next(f, None)
-                for line in f:
-                    cols = line.split()
-                    if len(cols) < 10 or int(cols[1].rsplit(":", 1)[1], 16) != port or int(cols[9]) not in inodes:
-                        continue
-                    listening |= cols[3] == _TCP_LISTEN
-                    established += cols[3] == _TCP_ESTABLISHED
+            for p, st, ino in ports.tcp_rows(table):
+                if p == port and ino in inodes:
+                    listening |= st == ports.TCP_LISTEN
+                    established += st == _TCP_ESTABLISHED
     except (OSError, ValueError, IndexError):
         return None
     return listening, established
@@ -312,9 +309,7 @@ def _serving_inodes() -> set[int]:
     engine holds the one its restore bound and handed over; a never-served orphan has none.
     By inode, not by the PID ``psutil.net_connections`` names: a socket several processes hold
     (a switch's hand-over duplicates the old engine's) is named with one of them only."""
-    from ..host.ports import listening_inodes
-
-    return listening_inodes()
+    return ports.listening_inodes()
 
 
 def _serves(p: psutil.Process, serving: set[int]) -> bool:

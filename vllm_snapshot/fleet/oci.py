@@ -152,17 +152,28 @@ def plan(snapshot: Path, part_bytes: int = PART_BYTES) -> list[Part]:
     return parts
 
 
-def _sha256_range(path: Path, offset: int, size: int) -> str:
+def hash_region(fd: int, offset: int, size: int):
+    """A sha256 object fed ``size`` bytes of the open file ``fd`` from byte ``offset`` (pread:
+    the file position is left alone); None when the file ends before that."""
     h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        f.seek(offset)
-        left = size
-        while left:
-            chunk = f.read(min(4 << 20, left))
-            if not chunk:
-                raise CorruptSnapshotError(f"{path} shrank while it was being hashed")
-            h.update(chunk)
-            left -= len(chunk)
+    at, end = offset, offset + size
+    while at < end:
+        chunk = os.pread(fd, min(4 << 20, end - at), at)
+        if not chunk:
+            return None
+        h.update(chunk)
+        at += len(chunk)
+    return h
+
+
+def _sha256_range(path: Path, offset: int, size: int) -> str:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        h = hash_region(fd, offset, size)
+    finally:
+        os.close(fd)
+    if h is None:
+        raise CorruptSnapshotError(f"{path} shrank while it was being hashed")
     return "sha256:" + h.hexdigest()
 
 

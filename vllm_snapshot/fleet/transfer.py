@@ -201,24 +201,9 @@ class Downloaded:
 PROGRESS_BYTES = 32 << 20
 
 
-def _hash_region(fd: int, offset: int, size: int):
-    """A sha256 object fed ``size`` bytes of ``fd`` from ``offset``; None when the file is shorter."""
-    import hashlib
-
-    h = hashlib.sha256()
-    at, end = offset, offset + size
-    while at < end:
-        chunk = os.pread(fd, min(1 << 20, end - at), at)
-        if not chunk:
-            return None
-        h.update(chunk)
-        at += len(chunk)
-    return h
-
-
 def _region_matches(fd: int, offset: int, size: int, digest: str) -> bool:
     """True when ``size`` bytes of ``fd`` from ``offset`` hash to ``digest`` (``sha256:HEX``)."""
-    h = _hash_region(fd, offset, size)
+    h = oci.hash_region(fd, offset, size)
     return h is not None and "sha256:" + h.hexdigest() == digest
 
 
@@ -293,7 +278,7 @@ def download(target: Target, art: oci.Artifact, staging: Path, workers: int = WO
 
         def fetch(i: int, p: oci.Part, start: int) -> None:
             fd = fds[p.member]
-            h = _hash_region(fd, p.offset, start) if start else None
+            h = oci.hash_region(fd, p.offset, start) if start else None
             if start and h is None:
                 start = 0
             at = [p.offset + start, 0]  # where the next byte goes, bytes since the last progress record

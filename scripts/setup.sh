@@ -126,6 +126,11 @@ tools() {
   # scripts are linted with shellcheck (tests/test_gpu_check_script.py, test_setup_script.py);
   # the systemd units are checked with systemd-analyze (tests/test_notify.py; package systemd).
   apt_install e2fsprogs squashfs-tools dosfstools util-linux mount shellcheck systemd
+  # setfacl/getfacl: setup grants the engine user search permission with an ACL when the
+  # checkout or interpreter lies below a 0700 directory, and the tests check such grants
+  # (tests/test_setup_script.py) wherever the checkout lies. Installed always: installing it only
+  # when a grant was needed left a fresh machine whose clone was not under /root without it.
+  apt_install acl
   # The fleet tests (tests/test_fleet*.py) push and pull through a real registry: CNCF
   # distribution 2.8 (Debian's docker-registry), started by the tests on 127.0.0.1 with its
   # own config. The package's own service (port 5000 on every address) is not wanted.

@@ -21,12 +21,14 @@ from vllm_snapshot.host.cgroups import Placement
 from vllm_snapshot.checkpoint.gpu import GpuSlot, GpuUse
 from vllm_snapshot.checkpoint.inventory import Inventory
 from vllm_snapshot.checkpoint.carry import Plan as CarryPlan
-from vllm_snapshot.store.manifest import CarriedDir, CarriedFile, CodeIdentity, EngineUser, ExternalMount, ImageFile, Manifest, ModelFile
+from vllm_snapshot.store.manifest import (CarriedDir, CarriedFile, CodeIdentity, EngineUser, ExternalMount, ImageFile, Manifest,
+                                         ModelFile, WeightsFile)
 from vllm_snapshot.store.model_digest import ModelCheck
 from vllm_snapshot.host.privilege import Creds, User
 from vllm_snapshot.store.registry import Entry, StopReport
 from vllm_snapshot.host.resources import Offer
 from vllm_snapshot.effects.protocols import (
+    WeightsChannel,
     CheckpointTools,
     Clock,
     Engine,
@@ -202,6 +204,11 @@ class FakeWorld:
         self.sleep_ticks = 0.0
         #: called by sleep() with the clock's time (a test sends a signal or ends the engine there)
         self.on_sleep: Callable[[float], None] | None = None
+        #: what the weights channel's worker mapped (None: no worker used it); check_weights's refusal
+        self.weights_file: WeightsFile | None = WeightsFile(
+            path="/var/lib/vllm-snapshot/.weights/" + "ab" * 32 + ".weights", size=8192, blake3="ab" * 32, mtime_ns=1,
+            ctime_ns=1, inode=7, device=8, tensors=3, mapped_bytes=8000)
+        self.weights_problem: str | None = None
         self.tools = Tools(host=FakeHostTools(self), model=FakeModelTools(self), files=FakeSnapshotFiles(self),
                            checkpoint=FakeCheckpointTools(self), engine=FakeEngineTools(self),
                            store=FakeStoreTools(self), runtime=FakeRuntimeTools(self), clock=FakeClock(self),
@@ -211,6 +218,20 @@ class FakeWorld:
         self.calls.append(name)
         if name in self.fail:
             raise self.fail[name]
+
+
+class FakeWeightsChannel(WeightsChannel):
+    """The weights channel of a fake engine: ``w.weights_file`` is what its worker mapped."""
+
+    def __init__(self, w: FakeWorld) -> None:
+        self.w = w
+
+    def result(self) -> WeightsFile | None:
+        self.w._call("weights_result")
+        return self.w.weights_file
+
+    def close(self) -> None:
+        self.w._call("weights_close")
 
 
 class FakeChecking(StagedImages):
@@ -421,6 +442,13 @@ class FakeSnapshotFiles(_Role, SnapshotFiles):
     def verify_images(self, snapshot: Path, m: Manifest) -> None:
         self.w._call("verify_images")
 
+    def check_weights(self, m: Manifest, full: bool = False) -> None:
+        self.w._call("check_weights")
+        if m.weights is not None and self.w.weights_problem is not None:
+            from vllm_snapshot.errors import ModelChangedError
+
+            raise ModelChangedError(self.w.weights_problem, details={"weights": m.weights.path})
+
     def check_tree_files(self, m: Manifest) -> list[str]:
         self.w._call("check_tree_files")
         return []
@@ -510,8 +538,9 @@ class FakeCheckpointTools(_Role, CheckpointTools):
         return []
 
     def carry_files(self, files: tuple, model_dir: Path, model_files: tuple[ModelFile, ...], sys_path: list[str],
-                    work_dir: Path) -> tuple[tuple[CarriedFile, ...], tuple[CarriedDir, ...]]:
+                    work_dir: Path, also: tuple[str, ...] = ()) -> tuple[tuple[CarriedFile, ...], tuple[CarriedDir, ...]]:
         self.w._call("carry_files")
+        self.w.carry_also = tuple(also)
         return tuple(self.w.carried_files), tuple(self.w.carried_dirs)
 
     def put_back_carried(self, snapshot: Path, m: Manifest) -> list[str]:
@@ -616,6 +645,11 @@ class FakeEngineTools(_Role, EngineTools):
         self.w._call("read_log_tail")
         return self.w.log_file_tail
 
+    def weights_channel(self, engine: Engine, root: Path, uid: int) -> WeightsChannel:
+        self.w._call("weights_channel")
+        self.w.weights_root = root
+        return FakeWeightsChannel(self.w)
+
     def keep_log(self, path: Path, what: str) -> Path | None:
         self.w._call("keep_log")
         return Path(f"/var/log/vllm-snapshot/engine-{what}-20260101-000000-1.log")
@@ -653,6 +687,10 @@ class FakeStoreTools(_Role, StoreTools):
 
     def delete_snapshot(self, snapshot: Path) -> None:
         self.w._call("delete_snapshot")
+
+    def remove_unused_weights(self, root: Path) -> list[Path]:
+        self.w._call("remove_unused_weights")
+        return []
 
     def clean_stale_temps(self, root: Path) -> list[Path]:
         return []

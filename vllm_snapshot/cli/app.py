@@ -113,6 +113,7 @@ def create(
     oracle_prompt: str = typer.Option(None, "--oracle-prompt", help="Prompt of the one-token oracle."),
     sleep_level: int = typer.Option(2, "--sleep-level", min=0, max=2, help="GPU: sleep level before the dump (CPU engines are captured whole)."),
     compress: str = typer.Option("none", "--compress", help="none (default: fastest restore) | zstd | zstd:LEVEL (~5x smaller, restore decompresses)"),
+    weights: str = typer.Option("file", "--weights", help="CPU: file (the weights in a weights file the engine maps, shared by snapshots of the same weights; not in the images) | in-image"),
     keep_env: List[str] = typer.Option([], "--keep-env", help="Pass this (otherwise scrubbed) variable to the engine."),
     user: str = typer.Option("vllm-snapshot", "--user", help="Unprivileged user the engine tree runs as (no capabilities; made by setup)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Stream the engine log to stderr."),
@@ -144,7 +145,7 @@ def create(
         model=model, target=snapshot_dir, engine_args=engine_args,
         oracle_prompt=oracle.DEFAULT_PROMPT if oracle_prompt is None else oracle_prompt, sleep_level=sleep_level,
         compression=archive.Compression.parse(compress), keep_env=tuple(keep_env), user=user,
-        engine_log=_stderr_sink if verbose else None)
+        engine_log=_stderr_sink if verbose else None, weights=weights)
     render.show(ops.create(req, _reporter(quiet, as_json)), as_json, quiet)
 
 
@@ -543,6 +544,7 @@ def serve(
     oracle_prompt: str = typer.Option(None, "--oracle-prompt", help="Prompt of the one-token oracle (part of the key)."),
     sleep_level: int = typer.Option(2, "--sleep-level", min=0, max=2, help="GPU: sleep level before the dump."),
     compress: str = typer.Option("none", "--compress", help="Compression of a snapshot built now."),
+    weights: str = typer.Option("file", "--weights", help="CPU: file (a build's engine maps its weights from a weights file shared by snapshots of the same weights) | in-image (part of the key)"),
     keep_env: List[str] = typer.Option([], "--keep-env", help="Pass this (otherwise scrubbed) variable to the engine."),
     user: str = typer.Option("vllm-snapshot", "--user", help="Unprivileged user a build's engine tree runs as (its HOME is part of the key)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Stream the engine log of a build to stderr."),
@@ -615,7 +617,7 @@ def serve(
         oracle_prompt=oracle.DEFAULT_PROMPT if oracle_prompt is None else oracle_prompt, sleep_level=sleep_level,
         compression=archive.Compression.parse(compress), keep_env=tuple(keep_env), user=user,
         engine_log=_stderr_sink, create_log=_stderr_sink if verbose else None, frontend=tuple(front),
-        drain_s=_drain(drain_timeout), registry=cache)
+        drain_s=_drain(drain_timeout), registry=cache, weights=weights)
     served, engine = ops.serve(req, rep)
     if detach:
         _handed_off()

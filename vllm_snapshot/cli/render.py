@@ -81,6 +81,9 @@ def _created(r: R.Created, quiet: bool) -> None:
     _line(f"snapshot {r.snapshot} created: oracle {_token_text(m.oracle.text)} (token {m.oracle.token_id}), "
           f"images {human_bytes(m.sizes['raw'])} raw, {human_bytes(m.sizes['stored'])} stored, "
           f"{sum(m.timings.values()):.1f} s")
+    if m.weights is not None:
+        _line(f"weights: {human_bytes(m.weights.mapped_bytes)} mapped from {m.weights.path} "
+              f"({m.weights.tensors} tensors; not in the images, shared with every snapshot of the same weights)")
 
 
 def _inspected(r: R.Inspected, quiet: bool) -> None:
@@ -170,6 +173,8 @@ def _listed(r: R.Listed, quiet: bool) -> None:
 
 def _deleted(r: R.Deleted, quiet: bool) -> None:
     _line(f"deleted {r.snapshot}" + (f" (stopped engines {r.stopped_pids})" if r.stopped_pids else ""))
+    for p in r.weights_removed:
+        _line(f"removed the weights file {p} (no snapshot uses it any more)")
 
 
 def _pruned(r: R.Pruned, quiet: bool) -> None:
@@ -180,7 +185,9 @@ def _pruned(r: R.Pruned, quiet: bool) -> None:
         _line(f"kept {p} (an engine restored from it is running)")
     for p in r.temp_removed:
         _line(f"{'would remove' if r.dry_run else 'removed'} leftover {p}")
-    if not (r.deleted or r.kept_running or r.temp_removed):
+    for p in r.weights_removed:
+        _line(f"removed the weights file {p} (no snapshot uses it any more)")
+    if not (r.deleted or r.kept_running or r.temp_removed or r.weights_removed):
         _line("nothing to prune")
 
 
@@ -309,6 +316,13 @@ def manifest_table(m: Manifest, path: str) -> None:
     t.add_row("images", f"{len(m.images)} files, raw {human_bytes(m.sizes['raw'])}, stored {human_bytes(m.sizes['stored'])}"
               + (f" ({100 * m.sizes['stored'] / max(1, m.sizes['raw']):.1f}%)" if m.sizes['raw'] else ""))
     t.add_row("compression", ", ".join(sorted({i.compression for i in m.images})) or "none")
+    w = m.weights
+    if w is not None:
+        t.add_row("weights", f"{human_bytes(w.mapped_bytes)} in {w.tensors} tensors mapped from {w.path} "
+                  f"[dim]({human_bytes(w.size)}, BLAKE3 {w.blake3[:16]}…; not in the images; shared by every snapshot "
+                  "of the same weights; checked before CRIU)[/]")
+    elif m.engine.kind == "cpu":
+        t.add_row("weights", "[dim]in the images (made with --weights in-image, or before weights files)[/]")
     if m.carried is not None:
         raw = sum(b.raw_bytes for b in m.carried.blobs)
         t.add_row("carried", f"{len(m.carried.files)} files ({human_bytes(raw)}) the tree maps outside the model, the "
@@ -366,7 +380,7 @@ def snapshot_list(rows: list[dict], root: str) -> None:
         c.print(f"no snapshots under {root}")
         return
     t = Table(title=f"snapshots under {root}", title_justify="left")
-    for col in ("name", "model", "key", "created", "kind", "sleep", "raw", "stored", "here", "last restore"):
+    for col in ("name", "model", "key", "created", "kind", "sleep", "raw", "stored", "weights", "here", "last restore"):
         t.add_column(col, overflow="fold")  # a narrow terminal wraps a cell, never cuts it
     refused = []
     for r in rows:
@@ -379,10 +393,14 @@ def snapshot_list(rows: list[dict], root: str) -> None:
                   str(r["sleep_level"] if r["sleep_level"] is not None else "-"),
                   human_bytes(r["raw_bytes"]) if r["raw_bytes"] is not None else "-",
                   human_bytes(r["stored_bytes"]) if r["stored_bytes"] is not None else "-",
+                  (Path(r["weights"]).name[:8] + " " + human_bytes(r["weights_bytes"])) if r.get("weights") else "-",
                   here, _when(r["last_restore"]))
     c.print(t)
     _line("here: ✓ = this host's identity and the model files fit (a stat of each model file, re-hashed when it "
           "changed); image checksums are read by `verify` and by every restore before it serves")
+    if any(r.get("weights") for r in rows):
+        _line("weights: the weights file the engine maps (digest prefix, size), outside the images; snapshots of the "
+              "same weights share one")
     for name, why in refused:  # whole, on lines of their own: what an operator copies or greps
         c.print(f"✗ {name}: {why}", markup=False, highlight=False, soft_wrap=True)
 

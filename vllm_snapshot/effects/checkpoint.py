@@ -188,11 +188,11 @@ class LocalCheckpointTools(CheckpointTools):
         return remaps.put_back(layout.SnapshotDir(snapshot).files, [f.name for f in m.extra_files])
 
     def carry_files(self, files: tuple, model_dir: Path, model_files: tuple[ModelFile, ...], sys_path: list[str],
-                    work_dir: Path) -> tuple[tuple[CarriedFile, ...], tuple[CarriedDir, ...]]:
+                    work_dir: Path, also: tuple[str, ...] = ()) -> tuple[tuple[CarriedFile, ...], tuple[CarriedDir, ...]]:
         from ..checkpoint import carry
         from ..store import layout
 
-        model = [str(model_dir), os.path.realpath(model_dir)]
+        model = [str(model_dir), os.path.realpath(model_dir), *also]
         model += [os.path.realpath(model_dir / f.path) for f in model_files]
         env = carry.python_prefixes([sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix], sys_path)
         return carry.collect(carry.select(files, model, env), work_dir / layout.CARRIED)

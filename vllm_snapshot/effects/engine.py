@@ -10,8 +10,29 @@ from pathlib import Path
 from typing import Callable
 
 from .. import paths
-from ..store.manifest import Manifest
-from .protocols import Engine, EngineChannel, EngineTools
+from ..store.manifest import Manifest, WeightsFile
+from .protocols import Engine, EngineChannel, EngineTools, WeightsChannel
+
+
+class LocalWeightsChannel(WeightsChannel):
+    """:class:`vllm_snapshot.store.weights.WeightsServer` whose result is the manifest's record."""
+
+    def __init__(self, root_pid: int, root: Path, uid: int) -> None:
+        from ..store.weights import WeightsServer
+
+        self.server = WeightsServer(root_pid, root, uid)
+
+    def result(self) -> WeightsFile | None:
+        from ..store import weights
+
+        got = self.server.result()
+        if got is None:
+            return None
+        path, digest, _reused, mapped = got
+        return weights.record(path, digest, int(mapped.get("tensors") or 0), int(mapped.get("bytes") or 0))
+
+    def close(self) -> None:
+        self.server.close()
 
 
 class LocalEngineTools(EngineTools):
@@ -63,6 +84,9 @@ class LocalEngineTools(EngineTools):
         from . import http
 
         return http.canary(url, m, api_key)
+
+    def weights_channel(self, engine: Engine, root: Path, uid: int) -> WeightsChannel:
+        return LocalWeightsChannel(engine.root_pid, root, uid)
 
     def check_log_file(self, path: Path) -> None:
         from ..supervise.supervisor import check_log_file

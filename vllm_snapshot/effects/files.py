@@ -62,10 +62,18 @@ class LocalSnapshotFiles(SnapshotFiles):
 
             carry.verify(m.carried, sd.carried)
 
+    def check_weights(self, m: Manifest, full: bool = False) -> None:
+        from ..store import weights
+
+        if m.weights is not None:
+            weights.refuse(m.weights, full)
+
     def check_tree_files(self, m: Manifest) -> list[str]:
         from ..checkpoint import inventory
 
         carried = {f.path for f in m.carried.files} if m.carried is not None else set()
+        if m.weights is not None:  # checked by check_weights, content included
+            carried.add(m.weights.path)
         return inventory.check_files([f for f in m.criu.tree_files if f.path not in carried])
 
     def plan_carried(self, snapshot: Path, m: Manifest) -> CarryPlan:

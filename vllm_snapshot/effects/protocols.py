@@ -23,7 +23,8 @@ from ..host.cgroups import Placement
 from ..host.privilege import Creds, User
 from ..host.resources import Offer
 from ..checkpoint.carry import Plan as CarryPlan
-from ..store.manifest import CarriedDir, CarriedFile, CodeIdentity, EngineUser, ExternalMount, ImageFile, Manifest, ModelFile
+from ..store.manifest import (CarriedDir, CarriedFile, CodeIdentity, EngineUser, ExternalMount, ImageFile, Manifest,
+                              ModelFile, WeightsFile)
 from ..store.model_digest import ModelCheck
 from ..store.registry import Entry, StopReport
 
@@ -59,6 +60,16 @@ class EngineChannel(Protocol):
     """Fresh pipes for a restored engine (:class:`vllm_snapshot.supervise.supervisor.Channel`)."""
 
     def inherit_fds(self, keys: dict[str, str]) -> tuple[tuple[str, int], ...]: ...
+
+    def close(self) -> None: ...
+
+
+class WeightsChannel(Protocol):
+    """Create's end of an engine's weights channel (:class:`vllm_snapshot.store.weights.WeightsServer`)."""
+
+    def result(self) -> WeightsFile | None:
+        """The weights file the engine's worker wrote and mapped (None: no worker used the
+        channel). Raises EngineError naming what failed."""
 
     def close(self) -> None: ...
 
@@ -230,6 +241,11 @@ class SnapshotFiles(Protocol):
     def verify_images(self, snapshot: Path, m: Manifest) -> None:
         """Every image and saved file checksum. Raises CorruptSnapshotError."""
 
+    def check_weights(self, m: Manifest, full: bool = False) -> None:
+        """Raise ModelChangedError when the weights file ``m`` maps is missing or changed
+        (:func:`vllm_snapshot.store.weights.refuse`; ``full``: re-hash it even when its stat is
+        unchanged). Nothing for a snapshot without one."""
+
     def check_tree_files(self, m: Manifest) -> list[str]:
         """Problems with the files the tree had open or mapped (empty = unchanged), those the
         snapshot carries left out (:meth:`plan_carried` decides about them)."""
@@ -318,11 +334,12 @@ class CheckpointTools(Protocol):
 
     # carried files (vllm_snapshot/checkpoint/carry.py): create copies, restore puts back
     def carry_files(self, files: tuple, model_dir: Path, model_files: tuple[ModelFile, ...], sys_path: list[str],
-                    work_dir: Path) -> tuple[tuple[CarriedFile, ...], tuple[CarriedDir, ...]]:
+                    work_dir: Path, also: tuple[str, ...] = ()) -> tuple[tuple[CarriedFile, ...], tuple[CarriedDir, ...]]:
         """Copy the tree files (``files``: :class:`~vllm_snapshot.store.manifest.TreeFile`) outside
         the model, the Python environment (this interpreter's prefixes and the engine's
-        ``sys_path``) and the system into ``work_dir/carried`` (:func:`vllm_snapshot.checkpoint.carry.collect`).
-        Returns (files, the directories above them). Raises OSError."""
+        ``sys_path``), the system and the paths ``also`` (the weights file) into ``work_dir/carried``
+        (:func:`vllm_snapshot.checkpoint.carry.collect`). Returns (files, the directories above
+        them). Raises OSError."""
 
     def put_back_carried(self, snapshot: Path, m: Manifest) -> list[str]:
         """Right before CRIU (after :meth:`SnapshotFiles.plan_carried` verified the stored
@@ -404,6 +421,10 @@ class EngineTools(Protocol):
     def read_log_tail(self, path: Path, lines: int = 20) -> str | None:
         """The last ``lines`` lines of the engine log file ``path`` (None when it cannot be read)."""
 
+    def weights_channel(self, engine: Engine, root: Path, uid: int) -> WeightsChannel:
+        """Serve the weights channel of ``engine``'s tree (its worker, running as ``uid``, hands
+        over its weights; the file is published under ``root/.weights``). Raises OSError."""
+
     def keep_log(self, path: Path, what: str) -> Path | None:
         """Copy the engine log ``path`` into the log directory as ``engine-WHAT-<time>-<pid>.log``
         (0600; :func:`vllm_snapshot.supervise.supervisor.keep_log`) before its directory is
@@ -438,6 +459,11 @@ class StoreTools(Protocol):
         ``target`` or None, bytes free on the filesystem that will hold ``target``)."""
 
     def delete_snapshot(self, snapshot: Path) -> None: ...
+
+    def remove_unused_weights(self, root: Path) -> list[Path]:
+        """Remove the weights files under ``root/.weights`` that no snapshot's manifest under
+        ``root`` names and no process maps (:func:`vllm_snapshot.store.weights.unreferenced`);
+        return them."""
 
     def clean_stale_temps(self, root: Path) -> list[Path]:
         """Remove leftovers of crashed creates under ``root`` (and stale lock files)."""

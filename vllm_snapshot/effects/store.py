@@ -79,6 +79,18 @@ class LocalStoreTools(StoreTools):
         store.delete(snapshot)
         locks.remove_lock_file(snapshot)  # the caller holds it exclusively
 
+    def remove_unused_weights(self, root: Path) -> list[Path]:
+        from ..checkpoint.carry import holders
+        from ..store import weights
+
+        gone = []
+        for p in weights.unreferenced(root):
+            if holders(str(p)):  # a create in flight (or an engine of a deleted snapshot) maps it
+                continue
+            p.unlink(missing_ok=True)
+            gone.append(p)
+        return gone
+
     def clean_stale_temps(self, root: Path) -> list[Path]:
         from ..store import locks, store
 

@@ -295,6 +295,10 @@ async def run(spec: dict) -> int:
         emit("error", kind="usage", message=str(e))
         return 2
     sleep_level = int(spec.get("sleep_level", 0)) if kind == "cuda" else 0
+    if spec.get("weights_file") and kind == "cpu":
+        from .weights import ENV as WEIGHTS_ENV
+
+        os.environ[WEIGHTS_ENV] = "1"  # vLLM's children (spawned after this) map their weights
     if sleep_level:
         args.enable_sleep_mode = True
 
@@ -448,6 +452,10 @@ if __name__ == "__mp_main__":
     from .prep import install_child_hook
 
     install_child_hook()
+    if os.environ.get("VLLM_SNAPSHOT_WEIGHTS") == "1":  # create asked for a weights file (CPU engine)
+        from .weights import install as _install_weights
+
+        _install_weights()
 
 if __name__ == "__main__":
     code = main()

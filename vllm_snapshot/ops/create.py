@@ -71,6 +71,23 @@ class CreateRequest:
     engine_log: Callable[[bytes], None] | None = None
     #: the unprivileged user the engine tree runs as (vllm_snapshot/host/privilege.py)
     user: str = privilege.DEFAULT_USER
+    #: ``file``: a CPU engine maps its weights from a weights file of the store instead of
+    #: holding them in the images (:mod:`vllm_snapshot.store.weights`); ``in-image``: as before
+    weights: str = "file"
+
+
+#: The values of ``--weights``.
+WEIGHTS_MODES = ("file", "in-image")
+
+
+def weights_mode(requested: str, device: str) -> str:
+    """What an engine on ``device`` does with ``requested`` (``file``/``in-image``): a weights
+    file is for CPU engines (a GPU engine's weights leave the device at sleep level 2 and are
+    not in its images), so anything else is ``in-image``. Raises UsageError for an unknown
+    mode. Pure."""
+    if requested not in WEIGHTS_MODES:
+        raise UsageError(f"--weights {requested!r}: choose one of {', '.join(WEIGHTS_MODES)}")
+    return requested if device == "cpu" else "in-image"
 
 
 def check_cpu_kv_cache(engine_args: list[str], env: dict[str, str], device: str) -> None:
@@ -147,6 +164,7 @@ def create(req: CreateRequest, rep: Reporter, tools: Tools | None = None) -> Cre
     criu_ver = t.host.criu_version()
     if req.sleep_level not in (0, 1, 2):
         raise UsageError("--sleep-level must be 0, 1 or 2")
+    weights_mode(req.weights, "cpu")
     check_oracle_prompt(req.oracle_prompt)
     check_engine_args(req.engine_args)
     check_keep_env(req.keep_env)
@@ -226,17 +244,39 @@ def engine_user_record(user: privilege.User) -> manifest.EngineUser:
 
 
 def _start_engine(et: EngineTools, req: CreateRequest, spec: dict, env: dict[str, str], tmp: Path,
-                  model_dir: Path) -> tuple[Engine, dict]:
+                  model_dir: Path, weights_root: Path | None = None,
+                  uid: int = 0) -> tuple[Engine, dict, manifest.WeightsFile | None]:
+    """Launch the engine and wait for its oracle; with ``weights_root``, serve its weights
+    channel meanwhile. Returns (engine, the ``initialized`` event, the weights file its worker
+    mapped or None). Raises UsageError, EngineError (the engine is killed then)."""
     log = tmp / layout.CREATE_LOG
     engine = et.launch_engine(spec, env, log, req.engine_log)
+    channel = None
     try:
-        return engine, engine.wait_event("initialized", ENGINE_START_TIMEOUT_S)
+        if weights_root is not None:
+            channel = et.weights_channel(engine, weights_root, uid)
+        init = engine.wait_event("initialized", ENGINE_START_TIMEOUT_S)
+        got = channel.result() if channel is not None else None
+        return engine, init, got
     except EngineError as e:
         engine.kill()
         engine.close()
+        if channel is not None:
+            channel.close()
+            try:
+                channel.result()  # the channel's own failure says more than "the engine exited"
+            except EngineError as ce:
+                raise ce from e
         if isinstance(e.details, dict) and e.details.get("kind") == "usage":
             raise UsageError(e.message, hint="the engine args are those of `vllm serve`") from e
         raise start_failure(e, et.keep_log(log, "create"), model_dir) from e
+    except BaseException:
+        engine.kill()
+        engine.close()
+        raise
+    finally:
+        if channel is not None:
+            channel.close()
 
 
 #: lines of the engine's own error message an engine start failure shows (the rest: its log)
@@ -312,7 +352,8 @@ def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, revisio
                    code: manifest.CodeIdentity | None = None,
                    engine_user: manifest.EngineUser | None = None,
                    rehearsal_wake_s: float | None = None, cuda_pids: tuple[int, ...] = (),
-                   env_scrubbed: bool | None = None) -> manifest.Manifest:
+                   env_scrubbed: bool | None = None,
+                   weights: manifest.WeightsFile | None = None) -> manifest.Manifest:
     """The manifest of a finished dump (unsealed). ``env_scrubbed``: the engine's environment
     ``env`` is what the scrubber gives without ``--keep-env`` (push requires it). Pure."""
     return manifest.Manifest(
@@ -344,6 +385,7 @@ def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, revisio
         key=key,
         code=code,
         carried=carried,
+        weights=weights,
     )
 
 
@@ -360,22 +402,29 @@ def _create_locked(t: Tools, req: CreateRequest, rep: Reporter, target: Path, mo
         env = scrubbed_env(t.host.environ(), req.keep_env, user)
         env_scrubbed = env == scrubbed_env(t.host.environ(), (), user)  # --keep-env added nothing the scrubber drops
         who = engine_user_record(user)
+        mode = weights_mode(req.weights, t.host.engine_device())
         spec = {"model": str(model_dir), "engine_args": list(req.engine_args),
                 "oracle_prompt": req.oracle_prompt, "sleep_level": req.sleep_level,
-                "user": who.model_dump(mode="json")}
+                "user": who.model_dump(mode="json"), "weights_file": mode == "file"}
         if revision is not None and arg_value(req.engine_args, "--served-model-name") is None:
             spec["served_model_name"] = req.model  # serve a Hugging Face id by its id, as `vllm serve` does
         loading_since_ns = int(t.clock.now() * 1e9)  # the engine may read the model files from here on
         with rep.phase("engine_start", "starting engine (load, compile, warm-up)"):
-            engine, init = _start_engine(t.engine, req, spec, env, tmp, model_dir)
+            engine, init, weights = _start_engine(t.engine, req, spec, env, tmp, model_dir,
+                                                  target.parent if mode == "file" else None, who.uid)
         info = init["info"]
+        if mode == "file" and info["kind"] == "cpu" and weights is None:
+            raise EngineError("the engine did not hand its weights over for a weights file (its vLLM model loader "
+                              "was not the one patched: another vLLM version?)",
+                              hint="create with --weights in-image (the weights then stay in the images)")
         recorded = oracle.Oracle.model_validate(init["oracle"])
         check_cpu_kv_cache(req.engine_args, t.host.environ(), info["kind"])  # the device vLLM actually chose
         host = t.host.host_identity(info["kind"])
         key = snapkey.build(requested_model=req.model, engine_args=req.engine_args, keep_env=req.keep_env,
                             model_identity=req.model if revision is not None else str(model_dir),
                             normalized=info["normalized_args"], model_files=files, oracle_prompt=req.oracle_prompt,
-                            sleep_level=req.sleep_level, env=env, host=host)
+                            sleep_level=req.sleep_level, env=env, host=host,
+                            weights="file" if weights is not None else "in-image")
         sleep_level = req.sleep_level if info["kind"] == "cuda" else 0
         woke_s = None
         if sleep_level:
@@ -409,7 +458,9 @@ def _create_locked(t: Tools, req: CreateRequest, rep: Reporter, target: Path, mo
         # system (compile caches under the engine user's HOME) travels with the snapshot:
         # copied now, while the tree still maps exactly these bytes (checkpoint/carry.py)
         with rep.phase("carry", "copying the files outside the model, the Python environment and the system"):
-            carried_files, carried_dirs = t.checkpoint.carry_files(inv.files, model_dir, files, ready.get("sys_path") or [], tmp)
+            carried_files, carried_dirs = t.checkpoint.carry_files(
+                inv.files, model_dir, files, ready.get("sys_path") or [], tmp,
+                also=(weights.path,) if weights is not None else ())
             moved = carry.changed_since(inv.files, carried_files)
             if moved:
                 raise UnsnapshottableError("files the engine maps changed while create copied them into the "
@@ -443,7 +494,7 @@ def _create_locked(t: Tools, req: CreateRequest, rep: Reporter, target: Path, mo
             inv=inv, inherit=inherit, dump_opts=dump_opts, externals=externals, images=images, extra=extra,
             carried=carry.carried(carried_files, carried_dirs, blobs),
             timings=rep.timings, key=key, code=code, engine_user=who, rehearsal_wake_s=woke_s,
-            cuda_pids=use.cuda_pids if use is not None else (), env_scrubbed=env_scrubbed,
+            cuda_pids=use.cuda_pids if use is not None else (), env_scrubbed=env_scrubbed, weights=weights,
             created_at=_dt.datetime.fromtimestamp(t.clock.now(), _dt.timezone.utc).isoformat(timespec="seconds"))
         with rep.phase("publish", "publishing"):
             m = manifest.seal(m.model_copy(update={"timings": dict(rep.timings)}))
@@ -456,7 +507,10 @@ def _create_locked(t: Tools, req: CreateRequest, rep: Reporter, target: Path, mo
             steps += [("stop the engine", eng.kill), ("close the engine channel", eng.close)]
         # the saved ones, or those a failed dump left in the watched directories
         steps += [("remove link-remap files", lambda: t.checkpoint.cleanup_remaps(remaps or t.checkpoint.find_remaps(before))),
-                  (f"remove the temp dir {tmp}", lambda: t.files.discard(tmp))]
+                  (f"remove the temp dir {tmp}", lambda: t.files.discard(tmp)),
+                  # after the engine is gone: a weights file this create wrote that no snapshot
+                  # names and no process maps (another create of the same weights may)
+                  ("remove an unused weights file", lambda: t.store.remove_unused_weights(target.parent))]
         run_cleanups(e, steps)
         if _is_enospc(e):
             raise EnvironmentProblem(

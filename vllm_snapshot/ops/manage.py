@@ -32,9 +32,11 @@ def describe(snapshot: Path, tools: Tools | None = None) -> dict:
         m = t.files.open_snapshot(snapshot)
     except Exception as e:  # noqa: BLE001 - a broken snapshot is still listed, as incompatible
         return {**row, "model": None, "key": None, "created": None, "kind": None, "sleep_level": None,
-                "raw_bytes": None, "stored_bytes": None, "compatible": False, "why": first_lines(e)}
+                "raw_bytes": None, "stored_bytes": None, "weights": None, "weights_bytes": None,
+                "compatible": False, "why": first_lines(e)}
     row.update(model=m.model.requested, created=m.created_at, kind=m.engine.kind, sleep_level=m.engine.sleep_level,
-               raw_bytes=m.sizes["raw"], stored_bytes=m.sizes["stored"], key=m.key.value if m.key else None)
+               raw_bytes=m.sizes["raw"], stored_bytes=m.sizes["stored"], key=m.key.value if m.key else None,
+               weights=m.weights.path if m.weights else None, weights_bytes=m.weights.size if m.weights else None)
     refused = t.store.refusal(snapshot)
     if refused is not None:  # `serve` restored it and it failed (oracle, CRIU, ...): say so
         row.update(compatible=False, why=f"refused by {refused.get('by', 'serve')}: {refused['reason']}")
@@ -46,6 +48,7 @@ def describe(snapshot: Path, tools: Tools | None = None) -> dict:
             row.update(compatible=False, why="this host differs: " + "; ".join(map(str, hard)))
             return row
         t.model.verify_model(Path(m.model.path), m.model.files, "quick")
+        t.files.check_weights(m)  # by stat (re-hashed only when it changed)
         row.update(compatible=True, why="")
     except Exception as e:  # noqa: BLE001
         row.update(compatible=False, why=first_lines(e))
@@ -91,7 +94,9 @@ def delete(snapshot: Path, force: bool = False, tools: Tools | None = None) -> D
         t.runtime.stop_engine(e)
     with t.store.snapshot_lock(snapshot, shared=False):
         t.store.delete_snapshot(snapshot)
-    return Deleted(str(snapshot), [e.pid for e in running])
+    # the weights file it mapped goes with the last snapshot that names it (counted from the manifests)
+    gone = t.store.remove_unused_weights(snapshot.parent)
+    return Deleted(str(snapshot), [e.pid for e in running], [str(p) for p in gone])
 
 
 def parse_duration(text: str) -> float:
@@ -148,7 +153,8 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
                 continue
         deleted.append(str(p))
     temps = t.store.reclaim(root, dry_run=True) if dry_run else [str(x) for x in t.store.clean_stale_temps(root)] + t.store.reclaim(root)
-    return Pruned(deleted, kept, temps, dry_run)
+    weights_gone = [] if dry_run else [str(p) for p in t.store.remove_unused_weights(root)]
+    return Pruned(deleted, kept, temps, dry_run, weights_gone)
 
 
 def status(tools: Tools | None = None) -> Engines:

@@ -219,6 +219,9 @@ def _validate(host: HostTools, model: ModelTools, files: SnapshotFiles, snapshot
         host.port_free(*port)
     if check_images:
         files.verify_images(snapshot, m)
+    # the weights file the engine maps (a CPU snapshot's weights are not in its images):
+    # missing or changed refuses now, naming it (CRIU would map whatever is at that path)
+    files.check_weights(m, full=verify_model == "full")
     problems = files.check_tree_files(m)
     if problems:
         raise IncompatibleHostError(

@@ -67,7 +67,7 @@ from ..host.envpolicy import scrubbed_env
 from ..effects.protocols import Engine, HostTools, ModelTools, SnapshotFiles, StoreTools
 from ..effects.tools import Tools, local_tools
 from ..engine.args import arg_value, check_engine_args
-from .create import CreateRequest, check_keep_env, create
+from .create import weights_mode, CreateRequest, check_keep_env, create
 from .restore import RestoreRequest, restore
 
 #: Errors that mean "this snapshot cannot serve here": record it, try the next, or build.
@@ -110,6 +110,9 @@ class ServeRequest:
     #: with no usable local snapshot of the key, pull it when the repository has it and this
     #: node fits; a snapshot restored or built here is pushed when the repository lacks it
     registry: object | None = None
+    #: where a build's CPU engine keeps its weights: ``file`` (a weights file it maps,
+    #: :mod:`vllm_snapshot.store.weights`) or ``in-image`` (in the CRIU images)
+    weights: str = "file"
 
 
 def _published(host: HostTools, store: StoreTools, files: SnapshotFiles, root: Path) -> list[tuple[Path, Manifest]]:
@@ -148,7 +151,7 @@ def compute_key(t: Tools, req: ServeRequest, model_dir: Path, snaps: list[tuple[
     key = snapkey.build(requested_model=req.model, engine_args=req.engine_args, normalized=normalized,
                         model_identity=req.model if hf_id else str(model_dir), keep_env=req.keep_env,
                         model_files=files, oracle_prompt=req.oracle_prompt, sleep_level=req.sleep_level,
-                        env=env, host=host)
+                        env=env, host=host, weights=weights_mode(req.weights, kind))
     return key, files, host
 
 
@@ -340,7 +343,7 @@ def _find_or_build(t: Tools, req: ServeRequest, rep: Reporter, model_dir: Path, 
         created = create(CreateRequest(model=req.model, target=target, engine_args=list(req.engine_args),
                                        oracle_prompt=req.oracle_prompt, sleep_level=req.sleep_level,
                                        compression=req.compression, keep_env=req.keep_env, user=req.user,
-                                       engine_log=req.create_log), rep, tools=t)
+                                       engine_log=req.create_log, weights=req.weights), rep, tools=t)
         warnings = []
         if created.manifest.key is None or created.manifest.key.value != key.value:
             warnings.append(f"the new snapshot's key ({created.manifest.key.value[:12] if created.manifest.key else '-'})"

@@ -118,11 +118,15 @@ class Listed:
 
 @dataclass(frozen=True)
 class Deleted:
+    """The snapshot deleted, the engines stopped first, and the weights files removed with it
+    (no snapshot left names them)."""
+
     snapshot: str
     stopped_pids: list[int]
+    weights_removed: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return {"deleted": self.snapshot, "stopped_pids": self.stopped_pids}
+        return {"deleted": self.snapshot, "stopped_pids": self.stopped_pids, "weights_removed": self.weights_removed}
 
 
 @dataclass(frozen=True)
@@ -134,10 +138,12 @@ class Pruned:
     kept_running: list[str]
     temp_removed: list[str]
     dry_run: bool = False
+    #: weights files no snapshot names any more, removed (or that would be, with ``dry_run``)
+    weights_removed: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"deleted": self.deleted, "kept_running": self.kept_running, "temp_removed": self.temp_removed,
-                "dry_run": self.dry_run}
+                "dry_run": self.dry_run, "weights_removed": self.weights_removed}
 
 
 @dataclass(frozen=True)

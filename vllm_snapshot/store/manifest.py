@@ -249,6 +249,24 @@ class Carried(_Strict):
         return self
 
 
+class WeightsFile(_Strict):
+    """The weights file a CPU engine maps its post-processed weights from
+    (:mod:`vllm_snapshot.store.weights`): absolute ``path`` (``ROOT/.weights/BLAKE3.weights``),
+    ``size`` (bytes), the BLAKE3 of its full content (hex), the stat fields that let a restore
+    skip re-hashing an unchanged file (as for model files), and what the engine mapped of it:
+    ``tensors`` (parameters and buffers re-pointed) and ``mapped_bytes``."""
+
+    path: str = Field(pattern=r"^/")
+    size: int = Field(ge=0)
+    blake3: str = Field(pattern=r"^[0-9a-f]{64}$")
+    mtime_ns: int
+    ctime_ns: int
+    inode: int
+    device: int
+    tensors: int = Field(ge=0)
+    mapped_bytes: int = Field(ge=0)
+
+
 class SnapshotKey(_Strict):
     """The snapshot key (:mod:`vllm_snapshot.store.snapkey`): ``value`` is BLAKE3 over the part
     digests ``parts`` (``model``, ``engine``, ``env``, ``host``); ``raw_args`` digests the
@@ -300,6 +318,9 @@ class Manifest(_Strict):
     #: absent in snapshots made before files travelled with the snapshot (restore then only
     #: checks the files the tree had open or mapped, and refuses a vanished one)
     carried: Carried | None = None
+    #: the weights file the engine maps its weights from (CPU engines made with a weights file;
+    #: absent: the weights are in the images)
+    weights: WeightsFile | None = None
     digest: str = ""
 
 

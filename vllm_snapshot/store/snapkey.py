@@ -111,10 +111,17 @@ def model_part(files) -> str:
     return _h(sorted((f.path, f.size, f.blake3) for f in files if not ignored(f.path)))
 
 
-def engine_part(requested_model: str, normalized: Mapping[str, str], oracle_prompt: str, sleep_level: int) -> str:
-    """Digest of what is asked of the engine. Pure."""
-    return _h({"model": requested_model, "args": dict(normalized), "oracle_prompt": oracle_prompt,
-               "sleep_level": int(sleep_level)})
+def engine_part(requested_model: str, normalized: Mapping[str, str], oracle_prompt: str, sleep_level: int,
+                weights: str = "in-image") -> str:
+    """Digest of what is asked of the engine. ``weights``: ``in-image`` (the weights in the
+    CRIU images: the digest is the one of snapshots made before weights files existed) or
+    ``file`` (a CPU engine mapping a weights file, :mod:`vllm_snapshot.store.weights`: its
+    linear layers compute without vLLM's prepacked copies). Pure."""
+    d = {"model": requested_model, "args": dict(normalized), "oracle_prompt": oracle_prompt,
+         "sleep_level": int(sleep_level)}
+    if weights != "in-image":
+        d["weights"] = weights
+    return _h(d)
 
 
 def _env_values(env: Mapping[str, str], keep: Iterable[str] = ()) -> dict[str, str]:
@@ -200,7 +207,7 @@ PART_WORDS = {"model": "the model files", "engine": "the engine args, oracle pro
 
 def build(*, requested_model: str, model_identity: str, engine_args: Iterable[str], normalized: Mapping[str, str],
           model_files, oracle_prompt: str, sleep_level: int, env: Mapping[str, str], host: Mapping[str, str],
-          keep_env: Iterable[str] = ()):
+          keep_env: Iterable[str] = (), weights: str = "in-image"):
     """The :class:`vllm_snapshot.store.manifest.SnapshotKey` of these inputs. ``model_identity`` is
     what the engine is given as ``--model`` (and serves under without ``--served-model-name``):
     the resolved directory of a local model -- so ``dir/``, ``./dir`` and a symlink to it are
@@ -209,7 +216,7 @@ def build(*, requested_model: str, model_identity: str, engine_args: Iterable[st
     from .manifest import SnapshotKey
 
     parts = {"model": model_part(model_files),
-             "engine": engine_part(model_identity, normalized, oracle_prompt, sleep_level),
+             "engine": engine_part(model_identity, normalized, oracle_prompt, sleep_level, weights),
              "env": env_part(env, keep_env), "host": host_part(host)}
     return SnapshotKey(value=combine(parts), parts=parts,
                        raw_args=raw_args_digest(requested_model, engine_args, host.get("vllm", "")),

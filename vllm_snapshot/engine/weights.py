@@ -1,0 +1,275 @@
+"""Engine side of the weights file: runs INSIDE a CPU engine's worker process, right after vLLM
+loaded and post-processed the weights, before the oracle, compile or warm-up ran.
+
+Why: a CPU engine's weights are private anonymous memory, so every CRIU image holds a copy of
+them (a 3.1 GiB model gave 4.6 GiB of images), every restore copies them back, and clones of
+one snapshot hold one copy each. Memory that is a ``MAP_PRIVATE`` mapping of a file is dumped by
+CRIU as a reference to that file (only pages written since are copied: design notes §7), and
+restores file-backed, from the page cache on first touch, shared between every process mapping
+the same file. So the worker writes its large parameters and buffers into one weights file and
+re-points the tensors at a private mapping of it (copy-on-write: a write stays in the process).
+
+The file belongs to the store and to root (0600 in a 0700 directory): the worker, which runs
+as the unprivileged engine user, never opens it by name. Create (root) listens on an abstract
+unix socket of the tree's own network namespace (:data:`SOCKET_NAME`; only processes of this
+engine tree can connect); over it the worker sends the table of what it will write, receives a
+writable fd of a new temp file, writes, and receives a read-only fd of the published,
+content-addressed file (``BLAKE3.weights``), which it maps once and re-points the tensors at.
+
+What stays in the process: parameters and buffers below :data:`MIN_BYTES`, non-CPU tensors, and
+tensors that are not a dense slice of their storage. vLLM's CPU backend normally *copies* every
+linear layer's weight into a oneDNN (or sgl-kernel) prepacked buffer that only the library
+knows and then drops the torch tensor (``dispatch_cpu_unquantized_gemm``): nothing can map those
+buffers from a file, so with a weights file the linear layers compute with
+``torch.nn.functional.linear`` on the mapped weight instead (:func:`_keep_weights_gemm`).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import socket
+import struct
+import time
+
+#: The abstract unix socket name (per network namespace) create listens on.
+SOCKET_NAME = "vllm-snapshot-weights"
+#: Set (to ``1``) in the environment of vLLM's children by the engine root when create asked
+#: for a weights file: the child hook then patches vLLM's loader (:func:`install`).
+ENV = "VLLM_SNAPSHOT_WEIGHTS"
+#: Tensors smaller than this (bytes) stay in the process (norms, small biases).
+MIN_BYTES = 1 << 16
+#: File offsets of tensors are multiples of this (bytes): a page, and a cache-line multiple.
+ALIGN = 1 << 12
+#: Seconds the worker waits for create's socket, and for each answer.
+CONNECT_TIMEOUT_S = 60.0
+ANSWER_TIMEOUT_S = 900.0
+
+#: The mapping of the weights file (kept alive for the life of the process).
+_MAPPED: list = []
+
+
+def align(n: int) -> int:
+    """``n`` rounded up to :data:`ALIGN`. Pure."""
+    return -(-n // ALIGN) * ALIGN
+
+
+def send_msg(sock: socket.socket, obj: dict, fd: int | None = None) -> None:
+    """Send one length-prefixed JSON message (4-byte big-endian length), with ``fd`` attached
+    (SCM_RIGHTS) when given. Raises OSError."""
+    import array
+
+    data = json.dumps(obj).encode()
+    payload = struct.pack(">I", len(data)) + data
+    if fd is None:
+        sock.sendall(payload)
+    else:
+        sock.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+
+
+def recv_msg(sock: socket.socket, max_bytes: int = 64 << 20) -> tuple[dict, int | None]:
+    """Receive one message of :func:`send_msg`: (object, fd or None). Raises OSError,
+    ConnectionError (closed), ValueError (too long, not JSON)."""
+    import array
+
+    head, anc, _f, _a = sock.recvmsg(4, socket.CMSG_SPACE(4))
+    fds = array.array("i")
+    for level, typ, data in anc:
+        if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    while len(head) < 4:
+        more = sock.recv(4 - len(head))
+        if not more:
+            raise ConnectionError("the weights channel closed")
+        head += more
+    (n,) = struct.unpack(">I", head)
+    if n > max_bytes:
+        raise ValueError(f"a weights-channel message of {n} bytes (at most {max_bytes})")
+    body = b""
+    while len(body) < n:
+        more = sock.recv(min(n - len(body), 1 << 20))
+        if not more:
+            raise ConnectionError("the weights channel closed")
+        body += more
+    for extra in fds[1:]:
+        os.close(extra)
+    return json.loads(body), (fds[0] if fds else None)
+
+
+def plan(named: list[tuple[str, object]]) -> tuple[list[dict], list[dict], list]:
+    """The weights file's table for ``named`` (name, tensor) pairs (parameters and buffers):
+    one entry per distinct storage, in name order, each at an :data:`ALIGN`-ed offset:
+    ``{"names", "offset", "nbytes", "dtype"}``; the tensors that stay in the process with the
+    reason: ``{"name", "nbytes", "why"}``; and the storages (tensors), parallel to the table.
+    Tied weights (one storage, two names) are written once. Pure over the tensors."""
+    import torch
+
+    entries: list[dict] = []
+    stays: list[dict] = []
+    storages: list = []
+    seen: dict[int, int] = {}
+    offset = 0
+    for name, t in sorted(named, key=lambda x: x[0]):
+        if not isinstance(t, torch.Tensor):
+            continue
+        nbytes = t.numel() * t.element_size()
+        if t.device.type != "cpu":
+            stays.append({"name": name, "nbytes": nbytes, "why": f"on {t.device.type}"})
+            continue
+        if nbytes < MIN_BYTES:
+            stays.append({"name": name, "nbytes": nbytes, "why": f"under {MIN_BYTES >> 10} KiB"})
+            continue
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key in seen:
+            entries[seen[key]]["names"].append(name)
+            continue
+        if not t.is_contiguous() or t.storage_offset() != 0 or st.nbytes() != nbytes:
+            stays.append({"name": name, "nbytes": nbytes, "why": "not the whole of a dense storage"})
+            continue
+        seen[key] = len(entries)
+        entries.append({"names": [name], "offset": offset, "nbytes": nbytes, "dtype": str(t.dtype)})
+        storages.append(t)
+        offset = align(offset + nbytes)
+    return entries, stays, storages
+
+
+def _named_tensors(model) -> list[tuple[str, object]]:
+    out = [(f"param:{n}", p) for n, p in model.named_parameters(remove_duplicate=False)]
+    out += [(f"buffer:{n}", b) for n, b in model.named_buffers(remove_duplicate=False)]
+    return out
+
+
+def _write_all(fd: int, entries: list[dict], storages: list) -> None:
+    """Write each storage's bytes at its entry's offset into ``fd``. Raises OSError."""
+    import torch
+
+    for e, t in zip(entries, storages):
+        raw = t.detach().reshape(-1).view(torch.uint8).numpy()  # the tensor's own bytes, no copy
+        view = memoryview(raw)
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:done + (64 << 20)], e["offset"] + done)
+
+
+def _repoint(model, entries: list[dict], mm: mmap.mmap) -> int:
+    """Point every tensor named in ``entries`` at its bytes in the private mapping ``mm``.
+    Returns the bytes re-pointed. Raises RuntimeError when a tensor's bytes differ from the
+    mapping's (the file is not what was written)."""
+    import torch
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    moved = 0
+    for e in entries:
+        dtype = getattr(torch, e["dtype"].removeprefix("torch."))
+        first = True
+        for full in e["names"]:
+            kind, name = full.split(":", 1)
+            old = params[name] if kind == "param" else buffers[name]
+            new = torch.frombuffer(mm, dtype=dtype, count=old.numel(), offset=e["offset"]).view(old.shape)
+            if first and not torch.equal(new, old.detach()):
+                raise RuntimeError(f"the weights file's bytes of {name} differ from the tensor's")
+            first = False
+            if kind == "param":
+                old.data = new
+            else:
+                owner, _, attr = name.rpartition(".")
+                mod = model.get_submodule(owner) if owner else model
+                mod._buffers[attr] = new
+        moved += e["nbytes"]
+    return moved
+
+
+def map_model(model, socket_name: str = SOCKET_NAME) -> dict:
+    """Hand the large CPU tensors of ``model`` to create and re-point them at a private mapping
+    of the published weights file. Returns ``{"digest", "tensors", "bytes", "stays"}``.
+    Raises OSError/ConnectionError (the channel), RuntimeError (create refused, or the file's
+    bytes differ from the tensors')."""
+    entries, stays, storages = plan(_named_tensors(model))
+    size = entries[-1]["offset"] + entries[-1]["nbytes"] if entries else 0
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        while True:
+            try:
+                s.connect("\0" + socket_name)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        s.settimeout(ANSWER_TIMEOUT_S)
+        send_msg(s, {"op": "table", "size": size, "entries": entries, "stays": stays})
+        answer, wfd = recv_msg(s)
+        if answer.get("op") != "write" or wfd is None:
+            raise RuntimeError(f"create refused the weights file: {answer.get('error') or answer}")
+        try:
+            _write_all(wfd, entries, storages)
+        finally:
+            os.close(wfd)
+        send_msg(s, {"op": "written"})
+        answer, rfd = recv_msg(s)
+        if answer.get("op") != "map" or rfd is None:
+            raise RuntimeError(f"create could not publish the weights file: {answer.get('error') or answer}")
+        try:
+            if os.fstat(rfd).st_size != size:
+                raise RuntimeError(f"the weights file has {os.fstat(rfd).st_size} bytes, not {size}")
+            # MAP_PRIVATE, readable and writable: a write stays in this process (copy-on-write)
+            mm = mmap.mmap(rfd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE) if size else None
+        finally:
+            os.close(rfd)
+        del storages
+        moved = _repoint(model, entries, mm) if mm is not None else 0
+        if mm is not None:
+            _MAPPED.append(mm)
+        import gc
+
+        gc.collect()
+        out = {"digest": answer.get("digest"), "tensors": sum(len(e["names"]) for e in entries), "bytes": moved,
+               "stays": len(stays), "stays_bytes": sum(x["nbytes"] for x in stays)}
+        send_msg(s, {"op": "mapped", **out})
+        return out
+    finally:
+        s.close()
+
+
+def _keep_weights_gemm(original):
+    """A ``dispatch_cpu_unquantized_gemm`` that keeps 2-D weights as torch tensors (linear
+    layers compute with ``torch.nn.functional.linear`` on ``layer.weight``) instead of copying
+    them into a library-owned prepacked buffer; other layers go to ``original``."""
+    import torch
+
+    def dispatch(layer, remove_weight: bool) -> None:
+        w = getattr(layer, "weight", None)
+        if w is None or w.is_meta or w.ndim != 2:
+            return original(layer, remove_weight)
+        layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
+
+    return dispatch
+
+
+def install() -> None:
+    """Patch vLLM in this (spawned child) process: linear layers keep their weights as tensors,
+    and every model loaded by a vLLM model loader is handed to :func:`map_model` once loaded
+    and post-processed. A failure there fails the engine's start (create reports it)."""
+    from vllm.model_executor.layers import utils
+    from vllm.model_executor.model_loader import base_loader
+
+    utils.dispatch_cpu_unquantized_gemm = _keep_weights_gemm(utils.dispatch_cpu_unquantized_gemm)
+    load = base_loader.BaseModelLoader.load_model
+    if getattr(load, "_vllm_snapshot", False):
+        return
+
+    def load_model(self, *args, **kwargs):
+        model = load(self, *args, **kwargs)
+        t0 = time.monotonic()
+        out = map_model(model)
+        print(f"vllm-snapshot: weights file {out['digest']}: {out['tensors']} tensors, {out['bytes']} bytes mapped "
+              f"({out['stays']} small or special tensors stay in memory) in {time.monotonic() - t0:.2f} s",
+              flush=True)
+        return model
+
+    load_model._vllm_snapshot = True
+    base_loader.BaseModelLoader.load_model = load_model

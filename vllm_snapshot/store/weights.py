@@ -1,0 +1,406 @@
+"""The store's weights files: a CPU engine's post-processed weights, outside the CRIU images.
+
+A snapshot *references* its weights instead of copying them (the engine side is
+:mod:`vllm_snapshot.engine.weights`): at create the worker writes its large parameters and
+buffers into one file and maps it ``MAP_PRIVATE``; CRIU then dumps that memory as a reference to
+the file, and a restore maps it again, its pages coming from the page cache, shared by every
+engine restored from any snapshot of the same weights.
+
+Layout: ``ROOT/.weights/BLAKE3.weights`` beside the snapshots of ``ROOT``; the directory is
+0700, each file 0600, root-owned, written once (temp + fsync + rename) and never changed. The
+name is the BLAKE3 of the file's bytes, so one file serves every snapshot of the same model
+bytes, dtype and post-processing. A snapshot's manifest records the file (path, size, digest,
+stat) in ``weights``; it is checked like the model files (:func:`check`: stat-pinned, re-hashed
+when the stat changed, hashed whole by ``verify``) before CRIU runs, and a missing or changed
+file refuses naming it (``serve`` builds a new snapshot). Which snapshots use a file is read
+from their manifests, never from a counter: :func:`unreferenced` lists the files no manifest
+under the root names, which ``delete`` and ``prune`` remove.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+
+import blake3
+
+from ..errors import CorruptSnapshotError, ModelChangedError, SnapshotError
+from .layout import MANIFEST
+from .manifest import WeightsFile, parse
+
+#: The directory of weights files under a snapshot root.
+DIR = ".weights"
+SUFFIX = ".weights"
+#: Prefix of the temp files a create writes before the rename.
+TMP_PREFIX = ".incoming-"
+#: A weights file larger than this is refused (bytes): a bound on what a worker can ask create
+#: to allocate, far above any TP1 engine's host memory.
+MAX_BYTES = 1 << 40
+
+
+def directory(root: Path) -> Path:
+    """``root/.weights``. Pure."""
+    return root / DIR
+
+
+def path_of(root: Path, digest: str) -> Path:
+    """The weights file of ``digest`` under ``root``. Pure."""
+    return directory(root) / f"{digest}{SUFFIX}"
+
+
+def ensure_dir(root: Path) -> Path:
+    """Create ``root/.weights`` (0700) if missing and return it; an existing one is made 0700.
+    Raises OSError; SnapshotError when it is not a directory."""
+    d = directory(root)
+    try:
+        d.mkdir(mode=0o700)
+    except FileExistsError:
+        if not d.is_dir() or d.is_symlink():
+            raise CorruptSnapshotError(f"{d} is not a directory; it holds the snapshots' weights files",
+                                       hint=f"move it away; create makes {d} itself") from None
+    os.chmod(d, 0o700)
+    return d
+
+
+def hash_file(path: Path) -> str:
+    """BLAKE3 hex digest of the file at ``path`` (multi-threaded over an mmap). Raises OSError."""
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    if os.path.getsize(path):
+        h.update_mmap(path)
+    return h.hexdigest()
+
+
+def record(path: Path, digest: str, tensors: int = 0, mapped_bytes: int = 0) -> WeightsFile:
+    """The manifest's record of the weights file at ``path`` whose content has ``digest``:
+    size, stat pins (mtime_ns, ctime_ns, inode, device), and what the engine mapped of it.
+    Raises OSError."""
+    st = os.stat(path)
+    return WeightsFile(path=str(path), size=st.st_size, blake3=digest, mtime_ns=st.st_mtime_ns,
+                       ctime_ns=st.st_ctime_ns, inode=st.st_ino, device=st.st_dev, tensors=tensors,
+                       mapped_bytes=mapped_bytes)
+
+
+def publish(tmp: Path, root: Path) -> tuple[Path, str, bool]:
+    """Publish the written temp file ``tmp`` (in ``root/.weights``): fsync it, hash it, and
+    rename it to ``BLAKE3.weights`` -- or, when a file of that name exists and its bytes hash to
+    its name, drop ``tmp`` and use that one (written once: its inode, and every page cached of
+    it, stays). A same-named file whose bytes do not match its name is replaced. Returns
+    (final path, digest, True when an existing file was reused). Raises OSError."""
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    digest = hash_file(tmp)
+    final = path_of(root, digest)
+    reused = False
+    if final.exists():
+        try:
+            reused = hash_file(final) == digest
+        except OSError:
+            reused = False
+    if reused:
+        tmp.unlink()
+    else:
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, final)
+        dfd = os.open(final.parent, os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    return final, digest, reused
+
+
+def check(rec: WeightsFile, full: bool = False) -> str | None:
+    """Why the weights file of ``rec`` cannot serve (None when it can): missing, not a regular
+    file, another size, or -- when its stat changed since create, or ``full`` -- bytes whose
+    BLAKE3 is not the recorded one. An unchanged stat is trusted (``quick``), as for model files."""
+    p = Path(rec.path)
+    try:
+        st = os.stat(p, follow_symlinks=False)
+    except FileNotFoundError:
+        return f"the weights file {p} is missing"
+    except OSError as e:
+        return f"the weights file {p} cannot be read: {e.strerror}"
+    import stat as _stat
+
+    if not _stat.S_ISREG(st.st_mode):
+        return f"the weights file {p} is not a regular file"
+    if st.st_size != rec.size:
+        return f"the weights file {p} has {st.st_size} bytes, not the {rec.size} it had at create"
+    pinned = (st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev) == (rec.mtime_ns, rec.ctime_ns, rec.inode, rec.device)
+    if pinned and not full:
+        return None
+    try:
+        got = hash_file(p)
+    except OSError as e:
+        return f"the weights file {p} cannot be read: {e.strerror}"
+    if got != rec.blake3:
+        return f"the weights file {p} changed since create (BLAKE3 {got[:12]}…, recorded {rec.blake3[:12]}…)"
+    return None
+
+
+def refuse(rec: WeightsFile, full: bool = False) -> None:
+    """Raise ModelChangedError (exit 4, before CRIU) when :func:`check` finds a problem: a
+    restored engine would compute with other weights, or CRIU could not map them."""
+    why = check(rec, full)
+    if why is not None:
+        raise ModelChangedError(why + "; the snapshot's engine maps its weights from that file",
+                                hint="`vllm-snapshot serve` builds a new snapshot (and weights file); or delete this "
+                                     "snapshot and create it again",
+                                details={"weights": rec.path})
+
+
+def referenced(root: Path) -> tuple[set[str], list[str]]:
+    """The weights-file paths the snapshots directly under ``root`` name in their manifests,
+    and the snapshot directories whose manifest could not be read (a caller that removes files
+    must then keep them all: such a snapshot may name any). Never raises for a bad manifest."""
+    names: set[str] = set()
+    unreadable: list[str] = []
+    try:
+        children = sorted(root.iterdir())
+    except OSError:
+        return names, [str(root)]
+    for d in children:
+        if d.name.startswith(".") or not d.is_dir() or d.is_symlink():
+            continue
+        mf = d / MANIFEST
+        if not mf.exists():
+            continue
+        try:
+            m = parse(mf.read_text(), str(mf))
+        except (OSError, UnicodeDecodeError, SnapshotError):
+            unreadable.append(str(d))
+            continue
+        if m.weights is not None:
+            names.add(m.weights.path)
+    return names, unreadable
+
+
+def unreferenced(root: Path) -> list[Path]:
+    """Weights files in ``root/.weights`` no snapshot under ``root`` names (none when a manifest
+    there cannot be read: it might name any). Temp files of creates are not listed."""
+    d = directory(root)
+    if not d.is_dir():
+        return []
+    used, unreadable = referenced(root)
+    if unreadable:
+        return []
+    return sorted(p for p in d.iterdir() if p.name.endswith(SUFFIX) and not p.name.startswith(".")
+                  and str(p) not in used)
+
+
+def remove_unreferenced(root: Path) -> list[Path]:
+    """Remove the weights files no snapshot under ``root`` names; return them. Raises OSError."""
+    gone = []
+    for p in unreferenced(root):
+        p.unlink(missing_ok=True)
+        gone.append(p)
+    return gone
+
+
+def stale_temps(root: Path, older_than_s: float = 24 * 3600, now: float | None = None) -> list[Path]:
+    """Temp files of creates in ``root/.weights`` (``.incoming-PID-...``) whose create is gone
+    (the PID does not exist) or that are older than ``older_than_s`` seconds."""
+    d = directory(root)
+    if not d.is_dir():
+        return []
+    now = time.time() if now is None else now
+    out = []
+    for p in d.iterdir():
+        if not p.name.startswith(TMP_PREFIX):
+            continue
+        pid = p.name[len(TMP_PREFIX):].split("-", 1)[0]
+        alive = pid.isdigit() and os.path.exists(f"/proc/{pid}")
+        try:
+            old = now - p.stat().st_mtime > older_than_s
+        except OSError:
+            continue
+        if not alive or old:
+            out.append(p)
+    return sorted(out)
+
+
+# ---------------------------------------------------------------- create's side of the channel
+
+
+def _send(sock: socket.socket, obj: dict, fd: int | None = None) -> None:
+    from ..engine.weights import send_msg
+
+    send_msg(sock, obj, fd)
+
+
+def _recv(sock: socket.socket) -> tuple[dict, int | None]:
+    from ..engine.weights import recv_msg
+
+    msg, fd = recv_msg(sock)
+    if fd is not None:  # create never expects an fd from the worker
+        os.close(fd)
+    return msg, None
+
+
+def check_table(msg: dict) -> int:
+    """The size (bytes) of the weights file the worker's ``table`` message describes. Raises
+    ValueError when the table is not a sane one: entries in order, aligned, inside the size, at
+    most :data:`MAX_BYTES`. Pure."""
+    from ..engine.weights import ALIGN
+
+    if msg.get("op") != "table":
+        raise ValueError(f"expected the table, got {msg.get('op')!r}")
+    size = msg.get("size")
+    entries = msg.get("entries")
+    if type(size) is not int or not 0 <= size <= MAX_BYTES or not isinstance(entries, list):
+        raise ValueError(f"a weights file of {size!r} bytes")
+    end = 0
+    for e in entries:
+        off, n = e.get("offset"), e.get("nbytes")
+        if type(off) is not int or type(n) is not int or off % ALIGN or off < end or n <= 0 or off + n > size:
+            raise ValueError(f"a table entry out of place: {json.dumps(e)[:200]}")
+        end = off + n
+    if end != size:
+        raise ValueError(f"the table ends at {end}, the file at {size}")
+    return size
+
+
+class WeightsServer:
+    """Create's end of the weights channel of the engine tree rooted at ``root_pid``: an
+    abstract unix socket (:data:`vllm_snapshot.engine.weights.SOCKET_NAME`) in the tree's network
+    namespace, served by a daemon thread. One worker of the tree (uid ``engine_uid``) may connect
+    once: it sends its table, gets a writable fd of ``ROOT/.weights/.incoming-PID-RAND`` (0600),
+    writes, and gets a read-only fd of the published file, which it maps. :meth:`result` gives
+    what was published. Raises OSError when the socket cannot be made."""
+
+    def __init__(self, root_pid: int, root: Path, engine_uid: int) -> None:
+        from ..engine.weights import SOCKET_NAME
+        from ..host.procs import run_in_namespace
+
+        self.root = root
+        self.root_pid = root_pid
+        self.engine_uid = engine_uid
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.published: tuple[Path, str, bool] | None = None
+        self.mapped: dict | None = None
+        self._tmp: Path | None = None
+        self._closed = False
+        deadline = time.monotonic() + 10.0
+        ours = os.readlink("/proc/thread-self/ns/net")
+        while os.readlink(f"/proc/{root_pid}/ns/net") == ours:  # unshare --net not done yet
+            if time.monotonic() > deadline:
+                raise OSError(f"the engine root {root_pid} is not in a network namespace of its own")
+            time.sleep(0.01)
+
+        def make() -> socket.socket:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            s.bind("\0" + SOCKET_NAME)
+            s.listen(1)
+            return s
+
+        self.sock = run_in_namespace(root_pid, "net", make)
+        self.sock.settimeout(0.25)
+        self._thread = threading.Thread(target=self._serve, name="weights-channel", daemon=True)
+        self._thread.start()
+
+    def _peer_ok(self, conn: socket.socket) -> str | None:
+        import psutil
+
+        pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        if uid != self.engine_uid:
+            return f"PID {pid} (uid {uid}) connected to the weights channel, not the engine user (uid {self.engine_uid})"
+        try:
+            tree = {p.pid for p in psutil.Process(self.root_pid).children(recursive=True)}
+        except psutil.Error:
+            tree = set()
+        if pid not in tree:
+            return f"PID {pid} connected to the weights channel, not a process of the engine tree {self.root_pid}"
+        return None
+
+    def _serve(self) -> None:
+        conn = None
+        try:
+            while not self._closed:
+                try:
+                    conn, _ = self.sock.accept()
+                    break
+                except socket.timeout:
+                    continue
+            if conn is None:
+                return
+            conn.settimeout(900.0)
+            bad = self._peer_ok(conn)
+            if bad:
+                raise PermissionError(bad)
+            msg, _ = _recv(conn)
+            try:
+                size = check_table(msg)
+            except ValueError as e:
+                _send(conn, {"op": "refused", "error": str(e)})
+                raise
+            d = ensure_dir(self.root)
+            self._tmp = d / f"{TMP_PREFIX}{os.getpid()}-{os.urandom(6).hex()}"
+            fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                os.ftruncate(fd, size)
+                _send(conn, {"op": "write"}, fd)
+            finally:
+                os.close(fd)
+            msg, _ = _recv(conn)
+            if msg.get("op") != "written":
+                raise ValueError(f"expected 'written', got {msg.get('op')!r}")
+            final, digest, reused = publish(self._tmp, self.root)
+            self._tmp = None
+            self.published = (final, digest, reused)
+            # opened through the engine root's /proc/PID/root: the fd's mount is then one of the
+            # tree's own mount namespace, which CRIU's dump can name (an fd of one of the host's
+            # mounts fails it: "Can't lookup mount=N")
+            rfd = os.open(f"/proc/{self.root_pid}/root{final}", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                _send(conn, {"op": "map", "digest": digest}, rfd)
+            finally:
+                os.close(rfd)
+            msg, _ = _recv(conn)
+            if msg.get("op") != "mapped":
+                raise ValueError(f"expected 'mapped', got {msg.get('op')!r}")
+            self.mapped = msg
+        except BaseException as e:  # noqa: BLE001 - handed to the caller by result()
+            self.error = e
+            if conn is not None:
+                try:
+                    _send(conn, {"op": "refused", "error": f"{type(e).__name__}: {e}"})
+                except OSError:
+                    pass
+        finally:
+            if conn is not None:
+                conn.close()
+            if self._tmp is not None:
+                self._tmp.unlink(missing_ok=True)
+                self._tmp = None
+            self.done.set()
+
+    def result(self) -> tuple[Path, str, bool, dict] | None:
+        """(path, digest, reused, what the worker mapped) of the published weights file; None
+        when no worker used the channel. Raises SnapshotError (EngineError) naming what failed."""
+        from ..errors import EngineError
+
+        if self.error is not None:
+            e = self.error
+            if isinstance(e, SnapshotError):
+                raise e
+            raise EngineError(f"the engine's weights file could not be written: {type(e).__name__}: {e}",
+                              hint="check the free space and the permissions of the snapshot root's .weights "
+                                   "directory; or create with --weights in-image") from e
+        if self.published is None or self.mapped is None:
+            return None
+        return (*self.published, self.mapped)
+
+    def close(self) -> None:
+        """Stop listening (an unfinished exchange is ended, its temp file removed)."""
+        self._closed = True
+        self.sock.close()
+        self._thread.join(timeout=5.0)

@@ -208,7 +208,7 @@ class FakeWorld:
         self.weights_file: WeightsFile | None = WeightsFile(
             path="/var/lib/vllm-snapshot/.weights/" + "ab" * 32 + ".weights", size=8192, blake3="ab" * 32, mtime_ns=1,
             ctime_ns=1, inode=7, device=8, tensors=3, mapped_bytes=8000)
-        self.weights_problem: str | None = None
+        self.weights_problems: dict[str, str] = {}
         self.tools = Tools(host=FakeHostTools(self), model=FakeModelTools(self), files=FakeSnapshotFiles(self),
                            checkpoint=FakeCheckpointTools(self), engine=FakeEngineTools(self),
                            store=FakeStoreTools(self), runtime=FakeRuntimeTools(self), clock=FakeClock(self),
@@ -444,10 +444,10 @@ class FakeSnapshotFiles(_Role, SnapshotFiles):
 
     def check_weights(self, m: Manifest, full: bool = False) -> None:
         self.w._call("check_weights")
-        if m.weights is not None and self.w.weights_problem is not None:
+        if m.weights is not None and m.weights.path in self.w.weights_problems:
             from vllm_snapshot.errors import ModelChangedError
 
-            raise ModelChangedError(self.w.weights_problem, details={"weights": m.weights.path})
+            raise ModelChangedError(self.w.weights_problems[m.weights.path], details={"weights": m.weights.path})
 
     def check_tree_files(self, m: Manifest) -> list[str]:
         self.w._call("check_tree_files")

@@ -471,3 +471,46 @@ def test_before_building_a_replacement_serve_says_everything_that_differed():
     assert "/venv/lib/libA.so changed" in said and "/venv/lib/libB.so vanished" in said
     assert "restore with the same venv/libraries" in said
     assert f"to replace {old.name}" in said and "marked ✗" in said
+
+
+def test_a_missing_or_changed_weights_file_refuses_the_snapshot_and_serve_builds_a_new_one():
+    """The weights file a CPU snapshot maps is checked before CRIU (check_weights): a refusal
+    there is recorded against the snapshot and serve builds a new one (a new weights file)."""
+    t = _tools()
+    first, _ = _serve(t)
+    (built,) = t.snapshots
+    m = t.snapshots[built]
+    assert m.weights == t.weights_file and m.key.value == first.key  # create recorded what the worker mapped
+    assert t.launch_spec["weights_file"] is True and t.weights_root == ROOT  # the store's .weights beside it
+    assert t.carry_also == (m.weights.path,)  # never copied into carried/
+    t.weights_problems[m.weights.path] = f"the weights file {m.weights.path} is missing"
+    t.weights_file = m.weights.model_copy(update={"path": "/snaps/.weights/" + "cd" * 32 + ".weights"})  # the rebuild's
+    t.calls.clear()
+    second, _ = _serve(t)
+    assert second.path == "built" and "check_weights" in t.calls and "launch_engine" in t.calls
+    assert "restore_tree" in t.calls and t.calls.index("check_weights") < t.calls.index("launch_engine")
+    assert "missing" in t.refusals[str(built)]["reason"]
+
+
+def test_weights_in_image_is_its_own_key_and_asks_the_engine_for_no_file():
+    t = _tools()
+    file_, _ = _serve(t)
+    t.weights_file = None
+    image, _ = _serve(t, weights="in-image")
+    assert image.path == "built" and image.key != file_.key
+    assert t.launch_spec["weights_file"] is False
+    assert t.snapshots[Path(image.restored.snapshot)].weights is None
+    t.calls.clear()
+    again, _ = _serve(t, weights="in-image")
+    assert again.path == "restored" and again.key == image.key
+
+
+def test_a_cpu_engine_that_hands_no_weights_over_fails_the_create_and_publishes_nothing():
+    t = _tools()
+    t.weights_file = None
+    from vllm_snapshot.errors import EngineError
+
+    with pytest.raises(EngineError, match="did not hand its weights over") as e:
+        _serve(t)
+    assert "--weights in-image" in e.value.hint
+    assert t.published == [] and "remove_unused_weights" in t.calls and "discard" in t.calls

@@ -94,8 +94,13 @@ class LocalStoreTools(StoreTools):
     def clean_stale_temps(self, root: Path) -> list[Path]:
         from ..store import locks, store
 
+        from ..store import weights
+
         locks.clean_stale()  # lock files of snapshot paths that are gone
-        return store.clean_stale_temps(root)
+        temps = weights.stale_temps(root)  # weights files a killed create was writing
+        for p in temps:
+            p.unlink(missing_ok=True)
+        return store.clean_stale_temps(root) + temps
 
     def reclaim(self, near: Path, dry_run: bool = False) -> list[str]:
         from ..store import reclaim

@@ -1,0 +1,205 @@
+"""Weights files (vllm_snapshot/store/weights.py, vllm_snapshot/engine/weights.py) without vLLM:
+the table, writing and mapping tensors (copy-on-write keeps writes private), publishing once by
+content, the stat-pinned check, references counted from manifests, the channel's table check."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+import pytest
+
+from vllm_snapshot.engine import weights as ew
+from vllm_snapshot.errors import ModelChangedError
+from vllm_snapshot.store import weights as sw
+
+from helpers import make_manifest, write_snapshot_dir
+
+torch = pytest.importorskip("torch")
+
+
+class Tiny(torch.nn.Module):
+    """Two linear layers whose first weight is tied to an embedding, a buffer and a small norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.emb = torch.nn.Embedding(256, 128)
+        self.emb.weight.data = torch.randn(256, 128, generator=g)
+        self.up = torch.nn.Linear(128, 256, bias=False)
+        self.up.weight.data = torch.randn(256, 128, generator=g)
+        self.tied = torch.nn.Linear(128, 256, bias=False)
+        self.tied.weight = self.emb.weight
+        self.norm = torch.nn.LayerNorm(128)
+        self.register_buffer("table", torch.arange(32768, dtype=torch.float32))
+
+    def forward(self, x):
+        return self.tied(self.norm(x)) + self.up(x)
+
+
+def _map(model: torch.nn.Module, path: Path) -> tuple[list[dict], mmap.mmap]:
+    """What map_model does without the channel: plan, write into ``path``, map it private, re-point."""
+    entries, stays, storages = ew.plan(ew._named_tensors(model))
+    size = entries[-1]["offset"] + entries[-1]["nbytes"]
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        ew._write_all(fd, entries, storages)
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    ew._repoint(model, entries, mm)
+    return entries, mm
+
+
+def test_plan_writes_each_storage_once_aligned_and_keeps_small_tensors():
+    m = Tiny()
+    entries, stays, _ = ew.plan(ew._named_tensors(m))
+    names = [e["names"] for e in entries]
+    # the tied weight is one entry with both names; the buffer is there; the norm stays (small)
+    assert ["param:emb.weight", "param:tied.weight"] in names
+    assert ["buffer:table"] in names and ["param:up.weight"] in names
+    assert all(e["offset"] % ew.ALIGN == 0 for e in entries)
+    assert {s["name"] for s in stays} == {"param:norm.weight", "param:norm.bias"}
+    assert all("KiB" in s["why"] for s in stays)
+
+
+def test_mapped_tensors_compute_the_same_and_live_in_the_file(tmp_path):
+    m = Tiny()
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(1))
+    want = m(x)
+    path = tmp_path / "w"
+    _, mm = _map(m, path)
+    assert torch.equal(m(x), want)
+    # the parameters' memory is the file's mapping now (tied weights still one tensor)
+    maps = Path("/proc/self/maps").read_text()
+    assert str(path) in maps
+    assert m.emb.weight.data_ptr() == m.tied.weight.data_ptr()
+    lo = m.up.weight.data_ptr()
+    assert any(int(a, 16) <= lo < int(b, 16) and str(path) in line
+               for line in maps.splitlines() for a, b in [line.split()[0].split("-")])
+
+
+def test_a_write_to_a_mapped_tensor_stays_in_the_process(tmp_path):
+    m = Tiny()
+    path = tmp_path / "w"
+    _map(m, path)
+    before = path.read_bytes()
+    orig = m.up.weight.detach().clone()
+    with torch.no_grad():
+        m.up.weight.add_(1.0)  # copy-on-write: private pages
+    assert torch.equal(m.up.weight.detach(), orig + 1.0)  # the process sees its write
+    assert path.read_bytes() == before  # the file never does
+
+
+def test_repoint_refuses_a_file_whose_bytes_differ(tmp_path):
+    m = Tiny()
+    entries, stays, storages = ew.plan(ew._named_tensors(m))
+    size = entries[-1]["offset"] + entries[-1]["nbytes"]
+    path = tmp_path / "w"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, size)
+    ew._write_all(fd, entries, storages)
+    os.pwrite(fd, b"\x55", entries[0]["offset"] + 3)
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    os.close(fd)
+    with pytest.raises(RuntimeError, match="differ"):
+        ew._repoint(m, entries, mm)
+
+
+def _published(root: Path, data: bytes) -> tuple[Path, str, bool]:
+    d = sw.ensure_dir(root)
+    tmp = d / f"{sw.TMP_PREFIX}{os.getpid()}-x"
+    tmp.write_bytes(data)
+    return sw.publish(tmp, root)
+
+
+def test_publish_names_the_file_by_its_content_writes_it_once_and_private(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    p1, d1, reused1 = _published(root, b"a" * 9000)
+    assert p1 == sw.path_of(root, d1) and not reused1
+    assert oct(p1.stat().st_mode & 0o777) == "0o600" and oct(p1.parent.stat().st_mode & 0o777) == "0o700"
+    ino = p1.stat().st_ino
+    p2, d2, reused2 = _published(root, b"a" * 9000)
+    assert (p2, d2, reused2) == (p1, d1, True) and p2.stat().st_ino == ino  # the same inode: shared pages
+    assert [x.name for x in p1.parent.iterdir()] == [p1.name]  # no temp left
+    # a same-named file whose bytes do not match its name is replaced
+    os.chmod(p1, 0o600)
+    with open(p1, "r+b") as f:
+        f.write(b"b")
+    p3, d3, reused3 = _published(root, b"a" * 9000)
+    assert not reused3 and sw.hash_file(p3) == d3
+
+
+def test_check_trusts_an_unchanged_stat_and_rehashes_a_changed_one(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    p, d, _ = _published(root, os.urandom(20000))
+    rec = sw.record(p, d, 2, 20000)
+    assert sw.check(rec) is None and sw.check(rec, full=True) is None
+    st = p.stat()
+    with open(p, "r+b") as f:  # a flipped byte, mtime put back: ctime still changes
+        f.seek(5000)
+        b = f.read(1)
+        f.seek(5000)
+        f.write(bytes([b[0] ^ 0xFF]))
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert "changed since create" in sw.check(rec)
+    with pytest.raises(ModelChangedError) as e:
+        sw.refuse(rec)
+    assert str(p) in e.value.message and e.value.exit_code == 4 and "serve" in e.value.hint
+    p.unlink()
+    assert sw.check(rec) == f"the weights file {p} is missing"
+
+
+def test_unreferenced_counts_from_the_manifests(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    a, da, _ = _published(root, b"a" * 5000)
+    b, db, _ = _published(root, b"b" * 5000)
+    write_snapshot_dir(root / "s1", make_manifest(weights=sw.record(a, da)))
+    write_snapshot_dir(root / "s2", make_manifest(weights=sw.record(a, da)))
+    assert sw.unreferenced(root) == [b]
+    assert sw.remove_unreferenced(root) == [b] and not b.exists()
+    import shutil
+
+    shutil.rmtree(root / "s1")
+    assert sw.unreferenced(root) == []  # s2 still names it
+    # an unreadable manifest might name any file: nothing is removed then
+    (root / "s2" / "manifest.json").write_text("{")
+    (root / "s3").mkdir()
+    write_snapshot_dir(root / "s3")
+    assert sw.unreferenced(root) == []
+    shutil.rmtree(root / "s2")
+    assert sw.unreferenced(root) == [a]
+
+
+@pytest.mark.parametrize("msg,why", [
+    ({"op": "table", "size": 8192, "entries": [{"offset": 0, "nbytes": 8192}]}, None),
+    ({"op": "table", "size": 8192, "entries": [{"offset": 100, "nbytes": 10}]}, "out of place"),
+    ({"op": "table", "size": 100, "entries": [{"offset": 0, "nbytes": 8192}]}, "out of place"),
+    ({"op": "table", "size": 8192, "entries": [{"offset": 0, "nbytes": 10}]}, "ends at 10"),
+    ({"op": "table", "size": sw.MAX_BYTES + 1, "entries": []}, "bytes"),
+    ({"op": "table", "size": "1", "entries": []}, "bytes"),
+    ({"op": "written"}, "expected the table"),
+])
+def test_the_table_a_worker_sends_is_checked(msg, why):
+    if why is None:
+        assert sw.check_table(msg) == 8192
+    else:
+        with pytest.raises(ValueError, match=why):
+            sw.check_table(msg)
+
+
+def test_stale_temps_are_those_of_gone_creates_or_old(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    d = sw.ensure_dir(root)
+    mine = d / f"{sw.TMP_PREFIX}{os.getpid()}-a"
+    gone = d / f"{sw.TMP_PREFIX}999999999-b"
+    mine.touch()
+    gone.touch()
+    assert sw.stale_temps(root) == [gone]
+    assert set(sw.stale_temps(root, now=os.path.getmtime(mine) + 2 * 86400)) == {gone, mine}

@@ -49,7 +49,9 @@ def _map(model: torch.nn.Module, path: Path) -> tuple[list[dict], mmap.mmap]:
         mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-    ew._repoint(model, entries, mm)
+    del storages, stays  # as map_model does: the old buffers' last references
+    moved, held = ew._repoint(model, entries, mm)
+    assert moved == sum(e["nbytes"] for e in entries) and held == []
     return entries, mm
 
 
@@ -66,7 +68,7 @@ def test_plan_writes_each_storage_once_aligned_and_keeps_small_tensors():
 
 
 def test_mapped_tensors_compute_the_same_and_live_in_the_file(tmp_path):
-    m = Tiny()
+    m = Tiny().requires_grad_(False)  # as vLLM's parameters (an autograd graph would hold the old memory)
     x = torch.randn(4, 128, generator=torch.Generator().manual_seed(1))
     want = m(x)
     path = tmp_path / "w"
@@ -81,8 +83,26 @@ def test_mapped_tensors_compute_the_same_and_live_in_the_file(tmp_path):
                for line in maps.splitlines() for a, b in [line.split()[0].split("-")])
 
 
+def test_old_memory_is_zeroed_unless_something_else_still_uses_it(tmp_path):
+    m = Tiny().requires_grad_(False)
+    kept = m.up.weight.detach()[:2]  # a view elsewhere (a closure, a cache) of the loaded weight
+    before = kept.clone()
+    entries, stays, storages = ew.plan(ew._named_tensors(m))
+    size = entries[-1]["offset"] + entries[-1]["nbytes"]
+    fd = os.open(tmp_path / "w", os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, size)
+    ew._write_all(fd, entries, storages)
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    os.close(fd)
+    old_emb = m.emb.weight.detach().untyped_storage()
+    del storages
+    moved, held = ew._repoint(m, entries, mm)
+    assert held == ["param:up.weight"] and torch.equal(kept, before)  # still used: left as it was
+    assert not any(bytes(old_emb))  # nothing else used it: zeroed (no stale copy for CRIU to dump)
+
+
 def test_a_write_to_a_mapped_tensor_stays_in_the_process(tmp_path):
-    m = Tiny()
+    m = Tiny().requires_grad_(False)
     path = tmp_path / "w"
     _map(m, path)
     before = path.read_bytes()

@@ -45,15 +45,16 @@ def _gone(pids: list[int], timeout_s: float) -> bool:
         return True
 
 
-def _snippets(n: int = 4, size: int = 256) -> list[bytes]:
-    """``n`` runs of ``size`` bytes of the model's token embedding as the checkpoint stores it
-    (float32, the engine's dtype): bytes every engine holds as they are (vLLM computes with the
-    embedding directly; linear weights are repacked by oneDNN in an engine whose weights are in
-    its images, so their bytes are not searched for)."""
+def _snippets(tensor: str = "model.embed_tokens.weight", n: int = 4, size: int = 256) -> list[bytes]:
+    """``n`` runs of ``size`` bytes of ``tensor`` as the checkpoint stores it (float32, the
+    engine's dtype). The token embedding: bytes every engine holds as they are (vLLM computes
+    with it directly). A linear layer's weight (not one vLLM fuses, like ``o_proj``): an engine
+    mapping a weights file computes with it as loaded; one whose weights are in its images
+    repacks it (oneDNN), so it is not searched for there."""
     from safetensors import safe_open
 
     with safe_open(str(TINY / "model.safetensors"), "pt") as f:
-        raw = f.get_tensor("model.embed_tokens.weight").contiguous().view(-1).numpy().tobytes()
+        raw = f.get_tensor(tensor).contiguous().view(-1).numpy().tobytes()
     step = len(raw) // (n + 1)
     return [raw[i * step:i * step + size] for i in range(1, n + 1)]
 
@@ -114,6 +115,11 @@ def test_the_restored_worker_maps_the_weights_file_and_no_image_holds_the_weight
     # ... and the images do not; the control: with the weights in the images, they hold it
     assert all(_found_in(_pages(in_image), snippets)), "the control's images lack the weights: the search is broken"
     assert not any(_found_in(_pages(snapshot), snippets))
+    # the session snapshot is compiled (no --enforce-eager): inductor computes with the mapped
+    # linear weights, it made no copy of its own (a frozen constant would be in the images)
+    linear = _snippets("model.layers.1.self_attn.o_proj.weight") + _snippets("model.layers.0.mlp.down_proj.weight")
+    assert "--enforce-eager" not in m.engine.engine_args
+    assert all(_found_in([path], linear)) and not any(_found_in(_pages(snapshot), linear))
     assert mf.read(in_image).weights is None
     results = {}
     for snap in (snapshot, in_image):

@@ -89,6 +89,10 @@ class LocalStoreTools(StoreTools):
                 continue
             p.unlink(missing_ok=True)
             gone.append(p)
+        try:  # an empty .weights (a failed first create) goes too: a root then holds only snapshots
+            weights.directory(root).rmdir()
+        except OSError:
+            pass
         return gone
 
     def clean_stale_temps(self, root: Path) -> list[Path]:

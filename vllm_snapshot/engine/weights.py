@@ -153,14 +153,21 @@ def _write_all(fd: int, entries: list[dict], storages: list) -> None:
             done += os.pwrite(fd, view[done:done + (64 << 20)], e["offset"] + done)
 
 
-def _repoint(model, entries: list[dict], mm: mmap.mmap) -> int:
-    """Point every tensor named in ``entries`` at its bytes in the private mapping ``mm``.
-    Returns the bytes re-pointed. Raises RuntimeError when a tensor's bytes differ from the
-    mapping's (the file is not what was written)."""
+def _repoint(model, entries: list[dict], mm: mmap.mmap) -> tuple[int, list[str]]:
+    """Point every tensor named in ``entries`` at its bytes in the private mapping ``mm``, then
+    zero the memory they held where nothing else references it (freed heap memory keeps its
+    bytes, and CRIU would dump a stale copy of the weights). Returns (the bytes re-pointed, the
+    names whose old memory something else still references: it stays, unzeroed). Raises
+    RuntimeError when a tensor's bytes differ from the mapping's (the file is not what was
+    written)."""
     import torch
 
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))
+    olds = []
+    for e in entries:
+        kind, name = e["names"][0].split(":", 1)
+        olds.append((e["names"][0], (params[name] if kind == "param" else buffers[name]).untyped_storage()))
     moved = 0
     for e in entries:
         dtype = getattr(torch, e["dtype"].removeprefix("torch."))
@@ -179,7 +186,15 @@ def _repoint(model, entries: list[dict], mm: mmap.mmap) -> int:
                 mod = model.get_submodule(owner) if owner else model
                 mod._buffers[attr] = new
         moved += e["nbytes"]
-    return moved
+    del params, buffers
+    held = []
+    for name, st in olds:
+        # 1: only ``st`` itself; more: a tensor elsewhere (a closure, a cache) still uses it
+        if torch._C._storage_Use_Count(st._cdata) > 1:
+            held.append(name)
+        else:
+            torch.empty(0, dtype=torch.uint8).set_(st).zero_()
+    return moved, held
 
 
 def map_model(model, socket_name: str = SOCKET_NAME) -> dict:
@@ -221,7 +236,8 @@ def map_model(model, socket_name: str = SOCKET_NAME) -> dict:
         finally:
             os.close(rfd)
         del storages
-        moved = _repoint(model, entries, mm) if mm is not None else 0
+        moved, held = _repoint(model, entries, mm) if mm is not None else (0, [])
+        stays += [{"name": n, "nbytes": 0, "why": "its loaded copy is still referenced elsewhere"} for n in held]
         if mm is not None:
             _MAPPED.append(mm)
         import gc

@@ -335,8 +335,9 @@ class FakeHostTools(_Role, HostTools):
         self.w._call("unreadable_by")
         return [f"cannot read {p}: Permission denied" for p in paths if str(p) in self.w.user_unreadable]
 
-    def check_mounts(self, model_dir: Path, env: dict[str, str]) -> None:
+    def check_mounts(self, model_dir: Path, env: dict[str, str], also: tuple[str, ...] = ()) -> None:
         self.w._call("check_mounts")
+        self.w.mounts_also = tuple(also)
 
     def check_external_mounts(self, mounts: tuple[ExternalMount, ...]) -> list[str]:
         self.w._call("check_external_mounts")

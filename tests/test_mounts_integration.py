@@ -25,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import ENGINE_ARGS, ROOT, TINY
@@ -334,3 +335,31 @@ def test_vllm_container_like_file_binds_over_etc_hosts(disks, request):
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     assert (disks.base / "seen-hosts").read_text() == "127.0.0.1 localhost\n10.9.9.9 ctr-host\n"
     assert (disks.base / "completion").read_text().strip()
+
+
+def test_vllm_snapshot_root_on_its_own_disk_keeps_the_weights_file_reachable(disks, request):
+    """The snapshot root (and so ROOT/.weights, the weights file the engine maps) on a data disk
+    of its own, not the model's: the engine's mount namespace keeps that mount (an external
+    mount, bound back at restore) instead of detaching it as unrelated; the restored engine maps
+    its weights from it and serves."""
+    store = disks.base / "store"
+    disks.mount(str(disks.image("store", size="2G")), store, "-o", "loop")
+    os.chmod(store, 0o700)
+    snaps = store / "snaps"
+    port = _free_port()
+    request.addfinalizer(lambda: _cli(snaps, "stop", "--port", str(port), timeout=120))
+    r = _cli(snaps, "create", str(TINY), "--name", "w", "--keep-env", "PYTHONPATH", "-q", "--", *ENGINE_ARGS)
+    assert r.returncode == 0, r.stderr[-3000:]
+    from vllm_snapshot.store import manifest as mf
+
+    m = mf.read(snaps / "w")
+    assert m.weights is not None and m.weights.path.startswith(str(snaps / ".weights") + "/")
+    assert str(store) in {x.mount_point for x in m.criu.external_mounts}
+    r = _cli(snaps, "restore", "w", "--port", str(port), "--detach", "--log-file", str(disks.base / "w.log"), "-q")
+    assert r.returncode == 0, r.stderr[-3000:]
+    pid = int([ln for ln in r.stdout.split() if ln.isdigit()][-1])
+    assert any(m.weights.path in Path(f"/proc/{c.pid}/maps").read_text()
+               for c in psutil.Process(pid).children(recursive=True))
+    assert _completion(port)
+    r = _cli(snaps, "stop", "--port", str(port))
+    assert r.returncode == 0, r.stderr

@@ -115,16 +115,18 @@ REFUSE_HINT = ("copy the model (or venv/cache, or the LD_LIBRARY_PATH directory)
                "outside /dev/shm and the engine's TMPDIR, not on FUSE or an automount, and pass that path")
 
 
-def check_create(model_dir: str, env: dict[str, str], mountinfo: str | None = None) -> list[tuple[M.Mount, str, str]]:
+def check_create(model_dir: str, env: dict[str, str], mountinfo: str | None = None,
+                 also: tuple[str, ...] = ()) -> list[tuple[M.Mount, str, str]]:
     """Before the engine starts: classify the host's mounts for the engine's needed paths
-    (model, Python, packages, caches from the engine's ``env``); raise UsageError when one must
-    refuse. Returns the classification (for ``-v`` output)."""
+    (model, Python, packages, caches from the engine's ``env``, and ``also``: the snapshot root
+    whose weights file the engine maps); raise UsageError when one must refuse. Returns the
+    classification (for ``-v`` output)."""
     from ..errors import UsageError
 
     if mountinfo is None:
         with open("/proc/self/mountinfo") as f:
             mountinfo = f.read()
-    needed = M.needed_paths(model_dir, env)
+    needed = M.needed_paths(model_dir, env, list(also))
     got = M.classify(M.parse_mountinfo(mountinfo), needed)
     bad = M.refusals(got)
     if bad:

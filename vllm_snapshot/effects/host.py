@@ -127,10 +127,10 @@ class LocalHostTools(HostTools):
         except (OSError, ValueError, subprocess.SubprocessError) as e:
             raise EnvironmentProblem(f"cannot check what the engine user {u.name} can read: {e}") from e
 
-    def check_mounts(self, model_dir: Path, env: dict[str, str]) -> None:
+    def check_mounts(self, model_dir: Path, env: dict[str, str], also: tuple[str, ...] = ()) -> None:
         from ..checkpoint import mountpolicy
 
-        mountpolicy.check_create(str(model_dir), env)
+        mountpolicy.check_create(str(model_dir), env, also=also)
 
     def check_external_mounts(self, mounts: tuple[ExternalMount, ...]) -> list[str]:
         from ..checkpoint import mountpolicy

@@ -147,9 +147,10 @@ class HostTools(Protocol):
     def unreadable_by(self, u: EngineUser, paths: list[Path]) -> list[str]:
         """Which of ``paths`` (files) the recorded engine user cannot read (human lines)."""
 
-    def check_mounts(self, model_dir: Path, env: dict[str, str]) -> None:
+    def check_mounts(self, model_dir: Path, env: dict[str, str], also: tuple[str, ...] = ()) -> None:
         """Before the engine starts: refuse (UsageError naming mount point, type, remedy) when
-        a mount the engine needs cannot be checkpointed (engine/mounts.py policy)."""
+        a mount the engine needs (the model, its Python, caches, and the paths ``also``: the
+        snapshot root whose weights file it maps) cannot be checkpointed (engine/mounts.py policy)."""
 
     def check_external_mounts(self, mounts: tuple[ExternalMount, ...]) -> list[str]:
         """Problems with this host's mounts at the recorded mount points (empty = same)."""

@@ -477,6 +477,18 @@ def _spec_model() -> str | None:
         return None
 
 
+def _spec_store() -> list[str]:
+    """The snapshot root whose ``.weights`` the engine maps its weights from (engine spec
+    ``weights_root``; none when the weights stay in the images)."""
+    import json
+
+    try:
+        root = json.loads(sys.argv[1]).get("weights_root")
+    except (IndexError, ValueError, AttributeError):
+        return []
+    return [root] if isinstance(root, str) and root else []
+
+
 def make_private(needed: list[str] | None = None, link_inductor: bool = True) -> list[str]:
     """Apply the mount policy in this (new, private) mount namespace: detach every mount
     :func:`classify` marks ``detach``, then mount private tmpfs on /dev/shm and ENGINE_TMPDIR
@@ -489,7 +501,7 @@ def make_private(needed: list[str] | None = None, link_inductor: bool = True) ->
     calls it once it runs as the engine user, who must own the cache)."""
     libc = ctypes.CDLL(None, use_errno=True)
     if needed is None:
-        needed = needed_paths(_spec_model(), dict(os.environ), _open_and_mapped())
+        needed = needed_paths(_spec_model(), dict(os.environ), [*_open_and_mapped(), *_spec_store()])
     detached: list[str] = []
     _peel_proc(libc)
     for _ in range(16):  # stacked mounts on one path come off one per pass

@@ -173,7 +173,9 @@ def create(req: CreateRequest, rep: Reporter, tools: Tools | None = None) -> Cre
     t.model.check_model_config(model_dir, req.engine_args)  # a bad config.json: seconds, not a cold start
     check_visible({"model": model_dir, **t.host.code_paths()}, [Path(p) for p in PRIVATE_MOUNTS])
     user = t.host.engine_user(req.user)
-    t.host.check_mounts(model_dir, scrubbed_env(t.host.environ(), req.keep_env, user))
+    # the engine maps its weights file from ROOT/.weights: its namespace must keep that mount
+    store = (str(target.parent),) if weights_mode(req.weights, t.host.engine_device()) == "file" else ()
+    t.host.check_mounts(model_dir, scrubbed_env(t.host.environ(), req.keep_env, user), also=store)
     inside = next((p for p in target.parents if t.host.path_exists(p / layout.MANIFEST)), None)
     if inside is not None:
         raise UsageError(f"{target} is inside the snapshot {inside}; a snapshot cannot hold another",
@@ -405,7 +407,8 @@ def _create_locked(t: Tools, req: CreateRequest, rep: Reporter, target: Path, mo
         mode = weights_mode(req.weights, t.host.engine_device())
         spec = {"model": str(model_dir), "engine_args": list(req.engine_args),
                 "oracle_prompt": req.oracle_prompt, "sleep_level": req.sleep_level,
-                "user": who.model_dump(mode="json"), "weights_file": mode == "file"}
+                "user": who.model_dump(mode="json"), "weights_file": mode == "file",
+                "weights_root": str(target.parent) if mode == "file" else None}
         if revision is not None and arg_value(req.engine_args, "--served-model-name") is None:
             spec["served_model_name"] = req.model  # serve a Hugging Face id by its id, as `vllm serve` does
         loading_since_ns = int(t.clock.now() * 1e9)  # the engine may read the model files from here on

@@ -20,6 +20,9 @@ if [ "$$" != 1 ] || [ "$(readlink /proc/self/ns/mnt)" = "$(readlink /proc/1/ns/m
 fi
 [ -x "$root/bin/sh" ] || { echo "enter.sh: $root is not a root file system" >&2; exit 2; }
 
+# the root a mount of its own, as / is on a machine (CRIU's mount tree needs a parent for every
+# mount below it: without this, `criu check` says "mnt: No parent found for mountpoint")
+mount --bind "$root" "$root"
 mount -t proc proc "$root/proc"              # this PID namespace's processes only
 mount --rbind /sys "$root/sys"               # cgroups included: doctor and CRIU read them
 mount --rbind /dev "$root/dev"               # the real kernel's devices (loop, pts, ...)

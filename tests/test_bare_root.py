@@ -132,18 +132,37 @@ def host_pip_config() -> tuple[list[Path], list[Path], dict[str, str]]:
     candidates += [home / ".config" / "pip" / "pip.conf", home / ".pip" / "pip.conf"]
     configs = [p for p in dict.fromkeys(candidates) if p.is_file()]
     env = {k: v for k, v in os.environ.items() if k.startswith("PIP_")}
-    values = [v for k, v in env.items() if k[4:].lower().replace("_", "-") in PIP_PATH_KEYS]
+    settings = [(k[4:].lower().replace("_", "-"), v) for k, v in env.items()]
     for conf in configs:
         cp = configparser.ConfigParser(interpolation=None)
         cp.read(conf)
-        values += [cp[s][k] for s in cp.sections() for k in cp[s] if k in PIP_PATH_KEYS]
+        settings += [(k, cp[s][k]) for s in cp.sections() for k in cp[s]]
     files, dirs = list(configs), []
-    for path in filter(None, (_local_path(w) for v in values for w in v.split())):
-        if path.is_dir():
-            dirs.append(path)
-        elif path.is_file():
-            files.append(path)
+    for key, value in settings:
+        if key not in PIP_PATH_KEYS:
+            continue
+        for path in filter(None, map(_local_path, value.split())):
+            if path.is_dir():
+                # a file:// index (PEP 503, DIR/simple/NAME/index.html) links to its files beside
+                # it (../../files/...): bind the directory above it too
+                dirs.append(path.parent if key.endswith("index-url") else path)
+            elif path.is_file():
+                files.append(path)
     return list(dict.fromkeys(files)), list(dict.fromkeys(dirs)), env
+
+
+def pip_cert_files() -> list[Path]:
+    """The CA bundles the host's pip configuration names (``cert``, ``PIP_CERT``): the root's
+    ``ca-certificates`` package (git recommends it) rewrites /etc/ssl/certs/ca-certificates.crt
+    from Debian's list when it is installed, so a copy also goes to the root's
+    /usr/local/share/ca-certificates, which every rewrite includes."""
+    values = [os.environ.get("PIP_CERT", "")]
+    for conf in host_pip_config()[0]:
+        if conf.suffix == ".conf":
+            cp = configparser.ConfigParser(interpolation=None)
+            cp.read(conf)
+            values += [cp[s]["cert"] for s in cp.sections() if "cert" in cp[s]]
+    return [p for p in dict.fromkeys(filter(None, map(_local_path, values))) if p.is_file()]
 
 
 def readme_prerequisites() -> str:
@@ -233,6 +252,10 @@ def test_readme_quick_start_on_a_bare_debian_root(bare_root, tmp_path):
         dst = root / str(f).lstrip("/")
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(f, dst)
+    for i, cert in enumerate(pip_cert_files()):
+        local = root / "usr" / "local" / "share" / "ca-certificates"
+        local.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(cert, local / f"vllm-snapshot-host-pip-{i}.crt")
     binds = [a for d in dirs for a in ("--ro", str(d))]
     for name, inside in (("apt-archives", "/var/cache/apt/archives"), ("pip-cache", "/root/.cache/pip")):
         (BARE / name).mkdir(parents=True, exist_ok=True)

@@ -15,4 +15,4 @@ test: setup
 	$(VENV)/bin/python -m pytest tests
 
 unit: setup
-	$(VENV)/bin/python -m pytest tests -m "not integration"
+	$(VENV)/bin/python -m pytest tests -m "not integration and not system"

@@ -9,7 +9,7 @@
 #     /usr/bin/python3.11. A venv left by an older setup on an interpreter they cannot reach is
 #     rebuilt.
 #   - the embedded tiny model, generated deterministically into the cache.
-#   - shellcheck and the file-system tools the test suite uses.
+#   - shellcheck, mmdebstrap and the file-system tools the test suite uses.
 #   - the engine user (default vllm-snapshot; VLLM_SNAPSHOT_ENGINE_USER / _ENGINE_HOME override
 #     the name and HOME), with search permission on the directories it must traverse.
 # Expensive results are cached under $VLLM_SNAPSHOT_CACHE (default /var/cache/vllm-snapshot),
@@ -135,6 +135,9 @@ tools() {
   # distribution 2.8 (Debian's docker-registry), started by the tests on 127.0.0.1 with its
   # own config. The package's own service (port 5000 on every address) is not wanted.
   apt_install docker-registry
+  # tests/test_bare_root.py builds a bare Debian root (minbase) with mmdebstrap and runs the
+  # README's Quick start in it: real apt-get, real pip, the real CRIU build
+  apt_install mmdebstrap
   if [ -d /run/systemd/system ] && systemctl is-enabled docker-registry >/dev/null 2>&1; then
     systemctl disable --now docker-registry >/dev/null 2>&1 || true
   fi

@@ -689,7 +689,7 @@ class FakeStoreTools(_Role, StoreTools):
     def delete_snapshot(self, snapshot: Path) -> None:
         self.w._call("delete_snapshot")
 
-    def remove_unused_weights(self, root: Path) -> list[Path]:
+    def remove_unused_weights(self, root: Path, dry_run: bool = False) -> list[Path]:
         self.w._call("remove_unused_weights")
         return []
 

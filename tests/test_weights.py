@@ -145,8 +145,15 @@ def test_publish_names_the_file_by_its_content_writes_it_once_and_private(tmp_pa
     p2, d2, reused2 = _published(root, b"a" * 9000)
     assert (p2, d2, reused2) == (p1, d1, True) and p2.stat().st_ino == ino  # the same inode: shared pages
     assert [x.name for x in p1.parent.iterdir()] == [p1.name]  # no temp left
+    # published files are immutable: a "backup" copied over it or a truncate fails (the running
+    # engines map it); root can clear the attribute on purpose
+    assert sw.immutable(p1)
+    with pytest.raises(PermissionError):
+        open(p1, "r+b")
+    with pytest.raises(PermissionError):
+        os.truncate(p1, 10)
     # a same-named file whose bytes do not match its name is replaced
-    os.chmod(p1, 0o600)
+    sw.unprotect(p1)
     with open(p1, "r+b") as f:
         f.write(b"b")
     p3, d3, reused3 = _published(root, b"a" * 9000)
@@ -159,6 +166,7 @@ def test_check_trusts_an_unchanged_stat_and_rehashes_a_changed_one(tmp_path):
     p, d, _ = _published(root, os.urandom(20000))
     rec = sw.record(p, d, 2, 20000)
     assert sw.check(rec) is None and sw.check(rec, full=True) is None
+    sw.unprotect(p)  # as an operator would have to: the file is immutable
     st = p.stat()
     with open(p, "r+b") as f:  # a flipped byte, mtime put back: ctime still changes
         f.seek(5000)
@@ -170,6 +178,8 @@ def test_check_trusts_an_unchanged_stat_and_rehashes_a_changed_one(tmp_path):
     with pytest.raises(ModelChangedError) as e:
         sw.refuse(rec)
     assert str(p) in e.value.message and e.value.exit_code == 4 and "serve" in e.value.hint
+    os.chmod(p, 0o644)  # what a plain `cp` of a backup makes: CRIU would refuse the mode at restore
+    assert "mode 0644" in sw.check(rec) and "chmod 0600" in sw.check(rec)
     p.unlink()
     assert sw.check(rec) == f"the weights file {p} is missing"
 

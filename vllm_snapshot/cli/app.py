@@ -570,6 +570,9 @@ def serve(
     _interruptible()
     if no_build and rebuild:
         raise UsageError("--no-build and --rebuild contradict each other")
+    from ..ops.create import weights_mode
+
+    weights_mode(weights, "cpu")  # a bad --weights now, not after the key
     if verify_model not in ("quick", "full"):
         raise UsageError("--verify-model must be quick or full")
     if log_file is not None and not detach:

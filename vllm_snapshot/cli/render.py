@@ -131,7 +131,8 @@ def _image_inspected(r: R.ImageInspected, quiet: bool) -> None:
 def _verified(r: R.Verified, quiet: bool) -> None:
     for w in r.warnings:
         sys.stderr.write(f"warning: {w}\n")
-    _line(f"{r.snapshot}: OK ({r.images} images, {r.model_files} model files verified)")
+    _line(f"{r.snapshot}: OK ({r.images} images, {r.model_files} model files"
+          + (f", the weights file {r.weights}" if r.weights else "") + " verified)")
 
 
 def _restored(r: R.Restored, quiet: bool) -> None:
@@ -186,7 +187,7 @@ def _pruned(r: R.Pruned, quiet: bool) -> None:
     for p in r.temp_removed:
         _line(f"{'would remove' if r.dry_run else 'removed'} leftover {p}")
     for p in r.weights_removed:
-        _line(f"removed the weights file {p} (no snapshot uses it any more)")
+        _line(f"{'would remove' if r.dry_run else 'removed'} the weights file {p} (no snapshot uses it any more)")
     if not (r.deleted or r.kept_running or r.temp_removed or r.weights_removed):
         _line("nothing to prune")
 

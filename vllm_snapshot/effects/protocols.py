@@ -461,10 +461,10 @@ class StoreTools(Protocol):
 
     def delete_snapshot(self, snapshot: Path) -> None: ...
 
-    def remove_unused_weights(self, root: Path) -> list[Path]:
+    def remove_unused_weights(self, root: Path, dry_run: bool = False) -> list[Path]:
         """Remove the weights files under ``root/.weights`` that no snapshot's manifest under
         ``root`` names and no process maps (:func:`vllm_snapshot.store.weights.unreferenced`);
-        return them."""
+        return them (``dry_run``: only return them)."""
 
     def clean_stale_temps(self, root: Path) -> list[Path]:
         """Remove leftovers of crashed creates under ``root`` (and stale lock files)."""

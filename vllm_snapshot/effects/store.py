@@ -79,7 +79,7 @@ class LocalStoreTools(StoreTools):
         store.delete(snapshot)
         locks.remove_lock_file(snapshot)  # the caller holds it exclusively
 
-    def remove_unused_weights(self, root: Path) -> list[Path]:
+    def remove_unused_weights(self, root: Path, dry_run: bool = False) -> list[Path]:
         from ..checkpoint.carry import holders
         from ..store import weights
 
@@ -87,10 +87,15 @@ class LocalStoreTools(StoreTools):
         for p in weights.unreferenced(root):
             if holders(str(p)):  # a create in flight (or an engine of a deleted snapshot) maps it
                 continue
+            if dry_run:
+                gone.append(p)
+                continue
+            weights.unprotect(p)
             p.unlink(missing_ok=True)
             gone.append(p)
         try:  # an empty .weights (a failed first create) goes too: a root then holds only snapshots
-            weights.directory(root).rmdir()
+            if not dry_run:
+                weights.directory(root).rmdir()
         except OSError:
             pass
         return gone

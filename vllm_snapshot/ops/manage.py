@@ -153,7 +153,7 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
                 continue
         deleted.append(str(p))
     temps = t.store.reclaim(root, dry_run=True) if dry_run else [str(x) for x in t.store.clean_stale_temps(root)] + t.store.reclaim(root)
-    weights_gone = [] if dry_run else [str(p) for p in t.store.remove_unused_weights(root)]
+    weights_gone = [str(p) for p in t.store.remove_unused_weights(root, dry_run=dry_run)]
     return Pruned(deleted, kept, temps, dry_run, weights_gone)
 
 

@@ -272,7 +272,7 @@ def verify(snapshot: Path, allow: frozenset[str] = frozenset(), tools: Tools | N
     with _damaged_hint(snapshot), t.store.snapshot_lock(snapshot, shared=True):
         m, warnings = _validate(t.host, t.model, t.files, snapshot, "full", allow, check_images=True)
         raise_code_changed(t.files.check_code(snapshot, m))
-    return Verified(str(snapshot), len(m.images), len(m.model.files), warnings)
+    return Verified(str(snapshot), len(m.images), len(m.model.files), warnings, m.weights.path if m.weights else None)
 
 
 #: ``details["stage"]`` of an EngineError raised after the oracle matched, while the engine

@@ -63,9 +63,11 @@ class Verified:
     images: int
     model_files: int
     warnings: list[str]
+    #: the weights file re-hashed whole (None: the snapshot has none)
+    weights: str | None = None
 
     def to_json(self) -> dict:
-        return {"snapshot": self.snapshot, "ok": True, "warnings": self.warnings}
+        return {"snapshot": self.snapshot, "ok": True, "warnings": self.warnings, "weights": self.weights}
 
 
 @dataclass(frozen=True)

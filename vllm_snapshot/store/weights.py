@@ -67,6 +67,61 @@ def ensure_dir(root: Path) -> Path:
     return d
 
 
+#: ``FS_IOC_GETFLAGS``/``FS_IOC_SETFLAGS`` (linux/fs.h, 64-bit) and ``FS_IMMUTABLE_FL``.
+_GETFLAGS, _SETFLAGS, _IMMUTABLE = 0x80086601, 0x40086602, 0x00000010
+
+
+def _flags(path: Path, set_: bool) -> bool:
+    """Set (``set_``) or clear the immutable attribute (``chattr +i``) of ``path``. Returns
+    False where the file system has no such attribute (tmpfs, ...). Raises OSError otherwise."""
+    import array
+    import errno
+    import fcntl
+
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    try:
+        buf = array.array("l", [0])
+        try:
+            fcntl.ioctl(fd, _GETFLAGS, buf, True)
+        except OSError as e:
+            if e.errno in (errno.ENOTTY, errno.EOPNOTSUPP, errno.EINVAL):
+                return False
+            raise
+        want = (buf[0] | _IMMUTABLE) if set_ else (buf[0] & ~_IMMUTABLE)
+        if want != buf[0]:
+            fcntl.ioctl(fd, _SETFLAGS, array.array("l", [want]))
+        return True
+    finally:
+        os.close(fd)
+
+
+def protect(path: Path) -> bool:
+    """Make the published weights file immutable (``chattr +i``): every running engine maps
+    it, and a write to it (a ``cp`` of a "backup" over it, a ``truncate``) would change what
+    they compute with, or kill them with SIGBUS. Returns False where the file system has no
+    such attribute. Raises OSError."""
+    return _flags(path, True)
+
+
+def unprotect(path: Path) -> None:
+    """Clear the immutable attribute before the file is removed or replaced. Raises OSError."""
+    _flags(path, False)
+
+
+def immutable(path: Path) -> bool:
+    """True when ``path`` has the immutable attribute. Raises OSError."""
+    import array
+    import fcntl
+
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    try:
+        buf = array.array("l", [0])
+        fcntl.ioctl(fd, _GETFLAGS, buf, True)
+        return bool(buf[0] & _IMMUTABLE)
+    finally:
+        os.close(fd)
+
+
 def hash_file(path: Path) -> str:
     """BLAKE3 hex digest of the file at ``path`` (multi-threaded over an mmap). Raises OSError."""
     h = blake3.blake3(max_threads=blake3.blake3.AUTO)
@@ -106,14 +161,22 @@ def publish(tmp: Path, root: Path) -> tuple[Path, str, bool]:
             reused = False
     if reused:
         tmp.unlink()
+        st = final.stat()
+        if (st.st_mode & 0o7777) != 0o600 or st.st_uid != 0 or st.st_gid != 0:  # put right what check() refuses
+            unprotect(final)
+            os.chown(final, 0, 0)
+            os.chmod(final, 0o600)
     else:
         os.chmod(tmp, 0o600)
+        if final.exists():
+            unprotect(final)
         os.replace(tmp, final)
         dfd = os.open(final.parent, os.O_DIRECTORY)
         try:
             os.fsync(dfd)
         finally:
             os.close(dfd)
+    protect(final)
     return final, digest, reused
 
 
@@ -132,6 +195,11 @@ def check(rec: WeightsFile, full: bool = False) -> str | None:
 
     if not _stat.S_ISREG(st.st_mode):
         return f"the weights file {p} is not a regular file"
+    if _stat.S_IMODE(st.st_mode) != 0o600 or st.st_uid != 0:
+        # CRIU re-opens a mapped file only with the mode it had at the dump ("bad mode"), and a
+        # file another user owns could have been rewritten by that user
+        return (f"the weights file {p} has mode {_stat.S_IMODE(st.st_mode):04o} and owner uid {st.st_uid}, not 0600 "
+                f"and root (fix: chattr -i {p}; chown root:root {p} && chmod 0600 {p}; chattr +i {p})")
     if st.st_size != rec.size:
         return f"the weights file {p} has {st.st_size} bytes, not the {rec.size} it had at create"
     pinned = (st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev) == (rec.mtime_ns, rec.ctime_ns, rec.inode, rec.device)
@@ -200,6 +268,7 @@ def remove_unreferenced(root: Path) -> list[Path]:
     """Remove the weights files no snapshot under ``root`` names; return them. Raises OSError."""
     gone = []
     for p in unreferenced(root):
+        unprotect(p)
         p.unlink(missing_ok=True)
         gone.append(p)
     return gone
@@ -330,6 +399,10 @@ class WeightsServer:
                     break
                 except socket.timeout:
                     continue
+                except OSError:
+                    if self._closed:  # closed before any worker came (the engine failed first)
+                        return
+                    raise
             if conn is None:
                 return
             conn.settimeout(900.0)

@@ -1,14 +1,19 @@
 """push / pull / inspect IMAGE: the sequencing (docs/oci-format.md is the format).
 
 push: trust checks, manifest, layout (``open_snapshot``) -> create scrubbed the environment
--> every image checksum -> signing key readable -> layers, config, manifest last (+ signature).
+-> every image checksum, the weights file (stat-pinned) -> layers (the weights file's too),
+config, manifest last (+ signature).
 
 pull: the artifact's manifest -> compatibility from its annotations alone (host class fields,
 engine user, external mounts, the model at its path with the same bytes): a refusal before any
 blob -> signature (``--verify-key``) -> per-name lock, staging dir beside the store -> config
 (the snapshot manifest; must agree with the annotations) -> layers in parallel, digests
-checked while streaming -> the snapshot's own checksums and code table digest -> manifest last,
-``pulled.json`` (where from), publish by rename. Nothing half-pulled is listed or restorable.
+checked while streaming -> the weights file (a CPU snapshot's; fleet/weights.py): nothing when
+the node has it at its recorded path, else linked from the store's ``.weights`` or downloaded
+into a locked staging dir beside that path -> the snapshot's own checksums and code table
+digest -> the weights file renamed into place (its BLAKE3 checked) -> manifest last,
+``pulled.json`` (where from), publish by rename. Nothing half-pulled is listed or restorable,
+and nothing but a complete, verified weights file is ever at the recorded path.
 The staging dir is the store's partial dir of that artifact (``.pull-HEX``, fleet/partial.py):
 an interrupted pull (a signal, a registry or network failure) leaves the layers it verified
 there and the next pull of the same artifact downloads only the rest; a failed verification

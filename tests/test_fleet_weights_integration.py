@@ -118,7 +118,8 @@ def test_a_damaged_weights_blob_in_a_layout_fails_5_placing_and_listing_nothing(
         root = _private(tmp_path / "store-c")
         p = cli("--root", str(root), "pull", f"oci:{copy}:v8", "--json")
         assert p.returncode == 5, p.stdout + p.stderr
-        assert layer["digest"] in p.stderr and f"{rec.blake3}.weights" in p.stderr
+        out = p.stdout + p.stderr  # --json: the error is on stdout
+        assert layer["digest"] in out and f"{rec.blake3}.weights" in out
         assert not os.path.exists(rec.path)
         assert [n for n in os.listdir(Path(rec.path).parent)] == []  # no half file, no staging dir
         assert _listed(root) == [] and os.listdir(root) == []

@@ -69,6 +69,9 @@ def destination_problem(path: Path) -> str | None:
         return f"{d} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
     if not os.access(d, os.W_OK | os.X_OK) or os.statvfs(d).f_flag & os.ST_RDONLY:
         return f"{d} is not writable here"
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            return f"{path} is a directory"
     return None
 
 

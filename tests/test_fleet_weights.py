@@ -229,3 +229,51 @@ def test_weights_path_ok():
     assert not oci.weights_path_ok(f"/var/lib/vs//.weights/{b3}.weights", b3)
     assert not oci.weights_path_ok(f"/var/lib/vs/.weights/{b3}.weights", "b" * 64)
     assert not oci.weights_path_ok(f"/var/lib/vs/weights/{b3}.weights", b3)
+
+
+def test_two_stagings_of_one_weights_file_take_turns_and_the_second_finds_it_placed(tmp_path):
+    """The staging dir is locked: a second pull of the same weights file waits, then finds the
+    file placed (and a stale staging dir of other weights beside it is removed)."""
+    import threading
+
+    import blake3
+
+    from vllm_snapshot.fleet import weights as fw
+
+    data = os.urandom(5000)
+    b3 = blake3.blake3(data).hexdigest()
+    final = tmp_path / "r" / ".weights" / f"{b3}.weights"
+    stale = tmp_path / "r" / ".weights" / f"{partial.PREFIX}{'c' * 64}"
+    entered, second = threading.Event(), []
+
+    def later() -> None:
+        entered.wait(10)
+        with fw.staging(final, b3) as ws2:
+            second.append(fw.present(final, b3, len(data)))
+            assert ws2.dir.is_dir()
+
+    th = threading.Thread(target=later)
+    th.start()
+    with fw.staging(final, b3) as ws:
+        assert final.parent.stat().st_mode & 0o777 == 0o700 and ws.dir.stat().st_mode & 0o777 == 0o700
+        stale.mkdir()
+        entered.set()
+        th.join(0.5)
+        assert th.is_alive() and second == []  # waiting for the lock
+        ws.data.write_bytes(data)
+        ws.place()
+    th.join(10)
+    assert second == [True] and final.read_bytes() == data and final.stat().st_mode & 0o777 == 0o600
+    assert sorted(os.listdir(final.parent)) == [final.name]  # both staging dirs gone, the stale one too
+
+
+def test_a_staged_file_that_does_not_hash_to_its_name_is_not_placed(tmp_path):
+    from vllm_snapshot.fleet import weights as fw
+
+    b3 = "d" * 64
+    final = tmp_path / "r" / ".weights" / f"{b3}.weights"
+    with pytest.raises(CorruptSnapshotError, match="does not hash to its name"):
+        with fw.staging(final, b3) as ws:
+            ws.data.write_bytes(b"not those bytes")
+            ws.place()
+    assert os.listdir(final.parent) == []

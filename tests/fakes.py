@@ -811,6 +811,20 @@ class FakeFleetTools(_Role, FleetTools):
 
         return nullcontext(Staging(dest.parent / (".pull-" + digest.split(":")[-1]), True, []))
 
+    def weights_problem(self, path: Path) -> str | None:
+        self.w._call("weights_problem")
+        return None
+
+    def weights_present(self, path: Path, blake3: str, size: int) -> bool:
+        self.w._call("weights_present")
+        return True
+
+    def weights_staging(self, final: Path, blake3: str, where: str) -> AbstractContextManager:
+        self.w._call("weights_staging")
+        from vllm_snapshot.fleet.weights import WeightsStaging
+
+        return nullcontext(WeightsStaging(final, final.parent / (".pull-" + blake3), blake3))
+
     def publish_pulled(self, staging: Path, target: Path, config: bytes, provenance: dict) -> None:
         self.w._call("publish_pulled")
         self.w.pulled[str(target)] = dict(provenance)

@@ -158,7 +158,11 @@ def test_pull_on_another_node_restores_with_the_same_oracle_and_completion(snaps
     assert inspected["pulled"]["image"] == pushed["image"] and inspected["pulled"]["hostname"] == "node-b"
     assert inspected["pulled"]["machine_id"] == "b" * 32
     assert inspected["built"]["machine_id"] == Path("/etc/machine-id").read_text().strip()
-    assert len(registry.blob_gets(mark)) >= pushed["result"]["blobs"]
+    # every layer but the weights file's: on this one machine the session snapshot's weights file
+    # is at its recorded path, so the "node" has it (tests/test_fleet_weights_integration.py pulls
+    # onto a node without it)
+    assert pulled["weights_reused"] == "present" and pulled["weights_fetched_bytes"] == 0
+    assert len(registry.blob_gets(mark)) >= pushed["result"]["blobs"] - _weights_layers(registry, "v1")
     # the original, restored here, answers the same
     r = cli("restore", str(snapshot), "--port", str(port_a), "--detach", "--json", check=True)
     a = json.loads(r.stdout)
@@ -225,6 +229,13 @@ def test_unsigned_or_wrongly_signed_is_refused(registry, pushed, keys, tmp_path)
         assert r.status_code == 201
 
 
+def _weights_layers(reg: RegistryServer, tag: str, repo: str = REPO) -> int:
+    """How many layers of the artifact at ``tag`` are the weights file's."""
+    doc = requests.get(f"http://{reg.host}/v2/{repo}/manifests/{tag}",
+                       headers={"Accept": "application/vnd.oci.image.manifest.v1+json"}, timeout=10).json()
+    return sum(d["mediaType"] == "application/vnd.vllm-snapshot.weights-file.v1" for d in doc["layers"])
+
+
 def _config_digest(reg: RegistryServer, tag: str, repo: str = REPO) -> str:
     return requests.get(f"http://{reg.host}/v2/{repo}/manifests/{tag}",
                         headers={"Accept": "application/vnd.oci.image.manifest.v1+json"}, timeout=10).json()[
@@ -256,15 +267,16 @@ def test_kill_during_pull_lists_nothing_and_the_next_pull_fetches_only_the_missi
     mark = len(registry.requests_log())
     p = cli("--root", str(root), "pull", pushed["image"], "--plain-http", "--name", "tiny", "--json", check=True)
     got = json.loads(p.stdout)
-    assert got["digest"] == pushed["digest"] and got["reused_blobs"] == marked
+    nw = _weights_layers(registry, "v1")  # the weights file is at its recorded path here: never fetched
+    assert got["digest"] == pushed["digest"] and got["reused_blobs"] == marked + nw
     cfg = _config_digest(registry, "v1")
     deadline = time.monotonic() + 10  # the registry writes an access-log line a moment after the response
-    while len(layer_gets := [x for x in registry.blob_gets(mark) if cfg not in x]) < blobs - marked \
+    while len(layer_gets := [x for x in registry.blob_gets(mark) if cfg not in x]) < blobs - marked - nw \
             and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.5)
     layer_gets = [x for x in registry.blob_gets(mark) if cfg not in x]
-    assert len(layer_gets) == blobs - marked  # only the missing layers were requested
+    assert len(layer_gets) == blobs - marked - nw  # only the missing layers were requested
     layers = requests.get(f"http://{registry.host}/v2/{REPO}/manifests/v1",
                           headers={"Accept": "application/vnd.oci.image.manifest.v1+json"}, timeout=10).json()["layers"]
     for i in cut:  # of a layer cut off half-way, only the rest (a range: 206)
@@ -374,7 +386,7 @@ def test_a_byte_flipped_in_a_blob_at_rest_refuses_the_pull_naming_it(snapshot, o
     cli("push", str(copy), f"{own_registry.host}/{REPO}:v1", "--plain-http", check=True)
     doc = requests.get(f"http://{own_registry.host}/v2/{REPO}/manifests/v1",
                        headers={"Accept": "application/vnd.oci.image.manifest.v1+json"}, timeout=10).json()
-    layer = max(doc["layers"], key=lambda d: d["size"])
+    layer = max((d for d in doc["layers"] if "org.vllm-snapshot.member" in d["annotations"]), key=lambda d: d["size"])
     blob = own_registry.blob_path(layer["digest"])
     with open(blob, "r+b") as f:
         f.seek(layer["size"] // 2)

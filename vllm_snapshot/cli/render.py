@@ -120,10 +120,18 @@ def _pulled(r: R.Pulled, quiet: bool) -> None:
           "digest and checksum verified" + (f", signed by key {r.verified_by}" if r.verified_by else "")
           + (f"; resumed: {r.reused_blobs} layers ({human_bytes(r.reused_bytes)}) an interrupted pull had verified "
              f"were reused, {human_bytes(r.fetched_bytes)} downloaded" if r.reused_blobs else ""))
+    if r.weights:
+        how = {"present": "already on this node: not downloaded", "linked": "linked from this store's copy: not "
+               "downloaded", "resumed": f"resumed, {human_bytes(r.weights_fetched_bytes)} downloaded"}
+        _line(f"weights file {r.weights} ({human_bytes(r.weights_bytes)}): "
+              + how.get(r.weights_reused or "", f"downloaded ({human_bytes(r.weights_fetched_bytes)})"))
 
 
 def _image_inspected(r: R.ImageInspected, quiet: bool) -> None:
     _line(f"{r.image}  {r.digest}  ({r.blobs} blobs, {human_bytes(r.bytes)}; manifest only, no blob read)")
+    if r.weights:
+        _line(f"  weights file layer(s): {r.weights['layers']} ({human_bytes(r.weights['bytes'])}), placed at "
+              f"{r.weights['path']} (BLAKE3 {r.weights['blake3']})")
     for k, v in sorted(r.annotations.items()):
         _line(f"  {k}: {v}")
 

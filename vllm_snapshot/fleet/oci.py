@@ -7,6 +7,11 @@
   parts of that size (one layer each, byte ranges in file order), so the big memory-pages image
   moves over several streams and a retry re-sends one part, not the file. Each layer says
   where its bytes go (:data:`A_MEMBER`, :data:`A_OFFSET`, :data:`A_FILE_SIZE`).
+* The weights file a CPU snapshot references (:mod:`vllm_snapshot.store.weights`) is not a
+  member: it travels as layers of its own media type (:data:`WEIGHTS_TYPE`, cut into parts like
+  a member), annotated with its BLAKE3 and the absolute path the pulling node must place it at
+  (:data:`A_WEIGHTS_BLAKE3`, :data:`A_WEIGHTS_PATH`); :attr:`Artifact.weights` holds them apart
+  from the members' :attr:`Artifact.parts`.
 * Manifest annotations carry what a node needs to decide, before any blob, whether the
   snapshot fits it: the host *class* fields (:data:`A_CLASS` + field), the *machine* it was
   built on (:data:`A_MACHINE` + field), the engine user, the external mounts, the model path
@@ -43,6 +48,9 @@ CARRIED_TYPE = "application/vnd.vllm-snapshot.carried-file.v1"
 CARRIED_ZSTD_TYPE = "application/vnd.vllm-snapshot.carried-file.v1+zstd"
 MEMBER_TYPE = "application/vnd.vllm-snapshot.member.v1"
 LAYER_TYPES = frozenset({IMAGE_TYPE, IMAGE_ZSTD_TYPE, REMAP_TYPE, CARRIED_TYPE, CARRIED_ZSTD_TYPE, MEMBER_TYPE})
+#: the weights file a CPU engine maps (``ROOT/.weights/BLAKE3.weights``, store/weights.py): not a
+#: member of the snapshot directory; placed by a pull at its recorded absolute path
+WEIGHTS_TYPE = "application/vnd.vllm-snapshot.weights-file.v1"
 
 #: Bytes per layer of a large file: 256 MiB parts give the pages image of the tiny CPU model
 #: (1.3 GB) five streams; a lost connection re-sends at most one part.
@@ -67,6 +75,12 @@ A_SNAPSHOT_DIGEST = NS + "snapshot.digest"
 A_TOOL_VERSION = NS + "tool-version"
 A_KEY = NS + "key"
 A_STORED_BYTES = NS + "stored-bytes"
+#: on a weights layer, and on the manifest of a snapshot that references a weights file: the
+#: file's BLAKE3 (hex), the absolute path it must be at (CRIU re-opens the mapping by it), and
+#: (manifest only) its size
+A_WEIGHTS_BLAKE3 = NS + "weights.blake3"
+A_WEIGHTS_PATH = NS + "weights.path"
+A_WEIGHTS_BYTES = NS + "weights.bytes"
 
 #: Host identity fields that pin one machine, not a class of identical machines
 #: (:data:`vllm_snapshot.host.identity.MACHINE_FIELDS`, and the GPU the engine used,
@@ -78,6 +92,22 @@ MACHINE_FIELDS = frozenset({"machine_id", "hostname", "gpu_uuid_used", "gpu_mino
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:+@-]{0,254}$")
 _SHA = re.compile(r"^sha256:[0-9a-f]{64}$")
+_B3 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def weights_path_ok(path: str, blake3: str) -> bool:
+    """True when ``path`` is where a weights file of BLAKE3 ``blake3`` may be placed: an
+    absolute, normalized path ``/ROOT.../.weights/BLAKE3.weights`` (the store's layout; ROOT not
+    ``/``), printable, at most 4096 bytes. Anything else in an artifact would let it write a file
+    anywhere on the pulling node. Pure."""
+    from ..store import weights as sw
+
+    if not isinstance(path, str) or not isinstance(blake3, str) or not _B3.match(blake3):
+        return False
+    if len(path.encode()) > 4096 or not path.isprintable() or not os.path.isabs(path) or os.path.normpath(path) != path:
+        return False
+    p = Path(path)
+    return p.name == f"{blake3}{sw.SUFFIX}" and p.parent.name == sw.DIR and len(p.parts) >= 4
 
 
 @dataclass(frozen=True)
@@ -92,12 +122,33 @@ class Part:
     file_size: int
     media_type: str
     digest: str = ""
+    #: a part of the weights file (:data:`WEIGHTS_TYPE`): its absolute path and BLAKE3 ("" for
+    #: a member's part; ``member`` is then "")
+    weights_path: str = ""
+    weights_blake3: str = ""
+
+    @property
+    def is_weights(self) -> bool:
+        """True for a part of the weights file, not of a member."""
+        return self.media_type == WEIGHTS_TYPE
+
+    def source(self, snapshot: Path) -> Path:
+        """The file this part's bytes are read from at push: the member under ``snapshot``,
+        or the weights file at its absolute path."""
+        return Path(self.weights_path) if self.is_weights else Path(snapshot) / self.member
 
     def descriptor(self) -> dict:
         """The OCI descriptor of this layer (digest must be set)."""
-        ann = {A_MEMBER: self.member, A_OFFSET: str(self.offset), A_FILE_SIZE: str(self.file_size)}
-        if self.offset == 0 and self.size == self.file_size:
-            ann[A_TITLE] = self.member
+        whole = self.offset == 0 and self.size == self.file_size
+        if self.is_weights:
+            ann = {A_WEIGHTS_PATH: self.weights_path, A_WEIGHTS_BLAKE3: self.weights_blake3,
+                   A_OFFSET: str(self.offset), A_FILE_SIZE: str(self.file_size)}
+            if whole:
+                ann[A_TITLE] = Path(self.weights_path).name
+        else:
+            ann = {A_MEMBER: self.member, A_OFFSET: str(self.offset), A_FILE_SIZE: str(self.file_size)}
+            if whole:
+                ann[A_TITLE] = self.member
         return {"mediaType": self.media_type, "digest": self.digest, "size": self.size, "annotations": ann}
 
 
@@ -152,6 +203,21 @@ def plan(snapshot: Path, part_bytes: int = PART_BYTES) -> list[Part]:
     return parts
 
 
+def plan_weights(rec, part_bytes: int = PART_BYTES) -> list[Part]:
+    """The layers of the weights file ``rec`` (:class:`~vllm_snapshot.store.manifest.WeightsFile`;
+    None: none), unhashed: one per ``part_bytes`` of its ``size`` (one empty layer for an empty
+    file). Pure."""
+    if rec is None:
+        return []
+    parts, off = [], 0
+    while True:
+        n = min(part_bytes, rec.size - off)
+        parts.append(Part("", off, n, rec.size, WEIGHTS_TYPE, weights_path=rec.path, weights_blake3=rec.blake3))
+        off += n
+        if off >= rec.size:
+            return parts
+
+
 def hash_region(fd: int, offset: int, size: int):
     """A sha256 object fed ``size`` bytes of the open file ``fd`` from byte ``offset`` (pread:
     the file position is left alone); None when the file ends before that."""
@@ -180,7 +246,7 @@ def _sha256_range(path: Path, offset: int, size: int) -> str:
 def digest_parts(snapshot: Path, parts: list[Part], workers: int = 4) -> list[Part]:
     """``parts`` with their sha256 digests (read in parallel: hashlib releases the GIL)."""
     with ThreadPoolExecutor(max(1, workers)) as ex:
-        digests = list(ex.map(lambda p: _sha256_range(snapshot / p.member, p.offset, p.size), parts))
+        digests = list(ex.map(lambda p: _sha256_range(p.source(snapshot), p.offset, p.size), parts))
     return [replace(p, digest=d) for p, d in zip(parts, digests)]
 
 
@@ -210,6 +276,9 @@ def annotations(m, model_digest: str) -> dict[str, str]:
         ann[A_USER] = json.dumps(m.engine.user.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
     if m.key is not None:
         ann[A_KEY] = m.key.value
+    w = getattr(m, "weights", None)
+    if w is not None:
+        ann.update({A_WEIGHTS_PATH: w.path, A_WEIGHTS_BLAKE3: w.blake3, A_WEIGHTS_BYTES: str(w.size)})
     from ..host.identity import NOT_COMPARED
 
     for k, v in m.host.items():
@@ -225,7 +294,9 @@ class Facts:
     (identity fields a node of the class shares), ``machine`` (where it was built),
     ``user`` (:class:`~vllm_snapshot.manifest.EngineUser` or None), ``mounts``
     (:class:`~vllm_snapshot.manifest.ExternalMount` tuple), the model's ``model_path`` and
-    ``model_digest``, and ``env_scrubbed``."""
+    ``model_digest``, and ``env_scrubbed``; ``weights_path`` / ``weights_blake3`` /
+    ``weights_bytes``: the weights file the snapshot references (None when its weights are in
+    its images)."""
 
     kind: str
     host_class: dict[str, str]
@@ -236,6 +307,9 @@ class Facts:
     model_digest: str
     env_scrubbed: bool
     snapshot_digest: str
+    weights_path: str | None = None
+    weights_blake3: str | None = None
+    weights_bytes: int | None = None
 
 
 def facts(ann: dict[str, str], where: str) -> Facts:
@@ -258,7 +332,13 @@ def facts(ann: dict[str, str], where: str) -> Facts:
         mounts = tuple(ExternalMount.model_validate(x) for x in json.loads(need(A_MOUNTS)))
     except (ValueError, TypeError) as e:
         raise CorruptSnapshotError(f"{where}: the engine user or mounts annotation is malformed: {e}") from e
+    wpath, wb3, wbytes = ann.get(A_WEIGHTS_PATH), ann.get(A_WEIGHTS_BLAKE3), ann.get(A_WEIGHTS_BYTES)
+    if wpath is not None or wb3 is not None or wbytes is not None:
+        if not weights_path_ok(wpath, wb3) or not (wbytes or "").isdigit():
+            raise CorruptSnapshotError(f"{where}: the weights annotations are malformed (path {wpath!r}, BLAKE3 "
+                                       f"{wb3!r}, bytes {wbytes!r}; the path must be /ROOT/.weights/BLAKE3.weights)")
     return Facts(
+        weights_path=wpath, weights_blake3=wb3, weights_bytes=int(wbytes) if wbytes is not None else None,
         kind=kind,
         host_class={k[len(A_CLASS):]: v for k, v in ann.items() if k.startswith(A_CLASS)},
         machine={k[len(A_MACHINE):]: v for k, v in ann.items() if k.startswith(A_MACHINE)},
@@ -283,18 +363,25 @@ def build_manifest(config: bytes, parts: list[Part], ann: dict[str, str]) -> byt
 @dataclass(frozen=True)
 class Artifact:
     """A parsed artifact manifest: its ``digest``, the ``config`` descriptor (digest, size),
-    the layers as :class:`Part` (with digests) and the manifest ``annotations``."""
+    the members' layers as :class:`Part` (with digests), the manifest ``annotations``, and the
+    weights file's layers (``weights``, in file order; empty when the snapshot has none)."""
 
     digest: str
     config_digest: str
     config_size: int
     parts: tuple[Part, ...]
     annotations: dict[str, str]
+    weights: tuple[Part, ...] = ()
 
     @property
     def blob_bytes(self) -> int:
-        """Bytes of every layer (the download size, config aside)."""
-        return sum(p.size for p in self.parts)
+        """Bytes of every layer, the weights file's included (the download size, config aside)."""
+        return sum(p.size for p in self.parts) + self.weights_bytes
+
+    @property
+    def weights_bytes(self) -> int:
+        """Bytes of the weights file's layers (0: none)."""
+        return sum(p.size for p in self.weights)
 
 
 def parse_manifest(raw: bytes, where: str) -> Artifact:
@@ -320,9 +407,25 @@ def parse_manifest(raw: bytes, where: str) -> Artifact:
     ann = doc.get("annotations") or {}
     if not isinstance(ann, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in ann.items()):
         raise bad("annotations are not a map of strings")
-    parts = []
+    parts, weights = [], []
     for i, d in enumerate(doc.get("layers") or []):
         a = d.get("annotations") or {} if isinstance(d, dict) else {}
+        if isinstance(d, dict) and d.get("mediaType") == WEIGHTS_TYPE:
+            try:
+                part = Part(member="", offset=int(a[A_OFFSET]), size=d["size"], file_size=int(a[A_FILE_SIZE]),
+                            media_type=WEIGHTS_TYPE, digest=d["digest"], weights_path=a[A_WEIGHTS_PATH],
+                            weights_blake3=a[A_WEIGHTS_BLAKE3])
+            except (KeyError, TypeError, ValueError) as e:
+                raise bad(f"layer {i} (the weights file) lacks its path/BLAKE3/offset/size ({e})") from e
+            if (not _SHA.match(str(part.digest)) or not isinstance(part.size, int) or part.size < 0 or part.offset < 0
+                    or not weights_path_ok(part.weights_path, part.weights_blake3)):
+                raise bad(f"layer {i} (the weights file {part.weights_path!r}) has a bad digest or size, or a path "
+                          "that is not /ROOT/.weights/BLAKE3.weights")
+            if weights and (part.weights_path, part.weights_blake3) != (weights[0].weights_path,
+                                                                        weights[0].weights_blake3):
+                raise bad(f"layer {i} names another weights file than layer {weights[0].weights_path!r}")
+            weights.append(part)
+            continue
         try:
             part = Part(member=a[A_MEMBER], offset=int(a[A_OFFSET]), size=d["size"], file_size=int(a[A_FILE_SIZE]),
                         media_type=d["mediaType"], digest=d["digest"])
@@ -332,6 +435,20 @@ def parse_manifest(raw: bytes, where: str) -> Artifact:
                 or not isinstance(part.size, int) or part.size < 0 or part.offset < 0):
             raise bad(f"layer {i} ({part.member!r}) has an unknown media type, a bad digest or an unsafe member name")
         parts.append(part)
+    if weights:  # the layers tile the file, and agree with the manifest's annotations (which pull compares
+        at = 0   # with the snapshot manifest, the config)
+        for p in weights:
+            if p.offset != at or p.file_size != weights[0].file_size or p.offset + p.size > p.file_size:
+                raise bad(f"the layers of the weights file do not tile it (offset {p.offset}, expected {at})")
+            at += p.size
+        if at != weights[0].file_size:
+            raise bad("the layers of the weights file stop short of its size")
+        w = weights[0]
+        if (ann.get(A_WEIGHTS_PATH), ann.get(A_WEIGHTS_BLAKE3), ann.get(A_WEIGHTS_BYTES)) != (
+                w.weights_path, w.weights_blake3, str(w.file_size)):
+            raise bad("the weights layers disagree with the manifest's weights annotations")
+    elif A_WEIGHTS_PATH in ann:
+        raise bad(f"the manifest names a weights file ({ann[A_WEIGHTS_PATH]}) but no layer holds it")
     ends: dict[str, tuple[int, int]] = {}
     for p in parts:  # each member's layers are contiguous, in order, and add up to its size
         at, size = ends.get(p.member, (0, p.file_size))
@@ -342,4 +459,4 @@ def parse_manifest(raw: bytes, where: str) -> Artifact:
     if short:
         raise bad(f"the layers of {short[0]} stop short of its size")
     return Artifact(digest=sha256(raw), config_digest=cfg["digest"], config_size=cfg["size"], parts=tuple(parts),
-                    annotations=dict(ann))
+                    annotations=dict(ann), weights=tuple(weights))

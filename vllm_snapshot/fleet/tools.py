@@ -40,6 +40,18 @@ class FleetTools(Protocol):
         Leaving by an exception keeps the partial dir for an interruption or a registry
         problem and removes it otherwise (:mod:`.partial`)."""
 
+    def weights_problem(self, path: Path) -> str | None:
+        """Why the weights file cannot be placed at ``path`` on this node (None: it can):
+        :func:`.weights.destination_problem`. Reads only."""
+
+    def weights_present(self, path: Path, blake3: str, size: int) -> bool:
+        """True when a regular file at ``path`` holds ``size`` bytes hashing to ``blake3``."""
+
+    def weights_staging(self, final: Path, blake3: str, where: str) -> AbstractContextManager:
+        """The locked :class:`.weights.WeightsStaging` of the weights file ``final``
+        (:func:`.weights.staging`). Raises IncompatibleHostError when its directory cannot be
+        made."""
+
     def publish_pulled(self, staging: Path, target: Path, config: bytes, provenance: dict) -> None:
         """Write ``manifest.json`` (``config``, byte for byte) and :data:`PULLED`
         (``provenance``), 0600, drop the resume marks, then rename ``staging`` to ``target``
@@ -120,6 +132,21 @@ class LocalFleetTools(FleetTools):
                 yield st
 
         return cm()
+
+    def weights_problem(self, path: Path) -> str | None:
+        from . import weights
+
+        return weights.destination_problem(path)
+
+    def weights_present(self, path: Path, blake3: str, size: int) -> bool:
+        from . import weights
+
+        return weights.present(path, blake3, size)
+
+    def weights_staging(self, final: Path, blake3: str, where: str) -> AbstractContextManager:
+        from . import weights
+
+        return weights.staging(final, blake3, where)
 
     def publish_pulled(self, staging: Path, target: Path, config: bytes, provenance: dict) -> None:
         from ..store import layout, store

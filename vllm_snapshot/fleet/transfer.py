@@ -90,13 +90,18 @@ def _parallel(fn, items, workers: int) -> None:
 
 def push(snapshot: Path, config: bytes, ann: dict[str, str], target: Target, tag: str, *,
          signing_key=None, docker_reference: str = "", workers: int = WORKERS,
-         part_bytes: int = oci.PART_BYTES, on_blob: Callable[[oci.Part], None] | None = None) -> Pushed:
+         part_bytes: int = oci.PART_BYTES, on_blob: Callable[[oci.Part], None] | None = None,
+         weights=None) -> Pushed:
     """Push snapshot directory ``snapshot`` (trusted and checked by the caller) whose
     manifest.json bytes are ``config`` to ``target`` under ``tag``, with manifest annotations
-    ``ann``. ``signing_key``: an EC private key (:func:`.sign.load_private`). Raises
-    EnvironmentProblem (registry), CorruptSnapshotError (a file changed while pushed)."""
+    ``ann``; ``weights`` (:class:`~vllm_snapshot.store.manifest.WeightsFile`, checked by the
+    caller) adds the weights file's layers (:data:`.oci.WEIGHTS_TYPE`), read from its path, and
+    skipped like any blob the target has. ``signing_key``: an EC private key
+    (:func:`.sign.load_private`). Raises EnvironmentProblem (registry), CorruptSnapshotError (a
+    file changed while pushed), OSError (the weights file cannot be read)."""
     t0 = time.monotonic()
-    parts = oci.digest_parts(snapshot, oci.plan(snapshot, part_bytes), workers)
+    parts = oci.digest_parts(snapshot, oci.plan(snapshot, part_bytes) + oci.plan_weights(weights, part_bytes),
+                             workers)
     raw = oci.build_manifest(config, parts, ann)
     sent = [0, 0]  # bytes, skipped blobs
     lock = threading.Lock()
@@ -110,7 +115,7 @@ def push(snapshot: Path, config: bytes, ann: dict[str, str], target: Target, tag
             with lock:
                 sent[1] += 1
         else:
-            target.put_blob(p.digest, p.size, snapshot / p.member, p.offset)
+            target.put_blob(p.digest, p.size, p.source(snapshot), p.offset)
             with lock:
                 sent[0] += p.size
         if on_blob:
@@ -327,3 +332,17 @@ def download(target: Target, art: oci.Artifact, staging: Path, workers: int = WO
         for fd in fds.values():
             os.close(fd)
     return Downloaded(fetched=counts[0], fetched_bytes=counts[1], reused=counts[2], reused_bytes=counts[3])
+
+
+
+def download_weights(target: Target, art: oci.Artifact, staging: Path, workers: int = WORKERS,
+                     resumable: bool = True) -> Downloaded:
+    """Download the weights file's layers of ``art`` into ``staging/BLAKE3.weights`` (the
+    final name; ``staging`` an existing private dir with ``.parts/``, :func:`.weights.staging`), each
+    layer's sha256 checked as it streams, resumable as :func:`download` (marks and progress in
+    ``staging/.parts``). The file's BLAKE3 is the caller's to check. Raises what
+    :func:`download` raises."""
+    from dataclasses import replace
+
+    as_member = tuple(replace(p, member=Path(p.weights_path).name) for p in art.weights)
+    return download(target, replace(art, parts=as_member, weights=()), staging, workers, resumable=resumable)

@@ -1,14 +1,19 @@
 """push / pull / inspect IMAGE: the sequencing (docs/oci-format.md is the format).
 
 push: trust checks, manifest, layout (``open_snapshot``) -> create scrubbed the environment
--> every image checksum -> signing key readable -> layers, config, manifest last (+ signature).
+-> every image checksum, the weights file (stat-pinned) -> layers (the weights file's too),
+config, manifest last (+ signature).
 
 pull: the artifact's manifest -> compatibility from its annotations alone (host class fields,
 engine user, external mounts, the model at its path with the same bytes): a refusal before any
 blob -> signature (``--verify-key``) -> per-name lock, staging dir beside the store -> config
 (the snapshot manifest; must agree with the annotations) -> layers in parallel, digests
-checked while streaming -> the snapshot's own checksums and code table digest -> manifest last,
-``pulled.json`` (where from), publish by rename. Nothing half-pulled is listed or restorable.
+checked while streaming -> the weights file (a CPU snapshot's; fleet/weights.py): nothing when
+the node has it at its recorded path, else linked from the store's ``.weights`` or downloaded
+into a locked staging dir beside that path -> the snapshot's own checksums and code table
+digest -> the weights file renamed into place (its BLAKE3 checked) -> manifest last,
+``pulled.json`` (where from), publish by rename. Nothing half-pulled is listed or restorable,
+and nothing but a complete, verified weights file is ever at the recorded path.
 The staging dir is the store's partial dir of that artifact (``.pull-HEX``, fleet/partial.py):
 an interrupted pull (a signal, a registry or network failure) leaves the layers it verified
 there and the next pull of the same artifact downloads only the rest; a failed verification
@@ -17,6 +22,7 @@ removes it.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,9 +63,10 @@ def _tag_of(ref: reference.Ref, verb: str) -> str:
 
 
 def push(req: PushRequest, rep, t: Tools) -> Pushed:
-    """Push snapshot ``req.snapshot`` to ``req.image``. Raises UsageError (bad IMAGE, a
-    snapshot whose create did not scrub the environment, bad key), CorruptSnapshotError (the
-    snapshot's own checks), EnvironmentProblem (registry)."""
+    """Push snapshot ``req.snapshot`` to ``req.image`` (with the weights file it references, as
+    layers of their own). Raises UsageError (bad IMAGE, a snapshot whose create did not scrub
+    the environment, bad key), CorruptSnapshotError (the snapshot's own checks),
+    ModelChangedError (its weights file is missing or changed), EnvironmentProblem (registry)."""
     from ..store.snapkey import model_part
 
     ref = reference.parse(req.image)
@@ -78,10 +85,14 @@ def push(req: PushRequest, rep, t: Tools) -> Pushed:
                 hint="create it again without --keep-env of secret variables, then push")
         with rep.phase("verify", "checking every image checksum"):
             t.files.verify_images(snapshot, m)
+            # the weights file it references travels as its own layers: it must be the one
+            # create wrote (stat-pinned; re-hashed when the stat changed), else exit 4
+            t.files.check_weights(m)
         config = t.fleet.snapshot_config(snapshot)
         with rep.phase("push", f"pushing to {ref}"):
             r = transfer.push(snapshot, config, oci.annotations(m, model_part(m.model.files)), target, tag,
-                              signing_key=key, docker_reference=str(ref.with_tag(tag)).removesuffix(f":{tag}"))
+                              signing_key=key, docker_reference=str(ref.with_tag(tag)).removesuffix(f":{tag}"),
+                              weights=m.weights)
     return Pushed(snapshot=str(snapshot), image=str(ref.with_tag(tag)), digest=r.digest, bytes=r.bytes,
                   sent_bytes=r.sent_bytes, blobs=r.blobs, skipped=r.skipped, seconds=round(r.seconds, 3),
                   signature=r.signature_tag)
@@ -99,8 +110,9 @@ def fetch(ref: reference.Ref, plain_http: bool, t: Tools) -> tuple[Target, oci.A
 
 def compatibility(f: oci.Facts, t: Tools, where: str) -> None:
     """Refuse, from the annotations alone, a node that does not fit: host class fields (each
-    expected vs here), engine user, external mounts (IncompatibleHostError, exit 3); the model
-    missing at its path or other bytes there (ModelChangedError, exit 4, naming the path)."""
+    expected vs here), engine user, external mounts, a weights file that cannot be placed at its
+    recorded path (IncompatibleHostError, exit 3); the model missing at its path or other bytes
+    there (ModelChangedError, exit 4, naming the path)."""
     from ..host import identity
     from ..store.snapkey import model_part
 
@@ -133,6 +145,13 @@ def compatibility(f: oci.Facts, t: Tools, where: str) -> None:
                                 "(nothing was downloaded)",
                                 hint=f"put the model the snapshot was made from at {path} (`vllm-snapshot inspect "
                                      f"{where}` shows its digest), then pull again")
+    if f.weights_path is not None:
+        wp = Path(f.weights_path)
+        why = t.fleet.weights_problem(wp)
+        if why is not None and not t.fleet.weights_present(wp, f.weights_blake3, f.weights_bytes):
+            from ..fleet.weights import refusal
+
+            raise refusal(wp, why, where)
 
 
 def default_name(ref: reference.Ref) -> str:
@@ -245,26 +264,72 @@ def pull(req: PullRequest, rep, t: Tools) -> Pulled:
                 m = manifest.parse(config.decode("utf-8"), f"{ref} config")
             except UnicodeDecodeError as e:
                 raise CorruptSnapshotError(f"{ref}: the config is not UTF-8 text") from e
+            if m.weights is not None and not art.weights:
+                raise CorruptSnapshotError(f"{ref}: the snapshot references the weights file {m.weights.path}, which "
+                                           "the artifact does not hold (pushed by a vllm-snapshot that did not carry "
+                                           "weights files); nothing was pulled",
+                                           hint="push the snapshot again with this version of `vllm-snapshot push`")
             said = oci.annotations(m, model_part(m.model.files))
             wrong = sorted(k for k, v in said.items() if art.annotations.get(k) != v)
             if wrong:
                 raise CorruptSnapshotError(f"{ref}: the manifest annotations disagree with the snapshot manifest "
                                            f"({', '.join(wrong[:5])}); nothing was pulled",
                                            hint="push the snapshot again with `vllm-snapshot push`")
-            with rep.phase("download", f"downloading {art.blob_bytes / 1e6:.0f} MB"):
+            with rep.phase("download", f"downloading {(art.blob_bytes - art.weights_bytes) / 1e6:.0f} MB"):
                 got = transfer.download(target, art, staging, resumable=st.resumable)
-            with rep.phase("verify", "checking the snapshot's own checksums"):
-                t.fleet.check_pulled(staging, m)
-            here = t.host.host_identity(m.engine.kind)
-            t.fleet.publish_pulled(staging, dest, config, {
-                "image": str(ref), "digest": art.digest,
-                "pulled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t.clock.now())),
-                "machine_id": here.get("machine_id", "unknown"), "hostname": here.get("hostname", "unknown"),
-                "verified_by": verified_by})
+            with contextlib.ExitStack() as placing:
+                wgot, how, ws = _stage_weights(target, art, m, req.root, str(ref), rep, t, placing)
+                if ws is not None:
+                    report += ws.removed
+                with rep.phase("verify", "checking the snapshot's own checksums"):
+                    t.fleet.check_pulled(staging, m)
+                if ws is not None:  # the weights file last but one: complete and verified, then the snapshot
+                    ws.place()
+                here = t.host.host_identity(m.engine.kind)
+                t.fleet.publish_pulled(staging, dest, config, {
+                    "image": str(ref), "digest": art.digest,
+                    "pulled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t.clock.now())),
+                    "machine_id": here.get("machine_id", "unknown"), "hostname": here.get("hostname", "unknown"),
+                    "verified_by": verified_by})
+    wskip = art.weights_bytes - wgot.fetched_bytes
     return Pulled(snapshot=str(dest), image=str(ref), digest=art.digest, bytes=art.blob_bytes,
                   seconds=round(t.clock.monotonic() - t0, 3), verified_by=verified_by,
-                  fetched_bytes=got.fetched_bytes, reused_blobs=got.reused, reused_bytes=got.reused_bytes,
-                  warnings=notes + [f"removed leftover {p}" for p in report])
+                  fetched_bytes=got.fetched_bytes + wgot.fetched_bytes,
+                  reused_blobs=got.reused + (len(art.weights) if how in ("present", "linked") else wgot.reused),
+                  reused_bytes=got.reused_bytes + wskip,
+                  warnings=notes + [f"removed leftover {p}" for p in report],
+                  weights=m.weights.path if m.weights is not None else None,
+                  weights_bytes=art.weights_bytes, weights_fetched_bytes=wgot.fetched_bytes, weights_reused=how)
+
+
+def _stage_weights(target: Target, art: oci.Artifact, m, root: Path, where: str, rep, t: Tools,
+                   stack: contextlib.ExitStack):
+    """The weights file of a pull (``m.weights``; none: nothing to do): (bytes downloaded as
+    :class:`~vllm_snapshot.fleet.transfer.Downloaded`, how it was had -- ``present`` / ``linked``
+    / ``resumed`` / None for downloaded whole or no file --, the entered
+    :class:`~vllm_snapshot.fleet.weights.WeightsStaging` whose ``place()`` the caller calls, or
+    None when nothing is to be placed). A file already at the recorded path with the recorded
+    BLAKE3 is used as it is (nothing fetched); else one of that BLAKE3 in ``root/.weights`` is
+    hard-linked; else the layers are downloaded (resumable). Raises CorruptSnapshotError (a
+    layer's sha256), IncompatibleHostError (the directory cannot be made), EnvironmentProblem."""
+    from ..store import weights as sw
+
+    none = transfer.Downloaded(0, 0, 0, 0)
+    if m.weights is None:
+        return none, None, None
+    final, b3, size = Path(m.weights.path), m.weights.blake3, m.weights.size
+    with rep.phase("weights", f"checking for the weights file {final}"):
+        if t.fleet.weights_present(final, b3, size):
+            return none, "present", None
+    ws = stack.enter_context(t.fleet.weights_staging(final, b3, where))  # waits for a pull of the same file
+    if t.fleet.weights_present(final, b3, size):  # placed by a pull we waited for
+        return none, "present", None
+    local = sw.path_of(root, b3)
+    if local != final and t.fleet.weights_present(local, b3, size) and ws.link_from(local):
+        return none, "linked", ws
+    with rep.phase("download", f"downloading the weights file ({art.weights_bytes / 1e6:.0f} MB)"):
+        got = transfer.download_weights(target, art, ws.dir)
+    return got, "resumed" if got.reused_bytes else None, ws
 
 
 def ensure_pulled(req: PullRequest, rep, t: Tools) -> Path:
@@ -286,8 +351,13 @@ def inspect_image(image: str, plain_http: bool, t: Tools) -> ImageInspected:
     ref = reference.parse(image)
     _, art = fetch(ref, plain_http, t)
     oci.facts(art.annotations, str(ref))
-    return ImageInspected(image=str(ref), digest=art.digest, blobs=len(art.parts), bytes=art.blob_bytes,
-                     annotations=art.annotations)
+    w = None
+    if art.weights:
+        w = {"path": art.weights[0].weights_path, "blake3": art.weights[0].weights_blake3,
+             "bytes": art.weights_bytes, "layers": len(art.weights), "media_type": oci.WEIGHTS_TYPE,
+             "digests": [p.digest for p in art.weights]}
+    return ImageInspected(image=str(ref), digest=art.digest, blobs=len(art.parts) + len(art.weights),
+                          bytes=art.blob_bytes, annotations=art.annotations, weights=w)
 
 
 class RegistryCache:

@@ -269,7 +269,15 @@ class Pulled:
     that verified its signature (or None), ``fetched_bytes`` downloaded now, ``reused_blobs``
     / ``reused_bytes`` an interrupted pull of the same artifact had verified already (resumed),
     warnings (leftovers removed), ``already``: True when the store held this artifact (the same
-    manifest digest, by its pull record) as ``snapshot`` and nothing was downloaded."""
+    manifest digest, by its pull record) as ``snapshot`` and nothing was downloaded.
+
+    The weights file (a CPU snapshot's, placed at its recorded path ``weights``; None when the
+    snapshot has none): ``weights_bytes`` its size, ``weights_fetched_bytes`` downloaded now,
+    ``weights_reused``: ``present`` (a file at the path already held those bytes: no weights
+    layer fetched), ``linked`` (hard-linked from this store's ``.weights``), ``resumed`` (part of
+    it an interrupted pull had verified), None (downloaded whole). ``bytes`` counts every layer,
+    the weights file's included; ``fetched_bytes`` + ``reused_bytes`` = ``bytes`` (the weights
+    bytes not downloaded are in ``reused_bytes``, their layers in ``reused_blobs``)."""
 
     snapshot: str
     image: str
@@ -282,6 +290,10 @@ class Pulled:
     reused_bytes: int = 0
     warnings: list[str] = field(default_factory=list)
     already: bool = False
+    weights: str | None = None
+    weights_bytes: int = 0
+    weights_fetched_bytes: int = 0
+    weights_reused: str | None = None
 
     def to_json(self) -> dict:
         """The fields, and ``MB_s`` (layer bytes per second; 0 when nothing was downloaded)."""
@@ -291,13 +303,16 @@ class Pulled:
 @dataclass(frozen=True)
 class ImageInspected:
     """``inspect IMAGE``: what the artifact's manifest alone says (no blob is read): its
-    ``digest``, layer count and bytes, and the annotations (docs/oci-format.md)."""
+    ``digest``, layer count and bytes (every layer, the weights file's included), the
+    annotations (docs/oci-format.md), and the weights file's layers (``weights``: path, blake3,
+    bytes, layers, digests; None when the snapshot has none)."""
 
     image: str
     digest: str
     blobs: int
     bytes: int
     annotations: dict[str, str]
+    weights: dict | None = None
 
     def to_json(self) -> dict:
         return asdict(self)

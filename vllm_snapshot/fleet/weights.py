@@ -175,7 +175,7 @@ class WeightsStaging:
         the recorded one), make it 0600, flush it, and rename it to :attr:`final` (written
         once: a rename, never a write into an existing file; a mapping of a file that was there
         keeps its pages). Raises OSError."""
-        from ..store.weights import hash_file
+        from ..store.weights import hash_file, protect, unprotect
 
         got = hash_file(self.data)
         if got != self.blake3:
@@ -189,12 +189,15 @@ class WeightsStaging:
             os.fsync(fd)
         finally:
             os.close(fd)
+        if self.final.exists():  # a damaged file there (present() said so): replaced, never written into
+            unprotect(self.final)
         os.rename(self.data, self.final)
         dfd = os.open(self.final.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             os.fsync(dfd)
         finally:
             os.close(dfd)
+        protect(self.final)  # immutable, as create publishes it: every engine restored from it maps it
 
 
 @contextlib.contextmanager

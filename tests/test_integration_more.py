@@ -21,7 +21,7 @@ import zstandard
 from vllm_snapshot.store import archive
 from vllm_snapshot.store import manifest as mf
 
-from conftest import ENGINE_ARGS, PLANTED_SECRETS, ROOT, TINY, cli, engine_env
+from conftest import ENGINE_ARGS, PLANTED_SECRETS, ROOT, TINY, cli, engine_env, staging_left
 from test_integration import engine_pids, free_port, port_accepts, post, stop, wait_gone
 from helpers import readable_by_engine
 
@@ -129,7 +129,7 @@ def test_flipped_byte_in_pages_refused(clone_snapshot):
             s.bind(("127.0.0.1", port))
     assert pages.name in p.stderr and "checksum" in p.stderr
     assert (snap / "manifest.json").read_bytes() == before_manifest
-    assert not list(Path("/dev/shm").glob("vllm-snapshot-stage-*"))
+    assert staging_left() == []
 
 
 def test_hand_edited_manifest_refused(clone_snapshot):
@@ -392,7 +392,7 @@ def test_restore_in_a_small_memory_cgroup_is_refused_before_criu(snapshot):
         assert "needs about 1." in err["message"] and "GiB is available: memory cgroup" in err["message"]
         assert "limit 0.68 GiB" in err["message"]
         assert "criu" not in p.stderr.lower() and not port_accepts(port)
-        assert "stage" not in json.dumps(err) and not list(snapshot.parent.glob("vllm-snapshot-stage-*"))
+        assert "stage" not in json.dumps(err) and staging_left(snapshot.parent) == []
     finally:
         for _ in range(50):
             try:
@@ -636,7 +636,7 @@ def test_compressed_snapshot_restores_and_serves(zstd_snapshots, kind):
         assert port_accepts(port)
     finally:
         cli("stop", "--port", str(port), timeout=120)
-    assert not list(Path("/dev/shm").glob("vllm-snapshot-stage-*"))
+    assert staging_left() == []
 
 
 def test_corrupted_frame_refused_before_anything_serves(zstd_snapshots, tmp_path):
@@ -664,4 +664,4 @@ def test_corrupted_frame_refused_before_anything_serves(zstd_snapshots, tmp_path
     assert engine_pids(10, before) - before == set()
     with socket.socket() as s:  # the port was never bound
         s.bind(("127.0.0.1", port))
-    assert not list(Path("/dev/shm").glob("vllm-snapshot-stage-*"))
+    assert staging_left() == []

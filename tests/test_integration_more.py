@@ -285,20 +285,25 @@ def test_enospc_during_create_is_clear_and_leaves_nothing(tmp_path):
 
 
 def test_bench_quick_smoke(snapshot, tmp_path):
-    """scripts/bench.py --quick: a cold start and one restore of the session snapshot, measured
-    in one run; prints JSON with the ratios (targets are recorded, never asserted)."""
+    """scripts/bench.py --quick runs: one restore of the session snapshot, measured, with its
+    phases, the targets table and the verdicts-before-bind check, as JSON. No cold start of its
+    own (one would add a minute to prove a script runs): it is given the engine start the
+    session snapshot's create measured, and the restore must beat it by far (the product's
+    point: the restore skips the load, compile and warm-up that engine start paid)."""
+    engine_start = mf.read(snapshot).timings["engine_start"]
     out = tmp_path / "bench.json"
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--snapshot", str(snapshot),
-                        "--json-out", str(out), "--workdir", str(tmp_path)],
+                        "--cold-start-s", str(engine_start), "--json-out", str(out), "--workdir", str(tmp_path)],
                        capture_output=True, text=True, timeout=900, env=engine_env(), cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
+    assert ": cold start (" not in p.stderr  # none was run
     res = json.loads(out.read_text())
     (run,) = res["runs"].values()
-    assert res["cold_start_s"] > 0 and run["restore_median_s"] > 0
-    assert run["speedup_vs_cold"] == round(res["cold_start_s"] / run["restore_median_s"], 2)
-    assert set(run["restores"][0]["phases"]) >= {"validate", "stage", "criu_restore", "oracle", "bind", "canary"}
+    assert res["cold_starts_s"] == {"given": round(engine_start, 3)} and res["cold_start_s"] == round(engine_start, 3)
+    restore = run["restores"][0]
+    assert 0 < run["restore_median_s"] and run["restore_median_s"] * 3 < engine_start, (run["restore_median_s"], engine_start)
+    assert set(restore["phases"]) >= {"validate", "stage", "criu_restore", "oracle", "bind", "canary"}
     assert res["help_s"] > 0 and res["inspect_s"] > 0
-    assert res["cold_start_s"] == min(res["cold_starts_s"].values())
     assert [row[0] for row in res["targets"]] == [1, 3, 4, 5]  # issue 32's, the big model's 2 aside
     assert res["targets"][-1][4] is True, res["targets"][-1]  # every verdict before the bind
 

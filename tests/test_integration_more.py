@@ -261,7 +261,10 @@ def test_kill_9_create_leaves_nothing(snap_root):
     assert leftovers, "expected the crashed create's temp dir"
     env = {**engine_env(), "VLLM_SNAPSHOT_ROOT": str(snap_root)}
     pr = json.loads(cli("prune", "--older-than", "999d", "--json", env=env, check=True).stdout)
-    assert sorted(pr["temp_removed"]) == sorted(str(x) for x in leftovers)
+    # prune also reclaims host-wide leftovers of any run (empty engine cgroups, staging dirs of
+    # dead owners: a concurrent run's made this fail): what is under this test's root is its own
+    assert sorted(x for x in pr["temp_removed"] if x.startswith(f"{snap_root}/")) == sorted(str(x) for x in leftovers)
+    assert not any(x.exists() for x in leftovers)
     assert not list(snap_root.glob(".killed.tmp-*"))
 
 

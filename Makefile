@@ -3,6 +3,8 @@
 CACHE ?= /var/cache/vllm-snapshot
 VENV  := $(CACHE)/venv
 export VLLM_SNAPSHOT_CACHE := $(CACHE)
+# extra pytest arguments, e.g. `make test PYTEST_ARGS=--durations=40` (.ci/run does)
+PYTEST_ARGS ?=
 
 .PHONY: setup demo test unit
 setup:
@@ -12,7 +14,7 @@ demo: setup
 	$(VENV)/bin/vllm-snapshot demo
 
 test: setup
-	$(VENV)/bin/python -m pytest tests
+	$(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)
 
 unit: setup
-	$(VENV)/bin/python -m pytest tests -m "not integration and not system"
+	$(VENV)/bin/python -m pytest tests -m "not integration and not system" $(PYTEST_ARGS)

@@ -17,7 +17,8 @@ two. Also raw vs stored bytes, a bare ``criu restore`` of the same staged images
 figure), and the timings of ``vllm-snapshot --help`` and ``inspect``. Prints ratios and issue 32's
 targets 1-5 (value, target, met?) per model; never asserts them.
 ``--quick`` (CI smoke test): one compression, one restore, one cold start (the given args), no
-bare CRIU run, no switch, no plot. A full run also switches one port between its two snapshots
+bare CRIU run, no switch, no plot. ``--cold-start-s S``: no cold start is run, the ratios are
+against ``S`` seconds measured elsewhere (the test suite gives its snapshot's engine start). A full run also switches one port between its two snapshots
 (hand-over, a client polling every 50 ms: target 4).
 ``--big-model DIR``: the same for a second model in the same run (target 2).
 """
@@ -242,10 +243,11 @@ def switch_probe(snaps: list[Path], work: Path, rounds: int, poll_ms: float = 50
 
 
 def bench_model(model: Path, engine_args: list[str], comps: list[str], restores: int, quick: bool,
-                work: Path, snapshot: Path | None) -> tuple[dict, Path]:
+                work: Path, snapshot: Path | None, cold_given: float | None = None) -> tuple[dict, Path]:
     """Cold start (and its memory), then per compression a create and ``restores`` restores
-    (and the first restored tree's memory), and a bare CRIU restore. Returns (result, the last
-    snapshot)."""
+    (and the first restored tree's memory), and a bare CRIU restore. ``cold_given``: a cold
+    start measured elsewhere (seconds), used instead of running one (``cold_starts_s`` is then
+    ``{"given": ...}``, no cold memory). Returns (result, the last snapshot)."""
     res: dict = {"model": str(model), "engine_args": engine_args, "runs": {}}
     snap = None
     for comp in comps:
@@ -288,7 +290,10 @@ def bench_model(model: Path, engine_args: list[str], comps: list[str], restores:
         res["switch"] = switch_probe([work / f"snap-{Path(model).name}-{c.replace(':', '-')}" for c in comps],
                                      work, rounds=2)
     # after the creates: the compile cache holds what a compiled start of these args needs
-    res["cold_starts_s"], res["cold_memory"] = cold_starts(Path(model), engine_args, quick)
+    if cold_given is None:
+        res["cold_starts_s"], res["cold_memory"] = cold_starts(Path(model), engine_args, quick)
+    else:
+        res["cold_starts_s"], res["cold_memory"] = {"given": round(cold_given, 3)}, {}
     res["cold_start_s"] = min(res["cold_starts_s"].values())
     for comp, run in res["runs"].items():
         med = sorted(x["to_validated_completion_s"] for x in run["restores"])[len(run["restores"]) // 2]
@@ -417,6 +422,9 @@ def main() -> int:
     ap.add_argument("--load", default="", help="what else ran on the machine (written into --md)")
     ap.add_argument("--snapshot", type=Path, default=None,
                     help="with --quick: restore this existing snapshot instead of creating one")
+    ap.add_argument("--cold-start-s", type=float, default=None,
+                    help="a cold start measured elsewhere, in seconds (e.g. a create's engine_start): no cold "
+                         "start is run and the speed-up is against this one (the test suite's smoke run)")
     ap.add_argument("engine_args", nargs="*")
     ap.add_argument("--replot", type=Path, default=None, help="only draw --plot from a saved --json-out file")
     a = ap.parse_args()
@@ -432,7 +440,7 @@ def main() -> int:
     os.chmod(work, 0o700)
     when = time.strftime("%Y-%m-%d %H:%M:%S")
     try:
-        res, snap = bench_model(Path(model), engine_args, comps, restores, a.quick, work, a.snapshot)
+        res, snap = bench_model(Path(model), engine_args, comps, restores, a.quick, work, a.snapshot, a.cold_start_s)
         res.update({"host": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
                     "when": when, "quick": a.quick, "load": a.load})
         cli, env = [sys.executable, "-c", CONSOLE_SCRIPT], cli_env()

@@ -132,6 +132,119 @@ def _environ_restored():
         os.environ.update(saved)
 
 
+# ----------------------------------------------------------------------------- this run's own state
+#
+# Each test run has its own VLLM_SNAPSHOT_RUN_DIR (engine registry, locks), STATE_DIR, LOG_DIR and
+# STAGING_DIR, under its pytest base temp dir, set in os.environ so every command a test starts
+# inherits them (the runc integration helpers' shape: ``ROOT=$(mktemp -d)``, ``--root
+# "$ROOT/state"``, teardown of its own containers only). The "nothing left" checks look only at
+# what this run owns (:func:`owned_by_this_run`, :func:`criu_pids`, :func:`staging_left`), so a
+# vllm-snapshot service or another test run on the host cannot fail them.
+
+#: The env variables of :mod:`vllm_snapshot.paths` a run owns, and their directory under the run's state dir.
+RUN_STATE_DIRS = {"VLLM_SNAPSHOT_RUN_DIR": "run", "VLLM_SNAPSHOT_STATE_DIR": "state",
+                  "VLLM_SNAPSHOT_LOG_DIR": "log", "VLLM_SNAPSHOT_STAGING_DIR": "staging"}
+#: This run's pytest base temp dir (set by :func:`_run_state`): every run dir of this run (its
+#: own, and those tests make for "another run dir" or a "node") is below it.
+RUN_BASE: Path | None = None
+#: PIDs of the vllm-snapshot commands this run started (:func:`cli`, :func:`started`): the
+#: owners of staging dirs this run may have left.
+STARTED: set[int] = set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _run_state(tmp_path_factory):
+    """Point this run's commands at its own state dirs (0700, root's, as the defaults are: the
+    engine user never opens them by path -- a detached engine's log is opened by its restore
+    and handed over). The CRIU lock stays host-wide: it also guards the engine cgroups, which
+    every run on this host shares (a reclaim that ran outside it removed another restore's new
+    leaf), so this run's ``criu.lock`` is a symlink to the host's (lock files are opened
+    following links). At the end, engines still registered in this run's registry are stopped,
+    and only those."""
+    global RUN_BASE
+    RUN_BASE = tmp_path_factory.getbasetemp().resolve()
+    state = RUN_BASE / "vllm-snapshot-state"
+    host_run = Path(os.environ.get("VLLM_SNAPSHOT_RUN_DIR") or "/run/vllm-snapshot")
+    for var, name in RUN_STATE_DIRS.items():
+        d = state / name
+        d.mkdir(parents=True, mode=0o700, exist_ok=True)
+        os.chmod(d, 0o700)
+        os.environ[var] = str(d)
+    os.chmod(state, 0o700)
+    if os.geteuid() == 0:
+        host_run.mkdir(parents=True, mode=0o700, exist_ok=True)
+        os.close(os.open(host_run / "criu.lock", os.O_WRONLY | os.O_CREAT, 0o600))
+        (state / "run" / "criu.lock").symlink_to(host_run / "criu.lock")
+    yield state
+    if os.geteuid() == 0:
+        from vllm_snapshot.store import registry
+
+        for e in registry.entries():
+            registry.stop(e, drain_s=0)
+
+
+def started(p: subprocess.Popen) -> subprocess.Popen:
+    """Record ``p`` (a vllm-snapshot command a test started itself) as this run's; returns it."""
+    STARTED.add(p.pid)
+    return p
+
+
+def owned_by_this_run(p) -> bool:
+    """Whether the process ``p`` (psutil) is this run's: its environment names a
+    VLLM_SNAPSHOT_RUN_DIR below this run's base temp dir. That holds for the commands this run
+    starts, the CRIU they run, the engines their creates launch, and the engines restored from
+    this run's snapshots (a restored tree keeps the environment of the create that dumped it)."""
+    import psutil
+
+    if RUN_BASE is None:
+        return False
+    try:
+        run_dir = p.environ().get("VLLM_SNAPSHOT_RUN_DIR", "")
+    except (psutil.Error, OSError):
+        return False
+    return bool(run_dir) and Path(run_dir).is_relative_to(RUN_BASE)
+
+
+def criu_pids() -> list[int]:
+    """CRIU processes of this run still running (:func:`owned_by_this_run`; zombies are not)."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["name", "cmdline", "status"]):
+        try:
+            if (p.info["name"] == "criu" or (p.info["cmdline"] or [""])[0].endswith("/criu")) \
+                    and p.info["status"] != psutil.STATUS_ZOMBIE and owned_by_this_run(p):
+                out.append(p.pid)
+        except psutil.Error:
+            continue
+    return out
+
+
+def staging_left(*near: Path) -> list[Path]:
+    """Staging dirs of this run under /dev/shm, this run's staging dir and ``near``: those whose
+    owner PID (``vllm-snapshot-stage-<PID>-...``) is a command this run started (:data:`STARTED`),
+    or a live process of this run. Another run's or a service's staging dirs are not listed."""
+    import psutil
+
+    from vllm_snapshot import paths
+    from vllm_snapshot.store import archive
+
+    out = []
+    for d in (Path("/dev/shm"), paths.staging_dir(), *near):
+        for s in (d.glob(f"{archive.STAGE_PREFIX}*") if d.is_dir() else []):
+            head = s.name[len(archive.STAGE_PREFIX):].split("-", 1)[0]
+            pid = int(head) if head.isdigit() else 0
+            if pid in STARTED:
+                out.append(s)
+                continue
+            try:
+                if pid and owned_by_this_run(psutil.Process(pid)):
+                    out.append(s)
+            except psutil.Error:
+                continue
+    return sorted(out)
+
+
 def engine_env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the KV cache size is an engine arg
@@ -141,8 +254,15 @@ def engine_env() -> dict[str, str]:
 
 def cli(*args: str, timeout: float = 900, check: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m vllm_snapshot ARGS`` and capture its output (text)."""
-    p = subprocess.run([sys.executable, "-m", "vllm_snapshot", *args], capture_output=True, text=True,
-                       timeout=timeout, env=env or engine_env(), cwd=ROOT)
+    with started(subprocess.Popen([sys.executable, "-m", "vllm_snapshot", *args], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=env or engine_env(), cwd=ROOT)) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+    p = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     if check and p.returncode != 0:
         raise AssertionError(f"vllm-snapshot {' '.join(args)} exited {p.returncode}\n{p.stdout}\n{p.stderr}")
     return p

@@ -117,39 +117,83 @@ ARG_RULES = {"arg_value", "has_flag", "last_value", "flag_name", "check_engine_a
              "argparse_reason", "RESTORE_OWNED_ARGS", "FRONTEND_OPTIONS", "FRONTEND_REFUSED", "EARLY_REFUSED",
              "PARALLEL_SIZES"}
 
+#: Engine-argument walkers written outside engine/args.py today: known debt, each to move there
+#: (docs review architecture-3, recommendation 1: one owner of ``vllm serve`` argv). Remove an
+#: entry when its walker moves; the test fails while a listed one is no longer found.
+ARG_WALKER_DEBT = {
+    "cli/app.py:_pop_option: splits at '='": "serve lifts --host/--port out of the engine args by hand",
+    "host/envpolicy.py:redact_args: splits at '='": "redaction walks the engine args itself (secret flags, nargs)",
+    "store/model_digest.py:check_config: splits at '='": "reads --config-format / --hf-config-path by hand",
+    "supervise/frontend.py:_walk: splits at '='": "the front-end options' own walker (arity, values)",
+}
+#: What the finder flags that does not take engine arguments apart, and what it splits instead.
+NOT_ENGINE_ARGS = {
+    "checkpoint/criu.py:config_libdirs: splits at '='": "CRIU's configuration files (libdir=)",
+    "checkpoint/cuda_checkpoint.py:parse_device_map: splits at '='": "a --device-map value OLD=NEW",
+    "checkpoint/mountpolicy.py:_devname: splits at '='": "a block device's uevent file (DEVNAME=)",
+    "cli/app.py:_global_options_first: splits at '='": "vllm-snapshot's own options before the command",
+    "cli/app.py:_subcommand: startswith('--root=')": "vllm-snapshot's own --root",
+}
+
+
+def _by_function(tree: ast.AST):
+    """``(name of the innermost enclosing function or "<module>", node)`` for every node."""
+    def visit(node, fn):
+        for child in ast.iter_child_nodes(node):
+            name = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else fn
+            yield name, child
+            yield from visit(child, name)
+    yield from visit(tree, "<module>")
+
 
 def arg_rule_owners(trees: dict[str, ast.AST]) -> list[str]:
-    """Every place outside engine/args.py that defines an :data:`ARG_RULES` name or scans args
-    for a flag by hand (``a.startswith("--flag=")``): ``"FILE:LINE: what"``."""
+    """Every place outside engine/args.py that defines an :data:`ARG_RULES` name
+    (``"FILE:LINE: def NAME"``, ``"FILE:LINE: NAME ="``), scans args for a flag by hand
+    (``a.startswith("--flag=")``: ``"FILE:FUNCTION: startswith('--flag=')"``) or takes a token
+    apart at ``=`` (``.split("=")``, ``.partition("=")``: the step every walker of
+    ``--flag=value`` needs, whatever else it is written with, ``flag_name`` included:
+    ``"FILE:FUNCTION: splits at '='"``)."""
     import re
 
-    out = []
+    out = set()
     for rel, tree in trees.items():
         if rel == "engine/args.py":
             continue
-        for node in ast.walk(tree):
-            if rel == "cli/app.py" and isinstance(node, ast.Call):
-                continue  # it scans vllm-snapshot's own argv (--root=), not engine args
+        for fn, node in _by_function(tree):
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in ARG_RULES:
-                out.append(f"{rel}:{node.lineno}: def {node.name}")
+                out.add(f"{rel}:{node.lineno}: def {node.name}")
             elif isinstance(node, ast.Assign):
-                out += [f"{rel}:{node.lineno}: {t.id} =" for t in node.targets
-                        if isinstance(t, ast.Name) and t.id in ARG_RULES]
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "startswith" \
-                    and node.args and isinstance(node.args[0], ast.Constant) \
-                    and re.fullmatch(r"--[a-z][a-z0-9-]*=", str(node.args[0].value)):
-                out.append(f"{rel}:{node.lineno}: startswith({node.args[0].value!r})")
+                out |= {f"{rel}:{node.lineno}: {t.id} =" for t in node.targets
+                        if isinstance(t, ast.Name) and t.id in ARG_RULES}
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args \
+                    and isinstance(node.args[0], ast.Constant):
+                arg = str(node.args[0].value)
+                if node.func.attr == "startswith" and re.fullmatch(r"--[a-z][a-z0-9-]*=", arg):
+                    out.add(f"{rel}:{fn}: startswith({arg!r})")
+                elif node.func.attr in ("split", "rsplit", "partition", "rpartition") and arg == "=":
+                    out.add(f"{rel}:{fn}: splits at '='")
     return sorted(out)
 
 
 def test_the_finder_finds_a_second_arg_rule():
-    trees = {"ops/create.py": ast.parse('def arg_value(a, f): pass\nsized = any(a.startswith("--kv-cache=") for a in x)\n'),
+    trees = {"ops/create.py": ast.parse('def arg_value(a, f): pass\nsized = any(a.startswith("--kv-cache=") for a in x)\n'
+                                        'def walk(args):\n    for a in args:\n        name, _, v = a.partition("=")\n'),
+             "cli/app.py": ast.parse('def lift(args):\n    return [a.split("=", 1)[1] for a in args if a.startswith("--port=")]\n'),
              "engine/args.py": ast.parse("def arg_value(a, f): pass\n")}
-    assert arg_rule_owners(trees) == ["ops/create.py:1: def arg_value", "ops/create.py:2: startswith('--kv-cache=')"]
+    assert arg_rule_owners(trees) == ["cli/app.py:lift: splits at '='", "cli/app.py:lift: startswith('--port=')",
+                                      "ops/create.py:1: def arg_value", "ops/create.py:<module>: startswith('--kv-cache=')",
+                                      "ops/create.py:walk: splits at '='"]
 
 
-def test_only_engine_args_holds_the_engine_argument_rules():
-    assert arg_rule_owners(_trees()) == []
+def test_engine_argument_rules_live_in_engine_args_but_for_the_listed_debt():
+    """Only engine/args.py holds the engine-argument rules, but for the walkers listed as known
+    debt in :data:`ARG_WALKER_DEBT` (by file and function) and what :data:`NOT_ENGINE_ARGS` says
+    is no engine argument; cli/app.py is searched like every other module."""
+    found = arg_rule_owners(_trees())
+    assert [f for f in found if f not in ARG_WALKER_DEBT and f not in NOT_ENGINE_ARGS] == [], \
+        "a new engine-argument rule or walker outside engine/args.py: use engine/args.py's (or list what it splits)"
+    assert sorted(set(ARG_WALKER_DEBT) | set(NOT_ENGINE_ARGS)) == found, \
+        "a listed walker is gone (moved to engine/args.py?): remove it from the list"
 
 
 def private_imports(trees: dict[str, ast.AST]) -> list[str]:

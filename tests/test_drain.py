@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from fakes import FakeWorld, isolated_manifest
+from helpers import stand_in
 
 from vllm_snapshot.store import locks, registry
 from vllm_snapshot import ops
@@ -122,37 +123,74 @@ def test_port_sockets_reads_the_trees_listener_and_connections_from_proc(busy_se
     assert registry._port_sockets([psutil.Process()], e.port) == (False, 0)
 
 
-def test_stop_waits_for_the_request_in_flight_then_returns(busy_server):
+@pytest.fixture()
+def stop_events(monkeypatch):
+    """What ``registry.stop`` does, in order, instead of how long it took (a wall-clock bound
+    flakes under load): ``("signal", sig)`` for each signal it sends and ``("wait", timeout_s)``
+    for each wait for the tree to exit (``poll_s`` ones are its poll rounds)."""
+    events: list[tuple[str, float]] = []
+    real_signal, real_wait = registry._signal, registry.wait_gone
+
+    def _signal(pid, sig):
+        events.append(("signal", sig))
+        real_signal(pid, sig)
+
+    def wait_gone(procs, timeout_s, poll_s=0.01):
+        events.append(("wait", timeout_s))
+        return real_wait(procs, timeout_s, poll_s)
+
+    monkeypatch.setattr(registry, "_signal", stand_in(registry._signal, _signal))
+    monkeypatch.setattr(registry, "wait_gone", stand_in(registry.wait_gone, wait_gone))
+    return events
+
+
+def _signals(events) -> list[int]:
+    return [v for k, v in events if k == "signal"]
+
+
+def _waits(events, timeout_s: float) -> int:
+    return sum(1 for k, v in events if k == "wait" and v == timeout_s)
+
+
+def test_stop_waits_for_the_request_in_flight_then_returns(busy_server, stop_events):
     e, _client = busy_server(hold=1.0)
     r = registry.stop(e, drain_s=20)
     assert r.drained and r.cut == 0 and not r.killed
-    assert 0.9 < r.seconds < 10  # the request's second, not the 20 s drain
+    assert r.seconds > 0.9  # it waited for the request's second (load only makes that longer)
+    # and not for the 20 s drain: that would have ended in a second SIGTERM
+    assert _signals(stop_events) == [signal.SIGTERM]
     assert registry.tree(e.pid) == [] or registry.tree(e.pid)[0].status() == "zombie"
 
 
-def test_a_drain_that_runs_out_cuts_counts_and_ends_with_a_second_sigterm(busy_server):
+def test_a_drain_that_runs_out_cuts_counts_and_ends_with_a_second_sigterm(busy_server, stop_events):
     e, _client = busy_server(hold=60.0)
     r = registry.stop(e, drain_s=0.5)
+    # cut, not waited for: the request holds 60 s, and had stop waited it would have ended drained
     assert not r.drained and r.cut == 1
-    assert not r.killed  # it exited on the second SIGTERM, no SIGKILL needed
-    assert r.seconds < 5
+    assert _signals(stop_events) == [signal.SIGTERM, signal.SIGTERM]
+    assert not r.killed  # it exited on the second SIGTERM, within the teardown wait: no SIGKILL needed
 
 
-def test_an_engine_that_never_exits_is_killed_after_the_drain_and_the_teardown(busy_server):
+def test_an_engine_that_never_exits_is_killed_after_the_drain_and_the_teardown(busy_server, stop_events):
     e, _client = busy_server(hold=60.0, ignore=True)
     assert len(registry.tree(e.pid)) == 2
     r = registry.stop(e, drain_s=0.3, teardown_s=2.0)
     assert not r.drained and r.cut == 1 and r.killed
-    assert r.seconds < 3.5  # the drain and one teardown wait, not one per process of the tree
+    assert _signals(stop_events) == [signal.SIGTERM, signal.SIGTERM]
+    # the drain, then one teardown wait for the whole tree, not one per process of the tree
+    assert _waits(stop_events, 2.0) == 1
     assert registry.tree(e.pid) == [] or all(p.status() == "zombie" for p in registry.tree(e.pid))
 
 
-def test_stop_drains_for_the_engines_own_timeout_by_default(busy_server):
+def test_stop_drains_for_the_engines_own_timeout_by_default(busy_server, stop_events):
     e, _client = busy_server(hold=60.0)
     e = Entry(**{**e.__dict__, "drain_s": 0.4})
-    t0 = time.monotonic()
-    r = registry.stop(e)
-    assert not r.drained and time.monotonic() - t0 < 5
+    r = registry.stop(e, poll_s=0.05)
+    assert not r.drained and _signals(stop_events) == [signal.SIGTERM, signal.SIGTERM]
+    # counted, not timed: each poll round lasts at least poll_s (the tree is alive, wait_gone
+    # sleeps), so the engine's 0.4 s drain ends within 0.4/0.05 rounds, +1 for the one that
+    # crosses the deadline; the 30 s default (or the 60 s request) would take hundreds
+    assert 1 <= _waits(stop_events, 0.05) <= 0.4 / 0.05 + 1, stop_events
 
 
 # ------------------------------------------------------------------ the engine's signal handling

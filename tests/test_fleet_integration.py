@@ -333,10 +333,22 @@ def _interrupt(args: list[str], under_way) -> tuple[int, float, str]:
     return proc.returncode, time.monotonic() - t0, err
 
 
-def test_ctrl_c_of_a_pull_or_a_push_exits_130_within_seconds_leaving_nothing_listed_or_tagged(
+_ACCESS = re.compile(r'"(?P<method>[A-Z]+) (?P<path>\S+) HTTP/[0-9.]+" (?P<status>\d{3}) (?P<bytes>\d+)')
+
+
+def _access(reg: RegistryServer, since: int) -> list[dict]:
+    """The access-log lines from index ``since`` as dicts: method, path, status, bytes (sent)."""
+    time.sleep(1.0)  # the registry logs a request once its handler is done, an aborted one too
+    return [m.groupdict() for line in reg.requests_log()[since:] if (m := _ACCESS.search(line))]
+
+
+def test_ctrl_c_of_a_pull_or_a_push_exits_130_cutting_the_transfers_in_flight_leaving_nothing_listed_or_tagged(
         snapshot, own_registry, tmp_path):
     """A trial: Ctrl-C of a pull took 12.7 s to exit, of a push ~7 s: every transfer thread
-    finished its layer (up to 256 MiB). Now they stop between chunks."""
+    finished its layer (up to 256 MiB). Now they stop between chunks. Proven by the registry's
+    access log, not by a bound in seconds (which flaked under load, and which the tiny model's
+    layers could meet even when finished): the 256 MiB parts in flight at the SIGINT were cut
+    (a blob GET sent less than the blob; an upload begun and never completed)."""
     copy = _clone(snapshot, tmp_path / "a" / "tiny")
     image = f"{own_registry.host}/{REPO}:v1"
     cli("push", str(copy), image, "--plain-http", check=True)
@@ -345,7 +357,10 @@ def test_ctrl_c_of_a_pull_or_a_push_exits_130_within_seconds_leaving_nothing_lis
     rc, took, err = _interrupt(["--root", str(root), "pull", image, "--plain-http", "--name", "tiny"],
                                lambda: len(own_registry.blob_gets(mark)) >= 2)  # the config and a layer sent
     assert rc == 130 and "interrupted" in err, err[-2000:]
-    assert took < 3.0, f"pull exited {took:.2f} s after SIGINT"
+    gets = [a for a in _access(own_registry, mark) if a["method"] == "GET" and "/blobs/sha256:" in a["path"]]
+    cut = [a["path"] for a in gets
+           if int(a["bytes"]) < own_registry.blob_path(a["path"].rsplit("/", 1)[1]).stat().st_size]
+    assert cut, f"pull exited {took:.2f} s after SIGINT, and every blob it had begun was sent whole: {gets}"
     assert _listed(root) == [] and [n for n in os.listdir(root) if not n.startswith(".")] == []
     mark = len(own_registry.requests_log())
     began: list[float] = []
@@ -356,7 +371,10 @@ def test_ctrl_c_of_a_pull_or_a_push_exits_130_within_seconds_leaving_nothing_lis
         return bool(began) and time.monotonic() - began[0] >= 0.3
     rc, took, err = _interrupt(["push", str(copy), f"{own_registry.host}/fleet/other:v1", "--plain-http"], uploading)
     assert rc == 130 and "interrupted" in err, err[-2000:]
-    assert took < 3.0, f"push exited {took:.2f} s after SIGINT"
+    log = _access(own_registry, mark)
+    begun = [a for a in log if a["method"] == "POST" and "/blobs/uploads/" in a["path"] and a["status"] == "202"]
+    done = [a for a in log if a["method"] == "PUT" and "/blobs/uploads/" in a["path"] and a["status"] == "201"]
+    assert len(done) < len(begun), f"push exited {took:.2f} s after SIGINT, every upload it had begun completed: {log}"
     assert not _tag_resolves(own_registry, "v1", "fleet/other")
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from vllm_snapshot.store import manifest as mf
 
-from conftest import ENGINE_ARGS, ROOT, TINY, cli, engine_env
+from conftest import ENGINE_ARGS, ROOT, TINY, cli, engine_env, owned_by_this_run, staging_left
 
 pytestmark = pytest.mark.integration
 
@@ -29,9 +29,10 @@ def free_port() -> int:
 
 
 def engine_pids(settle_s: float = 0.0, baseline: set[int] | None = None) -> set[int]:
-    """PIDs of every engine root (ours) and vLLM engine process on this host that is still
-    running (zombies waiting for their reaper are not running). With ``baseline``, waits up to
-    ``settle_s`` seconds for the processes not in it to disappear."""
+    """PIDs of this run's engine roots (ours) and vLLM engine processes that are still running
+    (zombies waiting for their reaper are not running): :func:`conftest.owned_by_this_run`, so
+    an engine of a service or of another test run on this host is not counted. With
+    ``baseline``, waits up to ``settle_s`` seconds for the processes not in it to disappear."""
     deadline = time.monotonic() + settle_s
     while True:
         out = set()
@@ -40,7 +41,8 @@ def engine_pids(settle_s: float = 0.0, baseline: set[int] | None = None) -> set[
                 if p.info["status"] == psutil.STATUS_ZOMBIE:
                     continue
                 cmd = " ".join(p.info["cmdline"] or [])
-                if "vllm_snapshot.engine.main" in cmd or "fake_engine.py" in cmd or (p.info["name"] or "").startswith("VLLM::"):
+                if ("vllm_snapshot.engine.main" in cmd or "fake_engine.py" in cmd
+                        or (p.info["name"] or "").startswith("VLLM::")) and owned_by_this_run(p):
                     out.add(p.pid)
             except psutil.Error:
                 continue
@@ -195,7 +197,7 @@ def test_oracle_mismatch_fails_closed(clone_snapshot):
     time.sleep(1)
     assert engine_pids(10, before) - before == set(), "restored processes were left running"
     assert (snap / "manifest.json").read_bytes() == before_manifest
-    assert not list((snap.parent).glob("vllm-snapshot-stage-*"))
+    assert staging_left(snap.parent) == []
 
 
 def test_port_in_use_refused_before_criu(snapshot):

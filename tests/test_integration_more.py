@@ -21,7 +21,7 @@ import zstandard
 from vllm_snapshot.store import archive
 from vllm_snapshot.store import manifest as mf
 
-from conftest import ENGINE_ARGS, PLANTED_SECRETS, ROOT, TINY, cli, engine_env
+from conftest import ENGINE_ARGS, PLANTED_SECRETS, ROOT, TINY, cli, engine_env, staging_left
 from test_integration import engine_pids, free_port, port_accepts, post, stop, wait_gone
 from helpers import readable_by_engine
 
@@ -129,7 +129,7 @@ def test_flipped_byte_in_pages_refused(clone_snapshot):
             s.bind(("127.0.0.1", port))
     assert pages.name in p.stderr and "checksum" in p.stderr
     assert (snap / "manifest.json").read_bytes() == before_manifest
-    assert not list(Path("/dev/shm").glob("vllm-snapshot-stage-*"))
+    assert staging_left() == []
 
 
 def test_hand_edited_manifest_refused(clone_snapshot):
@@ -261,7 +261,10 @@ def test_kill_9_create_leaves_nothing(snap_root):
     assert leftovers, "expected the crashed create's temp dir"
     env = {**engine_env(), "VLLM_SNAPSHOT_ROOT": str(snap_root)}
     pr = json.loads(cli("prune", "--older-than", "999d", "--json", env=env, check=True).stdout)
-    assert sorted(pr["temp_removed"]) == sorted(str(x) for x in leftovers)
+    # prune also reclaims host-wide leftovers of any run (empty engine cgroups, staging dirs of
+    # dead owners: a concurrent run's made this fail): what is under this test's root is its own
+    assert sorted(x for x in pr["temp_removed"] if x.startswith(f"{snap_root}/")) == sorted(str(x) for x in leftovers)
+    assert not any(x.exists() for x in leftovers)
     assert not list(snap_root.glob(".killed.tmp-*"))
 
 
@@ -285,20 +288,25 @@ def test_enospc_during_create_is_clear_and_leaves_nothing(tmp_path):
 
 
 def test_bench_quick_smoke(snapshot, tmp_path):
-    """scripts/bench.py --quick: a cold start and one restore of the session snapshot, measured
-    in one run; prints JSON with the ratios (targets are recorded, never asserted)."""
+    """scripts/bench.py --quick runs: one restore of the session snapshot, measured, with its
+    phases, the targets table and the verdicts-before-bind check, as JSON. No cold start of its
+    own (one would add a minute to prove a script runs): it is given the engine start the
+    session snapshot's create measured, and the restore must beat it by far (the product's
+    point: the restore skips the load, compile and warm-up that engine start paid)."""
+    engine_start = mf.read(snapshot).timings["engine_start"]
     out = tmp_path / "bench.json"
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--snapshot", str(snapshot),
-                        "--json-out", str(out), "--workdir", str(tmp_path)],
+                        "--cold-start-s", str(engine_start), "--json-out", str(out), "--workdir", str(tmp_path)],
                        capture_output=True, text=True, timeout=900, env=engine_env(), cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
+    assert ": cold start (" not in p.stderr  # none was run
     res = json.loads(out.read_text())
     (run,) = res["runs"].values()
-    assert res["cold_start_s"] > 0 and run["restore_median_s"] > 0
-    assert run["speedup_vs_cold"] == round(res["cold_start_s"] / run["restore_median_s"], 2)
-    assert set(run["restores"][0]["phases"]) >= {"validate", "stage", "criu_restore", "oracle", "bind", "canary"}
+    assert res["cold_starts_s"] == {"given": round(engine_start, 3)} and res["cold_start_s"] == round(engine_start, 3)
+    restore = run["restores"][0]
+    assert 0 < run["restore_median_s"] and run["restore_median_s"] * 3 < engine_start, (run["restore_median_s"], engine_start)
+    assert set(restore["phases"]) >= {"validate", "stage", "criu_restore", "oracle", "bind", "canary"}
     assert res["help_s"] > 0 and res["inspect_s"] > 0
-    assert res["cold_start_s"] == min(res["cold_starts_s"].values())
     assert [row[0] for row in res["targets"]] == [1, 3, 4, 5]  # issue 32's, the big model's 2 aside
     assert res["targets"][-1][4] is True, res["targets"][-1]  # every verdict before the bind
 
@@ -392,7 +400,7 @@ def test_restore_in_a_small_memory_cgroup_is_refused_before_criu(snapshot):
         assert "needs about 1." in err["message"] and "GiB is available: memory cgroup" in err["message"]
         assert "limit 0.68 GiB" in err["message"]
         assert "criu" not in p.stderr.lower() and not port_accepts(port)
-        assert "stage" not in json.dumps(err) and not list(snapshot.parent.glob("vllm-snapshot-stage-*"))
+        assert "stage" not in json.dumps(err) and staging_left(snapshot.parent) == []
     finally:
         for _ in range(50):
             try:
@@ -636,7 +644,7 @@ def test_compressed_snapshot_restores_and_serves(zstd_snapshots, kind):
         assert port_accepts(port)
     finally:
         cli("stop", "--port", str(port), timeout=120)
-    assert not list(Path("/dev/shm").glob("vllm-snapshot-stage-*"))
+    assert staging_left() == []
 
 
 def test_corrupted_frame_refused_before_anything_serves(zstd_snapshots, tmp_path):
@@ -664,4 +672,4 @@ def test_corrupted_frame_refused_before_anything_serves(zstd_snapshots, tmp_path
     assert engine_pids(10, before) - before == set()
     with socket.socket() as s:  # the port was never bound
         s.bind(("127.0.0.1", port))
-    assert not list(Path("/dev/shm").glob("vllm-snapshot-stage-*"))
+    assert staging_left() == []

@@ -1,7 +1,7 @@
 """Interrupting restore, create and switch at every phase leaves nothing behind (real engine +
 CRIU). The phase is found from the progress lines, as a user's script would; a signal that
 lands just after a short phase ends hits the next one, which is fine: the invariants are the
-same. Afterwards: no engine process, no CRIU process, no staging dir anywhere, no registry
+same. Afterwards: no engine process, no CRIU process, no staging dir of this run, no registry
 entry, no lock held, the port free, and the snapshot restores normally the next time."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 from vllm_snapshot.store import archive, locks
 from vllm_snapshot.store import manifest as mf
 
-from conftest import ENGINE_ARGS, ROOT, TINY, cli, engine_env
+from conftest import ENGINE_ARGS, ROOT, TINY, cli, criu_pids, engine_env, staging_left, started
 from test_integration import engine_pids, free_port, port_accepts
 
 pytestmark = pytest.mark.integration
@@ -47,25 +47,6 @@ def snapshots(snapshot, tmp_path_factory):
     return {"none": snapshot, "zstd": z}
 
 
-def _criu_running() -> list[int]:
-    out = []
-    for p in psutil.process_iter(["name", "cmdline"]):
-        try:
-            if p.info["name"] == "criu" or (p.info["cmdline"] or [""])[0].endswith("/criu"):
-                if p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(p.pid)
-        except psutil.Error:
-            continue
-    return out
-
-
-def _staging_dirs(snap: Path) -> list[Path]:
-    from vllm_snapshot import paths
-
-    return [p for d in (Path("/dev/shm"), snap.parent, paths.staging_dir()) if d.is_dir()
-            for p in d.glob(f"{archive.STAGE_PREFIX}*")]
-
-
 def _lock_free(snap: Path) -> bool:
     try:
         with locks.snapshot_lock(snap):
@@ -76,11 +57,11 @@ def _lock_free(snap: Path) -> bool:
 
 def assert_nothing_left(snap: Path, port: int, before: set[int]) -> None:
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and (_criu_running() or engine_pids() - before):
+    while time.monotonic() < deadline and (criu_pids() or engine_pids() - before):
         time.sleep(0.2)
     assert engine_pids(5, before) - before == set(), "an engine process was left"
-    assert _criu_running() == [], "a CRIU process was left"
-    assert _staging_dirs(snap) == [], "a staging dir was left"
+    assert criu_pids() == [], "a CRIU process was left"
+    assert staging_left(snap.parent) == [], "a staging dir was left"
     st = json.loads(cli("status", "--json", check=True).stdout)["engines"]
     assert [e for e in st if e["port"] == port] == [], "a registry entry was left"
     assert _lock_free(snap), "the snapshot lock is still held"
@@ -90,8 +71,8 @@ def assert_nothing_left(snap: Path, port: int, before: set[int]) -> None:
 def _interrupt_at(argv: list[str], label: str, sig: int, env=None) -> tuple[int, str]:
     """Run ``vllm-snapshot ARGV``; send ``sig`` when the phase ``label`` starts. Returns
     (exit code, stderr)."""
-    p = subprocess.Popen([sys.executable, "-m", "vllm_snapshot", *argv], stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True, env=env or engine_env(), cwd=ROOT)
+    p = started(subprocess.Popen([sys.executable, "-m", "vllm_snapshot", *argv], stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True, env=env or engine_env(), cwd=ROOT))
     seen, lines = False, []
     # a phase line never seen must fail the test, not hang it while the engine serves
     watchdog = threading.Timer(300, p.kill)
@@ -114,9 +95,25 @@ def _interrupt_at(argv: list[str], label: str, sig: int, env=None) -> tuple[int,
     return p.returncode, "".join(lines) + rest
 
 
-@pytest.mark.parametrize("comp", ["none", "zstd"])
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
-@pytest.mark.parametrize("phase", RESTORE_PHASES)
+#: Where a compressed snapshot's restore differs: its images are decompressed into a staging
+#: dir (in /dev/shm) alongside CRIU, and checksummed as they are, instead of hard-linked beside
+#: the snapshot and checksummed alongside CRIU and the oracle. These phases run with both.
+STAGING_PHASES = ("staging images", "CRIU restore", "image checksums")
+
+
+def _restore_cases() -> list:
+    """Each phase once (both compressions for :data:`STAGING_PHASES`, the others taking
+    turns), and SIGTERM, SIGINT and SIGHUP taking turns: one handler serves the three
+    (tests/test_interrupts.py proves it), so what each case proves is the phase's cleanup."""
+    cases, comps = [], iter(["none", "zstd"] * len(RESTORE_PHASES))
+    for phase in RESTORE_PHASES:
+        cases += [(phase, c) for c in (("none", "zstd") if phase in STAGING_PHASES else (next(comps),))]
+    sigs = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP]
+    return [pytest.param(phase, sigs[i % 3], comp, id=f"{phase}-{sigs[i % 3].name[3:]}-{comp}")
+            for i, (phase, comp) in enumerate(cases)]
+
+
+@pytest.mark.parametrize("phase,sig,comp", _restore_cases())
 def test_interrupted_restore_leaves_nothing(snapshots, comp, sig, phase):
     snap = snapshots[comp]
     before = engine_pids()
@@ -139,7 +136,7 @@ def test_sigkilled_restore_is_reclaimed_by_the_next_command(snapshots, comp, pha
     _interrupt_at(["restore", str(snap), "--port", str(port)], phase, signal.SIGKILL)
     # CRIU may still finish a restore it had begun; then nobody owns that tree
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and _criu_running():
+    while time.monotonic() < deadline and criu_pids():
         time.sleep(0.2)
     r = cli("restore", str(snap), "--port", str(port), "--detach", "--json", timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -158,7 +155,7 @@ def test_interrupted_create_leaves_nothing(snap_root, sig, phase):
     assert "interrupted by SIG" in err
     assert engine_pids(30, before) - before == set(), "engine processes outlived the interrupted create"
     assert not target.exists() and not list(snap_root.glob(f".{target.name}.tmp-*"))
-    assert _criu_running() == []
+    assert criu_pids() == []
 
 
 def test_switch_interrupted_between_stop_and_restore_leaves_the_port_free(snapshots):

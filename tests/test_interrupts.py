@@ -34,6 +34,18 @@ def test_sigterm_becomes_interrupted(handlers):
     assert ei.value.exit_code == 130
 
 
+@pytest.mark.parametrize("sig", interrupts.SIGNALS, ids=lambda s: s.name)
+def test_one_handler_turns_each_signal_into_interrupted(handlers, sig):
+    """SIGINT, SIGTERM and SIGHUP share one handler, and each becomes Interrupted (exit 130)
+    naming it: tests/test_interrupt_integration.py interrupts each phase of a real restore with
+    one of them, taking turns, instead of with each."""
+    assert {signal.getsignal(s) for s in interrupts.SIGNALS} == {interrupts._handler}
+    with pytest.raises(Interrupted, match=sig.name) as ei:
+        os.kill(os.getpid(), sig)
+        time.sleep(1)
+    assert ei.value.exit_code == 130 and ei.value.details == {"signal": sig.name}
+
+
 def test_signals_are_deferred_until_the_block_ends(handlers):
     done = []
     with pytest.raises(Interrupted, match="SIGHUP"):

@@ -119,26 +119,56 @@ def test_a_stand_in_with_another_signature_is_refused():
     assert stand_in(frontend.check, ok) is ok
 
 
-def test_the_demo_calls_only_what_the_role_bundle_has():
-    # `make demo` broke when the one seam became a bundle of roles (t.require_root() on Tools):
-    # no test runs the demo command, so its calls on the bundle are checked here
-    import ast
-    import dataclasses
-    import typing
-    from pathlib import Path
+def test_the_demo_runs_against_the_fake_world(tmp_path, monkeypatch):
+    """`make demo`, the README's first command, broke when the one seam became a bundle of roles
+    (``t.require_root()`` on Tools) and no test ran it. ``demo.run`` takes ``tools`` as the ops
+    do, and runs here end to end against the FakeWorld: a first run creates the snapshot and
+    restores it, a second finds it (made with the demo's engine args) and only restores; each
+    sends one completion to the restored engine, then kills and unregisters it. Only the tiny
+    model's generation and the completion's HTTP call are stood in (cold starts are skipped)."""
+    from vllm_snapshot.cli import demo
+    from vllm_snapshot.dev import tiny_model
+    from vllm_snapshot.store import layout
 
-    from vllm_snapshot.effects import tools as T
+    from helpers import make_manifest, manifest_fields, stand_in, write_snapshot_dir
 
-    hints = typing.get_type_hints(T.Tools)
-    fields = {f.name: hints[f.name] for f in dataclasses.fields(T.Tools)}
-    src = Path(T.__file__).resolve().parents[1] / "cli" / "demo.py"
-    used = [(n.value.attr, n.attr) if isinstance(n.value, ast.Attribute) else (n.attr, None)
-            for n in ast.walk(ast.parse(src.read_text()))
-            if isinstance(n, ast.Attribute) and (
-                (isinstance(n.value, ast.Name) and n.value.id == "t" and not isinstance(getattr(n, "ctx", None), ast.Store))
-                or (isinstance(n.value, ast.Attribute) and isinstance(n.value.value, ast.Name) and n.value.value.id == "t"))]
-    assert used, "the demo no longer uses the bundle named t: update this test"
-    for role, method in used:
-        assert role in fields, f"demo.py uses t.{role}: Tools has no such role ({sorted(fields)})"
-        if method is not None:
-            assert hasattr(fields[role], method), f"demo.py uses t.{role}.{method}: {fields[role].__name__} has no such method"
+    model = tmp_path / "tiny-llama"
+
+    def generate(out, hidden=128, layers=2, heads=2, intermediate=None):
+        return model
+
+    asked: list[tuple[str, dict | None]] = []
+
+    def http_json(url, body=None, timeout=30.0, api_key=None):
+        asked.append((url, body))
+        return 200, {"choices": [{"text": " there"}]}
+
+    monkeypatch.setattr(tiny_model, "generate", stand_in(tiny_model.generate, generate))
+    monkeypatch.setattr(demo, "http_json", stand_in(demo.http_json, http_json))
+    fields = manifest_fields()
+    m = make_manifest(engine=fields["engine"].model_copy(update={"engine_args": tuple(demo.ENGINE_ARGS)}))
+    snap = tmp_path / "root" / demo.DEFAULT_NAME
+
+    w = fakes.FakeWorld(manifest=m)
+    report = demo.run(snap, 0, True, True, tools=w.tools)
+    assert w.calls[0] == "require_root" and "launch_engine" in w.calls and "publish" in w.calls
+    assert w.published == [snap.absolute()]
+    assert _before(w.calls, "publish", "restore_tree") and _before(w.calls, "restore_tree", "engine.kill")
+    assert _before(w.calls, "engine.kill", "unregister")
+    assert report.completion == " there" and report.cold_s is None and report.snapshot == str(snap.absolute())
+    assert asked == [(f"{report.url}/v1/completions", {"model": m.model.served_name, "prompt": "Hello world",
+                                                       "max_tokens": 8, "temperature": 0.0})]
+
+    write_snapshot_dir(snap, m)  # the snapshot the first run made, found by the second
+    assert (snap / layout.MANIFEST).exists()
+    w = fakes.FakeWorld(manifest=m)
+    report = demo.run(snap, 8123, True, True, tools=w.tools)
+    assert "launch_engine" not in w.calls and "publish" not in w.calls and "delete_snapshot" not in w.calls
+    assert _before(w.calls, "restore_tree", "engine.kill") and _before(w.calls, "engine.kill", "unregister")
+    assert report.url.endswith(":8123") and report.completion == " there"
+
+
+def _before(calls: list[str], a: str, b: str) -> bool:
+    return a in calls and b in calls and calls.index(a) < calls.index(b)
+
+

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, cli, engine_env
+from conftest import ROOT, cli, engine_env, staging_left
 from test_integration import free_port, port_accepts, post, wait_gone
 from test_integration_more import _break_link
 
@@ -131,7 +131,7 @@ def test_snapshot_on_a_read_only_mount_restores(clone_snapshot, ro_mount):
     finally:
         s = cli("stop", "--port", str(port), "--json", env=env, timeout=120, check=True)
     assert json.loads(s.stdout)["stopped"][0]["pid"] == pid
-    assert not list(Path("/dev/shm").glob("vllm-snapshot-stage-*"))
+    assert staging_left() == []
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root")

@@ -25,7 +25,7 @@ from ..report.progress import make_reporter
 from ..report.results import DemoReport
 from ..host.envpolicy import scrubbed_env
 from ..effects.http import http_json
-from ..effects.tools import local_tools
+from ..effects.tools import Tools, local_tools
 
 #: The demo's snapshot name under the snapshot root.
 DEFAULT_NAME = "demo-tiny-llama"
@@ -114,10 +114,11 @@ def cold_start(model: Path, port: int, engine_args: list[str] | None = None, mem
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def run(snap: Path, port: int, skip_cold: bool, as_json: bool) -> DemoReport:
+def run(snap: Path, port: int, skip_cold: bool, as_json: bool, tools: Tools | None = None) -> DemoReport:
     """Run the demo (see module doc) on the snapshot ``snap``; returns the report (rendered by
-    the caller). Raises SnapshotError subclasses on failure."""
-    t = local_tools()
+    the caller). ``tools``: the side effects, as the ops take them (default
+    :func:`local_tools`; the tests pass a fake world). Raises SnapshotError subclasses on failure."""
+    t = tools if tools is not None else local_tools()
     t.host.require_root()
     rep = make_reporter(as_json)
     snap = snap.absolute()

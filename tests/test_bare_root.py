@@ -252,6 +252,7 @@ def bare_root():
         subprocess.run(["rm", "-rf", "--one-file-system", str(top)], timeout=900)
 
 
+@pytest.mark.timeout(4800)  # the root's build (900 s at most) and the inner run (3600 s at most) bound it
 def test_readme_quick_start_on_a_bare_debian_root(bare_root, tmp_path):
     root, build_s = bare_root
     t0 = time.monotonic()

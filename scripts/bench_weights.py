@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -110,6 +111,38 @@ def main() -> int:
     finally:
         for engine, pid in clones:
             stop(engine, pid)
+    # switch between two snapshots of the same weights (other engine args): the second create
+    # reuses the weights file; a client polls every 50 ms through the hand-over
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_switch
+
+    other = work / "snap-file-seqs8"
+    m2 = ops.create(ops.CreateRequest(model=str(a.model), target=other, engine_args=[*args, "--max-num-seqs", "8"]),
+                    Reporter()).manifest
+    from vllm_snapshot.store import manifest
+
+    first = manifest.read(snaps["file"])
+    res["second_snapshot"] = {"images_raw_bytes": m2.sizes["raw"],
+                              "same_weights_file": m2.weights is not None and m2.weights.path == first.weights.path}
+    port = demo.free_port()
+    bench_switch.cli("restore", str(snaps["file"]), "--port", str(port), "--detach", "-q")
+    rows = []
+    try:
+        for nxt in (other, snaps["file"]):
+            time.sleep(1.0)
+            poller = bench_switch.Poller(port, 0.05, tiny_model.SERVED_NAME)
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            r = bench_switch.cli("switch", str(nxt), "--port", str(port), "-q")
+            took = time.monotonic() - t0
+            time.sleep(0.5)
+            got = poller.stop()
+            rows.append({"to": nxt.name, "command_s": round(took, 2), "handover": r.get("handover"),
+                         "dark_s": round(got["dark"], 3), "failed": got["failed"], "refused": got["refused"]})
+            print(f"switch -> {nxt.name}: {took:.2f} s, dark {got['dark']:.3f} s, failed {got['failed']}", file=sys.stderr)
+    finally:
+        subprocess.run([*bench_switch.VS, "stop", "--port", str(port)], capture_output=True, timeout=120)
+    res["switch"] = rows
     cold = {}
     eager = "--enforce-eager" in args
     for name, cargs in [("given", args)] + ([] if eager else [("eager", [*args, "--enforce-eager"])]):
@@ -129,6 +162,9 @@ def main() -> int:
     print(f"| restore -> first validated completion (median of {a.restores}) | {f['restore_median_s']} s | "
           f"{i['restore_median_s']} s |")
     print(f"| ratio vs fastest cold start ({best} s) | {f['speedup_vs_fastest_cold']}x | {i['speedup_vs_fastest_cold']}x |")
+    for sw in res.get("switch", []):
+        print(f"| switch to {sw['to']} (same weights, other args): whole command, dark, failed | {sw['command_s']} s, "
+              f"{sw['dark_s']} s, {sw['failed']} | |")
     if "clones" in res:
         print(f"| {a.clones} clones, total PSS vs one engine | {res['clones']['ratio_vs_one']}x | (not measured) |")
     return 0

@@ -37,15 +37,15 @@ class LongRequest(threading.Thread):
     """One completion of N x MAX_TOKENS tokens on ``port``, in a thread; ``status`` (HTTP code,
     or the exception's name), ``body``, ``started``/``ended`` (monotonic seconds)."""
 
-    def __init__(self, port: int, timeout: float = 120) -> None:
+    def __init__(self, port: int, timeout: float = 120, max_tokens: int = MAX_TOKENS) -> None:
         super().__init__(daemon=True)
-        self.port, self.timeout = port, timeout
+        self.port, self.timeout, self.max_tokens = port, timeout, max_tokens
         self.status: int | str | None = None
         self.body: dict | None = None
         self.started = self.ended = 0.0
 
     def run(self) -> None:
-        body = {"model": "tiny-llama", "prompt": "Hello", "max_tokens": MAX_TOKENS, "ignore_eos": True, "n": N}
+        body = {"model": "tiny-llama", "prompt": "Hello", "max_tokens": self.max_tokens, "ignore_eos": True, "n": N}
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
         self.started = time.monotonic()
@@ -62,12 +62,12 @@ class LongRequest(threading.Thread):
     def complete(self) -> bool:
         """HTTP 200 with every completion at full length."""
         return (self.status == 200 and self.body is not None and len(self.body["choices"]) == N
-                and self.body["usage"]["completion_tokens"] == N * MAX_TOKENS)
+                and self.body["usage"]["completion_tokens"] == N * self.max_tokens)
 
 
-def _busy(port: int) -> LongRequest:
+def _busy(port: int, **kw) -> LongRequest:
     """Start a long request and give the engine a second to take it."""
-    r = LongRequest(port)
+    r = LongRequest(port, **kw)
     r.start()
     time.sleep(1.0)
     assert r.is_alive(), f"the long request ended before the stop: {r.status}"
@@ -191,12 +191,15 @@ def test_switch_with_a_request_in_flight_does_not_cut_it(clone_snapshot):
     the hand-over is tests/test_switch_integration.py's.)"""
     a, b = clone_snapshot("drain-sw-a"), clone_snapshot("drain-sw-b")
     port = free_port()
-    old = _restore(a, port)
+    # a request long enough to outlast what the switch does before it stops the old engine (its
+    # start, validating b) on a quiet box -- and a drain long enough for it on a loaded one: a
+    # 96k-token request ended first on a quiet CI run, and was cut by the 30 s drain under load 17
+    old = _restore(a, port, "--drain-timeout", "240")
     try:
-        req = _busy(port)
+        req = _busy(port, timeout=300, max_tokens=4 * MAX_TOKENS)
         p = cli("switch", str(b), "--port", str(port), "--json", "--no-handover", env=engine_env(), timeout=300)
         t1 = time.monotonic()
-        req.join(60)
+        req.join(280)
         assert p.returncode == 0, p.stderr
         res = json.loads(p.stdout)
         new = res["pid"]

@@ -37,15 +37,15 @@ class LongRequest(threading.Thread):
     """One completion of N x MAX_TOKENS tokens on ``port``, in a thread; ``status`` (HTTP code,
     or the exception's name), ``body``, ``started``/``ended`` (monotonic seconds)."""
 
-    def __init__(self, port: int, timeout: float = 120, max_tokens: int = MAX_TOKENS) -> None:
+    def __init__(self, port: int, timeout: float = 120, n: int = N) -> None:
         super().__init__(daemon=True)
-        self.port, self.timeout, self.max_tokens = port, timeout, max_tokens
+        self.port, self.timeout, self.n = port, timeout, n
         self.status: int | str | None = None
         self.body: dict | None = None
         self.started = self.ended = 0.0
 
     def run(self) -> None:
-        body = {"model": "tiny-llama", "prompt": "Hello", "max_tokens": self.max_tokens, "ignore_eos": True, "n": N}
+        body = {"model": "tiny-llama", "prompt": "Hello", "max_tokens": MAX_TOKENS, "ignore_eos": True, "n": self.n}
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
         self.started = time.monotonic()
@@ -61,8 +61,8 @@ class LongRequest(threading.Thread):
 
     def complete(self) -> bool:
         """HTTP 200 with every completion at full length."""
-        return (self.status == 200 and self.body is not None and len(self.body["choices"]) == N
-                and self.body["usage"]["completion_tokens"] == N * self.max_tokens)
+        return (self.status == 200 and self.body is not None and len(self.body["choices"]) == self.n
+                and self.body["usage"]["completion_tokens"] == self.n * MAX_TOKENS)
 
 
 def _busy(port: int, **kw) -> LongRequest:
@@ -194,9 +194,10 @@ def test_switch_with_a_request_in_flight_does_not_cut_it(clone_snapshot):
     # a request long enough to outlast what the switch does before it stops the old engine (its
     # start, validating b) on a quiet box -- and a drain long enough for it on a loaded one: a
     # 96k-token request ended first on a quiet CI run, and was cut by the 30 s drain under load 17
+    # (3 x 192 sequences: more than the KV cache holds at once; vLLM schedules them in turn)
     old = _restore(a, port, "--drain-timeout", "240")
     try:
-        req = _busy(port, timeout=300, max_tokens=4 * MAX_TOKENS)
+        req = _busy(port, timeout=300, n=3 * N)
         p = cli("switch", str(b), "--port", str(port), "--json", "--no-handover", env=engine_env(), timeout=300)
         t1 = time.monotonic()
         req.join(280)

@@ -165,6 +165,13 @@ def _stat_key(st: os.stat_result) -> tuple[int, int, int, int, int]:
     return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
 
 
+def stat_unchanged(st: os.stat_result, pinned) -> bool:
+    """True when ``st`` has the size, mtime, ctime, inode and device ``pinned`` recorded (a
+    :class:`ModelFile` or a :class:`~vllm_snapshot.store.manifest.WeightsFile`): its content is
+    then trusted without a re-hash. Pure."""
+    return _stat_key(st) == (pinned.size, pinned.mtime_ns, pinned.ctime_ns, pinned.inode, pinned.device)
+
+
 def digest_dir(root: Path, known: tuple[ModelFile, ...] = ()) -> tuple[ModelFile, ...]:
     """Hash every regular file under ``root`` that is not :func:`ignored` (sorted, following
     symlinks as the hub cache uses them). Returns ModelFile entries with paths relative to ``root``. A file whose path
@@ -221,7 +228,7 @@ def verify(root: Path, recorded: tuple[ModelFile, ...], mode: Literal["quick", "
         except FileNotFoundError:
             missing.append(f.path)
             continue
-        same_stat = _stat_key(st) == (f.size, f.mtime_ns, f.ctime_ns, f.inode, f.device)
+        same_stat = stat_unchanged(st, f)
         if mode == "quick" and same_stat:
             continue
         rehashed.append(f.path)
@@ -319,7 +326,7 @@ def compare_pinned(root: Path, pinned: tuple[ModelFile, ...], since_ns: int) -> 
         except FileNotFoundError:
             missing.append(f.path)
             continue
-        if _stat_key(st) == (f.size, f.mtime_ns, f.ctime_ns, f.inode, f.device):
+        if stat_unchanged(st, f):
             continue
         rehashed.append(f.path)
         if st.st_size != f.size or hash_file(p) != f.blake3:

@@ -27,11 +27,10 @@ import threading
 import time
 from pathlib import Path
 
-import blake3
-
 from ..errors import CorruptSnapshotError, ModelChangedError, SnapshotError
 from .layout import MANIFEST
 from .manifest import WeightsFile, parse
+from .model_digest import hash_file, stat_unchanged  # one BLAKE3 of a file and one stat pin, as for model files
 
 #: The directory of weights files under a snapshot root.
 DIR = ".weights"
@@ -122,14 +121,6 @@ def immutable(path: Path) -> bool:
         os.close(fd)
 
 
-def hash_file(path: Path) -> str:
-    """BLAKE3 hex digest of the file at ``path`` (multi-threaded over an mmap). Raises OSError."""
-    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    if os.path.getsize(path):
-        h.update_mmap(path)
-    return h.hexdigest()
-
-
 def record(path: Path, digest: str, tensors: int = 0, mapped_bytes: int = 0) -> WeightsFile:
     """The manifest's record of the weights file at ``path`` whose content has ``digest``:
     size, stat pins (mtime_ns, ctime_ns, inode, device), and what the engine mapped of it.
@@ -202,7 +193,7 @@ def check(rec: WeightsFile, full: bool = False) -> str | None:
                 f"and root (fix: chattr -i {p}; chown root:root {p} && chmod 0600 {p}; chattr +i {p})")
     if st.st_size != rec.size:
         return f"the weights file {p} has {st.st_size} bytes, not the {rec.size} it had at create"
-    pinned = (st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev) == (rec.mtime_ns, rec.ctime_ns, rec.inode, rec.device)
+    pinned = stat_unchanged(st, rec)
     if pinned and not full:
         return None
     try:

@@ -58,15 +58,16 @@ def partial_dir(root: Path, digest: str) -> Path:
     return Path(root) / (PREFIX + digest.split(":", 1)[-1])
 
 
-def _try_lock(path: Path) -> int | None:
+def lock_dir(path: Path, wait: bool = False) -> int | None:
     """An fd of directory ``path`` holding an exclusive flock on it, or None when another
-    process holds it or the dir is gone. The caller closes the fd to unlock."""
+    process holds it (``wait``: wait for it instead) or the dir is gone or was replaced
+    meanwhile. The caller closes the fd to unlock."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError:
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
     except OSError as e:
         os.close(fd)
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
@@ -97,7 +98,7 @@ def clean_stale(root: Path, keep: str | None, max_age_s: float = MAX_AGE_S) -> l
     for p in sorted(Path(root).glob(PREFIX + "*")):
         if p.is_symlink() or not p.is_dir():
             continue
-        fd = _try_lock(p)
+        fd = lock_dir(p)
         if fd is None:  # a live pull's
             continue
         try:
@@ -141,7 +142,7 @@ def staging(dest: Path, digest: str, fresh, discard, max_age_s: float = MAX_AGE_
         if not os.path.lexists(path):
             with contextlib.suppress(FileExistsError):
                 _make(path)
-        fd = _try_lock(path)
+        fd = lock_dir(path)
         if fd is not None or os.path.lexists(path):
             break
     if fd is None:  # another pull of this artifact runs: one of our own, not resumable

@@ -24,7 +24,6 @@ into (docs/oci-format.md, "The weights file").
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
 import stat
@@ -123,24 +122,6 @@ def _open_dirs(path: Path) -> int:
         raise
 
 
-def _lock(path: Path) -> int | None:
-    """An fd of directory ``path`` holding an exclusive flock on it (waits for another pull's);
-    None when the dir was removed or replaced meanwhile."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    try:
-        same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
-    except OSError:
-        same = False
-    if not same:
-        os.close(fd)
-        return None
-    return fd
-
-
 @dataclass
 class WeightsStaging:
     """The staging of one weights file: ``final`` (the recorded path), ``dir`` (its locked
@@ -222,7 +203,7 @@ def staging(final: Path, blake3: str, where: str = "the artifact"):
         if not os.path.lexists(path):
             with contextlib.suppress(FileExistsError):
                 os.mkdir(path, 0o700)
-        fd = _lock(path)
+        fd = partial.lock_dir(path, wait=True)  # waits for another pull of the same weights
         if fd is not None:
             break
     if fd is None:

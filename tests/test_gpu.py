@@ -183,7 +183,7 @@ def test_device_kind_refuses_platforms_other_than_cpu_and_cuda(monkeypatch):
     import sys
     import types
 
-    from vllm_snapshot.engine import main as engine_main
+    from vllm_snapshot.entrypoints import engine_root as engine_main
 
     class Platform:
         device_name = "rocm"

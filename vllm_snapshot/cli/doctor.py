@@ -73,7 +73,7 @@ _CAP_USE = {"CAP_NET_ADMIN": "TCP repair (--tcp-established)", "CAP_SYS_RESOURCE
 #: Features"). CRIU's plugin itself only asks for r555 (plugins/cuda/cuda_plugin.c), which is
 #: enough for NVIDIA's binary but not for a helper over the driver API.
 MIN_GPU_DRIVER = 570
-#: The vLLM release the engine child (engine/main.py, which imports private vLLM modules) was
+#: The vLLM release the engine child (entrypoints/engine_root.py, which imports private vLLM modules) was
 #: checked against; the ``cuda`` and ``cpu`` extras pin it.
 SUPPORTED_VLLM = "0.32.0"
 

@@ -89,13 +89,17 @@ def brief(argv: list[str]) -> str:
     """A command line as an operator reads it: an interpreter running a script is named by the
     script (``vllm-snapshot --root /r restore x``, not ``/long/venv/bin/python3.11
     /long/venv/bin/vllm-snapshot ...``, whose first 120 characters held no subcommand), and a
-    vllm-snapshot engine root (``python -m vllm_snapshot.engine.main {JSON}``) as
-    ``vllm-snapshot engine (model M)``. Whitespace squeezed. Pure."""
+    vllm-snapshot engine root (``python -m vllm_snapshot.entrypoints.engine_root {JSON}``, any
+    name of :data:`vllm_snapshot.engine.protocol.PROGRAMS`) as ``vllm-snapshot engine (model
+    M)``. Whitespace squeezed. Pure."""
     import json
 
+    from ..engine.protocol import PROGRAMS
+
     args = [" ".join(a.split()) for a in argv]
-    if "vllm_snapshot.engine.main" in args:
-        i = args.index("vllm_snapshot.engine.main")
+    program = next((p for p in PROGRAMS if p in args), None)
+    if program is not None:
+        i = args.index(program)
         try:
             model = json.loads(argv[i + 1]).get("model", "?")
         except (IndexError, ValueError, AttributeError):

@@ -31,6 +31,7 @@ from typing import Literal
 
 import blake3
 
+from ..engine.args import arg_value, has_flag
 from ..errors import ModelChangedError, UsageError
 from .manifest import ModelFile
 
@@ -127,7 +128,6 @@ def resolve_model(model: str, revision: str | None = None) -> tuple[Path, str | 
 
 #: engine args with which vLLM does not read the model directory's ``config.json`` as the
 #: Hugging Face config (a Mistral-format model's ``params.json``, a config elsewhere)
-_OTHER_CONFIG = ("--config-format", "--hf-config-path")
 
 
 def check_config(model_dir: Path, engine_args: list[str]) -> None:
@@ -137,12 +137,10 @@ def check_config(model_dir: Path, engine_args: list[str]) -> None:
     no ``config.json`` (a GGUF file, a Mistral-format model) or when ``engine_args`` point vLLM
     at another config (``--config-format`` other than ``auto``/``hf``, ``--hf-config-path``).
     Raises UsageError (exit 2) naming the file, what is wrong and what to do."""
-    for i, a in enumerate(engine_args):
-        name, _, val = a.partition("=")
-        if name in _OTHER_CONFIG:
-            val = val or (engine_args[i + 1] if i + 1 < len(engine_args) else "")
-            if name == "--hf-config-path" or val not in ("auto", "hf"):
-                return
+    if has_flag(engine_args, "--hf-config-path"):
+        return
+    if has_flag(engine_args, "--config-format") and arg_value(engine_args, "--config-format") not in ("auto", "hf"):
+        return
     cfg = model_dir / "config.json"
     if not cfg.is_file():
         return

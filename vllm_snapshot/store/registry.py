@@ -242,7 +242,7 @@ def stop(e: Entry, drain_s: float | None = None, teardown_s: float = TEARDOWN_S,
 
     SIGTERM goes to the supervisor of a foreground engine (it forwards it and exits with the
     engine's code: 0 for systemd) or to the root of a detached one. The engine then drains
-    (``engine/main.install_drain``): it closes its listening socket at once (no new
+    (``entrypoints/engine_root.install_drain``): it closes its listening socket at once (no new
     connection), lets requests in flight finish, and exits. A detached engine that no longer
     listens and has no client connection left is SIGKILLed at once (vLLM's own teardown of
     EngineCore and workers takes 1-2 s and frees nothing the kernel does not free at once).

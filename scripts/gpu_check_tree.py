@@ -362,9 +362,9 @@ def run(a, out: Path, work: Path, pkg: Path) -> int:
 
         from vllm_snapshot.checkpoint import criu, mountpolicy
         from vllm_snapshot.store import layout
-        from vllm_snapshot.host import envpolicy, privilege
+        from vllm_snapshot.host import envpolicy, privilege, procs
         from vllm_snapshot.supervise import supervisor  # noqa: F401 - imports checked
-        from vllm_snapshot.engine.mounts import ENGINE_TMPDIR
+        from vllm_snapshot.paths import ENGINE_TMPDIR
         from vllm_snapshot.errors import SnapshotError
         from vllm_snapshot.host.procs import tree
         from vllm_snapshot.effects.tools import local_tools
@@ -525,7 +525,7 @@ def run(a, out: Path, work: Path, pkg: Path) -> int:
         return 0 if all(s in ("PASS", "INFO") for s, _, _ in RESULTS) else 1
     finally:
         if restored:
-            criu.kill_restored_children()
+            procs.kill_restored_children()
         if root:
             try:
                 os.kill(root, signal.SIGKILL)

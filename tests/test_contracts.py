@@ -122,7 +122,7 @@ ARG_RULES = {"arg_value", "has_flag", "last_value", "flag_name", "check_engine_a
 
 #: What the finder flags that does not take engine arguments apart, and what it splits instead.
 NOT_ENGINE_ARGS = {
-    "checkpoint/criu.py:config_libdirs: splits at '='": "CRIU's configuration files (libdir=)",
+    "checkpoint/criu/find.py:config_libdirs: splits at '='": "CRIU's configuration files (libdir=)",
     "checkpoint/cuda_checkpoint.py:parse_device_map: splits at '='": "a --device-map value OLD=NEW",
     "checkpoint/mountpolicy.py:_devname: splits at '='": "a block device's uevent file (DEVNAME=)",
     "cli/app.py:_global_options_first: splits at '='": "vllm-snapshot's own options before the command",

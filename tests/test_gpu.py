@@ -492,7 +492,9 @@ def test_restore_probes_only_the_recorded_cuda_processes(monkeypatch, tmp_path):
     assert t.restore_tree("cuda", None, tmp_path, cuda_pids=(2,)) == 4242
     assert asked == [101, 101]  # --get-restore-tid and --get-state of PID 101 only
     asked.clear()
-    monkeypatch.setattr(criu, "kill_restored_children", lambda: [])
+    from vllm_snapshot.host import procs
+
+    monkeypatch.setattr(procs, "kill_restored_children", lambda: [])
     states.clear()  # PID 101 came back without CUDA state
     with pytest.raises(CriuError, match=r"PID 101 is without CUDA state \(expected running\)"):
         t.restore_tree("cuda", None, tmp_path, cuda_pids=(2,))

@@ -234,7 +234,7 @@ class LocalCheckpointTools(CheckpointTools):
         from ..checkpoint import criu, cuda_checkpoint
         from ..checkpoint import gpu
         from ..store import layout
-        from ..host.procs import ns_pid, tree
+        from ..host.procs import kill_restored_children, ns_pid, tree
 
         runner = self.criu.runner(kind)
         if kind == "cuda" and gpu_map:  # CRIU 4.2.1's plugin passes no map: our helper reads it from CRIU's env
@@ -253,7 +253,7 @@ class LocalCheckpointTools(CheckpointTools):
                 else:
                     gpu.check_restored(gpu.restored_states(pids, helper))
             except BaseException:
-                criu.kill_restored_children()
+                kill_restored_children()
                 raise
         return pid
 

@@ -182,3 +182,24 @@ def run_in_namespace(pid: int, kind: Literal["net", "ipc"], fn: Callable[[], _T]
 def set_parent_death_signal(sig: int) -> None:
     """prctl(PR_SET_PDEATHSIG, sig) for the calling thread's process (0 clears it)."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+def kill_restored_children() -> list[int]:
+    """SIGKILL our children that live in another PID namespace (a tree CRIU restored as our
+    child, ``rst_sibling``: its init dies, so does the namespace), and wait up to 10 s for them
+    to be gone. Returns their PIDs."""
+    try:
+        mine = os.readlink("/proc/self/ns/pid")
+        kids = psutil.Process().children()
+    except (OSError, psutil.Error):
+        return []
+    out = []
+    for k in kids:
+        try:
+            if os.readlink(f"/proc/{k.pid}/ns/pid") != mine:
+                k.kill()
+                out.append(k.pid)
+        except (OSError, psutil.Error):
+            continue
+    wait_gone([k for k in kids if k.pid in out], 10)
+    return out

@@ -263,7 +263,6 @@ def test_host_room_for_the_gpu_state():
     assert "--sleep-level 2" in ei.value.hint
     with pytest.raises(UnsnapshottableError, match="free disk on /snap 1.00 GiB"):  # noqa: RUF043
         gpu.check_host_room(2 * GIB, "whole GPU", 100 * GIB, GIB, "/snap")
-    assert gpu.mem_available("MemTotal: 100 kB\nMemAvailable:   2048 kB\n") == 2 * 1024 * 1024
 
 
 class Helper:

@@ -74,11 +74,9 @@ def _resolve(ref: str) -> Path:
 def _root_only(what: str) -> None:
     """Commands that need root say so with the documented exit code (11), not with a
     permission error halfway through or an empty answer."""
-    from ..errors import EnvironmentProblem
+    from ..host.privilege import require_root
 
-    if os.geteuid() != 0:
-        raise EnvironmentProblem(f"vllm-snapshot {what} must run as root (CRIU, the engine namespaces, "
-                                 "the snapshot store and the engine registry are root's)", hint="run it with sudo")
+    require_root(what)
 
 
 def _interruptible() -> None:

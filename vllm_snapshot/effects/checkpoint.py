@@ -119,11 +119,15 @@ class LocalCheckpointTools(CheckpointTools):
 
     def check_dump_room(self, inv: Inventory, gpu_uuid: str, work_dir: Path) -> None:
         from ..checkpoint import gpu
+        from ..host.resources import mem_available
 
         used, how = gpu.tree_gpu_bytes(inv.pids, gpu_uuid)
-        meminfo = Path("/proc/meminfo").read_text()
+        try:
+            ram = mem_available()
+        except ValueError:  # a kernel without MemAvailable: no room known
+            ram = 0
         st = os.statvfs(work_dir)
-        gpu.check_host_room(used, how, gpu.mem_available(meminfo), st.f_bavail * st.f_frsize, str(work_dir))
+        gpu.check_host_room(used, how, ram, st.f_bavail * st.f_frsize, str(work_dir))
 
     def dump(self, kind: str, opts: DumpOptions, work_dir: Path) -> None:
         from ..checkpoint import criu

@@ -1,6 +1,6 @@
-"""README's CLI reference says what ``--help`` says: every option of every command is listed
-in its synopsis, and nothing listed there is missing from the command (a trial found
-``delete -q`` working but undocumented)."""
+"""docs/cli.md says what ``--help`` says: every command of the CLI has a synopsis line in its
+first block, every option of every command is listed in its synopsis, and nothing listed there
+is missing from the command (a trial found ``delete -q`` working but undocumented)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,15 @@ import typer
 
 from vllm_snapshot.cli import app as cli
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+CLI_DOC = ROOT / "docs" / "cli.md"
 OPTION = re.compile(r"(?<![\w-])(--?[a-z][a-z-]*)")
 
 
 def _synopses() -> dict[str, str]:
-    """``{command: its synopsis text}`` from README's CLI reference block ("" for the globals)."""
-    text = README.read_text()
-    block = text.split("## CLI reference", 1)[1].split("```", 2)[1]
+    """``{command: its synopsis text}`` from docs/cli.md's first block ("" for the globals)."""
+    text = CLI_DOC.read_text()
+    block = text.split("# CLI reference", 1)[1].split("```", 2)[1]
     out: dict[str, str] = {}
     cmd = None
     for line in block.splitlines():
@@ -38,18 +39,26 @@ def _options(params) -> list[tuple[str, ...]]:
             and "--help" not in p.opts]
 
 
-def test_every_command_and_option_of_the_cli_is_in_the_readme_reference_and_nothing_else():
+def test_every_command_and_option_of_the_cli_is_in_the_reference_and_nothing_else():
     group = typer.main.get_command(cli.app)
     synopses = _synopses()
-    assert sorted(synopses) == sorted(["", *group.commands]), "commands in README vs the CLI"
+    assert sorted(synopses) == sorted(["", *group.commands]), "commands in docs/cli.md vs the CLI"
     problems = []
     for name, params in [("", group.params)] + [(n, c.params) for n, c in group.commands.items()]:
         listed = set(OPTION.findall(synopses[name]))
         options = _options(params)
         for names in options:
             if not listed & set(names):
-                problems.append(f"{name or 'global'}: {'/'.join(names)} is not in README")
+                problems.append(f"{name or 'global'}: {'/'.join(names)} is not in docs/cli.md")
         known = {n for names in options for n in names}
-        problems += [f"{name or 'global'}: README lists {o}, which the command does not take"
+        problems += [f"{name or 'global'}: docs/cli.md lists {o}, which the command does not take"
                      for o in sorted(listed - known)]
     assert problems == []
+
+
+def test_the_readme_points_to_the_reference_and_keeps_no_copy_of_it():
+    """One copy of the reference: README.md links to docs/cli.md and holds no synopsis block of
+    its own (a second copy would drift from the one this file checks)."""
+    readme = (ROOT / "README.md").read_text()
+    assert "docs/cli.md" in readme
+    assert not re.search(r"^vllm-snapshot [a-z]+ ", readme, re.M), "a CLI synopsis in README.md"

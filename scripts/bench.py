@@ -4,7 +4,7 @@
 Run with the project's venv as root:
 
     /var/cache/vllm-snapshot/venv/bin/python scripts/bench.py [--model DIR] [--restores 3]
-        [--compress zstd:3 --compress none] [--quick] [--json-out F] [--md docs/benchmarks.md]
+        [--compress zstd:3 --compress none] [--quick] [--json-out F] [--md docs/history.md]
         [--plot docs/bench.png] [-- ENGINE ARGS]
 
 Measures, on one model (default: the embedded tiny model with the demo's engine args): for each
@@ -371,7 +371,7 @@ def figures(res: dict, help_s: float, inspect_s: float, baseline_raw: int | None
     rows = []
     if plain and baseline_raw:
         red = 1 - plain["raw_bytes"] / baseline_raw
-        rows.append(("bytes", "raw image bytes vs before issue 22",
+        rows.append(("bytes", "raw image bytes vs before 2026-11-30",
                      f"{plain['raw_bytes'] / 2**20:.0f} MiB vs {baseline_raw / 2**20:.0f} MiB: -{100 * red:.1f}%",
                      f"≥ {100 * RAW_REDUCTION_TARGET:.0f}% less", red >= RAW_REDUCTION_TARGET))
     elif plain:

@@ -62,3 +62,20 @@ def test_the_readme_points_to_the_reference_and_keeps_no_copy_of_it():
     readme = (ROOT / "README.md").read_text()
     assert "docs/cli.md" in readme
     assert not re.search(r"^vllm-snapshot [a-z]+ ", readme, re.M), "a CLI synopsis in README.md"
+
+
+def test_the_exit_code_table_names_every_error_class_and_nothing_else():
+    """docs/cli.md's exit-code table (the only copy for users) lists exactly the ``(exit code,
+    --json code)`` pairs of the error classes in errors.py, plus 0 (success) and 141 (a closed
+    pipe, no JSON)."""
+    from vllm_snapshot import errors
+
+    classes = [c for c in vars(errors).values()
+               if isinstance(c, type) and issubclass(c, errors.SnapshotError)]
+    expected = {(c.exit_code, c.code) for c in classes}
+    text = CLI_DOC.read_text().split("\n## Exit codes", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| (\d+) \| `([a-z-]+)` \|", text, re.M)
+    assert rows, "no exit-code table in docs/cli.md"
+    assert {(int(n), c) for n, c in rows} == expected
+    listed = {int(n) for n in re.findall(r"^\| (\d+) \|", text, re.M)}
+    assert listed == {0, 141} | {n for n, _ in expected}

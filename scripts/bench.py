@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's package
 
-from vllm_snapshot.store import archive, layout, manifest  # noqa: E402
+from vllm_snapshot.store import archive, manifest  # noqa: E402
 from vllm_snapshot.checkpoint import criu  # noqa: E402
 from vllm_snapshot import ops  # noqa: E402
 from vllm_snapshot.dev import bench, tiny_model  # noqa: E402
@@ -76,10 +76,16 @@ def timed_cmd(argv: list[str], n: int = 5, env: dict[str, str] | None = None) ->
 
 
 def bare_criu_restore(snap: Path) -> float:
-    """Seconds of a plain ``criu restore`` of the snapshot's images (staged raw first, not
-    timed), with only the flags CRIU needs; the restored tree is killed afterwards."""
+    """Seconds of a plain ``criu restore`` of the snapshot's images, with only the flags CRIU
+    needs; the restored tree is killed afterwards. The images are staged as restore stages them
+    (hard links, or unpacked when compressed) and verified first, not timed."""
     m = manifest.read(snap)
-    stage = archive.unpack(snap / layout.IMAGES, m.images, archive.staging_parent(m.sizes["raw"], snap.parent, m.images))
+    stage, staged = local_tools().files.stage_checking(snap, m)
+    try:
+        staged.wait()
+    except BaseException:
+        archive.remove_staging(stage)
+        raise
     b = criu.find_criu()
     # the same fresh pipes the real restore hands in (an engine whose control pipe is gone
     # exits at once, which fails CRIU's final detach)

@@ -261,8 +261,8 @@ venv() {
 step "venv" venv
 
 # ---------------------------------------------------------------- engine user
-# The engine tree runs as this unprivileged system user with no capabilities (README
-# "Privileges"; vllm_snapshot/host/privilege.py). Its HOME holds vLLM's and torch inductor's compile
+# The engine tree runs as this unprivileged system user with no capabilities
+# (docs/security.md, "Privileges"; vllm_snapshot/host/privilege.py). Its HOME holds vLLM's and torch inductor's compile
 # caches (reused by every create), owned by it; nothing else of the cache is writable to it.
 ENGINE_USER=${VLLM_SNAPSHOT_ENGINE_USER:-vllm-snapshot}
 ENGINE_HOME=${VLLM_SNAPSHOT_ENGINE_HOME:-/var/lib/vllm-snapshot-engine}

@@ -5,7 +5,7 @@ missing prerequisite is an error, never a silent skip.
 
 One skip rule for every test under CI: a skip (a skip mark, ``pytest.skip``, an
 ``importorskip``, a whole module) fails the run unless its reason starts with one of
-:data:`ALLOWED_CI_SKIPS` (README "Tests" lists them). Outside CI a skip stays a skip."""
+:data:`ALLOWED_CI_SKIPS` (docs/testing.md, "Skips", lists them). Outside CI a skip stays a skip."""
 
 from __future__ import annotations
 

@@ -298,7 +298,7 @@ def test_a_waiter_on_a_removed_lock_file_locks_the_new_one(tmp_path, monkeypatch
 def test_demo_cold_start_uses_its_own_temp_dir_and_removes_it(monkeypatch):
     import subprocess as sp
 
-    from vllm_snapshot.cli import demo
+    from vllm_snapshot.dev import bench
     from vllm_snapshot.engine.mounts import ENGINE_TMPDIR
 
     seen = {}
@@ -322,7 +322,7 @@ def test_demo_cold_start_uses_its_own_temp_dir_and_removes_it(monkeypatch):
     from vllm_snapshot.errors import EngineError
 
     with pytest.raises(EngineError):
-        demo.cold_start(Path("/m"), 1)
+        bench.cold_start(Path("/m"), 1)
     assert seen["existed"] and seen["tmp"] != ENGINE_TMPDIR and seen["tmp"].startswith("/var/tmp/vllm-snapshot-cold-")
     assert not os.path.exists(seen["tmp"])
 

@@ -23,7 +23,7 @@ import pytest
 import requests
 
 from conftest import ENGINE_ARGS, ROOT, TINY, cli, engine_env
-from registry_server import RegistryServer
+from vllm_snapshot.dev.registry_server import RegistryServer
 from test_fleet import _keypair
 from test_integration import free_port, post
 

@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from conftest import ENGINE_ARGS, TINY, cli
-from registry_server import RegistryServer
+from vllm_snapshot.dev.registry_server import RegistryServer
 from test_fleet import _keypair
 from test_fleet_integration import _listed, _private, _stop, completion, on_node
 from test_integration import free_port

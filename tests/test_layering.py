@@ -24,6 +24,7 @@ LAYERS = {
     "vllm_snapshot.report": 6,  # results and progress: what the operations hand the command line
     "vllm_snapshot.effects": 7,
     "vllm_snapshot.ops": 8,
+    "vllm_snapshot.dev.bench": 8,  # the benchmarks' helpers: drive the product from above the seam; only cli/demo imports them
     "vllm_snapshot.cli": 9, "vllm_snapshot.__main__": 10,
 }
 

@@ -264,7 +264,7 @@ def test_setup_on_a_bare_machine_installs_what_it_needs_and_finishes(bare_machin
 
 
 def test_setup_builds_a_venv_that_users_other_than_root_can_start(bare_machine, plain_user):
-    """README: inspect, list and doctor work without root. A "pyenv" Python first on PATH lies
+    """docs/cli.md: inspect, list and doctor work without root. A "pyenv" Python first on PATH lies
     below a 0700 directory (as one under /root does): the venv built from it would not start
     for any other user ("Permission denied" from exec), so setup builds it from one they can run."""
     env, checkout, state, user, pyenv = bare_machine

@@ -9,109 +9,22 @@ with a warm compile cache and one with ``--enforce-eager``), then stops the engi
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import time
-import urllib.error
 from pathlib import Path
 
 from ..store import layout
 from .. import ops
 from ..dev import tiny_model
+from ..dev.bench import cold_start, free_port
+from ..dev.tiny_model import ENGINE_ARGS
 from ..errors import EngineError, SnapshotError
 from ..report.progress import make_reporter
 from ..report.results import DemoReport
-from ..host.envpolicy import scrubbed_env
 from ..effects.http import http_json
 from ..effects.tools import Tools, local_tools
 
 #: The demo's snapshot name under the snapshot root.
 DEFAULT_NAME = "demo-tiny-llama"
-#: Engine args for the tiny model on CPU: float32, a 64 MiB KV cache (without an explicit
-#: size vLLM's CPU backend reserves --gpu-memory-utilization of host RAM, and every byte of it
-#: lands in the snapshot), served as "tiny-llama".
-ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes", "64M",
-               "--served-model-name", tiny_model.SERVED_NAME]
-COLD_TIMEOUT_S = 600.0
-
-
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def tree_memory(pid: int) -> dict:
-    """``{"rss", "pss", "processes"}`` (bytes) of process ``pid`` and its descendants
-    (psutil; PSS divides shared pages among their sharers)."""
-    import psutil
-
-    root = psutil.Process(pid)
-    procs = [root, *root.children(recursive=True)]
-    rss = pss = 0
-    for p in procs:
-        try:
-            mi = p.memory_full_info()
-        except psutil.Error:
-            continue
-        rss += mi.rss
-        pss += getattr(mi, "pss", mi.rss)
-    return {"rss": rss, "pss": pss, "processes": len(procs)}
-
-
-def cold_start(model: Path, port: int, engine_args: list[str] | None = None, memory: dict | None = None) -> float:
-    """Seconds from launching ``vllm.entrypoints.openai.api_server`` (``engine_args``, default
-    the demo's) to its first successful completion; the server is stopped afterwards. With
-    ``memory`` (a dict), :func:`tree_memory` of the server's tree after that completion is put
-    into it. Raises EngineError."""
-    import getpass
-    import shutil
-    import tempfile
-
-    env = scrubbed_env(dict(os.environ))
-    # its own temp dir (ZMQ sockets, vllm_dist_* files), removed afterwards: the engine TMPDIR
-    # of scrubbed_env is a mount point for engines' private tmpfs, not a place on the host
-    tmp = tempfile.mkdtemp(prefix="vllm-snapshot-cold-", dir="/var/tmp")
-    env["TMPDIR"] = tmp
-    inductor = env.get("TORCHINDUCTOR_CACHE_DIR")
-    if inductor:  # keep torch inductor's precompiled header cached, as for engines (engine/mounts.py)
-        os.makedirs(inductor, mode=0o700, exist_ok=True)
-        os.symlink(inductor, os.path.join(tmp, f"torchinductor_{getpass.getuser()}"))
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--host", "127.0.0.1", "--port", str(port), *(engine_args or ENGINE_ARGS)]
-    t0 = time.monotonic()
-    p = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        while True:
-            if p.poll() is not None:
-                raise EngineError(f"cold-start server exited with {p.returncode}")
-            if time.monotonic() - t0 > COLD_TIMEOUT_S:
-                raise EngineError("cold-start server did not answer in time")
-            try:
-                status, _ = http_json(f"http://127.0.0.1:{port}/v1/completions", {
-                    "model": tiny_model.SERVED_NAME, "prompt": "Hello", "max_tokens": 1}, timeout=5)
-                if status == 200:
-                    took = time.monotonic() - t0
-                    if memory is not None:
-                        memory.update(tree_memory(p.pid))
-                    return took
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.25)
-    finally:
-        try:
-            os.killpg(p.pid, 15)
-            p.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(p.pid, 9)
-            except ProcessLookupError:
-                pass
-            p.wait()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def run(snap: Path, port: int, skip_cold: bool, as_json: bool, tools: Tools | None = None) -> DemoReport:

@@ -42,7 +42,7 @@ from .manifest import Frame, ImageFile
 CHUNK = 4 << 20  # bytes per read
 DEFAULT_LEVEL = 3
 #: The default for ``create --compress``. Measured on the tiny-model CPU engine (1280 MiB raw,
-#: docs/benchmarks.md, "The targets, final run"): ``none`` restores in 1.07 s (checksums over
+#: docs/history.md, "The targets, final run"): ``none`` restores in 1.07 s (checksums over
 #: hard-linked images), zstd:3 stores 18.8% of raw but restore takes 2.87 s on 2 cores with the
 #: images in the page cache (decompression is CPU work CRIU waits for); read from disk, both take
 #: ~3.7 s ("Page cache cold vs warm"). Start time is what this tool exists for, and restored
@@ -431,7 +431,7 @@ def verify(src_dir: Path, images: tuple[ImageFile, ...], cancel: threading.Event
     first). ``cancel`` (set by another thread) stops the check early, raising
     CorruptSnapshotError("cancelled"). ``background``: the hashing threads run at nice 19, so
     that CRIU, restoring at the same time, gets the CPUs first (measured on 2 CPUs, 4 restores
-    each, docs/benchmarks.md: CRIU's phase 1.22 -> 1.15 s, restore 1.39 -> 1.30 s median; the
+    each, docs/history.md: CRIU's phase 1.22 -> 1.15 s, restore 1.39 -> 1.30 s median; the
     hashing is still done before the verdict). Raises CorruptSnapshotError."""
     def one(img: ImageFile) -> None:
         src = src_dir / stored_name(img)
@@ -531,7 +531,7 @@ def staging_parent(raw_bytes: int, fallback: Path, images: tuple[ImageFile, ...]
        hard-linked, not copied; nothing is written) when no image is compressed and it is
        writable;
     2. /dev/shm (tmpfs: decompressing or copying there is ~3x faster than onto a disk, see
-       docs/benchmarks.md) when its free space exceeds ``raw_bytes`` by 25% plus 1 GiB *and*
+       docs/history.md) when its free space exceeds ``raw_bytes`` by 25% plus 1 GiB *and*
        the memory on offer (:func:`vllm_snapshot.host.resources.offer`) holds the staged images
        and the restored tree at once (twice ``raw_bytes`` plus 1 GiB): tmpfs pages are RAM until
        the restore removes its staging, and the memory check before CRIU counts the images once;

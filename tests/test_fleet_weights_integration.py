@@ -155,7 +155,7 @@ def test_pulled_on_a_node_without_the_weights_it_restores_and_the_second_fetches
     assert all(any(d in line for line in registry.blob_gets(mark)) for d in w1)  # downloaded
     f = Path(rec.path)
     assert sw.hash_file(f) == rec.blake3 and f.stat().st_mode & 0o777 == 0o600 and f.stat().st_uid == 0
-    assert f.parent.stat().st_mode & 0o777 == 0o700 and os.listdir(f.parent) == [f.name]
+    assert f.parent.stat().st_mode & 0o777 == 0o700 and sorted(os.listdir(f.parent)) == [f.name, sw.pin_path(f).name]
     assert f.parent.parent == node_a["root_a"]  # node A's root path, made by the pull
     assert _listed(root_b) == ["tiny"]
 

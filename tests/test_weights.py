@@ -184,6 +184,35 @@ def test_check_trusts_an_unchanged_stat_and_rehashes_a_changed_one(tmp_path):
     assert sw.check(rec) == f"the weights file {p} is missing"
 
 
+def test_a_file_placed_with_another_nodes_stat_is_hashed_once_then_pinned_on_this_node(tmp_path, monkeypatch):
+    # a pulled (or restored-from-backup) weights file has the bytes the manifest records but not
+    # the creating node's stat: the first check hashes it whole, later ones trust this node's pin
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    p, d, _ = _published(root, os.urandom(30000))
+    rec = sw.record(p, d, 2, 30000).model_copy(update={"inode": 1, "ctime_ns": 1})  # the creating node's stat
+    hashed = []
+    real = sw.hash_file
+    monkeypatch.setattr(sw, "hash_file", lambda q: hashed.append(q) or real(q))
+    assert sw.check(rec) is None and hashed == [p]
+    pin = sw.pin_path(p)
+    assert oct(pin.stat().st_mode & 0o777) == "0o600"
+    assert sw.check(rec) is None and sw.check(rec) is None and hashed == [p]  # pinned: no second hash
+    assert sw.check(rec, full=True) is None and len(hashed) == 2  # verify still hashes whole
+    # a pin for other bytes, or one another user could have written, vouches for nothing
+    os.chmod(pin, 0o666)
+    assert sw.check(rec) is None and len(hashed) == 3
+    assert oct(pin.stat().st_mode & 0o777) == "0o600"  # re-written by that good hash
+    # changed bytes change the stat (ctime at least): the pin no longer matches and the check refuses
+    sw.unprotect(p)
+    with open(p, "r+b") as f:
+        f.write(b"\0")
+    assert "changed since create" in sw.check(rec) and len(hashed) == 4
+    # the pin goes with its file
+    (root / "s").mkdir()
+    assert sw.remove_unreferenced(root) == [p] and not pin.exists()
+
+
 def test_unreferenced_counts_from_the_manifests(tmp_path):
     root = tmp_path / "root"
     root.mkdir(mode=0o700)

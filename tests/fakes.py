@@ -707,6 +707,13 @@ class FakeStoreTools(_Role, StoreTools):
     def refusal(self, snapshot: Path) -> dict | None:
         return self.w.refusals.get(str(snapshot))
 
+    def clear_refusal(self, snapshot: Path, codes: frozenset[str]) -> dict | None:
+        self.w._call("clear_refusal")
+        r = self.w.refusals.get(str(snapshot))
+        if r is None or r["code"] not in codes:
+            return None
+        return self.w.refusals.pop(str(snapshot))
+
     def last_restore(self, snapshot: Path) -> float | None:
         return None
 

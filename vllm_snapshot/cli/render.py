@@ -141,6 +141,8 @@ def _verified(r: R.Verified, quiet: bool) -> None:
         sys.stderr.write(f"warning: {w}\n")
     _line(f"{r.snapshot}: OK ({r.images} images, {r.model_files} model files"
           + (f", the weights file {r.weights}" if r.weights else "") + " verified)")
+    if r.cleared:
+        _line(f"{Path(r.snapshot).name}: no longer marked refused (was: {r.cleared.get('reason')}); `list` shows it usable")
 
 
 def _restored(r: R.Restored, quiet: bool) -> None:

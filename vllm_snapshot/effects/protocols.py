@@ -481,6 +481,9 @@ class StoreTools(Protocol):
     def refusal(self, snapshot: Path) -> dict | None:
         """The refusal recorded for ``snapshot`` since its last restore, or None."""
 
+    def clear_refusal(self, snapshot: Path, codes: frozenset[str]) -> dict | None:
+        """Forget the refusal recorded for ``snapshot`` if its code is in ``codes``; return it."""
+
     def last_restore(self, snapshot: Path) -> float | None: ...
 
     def record_restore(self, snapshot: Path, overrides: list[str]) -> None: ...

@@ -126,6 +126,11 @@ class LocalStoreTools(StoreTools):
 
         return store.refusal(snapshot)
 
+    def clear_refusal(self, snapshot: Path, codes: frozenset[str]) -> dict | None:
+        from ..store import store
+
+        return store.clear_refusal(snapshot, codes)
+
     def last_restore(self, snapshot: Path) -> float | None:
         from ..store import store
 

@@ -65,9 +65,12 @@ class Verified:
     warnings: list[str]
     #: the weights file re-hashed whole (None: the snapshot has none)
     weights: str | None = None
+    #: the recorded refusal this pass cleared (``{"code", "reason", "by", "at"}``; None: none was)
+    cleared: dict | None = None
 
     def to_json(self) -> dict:
-        return {"snapshot": self.snapshot, "ok": True, "warnings": self.warnings, "weights": self.weights}
+        return {"snapshot": self.snapshot, "ok": True, "warnings": self.warnings, "weights": self.weights,
+                "cleared_refusal": self.cleared}
 
 
 @dataclass(frozen=True)

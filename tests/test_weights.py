@@ -4,6 +4,7 @@ content, the stat-pinned check, references counted from manifests, the channel's
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 from pathlib import Path
@@ -230,9 +231,9 @@ def test_unreferenced_counts_from_the_manifests(tmp_path):
     (root / "s2" / "manifest.json").write_text("{")
     (root / "s3").mkdir()
     write_snapshot_dir(root / "s3")
-    assert sw.unreferenced(root) == []
+    assert sw.unreferenced(root) == [] and sw.blocked(root) == [str(root / "s2")]  # said, not silent
     shutil.rmtree(root / "s2")
-    assert sw.unreferenced(root) == [a]
+    assert sw.unreferenced(root) == [a] and sw.blocked(root) == []
 
 
 @pytest.mark.parametrize("msg,why", [
@@ -262,3 +263,23 @@ def test_stale_temps_are_those_of_gone_creates_or_old(tmp_path):
     gone.touch()
     assert sw.stale_temps(root) == [gone]
     assert set(sw.stale_temps(root, now=os.path.getmtime(mine) + 2 * 86400)) == {gone, mine}
+
+
+def test_prune_says_which_unreadable_manifest_keeps_unused_weights_files(tmp_path, monkeypatch, capsys):
+    # a trial: prune said "nothing to prune" while a damaged manifest silently kept a GiB-sized file
+    from vllm_snapshot.cli import app as cli
+
+    monkeypatch.setenv("VLLM_SNAPSHOT_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("VLLM_SNAPSHOT_RUN_DIR", str(tmp_path / "run"))
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    a, da, _ = _published(root, b"a" * 5000)
+    write_snapshot_dir(root / "s1", make_manifest(weights=sw.record(a, da)))
+    (root / "s1" / "manifest.json").write_text("{")
+    assert cli.main(["--root", str(root), "prune"]) == 0
+    out = capsys.readouterr().out
+    assert f"kept the unused weights files: the manifest of {root / 's1'} cannot be read" in out
+    assert "nothing to prune" not in out and a.exists()
+    assert cli.main(["--root", str(root), "prune", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["weights_kept_for"] == [str(root / "s1")]
+    sw.unprotect(a)

@@ -186,6 +186,13 @@ def _deleted(r: R.Deleted, quiet: bool) -> None:
     _line(f"deleted {r.snapshot}" + (f" (stopped engines {r.stopped_pids})" if r.stopped_pids else ""))
     for p in r.weights_removed:
         _line(f"removed the weights file {p} (no snapshot uses it any more)")
+    _weights_kept(r.weights_kept_for)
+
+
+def _weights_kept(dirs: list[str]) -> None:
+    if dirs:
+        _line(f"kept the unused weights files: the manifest of {', '.join(dirs)} cannot be read and may name them "
+              "(`vllm-snapshot delete` it or put its manifest back, then `vllm-snapshot prune`)")
 
 
 def _pruned(r: R.Pruned, quiet: bool) -> None:
@@ -198,7 +205,8 @@ def _pruned(r: R.Pruned, quiet: bool) -> None:
         _line(f"{'would remove' if r.dry_run else 'removed'} leftover {p}")
     for p in r.weights_removed:
         _line(f"{'would remove' if r.dry_run else 'removed'} the weights file {p} (no snapshot uses it any more)")
-    if not (r.deleted or r.kept_running or r.temp_removed or r.weights_removed):
+    _weights_kept(r.weights_kept_for)
+    if not (r.deleted or r.kept_running or r.temp_removed or r.weights_removed or r.weights_kept_for):
         _line("nothing to prune")
 
 

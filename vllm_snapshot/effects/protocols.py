@@ -461,6 +461,10 @@ class StoreTools(Protocol):
 
     def delete_snapshot(self, snapshot: Path) -> None: ...
 
+    def weights_blocked(self, root: Path) -> list[str]:
+        """Snapshot dirs under ``root`` whose unreadable manifest keeps weights files no other
+        snapshot names (they might name them); empty when none is kept that way."""
+
     def remove_unused_weights(self, root: Path, dry_run: bool = False) -> list[Path]:
         """Remove the weights files under ``root/.weights`` that no snapshot's manifest under
         ``root`` names and no process maps (:func:`vllm_snapshot.store.weights.unreferenced`);

@@ -79,6 +79,11 @@ class LocalStoreTools(StoreTools):
         store.delete(snapshot)
         locks.remove_lock_file(snapshot)  # the caller holds it exclusively
 
+    def weights_blocked(self, root: Path) -> list[str]:
+        from ..store import weights
+
+        return weights.blocked(root)
+
     def remove_unused_weights(self, root: Path, dry_run: bool = False) -> list[Path]:
         from ..checkpoint.carry import holders
         from ..store import weights

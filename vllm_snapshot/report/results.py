@@ -129,9 +129,12 @@ class Deleted:
     snapshot: str
     stopped_pids: list[int]
     weights_removed: list[str] = field(default_factory=list)
+    #: snapshot dirs whose unreadable manifest kept unused weights files (it might name them)
+    weights_kept_for: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return {"deleted": self.snapshot, "stopped_pids": self.stopped_pids, "weights_removed": self.weights_removed}
+        return {"deleted": self.snapshot, "stopped_pids": self.stopped_pids, "weights_removed": self.weights_removed,
+                "weights_kept_for": self.weights_kept_for}
 
 
 @dataclass(frozen=True)
@@ -145,10 +148,12 @@ class Pruned:
     dry_run: bool = False
     #: weights files no snapshot names any more, removed (or that would be, with ``dry_run``)
     weights_removed: list[str] = field(default_factory=list)
+    #: snapshot dirs whose unreadable manifest kept unused weights files (it might name them)
+    weights_kept_for: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"deleted": self.deleted, "kept_running": self.kept_running, "temp_removed": self.temp_removed,
-                "dry_run": self.dry_run, "weights_removed": self.weights_removed}
+                "dry_run": self.dry_run, "weights_removed": self.weights_removed, "weights_kept_for": self.weights_kept_for}
 
 
 @dataclass(frozen=True)

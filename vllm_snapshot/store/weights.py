@@ -305,6 +305,23 @@ def unreferenced(root: Path) -> list[Path]:
                   and str(p) not in used)
 
 
+def blocked(root: Path) -> list[str]:
+    """The snapshot directories under ``root`` whose unreadable manifest keeps weights files that
+    no readable manifest names (:func:`unreferenced` lists none while such a manifest exists: it
+    might name any); empty when nothing is kept that way. Never raises."""
+    d = directory(root)
+    if not d.is_dir():
+        return []
+    used, unreadable = referenced(root)
+    if not unreadable:
+        return []
+    try:
+        waiting = [p for p in d.iterdir() if p.name.endswith(SUFFIX) and not p.name.startswith(".") and str(p) not in used]
+    except OSError:
+        return []
+    return unreadable if waiting else []
+
+
 def remove_unreferenced(root: Path) -> list[Path]:
     """Remove the weights files no snapshot under ``root`` names; return them. Raises OSError."""
     gone = []

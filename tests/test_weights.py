@@ -129,6 +129,46 @@ def test_repoint_refuses_a_file_whose_bytes_differ(tmp_path):
         ew._repoint(m, entries, mm)
 
 
+def test_a_level_2_wake_fills_the_same_storages_from_the_file_with_the_post_processed_bytes(tmp_path, monkeypatch):
+    # the GPU wake's source (fill_in_place): sleep level 2 gives the weight tensors back at the
+    # same addresses with undefined contents; the file's bytes go into those very storages. On
+    # CPU this proves the table, the tied names, the chunking and the refusals; only a GPU proves
+    # the device copies and that the woken addresses are the ones graphs captured.
+    monkeypatch.setattr(ew, "CHUNK", 1000)  # many steps per tensor, a short last one
+    m = Tiny()
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(1))
+    want = m(x).detach()
+    entries, _, storages = ew.plan(ew._named_tensors(m))
+    path = tmp_path / "w"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, entries[-1]["offset"] + entries[-1]["nbytes"])
+        ew._write_all(fd, entries, storages)
+        del storages
+        ptrs = {n: t.data_ptr() for n, t in ew._named_tensors(m)}
+        with torch.no_grad():  # what a level-2 sleep leaves: the storages, not their bytes
+            for _, t in ew._named_tensors(m):
+                if t.numel() * t.element_size() >= ew.MIN_BYTES:
+                    t.fill_(float("nan"))
+        assert torch.isnan(m(x)).all()
+        assert ew.fill_in_place(m, entries, fd) == sum(e["nbytes"] for e in entries)
+        assert torch.equal(m(x), want)
+        assert {n: t.data_ptr() for n, t in ew._named_tensors(m)} == ptrs  # filled in place, nothing re-pointed
+        # a model that is not the file's: refused, naming the tensor
+        other = Tiny()
+        other.up = torch.nn.Linear(128, 128, bias=False)
+        with pytest.raises(RuntimeError, match="up.weight is torch.float32 x 16384 here"):
+            ew.fill_in_place(other, entries, fd)
+        del other.up
+        with pytest.raises(RuntimeError, match="names param:up.weight, which this model does not have"):
+            ew.fill_in_place(other, entries, fd)
+        os.ftruncate(fd, entries[-1]["offset"] + 10)  # a short file
+        with pytest.raises(OSError, match="ended at"):
+            ew.fill_in_place(m, entries, fd)
+    finally:
+        os.close(fd)
+
+
 def _published(root: Path, data: bytes) -> tuple[Path, str, bool]:
     d = sw.ensure_dir(root)
     tmp = d / f"{sw.TMP_PREFIX}{os.getpid()}-x"

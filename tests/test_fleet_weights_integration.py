@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import ENGINE_ARGS, TINY, cli
+from conftest import EAGER_ARGS, TINY, cli
 from registry_server import RegistryServer
 from test_fleet import _keypair
 from test_fleet_integration import _listed, _private, _stop, completion, on_node
@@ -62,7 +62,7 @@ def node_a(registry, tmp_path_factory):
     key, pub = _keypair(base, "k")
     made = {}
     for name, extra in (("tiny", []), ("tiny8", ["--max-num-seqs", "8"])):
-        cli("create", str(TINY), "--snapshot-dir", str(root_a / name), "--", *ENGINE_ARGS, *extra, check=True)
+        cli("create", str(TINY), "--snapshot-dir", str(root_a / name), "--", *EAGER_ARGS, *extra, check=True)
         made[name] = mf.read(root_a / name)
     rec = made["tiny"].weights
     assert rec is not None and made["tiny8"].weights is not None

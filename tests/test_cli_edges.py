@@ -229,6 +229,21 @@ def test_a_refused_snapshot_that_was_never_restored_is_listed(tmp_path, monkeypa
     assert row["last_restore"] is None and row["name"] == "s"
 
 
+def test_clear_refusal_forgets_only_the_codes_asked_and_keeps_the_rest_of_the_state(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_SNAPSHOT_STATE_DIR", str(tmp_path / "state"))
+    snap = tmp_path / "root" / "s"
+    write_snapshot_dir(snap)
+    assert store.clear_refusal(snap, frozenset({"model-changed"})) is None  # no state at all
+    store.record_restore(snap, ["identity override machine_id"])
+    at = store.last_restore(snap)
+    store.record_refusal(snap, "oracle-mismatch", "another token")
+    assert store.clear_refusal(snap, frozenset({"model-changed"})) is None and store.refusal(snap)["reason"] == "another token"
+    store.record_refusal(snap, "model-changed", "the weights file /w is missing")
+    gone = store.clear_refusal(snap, frozenset({"model-changed"}))
+    assert gone["reason"] == "the weights file /w is missing" and store.refusal(snap) is None
+    assert store.last_restore(snap) == at  # the rest of the record kept
+
+
 def test_delete_never_removes_a_directory_that_only_has_a_manifest_json(tmp_path, monkeypatch):
     """A typo'd path to a web app (its manifest.json) must not be wiped."""
     monkeypatch.setenv("VLLM_SNAPSHOT_STATE_DIR", str(tmp_path / "state"))

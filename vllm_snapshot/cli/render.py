@@ -141,6 +141,8 @@ def _verified(r: R.Verified, quiet: bool) -> None:
         sys.stderr.write(f"warning: {w}\n")
     _line(f"{r.snapshot}: OK ({r.images} images, {r.model_files} model files"
           + (f", the weights file {r.weights}" if r.weights else "") + " verified)")
+    if r.cleared:
+        _line(f"{Path(r.snapshot).name}: no longer marked refused (was: {r.cleared.get('reason')}); `list` shows it usable")
 
 
 def _restored(r: R.Restored, quiet: bool) -> None:
@@ -184,6 +186,13 @@ def _deleted(r: R.Deleted, quiet: bool) -> None:
     _line(f"deleted {r.snapshot}" + (f" (stopped engines {r.stopped_pids})" if r.stopped_pids else ""))
     for p in r.weights_removed:
         _line(f"removed the weights file {p} (no snapshot uses it any more)")
+    _weights_kept(r.weights_kept_for)
+
+
+def _weights_kept(dirs: list[str]) -> None:
+    if dirs:
+        _line(f"kept the unused weights files: the manifest of {', '.join(dirs)} cannot be read and may name them "
+              "(`vllm-snapshot delete` it or put its manifest back, then `vllm-snapshot prune`)")
 
 
 def _pruned(r: R.Pruned, quiet: bool) -> None:
@@ -196,7 +205,8 @@ def _pruned(r: R.Pruned, quiet: bool) -> None:
         _line(f"{'would remove' if r.dry_run else 'removed'} leftover {p}")
     for p in r.weights_removed:
         _line(f"{'would remove' if r.dry_run else 'removed'} the weights file {p} (no snapshot uses it any more)")
-    if not (r.deleted or r.kept_running or r.temp_removed or r.weights_removed):
+    _weights_kept(r.weights_kept_for)
+    if not (r.deleted or r.kept_running or r.temp_removed or r.weights_removed or r.weights_kept_for):
         _line("nothing to prune")
 
 

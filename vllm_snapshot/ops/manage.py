@@ -96,7 +96,7 @@ def delete(snapshot: Path, force: bool = False, tools: Tools | None = None) -> D
         t.store.delete_snapshot(snapshot)
     # the weights file it mapped goes with the last snapshot that names it (counted from the manifests)
     gone = t.store.remove_unused_weights(snapshot.parent)
-    return Deleted(str(snapshot), [e.pid for e in running], [str(p) for p in gone])
+    return Deleted(str(snapshot), [e.pid for e in running], [str(p) for p in gone], t.store.weights_blocked(snapshot.parent))
 
 
 def parse_duration(text: str) -> float:
@@ -154,7 +154,7 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
         deleted.append(str(p))
     temps = t.store.reclaim(root, dry_run=True) if dry_run else [str(x) for x in t.store.clean_stale_temps(root)] + t.store.reclaim(root)
     weights_gone = [str(p) for p in t.store.remove_unused_weights(root, dry_run=dry_run)]
-    return Pruned(deleted, kept, temps, dry_run, weights_gone)
+    return Pruned(deleted, kept, temps, dry_run, weights_gone, t.store.weights_blocked(root))
 
 
 def status(tools: Tools | None = None) -> Engines:

@@ -65,9 +65,12 @@ class Verified:
     warnings: list[str]
     #: the weights file re-hashed whole (None: the snapshot has none)
     weights: str | None = None
+    #: the recorded refusal this pass cleared (``{"code", "reason", "by", "at"}``; None: none was)
+    cleared: dict | None = None
 
     def to_json(self) -> dict:
-        return {"snapshot": self.snapshot, "ok": True, "warnings": self.warnings, "weights": self.weights}
+        return {"snapshot": self.snapshot, "ok": True, "warnings": self.warnings, "weights": self.weights,
+                "cleared_refusal": self.cleared}
 
 
 @dataclass(frozen=True)
@@ -126,9 +129,12 @@ class Deleted:
     snapshot: str
     stopped_pids: list[int]
     weights_removed: list[str] = field(default_factory=list)
+    #: snapshot dirs whose unreadable manifest kept unused weights files (it might name them)
+    weights_kept_for: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return {"deleted": self.snapshot, "stopped_pids": self.stopped_pids, "weights_removed": self.weights_removed}
+        return {"deleted": self.snapshot, "stopped_pids": self.stopped_pids, "weights_removed": self.weights_removed,
+                "weights_kept_for": self.weights_kept_for}
 
 
 @dataclass(frozen=True)
@@ -142,10 +148,12 @@ class Pruned:
     dry_run: bool = False
     #: weights files no snapshot names any more, removed (or that would be, with ``dry_run``)
     weights_removed: list[str] = field(default_factory=list)
+    #: snapshot dirs whose unreadable manifest kept unused weights files (it might name them)
+    weights_kept_for: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"deleted": self.deleted, "kept_running": self.kept_running, "temp_removed": self.temp_removed,
-                "dry_run": self.dry_run, "weights_removed": self.weights_removed}
+                "dry_run": self.dry_run, "weights_removed": self.weights_removed, "weights_kept_for": self.weights_kept_for}
 
 
 @dataclass(frozen=True)

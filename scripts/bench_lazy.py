@@ -189,7 +189,7 @@ def main() -> int:
     a = ap.parse_args()
     STATE["level"] = f"-v{a.daemon_log_level}"
     STATE["recorded"] = manifest.read(a.snapshot).criu.tree_commands
-    criu.restore_rpc = restore_rpc
+    criu.runner.restore_rpc = restore_rpc  # the name the runner calls
     criu.Criu._restore = restore
     _Files.unstage = unstage
     _Checkpoint.tree_commands = tree_commands

@@ -17,7 +17,7 @@ What is the product's and what is not:
   ``supervisor.launch``'s ``unshare`` arguments, with the product's engine environment
   (:func:`vllm_snapshot.host.envpolicy.scrubbed_env` for the engine user, plus
   :func:`~vllm_snapshot.supervise.supervisor.engine_import_env`'s PYTHONPATH), cwd the work dir. Its root
-  does what ``engine/main.py`` does before vLLM: :func:`vllm_snapshot.engine.mounts.make_private`
+  does what ``entrypoints/engine_root.py`` does before vLLM: :func:`vllm_snapshot.engine.mounts.make_private`
   (the product's own needed paths), ``lo`` up, then :func:`vllm_snapshot.host.privilege.drop_to` the
   engine user for good. It is a **non-CUDA root** (like vLLM's API process) with one CUDA child
   (like EngineCore); stdio opened inside the namespace, all other fds closed. A driver that the
@@ -208,7 +208,7 @@ os.setsid()  # as the engine root: the session leader must be inside the namespa
 spec = json.loads(sys.argv[1])
 from vllm_snapshot.engine.mounts import make_private, link_inductor_cache
 from vllm_snapshot.engine.net import loopback_up
-# engine/main.py's order: the mount policy (its own needed paths), lo up, then the engine user
+# entrypoints/engine_root.py's order: the mount policy (its own needed paths), lo up, then the engine user
 detached = make_private(link_inductor=False)
 loopback_up()
 print("detached:", detached, flush=True)
@@ -362,9 +362,9 @@ def run(a, out: Path, work: Path, pkg: Path) -> int:
 
         from vllm_snapshot.checkpoint import criu, mountpolicy
         from vllm_snapshot.store import layout
-        from vllm_snapshot.host import envpolicy, privilege
+        from vllm_snapshot.host import envpolicy, privilege, procs
         from vllm_snapshot.supervise import supervisor  # noqa: F401 - imports checked
-        from vllm_snapshot.engine.mounts import ENGINE_TMPDIR
+        from vllm_snapshot.paths import ENGINE_TMPDIR
         from vllm_snapshot.errors import SnapshotError
         from vllm_snapshot.host.procs import tree
         from vllm_snapshot.effects.tools import local_tools
@@ -525,7 +525,7 @@ def run(a, out: Path, work: Path, pkg: Path) -> int:
         return 0 if all(s in ("PASS", "INFO") for s, _, _ in RESULTS) else 1
     finally:
         if restored:
-            criu.kill_restored_children()
+            procs.kill_restored_children()
         if root:
             try:
                 os.kill(root, signal.SIGKILL)

@@ -119,7 +119,7 @@ step "CRIU check" choose_criu
 tools() {
   # Every engine runs in a network namespace of its own: CRIU saves and restores it with `ip`
   # (iproute2; criu/net.c). No iptables/nftables tool is needed: dump and restore run with
-  # --network-lock skip (vllm_snapshot/checkpoint/criu.py NETWORK_LOCK_ISOLATED says why).
+  # --network-lock skip (vllm_snapshot/checkpoint/criu/options.py NETWORK_LOCK_ISOLATED says why).
   apt_install iproute2
   # Test tools. The mount matrix (tests/test_mounts_integration.py) builds ext4, squashfs and
   # vfat images on loop devices; losetup/mount/unshare/nsenter come with util-linux; the shell

@@ -18,7 +18,7 @@ import sys
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
-from vllm_snapshot.engine.main import emit
+from vllm_snapshot.entrypoints.engine_root import emit
 from vllm_snapshot.engine.mounts import make_private
 from vllm_snapshot.engine.net import loopback_up, receive_listener
 from vllm_snapshot.engine.protocol import decode
@@ -107,7 +107,7 @@ def main() -> int:
     make_private()
     loopback_up()
     user = spec.get("user")
-    if user:  # as the real engine root does (vllm_snapshot/engine/main.py)
+    if user:  # as the real engine root does (vllm_snapshot/entrypoints/engine_root.py)
         from vllm_snapshot.host.privilege import drop_to
 
         drop_to(int(user["uid"]), int(user["gid"]), [int(g) for g in user["groups"]])

@@ -806,9 +806,10 @@ def test_holders_are_named_by_their_script_and_engines_as_engines():
     venv = "/var/cache/vllm-snapshot/venv/bin"
     assert procs.brief([f"{venv}/python3.11", f"{venv}/vllm-snapshot", "--root", "/var/tmp/trial-root", "restore",
                         "trial-b", "--port", "18031"]) == "vllm-snapshot --root /var/tmp/trial-root restore trial-b --port 18031"
-    assert procs.brief([f"{venv}/python", "-m", "vllm_snapshot.engine.main",
-                        '{"model": "/var/cache/vllm-snapshot/models/tiny-llama", "engine_args": []}']) \
-        == "vllm-snapshot engine (model /var/cache/vllm-snapshot/models/tiny-llama)"
+    for program in ("vllm_snapshot.entrypoints.engine_root", "vllm_snapshot.engine.main"):  # today's, and a restored old one
+        assert procs.brief([f"{venv}/python", "-m", program,
+                            '{"model": "/var/cache/vllm-snapshot/models/tiny-llama", "engine_args": []}']) \
+            == "vllm-snapshot engine (model /var/cache/vllm-snapshot/models/tiny-llama)"
     assert procs.brief(["/usr/bin/python3", "-m", "http.server", "8000"]) == "python3 -m http.server 8000"
     assert procs.brief(["sleep", "60"]) == "sleep 60"
 

@@ -115,20 +115,14 @@ def test_only_archive_lists_the_staging_parents():
 #: The engine-argument rules and tables engine/args.py owns: no other module defines them.
 ARG_RULES = {"arg_value", "has_flag", "last_value", "flag_name", "check_engine_args", "unrestorable",
              "argparse_reason", "RESTORE_OWNED_ARGS", "FRONTEND_OPTIONS", "FRONTEND_REFUSED", "EARLY_REFUSED",
-             "PARALLEL_SIZES"}
+             "PARALLEL_SIZES", "OPTIONS", "Option", "walk", "split", "values", "refuse_engine_options",
+             "without_secrets", "secrets", "pop_option", "redact_args", "is_secret_name", "SECRET_FLAGS",
+             "SECRET_DESTS", "REFUSED", "REFUSED_AT_RESTORE", "APP_DESTS", "normalize_args",
+             "normalize_namespace", "memoizable", "ARGS_IGNORED"}
 
-#: Engine-argument walkers written outside engine/args.py today: known debt, each to move there
-#: (docs review architecture-3, recommendation 1: one owner of ``vllm serve`` argv). Remove an
-#: entry when its walker moves; the test fails while a listed one is no longer found.
-ARG_WALKER_DEBT = {
-    "cli/app.py:_pop_option: splits at '='": "serve lifts --host/--port out of the engine args by hand",
-    "host/envpolicy.py:redact_args: splits at '='": "redaction walks the engine args itself (secret flags, nargs)",
-    "store/model_digest.py:check_config: splits at '='": "reads --config-format / --hf-config-path by hand",
-    "supervise/frontend.py:_walk: splits at '='": "the front-end options' own walker (arity, values)",
-}
 #: What the finder flags that does not take engine arguments apart, and what it splits instead.
 NOT_ENGINE_ARGS = {
-    "checkpoint/criu.py:config_libdirs: splits at '='": "CRIU's configuration files (libdir=)",
+    "checkpoint/criu/find.py:config_libdirs: splits at '='": "CRIU's configuration files (libdir=)",
     "checkpoint/cuda_checkpoint.py:parse_device_map: splits at '='": "a --device-map value OLD=NEW",
     "checkpoint/mountpolicy.py:_devname: splits at '='": "a block device's uevent file (DEVNAME=)",
     "cli/app.py:_global_options_first: splits at '='": "vllm-snapshot's own options before the command",
@@ -181,19 +175,19 @@ def test_the_finder_finds_a_second_arg_rule():
              "cli/app.py": ast.parse('def lift(args):\n    return [a.split("=", 1)[1] for a in args if a.startswith("--port=")]\n'),
              "engine/args.py": ast.parse("def arg_value(a, f): pass\n")}
     assert arg_rule_owners(trees) == ["cli/app.py:lift: splits at '='", "cli/app.py:lift: startswith('--port=')",
-                                      "ops/create.py:1: def arg_value", "ops/create.py:<module>: startswith('--kv-cache=')",
+                                      "ops/create.py:1: def arg_value", "ops/create.py:3: def walk",
+                                      "ops/create.py:<module>: startswith('--kv-cache=')",
                                       "ops/create.py:walk: splits at '='"]
 
 
-def test_engine_argument_rules_live_in_engine_args_but_for_the_listed_debt():
-    """Only engine/args.py holds the engine-argument rules, but for the walkers listed as known
-    debt in :data:`ARG_WALKER_DEBT` (by file and function) and what :data:`NOT_ENGINE_ARGS` says
-    is no engine argument; cli/app.py is searched like every other module."""
+def test_engine_argument_rules_live_in_engine_args_only():
+    """Only engine/args.py holds the engine-argument rules and walks ``vllm serve`` argv (one
+    table, one walker); what :data:`NOT_ENGINE_ARGS` lists splits something else. cli/app.py is
+    searched like every other module."""
     found = arg_rule_owners(_trees())
-    assert [f for f in found if f not in ARG_WALKER_DEBT and f not in NOT_ENGINE_ARGS] == [], \
+    assert [f for f in found if f not in NOT_ENGINE_ARGS] == [], \
         "a new engine-argument rule or walker outside engine/args.py: use engine/args.py's (or list what it splits)"
-    assert sorted(set(ARG_WALKER_DEBT) | set(NOT_ENGINE_ARGS)) == found, \
-        "a listed walker is gone (moved to engine/args.py?): remove it from the list"
+    assert sorted(NOT_ENGINE_ARGS) == found, "a listed non-engine split is gone: remove it from the list"
 
 
 def private_imports(trees: dict[str, ast.AST]) -> list[str]:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from vllm_snapshot.checkpoint import criu
-from vllm_snapshot.checkpoint.criu import DumpOptions, RestoreOptions
+from vllm_snapshot.checkpoint.criu import DumpOptions, RestoreOptions, options
 
 
 def _after(argv: list[str], flag: str) -> list[str]:
@@ -71,7 +71,7 @@ def test_dump_rpc_sets_pid_log_and_flags():
     rpc = _Rpc()
     criu.dump_rpc(DumpOptions(pid=42), rpc)
     assert rpc.pid == 42 and rpc.log_file == criu.DUMP_LOG and rpc.log_level == criu.LOG_LEVEL
-    assert all(getattr(rpc, criu._FLAG_TO_OPT[f]) is True for f in criu.SHARED_FLAGS)
+    assert all(getattr(rpc, options._FLAG_TO_OPT[f]) is True for f in criu.SHARED_FLAGS)
     assert rpc.external == []
 
 
@@ -152,8 +152,8 @@ def test_every_shared_flag_maps_to_an_rpc_option():
 
     req = pycriu.rpc.criu_opts()
     criu.apply_flags(req, criu.SHARED_FLAGS)
-    assert {f.name: v for f, v in req.ListFields()} == {criu._FLAG_TO_OPT[f]: True for f in criu.SHARED_FLAGS}
-    assert set(criu._FLAG_TO_OPT.values()) <= set(req.DESCRIPTOR.fields_by_name)  # every mapping, shared or not
+    assert {f.name: v for f, v in req.ListFields()} == {options._FLAG_TO_OPT[f]: True for f in criu.SHARED_FLAGS}
+    assert set(options._FLAG_TO_OPT.values()) <= set(req.DESCRIPTOR.fields_by_name)  # every mapping, shared or not
 
 
 def test_dump_and_restore_rpc_fill_a_real_criu_opts_message():
@@ -166,7 +166,7 @@ def test_dump_and_restore_rpc_fill_a_real_criu_opts_message():
     assert req.rst_sibling and req.root == "/" and req.log_file == criu.RESTORE_LOG
     assert [(i.key, i.fd) for i in req.inherit_fd] == [("pipe:[123]", 5), ("pipe:[456]", 7)]
     assert list(req.external) == ["mnt[m0]:/data"] and req.HasField("network_lock")
-    assert all(getattr(req, criu._FLAG_TO_OPT[f]) is True for f in criu.SHARED_FLAGS)
+    assert all(getattr(req, options._FLAG_TO_OPT[f]) is True for f in criu.SHARED_FLAGS)
     req = pycriu.rpc.criu_opts()
     criu.dump_rpc(DumpOptions(pid=42, external=("mnt[/a]:a",)), req)
     assert req.pid == 42 and req.log_file == criu.DUMP_LOG and list(req.external) == ["mnt[/a]:a"]
@@ -276,7 +276,7 @@ def test_network_lock_only_when_asked():
 def test_network_lock_rpc_values_are_criu_4_2_1s():
     """The enum values are images/rpc.proto's criu_network_lock_method, as pycriu has them."""
     rpc_pb2 = pytest.importorskip("pycriu.rpc_pb2", reason="pycriu comes from scripts/setup.sh")
-    for name, value in criu._NETWORK_LOCK_RPC.items():
+    for name, value in options._NETWORK_LOCK_RPC.items():
         assert getattr(rpc_pb2, name.upper()) == value
     d, r = _Rpc(), _Rpc()
     criu.dump_rpc(DumpOptions(pid=1, network_lock="skip"), d)
@@ -368,7 +368,7 @@ def test_cuda_env_refuses_a_helper_override_criu_would_not_run(tmp_path, monkeyp
     binary.write_bytes(b"x")
     (tmp_path / "src" / "plugins" / "cuda").mkdir(parents=True)
     (tmp_path / "src" / "plugins" / "cuda" / "cuda_plugin.so").write_bytes(b"p")
-    monkeypatch.setattr(criu, "_read_text", lambda p: None)  # no host config files in the way
+    monkeypatch.setattr(criu.find, "_read_text", lambda p: None)  # no host config files in the way
     wrong = tmp_path / "nv-checkpoint"
     wrong.write_text("#!/bin/sh\n")
     wrong.chmod(0o755)
@@ -463,30 +463,20 @@ def _fake_criu(script: list[str], fail_at: str | None = None):
 
     th = threading.Thread(target=serve, daemon=True)
     th.start()
-
-    class Comm:
-        def connect(self, daemon):
-            return ours
-
-        def disconnect(self):
-            ours.close()
-
-    class C:
-        opts = rpc.criu_opts()
-        _comm = Comm()
-
-    C.opts.images_dir_fd = 3
-    C.opts.notify_scripts = True
-    return C(), pycriu, seen, th
+    req = rpc.criu_req()
+    req.type = rpc.RESTORE
+    req.opts.images_dir_fd = 3
+    req.opts.notify_scripts = True
+    return criu.Swrk(ours), req, seen, th
 
 
 NOTES = ["pre-restore", "setup-namespaces", "post-setup-namespaces", "post-restore", "pre-resume"]
 
 
 def test_restore_waits_for_before_memory_at_post_setup_namespaces():
-    c, pycriu, seen, th = _fake_criu(NOTES)
+    swrk, req, seen, th = _fake_criu(NOTES)
     calls = []
-    resp = criu._restore_notified(c, pycriu, lambda: calls.append(len(seen["acks"])), [])
+    resp = criu.restore_notified(swrk, req, lambda: calls.append(len(seen["acks"])), [])
     th.join(5)
     assert resp.pid == 4242 and seen["notify_scripts"]
     assert calls == [2]  # called once, when post-setup-namespaces arrived (two answered before)
@@ -496,23 +486,23 @@ def test_restore_waits_for_before_memory_at_post_setup_namespaces():
 def test_a_failing_before_memory_aborts_criu_and_is_kept():
     from vllm_snapshot.errors import CorruptSnapshotError
 
-    c, pycriu, seen, th = _fake_criu(NOTES)
+    swrk, req, seen, th = _fake_criu(NOTES)
     failed: list = []
 
     def bad() -> None:
         raise CorruptSnapshotError("frame 3 fails its checksum")
 
-    with pytest.raises(pycriu.CRIUException):
-        criu._restore_notified(c, pycriu, bad, failed)
+    with pytest.raises(criu.RpcFailed):
+        criu.restore_notified(swrk, req, bad, failed)
     th.join(5)
     assert seen["acks"][-1] == ("post-setup-namespaces", False)  # CRIU is told to abort
     assert [type(e) for e in failed] == [CorruptSnapshotError]
 
 
 def test_without_the_notification_before_memory_runs_after_criu():
-    c, pycriu, seen, th = _fake_criu(["pre-restore", "post-restore"])
+    swrk, req, seen, th = _fake_criu(["pre-restore", "post-restore"])
     calls = []
-    resp = criu._restore_notified(c, pycriu, lambda: calls.append("late"), [])
+    resp = criu.restore_notified(swrk, req, lambda: calls.append("late"), [])
     th.join(5)
     assert resp.pid == 4242 and calls == ["late"]
 
@@ -545,3 +535,88 @@ def test_a_criu_run_killed_before_it_logged_says_its_log_is_empty(tmp_path):
     (work / criu.DUMP_LOG).unlink()
     err = runner._failed("dump", work, criu.DUMP_LOG)
     assert err.message == f"CRIU dump failed; it wrote no log ({work / criu.DUMP_LOG})"
+
+
+# ----------------------------------------------------------------------------- the runner's own transport
+
+FAKE_SWRK = r"""#!{python}
+# a `criu swrk FD` stand-in: records what it was given, answers one request as CRIU would
+import json, os, socket, sys
+from pycriu import rpc_pb2 as rpc
+sk = socket.socket(fileno=int(sys.argv[2]))
+req = rpc.criu_req()
+req.ParseFromString(sk.recv(1 << 20))
+inherit = [f.fd for f in req.opts.inherit_fd]
+with open(os.environ["FAKE_SWRK_OUT"], "w") as f:
+    json.dump({{"argv": sys.argv[1:], "env": dict(os.environ), "type": req.type,
+               "open": [fd for fd in inherit if os.path.exists(f"/proc/self/fd/{{fd}}")],
+               "stdin": os.readlink("/proc/self/fd/0")}}, f)
+resp = rpc.criu_resp()
+resp.type = req.type
+resp.success = {success}
+resp.restore.pid = 4343
+sk.send(resp.SerializeToString())
+"""
+
+
+def _fake_swrk(tmp_path, success=True):
+    import sys
+
+    pytest.importorskip("pycriu")
+    fake = tmp_path / "criu"
+    fake.write_text(FAKE_SWRK.format(python=sys.executable, success=success))
+    fake.chmod(0o755)
+    for d in ("images", "work"):
+        (tmp_path / d).mkdir()
+    return fake
+
+
+def test_the_runner_spawns_swrk_with_its_env_and_leaves_this_processs_alone(tmp_path, monkeypatch):
+    """CRIU gets this process's environment plus the runner's own (a CUDA run's CRIU_LIBS_DIR),
+    given to the child: os.environ is never changed while the call runs (worker threads read it),
+    and the fds a restore hands to the tree (inherit_fd) are open in CRIU."""
+    import json
+    import os
+
+    fake = _fake_swrk(tmp_path)
+    out = tmp_path / "out.json"
+    monkeypatch.setenv("FAKE_SWRK_OUT", str(out))
+    before = dict(os.environ)
+    r, w = os.pipe()
+    os.set_inheritable(r, True)
+    try:
+        runner = criu.Criu(str(fake), {"CRIU_LIBS_DIR": "/opt/plugins"}, keep_log_dir=tmp_path / "logs", timeout_s=30)
+        pid = runner.restore(RestoreOptions(inherit_fds=(("pipe:[1]", r),)), tmp_path / "images", tmp_path / "work")
+    finally:
+        os.close(r)
+        os.close(w)
+    got = json.loads(out.read_text())
+    assert pid == 4343
+    assert got["argv"][0] == "swrk" and got["env"]["CRIU_LIBS_DIR"] == "/opt/plugins"
+    assert got["env"]["FAKE_SWRK_OUT"] == str(out)  # this process's environment, plus the runner's
+    assert got["open"] == [r] and got["stdin"] == "/dev/null"
+    assert dict(os.environ) == before and "CRIU_LIBS_DIR" not in os.environ
+
+
+def test_a_failed_answer_keeps_the_log_and_names_it(tmp_path, monkeypatch):
+    fake = _fake_swrk(tmp_path, success=False)
+    monkeypatch.setenv("FAKE_SWRK_OUT", str(tmp_path / "out.json"))
+    (tmp_path / "work" / criu.DUMP_LOG).write_text("(00.2) Error (criu/mount.c:1): FS mnt ./mnt/x dev 0:52 root / "
+                                                   "unsupported\n")
+    from vllm_snapshot.errors import CriuError
+
+    with pytest.raises(CriuError, match="CRIU dump failed: the engine's mount namespace holds /mnt/x") as ei:
+        criu.Criu(str(fake), keep_log_dir=tmp_path / "logs", timeout_s=30).dump(
+            DumpOptions(pid=1), tmp_path / "images", tmp_path / "work")
+    assert Path(ei.value.details["log"]).parent == tmp_path / "logs"
+
+
+def test_a_criu_that_cannot_start_is_a_criu_error(tmp_path):
+    from vllm_snapshot.errors import CriuError
+
+    pytest.importorskip("pycriu")
+    for d in ("images", "work"):
+        (tmp_path / d).mkdir()
+    with pytest.raises(CriuError, match="it wrote no log"):
+        criu.Criu(str(tmp_path / "no-criu"), keep_log_dir=tmp_path / "logs").dump(
+            DumpOptions(pid=1), tmp_path / "images", tmp_path / "work")

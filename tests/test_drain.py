@@ -1,6 +1,6 @@
 """Draining stop (issue 29, S2) without vLLM: the drain timeout's sources, ``registry.stop``
 against real processes that listen and hold a client connection, the engine's signal handling
-(``engine.main.install_drain``) on a real event loop, ``switch``'s port lock and what it says
+(``entrypoints.engine_root.install_drain``) on a real event loop, ``switch``'s port lock and what it says
 serves after a failure. End to end: tests/test_drain_integration.py."""
 
 from __future__ import annotations
@@ -196,8 +196,8 @@ def test_stop_drains_for_the_engines_own_timeout_by_default(busy_server, stop_ev
 # ------------------------------------------------------------------ the engine's signal handling
 
 def test_install_drain_first_signal_drains_second_cancels_what_is_in_flight(capsys):
-    from vllm_snapshot.engine import main
-    from vllm_snapshot.engine.main import install_drain
+    from vllm_snapshot.entrypoints import engine_root as main
+    from vllm_snapshot.entrypoints.engine_root import install_drain
 
     async def scenario() -> tuple:
         loop = asyncio.get_running_loop()

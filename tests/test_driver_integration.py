@@ -55,7 +55,8 @@ import sys
 def _probe():
     try:
         with open("/proc/1/cmdline", "rb") as f:
-            ours = b"vllm_snapshot.engine.main" in f.read()
+            cmdline = f.read()
+        ours = b"vllm_snapshot.entrypoints.engine_root" in cmdline or b"vllm_snapshot.engine.main" in cmdline
     except OSError:
         return
     if not ours or os.getpid() == 1:  # outside an engine tree, or its root (before the mount policy)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from vllm_snapshot.supervise import frontend
-from vllm_snapshot.engine.args import FRONTEND_OPTIONS
+from vllm_snapshot.engine.args import FRONTEND_OPTIONS, OPTIONS
 from vllm_snapshot import ops
 from vllm_snapshot.errors import OracleMismatchError, UsageError
 from vllm_snapshot.report.progress import Reporter
@@ -169,8 +169,11 @@ def test_option_table_matches_vllms_parser():
         assert by_flag[flag][0] == dest, flag
         want = {0: 0, 1: None, "+": "+"}[arity]
         assert by_flag[flag][1] == want, f"{flag}: nargs {by_flag[flag][1]!r}"
-    for flag in frontend.REFUSED:
-        assert flag in by_flag, flag
+    for o in OPTIONS:  # the one table: every row's flag, dest and arity
+        assert o.flag in by_flag, f"{o.flag} is not a vLLM option"
+        assert by_flag[o.flag][0] == o.dest, o.flag
+        want = {0: 0, 1: None, "?": "?", "+": "+"}[o.arity]
+        assert by_flag[o.flag][1] == want, f"{o.flag}: nargs {by_flag[o.flag][1]!r}"
     # and vLLM types what we pass as text: JSON lists, ints
     assert got["origins"] == ["https://a"] and got["count"] == 10
 

@@ -15,6 +15,7 @@ import urllib.request
 import psutil
 import pytest
 
+from vllm_snapshot.engine.protocol import PROGRAMS
 from vllm_snapshot.store import manifest as mf
 
 from conftest import ENGINE_ARGS, ROOT, TINY, cli, engine_env, owned_by_this_run, staging_left
@@ -41,7 +42,7 @@ def engine_pids(settle_s: float = 0.0, baseline: set[int] | None = None) -> set[
                 if p.info["status"] == psutil.STATUS_ZOMBIE:
                     continue
                 cmd = " ".join(p.info["cmdline"] or [])
-                if ("vllm_snapshot.engine.main" in cmd or "fake_engine.py" in cmd
+                if (any(prog in cmd for prog in PROGRAMS) or "fake_engine.py" in cmd
                         or (p.info["name"] or "").startswith("VLLM::")) and owned_by_this_run(p):
                     out.add(p.pid)
             except psutil.Error:
@@ -260,7 +261,7 @@ def test_create_refuses_an_api_key_before_the_snapshot_exists(snap_root):
 def test_vllm_parser_refuses_unrestorable_settings(extra, words):
     """The engine's own parse (vLLM's parser + our refusals), as create runs it before the
     model loads."""
-    from vllm_snapshot.engine.main import parse_engine_args
+    from vllm_snapshot.entrypoints.engine_root import parse_engine_args
 
     with pytest.raises(ValueError, match=words.replace("-", "\\-").replace("(", "\\(")):
         parse_engine_args(str(TINY), ["--dtype", "float32", *extra])

@@ -1,8 +1,8 @@
 """The policies that lived in the side-effect seam (effects/tools.py) and now live in the leaf
 that owns their concern, tested where they landed: the code table's integrity
 (host/codeid.py), the CUDA helper's usability and the CUDA identity fields (checkpoint/gpu.py),
-CRIU core-image capabilities (checkpoint/criu.py), the CRIU timeout's environment
-(checkpoint/criu.py), the engine log file (supervise/supervisor.py), reclaim (store/reclaim.py)."""
+CRIU core-image capabilities (checkpoint/criu/images.py), the CRIU timeout's environment
+(checkpoint/criu/runner.py), the engine log file (supervise/supervisor.py), reclaim (store/reclaim.py)."""
 
 from __future__ import annotations
 

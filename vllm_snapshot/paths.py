@@ -33,6 +33,10 @@ DEFAULT_ROOT = Path("/var/lib/vllm-snapshot")
 DEFAULT_CACHE = Path("/var/cache/vllm-snapshot")
 DEFAULT_RUN = Path("/run/vllm-snapshot")
 DEFAULT_LOG = Path("/var/log/vllm-snapshot")
+#: The engine's private temp dir: a mount point on the host's disk (made by the launch), a
+#: fresh tmpfs inside the engine's mount namespace (:func:`vllm_snapshot.engine.mounts.make_private`),
+#: the engine's ``TMPDIR`` (:func:`vllm_snapshot.host.envpolicy.scrubbed_env`).
+ENGINE_TMPDIR = "/var/tmp/.vllm-snapshot-engine"
 
 
 def snapshot_root(cli_root: Path | None = None) -> Path:

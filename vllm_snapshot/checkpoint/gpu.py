@@ -585,14 +585,6 @@ def check_host_room(gpu_bytes: int, how: str, ram_available: int, disk_free: int
             details={"gpu_bytes": gpu_bytes, "ram_available": ram_available, "disk_free": disk_free})
 
 
-def mem_available(meminfo: str) -> int:
-    """``MemAvailable`` of ``/proc/meminfo`` text, in bytes (0 when absent). Pure."""
-    for line in meminfo.splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 #: Runs a ``cuda-checkpoint`` command line and returns (exit status, stdout + stderr).
 HelperRun = Callable[[Sequence[str]], "tuple[int, str]"]
 

@@ -35,12 +35,8 @@ SysV look-ups run in a helper thread that joins the tree's namespace (needs root
 
 from __future__ import annotations
 
-import ctypes
-import ipaddress
 import os
-import socket
 import stat
-import struct
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
@@ -51,7 +47,10 @@ from ..errors import EngineError, EnvironmentProblem, UnsnapshottableError
 from ..engine import net
 from ..engine.mounts import PRIVATE as PRIVATE_MOUNTS
 from ..store.manifest import TreeFile
+from ..host.ipc import read_sysv, sem_last_pids
 from ..host.procs import command, run_in_namespace, socket_inodes, tree
+from ..host.sockets import (TCP_CLOSE, TCP_LISTEN, TCP_STATES, TCP_TIME_WAIT, UNIX_TYPES, TcpEntry, UnixEntry,
+                            fmt_addr, is_loopback, read_tcp_table, read_unix_table)
 
 #: Files up to this many bytes get a BLAKE3 content digest in their record.
 HASH_LIMIT_BYTES = 1 << 20
@@ -89,15 +88,6 @@ HINT_LISTEN = ("the engine must not listen on a non-loopback address before the 
                "port is bound only after restore); bind 127.0.0.1, or for gloo set "
                "GLOO_SOCKET_IFNAME=lo")
 
-_TCP_STATES = {1: "ESTABLISHED", 2: "SYN_SENT", 3: "SYN_RECV", 4: "FIN_WAIT1", 5: "FIN_WAIT2",
-               6: "TIME_WAIT", 7: "CLOSE", 8: "CLOSE_WAIT", 9: "LAST_ACK", 10: "LISTEN",
-               11: "CLOSING"}
-_TCP_LISTEN, _TCP_CLOSE, _TCP_TIME_WAIT = 10, 7, 6
-_UNIX_TYPES = {1: "stream", 2: "datagram", 5: "seqpacket"}
-
-_GETPID = 11  # semctl command: PID of the last semop on one semaphore
-
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 # ----------------------------------------------------------------------------- results
@@ -197,125 +187,7 @@ def _under(path: str, prefixes: Iterable[str]) -> bool:
 
 # ----------------------------------------------------------------------------- TCP
 
-@dataclass(frozen=True)
-class _TcpEntry:
-    local: tuple[str, int]
-    remote: tuple[str, int]
-    state: int
-    inode: int
-    v6: bool
-
-
-def _hex_addr(h: str) -> str:
-    ip, _ = h.split(":")
-    raw = bytes.fromhex(ip)
-    if len(raw) == 4:
-        return str(ipaddress.IPv4Address(raw[::-1]))
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
-    return ipaddress.IPv6Address(words).compressed
-
-
-def _hex_port(h: str) -> int:
-    return int(h.split(":")[1], 16)
-
-
-def read_tcp_table(pid: int | str = "self") -> list[_TcpEntry]:
-    """Every TCP socket of PID's network namespace from ``/proc/PID/net/tcp`` and ``tcp6``
-    (addresses as strings, ports as ints, state as the kernel's number, 10 = LISTEN)."""
-    out = []
-    for name, v6 in (("tcp", False), ("tcp6", True)):
-        try:
-            with open(f"/proc/{pid}/net/{name}") as f:
-                next(f, None)
-                for line in f:
-                    c = line.split()
-                    if len(c) < 10:
-                        continue
-                    out.append(_TcpEntry((_hex_addr(c[1]), _hex_port(c[1])), (_hex_addr(c[2]), _hex_port(c[2])),
-                                         int(c[3], 16), int(c[9]), v6))
-        except FileNotFoundError:
-            continue
-    return out
-
-
-def _fmt_addr(a: tuple[str, int]) -> str:
-    return f"[{a[0]}]:{a[1]}" if ":" in a[0] else f"{a[0]}:{a[1]}"
-
-
-def _is_loopback(addr: str) -> bool:
-    ip = ipaddress.ip_address(addr)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_loopback
-
-
 # ----------------------------------------------------------------------------- unix sockets
-
-@dataclass(frozen=True)
-class _UnixEntry:
-    inode: int
-    type: int
-    state: int
-    peer: int
-    name: str | None
-
-
-def read_unix_table() -> dict[int, _UnixEntry]:
-    """Every unix socket of the calling thread's network namespace, with its peer, from the
-    kernel's ``NETLINK_SOCK_DIAG`` (``unix_diag``): inode -> entry (``peer`` 0 = none; ``name``
-    the bound path, ``@name`` for abstract, None unbound). Raises EnvironmentProblem when the
-    kernel does not answer (``unix_diag`` not available)."""
-    NETLINK_SOCK_DIAG, SOCK_DIAG_BY_FAMILY = 4, 20
-    NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
-    NLMSG_ERROR, NLMSG_DONE = 2, 3
-    UDIAG_SHOW_NAME, UDIAG_SHOW_PEER = 0x1, 0x4
-    UNIX_DIAG_NAME, UNIX_DIAG_PEER = 0, 2
-    req = struct.pack("=BBHIIIII", socket.AF_UNIX, 0, 0, 0xFFFFFFFF, 0,
-                      UDIAG_SHOW_NAME | UDIAG_SHOW_PEER, 0xFFFFFFFF, 0xFFFFFFFF)
-    msg = struct.pack("=IHHII", 16 + len(req), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, 0) + req
-    out: dict[int, _UnixEntry] = {}
-    try:
-        s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG)
-    except OSError as e:
-        raise EnvironmentProblem(f"cannot open a sock_diag netlink socket: {e}",
-                                 hint="the kernel needs unix_diag (modprobe unix_diag); CRIU needs it too") from e
-    with s:
-        s.sendall(msg)
-        while True:
-            data = s.recv(1 << 16)
-            if not data:
-                break
-            off = 0
-            while off + 16 <= len(data):
-                ln, typ, _fl, _seq, _pid = struct.unpack_from("=IHHII", data, off)
-                if ln < 16:
-                    break
-                body = data[off + 16: off + ln]
-                off += (ln + 3) & ~3
-                if typ == NLMSG_DONE:
-                    return out
-                if typ == NLMSG_ERROR:
-                    code = -struct.unpack_from("=i", body)[0]
-                    raise EnvironmentProblem(f"unix_diag refused the socket dump: {os.strerror(code)}",
-                                             hint="the kernel needs unix_diag (modprobe unix_diag); CRIU needs it too")
-                if typ != SOCK_DIAG_BY_FAMILY or len(body) < 16:
-                    continue
-                _fam, utype, ustate, _pad, ino = struct.unpack_from("=BBBBI", body)
-                peer, name, a = 0, None, 16
-                while a + 4 <= len(body):
-                    rl, rt = struct.unpack_from("=HH", body, a)
-                    if rl < 4:
-                        break
-                    val = body[a + 4: a + rl]
-                    if rt == UNIX_DIAG_PEER and len(val) >= 4:
-                        peer = struct.unpack_from("=I", val)[0]
-                    elif rt == UNIX_DIAG_NAME and val:
-                        name = "@" + val[1:].rstrip(b"\0").decode(errors="replace") if val[:1] == b"\0" \
-                            else val.rstrip(b"\0").decode(errors="replace")
-                    a += (rl + 3) & ~3
-                out[ino] = _UnixEntry(ino, utype, ustate, peer, name)
-    return out
-
 
 def _socket_owners(inodes: set[int]) -> dict[int, tuple[int, str]]:
     """socket inode -> (pid, command) of some process holding it, over all of /proc."""
@@ -338,38 +210,6 @@ def _owner_text(owner: tuple[int, str] | None) -> str:
 
 
 # ----------------------------------------------------------------------------- SysV IPC
-
-def _read_sysv(path: str) -> list[dict[str, int]]:
-    try:
-        with open(path) as f:
-            head = f.readline().split()
-            rows = []
-            for line in f:
-                try:
-                    rows.append({k: int(v) for k, v in zip(head, line.split())})
-                except ValueError:
-                    continue
-            return rows
-    except FileNotFoundError:
-        return []
-
-
-def _sem_last_pids() -> dict[int, list[int]]:
-    """semid -> PID of the last semop on each of its semaphores (0 = none) in the calling
-    thread's IPC namespace."""
-    out = {}
-    _libc.semctl.restype = ctypes.c_int
-    for row in _read_sysv("/proc/sysvipc/sem"):
-        semid, nsems = row.get("semid"), row.get("nsems", 0)
-        if semid is None:
-            continue
-        pids = []
-        for i in range(nsems):
-            r = _libc.semctl(ctypes.c_int(semid), ctypes.c_int(i), ctypes.c_int(_GETPID))
-            pids.append(r if r > 0 else 0)
-        out[semid] = pids
-    return out
-
 
 # ----------------------------------------------------------------------------- files
 
@@ -535,8 +375,8 @@ def _check_sockets(procs: list[_Proc], tree_socks: dict[int, _Proc], findings: l
             by_ns.setdefault(os.readlink(f"/proc/{p.pid}/ns/net"), p.pid)
         except OSError:
             continue
-    tcp: list[tuple[str, _TcpEntry]] = []  # (net namespace, entry)
-    unix: dict[int, _UnixEntry] = {}
+    tcp: list[tuple[str, TcpEntry]] = []  # (net namespace, entry)
+    unix: dict[int, UnixEntry] = {}
     for ns, ns_pid in by_ns.items():
         tcp += [(ns, e) for e in read_tcp_table(ns_pid)]
         unix.update(read_unix_table() if ns_pid == "self" else run_in_namespace(ns_pid, "net", read_unix_table))
@@ -550,21 +390,21 @@ def _check_sockets(procs: list[_Proc], tree_socks: dict[int, _Proc], findings: l
         if holder is None or e.inode == 0:
             continue
         proto = "TCP6" if e.v6 else "TCP"
-        if e.state == _TCP_LISTEN:
-            if _is_loopback(e.local[0]):
+        if e.state == TCP_LISTEN:
+            if is_loopback(e.local[0]):
                 listeners.add(e.local)
             else:
                 findings.append(Finding(holder.pid, holder.command, "listen",
-                                        f"{proto} socket listening on non-loopback address {_fmt_addr(e.local)} "
+                                        f"{proto} socket listening on non-loopback address {fmt_addr(e.local)} "
                                         f"(socket:[{e.inode}])", HINT_LISTEN))
             continue
-        if e.state in (_TCP_CLOSE, _TCP_TIME_WAIT):
+        if e.state in (TCP_CLOSE, TCP_TIME_WAIT):
             continue
         peers = by_pair.get((ns, e.remote, e.local), [])
         if any(i in tree_socks for i in peers):
             continue
-        text = (f"{_TCP_STATES.get(e.state, e.state)} {proto} connection {_fmt_addr(e.local)} -> "
-                f"{_fmt_addr(e.remote)} (socket:[{e.inode}]) to a peer outside the tree")
+        text = (f"{TCP_STATES.get(e.state, e.state)} {proto} connection {fmt_addr(e.local)} -> "
+                f"{fmt_addr(e.remote)} (socket:[{e.inode}]) to a peer outside the tree")
         peer_ino = next((i for i in peers if i), 0)
         pending.append((holder, "tcp", text, peer_ino))
 
@@ -573,7 +413,7 @@ def _check_sockets(procs: list[_Proc], tree_socks: dict[int, _Proc], findings: l
         if u is None or u.peer == 0 or u.peer in tree_socks:
             continue
         pu = unix.get(u.peer)
-        kind = _UNIX_TYPES.get(u.type, str(u.type))
+        kind = UNIX_TYPES.get(u.type, str(u.type))
         name = f" bound to {pu.name!r}" if pu and pu.name else ""
         text = (f"unix {kind} socket:[{ino}] (fd {holder.sockets()[ino]}) connected to peer socket:[{u.peer}]"
                 f"{name} outside the tree")
@@ -613,7 +453,7 @@ def _check_sysv(procs: list[_Proc], tree_pids: set[int], findings: list[Finding]
         return pid > 0 and pid not in tree_pids
 
     def probe() -> tuple[list[dict[str, int]], dict[int, list[int]]]:
-        return _read_sysv("/proc/sysvipc/shm"), _sem_last_pids()
+        return read_sysv("/proc/sysvipc/shm"), sem_last_pids()
 
     shm_rows, sems = run_in_namespace(procs[0].pid, "ipc", probe)
     for row in shm_rows:

@@ -74,11 +74,9 @@ def _resolve(ref: str) -> Path:
 def _root_only(what: str) -> None:
     """Commands that need root say so with the documented exit code (11), not with a
     permission error halfway through or an empty answer."""
-    from ..errors import EnvironmentProblem
+    from ..host.privilege import require_root
 
-    if os.geteuid() != 0:
-        raise EnvironmentProblem(f"vllm-snapshot {what} must run as root (CRIU, the engine namespaces, "
-                                 "the snapshot store and the engine registry are root's)", hint="run it with sudo")
+    require_root(what)
 
 
 def _interruptible() -> None:
@@ -514,22 +512,6 @@ def _run_engine(r, engine, rep, lifecycle, detach: bool, silent: bool = False) -
     raise typer.Exit(code)
 
 
-def _pop_option(args: list[str], flag: str) -> tuple[list[str], str | None]:
-    """Remove ``flag V`` / ``flag=V`` from ``args``; (rest, last value or None). Pure."""
-    rest, val, i = [], None, 0
-    while i < len(args):
-        a = args[i]
-        if a == flag and i + 1 < len(args):
-            val, i = args[i + 1], i + 2
-            continue
-        if a.startswith(flag + "="):
-            val = a.split("=", 1)[1]
-        else:
-            rest.append(a)
-        i += 1
-    return rest, val
-
-
 @app.command(context_settings=PASSTHROUGH)
 def serve(
     ctx: typer.Context,
@@ -561,6 +543,7 @@ def serve(
     these args and this host class (the key); if there is none or it is refused, pull it from
     --registry when given and this node fits, else build one (cold start, oracle, dump) and
     restore that (and push it to --registry). The port is bound only after the oracle matched."""
+    from ..engine.args import pop_option
     from ..store import archive, oracle, store
     from ..supervise import frontend
     from .. import ops
@@ -584,8 +567,8 @@ def serve(
     # front-end options (API key, TLS, CORS, ...) are applied at restore, never built into the snapshot
     front, engine_args = frontend.split(engine_args)
     # `vllm serve MODEL --port P ...` puts them among the engine args: they are serve's
-    engine_args, h = _pop_option(engine_args, "--host")
-    engine_args, p = _pop_option(engine_args, "--port")
+    engine_args, h = pop_option(engine_args, "--host")
+    engine_args, p = pop_option(engine_args, "--port")
     try:
         from typer._click.core import ParameterSource
     except ImportError:  # pragma: no cover - older typer uses click itself

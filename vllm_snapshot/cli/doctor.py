@@ -73,7 +73,7 @@ _CAP_USE = {"CAP_NET_ADMIN": "TCP repair (--tcp-established)", "CAP_SYS_RESOURCE
 #: Features"). CRIU's plugin itself only asks for r555 (plugins/cuda/cuda_plugin.c), which is
 #: enough for NVIDIA's binary but not for a helper over the driver API.
 MIN_GPU_DRIVER = 570
-#: The vLLM release the engine child (engine/main.py, which imports private vLLM modules) was
+#: The vLLM release the engine child (entrypoints/engine_root.py, which imports private vLLM modules) was
 #: checked against; the ``cuda`` and ``cpu`` extras pin it.
 SUPPORTED_VLLM = "0.32.0"
 
@@ -244,28 +244,14 @@ class RealProbes(Probes):
         return self.read_text("/proc/self/mountinfo") or ""
 
     def leftovers(self, snapshot_root: str) -> list[str]:
-        from ..store import archive, store
+        from ..store import archive, reclaim
 
-        from ..store import registry
-
-        root = Path(snapshot_root)
-        out = [f"staging dir {p} of a killed restore ({'RAM' if p.is_relative_to(archive.SHM) else 'disk'})"
-               for p in archive.stale_staging(archive.staging_parents(root))]
-        try:
-            out += [f"engine tree PID {p.pid} nobody owns (memory)" for p in registry.orphans()]
-        except OSError:
-            pass
-        try:
-            out += [f"temp dir {p} of a killed create (disk)" for p in store.stale_temps(root)]
-        except OSError:
-            pass
-        from ..host import cgroups
-
-        try:
-            out += empty_cgroups([str(p) for p in cgroups.empty_leaves()])
-        except OSError:
-            pass
-        return out
+        found = reclaim.leftovers(Path(snapshot_root))  # what prune's reclaim removes, found the same way
+        out = [f"staging dir {x.path} of a killed restore ({'RAM' if x.path.is_relative_to(archive.SHM) else 'disk'})"
+               for x in found if x.kind == "staging"]
+        out += [f"engine tree PID {x.proc.pid} nobody owns (memory)" for x in found if x.kind == "orphan"]
+        out += [f"temp dir {x.path} of a killed create (disk)" for x in found if x.kind == "temp"]
+        return out + empty_cgroups([str(x.path) for x in found if x.kind == "cgroup"])
 
 
     def engine_user(self, name: str):

@@ -119,11 +119,15 @@ class LocalCheckpointTools(CheckpointTools):
 
     def check_dump_room(self, inv: Inventory, gpu_uuid: str, work_dir: Path) -> None:
         from ..checkpoint import gpu
+        from ..host.resources import mem_available
 
         used, how = gpu.tree_gpu_bytes(inv.pids, gpu_uuid)
-        meminfo = Path("/proc/meminfo").read_text()
+        try:
+            ram = mem_available()
+        except ValueError:  # a kernel without MemAvailable: no room known
+            ram = 0
         st = os.statvfs(work_dir)
-        gpu.check_host_room(used, how, gpu.mem_available(meminfo), st.f_bavail * st.f_frsize, str(work_dir))
+        gpu.check_host_room(used, how, ram, st.f_bavail * st.f_frsize, str(work_dir))
 
     def dump(self, kind: str, opts: DumpOptions, work_dir: Path) -> None:
         from ..checkpoint import criu
@@ -234,7 +238,7 @@ class LocalCheckpointTools(CheckpointTools):
         from ..checkpoint import criu, cuda_checkpoint
         from ..checkpoint import gpu
         from ..store import layout
-        from ..host.procs import ns_pid, tree
+        from ..host.procs import kill_restored_children, ns_pid, tree
 
         runner = self.criu.runner(kind)
         if kind == "cuda" and gpu_map:  # CRIU 4.2.1's plugin passes no map: our helper reads it from CRIU's env
@@ -253,7 +257,7 @@ class LocalCheckpointTools(CheckpointTools):
                 else:
                     gpu.check_restored(gpu.restored_states(pids, helper))
             except BaseException:
-                criu.kill_restored_children()
+                kill_restored_children()
                 raise
         return pid
 

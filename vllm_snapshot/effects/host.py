@@ -29,11 +29,9 @@ class LocalHostTools(HostTools):
         self._identity: dict[str, dict[str, str]] = {}
 
     def require_root(self) -> None:
-        from ..errors import EnvironmentProblem
+        from ..host.privilege import require_root
 
-        if os.geteuid() != 0:
-            raise EnvironmentProblem("vllm-snapshot create/restore must run as root (CRIU needs CAP_SYS_ADMIN and more)",
-                                     hint="run it with sudo")
+        require_root("create/restore")
 
     def criu_version(self) -> str:
         return self.criu.binary()[1]
@@ -173,11 +171,11 @@ class LocalHostTools(HostTools):
     def ports_held_by(self, pid: int) -> set[int]:
         import psutil
 
-        from ..host.procs import tree
+        from ..host.procs import socket_inodes, tree
+        from ..host.sockets import TCP_LISTEN, read_tcp_table
 
-        pids = {p.pid for p in tree(pid)}
         try:
-            conns = psutil.net_connections("tcp")
-        except (psutil.Error, OSError):
+            inodes = set().union(*(socket_inodes(p.pid) for p in tree(pid)))
+            return {e.local[1] for e in read_tcp_table() if e.state == TCP_LISTEN and e.inode in inodes}
+        except (psutil.Error, OSError, ValueError, IndexError):
             return set()
-        return {c.laddr.port for c in conns if c.pid in pids and c.status == psutil.CONN_LISTEN and c.laddr}

@@ -43,13 +43,13 @@ class LocalModelTools(ModelTools):
         import contextlib
         import io
 
-        from ..store import snapkey
+        from ..engine.args import normalize_args
         from ..errors import UsageError
 
         captured = io.StringIO()
         try:
             with contextlib.redirect_stderr(captured):
-                return snapkey.normalize_args(list(engine_args))
+                return normalize_args(list(engine_args))
         except SystemExit as e:
             from ..engine.args import argparse_reason
 

@@ -210,7 +210,7 @@ class ModelTools(Protocol):
         paths re-hashed. Raises ModelChangedError."""
 
     def normalize_engine_args(self, engine_args: list[str]) -> dict[str, str]:
-        """``vllm serve`` args normalized by vLLM's parser (:func:`vllm_snapshot.store.snapkey.normalize_args`;
+        """``vllm serve`` args normalized by vLLM's parser (:func:`vllm_snapshot.engine.args.normalize_args`;
         imports vLLM). Raises UsageError for args vLLM rejects."""
 
     def verify_model(self, model_dir: Path, files: tuple[ModelFile, ...], mode: str) -> ModelCheck:

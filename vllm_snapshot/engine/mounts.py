@@ -47,15 +47,17 @@ import os
 import sys
 from dataclasses import dataclass
 
+from ..paths import ENGINE_TMPDIR
+
 MNT_DETACH = 2
 MS_NOSUID = 2
 MS_NODEV = 4
 MS_NOEXEC = 8
 KEEP = ("/dev",)
-#: The engine's private temp dir (TMPDIR): a tmpfs mounted inside the namespace on this
-#: directory of the host's root filesystem (so the host's /tmp, where code or models may live,
-#: stays visible). vLLM's ZMQ ipc sockets and torch's temp files go there.
-ENGINE_TMPDIR = "/var/tmp/.vllm-snapshot-engine"
+#: The engine's private temp dir (TMPDIR, :data:`vllm_snapshot.paths.ENGINE_TMPDIR`): a tmpfs
+#: mounted inside the namespace on this directory of the host's root filesystem (so the host's
+#: /tmp, where code or models may live, stays visible). vLLM's ZMQ ipc sockets and torch's temp
+#: files go there. The private mounts:
 PRIVATE = ("/dev/shm", ENGINE_TMPDIR)
 
 #: Actions of :func:`classify`.

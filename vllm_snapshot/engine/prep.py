@@ -4,7 +4,7 @@ the images, same memory contents.
 The engine root cannot run code in vLLM's children through vLLM (0.32's ``collective_rpc``
 takes a method *name* unless ``VLLM_ALLOW_INSECURE_SERIALIZATION`` is set, which we do not
 set), but vLLM starts them with multiprocessing's ``spawn``, which re-imports the root's main
-module (:mod:`vllm_snapshot.engine.main`) in each child as ``__mp_main__``. There,
+module (:mod:`vllm_snapshot.entrypoints.engine_root`) in each child as ``__mp_main__``. There,
 :func:`install_child_hook` starts one daemon thread listening on an abstract unix socket named
 after the child's PID. Abstract names belong to a network namespace, and every engine tree has
 its own (:mod:`.net`): only processes of this tree can connect. At ``prepare-dump`` the root

@@ -47,6 +47,13 @@ from __future__ import annotations
 
 import json
 
+#: The engine root's program, run as ``python -m PROGRAM SPEC_JSON``
+#: (:mod:`vllm_snapshot.entrypoints.engine_root`).
+PROGRAM = "vllm_snapshot.entrypoints.engine_root"
+#: Every name the engine root's program has had on a command line: engines restored from
+#: snapshots made before it moved out of ``engine/`` still run as ``vllm_snapshot.engine.main``.
+PROGRAMS = (PROGRAM, "vllm_snapshot.engine.main")
+
 FD_CONTROL = 0
 FD_LOG = 1
 FD_EVENTS = 3

@@ -1,13 +1,16 @@
-"""The engine's environment policy: which variables reach the engine tree (and so the snapshot),
-which names are secrets, and how engine args are redacted for the manifest. Pure; shared by the
-launch (:mod:`vllm_snapshot.supervise.supervisor`), the snapshot key
-(:mod:`vllm_snapshot.store.snapkey`) and create's manifest."""
+"""The engine's environment policy: which variables reach the engine tree (and so the snapshot).
+Which names are secrets (:func:`is_secret_name`) and how engine args are redacted for the
+manifest (:func:`redact_args`) are :mod:`vllm_snapshot.engine.args`'s rules, used here for the
+environment. Pure; shared by the launch (:mod:`vllm_snapshot.supervise.supervisor`), the
+snapshot key (:mod:`vllm_snapshot.store.snapkey`) and create's manifest."""
 
 from __future__ import annotations
 
 import os
 
-from ..engine.mounts import ENGINE_TMPDIR
+# the secret names and the redaction of args are the engine-argument owner's rules
+from ..engine.args import SECRET_MARKERS, is_secret_name, redact_args  # noqa: F401
+from ..paths import ENGINE_TMPDIR
 
 #: Environment variables passed to the engine (everything else is dropped: tokens, keys,
 #: cloud credentials never enter the engine's memory, hence never the snapshot).
@@ -25,56 +28,6 @@ ENV_ALLOW_PREFIX = ("VLLM_", "OMP_", "MKL_", "KMP_", "TORCH_", "PYTORCH_", "NCCL
 #: the dump fails on the device, or create counts every GPU as used); it would also try to
 #: reach the network, which the engine's namespace does not have.
 ENV_FORCED = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-SECRET_MARKERS = ("SECRET", "PASSWORD", "API_KEY", "APIKEY", "CREDENTIAL", "PRIVATE")
-
-
-def is_secret_name(name: str) -> bool:
-    """True for variable/flag names that look like they hold a secret.
-
-    ``TOKEN`` counts only in the last word (``HF_TOKEN``, ``--hf-token``, ``GITHUB_TOKEN``): token
-    counts and tokenizer settings (``VLLM_MAX_TOKENS_PER_EXPERT_FP4_MOE``,
-    ``VLLM_MULTI_STREAM_GEMM_TOKEN_THRESHOLD``, ``--tokenizer``, ``--max-num-batched-tokens``) are
-    not secrets and must reach the engine / the manifest unchanged."""
-    up = name.upper().replace("-", "_")
-    if any(m in up for m in SECRET_MARKERS):
-        return True
-    return up.rstrip("_").rsplit("_", 1)[-1].endswith("TOKEN")
-
-
-#: ``vllm serve`` flags that hold secrets; argparse (vLLM keeps ``allow_abbrev``) also accepts
-#: any unambiguous prefix of them, e.g. ``--hf-tok``.
-SECRET_FLAGS = ("--api-key", "--hf-token", "--ssl-keyfile")
-
-
-def _secret_flag(flag: str) -> bool:
-    name = flag[2:]
-    if is_secret_name(name):
-        return True
-    return len(flag) >= 5 and any(s.startswith(flag) for s in SECRET_FLAGS)
-
-
-def redact_args(args: list[str]) -> list[str]:
-    """Engine args with values of secret-looking flags (``--api-key X``, ``--hf-token=X``,
-    abbreviations such as ``--hf-tok X``, and every value of a multi-value flag such as
-    ``--api-key k1 k2``) replaced by ``<redacted>`` (rule: :func:`is_secret_name` and
-    :data:`SECRET_FLAGS`)."""
-    out: list[str] = []
-    hide_next = False
-    for a in args:
-        if hide_next and not a.startswith("-"):
-            out.append("<redacted>")
-            continue  # argparse nargs="+": every following value belongs to the flag
-        hide_next = False
-        if a.startswith("--") and _secret_flag(a.split("=", 1)[0]):
-            if "=" in a:
-                out.append(a.split("=", 1)[0] + "=<redacted>")
-            else:
-                out.append(a)
-                hide_next = True
-            continue
-        out.append(a)
-    return out
-
 
 def scrubbed_env(base: dict[str, str], keep: tuple[str, ...] = (), user=None) -> dict[str, str]:
     """The engine's environment: allow-listed names from ``base``, secrets dropped unless named

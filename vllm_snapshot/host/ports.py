@@ -15,6 +15,7 @@ import psutil
 
 from ..errors import BusyError, UsageError
 from .procs import brief, socket_fds, socket_inodes
+from .sockets import TCP_LISTEN, tcp_table
 
 
 def url(host: str, port: int, scheme: str = "http") -> str:
@@ -133,24 +134,6 @@ def listeners_taken(listeners: Iterable[tuple[str, int] | list]) -> list[str]:
 
 #: pidfd_getfd(2) (Linux >= 5.6; one number on every architecture since the syscall tables were unified)
 SYS_PIDFD_GETFD = 438
-#: ``st`` of a listening socket in ``/proc/net/tcp``
-TCP_LISTEN = "0A"
-
-
-def tcp_rows(table: str) -> list[tuple[int, str, int]]:
-    """``(local port, state, inode)`` of every socket in one ``/proc/.../net/tcp`` or ``tcp6``
-    table (``state`` as the kernel writes it: :data:`TCP_LISTEN`, ``01`` established, ...).
-    Raises OSError when the table cannot be read, ValueError/IndexError on a malformed line."""
-    with open(table) as f:
-        lines = f.read().splitlines()[1:]
-    rows = []
-    for line in lines:
-        cols = line.split()
-        if len(cols) > 9:
-            rows.append((int(cols[1].rsplit(":", 1)[1], 16), cols[3], int(cols[9])))
-    return rows
-
-
 def listening_inodes(port: int | None = None, net: str = "/proc/self/net") -> set[int]:
     """Inodes of the TCP sockets listening on ``port`` (any address; None: on any port) in the
     caller's network namespace, read from ``NET/tcp`` and ``NET/tcp6``; empty when none or
@@ -158,10 +141,10 @@ def listening_inodes(port: int | None = None, net: str = "/proc/self/net") -> se
     out: set[int] = set()
     for name in ("tcp", "tcp6"):
         try:
-            rows = tcp_rows(f"{net}/{name}")
+            rows = tcp_table(f"{net}/{name}")
         except OSError:
             continue
-        out |= {ino for p, st, ino in rows if st == TCP_LISTEN and (port is None or p == port)}
+        out |= {e.inode for e in rows if e.state == TCP_LISTEN and (port is None or e.local[1] == port)}
     return out
 
 

@@ -62,6 +62,17 @@ class User:
     home: str
 
 
+def require_root(what: str) -> None:
+    """The one root check: raise EnvironmentProblem (exit 11) naming the command ``what``
+    when this process is not root (CRIU, the engine namespaces, the snapshot store and the
+    engine registry are root's), before anything runs."""
+    from ..errors import EnvironmentProblem
+
+    if os.geteuid() != 0:
+        raise EnvironmentProblem(f"vllm-snapshot {what} must run as root (CRIU, the engine namespaces, "
+                                 "the snapshot store and the engine registry are root's)", hint="run it with sudo")
+
+
 def lookup(name: str, getpwnam: Callable = pwd.getpwnam,
            grouplist: Callable[[str, int], list[int]] = os.getgrouplist) -> User:
     """The user ``name`` (a name or a decimal uid) from the password database. Raises

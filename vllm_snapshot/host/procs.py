@@ -89,13 +89,17 @@ def brief(argv: list[str]) -> str:
     """A command line as an operator reads it: an interpreter running a script is named by the
     script (``vllm-snapshot --root /r restore x``, not ``/long/venv/bin/python3.11
     /long/venv/bin/vllm-snapshot ...``, whose first 120 characters held no subcommand), and a
-    vllm-snapshot engine root (``python -m vllm_snapshot.engine.main {JSON}``) as
-    ``vllm-snapshot engine (model M)``. Whitespace squeezed. Pure."""
+    vllm-snapshot engine root (``python -m vllm_snapshot.entrypoints.engine_root {JSON}``, any
+    name of :data:`vllm_snapshot.engine.protocol.PROGRAMS`) as ``vllm-snapshot engine (model
+    M)``. Whitespace squeezed. Pure."""
     import json
 
+    from ..engine.protocol import PROGRAMS
+
     args = [" ".join(a.split()) for a in argv]
-    if "vllm_snapshot.engine.main" in args:
-        i = args.index("vllm_snapshot.engine.main")
+    program = next((p for p in PROGRAMS if p in args), None)
+    if program is not None:
+        i = args.index(program)
         try:
             model = json.loads(argv[i + 1]).get("model", "?")
         except (IndexError, ValueError, AttributeError):
@@ -178,3 +182,24 @@ def run_in_namespace(pid: int, kind: Literal["net", "ipc"], fn: Callable[[], _T]
 def set_parent_death_signal(sig: int) -> None:
     """prctl(PR_SET_PDEATHSIG, sig) for the calling thread's process (0 clears it)."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+def kill_restored_children() -> list[int]:
+    """SIGKILL our children that live in another PID namespace (a tree CRIU restored as our
+    child, ``rst_sibling``: its init dies, so does the namespace), and wait up to 10 s for them
+    to be gone. Returns their PIDs."""
+    try:
+        mine = os.readlink("/proc/self/ns/pid")
+        kids = psutil.Process().children()
+    except (OSError, psutil.Error):
+        return []
+    out = []
+    for k in kids:
+        try:
+            if os.readlink(f"/proc/{k.pid}/ns/pid") != mine:
+                k.kill()
+                out.append(k.pid)
+        except (OSError, psutil.Error):
+            continue
+    wait_gone([k for k in kids if k.pid in out], 10)
+    return out

@@ -66,7 +66,7 @@ from ..store.registry import DRAIN_S
 from ..host.envpolicy import scrubbed_env
 from ..effects.protocols import Engine, HostTools, ModelTools, SnapshotFiles, StoreTools
 from ..effects.tools import Tools, local_tools
-from ..engine.args import arg_value, check_engine_args
+from ..engine.args import arg_value, check_engine_args, memoizable
 from .create import weights_mode, CreateRequest, check_keep_env, create
 from .restore import RestoreRequest, restore
 
@@ -129,7 +129,7 @@ def _published(host: HostTools, store: StoreTools, files: SnapshotFiles, root: P
 def _normalized(model: ModelTools, snaps: list[tuple[Path, Manifest]], req: ServeRequest, vllm: str) -> dict[str, str]:
     """The normalized engine args: a manifest's, when it was made from the same raw args with
     the same vLLM (no vLLM import), else vLLM's parser."""
-    if snapkey.memoizable(req.engine_args):
+    if memoizable(req.engine_args):
         raw = snapkey.raw_args_digest(req.model, req.engine_args, vllm)
         for _, m in snaps:
             if m.key is not None and m.key.raw_args == raw:

@@ -8,7 +8,7 @@ allows): a frame is verified (BLAKE3 of its stored bytes, then zstd's own checks
 content) before it is decompressed and written at its offset, frames in parallel on every
 core, so one big pages image no longer decompresses on one core. :class:`Unpacking` does this
 in the background: restore starts CRIU when the small images are staged and holds it (a CRIU
-notification, :meth:`vllm_snapshot.checkpoint.criu.Runner.restore`) before it reads any memory page
+notification, :meth:`vllm_snapshot.checkpoint.criu.Criu.restore`) before it reads any memory page
 until every pages image is staged and verified. Snapshots made before frames (one zstd frame
 per file, ``zstd``) still unpack, each file on one core.
 

@@ -31,6 +31,7 @@ from typing import Literal
 
 import blake3
 
+from ..engine.args import arg_value, has_flag
 from ..errors import ModelChangedError, UsageError
 from .manifest import ModelFile
 
@@ -127,7 +128,6 @@ def resolve_model(model: str, revision: str | None = None) -> tuple[Path, str | 
 
 #: engine args with which vLLM does not read the model directory's ``config.json`` as the
 #: Hugging Face config (a Mistral-format model's ``params.json``, a config elsewhere)
-_OTHER_CONFIG = ("--config-format", "--hf-config-path")
 
 
 def check_config(model_dir: Path, engine_args: list[str]) -> None:
@@ -137,12 +137,10 @@ def check_config(model_dir: Path, engine_args: list[str]) -> None:
     no ``config.json`` (a GGUF file, a Mistral-format model) or when ``engine_args`` point vLLM
     at another config (``--config-format`` other than ``auto``/``hf``, ``--hf-config-path``).
     Raises UsageError (exit 2) naming the file, what is wrong and what to do."""
-    for i, a in enumerate(engine_args):
-        name, _, val = a.partition("=")
-        if name in _OTHER_CONFIG:
-            val = val or (engine_args[i + 1] if i + 1 < len(engine_args) else "")
-            if name == "--hf-config-path" or val not in ("auto", "hf"):
-                return
+    if has_flag(engine_args, "--hf-config-path"):
+        return
+    if has_flag(engine_args, "--config-format") and arg_value(engine_args, "--config-format") not in ("auto", "hf"):
+        return
     cfg = model_dir / "config.json"
     if not cfg.is_file():
         return
@@ -169,7 +167,13 @@ def stat_unchanged(st: os.stat_result, pinned) -> bool:
     """True when ``st`` has the size, mtime, ctime, inode and device ``pinned`` recorded (a
     :class:`ModelFile` or a :class:`~vllm_snapshot.store.manifest.WeightsFile`): its content is
     then trusted without a re-hash. Pure."""
-    return _stat_key(st) == (pinned.size, pinned.mtime_ns, pinned.ctime_ns, pinned.inode, pinned.device)
+    return _stat_key(st) == pinned_key(pinned)
+
+
+def pinned_key(pinned) -> tuple[int, int, int, int, int]:
+    """The stat a record pinned (size, mtime_ns, ctime_ns, inode, device): what
+    :func:`stat_unchanged` compares with ``os.stat``. Pure."""
+    return (pinned.size, pinned.mtime_ns, pinned.ctime_ns, pinned.inode, pinned.device)
 
 
 def digest_dir(root: Path, known: tuple[ModelFile, ...] = ()) -> tuple[ModelFile, ...]:
@@ -178,7 +182,7 @@ def digest_dir(root: Path, known: tuple[ModelFile, ...] = ()) -> tuple[ModelFile
     and full stat (size, mtime_ns, ctime_ns, inode, device) equal one of ``known`` (records
     of earlier digests, e.g. from manifests) takes that record's digest instead of being read
     again -- the rule restore's quick check uses. Raises OSError."""
-    by_path = {(f.path, (f.size, f.mtime_ns, f.ctime_ns, f.inode, f.device)): f.blake3 for f in known}
+    by_path = {(f.path, pinned_key(f)): f.blake3 for f in known}
     files = []
     for p in _walk(root):
         st = p.stat()
@@ -218,31 +222,13 @@ def verify(root: Path, recorded: tuple[ModelFile, ...], mode: Literal["quick", "
         raise ModelChangedError(f"the model directory {root} does not exist (moved or deleted after create)",
                                 hint="put the model back at that path, or re-create the snapshot",
                                 details={"changed": [], "missing": [f.path for f in recorded], "added": []})
-    changed, missing, rehashed = [], [], []
-    for f in recorded:
-        if ignored(f.path):
-            continue
-        p = root / f.path
-        try:
-            st = p.stat()
-        except FileNotFoundError:
-            missing.append(f.path)
-            continue
-        same_stat = stat_unchanged(st, f)
-        if mode == "quick" and same_stat:
-            continue
-        rehashed.append(f.path)
-        if st.st_size != f.size or hash_file(p) != f.blake3:
-            changed.append(f.path)
+    d = compare_pinned(root, tuple(f for f in recorded if not ignored(f.path)), full=mode == "full")
+    changed, missing, rehashed = list(d.changed), list(d.missing), list(d.rehashed)
     known = {f.path for f in recorded}
     new = [str(p.relative_to(root)) for p in _walk(root, keep_ignored=True) if str(p.relative_to(root)) not in known]
     added = [n for n in new if not ignored(n)]
     if changed or missing or added:
-        parts = []
-        if changed:
-            parts.append("content changed: " + ", ".join(changed))
-        if missing:
-            parts.append("missing: " + ", ".join(missing))
+        parts = _drift_parts(changed, (), missing)
         if added:
             parts.append("added since the snapshot was made: " + ", ".join(f"{n} ({kind(n)})" for n in added))
         hint = "re-create the snapshot from the current model files"
@@ -312,12 +298,15 @@ class Drift:
         return bool(self.changed or self.rewritten or self.missing)
 
 
-def compare_pinned(root: Path, pinned: tuple[ModelFile, ...], since_ns: int) -> Drift:
+def compare_pinned(root: Path, pinned: tuple[ModelFile, ...], since_ns: int | None = None, *,
+                   full: bool = False) -> Drift:
     """Compare the files under ``root`` with ``pinned`` (digest + the stat seen when they were
-    checked); ``since_ns``: the wall-clock time (ns since the epoch, as ``st_ctime_ns``) from
-    which the engine may have read them. A file with the pinned stat (size, mtime_ns,
-    ctime_ns, inode, device) is not read; any other is re-hashed (see the section's comment
-    for the rule). Raises OSError for a file that exists but cannot be read."""
+    checked): the one stat-then-rehash loop of :func:`verify` and :func:`recheck`.
+    ``since_ns``: the wall-clock time (ns since the epoch, as ``st_ctime_ns``) from which the
+    engine may have read them (None: no timing rule, ``rewritten`` stays empty). A file with
+    the pinned stat (:func:`pinned_key`) is not read unless ``full``; any other is re-hashed
+    (see the section's comment for the rule). Raises OSError for a file that exists but cannot
+    be read."""
     changed, rewritten, missing, rehashed = [], [], [], []
     for f in pinned:
         p = root / f.path
@@ -326,14 +315,27 @@ def compare_pinned(root: Path, pinned: tuple[ModelFile, ...], since_ns: int) -> 
         except FileNotFoundError:
             missing.append(f.path)
             continue
-        if stat_unchanged(st, f):
+        if not full and stat_unchanged(st, f):
             continue
         rehashed.append(f.path)
         if st.st_size != f.size or hash_file(p) != f.blake3:
             changed.append(f.path)
-        elif st.st_ctime_ns >= since_ns - CTIME_SLACK_NS:
+        elif since_ns is not None and st.st_ctime_ns >= since_ns - CTIME_SLACK_NS:
             rewritten.append(f.path)
     return Drift(tuple(changed), tuple(rewritten), tuple(missing), tuple(rehashed))
+
+
+def _drift_parts(changed, rewritten, missing) -> list[str]:
+    """The drift in words, one part per kind (for the errors of :func:`verify` and :func:`recheck`)."""
+    parts = []
+    if changed:
+        parts.append("content changed: " + ", ".join(changed))
+    if rewritten:
+        parts.append("changed and put back (the same content again, but its last change came after the engine "
+                     "began reading, so what it read is unknown): " + ", ".join(rewritten))
+    if missing:
+        parts.append("missing: " + ", ".join(missing))
+    return parts
 
 
 def recheck(root: Path, pinned: tuple[ModelFile, ...], since_ns: int, *, during: str, hint: str) -> tuple[str, ...]:
@@ -346,14 +348,7 @@ def recheck(root: Path, pinned: tuple[ModelFile, ...], since_ns: int, *, during:
     d = compare_pinned(root, pinned, since_ns)
     if not d.refuses:
         return d.rehashed
-    parts = []
-    if d.changed:
-        parts.append("content changed: " + ", ".join(d.changed))
-    if d.rewritten:
-        parts.append("changed and put back (the same content again, but its last change came after the engine "
-                     "began reading, so what it read is unknown): " + ", ".join(d.rewritten))
-    if d.missing:
-        parts.append("missing: " + ", ".join(d.missing))
+    parts = _drift_parts(d.changed, d.rewritten, d.missing)
     raise ModelChangedError(
         f"model files under {root} changed {during}; the digest would not describe the weights the engine "
         "loaded: " + "; ".join(parts),

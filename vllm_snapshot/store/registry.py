@@ -18,6 +18,7 @@ import psutil
 from .. import paths
 from ..host import ports
 from ..host.procs import ns_pids, socket_inodes, tree, wait_gone
+from ..host.sockets import TCP_ESTABLISHED, TCP_LISTEN, tcp_table
 
 
 #: How long ``stop`` lets in-flight HTTP requests finish by default (seconds);
@@ -195,9 +196,6 @@ class StopReport:
     killed: bool = False
 
 
-#: ``st`` of an established TCP socket in ``/proc/net/tcp``
-_TCP_ESTABLISHED = "01"
-
 
 def _socket_inodes(procs: list[psutil.Process]) -> set[int]:
     """Inodes of the sockets the processes ``procs`` have open (a process that exited has none)."""
@@ -213,10 +211,10 @@ def _port_sockets(procs: list[psutil.Process], port: int) -> tuple[bool, int] | 
     listening, established = False, 0
     try:
         for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-            for p, st, ino in ports.tcp_rows(table):
-                if p == port and ino in inodes:
-                    listening |= st == ports.TCP_LISTEN
-                    established += st == _TCP_ESTABLISHED
+            for e in tcp_table(table):
+                if e.local[1] == port and e.inode in inodes:
+                    listening |= e.state == TCP_LISTEN
+                    established += e.state == TCP_ESTABLISHED
     except (OSError, ValueError, IndexError):
         return None
     return listening, established
@@ -242,7 +240,7 @@ def stop(e: Entry, drain_s: float | None = None, teardown_s: float = TEARDOWN_S,
 
     SIGTERM goes to the supervisor of a foreground engine (it forwards it and exits with the
     engine's code: 0 for systemd) or to the root of a detached one. The engine then drains
-    (``engine/main.install_drain``): it closes its listening socket at once (no new
+    (``entrypoints/engine_root.install_drain``): it closes its listening socket at once (no new
     connection), lets requests in flight finish, and exits. A detached engine that no longer
     listens and has no client connection left is SIGKILLed at once (vLLM's own teardown of
     EngineCore and workers takes 1-2 s and frees nothing the kernel does not free at once).

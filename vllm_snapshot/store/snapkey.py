@@ -41,65 +41,15 @@ ENV_EXACT = frozenset({"LD_LIBRARY_PATH"})
 #: vllm-snapshot's own settings (``VLLM_SNAPSHOT``, ``VLLM_SNAPSHOT_ROOT``, ``_CACHE``, …): where
 #: things live, never what the engine computes -- not part of the key.
 ENV_IGNORED_PREFIX = "VLLM_SNAPSHOT"
-#: Parsed ``vllm serve`` destinations that never change the engine's state.
-ARGS_IGNORED = frozenset({"model", "model_tag", "dispatch_function", "subparser", "config"})
-
-
 def _h(obj) -> str:
     return blake3.blake3(json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
                                     default=repr).encode()).hexdigest()
-
-
-def normalize_namespace(got: Mapping[str, object], defaults: Mapping[str, object]) -> dict[str, str]:
-    """The options of a parsed ``vllm serve`` namespace whose value differs from the parser's
-    default: ``{dest: JSON text of the value}``, sorted. Secret-looking destinations
-    (``hf_token``) keep only a digest of their value. Pure."""
-    from ..host.envpolicy import is_secret_name
-
-    out = {}
-    for k in sorted(got):
-        if k in ARGS_IGNORED or got[k] == defaults.get(k, object()):
-            continue
-        text = json.dumps(got[k], sort_keys=True, default=repr)
-        out[k] = "blake3:" + blake3.blake3(text.encode()).hexdigest() if is_secret_name(k) else text
-    return out
-
-
-def normalize_args(engine_args: list[str]) -> dict[str, str]:
-    """Normalize ``vllm serve`` engine args with vLLM's own parser (imports vLLM: ~16 s on a
-    small host). ``os.environ`` is as it was before: importing vLLM sets variables there
-    (TORCHINDUCTOR_CACHE_DIR=/tmp/..., LD_LIBRARY_PATH, PYTORCH_NVML_BASED_CUDA_CHECK, ...) that
-    would reach the engine's environment and the key's env part of a create in this process.
-    Raises SystemExit (argparse) on args vLLM rejects."""
-    import os
-
-    saved = dict(os.environ)
-    try:
-        from vllm.entrypoints.launchers.cli_args import make_arg_parser
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-        parser = make_arg_parser(FlexibleArgumentParser(prog="vllm-snapshot serve MODEL"))
-        got = vars(parser.parse_args(["--model", "MODEL", *engine_args]))
-        base = vars(parser.parse_args(["--model", "MODEL"]))
-        return normalize_namespace(got, base)
-    finally:
-        if dict(os.environ) != saved:
-            os.environ.clear()
-            os.environ.update(saved)
 
 
 def raw_args_digest(requested_model: str, engine_args: Iterable[str], vllm_version: str) -> str:
     """Digest of the args exactly as given (the memo's key: same text, same vLLM -> same
     normalized args). Pure."""
     return _h({"model": requested_model, "args": list(engine_args), "vllm": vllm_version})
-
-
-def memoizable(engine_args: Iterable[str]) -> bool:
-    """False when the args name a file whose content the parse depends on (``--config``): those
-    are normalized afresh every time. Pure."""
-    from ..engine.args import has_flag
-
-    return not has_flag(engine_args, "--config")
 
 
 def model_part(files) -> str:
@@ -140,7 +90,7 @@ def env_record(env: Mapping[str, str], keep: Iterable[str] = ()) -> dict[str, st
     """The variables of :func:`env_part`, ``{name: BLAKE3 hex of the value}`` -- ``"secret"``
     for a secret-looking name (a token kept with ``--keep-env``: not even its digest is
     written) -- for the manifest, so a mismatch names them (:func:`env_differences`). Pure."""
-    from ..host.envpolicy import is_secret_name
+    from ..engine.args import is_secret_name
 
     return {k: ("secret" if is_secret_name(k) else v) for k, v in _env_values(env, keep).items()}
 

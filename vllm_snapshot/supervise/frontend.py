@@ -8,13 +8,13 @@ does not depend on them, so the restoring command owns them, like ``--host``/``-
 
 Who parses what:
 
-* Here, lexically and without vLLM (importing its parser costs ~10-16 s): which tokens are
-  front-end options (:data:`vllm_snapshot.engine.args.FRONTEND_OPTIONS`, the owner of the
-  engine-argument rules: exact flag names as vLLM 0.32's ``FrontendArgs`` and ``AsyncEngineArgs``
-  define them; ``tests/test_frontend.py`` checks the table against vLLM's own parser), so ``restore`` can refuse an engine option before CRIU and ``serve`` can keep
-  them out of the snapshot key; then :func:`check` validates values and files (TLS key and
-  certificate load together, JSON lists, log levels) before CRIU.
-* In the restored engine (``engine/main.py``): vLLM's own parser, kept from create, parses
+* Lexically and without vLLM (importing its parser costs ~10-16 s), in
+  :mod:`vllm_snapshot.engine.args`, the owner of the engine-argument table and its one walker:
+  which tokens are front-end options (``split``), their values (``values``), what restore
+  refuses (``refuse_engine_options``), so ``restore`` can refuse an engine option before CRIU
+  and ``serve`` can keep them out of the snapshot key; then, here, :func:`check` validates
+  values and files (TLS key and certificate load together, JSON lists, log levels) before CRIU.
+* In the restored engine (``entrypoints/engine_root.py``): vLLM's own parser, kept from create, parses
   the same tokens into its namespace; the OpenAI app is rebuilt with vLLM's ``build_app``
   when an option it reads changed.
 
@@ -30,26 +30,13 @@ import os
 import ssl
 from dataclasses import dataclass, field
 
-from ..engine.args import FRONTEND_OPTIONS, flag_name
+# the walker and the tables are the engine-argument owner's; split, values, secrets,
+# without_secrets and refuse_engine_options are used here under the front end's name too
+from ..engine.args import (FRONTEND_OPTIONS, flag_name, refuse_engine_options, secrets,  # noqa: F401
+                           split, values, walk, without_secrets)
 from ..errors import UsageError
 
-#: Dests the OpenAI app reads when vLLM builds it (``build_app``/``init_entrypoints_middleware``):
-#: changing one means rebuilding the app in the restored engine.
-APP_DESTS = frozenset({"api_key", "allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials",
-                       "root_path", "enable_request_id_headers", "disable_fastapi_docs"})
-#: Dests whose values are secrets: never written to disk (registry, manifest, logs).
-SECRET_DESTS = frozenset({"api_key"})
-#: Front-end settings no restore can honour, flag -> why.
-REFUSED = {
-    "--ssl-cert-reqs": "client certificates (mutual TLS): the readiness check and the canary have none to present",
-    "--middleware": "custom middleware (it may reject or change the canary)",
-    "--uds": "a unix socket listener (restore binds --host/--port)",
-}
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-#: restore's/serve's/switch's own options (typer parses them; a misspelt one reaches us)
-OWN_OPTIONS = ("--host", "--port", "--detach", "--log-file", "--verify-model", "--allow-mismatch", "--json",
-               "--quiet", "--no-build", "--rebuild", "--model", "--rollback", "--no-rollback", "--keep-env",
-               "--oracle-prompt", "--sleep-level", "--compress", "--verbose")
 #: systemd credential name read for the API key when ``VLLM_API_KEY`` is unset
 #: (``LoadCredential=vllm-api-key:/etc/vllm-snapshot/NAME.key``; systemd.exec(5), "Credentials")
 CREDENTIAL = "vllm-api-key"
@@ -112,57 +99,6 @@ def same_settings(args: list[str], fp: str) -> bool:
     return bool(salt) and fp in (fingerprint(args, salt), _digest(salt, json.dumps(list(args))))
 
 
-def _walk(args: list[str]):
-    """Each option of ``args`` as ``(name, tokens, values)``: ``tokens`` the slice it took as
-    given, ``values`` its values (``[]`` for a switch) -- or ``None`` for a token that is not a
-    front-end option (then ``tokens`` is that one token). A value is the ``=`` part, else the
-    next token (arity 1), else every following token up to the next ``-``-prefixed one (``+``,
-    as argparse reads ``nargs="+"``). Pure."""
-    i = 0
-    while i < len(args):
-        tok = args[i]
-        name = flag_name(tok)
-        start, i = i, i + 1
-        if name not in FRONTEND_OPTIONS:
-            yield name, [tok], None
-            continue
-        arity = FRONTEND_OPTIONS[name][1]
-        vals = [tok.split("=", 1)[1]] if "=" in tok else []
-        if "=" not in tok and arity == 1 and i < len(args):
-            vals.append(args[i])
-            i += 1
-        elif "=" not in tok and arity == "+":
-            while i < len(args) and not args[i].startswith("-"):
-                vals.append(args[i])
-                i += 1
-        yield name, args[start:i], vals
-
-
-def split(args: list[str]) -> tuple[list[str], list[str]]:
-    """``(front-end tokens, the rest)`` of ``vllm serve``-style ``args``, order kept within
-    each. Pure. A front-end option's values go with it (``--api-key A B``: every following
-    token up to the next ``-``-prefixed one)."""
-    front: list[str] = []
-    rest: list[str] = []
-    for _name, tokens, vals in _walk(args):
-        (rest if vals is None else front).extend(tokens)
-    return front, rest
-
-
-def without_secrets(args: list[str]) -> list[str]:
-    """``args`` without the options whose values are secrets (:data:`SECRET_DESTS`: the API
-    key), order kept: what may be written to disk (the registry's record of what an engine
-    serves with). Pure."""
-    return [tok for name, tokens, vals in _walk(args)
-            if not (vals is not None and FRONTEND_OPTIONS[name][0] in SECRET_DESTS) for tok in tokens]
-
-
-def secrets(args: list[str]) -> list[str]:
-    """The tokens of ``args`` that :func:`without_secrets` leaves out (``--api-key K``). Pure."""
-    return [tok for name, tokens, vals in _walk(args)
-            if vals is not None and FRONTEND_OPTIONS[name][0] in SECRET_DESTS for tok in tokens]
-
-
 def carry(given: list[str], recorded: list[str]) -> tuple[list[str], list[str]]:
     """What an engine that replaces another (``switch``) serves with: each option of
     ``recorded`` (the front-end tokens the old engine was restored with) whose setting
@@ -170,67 +106,15 @@ def carry(given: list[str], recorded: list[str]) -> tuple[list[str], list[str]]:
     same setting (``--no-allow-credentials`` replaces ``--allow-credentials``). Returns
     ``(tokens, the flags carried over)``. Tokens of ``recorded`` that are not front-end options
     here (a newer vllm-snapshot's) are left out. Pure."""
-    named = {FRONTEND_OPTIONS[name][0] for name, _tokens, vals in _walk(given) if vals is not None}
+    named = {FRONTEND_OPTIONS[name][0] for name, _tokens, vals in walk(given) if vals is not None}
     kept: list[str] = []
     flags: list[str] = []
-    for name, tokens, vals in _walk(recorded):
+    for name, tokens, vals in walk(recorded):
         if vals is None or FRONTEND_OPTIONS[name][0] in named:
             continue
         kept.extend(tokens)
         flags.append(name)
     return kept + list(given), flags
-
-
-def values(args: list[str]) -> dict[str, list[str] | bool]:
-    """dest -> values (list) or switch state (bool), last one wins. Raises UsageError."""
-    out: dict[str, list[str] | bool] = {}
-    for name, tokens, vals in _walk(args):
-        if vals is None:
-            raise UsageError(f"{tokens[0]!r} is not a front-end option")
-        dest, arity = FRONTEND_OPTIONS[name]
-        if arity == 0:
-            if vals:
-                raise UsageError(f"{name} takes no value")
-            out[dest] = not name.startswith("--no-")
-            continue
-        if not vals or any(v == "" for v in vals):
-            raise UsageError(f"{name} needs a value")
-        out[dest] = vals
-    return out
-
-
-def refuse_engine_options(args: list[str], where: str = "restore") -> None:
-    """Raise UsageError naming the first option of ``args`` that is not a front-end option
-    (an engine option: frozen in the snapshot), an abbreviation of front-end options (naming
-    what it could mean), a refused front-end setting, or a stray value.
-    Values of known options are skipped by their arity. Pure."""
-    for name, tokens, vals in _walk(args):
-        if vals is not None:
-            continue
-        tok = tokens[0]
-        if name in REFUSED:
-            raise UsageError(f"{name}: {REFUSED[name]}", hint="leave it out")
-        if name in ("--host", "--port"):
-            raise UsageError(f"{name} is {where}'s own option, not a front-end option to pass on",
-                             hint=f"give {name} before any --")
-        if not tok.startswith("-"):
-            raise UsageError(f"unexpected argument {tok!r}", hint="front-end options are --flag [value]")
-        could = sorted(o for o in (*FRONTEND_OPTIONS, *REFUSED) if name.startswith("--") and len(name) > 2
-                       and o.startswith(name))
-        if could:  # `--api`: vLLM's parser takes abbreviations; frozen options could not be told from them
-            raise UsageError(f"{name} is an abbreviation, and abbreviations are not accepted here; it could mean "
-                             f"{' or '.join(could)}",
-                             hint="spell the option out in full")
-        import difflib
-
-        near = difflib.get_close_matches(name, [*FRONTEND_OPTIONS, *OWN_OPTIONS], n=1, cutoff=0.75)
-        if near:  # a typo, not an engine option: say so instead of sending the user to re-create
-            raise UsageError(f"unknown option {name} (did you mean {near[0]}?)",
-                             hint=f"`vllm-snapshot {where} --help` lists its options")
-        raise UsageError(
-            f"{name} is not an option {where} can apply: engine options are frozen in the snapshot at create",
-            hint="front-end options (API key, TLS, CORS, --root-path, logging) are accepted here; for engine "
-                 "options create a new snapshot (or use `vllm-snapshot serve MODEL ARGS`, which builds one)")
 
 
 def check(args: list[str], environ: dict[str, str] | None = None) -> Frontend:

@@ -2,7 +2,7 @@
 events, logs.
 
 The engine root is started as ``unshare --pid --fork --mount-proc --net -- python -m
-vllm_snapshot.engine.main SPEC``: it becomes PID 1 of a new PID namespace with its own /proc,
+vllm_snapshot.entrypoints.engine_root SPEC``: it becomes PID 1 of a new PID namespace with its own /proc,
 its own mount namespace and a network namespace holding only ``lo`` (engine/net.py), and
 calls ``setsid()`` itself (CRIU refuses a tree whose session leader is outside its PID
 namespace), and owns only fds opened inside the namespace plus three pipes from us (pipes have
@@ -26,7 +26,7 @@ from typing import IO, Callable
 
 import psutil
 
-from ..engine.protocol import FD_EVENTS, FD_LOG, ROLES, decode, encode_command, missing_fields
+from ..engine.protocol import FD_EVENTS, FD_LOG, PROGRAM, ROLES, decode, encode_command, missing_fields
 from ..host.procs import set_parent_death_signal, tree, wait_gone
 from ..errors import EngineError
 
@@ -313,7 +313,7 @@ class EngineHandle:
 
 #: The engine root's command (``SPEC`` JSON is appended). Tests pass another one (a
 #: protocol-speaking fake engine) through ``local_tools(engine_argv=...)``.
-ENGINE_ARGV: tuple[str, ...] = (sys.executable, "-m", "vllm_snapshot.engine.main")
+ENGINE_ARGV: tuple[str, ...] = (sys.executable, "-m", PROGRAM)
 
 
 def engine_import_env(env: dict[str, str]) -> dict[str, str]:
@@ -333,7 +333,7 @@ def launch(spec: dict, env: dict[str, str], log_sinks: list[Callable[[bytes], No
 
     Raises EngineError when it cannot be started.
     """
-    from ..engine.mounts import ENGINE_TMPDIR
+    from ..paths import ENGINE_TMPDIR
 
     os.makedirs(ENGINE_TMPDIR, mode=0o700, exist_ok=True)  # the mount point, on the host's disk
     ch = Channel.open()

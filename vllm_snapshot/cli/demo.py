@@ -204,7 +204,7 @@ def run(snap: Path, port: int, skip_cold: bool, as_json: bool, tools: Tools | No
     try:
         status, body = http_json(f"{r.url}/v1/completions", {
             "model": m.model.served_name, "prompt": model_spec.prompt, "max_tokens": model_spec.max_tokens,
-            "temperature": 0.0})
+            "temperature": 0.0, "stop": ["\n"]})  # one line: " Paris." (the model goes on after it)
         if status != 200:
             raise EngineError(f"completion failed: HTTP {status}: {body}")
         text = body["choices"][0]["text"]

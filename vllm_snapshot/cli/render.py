@@ -172,12 +172,17 @@ def _served(r: R.Served, quiet: bool) -> None:
 
 
 def _listed(r: R.Listed, quiet: bool) -> None:
+    if r.elsewhere and not r.rows:  # another user: not "no snapshots" while root has some
+        _line(f"none of your own (under {r.root}); {r.elsewhere}")
+        return
     if not r.root_exists:
         _line(f"no snapshots: the snapshot root {r.root} does not exist (yet; `create` makes it)")
         return
     for w in r.warnings:
         sys.stderr.write(f"warning: {w}\n")
     snapshot_list(r.rows, r.root)
+    if r.elsewhere:
+        _line(r.elsewhere)
 
 
 def _deleted(r: R.Deleted, quiet: bool) -> None:
@@ -372,7 +377,7 @@ def timings_table(title: str, timings: dict[str, float]) -> None:
     from rich.table import Table
 
     c = _console()
-    p = Table(title=title, title_justify="left")
+    p = Table(title=title, title_justify="left", min_width=len(title))  # the title on one line
     p.add_column("phase", style="bold")
     p.add_column("seconds", justify="right")
     for k, v in timings.items():

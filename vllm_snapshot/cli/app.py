@@ -64,11 +64,55 @@ def _root_dir() -> Path:
     return root
 
 
-def _resolve(ref: str) -> Path:
-    """A snapshot NAME (under the root) or PATH -> its directory."""
-    from ..store import store
+def _system_root_note() -> str | None:
+    """For a user other than root on the default (per-user) root: where root's snapshots are and
+    that reading them needs sudo -- or None (root, ``--root``/``$VLLM_SNAPSHOT_ROOT`` given, or
+    root has no snapshot root). A trial's non-root ``list`` said "no snapshots" while root had three."""
+    from .. import paths
 
-    return store.resolve(ref, _root_dir())
+    if os.geteuid() == 0 or _STATE["root"] is not None or os.environ.get("VLLM_SNAPSHOT_ROOT"):
+        return None
+    if not os.path.isdir(paths.DEFAULT_ROOT):
+        return None
+    return f"root's snapshots are in {paths.DEFAULT_ROOT}, which only root can read"
+
+
+def _resolve(ref: str) -> Path:
+    """A snapshot NAME (under the root) or PATH -> its directory. A name or path that names no
+    snapshot but a model (a model directory, or a model's name) selects that model's one snapshot
+    under the root (saying so on stderr); several are a UsageError listing them. A name that
+    names nothing is a UsageError with close names ("did you mean"), or -- for a user other than
+    root -- an EnvironmentProblem saying where root's snapshots are."""
+    from ..errors import EnvironmentProblem
+    from ..store import layout, store
+    from . import suggest
+
+    root = _root_dir()
+    path = store.resolve(ref, root)
+    try:
+        if (path / layout.MANIFEST).exists() or (path.exists() and not (path / "config.json").exists()):
+            return path  # a snapshot, or something else that is not a model: judged by the command
+    except OSError:  # not readable by this user: the command says so
+        return path
+    is_path = "/" in ref or ref in (".", "..")
+    snaps = store.list_snapshots(root) if os.access(root, os.R_OK | os.X_OK) else []
+    of_model = suggest.snapshots_of_model(ref, snaps)
+    if len(of_model) == 1:
+        print(f"[vllm-snapshot] {ref} is a model, not a snapshot: using its snapshot {of_model[0].name}",
+              file=sys.stderr, flush=True)
+        return of_model[0]
+    if len(of_model) > 1:
+        raise UsageError(f"{ref} is the model of {len(of_model)} snapshots under {root}: "
+                         + ", ".join(p.name for p in of_model), hint="name one of them (`vllm-snapshot list` shows them)")
+    if is_path:
+        return path  # the command says what is wrong with it
+    note = _system_root_note()
+    if note is not None:
+        raise EnvironmentProblem(f"snapshot {ref!r} does not exist in your own store {root}; {note}",
+                                 hint=f"run it with sudo (sudo vllm-snapshot ... {ref})")
+    hint = suggest.did_you_mean(ref, [p.name for p in snaps])
+    raise UsageError(f"snapshot {ref!r} does not exist under {root}",
+                     hint=hint or layout.missing_hint(root / ref))
 
 
 def _root_only(what: str) -> None:
@@ -261,10 +305,16 @@ def doctor(
 def list_cmd(as_json: bool = typer.Option(False, "--json")) -> None:
     """Snapshots under the root: model, created, kind, sleep level, sizes, whether this host
     can restore them (host identity and model files; `verify` checks everything), last restore."""
+    import dataclasses
+
     from .. import ops
     from . import render
 
-    render.show(ops.list_snapshots(_root_dir()), as_json)
+    listed = ops.list_snapshots(_root_dir())
+    note = _system_root_note()
+    if note is not None:
+        listed = dataclasses.replace(listed, elsewhere=f"{note}: sudo vllm-snapshot list")
+    render.show(listed, as_json)
 
 
 @app.command()

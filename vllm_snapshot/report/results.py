@@ -110,11 +110,15 @@ class Listed:
     root_exists: bool = True
     #: why create/restore would refuse snapshots under ``root`` (a 0777 root, ...), in words
     warnings: tuple[str, ...] = ()
+    #: where else snapshots are that this user cannot read (root's, for another user), in words
+    elsewhere: str = ""
 
     def to_json(self) -> dict:
         out = {"root": self.root, "root_exists": self.root_exists, "snapshots": self.rows}
         if self.warnings:
             out["warnings"] = list(self.warnings)
+        if self.elsewhere:
+            out["elsewhere"] = self.elsewhere
         return out
 
 

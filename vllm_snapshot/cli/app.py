@@ -148,6 +148,45 @@ def _stderr_sink(b: bytes) -> None:
         pass
 
 
+def _own_options(ctx: typer.Context) -> list[str]:
+    """Every option name of the running command (``--port``, ``-q``, ``--no-rollback``)."""
+    return [o for p in ctx.command.params for o in (*p.opts, *p.secondary_opts) if o.startswith("-")]
+
+
+def _not_an_option(value: str, ctx: typer.Context, what: str) -> None:
+    """Refuse an unknown option that click, which passes unknown options through to vLLM here,
+    took for the positional ``what`` (``restore --prot 8603 NAME``: "--prot" as the snapshot).
+    Raises UsageError with the closest of the command's own options and vLLM's."""
+    argv = _STATE.get("argv") or []
+    head = argv[:argv.index("--")] if "--" in argv else argv
+    if not value.startswith("-") or value == "-" or value not in head:  # after --: a positional
+        return
+    from ..engine.args import flag_name
+    from ..store import argnames
+    from ..suggest import did_you_mean
+
+    own = _own_options(ctx)
+    guess = did_you_mean(flag_name(value), set(own) | (argnames.known_options() or frozenset()))
+    raise UsageError(f"no such option: {value} (where {what} was expected)",
+                     hint=guess or f"`vllm-snapshot {ctx.command.name} --help` lists the options")
+
+
+def _check_engine_args(ctx: typer.Context, engine_args: list[str], load: bool = False, quiet: bool = True) -> None:
+    """Refuse, in milliseconds, an engine arg that is no option of vLLM's (nor of this command),
+    with "did you mean" (:mod:`vllm_snapshot.store.argnames`). vLLM's option names come from
+    the cache setup wrote; when it is missing: with ``load`` (create) they are read from
+    vLLM's parser now (~20 s, once per vLLM version), else vLLM's parse checks the args later."""
+    from ..store import argnames
+
+    if not engine_args:
+        return
+    options = argnames.known_options()
+    if options is None and load:
+        with _reporter(quiet, False).phase("engine_arg_names", "reading vLLM's engine arg names (once per vLLM version)"):
+            options = argnames.known_options(load=True)
+    argnames.check(engine_args, _own_options(ctx), ctx.command.name, options)
+
+
 @app.command(context_settings=PASSTHROUGH)
 def create(
     ctx: typer.Context,
@@ -170,11 +209,13 @@ def create(
     from .. import ops
     from . import render
 
+    _not_an_option(model, ctx, "MODEL")
     _root_only("create")
     _interruptible()
     engine_args = list(ctx.args)
     if engine_args and engine_args[0] == "--":
         engine_args = engine_args[1:]
+    _check_engine_args(ctx, engine_args, load=True, quiet=quiet or as_json)
     if snapshot_dir is not None and name is not None:
         raise UsageError("give --snapshot-dir PATH or --name NAME, not both")
     if name is not None and not store.valid_name(name):
@@ -432,8 +473,11 @@ def switch(
     if model is not None and snapshot is not None and "--" in argv and snapshot in argv[argv.index("--") + 1:][:1]:
         # click filled the optional SNAPSHOT with the first engine arg after --
         engine_args, snapshot = [snapshot, *engine_args], None
+    if snapshot is not None:
+        _not_an_option(snapshot, ctx, "SNAPSHOT")
     if (snapshot is None) == (model is None):
         raise UsageError("give a SNAPSHOT or --model MODEL (one of them, not both)")
+    _check_engine_args(ctx, engine_args)
     front, engine_args = frontend.split(engine_args)  # API key, TLS, CORS, ...: applied at restore
     _drain(drain_timeout)  # a bad $VLLM_SNAPSHOT_DRAIN_TIMEOUT: a usage error before anything runs
     if model is None:
@@ -479,10 +523,12 @@ def restore(
     from .. import ops
     from . import render
 
+    _not_an_option(snapshot, ctx, "SNAPSHOT")
     _root_only("restore")
     extra = list(ctx.args)  # front-end options: ops.restore checks them (frontend.check) before CRIU
     if extra and extra[0] == "--":
         extra = extra[1:]
+    _check_engine_args(ctx, extra)
     _interruptible()
     if verify_model not in ("quick", "full"):
         raise UsageError("--verify-model must be quick or full")
@@ -616,6 +662,7 @@ def serve(
     from .. import ops
     from . import render
 
+    _not_an_option(model, ctx, "MODEL")
     _root_only("serve")
     _interruptible()
     if no_build and rebuild:
@@ -631,6 +678,7 @@ def serve(
     engine_args = list(ctx.args)
     if engine_args and engine_args[0] == "--":
         engine_args = engine_args[1:]
+    _check_engine_args(ctx, engine_args)
     # front-end options (API key, TLS, CORS, ...) are applied at restore, never built into the snapshot
     front, engine_args = frontend.split(engine_args)
     # `vllm serve MODEL --port P ...` puts them among the engine args: they are serve's

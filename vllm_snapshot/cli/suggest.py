@@ -1,35 +1,15 @@
-"""What a person meant: close matches for a mistyped option or snapshot name (``difflib``, as
-click and argparse do), and the snapshot a model path or name selects. Pure functions apart
-from :func:`snapshots_of_model`, which reads manifests."""
+"""What a person meant: the snapshot a model path or name selects (close names:
+:mod:`vllm_snapshot.suggest`, re-exported here)."""
 
 from __future__ import annotations
 
-import difflib
 import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..suggest import close_matches, did_you_mean
 
-def close_matches(word: str, candidates: Iterable[str], n: int = 3) -> list[str]:
-    """Up to ``n`` of ``candidates`` close to ``word``: those that start with it (a model name
-    for its ``MODEL-KEYPREFIX`` snapshots), then difflib's closest (ratio >= 0.6), without
-    duplicates, best first. Pure."""
-    cands = sorted(set(candidates))
-    prefixed = [c for c in cands if c != word and c.startswith(word) and len(word) >= 3]
-    close = difflib.get_close_matches(word, cands, n=n, cutoff=0.6)
-    out: list[str] = []
-    for c in [*prefixed, *close]:
-        if c not in out and c != word:
-            out.append(c)
-    return out[:n]
-
-
-def did_you_mean(word: str, candidates: Iterable[str]) -> str | None:
-    """``"did you mean X?"`` / ``"did you mean X or Y?"`` for :func:`close_matches`, or None."""
-    m = close_matches(word, candidates)
-    if not m:
-        return None
-    return "did you mean " + (m[0] if len(m) == 1 else ", ".join(m[:-1]) + " or " + m[-1]) + "?"
+__all__ = ["close_matches", "did_you_mean", "snapshots_of_model"]
 
 
 def snapshots_of_model(model: str, snapshots: Iterable[Path]) -> list[Path]:

@@ -79,6 +79,9 @@ def normalize_args(engine_args: list[str]) -> dict[str, str]:
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
         parser = make_arg_parser(FlexibleArgumentParser(prog="vllm-snapshot serve MODEL"))
+        from . import argnames
+
+        argnames.remember(argnames.parser_options(parser))  # the next typo is answered without vLLM
         got = vars(parser.parse_args(["--model", "MODEL", *engine_args]))
         base = vars(parser.parse_args(["--model", "MODEL"]))
         return normalize_namespace(got, base)

@@ -226,12 +226,15 @@ def create(
         if not store.valid_name(name):
             raise UsageError(f"cannot derive a snapshot name from {model!r}; pass --name or --snapshot-dir")
         snapshot_dir = store.ensure_root(_root_dir()) / name
+    from ..report.progress import LastLine
+
+    rep = _reporter(quiet, as_json)
     req = ops.CreateRequest(
         model=model, target=snapshot_dir, engine_args=engine_args,
         oracle_prompt=oracle.DEFAULT_PROMPT if oracle_prompt is None else oracle_prompt, sleep_level=sleep_level,
         compression=archive.Compression.parse(compress), keep_env=tuple(keep_env), user=user,
-        engine_log=_stderr_sink if verbose else None, weights=weights)
-    render.show(ops.create(req, _reporter(quiet, as_json)), as_json, quiet)
+        engine_log=_stderr_sink if verbose else LastLine(rep.detail), weights=weights)
+    render.show(ops.create(req, rep), as_json, quiet)
 
 
 @app.command()
@@ -702,6 +705,8 @@ def serve(
         from ..ops.create import check_oracle_prompt
 
         check_oracle_prompt(oracle_prompt)
+    from ..report.progress import LastLine
+
     rep, lifecycle = _lifecycle_reporter(quiet, as_json)
     cache = None
     if registry is not None:
@@ -717,7 +722,7 @@ def serve(
         build="never" if no_build else "always" if rebuild else "auto",
         oracle_prompt=oracle.DEFAULT_PROMPT if oracle_prompt is None else oracle_prompt, sleep_level=sleep_level,
         compression=archive.Compression.parse(compress), keep_env=tuple(keep_env), user=user,
-        engine_log=_stderr_sink, create_log=_stderr_sink if verbose else None, frontend=tuple(front),
+        engine_log=_stderr_sink, create_log=_stderr_sink if verbose else LastLine(rep.detail), frontend=tuple(front),
         drain_s=_drain(drain_timeout), registry=cache, weights=weights)
     served, engine = ops.serve(req, rep)
     if detach:

@@ -9,6 +9,7 @@ a whole process within 0.3 s, docs/benchmarks.md target 5)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -41,15 +42,17 @@ def _write(text: str) -> None:
 
 
 def _console() -> Console:
-    """A terminal-width console; 140 columns when stdout is not a terminal (piped into a log or
-    `less`), where rich's 80-column default wraps every table cell."""
+    """A terminal-width console; when stdout is not a terminal (piped into a log or `less`)
+    ``$COLUMNS`` wide, else 140 columns (rich's 80-column default wraps every table cell)."""
     from rich.console import Console
 
     class _Console(Console):
         def on_broken_pipe(self) -> None:  # `list | head -1`: rich exits 1, "internal" in our table
             raise PipeClosed()
 
-    return _Console() if sys.stdout.isatty() else _Console(width=140)
+    if sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit():
+        return _Console()  # the terminal's width, or $COLUMNS (rich reads it)
+    return _Console(width=140)
 
 
 def show(result, as_json: bool = False, quiet: bool = False) -> None:
@@ -392,36 +395,75 @@ def _when(ts: float | None) -> str:
     return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
 
 
+#: ``list``'s columns, most important first; at a width where they do not all fit, the last
+#: ones are left out first (the name is never wrapped: it is what an operator copies)
+LIST_COLUMNS = ("name", "here", "model", "key", "created", "stored", "last restore", "kind", "raw", "weights", "sleep")
+#: columns whose cells are never wrapped (names, keys, dates: what a person copies or reads whole)
+_NO_WRAP = {"name", "key", "created", "last restore", "here", "stored", "raw", "kind", "sleep"}
+
+
+def fitting_columns(widths: dict[str, int], available: int, order=LIST_COLUMNS) -> list[str]:
+    """The columns (of ``order``, in the table's order) that fit a rich table with a border in
+    ``available`` cells when each column takes its widest cell ``widths[col]`` plus 3 (padding
+    and rule): the least important (last in ``order``) are left out first; the name always
+    stays. Pure."""
+    keep = list(order)
+    while len(keep) > 1 and sum(widths[c] + 3 for c in keep) + 1 > available:
+        keep.pop()
+    return [c for c in _TABLE_ORDER if c in keep]
+
+
+#: the order the columns are shown in
+_TABLE_ORDER = ("name", "model", "key", "created", "kind", "sleep", "raw", "stored", "weights", "here", "last restore")
+
+
 def snapshot_list(rows: list[dict], root: str) -> None:
-    """Print ``list`` rows as a table."""
+    """Print ``list`` rows as a table that fits the console's width: the name is never wrapped;
+    at a narrow width the least important columns are left out (and named below the table)."""
     from rich.table import Table
+    from rich.text import Text
 
     c = _console()
     if not rows:
         c.print(f"no snapshots under {root}")
         return
-    t = Table(title=f"snapshots under {root}", title_justify="left")
-    for col in ("name", "model", "key", "created", "kind", "sleep", "raw", "stored", "weights", "here", "last restore"):
-        t.add_column(col, overflow="fold")  # a narrow terminal wraps a cell, never cuts it
     refused = []
+    cells = []
     for r in rows:
-        here = "[green]✓[/]" if r["compatible"] else "[red]✗[/] (below)"
         if not r["compatible"]:
             refused.append((r["name"], r["why"]))
-        model = (r["model"] or "-").rstrip("/").rsplit("/", 1)[-1]
-        created = (r["created"] or "-")[:16].replace("T", " ")
-        t.add_row(r["name"], model, (r.get("key") or "-")[:12], created, str(r["kind"] or "-"),
-                  str(r["sleep_level"] if r["sleep_level"] is not None else "-"),
-                  human_bytes(r["raw_bytes"]) if r["raw_bytes"] is not None else "-",
-                  human_bytes(r["stored_bytes"]) if r["stored_bytes"] is not None else "-",
-                  (Path(r["weights"]).name[:8] + " " + human_bytes(r["weights_bytes"])) if r.get("weights") else "-",
-                  here, _when(r["last_restore"]))
+        cells.append({
+            "name": r["name"], "model": (r["model"] or "-").rstrip("/").rsplit("/", 1)[-1],
+            "key": (r.get("key") or "-")[:12], "created": (r["created"] or "-")[:16].replace("T", " "),
+            "kind": str(r["kind"] or "-"), "sleep": str(r["sleep_level"] if r["sleep_level"] is not None else "-"),
+            "raw": human_bytes(r["raw_bytes"]) if r["raw_bytes"] is not None else "-",
+            "stored": human_bytes(r["stored_bytes"]) if r["stored_bytes"] is not None else "-",
+            "weights": (Path(r["weights"]).name[:8] + " " + human_bytes(r["weights_bytes"])) if r.get("weights") else "-",
+            "here": "[green]✓[/]" if r["compatible"] else "[red]✗[/] (below)", "last restore": _when(r["last_restore"])})
+    widths = {col: max([Text.from_markup(row[col]).cell_len for row in cells] + [len(col)]) for col in _TABLE_ORDER}
+    whole = not sys.stdout.isatty() and not os.environ.get("COLUMNS", "").isdigit()
+    if whole:  # piped, no $COLUMNS: whole rows, one line each
+        c.width = max(c.width, sum(w + 3 for w in widths.values()) + 1)
+    cols = fitting_columns(widths, c.width)
+    t = Table(title=f"snapshots under {root}", title_justify="left")
+    for col in cols:
+        t.add_column(col, no_wrap=col in _NO_WRAP, overflow="fold")  # a model name may still fold, never cut
+    for row in cells:
+        t.add_row(*(row[col] for col in cols))
     c.print(t)
-    _line("here: ✓ = this host's identity and the model files fit (a stat of each model file, re-hashed when it "
-          "changed); image checksums are read by `verify` and by every restore before it serves")
-    if any(r.get("weights") for r in rows):
-        _line("weights: the weights file the engine maps (digest prefix, size), outside the images; snapshots of the "
-              "same weights share one")
+
+    def note(text: str) -> None:  # wrapped at words to the width, one line each in a pipe without $COLUMNS
+        c.print(text, markup=False, highlight=False, soft_wrap=whole)
+
+    if "here" in cols:
+        note("here: ✓ = this host's identity and the model files fit (a stat of each model file, re-hashed when it "
+             "changed); image checksums are read by `verify` and by every restore before it serves")
+    if "weights" in cols and any(r.get("weights") for r in rows):
+        note("weights: the weights file the engine maps (digest prefix, size), outside the images; snapshots of the "
+             "same weights share one")
+    left_out = [col for col in _TABLE_ORDER if col not in cols]
+    if left_out:
+        note(f"left out at this width ({c.width} columns): {', '.join(left_out)}; a wider terminal or --json shows them")
     for name, why in refused:  # whole, on lines of their own: what an operator copies or greps
         c.print(f"✗ {name}: {why}", markup=False, highlight=False, soft_wrap=True)
 

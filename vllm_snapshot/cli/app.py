@@ -404,6 +404,7 @@ def verify(
     snapshot: str = typer.Argument(..., help="Snapshot name (under the root) or directory."),
     allow_mismatch: List[str] = typer.Option([], "--allow-mismatch", help="Identity field to tolerate (machine_id, cpu_model)."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing when it passes (the exit code says; errors go to stderr)."),
 ) -> None:
     """Every restore check without restoring: permissions, manifest, host identity, all
     image checksums, and a full re-hash of the model files."""
@@ -411,12 +412,13 @@ def verify(
     from . import render
 
     _root_only("verify")
-    render.show(ops.verify(_resolve(snapshot), frozenset(allow_mismatch)), as_json)
+    render.show(ops.verify(_resolve(snapshot), frozenset(allow_mismatch)), as_json, quiet)
 
 
 @app.command(cls=_Command)
 def doctor(
     as_json: bool = typer.Option(False, "--json", help="Stable JSON instead of a table."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the checks that failed (the exit code says the rest)."),
 ) -> None:
     """Check this host: root, CRIU >= 4.2 (`criu check`, kernel features), io_uring, kernel,
     glibc, snapshot root (--root) and /dev/shm, unshare/mount/tar, vLLM, pycriu, and on GPU hosts
@@ -428,12 +430,15 @@ def doctor(
 
     checks = doctor_mod.run_checks(snapshot_root=str(_root_dir()))
     report = DoctorReport(checks, doctor_mod.exit_code(checks))
-    render.show(report, as_json)
+    render.show(report, as_json, quiet)
     raise typer.Exit(report.exit_code)
 
 
 @app.command("list", cls=_Command)
-def list_cmd(as_json: bool = typer.Option(False, "--json", help=JSON_HELP)) -> None:
+def list_cmd(
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the names, one per line (as `podman images -q`)."),
+) -> None:
     """Snapshots under the root: model, created, kind, sleep level, sizes, whether this host
     can restore them (host identity and model files; `verify` checks everything), last restore."""
     import dataclasses
@@ -445,7 +450,7 @@ def list_cmd(as_json: bool = typer.Option(False, "--json", help=JSON_HELP)) -> N
     note = _system_root_note()
     if note is not None:
         listed = dataclasses.replace(listed, elsewhere=f"{note}: sudo vllm-snapshot list")
-    render.show(listed, as_json)
+    render.show(listed, as_json, quiet)
 
 
 @app.command(cls=_Command)
@@ -485,13 +490,16 @@ def prune(
 
 
 @app.command(cls=_Command)
-def status(as_json: bool = typer.Option(False, "--json", help=JSON_HELP)) -> None:
+def status(
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the engines' root PIDs, one per line (as `podman ps -q`)."),
+) -> None:
     """Engines restored on this host: snapshot, PID, address, started, mode."""
     from .. import ops
     from . import render
 
     _root_only("status")
-    render.show(ops.status(), as_json)
+    render.show(ops.status(), as_json, quiet)
 
 
 @app.command(cls=_Command)
@@ -503,6 +511,7 @@ def stop(
         None, "--drain-timeout", min=0, help="Seconds requests in flight may finish before they are cut "
         "(default: the engine's own, given to restore/serve/switch; 30 unless set there)."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing (errors still go to stderr)."),
 ) -> None:
     """Stop restored engines (all of a snapshot, those on --port, or the one with --pid) and wait
     until their memory is released. Each drains first: it takes no new connection and lets the
@@ -514,7 +523,7 @@ def stop(
         raise UsageError("give a snapshot, --port or --pid (exactly one of them)")
     _root_only("stop")
     render.show(ops.stop_engines(_resolve(snapshot) if snapshot else None, port, pid=pid, drain_s=drain_timeout),
-                as_json)
+                as_json, quiet)
 
 
 @app.command(context_settings=PASSTHROUGH, cls=_EngineArgsCommand)
@@ -853,10 +862,18 @@ def main_error(e: SnapshotError) -> int:
 
         emit_json({"error": e.to_json()})
     else:
-        print(f"error [{e.code}]: {e.message}", file=sys.stderr)
-        if e.hint:
-            print(f"hint: {e.hint}", file=sys.stderr)
+        _error_lines(f"error [{e.code}]", e.message, e.hint)
     return e.exit_code
+
+
+def _error_lines(head: str, message: str, hint: str | None) -> None:
+    """``HEAD: message`` and ``hint: ...`` on stderr; the words ``error``/``hint`` in colour on
+    a terminal (not with ``$NO_COLOR``), plain in a log or a pipe."""
+    color = sys.stderr.isatty() and not os.environ.get("NO_COLOR")
+    red, yellow, off = ("\x1b[1;31m", "\x1b[33m", "\x1b[0m") if color else ("", "", "")
+    print(f"{red}{head}{off}: {message}", file=sys.stderr)
+    if hint:
+        print(f"{yellow}hint{off}: {hint}", file=sys.stderr)
 
 
 def _subcommand(argv: list[str]) -> str | None:
@@ -968,8 +985,11 @@ def main(argv: list[str] | None = None) -> int:
 
             emit_json({"error": {"code": "usage", "exit_code": e.exit_code, "message": e.format_message(),
                                  "hint": "see --help", "details": None}})
-        else:
-            e.show()
+        else:  # click's own errors (an unknown option, a missing argument) in our format
+            cmd_name = getattr(getattr(e, "ctx", None), "command_path", None) or "vllm-snapshot"
+            msg = e.format_message()
+            what = "commands" if "command" in msg.lower() else "options and arguments"
+            _error_lines("error [usage]", msg[:1].lower() + msg[1:], f"`{cmd_name} --help` lists the {what}")
         return e.exit_code
     except SnapshotError as e:
         if _STATE["debug"]:

@@ -142,6 +142,8 @@ def _image_inspected(r: R.ImageInspected, quiet: bool) -> None:
 def _verified(r: R.Verified, quiet: bool) -> None:
     for w in r.warnings:
         sys.stderr.write(f"warning: {w}\n")
+    if quiet:
+        return
     _line(f"{r.snapshot}: OK ({r.images} images, {r.model_files} model files"
           + (f", the weights file {r.weights}" if r.weights else "") + " verified)")
 
@@ -149,7 +151,8 @@ def _verified(r: R.Verified, quiet: bool) -> None:
 def _restored(r: R.Restored, quiet: bool) -> None:
     if not quiet:
         sys.stderr.write(f"[vllm-snapshot] serving {r.served_name} at {r.url} (engine PID {r.pid}"
-                         + (f", restored on {r.gpu}" if r.gpu else "") + "); "
+                         + (f", restored on {r.gpu}" if r.gpu else "") + (f", log {r.log_file}" if r.log_file else "")
+                         + "); "
                          f"restore took {sum(r.timings.values()):.2f} s"
                          + (f"; {', '.join(r.frontend)}" if r.frontend else "") + "\n")
         sys.stderr.flush()
@@ -166,7 +169,9 @@ def _served(r: R.Served, quiet: bool) -> None:
         sys.stderr.write(f"[vllm-snapshot] {how} {Path(r.restored.snapshot).name} (key {r.key[:12]}): serving "
                          f"after {r.total_s - (r.push_s or 0.0):.2f} s\n")
         sys.stderr.write(f"[vllm-snapshot] serving {r.restored.served_name} at {r.restored.url} "
-                         f"(engine PID {r.restored.pid}); restore took {r.restore_s:.2f} s"
+                         f"(engine PID {r.restored.pid}"
+                         + (f", log {r.restored.log_file}" if r.restored.log_file else "")
+                         + f"); restore took {r.restore_s:.2f} s"
                          + (f"; the push to the registry then took {r.push_s:.2f} s" if r.push_s is not None else "")
                          + "\n")
         sys.stderr.flush()
@@ -175,6 +180,10 @@ def _served(r: R.Served, quiet: bool) -> None:
 
 
 def _listed(r: R.Listed, quiet: bool) -> None:
+    if quiet:  # names only, for scripts (`for s in $(vllm-snapshot list -q)`)
+        for row in r.rows:
+            _line(row["name"])
+        return
     if r.elsewhere and not r.rows:  # another user: not "no snapshots" while root has some
         _line(f"none of your own (under {r.root}); {r.elsewhere}")
         return
@@ -209,6 +218,10 @@ def _pruned(r: R.Pruned, quiet: bool) -> None:
 
 
 def _engines(r: R.Engines, quiet: bool) -> None:
+    if quiet:  # root PIDs only
+        for e in r.engines:
+            _line(str(e["pid"]))
+        return
     engine_list(r.engines)
     if r.orphans:
         _line(f"{len(r.orphans)} engine tree(s) nobody owns (what a killed restore left: frozen or "
@@ -222,6 +235,10 @@ def _engines(r: R.Engines, quiet: bool) -> None:
 
 
 def _stopped(r: R.Stopped, quiet: bool) -> None:
+    if quiet:
+        return
+    if r.nothing:
+        _line(f"nothing to stop: {r.nothing} (`vllm-snapshot status` lists the running ones)")
     for s_ in r.stopped:
         _line(f"stopped engine {s_['pid']} ({s_['snapshot']} on port {s_['port']}) in {s_['seconds']:.2f} s")
         if not s_.get("drained", True):
@@ -250,6 +267,12 @@ def _doctor(r: R.DoctorReport, quiet: bool) -> None:
     from rich.table import Table
 
     c = _console()
+    if quiet:  # the failed checks only, one line each; nothing when all passed
+        for ch in r.checks:
+            if not ch.ok:
+                c.print(f"{ch.severity}: {ch.name}: {ch.detail}" + (f" ({ch.remedy})" if ch.remedy else ""),
+                        markup=False, highlight=False, soft_wrap=True)
+        return
     t = Table(title="vllm-snapshot doctor", title_justify="left")
     t.add_column("", no_wrap=True)
     t.add_column("check", style="bold", no_wrap=True)
@@ -317,7 +340,8 @@ def manifest_table(m: Manifest, path: str) -> None:
     t.add_row("created", f"{m.created_at} by vllm-snapshot {m.tool_version}")
     t.add_row("engine", f"{m.engine.kind}, sleep level {m.engine.sleep_level}"
               + (" (full state captured)" if m.engine.full_state_captured else ""))
-    t.add_row("model", f"{m.model.requested}  [dim]({m.model.path}, {len(m.model.files)} files, {human_bytes(m.model.total_bytes)})[/]")
+    where = "" if m.model.requested.rstrip("/") == m.model.path.rstrip("/") else f"{m.model.path}, "  # the path once
+    t.add_row("model", f"{m.model.requested}  [dim]({where}{len(m.model.files)} files, {human_bytes(m.model.total_bytes)})[/]")
     t.add_row("served as", m.model.served_name)
     t.add_row("engine args", " ".join(m.engine.engine_args) or "[dim](none)[/]")
     u = m.engine.user
@@ -369,10 +393,20 @@ def manifest_table(m: Manifest, path: str) -> None:
     p = Table(title="phase timings", title_justify="left")
     p.add_column("phase", style="bold")
     p.add_column("seconds", justify="right")
-    for k, v in m.timings.items():
+    for k, v in sorted(m.timings.items(), key=lambda kv: _phase_rank(kv[0])):
         p.add_row(k, f"{v:.2f}")
     p.add_row("total", f"{sum(m.timings.values()):.2f}", style="bold")
     c.print(p)
+
+
+#: create's phases in the order they run (ops/create.py), for tables of a manifest's timings
+#: (stored as a JSON object with sorted keys); a phase not listed keeps its place after them
+CREATE_PHASES = ("model_digest", "engine_start", "sleep", "inventory", "model_recheck", "carry", "dump", "pack",
+                 "code_identity", "publish")
+
+
+def _phase_rank(name: str) -> int:
+    return CREATE_PHASES.index(name) if name in CREATE_PHASES else len(CREATE_PHASES)
 
 
 def timings_table(title: str, timings: dict[str, float]) -> None:
@@ -484,5 +518,6 @@ def engine_list(rows: list[dict]) -> None:
     c.print(t)
     # a path or a cgroup folded across table lines cannot be copied: whole, on lines of their own
     for r in rows:
-        c.print(f"{r['pid']}: {r['snapshot']}  cgroup {r.get('cgroup') or '?'}", markup=False, highlight=False,
+        c.print(f"{r['pid']}: {r['snapshot']}  cgroup {r.get('cgroup') or '?'}"
+                + (f"  log {r['log_file']}" if r.get("log_file") else ""), markup=False, highlight=False,
                 soft_wrap=True)

@@ -48,11 +48,13 @@ class Restored:
     #: CUDA: the GPU the engine runs on, ``GPU <uuid>`` and, when its state was remapped from the
     #: GPU recorded at create, ``(recorded <uuid>)`` (GpuPlacement.describe); "" on CPU
     gpu: str = ""
+    #: a detached engine's log file, else ""
+    log_file: str = ""
 
     def to_json(self) -> dict:
         return {"snapshot": self.snapshot, "pid": self.pid, "url": self.url, "timings": self.timings,
                 "warnings": self.warnings, "oracle": "match", "frontend": list(self.frontend),
-                "cgroup": self.cgroup, "gpu": self.gpu}
+                "cgroup": self.cgroup, "gpu": self.gpu, "log_file": self.log_file}
 
 
 @dataclass(frozen=True)
@@ -173,9 +175,11 @@ class Stopped:
     out with ``cut`` requests in flight, ``killed`` when SIGKILL was needed after it."""
 
     stopped: list[dict]
+    #: when nothing matched: what matched none (``no restored engine matches port 8000``)
+    nothing: str = ""
 
     def to_json(self) -> dict:
-        return {"stopped": self.stopped}
+        return {"stopped": self.stopped, **({"nothing": self.nothing} if self.nothing else {})}
 
 
 @dataclass(frozen=True)

@@ -417,7 +417,7 @@ def timings_table(title: str, timings: dict[str, float]) -> None:
     p = Table(title=title, title_justify="left", min_width=len(title))  # the title on one line
     p.add_column("phase", style="bold")
     p.add_column("seconds", justify="right")
-    for k, v in timings.items():
+    for k, v in sorted(timings.items(), key=lambda kv: _phase_rank(kv[0])):  # create's in run order; others as given
         p.add_row(k, f"{v:.2f}")
     p.add_row("total", f"{sum(timings.values()):.2f}", style="bold")
     c.print(p)

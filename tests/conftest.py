@@ -112,6 +112,8 @@ def _missing() -> str | None:
         return str(e)
     if not (TINY / "config.json").is_file():
         return f"tiny model missing at {TINY} (run scripts/setup.sh)"
+    if not (CACHE / "models" / "smollm2-135m-instruct" / "config.json").is_file():
+        return f"the demo's model missing at {CACHE / 'models' / 'smollm2-135m-instruct'} (run scripts/setup.sh)"
     return None
 
 

@@ -705,7 +705,7 @@ def test_host_given_as_a_name_says_which_address_to_give():
     assert e.value.hint in ("--host 127.0.0.1", "--host ::1")
 
 
-def test_a_failure_after_a_signal_is_reported_as_the_interruption(monkeypatch, capsys):
+def test_a_failure_after_a_signal_is_reported_as_the_interruption(monkeypatch, capsys, tmp_path):
     # a trial: Ctrl-C during `CRIU dump` reached CRIU too (one process group), which died; the
     # command cleaned up but said "CRIU dump failed" (exit 7) instead of interrupted (130)
     import signal
@@ -718,11 +718,13 @@ def test_a_failure_after_a_signal_is_reported_as_the_interruption(monkeypatch, c
 
     monkeypatch.setattr(ops, "verify", stand_in(ops.verify, dump_cut_by_sigint))
     monkeypatch.setattr(cli, "_root_only", lambda what: None)
-    assert cli.main(["--root", "/tmp", "verify", "some-name"]) == 130
+    (tmp_path / "some-name").mkdir()
+    (tmp_path / "some-name" / "manifest.json").write_text("{}")  # a name that exists (verify is the fake)
+    assert cli.main(["--root", str(tmp_path), "verify", "some-name"]) == 130
     err = capsys.readouterr().err
     assert "interrupted by SIGINT" in err and "CRIU dump failed" in err and "full log: /x.log" in err
     interrupts.reset()
-    assert cli.main(["--root", "/tmp", "verify", "some-name"]) == 130  # fired again by the fake
+    assert cli.main(["--root", str(tmp_path), "verify", "some-name"]) == 130  # fired again by the fake
     interrupts.reset()
     # what CRIU said comes whole, not "what they reported: CRIU dump failed; log excerpt:)"
     for said, expect in (("CRIU dump failed; log excerpt:\n(00.1) x\n(00.2) Error (cr-dump.c:9): Interrupted",
@@ -737,7 +739,7 @@ def test_a_failure_after_a_signal_is_reported_as_the_interruption(monkeypatch, c
 
         interrupts.reset()
         monkeypatch.setattr(ops, "verify", stand_in(ops.verify, cutting(said)))
-        assert cli.main(["--root", "/tmp", "verify", "some-name"]) == 130
+        assert cli.main(["--root", str(tmp_path), "verify", "some-name"]) == 130
         err = capsys.readouterr().err
         assert expect in err and "excerpt:)" not in err, err
     interrupts.reset()
@@ -745,7 +747,7 @@ def test_a_failure_after_a_signal_is_reported_as_the_interruption(monkeypatch, c
         raise CriuError("plain failure")
 
     monkeypatch.setattr(ops, "verify", stand_in(ops.verify, plain))
-    assert cli.main(["--root", "/tmp", "verify", "some-name"]) == 7  # no signal: CRIU's own code
+    assert cli.main(["--root", str(tmp_path), "verify", "some-name"]) == 7  # no signal: CRIU's own code
 
 
 HANDOFF_SCRIPT = r"""

@@ -15,6 +15,7 @@ PKG = Path(__file__).resolve().parent.parent / "vllm_snapshot"
 LAYERS = {
     "vllm_snapshot": 0,  # the package face (__version__)
     "vllm_snapshot.errors": 0, "vllm_snapshot.paths": 0, "vllm_snapshot.units": 0,
+    "vllm_snapshot.suggest": 0,
     "vllm_snapshot.engine": 1,  # leaves shared by both sides of the engine channel (protocol, args, mounts, net, prep)
     "vllm_snapshot.host": 2, "vllm_snapshot.dev": 2,
     "vllm_snapshot.store": 3,

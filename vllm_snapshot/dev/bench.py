@@ -17,7 +17,7 @@ import time
 import urllib.error
 from pathlib import Path
 
-from . import free_port, tiny_model
+from . import free_port
 from ..effects.http import http_json
 from ..errors import EngineError
 from ..host.envpolicy import scrubbed_env
@@ -66,8 +66,11 @@ def cold_start(model: Path, port: int, engine_args: list[str] | None = None, mem
     if inductor:  # keep torch inductor's precompiled header cached, as for engines (engine/mounts.py)
         os.makedirs(inductor, mode=0o700, exist_ok=True)
         os.symlink(inductor, os.path.join(tmp, f"torchinductor_{getpass.getuser()}"))
+    args = list(engine_args or ENGINE_ARGS)
+    # the served model name is the value of their --served-model-name, else the model path
+    served = args[args.index("--served-model-name") + 1] if "--served-model-name" in args[:-1] else str(model)
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--host", "127.0.0.1", "--port", str(port), *(engine_args or ENGINE_ARGS)]
+            "--host", "127.0.0.1", "--port", str(port), *args]
     t0 = time.monotonic()
     p = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -78,7 +81,7 @@ def cold_start(model: Path, port: int, engine_args: list[str] | None = None, mem
                 raise EngineError("cold-start server did not answer in time")
             try:
                 status, _ = http_json(f"http://127.0.0.1:{port}/v1/completions", {
-                    "model": tiny_model.SERVED_NAME, "prompt": "Hello", "max_tokens": 1}, timeout=5)
+                    "model": served, "prompt": "Hello", "max_tokens": 1}, timeout=5)
                 if status == 200:
                     took = time.monotonic() - t0
                     if memory is not None:

@@ -1,0 +1,104 @@
+"""A mistyped option is answered at once, with "did you mean" (issue "Operator experience"):
+serve/create/restore pass unknown options through to vLLM, so a typo used to be reported only
+after the ~16 s import of vLLM's parser (or, for create, as a failed engine start), and
+``restore --prot 8603 NAME`` took ``--prot`` for the snapshot's name."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import CACHE, ROOT
+from vllm_snapshot.errors import UsageError
+from vllm_snapshot.store import argnames
+from vllm_snapshot.suggest import did_you_mean
+
+OPTIONS = frozenset({"--dtype", "--max-model-len", "--port", "--host", "-tp", "--tensor-parallel-size",
+                     "--enforce-eager", "--no-enforce-eager", "--lora-dtype", "-O"})
+
+
+@pytest.mark.parametrize("args,bad", [
+    (["--dtpye", "float32"], ["--dtpye"]),
+    (["--dtype=float32", "--max_model_len", "512", "--enforce-eager"], []),  # vLLM takes _ for -
+    (["--max-model", "512"], []),  # a unique abbreviation: argparse takes it
+    (["-tp", "1", "-O3", "--no-enforce-eager"], []),  # a short option with its value attached
+    (["--override", "-1", "-0.5"], ["--override"]),  # negative numbers are values
+    (["--prot", "8603", "--x=1"], ["--prot", "--x"]),
+])
+def test_unknown_flags(args, bad):
+    assert argnames.unknown_flags(args, OPTIONS) == bad
+
+
+def test_an_unknown_flag_names_the_closest_option_of_the_command_or_of_vllm():
+    with pytest.raises(UsageError) as e:
+        argnames.check(["--dtpye", "float32"], ["--detach"], "serve", OPTIONS)
+    assert "--dtpye is neither an option of `vllm-snapshot serve` nor a vLLM engine arg" in e.value.message
+    assert e.value.hint == "did you mean --dtype?"
+    with pytest.raises(UsageError) as e:
+        argnames.check(["--detatch"], ["--detach"], "serve", OPTIONS)
+    assert e.value.hint == "did you mean --detach?"
+    argnames.check(["--dtpye"], [], "serve", None)  # not known yet: vLLM's parse judges
+
+
+def test_option_suggestions_are_strict_and_of_the_same_kind():
+    assert did_you_mean("--prot", OPTIONS) == "did you mean --port?"
+    assert did_you_mean("--zzz", OPTIONS) is None
+    assert did_you_mean("-tpp", {"--tpp-size", "-tp"}) == "did you mean -tp?"
+
+
+def test_the_option_names_are_remembered_atomically_per_vllm_version(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_SNAPSHOT_CACHE", str(tmp_path))
+    assert argnames.known_options() is None
+    argnames.remember(["--b", "--a"])
+    f = argnames.cache_file()
+    assert f.parent == tmp_path and f.name.startswith("vllm-serve-options-")
+    assert json.loads(f.read_text())["options"] == ["--a", "--b"] and argnames.known_options() == {"--a", "--b"}
+    assert oct(f.stat().st_mode & 0o777) == "0o644" and [p.name for p in tmp_path.iterdir()] == [f.name]
+
+
+def test_setup_remembered_vllms_own_option_names():
+    """The cache setup wrote is what vLLM's parser has now (the import takes ~20 s)."""
+    have = argnames.known_options()
+    assert have is not None, f"run scripts/setup.sh: no {argnames.cache_file()}"
+    assert have == frozenset(argnames._from_parser())
+    assert {"--dtype", "--max-model-len", "--kv-cache-memory-bytes", "--served-model-name"} <= have
+
+
+def _cli(*argv):
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "vllm_snapshot", *argv], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120)
+    return p, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("argv,hint", [
+    (["serve", str(CACHE / "models" / "tiny-llama"), "--port", "8799", "--dtpye", "float32"], "did you mean --dtype?"),
+    (["serve", "--prot", "8603", "/m"], "did you mean --port?"),
+    (["restore", "--prot", "8603", "demo"], "did you mean --port?"),
+    (["create", "/m", "--name", "x", "--", "--max-model-lne", "512"], "did you mean --max-model-len?"),
+    (["serve", "/m", "--detatch"], "did you mean --detach?"),
+])
+def test_a_typo_is_a_usage_error_with_did_you_mean_in_well_under_a_second_of_work(tmp_path, argv, hint):
+    if argnames.known_options() is None:
+        pytest.fail(f"run scripts/setup.sh: no {argnames.cache_file()}")
+    p, took = _cli("--root", str(tmp_path), *argv)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.startswith("error [usage]: ") and f"hint: {hint}" in p.stderr, p.stderr
+    assert "engine error" not in p.stderr
+    assert took < 5, took  # a Python start-up and the CLI's imports; no vLLM (~16 s), no engine
+
+
+@pytest.mark.parametrize("sub", [[], ["model.safetensors"]])
+def test_an_empty_model_dir_is_refused_before_the_key(tmp_path, sub):
+    model = tmp_path / "m"
+    model.mkdir()
+    for f in sub:
+        (model / f).write_bytes(b"x")
+    p, took = _cli("--root", str(tmp_path / "root"), "serve", str(model), "--port", "8799",
+                   "--", "--dtype", "float32")
+    assert p.returncode == 2 and ("is empty" in p.stderr or "has no config.json" in p.stderr), p.stderr
+    assert took < 5, took

@@ -124,18 +124,30 @@ def unknown_flags(engine_args: Sequence[str], options: frozenset[str]) -> list[s
 def check(engine_args: Sequence[str], own: Iterable[str], command: str, options: frozenset[str] | None) -> None:
     """Refuse (UsageError, exit 2) an option in ``engine_args`` that is neither one of vLLM's
     (``options``; None: not known, nothing is checked) -- naming the closest of vLLM's and of
-    ``command``'s own options ``own`` ("did you mean --port?"). Pure."""
+    ``command``'s own options ``own`` ("did you mean --port?") -- or that abbreviates one of
+    ``own`` (``--weight`` for ``--weights``: vLLM's parser would take it as another option's
+    abbreviation, ``--weight-transfer-config``). Pure."""
     if options is None:
         return
+    own = set(own)
+    where = "vllm-snapshot " + command
+    for a in engine_args:  # `serve --weight file`: vLLM would take it as --weight-transfer-config
+        flag = flag_name(a)
+        if not flag.startswith("--") or flag in options or "--" + flag[2:].replace("_", "-") in options:
+            continue
+        ours = sorted(o for o in own if o.startswith(flag) and o != flag)
+        if ours:
+            theirs = sorted(o for o in options if o.startswith("--" + flag[2:].replace("_", "-")))
+            raise UsageError(f"{flag} is not a whole option name: it abbreviates `{where}`'s {' and '.join(ours)}"
+                             + (f", and vLLM would read it as {', '.join(theirs[:3])}" if theirs else ""),
+                             hint=f"did you mean {ours[0]}? (write options out in full)")
     bad = unknown_flags(engine_args, options)
     if not bad:
         return
     from ..suggest import did_you_mean
 
-    own = set(own)
     flag = bad[0]
     guess = did_you_mean(flag, own | options)
-    where = "vllm-snapshot " + command
     raise UsageError(f"{flag} is neither an option of `{where}` nor a vLLM engine arg"
                      + (f" (also unknown: {', '.join(bad[1:])})" if bad[1:] else ""),
                      hint=guess or f"`{where} --help` lists its options; `vllm serve --help` the engine args")

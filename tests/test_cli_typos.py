@@ -75,7 +75,12 @@ def test_setup_remembered_vllms_own_option_names():
     """The cache setup wrote is what vLLM's parser has now (the import takes ~20 s)."""
     have = argnames.known_options()
     assert have is not None, f"run scripts/setup.sh: no {argnames.cache_file()}"
-    assert have == frozenset(argnames._from_parser())
+    # vLLM's parser in a process of its own: imported here, vLLM would stay in this test
+    # process's sys.modules (tests/test_identity.py checks that nothing imports it by accident)
+    p = subprocess.run([sys.executable, "-c", "import json; from vllm_snapshot.store import argnames; "
+                        "print(json.dumps(sorted(argnames._from_parser())))"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300, check=True)
+    assert have == frozenset(json.loads(p.stdout.splitlines()[-1]))
     assert {"--dtype", "--max-model-len", "--kv-cache-memory-bytes", "--served-model-name"} <= have
 
 

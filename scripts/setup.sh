@@ -135,6 +135,10 @@ tools() {
   # distribution 2.8 (Debian's docker-registry), started by the tests on 127.0.0.1 with its
   # own config. The package's own service (port 5000 on every address) is not wanted.
   apt_install docker-registry
+  # tests/test_link_integration.py joins the registry's network namespace to a node's by a veth
+  # pair shaped with tc (iproute2, above) and drops packets with an nftables rule in each
+  # namespace (nft; the rules live only in the namespaces the test makes)
+  apt_install nftables
   # tests/test_bare_root.py builds a bare Debian root (minbase) with mmdebstrap and runs the
   # README's Quick start in it: real apt-get, real pip, the real CRIU build
   apt_install mmdebstrap

@@ -142,11 +142,24 @@ class ShapedLink:
         """``argv`` run in the node's network namespace."""
         return ["ip", "netns", "exec", self.node_ns, *argv]
 
-    def qdisc_sent(self, side: str = "reg") -> int:
-        """Bytes the qdisc of the registry's (``reg``) or the node's (``node``) veth end has sent."""
+    def qdisc_stats(self, side: str = "reg") -> tuple[int, int]:
+        """(bytes sent, overlimits: packets held back because the rate was exceeded) of the qdisc
+        of the registry's (``reg``) or the node's (``node``) veth end."""
         ns, dev = (self.reg_ns, self.reg_if) if side == "reg" else (self.node_ns, self.node_if)
         out = _run("ip", "netns", "exec", ns, "tc", "-s", "qdisc", "show", "dev", dev)
-        return int(re.search(r"Sent (\d+) bytes", out).group(1))
+        return int(re.search(r"Sent (\d+) bytes", out).group(1)), int(re.search(r"overlimits (\d+)", out).group(1))
+
+    def qdisc_sent(self, side: str = "reg") -> int:
+        """Bytes the qdisc of that end has sent."""
+        return self.qdisc_stats(side)[0]
+
+    def round_trip(self) -> float:
+        """Seconds of one ``GET /v2/`` from the node's namespace to the registry on a new
+        connection (the request and the answer each cross the link once)."""
+        code = ("import socket, time; s = socket.create_connection(('127.0.0.1', %s)); t = time.monotonic(); "
+                "s.sendall(b'GET /v2/ HTTP/1.1\\r\\nHost: x\\r\\nConnection: close\\r\\n\\r\\n'); "
+                "assert s.recv(65536).startswith(b'HTTP/1.1 200'); print(time.monotonic() - t)") % self.host.split(":")[1]
+        return float(_run(*self.on_node([sys.executable, "-c", code])))
 
     def dropped(self, side: str = "reg") -> int:
         """Packets the loss rule of that end has dropped so far."""

@@ -65,6 +65,8 @@ def _completion_on_node(link: ShapedLink, port: int) -> dict:
 
 def test_push_pull_and_serve_with_a_registry_across_a_shaped_link(snapshot, link, tmp_path):
     print(f"link: {link.describe()}")
+    rtt = link.round_trip()
+    assert rtt >= 2 * DELAY_MS / 1000, rtt  # the delay is there: a request and its answer cross once each
     key = json.loads((snapshot / "manifest.json").read_text())["key"]
     key = key["value"] if isinstance(key, dict) else key
     repo = f"{link.host}/fleet/link"
@@ -76,14 +78,15 @@ def test_push_pull_and_serve_with_a_registry_across_a_shaped_link(snapshot, link
     assert pushed["sent_bytes"] > 0 and sent_before >= pushed["sent_bytes"], (pushed, sent_before)
     # node B pulls it into an empty store: no faster than the link's rate allows
     root_b = _private(tmp_path / "store-b")
-    reg_sent, drops = link.qdisc_sent("reg"), link.dropped("reg")
+    (reg_sent, held), drops = link.qdisc_stats("reg"), link.dropped("reg")
     (pulled,), pull_wall = _node(link, [["--root", str(root_b), "pull", image, "--plain-http", "--name", "tiny",
                                          "--json"]], "node-b")
     assert pulled["digest"] == pushed["digest"] and pulled["fetched_bytes"] > 0
-    crossed = link.qdisc_sent("reg") - reg_sent
-    assert crossed >= pulled["fetched_bytes"], (crossed, pulled)  # every byte came over the veth
+    sent, held_now = link.qdisc_stats("reg")
+    assert sent - reg_sent >= pulled["fetched_bytes"], (sent - reg_sent, pulled)  # every byte came over the veth
+    assert held_now > held, "the rate limit never held a packet of the pull back"
     floor_s = pulled["fetched_bytes"] * 8 / (RATE_MBIT * 1e6)
-    assert pulled["seconds"] >= floor_s * 0.9, (pulled["seconds"], floor_s)  # the rate is enforced
+    assert pulled["seconds"] >= floor_s * 0.9, (pulled["seconds"], floor_s)  # no faster than the rate
     assert link.dropped("reg") > drops, "the loss rule dropped no packet of the pull"
     cli("--root", str(root_b), "verify", "tiny", check=True)
     # node C: serve --registry on an empty store pulls (across the link) and restores
@@ -99,7 +102,7 @@ def test_push_pull_and_serve_with_a_registry_across_a_shaped_link(snapshot, link
         assert len(c["logprobs"]["token_logprobs"]) == 4
     finally:
         _stop(served["pid"])
-    print(f"push {pushed['sent_bytes'] / 1e6:.0f} MB in {pushed['seconds']:.1f} s ({push_wall:.1f} s wall); "
+    print(f"round trip {rtt * 1000:.1f} ms; push {pushed['sent_bytes'] / 1e6:.0f} MB in {pushed['seconds']:.1f} s ({push_wall:.1f} s wall); "
           f"pull {pulled['fetched_bytes'] / 1e6:.0f} MB in {pulled['seconds']:.1f} s ({pulled['MB_s']} MB/s, "
           f"floor {floor_s:.1f} s, {pull_wall:.1f} s wall); serve --registry {serve_wall:.1f} s wall "
           f"({served['total_s']} s); drops reg/node {link.dropped('reg')}/{link.dropped('node')}")

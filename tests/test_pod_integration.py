@@ -16,9 +16,11 @@ it (docs/operations.md "Kubernetes", "Tried under podman"):
 
 - ``runtime = "runc"``: crun 1.8 refuses this host's hybrid cgroup layout ("crun: cgroups in
   hybrid mode not supported, drop all controllers from cgroupv2");
-- ``default_ulimits`` at the limits this process has: podman raises a root container's
-  ``nofile``/``nproc`` beyond them by default, which needs CAP_SYS_RESOURCE ("crun: setrlimit
-  `RLIMIT_NPROC`: Operation not permitted")."""
+- ``default_ulimits``: ``nofile`` at this process's hard limit, ``nproc`` at most 32768: by
+  default a root container asks for more than the hard limits podman runs the runtime with
+  (podman lowers its own hard ``nproc`` to 32768), and raising a hard limit needs
+  CAP_SYS_RESOURCE, which root lacks on this VM ("crun: setrlimit `RLIMIT_NPROC`: Operation
+  not permitted")."""
 
 from __future__ import annotations
 

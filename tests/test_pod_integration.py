@@ -198,9 +198,20 @@ def test_the_operations_pod_pulls_restores_and_becomes_ready_under_podman_kube_p
         pm.reset()
         reg.stop()
         remove_rootfs(rootfs)
+        _remove_stores(tmp_path / "build-store", tmp_path / "node-store")
     assert not pm.base.exists(), f"podman's storage {pm.base} was not removed"
     times["total"] = time.monotonic() - t0
     print("pod test seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
+
+
+def _remove_stores(*stores: Path) -> None:
+    """Remove the stores the test made, their immutable weights files included."""
+    from vllm_snapshot.store import weights as sw
+
+    for store in stores:
+        for f in store.glob(".weights/*.weights"):
+            sw.unprotect(f)
+        shutil.rmtree(store, ignore_errors=True)
 
 
 def _logs(pm: Podman, pod: str) -> str:

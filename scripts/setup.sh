@@ -140,6 +140,18 @@ tools() {
   # distribution 2.8 (Debian's docker-registry), started by the tests on 127.0.0.1 with its
   # own config. The package's own service (port 5000 on every address) is not wanted.
   apt_install docker-registry
+  # tests/test_link_integration.py joins the registry's network namespace to a node's by a veth
+  # pair shaped with tc (iproute2, above) and drops packets with an nftables rule in each
+  # namespace (nft; the rules live only in the namespaces the test makes)
+  apt_install nftables
+  # vLLM's CPU kernels (vllm._C) link libnuma.so.1, which no package setup installed pulled in
+  # on every machine (here it came with linux-perf)
+  apt_install libnuma1
+  # tests/test_pod_integration.py runs docs/k8s/agent-pod.yaml under `podman kube play`: podman;
+  # runc (crun 1.8 refuses a host whose cgroups are hybrid, v1 controllers + cgroup2); catatonit
+  # (the pod's infra container). Its image is the bare root above plus this host's files of
+  # python3.11(-dev), g++, openssl, iproute2, libnuma1, libgomp1 (tests/pod_image.py)
+  apt_install podman runc catatonit openssl
   # tests/test_bare_root.py builds a bare Debian root (minbase) with mmdebstrap and runs the
   # README's Quick start in it: real apt-get, real pip, the real CRIU build
   apt_install mmdebstrap

@@ -233,7 +233,8 @@ def test_setup_on_a_bare_machine_installs_what_it_needs_and_finishes(bare_machin
     installed = (state / "installed").read_text().split()
     assert len(installed) == len(set(installed)), installed
     for pkg in ("build-essential", "libprotobuf-dev", "protobuf-c-compiler", "libnl-3-dev", "iproute2",
-                "e2fsprogs", "squashfs-tools", "dosfstools", "shellcheck", "systemd", "acl", "docker-registry"):
+                "e2fsprogs", "squashfs-tools", "dosfstools", "shellcheck", "systemd", "acl", "docker-registry",
+                "nftables", "libnuma1", "podman", "runc", "catatonit", "openssl"):
         assert pkg in installed, (pkg, apt)
     # the venv: pip was asked for the project with the cpu and dev extras
     pip = (state / "pip.log").read_text()

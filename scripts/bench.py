@@ -4,7 +4,7 @@
 Run with the project's venv as root:
 
     /var/cache/vllm-snapshot/venv/bin/python scripts/bench.py [--model DIR] [--restores 3]
-        [--compress zstd:3 --compress none] [--quick] [--json-out F] [--md docs/benchmarks.md]
+        [--compress zstd:3 --compress none] [--quick] [--json-out F] [--md docs/history.md]
         [--plot docs/bench.png] [-- ENGINE ARGS]
 
 Measures, on one model (default: the embedded tiny model with the demo's engine args): for each
@@ -14,7 +14,7 @@ compression setting a create (with its phases) and N restores -> first validated
 instead, each measured after the creates so the compile cache is warm: the same engine args
 (compiled) and with ``--enforce-eager`` added; the headline ratio is against the faster of the
 two. Also raw vs stored bytes, a bare ``criu restore`` of the same staged images (the overhead
-figure), and the timings of ``vllm-snapshot --help`` and ``inspect``. Prints ratios and issue 32's
+figure), and the timings of ``vllm-snapshot --help`` and ``inspect``. Prints ratios and the speed
 targets 1-5 (value, target, met?) per model; never asserts them.
 ``--quick`` (CI smoke test): one compression, one restore, one cold start (the given args), no
 bare CRIU run, no switch, no plot. ``--cold-start-s S``: no cold start is run, the ratios are
@@ -36,13 +36,13 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's package
 
-from vllm_snapshot.store import archive, layout, manifest
-from vllm_snapshot.checkpoint import criu
-from vllm_snapshot.cli import demo
-from vllm_snapshot import ops
-from vllm_snapshot.dev import tiny_model  # noqa
+from vllm_snapshot.store import archive, manifest  # noqa: E402
+from vllm_snapshot.checkpoint import criu  # noqa: E402
+from vllm_snapshot import ops  # noqa: E402
+from vllm_snapshot.dev import bench, tiny_model  # noqa: E402
+from vllm_snapshot.dev.bench_targets import DEMO_BASELINE_RAW, cold_variants, figures, targets, targets_md  # noqa: E402
 from vllm_snapshot.effects.tools import local_tools  # noqa: E402
 from vllm_snapshot.report.progress import Reporter  # noqa: E402
 
@@ -76,10 +76,16 @@ def timed_cmd(argv: list[str], n: int = 5, env: dict[str, str] | None = None) ->
 
 
 def bare_criu_restore(snap: Path) -> float:
-    """Seconds of a plain ``criu restore`` of the snapshot's images (staged raw first, not
-    timed), with only the flags CRIU needs; the restored tree is killed afterwards."""
+    """Seconds of a plain ``criu restore`` of the snapshot's images, with only the flags CRIU
+    needs; the restored tree is killed afterwards. The images are staged as restore stages them
+    (hard links, or unpacked when compressed) and verified first, not timed."""
     m = manifest.read(snap)
-    stage = archive.unpack(snap / layout.IMAGES, m.images, archive.staging_parent(m.sizes["raw"], snap.parent, m.images))
+    stage, staged = local_tools().files.stage_checking(snap, m)
+    try:
+        staged.wait()
+    except BaseException:
+        archive.remove_staging(stage)
+        raise
     b = criu.find_criu()
     # the same fresh pipes the real restore hands in (an engine whose control pipe is gone
     # exits at once, which fails CRIU's final detach)
@@ -158,36 +164,6 @@ def plot(res: dict, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-#: Targets of issue 32, checked per model by :func:`targets` (printed, never asserted).
-DEMO_TARGET_S = 0.5
-DEMO_SPEEDUP_TARGET = 50.0
-BIG_SPEEDUP_TARGET = 15.0
-OVERHEAD_TARGET_S = 0.3
-SWITCH_DARK_TARGET_S = 1.0
-#: The phases of a restore that decide identity + model (validate), the oracle, the images'
-#: checksums and the code identity: each must end before ``bind`` begins (target 5).
-VERDICT_PHASES = ("validate", "oracle", "checksums", "code_check")
-#: Earlier figures kept in the table (issue 22's targets 3-6, now "figures").
-RAW_REDUCTION_TARGET = 0.30
-STORED_TARGET = 0.15
-ZSTD_SLOWDOWN_TARGET = 1.5
-CLI_TARGET_S = 0.3
-#: Raw image bytes of the demo snapshot before issue 22 (main at aced35d, 2026-11-30,
-#: `create` of the tiny model with the demo's engine args): the reference of the raw-bytes figure.
-DEMO_BASELINE_RAW = 1415497047
-
-
-def cold_variants(engine_args: list[str], quick: bool) -> dict[str, list[str]]:
-    """The cold starts a user could choose instead of a restore, by name -> engine args: the
-    same args (``compiled`` unless they hold ``--enforce-eager``) and, when they compile, the
-    same with ``--enforce-eager`` added (``eager``). ``quick``: only the given args."""
-    eager = "--enforce-eager" in engine_args
-    out = {("eager" if eager else "compiled"): list(engine_args)}
-    if not (eager or quick):
-        out["eager"] = [*engine_args, "--enforce-eager"]
-    return out
-
-
 def cold_starts(model: Path, engine_args: list[str], quick: bool) -> tuple[dict[str, float], dict]:
     """Seconds from launch to the first completion for each of :func:`cold_variants` (one run
     each), and the process-tree memory (``rss``/``pss`` bytes) of the given args' cold tree."""
@@ -196,7 +172,7 @@ def cold_starts(model: Path, engine_args: list[str], quick: bool) -> tuple[dict[
     for name, args in cold_variants(engine_args, quick).items():
         print(f"{model}: cold start ({name}) -> first completion ...", file=sys.stderr)
         m: dict = {}
-        out[name] = round(demo.cold_start(model, demo.free_port(), args, m), 3)
+        out[name] = round(bench.cold_start(model, bench.free_port(), args, m), 3)
         if args == engine_args:
             mem = m
         print(f"  {out[name]:.2f} s, RSS {m.get('rss', 0) >> 20} MiB", file=sys.stderr)
@@ -206,28 +182,25 @@ def cold_starts(model: Path, engine_args: list[str], quick: bool) -> tuple[dict[
 def switch_probe(snaps: list[Path], work: Path, rounds: int, poll_ms: float = 50.0) -> dict:
     """Target 4: ``rounds`` × 2 hand-over switches (``vllm-snapshot switch``) between two
     snapshots on one port while a client polls it every ``poll_ms`` ms with a one-token
-    completion (scripts/bench_switch.py's poller). With one snapshot, a hard-linked copy is
+    completion (the poller of :mod:`vllm_snapshot.dev.bench`). With one snapshot, a hard-linked copy is
     the second. Returns ``dark_max_s`` (longest time a client saw nothing answer), ``refused``,
     ``failed`` (accepted connections that then failed), ``accepted``, ``switches``,
     ``handovers`` (switches that handed the port over rather than falling back). Raises
     SystemExit when a switch fails."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import bench_switch
-
     a = snaps[0]
     b = snaps[1] if len(snaps) > 1 else work / f"{a.name}-copy"
     if b == work / f"{a.name}-copy" and not b.exists():
         shutil.copytree(a, b, copy_function=os.link)
-    port = demo.free_port()
-    bench_switch.cli("restore", str(a), "--port", str(port), "--detach", "-q")
+    port = bench.free_port()
+    bench.cli("restore", str(a), "--port", str(port), "--detach", "-q")
     rows, cur, handovers = [], a, 0
     try:
         for _ in range(rounds * 2):
             nxt = b if cur == a else a
             time.sleep(1.0)  # the previous old engine's drain is over
-            poller = bench_switch.Poller(port, poll_ms / 1000, tiny_model.SERVED_NAME)
+            poller = bench.Poller(port, poll_ms / 1000, tiny_model.SERVED_NAME)
             time.sleep(0.5)
-            r = bench_switch.cli("switch", str(nxt), "--port", str(port), "-q")
+            r = bench.cli("switch", str(nxt), "--port", str(port), "-q")
             time.sleep(0.5)
             rows.append(poller.stop())
             handovers += bool(r.get("handover"))
@@ -236,7 +209,7 @@ def switch_probe(snaps: list[Path], work: Path, rounds: int, poll_ms: float = 50
                   file=sys.stderr)
             cur = nxt
     finally:
-        subprocess.run([*bench_switch.VS, "stop", "--port", str(port)], capture_output=True, timeout=120)
+        subprocess.run([*bench.VS, "stop", "--port", str(port)], capture_output=True, timeout=120)
     return {"dark_max_s": round(max(x["dark"] for x in rows), 3), "refused": sum(x["refused"] for x in rows),
             "failed": sum(x["failed"] for x in rows), "accepted": sum(x["polls"] - x["refused"] for x in rows),
             "switches": len(rows), "handovers": handovers}
@@ -271,10 +244,10 @@ def bench_model(model: Path, engine_args: list[str], comps: list[str], restores:
         for i in range(restores):
             rep = Reporter()
             t0 = time.monotonic()
-            r, engine = ops.restore(ops.RestoreRequest(snapshot=snap, port=demo.free_port()), rep)
+            r, engine = ops.restore(ops.RestoreRequest(snapshot=snap, port=bench.free_port()), rep)
             total = time.monotonic() - t0
             if i == 0:
-                run["restored_memory"] = demo.tree_memory(r.pid)
+                run["restored_memory"] = bench.tree_memory(r.pid)
             engine.kill(grace=15)
             engine.close()
             local_tools().runtime.unregister(r.pid)
@@ -307,102 +280,6 @@ def bench_model(model: Path, engine_args: list[str], comps: list[str], restores:
     return res, snap
 
 
-def verdicts_before_bind(phases: dict[str, float]) -> tuple[bool, str]:
-    """Whether every :data:`VERDICT_PHASES` entry of one restore's ``phases`` (the report's
-    timings, in the order the phases ended) comes before ``bind``; and a text naming what is
-    missing or late, and the phases after the bind."""
-    names = list(phases)
-    if "bind" not in names:
-        return False, "no bind phase"
-    at = names.index("bind")
-    late = [p for p in VERDICT_PHASES if p not in names[:at]]
-    after = ", ".join(names[at + 1:]) or "nothing"
-    if late:
-        return False, f"not decided before the bind: {', '.join(late)} (after it: {after})"
-    return True, f"{', '.join(VERDICT_PHASES)} before the bind; after it: {after}"
-
-
-def targets(res: dict, big: bool) -> list[tuple]:
-    """Rows (number, what, value text, target text, met: bool | None) of issue 32's targets for
-    one model's result (``res`` of :func:`bench_model`, with ``switch`` when it was measured);
-    None = not measured in this run."""
-    runs = res["runs"]
-    plain = runs.get("none") or next(iter(runs.values()))
-    cold = res["cold_starts_s"]
-    best = min(cold, key=cold.get)
-    vs = f"{plain['restore_median_s']:.2f} s vs cold {res['cold_start_s']:.2f} s ({best}; " + ", ".join(
-        f"{k} {v:.2f} s" for k, v in cold.items()) + ")"
-    rows = []
-    if big:
-        rows.append((2, "big model: restore -> first validated completion vs the faster cold start",
-                     f"{plain['speedup_vs_cold']:.1f}× ({vs})", f"≥ {BIG_SPEEDUP_TARGET:.0f}×",
-                     plain["speedup_vs_cold"] >= BIG_SPEEDUP_TARGET))
-    else:
-        rows.append((1, "restore -> first validated completion vs the faster cold start",
-                     f"{plain['speedup_vs_cold']:.1f}× ({vs})",
-                     f"≤ {DEMO_TARGET_S} s (≥ {DEMO_SPEEDUP_TARGET:.0f}×)",
-                     plain["restore_median_s"] <= DEMO_TARGET_S and plain["speedup_vs_cold"] >= DEMO_SPEEDUP_TARGET))
-    ov = plain.get("overhead_vs_bare_criu_s")
-    rows.append((3, "overhead beyond a bare `criu restore`",
-                 "–" if ov is None else f"{ov:.2f} s (bare {plain['bare_criu_restore_s']:.2f} s)",
-                 f"≤ {OVERHEAD_TARGET_S} s", None if ov is None else ov <= OVERHEAD_TARGET_S))
-    sw = res.get("switch")
-    if sw:
-        rows.append((4, "`switch` on one port: longest time nothing answers (client polling every 50 ms); accepted requests failed",
-                     f"{sw['dark_max_s']:.2f} s; {sw['failed']} of {sw['accepted']} failed ({sw['switches']} switches, "
-                     f"{sw.get('handovers', '?')} handed over)",
-                     f"≤ {SWITCH_DARK_TARGET_S} s; 0", sw["dark_max_s"] <= SWITCH_DARK_TARGET_S and sw["failed"] == 0))
-    else:
-        rows.append((4, "`switch` on one port", "not measured in this run (needs two snapshots: a full run)", "", None))
-    checks = [verdicts_before_bind(x["phases"]) for r in runs.values() for x in r["restores"]]
-    bad = [why for ok, why in checks if not ok]
-    rows.append((5, "fail-closed verdicts before the bind, every restore of this run",
-                 bad[0] if bad else checks[0][1], "all before the bind", not bad))
-    return rows
-
-
-def figures(res: dict, help_s: float, inspect_s: float, baseline_raw: int | None,
-            inspect_json_s: float | None = None) -> list[tuple]:
-    """Rows (label, what, value text, target text, met) of earlier figures (issue 22's targets
-    3-6: image bytes, zstd, CLI start-up, memory), kept to see them move."""
-    runs = res["runs"]
-    plain = runs.get("none")
-    z = next((r for c, r in runs.items() if c.startswith("zstd")), None)
-    rows = []
-    if plain and baseline_raw:
-        red = 1 - plain["raw_bytes"] / baseline_raw
-        rows.append(("bytes", "raw image bytes vs before issue 22",
-                     f"{plain['raw_bytes'] / 2**20:.0f} MiB vs {baseline_raw / 2**20:.0f} MiB: -{100 * red:.1f}%",
-                     f"≥ {100 * RAW_REDUCTION_TARGET:.0f}% less", red >= RAW_REDUCTION_TARGET))
-    elif plain:
-        rows.append(("bytes", "raw image bytes", f"{plain['raw_bytes'] / 2**20:.0f} MiB (no baseline)", "–", None))
-    if z:
-        rows.append(("zstd", "zstd: stored / raw", f"{100 * z['stored_ratio']:.1f}%", f"≤ {100 * STORED_TARGET:.0f}%",
-                     z["stored_ratio"] <= STORED_TARGET))
-        if plain:
-            slow = z["restore_median_s"] / plain["restore_median_s"]
-            rows.append(("zstd", "zstd restore / uncompressed restore", f"{slow:.2f}×", f"≤ {ZSTD_SLOWDOWN_TARGET}×",
-                         slow <= ZSTD_SLOWDOWN_TARGET))
-    ij = inspect_s if inspect_json_s is None else inspect_json_s
-    rows.append(("cli", "`inspect` (`--json`) / `--help` (whole process, median of 5)",
-                 f"{inspect_s:.2f} s ({ij:.2f} s) / {help_s:.2f} s",
-                 f"≤ {CLI_TARGET_S} s", max(inspect_s, ij, help_s) <= CLI_TARGET_S))
-    rm = (plain or z or {}).get("restored_memory")
-    cm = res.get("cold_memory")
-    if rm and cm:
-        rows.append(("memory", "restored engine RSS vs cold engine RSS (PSS)",
-                     f"{rm['rss'] / 2**20:.0f} vs {cm['rss'] / 2**20:.0f} MiB ({rm['pss'] / 2**20:.0f} vs {cm['pss'] / 2**20:.0f})",
-                     "≤ cold", rm["rss"] <= cm["rss"]))
-    return rows
-
-
-def targets_md(rows: list[tuple]) -> list[str]:
-    out = ["| # | target | measured | target | met? |", "|---|---|---|---|---|"]
-    for n, what, val, want, met in rows:
-        out.append(f"| {n} | {what} | {val} | {want} | {'–' if met is None else ('yes' if met else 'no')} |")
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None)
@@ -433,7 +310,7 @@ def main() -> int:
         return 0
     local_tools().host.require_root()
     model = a.model or tiny_model.generate(tiny_model.default_model_dir())
-    engine_args = a.engine_args or list(demo.ENGINE_ARGS)
+    engine_args = a.engine_args or list(tiny_model.ENGINE_ARGS)
     comps = a.compress or (["zstd:3"] if a.quick else ["zstd:3", "none"])
     restores = 1 if a.quick else a.restores
     work = Path(tempfile.mkdtemp(prefix="vllm-snapshot-bench-", dir=a.workdir or "/var/tmp"))

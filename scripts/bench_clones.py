@@ -23,18 +23,13 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
-import psutil
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's package
 
-VS = [sys.executable, "-m", "vllm_snapshot"]
+from vllm_snapshot.dev.bench import VS, cli, tree_memory  # noqa: E402
+
 MIB = 1 << 20
-
-
-def cli(*args: str) -> dict:
-    p = subprocess.run([*VS, *args, "--json"], capture_output=True, text=True, timeout=600)
-    if p.returncode != 0:
-        raise SystemExit(f"vllm-snapshot {' '.join(args)} failed ({p.returncode}): {p.stdout[-1500:]} {p.stderr[-1500:]}")
-    return json.loads(p.stdout)
 
 
 def complete(port: int, model: str) -> None:
@@ -42,21 +37,6 @@ def complete(port: int, model: str) -> None:
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as r:
         json.loads(r.read())
-
-
-def pss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def tree_memory(pid: int) -> tuple[int, int, int]:
-    """(processes, RSS bytes, PSS bytes) of the tree rooted at ``pid``."""
-    root = psutil.Process(pid)
-    procs = [root, *root.children(recursive=True)]
-    return len(procs), sum(p.memory_info().rss for p in procs), sum(pss_bytes(p.pid) for p in procs)
 
 
 def main() -> int:
@@ -81,8 +61,8 @@ def main() -> int:
                   f"(CRIU restore {r['timings'].get('criu_restore', 0):.2f} s)", flush=True)
         time.sleep(2)  # let the trees settle before reading memory
         for c in clones:
-            n, rss, pss = tree_memory(c["pid"])
-            c.update(processes=n, rss_mib=round(rss / MIB, 1), pss_mib=round(pss / MIB, 1))
+            mem = tree_memory(c["pid"])
+            c.update(processes=mem["processes"], rss_mib=round(mem["rss"] / MIB, 1), pss_mib=round(mem["pss"] / MIB, 1))
     finally:
         for c in clones:
             subprocess.run([*VS, "stop", "--pid", str(c["pid"])], capture_output=True, timeout=120)

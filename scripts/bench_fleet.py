@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark of the fleet (issue 31), measured on loopback in one run:
+"""Benchmark of the fleet, measured on loopback in one run:
 
 * push and pull throughput (MB/s of layer bytes) through a real registry (Debian's
   docker-registry on 127.0.0.1, filesystem storage) and an ``oci:`` layout, against a plain
@@ -20,10 +20,8 @@ were just written): these are the tool's and the protocol's costs, not a network
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,32 +31,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vllm_snapshot import ops  # noqa: E402
-from vllm_snapshot.cli import demo  # noqa: E402
+from vllm_snapshot.dev import bench, tiny_model  # noqa: E402
+from vllm_snapshot.dev.registry_server import RegistryServer  # noqa: E402
 from vllm_snapshot.effects.tools import local_tools  # noqa: E402
 from vllm_snapshot.ops import fleet  # noqa: E402
 from vllm_snapshot.report.progress import Reporter  # noqa: E402
 from vllm_snapshot.store import archive  # noqa: E402
-
-
-def start_registry(base: Path) -> tuple[subprocess.Popen, str]:
-    """docker-registry on a free loopback port, storage under ``base``. Returns (process, host)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cfg = base / "registry.yml"
-    cfg.write_text(f"version: 0.1\nlog:\n  level: warn\n  accesslog:\n    disabled: true\n"
-                   f"storage:\n  filesystem:\n    rootdirectory: {base / 'storage'}\nhttp:\n  addr: 127.0.0.1:{port}\n")
-    p = subprocess.Popen(["docker-registry", "serve", str(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    import requests
-
-    for _ in range(200):
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/v2/", timeout=1).status_code == 200:
-                return p, f"127.0.0.1:{port}"
-        except requests.RequestException:
-            time.sleep(0.1)
-    p.kill()
-    raise SystemExit("docker-registry did not start")
 
 
 def dir_bytes(d: Path) -> int:
@@ -74,14 +52,13 @@ def main() -> int:
     a = ap.parse_args()
     comps = a.compress or ["none", "zstd:3"]
     if a.model is None:
-        from vllm_snapshot.dev import tiny_model
-
         a.model = str(tiny_model.generate(tiny_model.default_model_dir()))
-    engine_args = a.engine_args or list(demo.ENGINE_ARGS)
+    engine_args = a.engine_args or list(tiny_model.ENGINE_ARGS)
     t = local_tools()
     work = Path(tempfile.mkdtemp(prefix="vsnap-fleet-bench-", dir="/var/tmp"))
     os.chmod(work, 0o700)
-    reg, host = start_registry(work)
+    reg = RegistryServer(work / "registry", access_log=False)
+    host = reg.host
     res: dict = {"model": a.model, "engine_args": engine_args, "runs": {}}
     try:
         for comp in comps:
@@ -119,7 +96,7 @@ def main() -> int:
                     t0 = time.monotonic()
                     pulled = fleet.pull(fleet.PullRequest(image, root, "tiny", plain_http=True), Reporter(), t)
                     rr, engine = ops.restore(ops.RestoreRequest(snapshot=Path(pulled.snapshot),
-                                                                port=demo.free_port()), Reporter())
+                                                                port=bench.free_port()), Reporter())
                     run["fresh_node_s"] = round(time.monotonic() - t0, 3)
                     run["fresh_node_pull_s"] = pulled.seconds
                     engine.kill(grace=15)
@@ -130,11 +107,10 @@ def main() -> int:
                 shutil.rmtree(root)
             res["runs"][comp] = run
         print("cold start -> first completion ...", file=sys.stderr)
-        res["cold_start_s"] = round(demo.cold_start(Path(a.model), demo.free_port(), engine_args), 3)
+        res["cold_start_s"] = round(bench.cold_start(Path(a.model), bench.free_port(), engine_args), 3)
         print(f"  {res['cold_start_s']:.2f} s", file=sys.stderr)
     finally:
-        reg.terminate()
-        reg.wait(10)
+        reg.stop()
         shutil.rmtree(work, ignore_errors=True)
     for comp, run in res["runs"].items():
         mb = run["bytes"] / 1e6
@@ -143,10 +119,7 @@ def main() -> int:
         for kind in ("registry", "oci"):
             run[kind]["push_MB_s"] = round(mb / run[kind]["push_s"], 1)
             run[kind]["pull_MB_s"] = round(mb / run[kind]["pull_s"], 1)
-    out = json.dumps(res, indent=2)
-    print(out)
-    if a.json_out:
-        a.json_out.write_text(out + "\n")
+    bench.emit(res, a.json_out)
     return 0
 
 

@@ -30,15 +30,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(HERE / "tests"))
+sys.path.insert(0, str(HERE))  # this checkout's package
 
-from registry_server import RegistryServer  # noqa: E402
-
-
-def private(d: Path) -> Path:
-    d.mkdir(parents=True)
-    os.chmod(d, 0o700)
-    return d
+from vllm_snapshot.dev.bench import emit, private  # noqa: E402
+from vllm_snapshot.dev.registry_server import RegistryServer  # noqa: E402
 
 
 def interrupted(tree: Path, args: list[str], under_way) -> dict:
@@ -127,10 +122,7 @@ def main() -> int:
         for kind in ("pull", "push"):
             b, f = res[f"{kind}_before_exit_s"], res[f"{kind}_after_exit_s"]
             res[f"{kind}_ratio_after_over_before"] = round(sum(f) / max(1e-9, sum(b)), 3)
-    out = json.dumps(res, indent=2)
-    print(out)
-    if a.json_out:
-        a.json_out.write_text(out + "\n")
+    emit(res, a.json_out)
     return 0
 
 

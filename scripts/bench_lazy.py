@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Experiment of issue 32: eager restore vs CRIU's lazy pages (userfaultfd), alternating in one run.
+"""Experiment: eager restore vs CRIU's lazy pages (userfaultfd), alternating in one run.
 
 Not a product path: the lazy mode is patched into ``ops.restore`` here, for the measurement only.
 In ``lazy`` rounds this script
@@ -35,19 +35,22 @@ import os
 import re
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
-from vllm_snapshot import ops
-from vllm_snapshot.checkpoint import criu
-from vllm_snapshot.cli import demo
-from vllm_snapshot.effects import checkpoint as effects_checkpoint
-from vllm_snapshot.effects import files as effects_files
-from vllm_snapshot.effects.tools import local_tools
-from vllm_snapshot.host.procs import tree
-from vllm_snapshot.report.progress import Reporter
-from vllm_snapshot.store import manifest
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's package
+
+from vllm_snapshot import ops  # noqa: E402
+from vllm_snapshot.checkpoint import criu  # noqa: E402
+from vllm_snapshot.dev import bench  # noqa: E402
+from vllm_snapshot.effects import checkpoint as effects_checkpoint  # noqa: E402
+from vllm_snapshot.effects import files as effects_files  # noqa: E402
+from vllm_snapshot.effects.tools import local_tools  # noqa: E402
+from vllm_snapshot.host.procs import tree  # noqa: E402
+from vllm_snapshot.report.progress import Reporter  # noqa: E402
+from vllm_snapshot.store import manifest  # noqa: E402
 
 STATE: dict = {"lazy": False, "level": "-v1", "recorded": ()}
 DAEMON: dict = {}
@@ -147,7 +150,7 @@ def one(snap: Path, mode: str) -> dict:
     DAEMON.clear()
     rep = Reporter()
     t0 = time.monotonic()
-    r, engine = ops.restore(ops.RestoreRequest(snapshot=snap, port=demo.free_port()), rep)
+    r, engine = ops.restore(ops.RestoreRequest(snapshot=snap, port=bench.free_port()), rep)
     total = time.monotonic() - t0
     row = {"mode": mode, "total": round(total, 3), "phases": r.timings}
     try:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark of resumed pulls (issue 31): a pull killed (SIGKILL) once a given share of the
+"""Benchmark of resumed pulls: a pull killed (SIGKILL) once a given share of the
 layer bytes has been sent, then pulled again, against a full pull of the same artifact into an
 empty store -- alternated in one run, through a real registry (Debian's docker-registry on
 127.0.0.1, filesystem storage, its access log read to know when to kill).
@@ -17,7 +17,6 @@ subprocesses (a real SIGKILL). The second pull's time includes re-hashing the la
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -29,24 +28,15 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE / "tests"))
+sys.path.insert(0, str(HERE))  # this checkout's package
 
-from registry_server import RegistryServer  # noqa: E402
+from vllm_snapshot.dev import bench  # noqa: E402
+from vllm_snapshot.dev.bench import emit, private  # noqa: E402
+from vllm_snapshot.dev.registry_server import RegistryServer  # noqa: E402
 
 
 def cli(*args: str) -> dict:
-    p = subprocess.run([sys.executable, "-m", "vllm_snapshot", *args, "--json"], capture_output=True, text=True,
-                       cwd=HERE)
-    if p.returncode != 0:
-        raise SystemExit(f"vllm-snapshot {' '.join(args)} exited {p.returncode}: {p.stderr[-2000:]}")
-    return json.loads(p.stdout)
-
-
-def private(d: Path) -> Path:
-    d.mkdir(parents=True)
-    os.chmod(d, 0o700)
-    return d
+    return bench.cli(*args, cwd=HERE)
 
 
 def sent_bytes(reg: RegistryServer, since: int, sizes: dict[str, int]) -> int:
@@ -75,12 +65,11 @@ def main() -> int:
             subprocess.run(["cp", "-al", str(a.snapshot), str(snap)], check=True)
         else:
             from vllm_snapshot import ops
-            from vllm_snapshot.cli import demo
             from vllm_snapshot.dev import tiny_model
             from vllm_snapshot.report.progress import Reporter
 
             model = tiny_model.generate(tiny_model.default_model_dir())
-            ops.create(ops.CreateRequest(model=str(model), target=snap, engine_args=list(demo.ENGINE_ARGS)),
+            ops.create(ops.CreateRequest(model=str(model), target=snap, engine_args=list(tiny_model.ENGINE_ARGS)),
                        Reporter())
         image = f"{reg.host}/bench/resume:v1"
         pushed = cli("push", str(snap), image, "--plain-http")
@@ -133,10 +122,7 @@ def main() -> int:
     finally:
         reg.stop()
         shutil.rmtree(work, ignore_errors=True)
-    out = json.dumps(res, indent=2)
-    print(out)
-    if a.json_out:
-        a.json_out.write_text(out + "\n")
+    emit(res, a.json_out)
     return 0
 
 

@@ -24,88 +24,16 @@ of dark, refused, failed and wait over its switches.
 from __future__ import annotations
 
 import argparse
-import http.client
-import json
 import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
+from pathlib import Path
 
-VS = [sys.executable, "-m", "vllm_snapshot"]
-BODY = json.dumps({"model": "tiny-llama", "prompt": "Hi", "max_tokens": 1})
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's package
 
-
-def cli(*args: str) -> dict:
-    p = subprocess.run([*VS, *args, "--json"], capture_output=True, text=True, timeout=600)
-    if p.returncode != 0:
-        raise SystemExit(f"vllm-snapshot {' '.join(args)} failed ({p.returncode}): {p.stdout[-1500:]} {p.stderr[-1500:]}")
-    return json.loads(p.stdout)
-
-
-def poll_once(port: int, model: str) -> str:
-    """One poll: ``ok``, ``refused`` or ``failed: WHY``."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        try:
-            conn.connect()
-        except ConnectionRefusedError:
-            return "refused"
-        except OSError as e:
-            return f"failed: connect {type(e).__name__}: {e}"
-        try:
-            conn.request("POST", "/v1/completions", BODY.replace("tiny-llama", model),
-                         {"Content-Type": "application/json"})
-            r = conn.getresponse()
-            r.read()
-            return "ok" if r.status == 200 else f"failed: HTTP {r.status}"
-        except (OSError, http.client.HTTPException) as e:
-            return f"failed: {type(e).__name__}: {e}"
-    finally:
-        conn.close()
-
-
-class Poller:
-    """Polls ``port`` every ``every_s`` seconds in a thread; ``rows``: (start, end, outcome)."""
-
-    def __init__(self, port: int, every_s: float, model: str) -> None:
-        self.rows: list[tuple[float, float, str]] = []
-        self._stop = threading.Event()
-
-        def run() -> None:
-            while not self._stop.is_set():
-                t0 = time.monotonic()
-                out = poll_once(port, model)
-                self.rows.append((t0, time.monotonic(), out))
-                self._stop.wait(max(0.0, every_s - (time.monotonic() - t0)))
-
-        self._thread = threading.Thread(target=run, daemon=True)
-        self._thread.start()
-
-    def stop(self) -> dict:
-        self._stop.set()
-        self._thread.join(30)
-        return summarize(self.rows)
-
-
-def summarize(rows: list[tuple[float, float, str]]) -> dict:
-    """``dark`` (s), ``refused``, ``failed`` (counts, with the first failure), ``wait`` (s),
-    ``polls`` of a poll log. Pure."""
-    dark, since = 0.0, None
-    for t0, t1, out in rows:
-        if out == "ok":
-            if since is not None:
-                dark = max(dark, t1 - since)
-                since = None
-        elif since is None:
-            since = t0
-    if since is not None:
-        dark = max(dark, rows[-1][1] - since)
-    failed = [o for _, _, o in rows if o.startswith("failed")]
-    return {"dark": dark, "refused": sum(o == "refused" for _, _, o in rows), "failed": len(failed),
-            "first_failure": failed[0] if failed else "", "polls": len(rows),
-            "wait": max((t1 - t0 for t0, t1, o in rows if o == "ok"), default=0.0)}
+from vllm_snapshot.dev.bench import VS, Poller, cli  # noqa: E402
 
 
 def main() -> int:

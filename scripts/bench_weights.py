@@ -13,7 +13,7 @@ faster. Prints a JSON object (``--json-out`` writes it too) and a Markdown table
     /var/cache/vllm-snapshot/venv/bin/python scripts/bench_weights.py --model DIR [--restores 2]
         [--clones 3] [--json-out F] [-- ENGINE ARGS]
 
-Default engine args: the demo's with ``--enforce-eager`` (the issue's 3.1 GiB model is measured
+Default engine args: the demo's with ``--enforce-eager`` (the 3.1 GiB model is measured
 eager: a compiled cold start of it is slower). A big model: ``python -m
 vllm_snapshot.dev.tiny_model --hidden 2048 --layers 16 --out DIR`` (3.1 GiB float32).
 """
@@ -32,13 +32,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vllm_snapshot import ops  # noqa: E402
-from vllm_snapshot.cli import demo  # noqa: E402
-from vllm_snapshot.dev import tiny_model  # noqa: E402
+from vllm_snapshot.dev import bench, tiny_model  # noqa: E402
 from vllm_snapshot.effects.tools import local_tools  # noqa: E402
 from vllm_snapshot.report.progress import Reporter  # noqa: E402
 
-ARGS = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes", "64M",
-        "--served-model-name", tiny_model.SERVED_NAME, "--enforce-eager"]
+ARGS = [*tiny_model.ENGINE_ARGS, "--enforce-eager"]
 
 
 def complete(port: int) -> float:
@@ -53,7 +51,7 @@ def complete(port: int) -> float:
 
 def restore(snap: Path) -> tuple[float, object, int]:
     """(seconds to the first validated completion, engine handle, root PID)."""
-    port = demo.free_port()
+    port = bench.free_port()
     t0 = time.monotonic()
     r, engine = ops.restore(ops.RestoreRequest(snapshot=snap, port=port), Reporter())
     complete(port)
@@ -91,7 +89,7 @@ def main() -> int:
         for _ in range(a.restores):
             s, engine, pid = restore(snap)
             if "memory" not in row:
-                row["memory"] = demo.tree_memory(pid)
+                row["memory"] = bench.tree_memory(pid)
             stop(engine, pid)
             row["restores_s"].append(round(s, 3))
             print(f"  restore -> first validated completion {s:.2f} s", file=sys.stderr)
@@ -104,7 +102,7 @@ def main() -> int:
         for _ in range(a.clones):
             s, engine, pid = restore(snaps["file"])
             clones.append((engine, pid))
-        pss = [demo.tree_memory(pid)["pss"] for _, pid in clones]
+        pss = [bench.tree_memory(pid)["pss"] for _, pid in clones]
         res["clones"] = {"n": a.clones, "pss_total_bytes": sum(pss), "pss_each_bytes": pss,
                          "one_engine_pss_bytes": res["modes"]["file"]["memory"]["pss"],
                          "ratio_vs_one": round(sum(pss) / max(1, res["modes"]["file"]["memory"]["pss"]), 2)}
@@ -113,9 +111,6 @@ def main() -> int:
             stop(engine, pid)
     # switch between two snapshots of the same weights (other engine args): the second create
     # reuses the weights file; a client polls every 50 ms through the hand-over
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import bench_switch
-
     other = work / "snap-file-seqs8"
     m2 = ops.create(ops.CreateRequest(model=str(a.model), target=other, engine_args=[*args, "--max-num-seqs", "8"]),
                     Reporter()).manifest
@@ -124,16 +119,16 @@ def main() -> int:
     first = manifest.read(snaps["file"])
     res["second_snapshot"] = {"images_raw_bytes": m2.sizes["raw"],
                               "same_weights_file": m2.weights is not None and m2.weights.path == first.weights.path}
-    port = demo.free_port()
-    bench_switch.cli("restore", str(snaps["file"]), "--port", str(port), "--detach", "-q")
+    port = bench.free_port()
+    bench.cli("restore", str(snaps["file"]), "--port", str(port), "--detach", "-q")
     rows = []
     try:
         for nxt in (other, snaps["file"]):
             time.sleep(1.0)
-            poller = bench_switch.Poller(port, 0.05, tiny_model.SERVED_NAME)
+            poller = bench.Poller(port, 0.05, tiny_model.SERVED_NAME)
             time.sleep(0.5)
             t0 = time.monotonic()
-            r = bench_switch.cli("switch", str(nxt), "--port", str(port), "-q")
+            r = bench.cli("switch", str(nxt), "--port", str(port), "-q")
             took = time.monotonic() - t0
             time.sleep(0.5)
             got = poller.stop()
@@ -141,12 +136,12 @@ def main() -> int:
                          "dark_s": round(got["dark"], 3), "failed": got["failed"], "refused": got["refused"]})
             print(f"switch -> {nxt.name}: {took:.2f} s, dark {got['dark']:.3f} s, failed {got['failed']}", file=sys.stderr)
     finally:
-        subprocess.run([*bench_switch.VS, "stop", "--port", str(port)], capture_output=True, timeout=120)
+        subprocess.run([*bench.VS, "stop", "--port", str(port)], capture_output=True, timeout=120)
     res["switch"] = rows
     cold = {}
     eager = "--enforce-eager" in args
     for name, cargs in [("given", args)] + ([] if eager else [("eager", [*args, "--enforce-eager"])]):
-        cold[name] = round(demo.cold_start(a.model, demo.free_port(), cargs), 2)
+        cold[name] = round(bench.cold_start(a.model, bench.free_port(), cargs), 2)
         print(f"cold start ({name}) -> first completion {cold[name]} s", file=sys.stderr)
     res["cold_starts_s"] = cold
     best = min(cold.values())

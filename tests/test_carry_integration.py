@@ -261,7 +261,7 @@ def test_a_compiled_snapshot_pulled_on_another_node_restores_with_the_engine_use
     own mount and UTS namespaces, machine id and hostname) whose engine user's HOME (compile
     cache) is empty -> restore there: the carried kernels travel as layers of their own, are put
     back before CRIU, and the oracle matches with no --allow-mismatch."""
-    from registry_server import RegistryServer
+    from vllm_snapshot.dev.registry_server import RegistryServer
     from test_fleet_integration import _private, on_node
 
     _root, snap, m = compiled

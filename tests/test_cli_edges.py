@@ -229,6 +229,21 @@ def test_a_refused_snapshot_that_was_never_restored_is_listed(tmp_path, monkeypa
     assert row["last_restore"] is None and row["name"] == "s"
 
 
+def test_clear_refusal_forgets_only_the_codes_asked_and_keeps_the_rest_of_the_state(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_SNAPSHOT_STATE_DIR", str(tmp_path / "state"))
+    snap = tmp_path / "root" / "s"
+    write_snapshot_dir(snap)
+    assert store.clear_refusal(snap, frozenset({"model-changed"})) is None  # no state at all
+    store.record_restore(snap, ["identity override machine_id"])
+    at = store.last_restore(snap)
+    store.record_refusal(snap, "oracle-mismatch", "another token")
+    assert store.clear_refusal(snap, frozenset({"model-changed"})) is None and store.refusal(snap)["reason"] == "another token"
+    store.record_refusal(snap, "model-changed", "the weights file /w is missing")
+    gone = store.clear_refusal(snap, frozenset({"model-changed"}))
+    assert gone["reason"] == "the weights file /w is missing" and store.refusal(snap) is None
+    assert store.last_restore(snap) == at  # the rest of the record kept
+
+
 def test_delete_never_removes_a_directory_that_only_has_a_manifest_json(tmp_path, monkeypatch):
     """A typo'd path to a web app (its manifest.json) must not be wiped."""
     monkeypatch.setenv("VLLM_SNAPSHOT_STATE_DIR", str(tmp_path / "state"))
@@ -298,7 +313,7 @@ def test_a_waiter_on_a_removed_lock_file_locks_the_new_one(tmp_path, monkeypatch
 def test_demo_cold_start_uses_its_own_temp_dir_and_removes_it(monkeypatch):
     import subprocess as sp
 
-    from vllm_snapshot.cli import demo
+    from vllm_snapshot.dev import bench
     from vllm_snapshot.engine.mounts import ENGINE_TMPDIR
 
     seen = {}
@@ -322,7 +337,7 @@ def test_demo_cold_start_uses_its_own_temp_dir_and_removes_it(monkeypatch):
     from vllm_snapshot.errors import EngineError
 
     with pytest.raises(EngineError):
-        demo.cold_start(Path("/m"), 1)
+        bench.cold_start(Path("/m"), 1)
     assert seen["existed"] and seen["tmp"] != ENGINE_TMPDIR and seen["tmp"].startswith("/var/tmp/vllm-snapshot-cold-")
     assert not os.path.exists(seen["tmp"])
 
@@ -690,7 +705,7 @@ def test_host_given_as_a_name_says_which_address_to_give():
     assert e.value.hint in ("--host 127.0.0.1", "--host ::1")
 
 
-def test_a_failure_after_a_signal_is_reported_as_the_interruption(monkeypatch, capsys):
+def test_a_failure_after_a_signal_is_reported_as_the_interruption(monkeypatch, capsys, tmp_path):
     # a trial: Ctrl-C during `CRIU dump` reached CRIU too (one process group), which died; the
     # command cleaned up but said "CRIU dump failed" (exit 7) instead of interrupted (130)
     import signal
@@ -703,11 +718,13 @@ def test_a_failure_after_a_signal_is_reported_as_the_interruption(monkeypatch, c
 
     monkeypatch.setattr(ops, "verify", stand_in(ops.verify, dump_cut_by_sigint))
     monkeypatch.setattr(cli, "_root_only", lambda what: None)
-    assert cli.main(["--root", "/tmp", "verify", "some-name"]) == 130
+    (tmp_path / "some-name").mkdir()
+    (tmp_path / "some-name" / "manifest.json").write_text("{}")  # a name that exists (verify is the fake)
+    assert cli.main(["--root", str(tmp_path), "verify", "some-name"]) == 130
     err = capsys.readouterr().err
     assert "interrupted by SIGINT" in err and "CRIU dump failed" in err and "full log: /x.log" in err
     interrupts.reset()
-    assert cli.main(["--root", "/tmp", "verify", "some-name"]) == 130  # fired again by the fake
+    assert cli.main(["--root", str(tmp_path), "verify", "some-name"]) == 130  # fired again by the fake
     interrupts.reset()
     # what CRIU said comes whole, not "what they reported: CRIU dump failed; log excerpt:)"
     for said, expect in (("CRIU dump failed; log excerpt:\n(00.1) x\n(00.2) Error (cr-dump.c:9): Interrupted",
@@ -722,7 +739,7 @@ def test_a_failure_after_a_signal_is_reported_as_the_interruption(monkeypatch, c
 
         interrupts.reset()
         monkeypatch.setattr(ops, "verify", stand_in(ops.verify, cutting(said)))
-        assert cli.main(["--root", "/tmp", "verify", "some-name"]) == 130
+        assert cli.main(["--root", str(tmp_path), "verify", "some-name"]) == 130
         err = capsys.readouterr().err
         assert expect in err and "excerpt:)" not in err, err
     interrupts.reset()
@@ -730,7 +747,7 @@ def test_a_failure_after_a_signal_is_reported_as_the_interruption(monkeypatch, c
         raise CriuError("plain failure")
 
     monkeypatch.setattr(ops, "verify", stand_in(ops.verify, plain))
-    assert cli.main(["--root", "/tmp", "verify", "some-name"]) == 7  # no signal: CRIU's own code
+    assert cli.main(["--root", str(tmp_path), "verify", "some-name"]) == 7  # no signal: CRIU's own code
 
 
 HANDOFF_SCRIPT = r"""

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ENGINE_ARGS, ROOT, TINY
+from conftest import EAGER_ARGS, ROOT, TINY
 from helpers import readable_by_engine
 from test_mounts_integration import Disks, _cli, _free_port
 
@@ -182,7 +182,7 @@ def run_stand_in(base: Path, port: int, extra: str = "") -> subprocess.Completed
     for p in (model, base / "probe", base / "ctr"):
         readable_by_engine(p)
     env = {**os.environ, "ROOT": str(ROOT), "BASE": str(base), "PY": sys.executable, "MODEL": str(model),
-           "PORT": str(port), "ENGINE_ARGS": " ".join(ENGINE_ARGS), "EXTRA": extra}
+           "PORT": str(port), "ENGINE_ARGS": " ".join(EAGER_ARGS), "EXTRA": extra}
     return subprocess.run(["unshare", "--mount", "--propagation", "private", "bash", "-c", CONTAINER],
                           capture_output=True, text=True, timeout=1200, env=env, cwd="/")
 

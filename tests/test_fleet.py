@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from helpers import make_manifest, manifest_fields, write_snapshot_dir
-from registry_server import RegistryServer
+from vllm_snapshot.dev.registry_server import RegistryServer
 from vllm_snapshot.store import manifest
 from vllm_snapshot.errors import CorruptSnapshotError, EnvironmentProblem, UsageError
 from vllm_snapshot.fleet import oci, reference, sign, transfer, transport

@@ -22,8 +22,8 @@ import psutil
 import pytest
 import requests
 
-from conftest import ENGINE_ARGS, ROOT, TINY, cli, engine_env
-from registry_server import RegistryServer
+from conftest import EAGER_ARGS, ENGINE_ARGS, ROOT, TINY, cli, engine_env
+from vllm_snapshot.dev.registry_server import RegistryServer
 from test_fleet import _keypair
 from test_integration import free_port, post
 
@@ -532,7 +532,7 @@ def test_two_nodes_serving_one_key_at_once_both_serve_and_the_tag_never_names_an
     procs = {}
     for n, node in nodes.items():
         script = _node_script([["--root", str(node["root"]), "serve", str(TINY), "--port", str(node["port"]),
-                                "--detach", "--json", "--registry", repo, "--plain-http", "--", *ENGINE_ARGS]],
+                                "--detach", "--json", "--registry", repo, "--plain-http", "--", *EAGER_ARGS]],
                               ("a" if n == "a" else "b") * 32, f"node-{n}-race",
                               binds={str(criu_lock): str(node["run"] / "criu.lock")})
         procs[n] = subprocess.Popen(script, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

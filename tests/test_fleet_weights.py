@@ -106,7 +106,7 @@ def test_a_second_snapshot_of_the_same_weights_pushes_only_its_images(source):
     assert r.skipped >= 1 and r.sent_bytes <= r.bytes - source["rec"].size
 
 
-def test_pull_on_another_node_places_the_file_at_its_recorded_path(source, tmp_path):
+def test_pull_on_another_node_places_the_file_at_its_recorded_path(source, tmp_path, monkeypatch):
     rec = source["rec"]
     _away(rec, tmp_path)
     root_b = _root_b(tmp_path)
@@ -114,11 +114,17 @@ def test_pull_on_another_node_places_the_file_at_its_recorded_path(source, tmp_p
     final = Path(rec.path)
     assert final.read_bytes() == source["data"] and sw.hash_file(final) == rec.blake3
     assert final.stat().st_mode & 0o777 == 0o600 and final.parent.stat().st_mode & 0o777 == 0o700
-    assert os.listdir(final.parent) == [final.name]  # the staging dir is gone
+    # the staging dir is gone; the placed file's node-local stat pin is beside it (hashed at placing)
+    assert sorted(os.listdir(final.parent)) == [final.name, sw.pin_path(final).name]
     assert r.weights == rec.path and r.weights_fetched_bytes == rec.size and r.weights_reused is None
     assert r.weights_bytes == rec.size and r.fetched_bytes + r.reused_bytes == r.bytes
     assert _weights_gets() == [final.name]
-    assert sw.check(manifest.read(root_b / "tiny").weights) is None  # restore's check passes (re-hashed)
+    hashed = []
+    real = sw.hash_file
+    monkeypatch.setattr(sw, "hash_file", lambda q: hashed.append(q) or real(q))
+    # restore's check passes without hashing again: the pin written at placing vouches for this stat
+    assert sw.check(manifest.read(root_b / "tiny").weights) is None and hashed == []
+    monkeypatch.undo()
     assert os.listdir(root_b) == ["tiny"]  # nothing of the weights in the pulling store
     # the second snapshot of the same weights: the node has the file, no weights layer is fetched
     fleet.push(fleet.PushRequest(snapshot=source["snaps"]["tiny8"], image=source["image"][:-3] + ":v8"),
@@ -172,7 +178,7 @@ def test_an_interrupted_weights_download_keeps_its_staging_and_the_next_pull_pla
     assert [n for n in os.listdir(root_b) if not n.startswith(".")] == []
     r = fleet.pull(fleet.PullRequest(image=source["image"], root=root_b, name="tiny"), Reporter(), Tools(NODE_B))
     assert Path(rec.path).read_bytes() == source["data"] and r.reused_blobs >= 1  # the image layers it had
-    assert os.listdir(Path(rec.path).parent) == [Path(rec.path).name]
+    assert sorted(os.listdir(Path(rec.path).parent)) == [Path(rec.path).name, sw.pin_path(Path(rec.path)).name]
 
 
 def test_a_weights_path_that_cannot_be_made_refuses_before_any_blob(source, tmp_path):
@@ -264,7 +270,8 @@ def test_two_stagings_of_one_weights_file_take_turns_and_the_second_finds_it_pla
         ws.place()
     th.join(10)
     assert second == [True] and final.read_bytes() == data and final.stat().st_mode & 0o777 == 0o600
-    assert sorted(os.listdir(final.parent)) == [final.name]  # both staging dirs gone, the stale one too
+    # both staging dirs gone, the stale one too (the placed file's stat pin beside it)
+    assert sorted(os.listdir(final.parent)) == [final.name, sw.pin_path(final).name]
 
 
 def test_a_staged_file_that_does_not_hash_to_its_name_is_not_placed(tmp_path):

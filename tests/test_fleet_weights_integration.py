@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import ENGINE_ARGS, TINY, cli
-from registry_server import RegistryServer
+from conftest import EAGER_ARGS, TINY, cli
+from vllm_snapshot.dev.registry_server import RegistryServer
 from test_fleet import _keypair
 from test_fleet_integration import _listed, _private, _stop, completion, on_node
 from test_integration import free_port
@@ -62,7 +62,7 @@ def node_a(registry, tmp_path_factory):
     key, pub = _keypair(base, "k")
     made = {}
     for name, extra in (("tiny", []), ("tiny8", ["--max-num-seqs", "8"])):
-        cli("create", str(TINY), "--snapshot-dir", str(root_a / name), "--", *ENGINE_ARGS, *extra, check=True)
+        cli("create", str(TINY), "--snapshot-dir", str(root_a / name), "--", *EAGER_ARGS, *extra, check=True)
         made[name] = mf.read(root_a / name)
     rec = made["tiny"].weights
     assert rec is not None and made["tiny8"].weights is not None
@@ -155,7 +155,7 @@ def test_pulled_on_a_node_without_the_weights_it_restores_and_the_second_fetches
     assert all(any(d in line for line in registry.blob_gets(mark)) for d in w1)  # downloaded
     f = Path(rec.path)
     assert sw.hash_file(f) == rec.blake3 and f.stat().st_mode & 0o777 == 0o600 and f.stat().st_uid == 0
-    assert f.parent.stat().st_mode & 0o777 == 0o700 and os.listdir(f.parent) == [f.name]
+    assert f.parent.stat().st_mode & 0o777 == 0o700 and sorted(os.listdir(f.parent)) == [f.name, sw.pin_path(f).name]
     assert f.parent.parent == node_a["root_a"]  # node A's root path, made by the pull
     assert _listed(root_b) == ["tiny"]
 

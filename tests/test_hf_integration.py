@@ -12,7 +12,7 @@ import pytest
 
 from vllm_snapshot.store import manifest as mf
 
-from conftest import ENGINE_ARGS, TINY, cli, engine_env
+from conftest import EAGER_ARGS, TINY, cli, engine_env
 from helpers import readable_by_engine
 from test_integration import free_port, post
 
@@ -30,7 +30,7 @@ def test_hf_id_served_by_its_id_at_its_revision(tmp_path, engine_tmp):
     (hub / "models--acme--tiny" / "refs" / "main").write_text(REV)
     readable_by_engine(hub)  # the engine runs as the unprivileged engine user
     env = {**engine_env(), "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
-    args = [a for a in ENGINE_ARGS]
+    args = [a for a in EAGER_ARGS]
     i = args.index("--served-model-name")
     del args[i:i + 2]  # served under the id by default
     out = tmp_path / "snap"

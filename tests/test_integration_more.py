@@ -21,7 +21,7 @@ import zstandard
 from vllm_snapshot.store import archive
 from vllm_snapshot.store import manifest as mf
 
-from conftest import ENGINE_ARGS, PLANTED_SECRETS, ROOT, TINY, cli, engine_env, staging_left
+from conftest import EAGER_ARGS, PLANTED_SECRETS, ROOT, TINY, cli, engine_env, staging_left
 from test_integration import engine_pids, free_port, port_accepts, post, stop, wait_gone
 from helpers import readable_by_engine
 
@@ -244,7 +244,7 @@ def test_kill_9_create_leaves_nothing(snap_root):
     before = engine_pids()
     target = snap_root / "killed"
     p = subprocess.Popen([sys.executable, "-m", "vllm_snapshot", "create", str(TINY), "--snapshot-dir", str(target),
-                          "--", *ENGINE_ARGS], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=engine_env(), cwd=ROOT)
+                          "--", *EAGER_ARGS], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=engine_env(), cwd=ROOT)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (engine_pids() - before):
         time.sleep(0.2)
@@ -277,7 +277,7 @@ def test_enospc_during_create_is_clear_and_leaves_nothing(tmp_path):
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,mode=0700", "tmpfs", str(mnt)], check=True)
     try:
         before = engine_pids()
-        p = cli("create", str(TINY), "--snapshot-dir", str(mnt / "snap"), "--", *ENGINE_ARGS, timeout=600)
+        p = cli("create", str(TINY), "--snapshot-dir", str(mnt / "snap"), "--", *EAGER_ARGS, timeout=600)
         assert p.returncode == 11, p.stderr[-3000:]
         assert "no space left" in p.stderr and "partial snapshot was removed" in p.stderr
         assert list(mnt.iterdir()) == []
@@ -344,7 +344,7 @@ def test_kill_9_create_in_late_phases_leaves_nothing(snap_root, phase):
     name = "k9-" + phase.split()[0].lower()
     target = snap_root / name
     p = subprocess.Popen([sys.executable, "-m", "vllm_snapshot", "create", str(TINY), "--snapshot-dir", str(target),
-                          "--", *ENGINE_ARGS], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          "--", *EAGER_ARGS], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                          env=engine_env(), cwd=ROOT)
     seen = False
     for line in p.stderr:

@@ -22,7 +22,7 @@ import pytest
 from vllm_snapshot.store import archive, locks
 from vllm_snapshot.store import manifest as mf
 
-from conftest import ENGINE_ARGS, ROOT, TINY, cli, criu_pids, engine_env, staging_left, started
+from conftest import EAGER_ARGS, ROOT, TINY, cli, criu_pids, engine_env, staging_left, started
 from test_integration import engine_pids, free_port, port_accepts
 
 pytestmark = pytest.mark.integration
@@ -150,7 +150,7 @@ def test_sigkilled_restore_is_reclaimed_by_the_next_command(snapshots, comp, pha
 def test_interrupted_create_leaves_nothing(snap_root, sig, phase):
     before = engine_pids()
     target = snap_root / f"int-{sig}-{phase.split()[0]}"
-    rc, err = _interrupt_at(["create", str(TINY), "--snapshot-dir", str(target), "--", *ENGINE_ARGS], phase, sig)
+    rc, err = _interrupt_at(["create", str(TINY), "--snapshot-dir", str(target), "--", *EAGER_ARGS], phase, sig)
     assert rc == 130, err[-3000:]
     assert "interrupted by SIG" in err
     assert engine_pids(30, before) - before == set(), "engine processes outlived the interrupted create"

@@ -15,6 +15,7 @@ PKG = Path(__file__).resolve().parent.parent / "vllm_snapshot"
 LAYERS = {
     "vllm_snapshot": 0,  # the package face (__version__)
     "vllm_snapshot.errors": 0, "vllm_snapshot.paths": 0, "vllm_snapshot.units": 0,
+    "vllm_snapshot.suggest": 0,
     "vllm_snapshot.engine": 1,  # leaves shared by both sides of the engine channel (protocol, args, mounts, net, prep)
     "vllm_snapshot.host": 2, "vllm_snapshot.dev": 2,
     "vllm_snapshot.store": 3,
@@ -23,6 +24,7 @@ LAYERS = {
     "vllm_snapshot.report": 6,  # results and progress: what the operations hand the command line
     "vllm_snapshot.effects": 7,
     "vllm_snapshot.ops": 8,
+    "vllm_snapshot.dev.bench": 8,  # the benchmarks' helpers: drive the product from above the seam; only cli/demo imports them
     "vllm_snapshot.cli": 9, "vllm_snapshot.__main__": 10,
     "vllm_snapshot.entrypoints": 10,  # programs run as processes of their own (the engine root); nothing imports them
 }

@@ -21,7 +21,7 @@ from vllm_snapshot import ops
 from vllm_snapshot.errors import ModelChangedError
 from vllm_snapshot.report.progress import Reporter
 
-from conftest import ENGINE_ARGS, ROOT, TINY, engine_env
+from conftest import EAGER_ARGS, ROOT, TINY, engine_env
 from helpers import readable_by_engine
 from test_gpu_sequencing import FakeGpuCheckpoint, fake_cuda, fake_tools, our_children  # noqa: F401 - fixtures
 from test_integration import free_port
@@ -77,7 +77,7 @@ def test_weights_replaced_during_create_and_put_back_refuse_it(engine_tmp, tmp_p
     target = tmp_path / "snaps" / "s1"
     target.parent.mkdir(mode=0o700)
     proc = subprocess.Popen([sys.executable, "-m", "vllm_snapshot", "create", str(model), "--snapshot-dir", str(target),
-                             "--", *ENGINE_ARGS], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             "--", *EAGER_ARGS], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env=engine_env(), cwd=ROOT)
     err: list[str] = []
     replaced = threading.Event()

@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import ENGINE_ARGS, ROOT, TINY
+from conftest import EAGER_ARGS, ROOT, TINY
 from helpers import readable_by_engine
 
 pytestmark = pytest.mark.integration
@@ -258,7 +258,7 @@ def test_vllm_model_on_loop_disk_with_nested_disk_and_unrelated_mounts(disks, re
     snaps = disks.base / "snaps"
     port = _free_port()
     request.addfinalizer(lambda: _cli(snaps, "stop", "--port", str(port), timeout=120))
-    r = _cli(snaps, "create", str(p["model"]), "--name", "m", "--keep-env", "PYTHONPATH", "-q", "--", *ENGINE_ARGS)
+    r = _cli(snaps, "create", str(p["model"]), "--name", "m", "--keep-env", "PYTHONPATH", "-q", "--", *EAGER_ARGS)
     assert r.returncode == 0, r.stderr[-3000:]
     r = _cli(snaps, "restore", "m", "--port", str(port), "--detach", "--log-file", str(disks.base / "e.log"), "-q")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -328,7 +328,7 @@ def test_vllm_container_like_file_binds_over_etc_hosts(disks, request):
     port = _free_port()
     request.addfinalizer(lambda: _cli(disks.base / "snaps", "stop", "--port", str(port), timeout=120))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "BASE": str(disks.base), "PY": sys.executable,
-           "MODEL": str(model), "PORT": str(port), "ENGINE_ARGS": " ".join(ENGINE_ARGS),
+           "MODEL": str(model), "PORT": str(port), "ENGINE_ARGS": " ".join(EAGER_ARGS),
            "CACHE": os.environ.get("VLLM_SNAPSHOT_CACHE", "/var/cache/vllm-snapshot")}
     r = subprocess.run(["unshare", "--mount", "--propagation", "private", "bash", "-c", CONTAINER],
                        capture_output=True, text=True, timeout=900, env=env, cwd="/")
@@ -348,7 +348,7 @@ def test_vllm_snapshot_root_on_its_own_disk_keeps_the_weights_file_reachable(dis
     snaps = store / "snaps"
     port = _free_port()
     request.addfinalizer(lambda: _cli(snaps, "stop", "--port", str(port), timeout=120))
-    r = _cli(snaps, "create", str(TINY), "--name", "w", "--keep-env", "PYTHONPATH", "-q", "--", *ENGINE_ARGS)
+    r = _cli(snaps, "create", str(TINY), "--name", "w", "--keep-env", "PYTHONPATH", "-q", "--", *EAGER_ARGS)
     assert r.returncode == 0, r.stderr[-3000:]
     from vllm_snapshot.store import manifest as mf
 

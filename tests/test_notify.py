@@ -372,8 +372,8 @@ def test_units_pass_systemd_analyze_verify(tmp_path):
         assert ours and all("is not executable" in ln for ln in ours), p.stdout + p.stderr
 
 
-#: What CRIU's restore was seen to need under a narrowed bounding set (docs/operations.md
-#: "Privileges"): namespaces and mounts, ptrace, checkpoint/restore, the tree's credentials,
+#: What CRIU's restore was seen to need under a narrowed bounding set (docs/security.md,
+#: "systemd hardening"): namespaces and mounts, ptrace, checkpoint/restore, the tree's credentials,
 #: time-namespace offsets (without CAP_SYS_TIME: "Unable to set a monotonic clock offset").
 CRIU_NEEDS = {"CAP_SYS_ADMIN", "CAP_SYS_PTRACE", "CAP_CHECKPOINT_RESTORE", "CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP",
               "CAP_NET_ADMIN", "CAP_SYS_CHROOT", "CAP_SYS_TIME", "CAP_DAC_OVERRIDE", "CAP_KILL",

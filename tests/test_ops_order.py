@@ -623,8 +623,9 @@ def test_stop_one_clone_by_pid_or_all_of_a_snapshot():
     # one port on two loopback addresses: --port stops both
     t.entries = [_entry(21, 8000, "127.0.0.1"), _entry(22, 8000, "127.0.0.2")]
     assert [s["pid"] for s in ops.stop_engines(None, 8000, tools=t.tools).stopped] == [21, 22]
-    with pytest.raises(UsageError, match="no restored engine matches PID 99"):
-        ops.stop_engines(None, None, tools=t.tools, pid=99)
+    # nothing matching: nothing to do, as `systemctl stop` of a stopped unit (exit 0)
+    none = ops.stop_engines(None, None, tools=t.tools, pid=99)
+    assert none.stopped == [] and none.nothing == "no restored engine matches PID 99"
     # a child of an engine tree: named, pointing to the root PID, nothing stopped
     stops = t.calls.count("stop_engine")
     with pytest.raises(UsageError, match="PID 23 is not an engine root: it belongs to the engine with root PID 22") as ei:
@@ -958,3 +959,24 @@ def test_create_copies_the_carried_files_before_the_dump_and_packs_them_like_the
     _create(t)
     assert _before(t.calls, "inspect_tree", "carry_files") and _before(t.calls, "carry_files", "dump")
     assert "pack:carried" in t.calls
+
+
+def test_a_passing_verify_clears_a_refusal_it_rechecked_and_keeps_one_it_cannot():
+    # a trial: serve refused a snapshot whose weights file had been changed; the operator put the
+    # file back and `verify` passed, yet `list` kept showing ✗ "refused by serve" until a restore
+    from vllm_snapshot.errors import CorruptSnapshotError
+
+    t = FakeWorld()
+    t.tools.store.record_refusal(SNAP, "corrupt-snapshot", "image pages-1.img fails its checksum", by="restore")
+    t.fail["verify_images"] = CorruptSnapshotError("image pages-1.img fails its checksum")
+    with pytest.raises(CorruptSnapshotError):  # still damaged: verify fails and the mark stays
+        ops.verify(SNAP, tools=t.tools)
+    assert ops.describe(SNAP, t.tools)["compatible"] is False
+    del t.fail["verify_images"]  # the image put back
+    v = ops.verify(SNAP, tools=t.tools)
+    assert v.cleared["code"] == "corrupt-snapshot" and v.to_json()["cleared_refusal"]["code"] == "corrupt-snapshot"
+    assert ops.describe(SNAP, t.tools)["compatible"] is True
+    # an oracle mismatch is re-checked only by a restore: a passing verify keeps the mark
+    t.tools.store.record_refusal(SNAP, "oracle-mismatch", "the restored engine answered another token")
+    assert ops.verify(SNAP, tools=t.tools).cleared is None
+    assert ops.describe(SNAP, t.tools)["why"] == "refused by serve: the restored engine answered another token"

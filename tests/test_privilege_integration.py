@@ -18,7 +18,7 @@ import pytest
 from vllm_snapshot.store import manifest as mf
 from vllm_snapshot.host.privilege import DEFAULT_USER, parse_status
 
-from conftest import ENGINE_ARGS, TINY, cli
+from conftest import EAGER_ARGS, TINY, cli
 from test_integration import engine_pids, free_port, port_accepts, stop
 from test_integration_more import refused_before_criu, reseal
 
@@ -65,7 +65,7 @@ def test_create_refuses_a_model_the_engine_user_cannot_read(tmp_path):
     target = tmp_path / "snap"
     before = engine_pids()
     t0 = time.monotonic()
-    p = cli("create", str(model), "--snapshot-dir", str(target), "--", *ENGINE_ARGS, timeout=120)
+    p = cli("create", str(model), "--snapshot-dir", str(target), "--", *EAGER_ARGS, timeout=120)
     took = time.monotonic() - t0
     assert p.returncode == 2, p.stderr[-3000:]
     assert f"runs as {DEFAULT_USER}" in p.stderr and "cannot read" in p.stderr and str(model) in p.stderr

@@ -126,25 +126,25 @@ def test_the_demo_runs_against_the_fake_world(tmp_path, monkeypatch):
     do, and runs here end to end against the FakeWorld: a first run creates the snapshot and
     restores it, a second finds it (made with the demo's engine args) and only restores; each
     sends one completion to the restored engine, then kills and unregisters it. Only the tiny
-    model's generation and the completion's HTTP call are stood in (cold starts are skipped)."""
+    model's conversion and the completion's HTTP call are stood in (cold starts are skipped)."""
     from vllm_snapshot.cli import demo
-    from vllm_snapshot.dev import tiny_model
+    from vllm_snapshot.dev import smollm2
     from vllm_snapshot.store import layout
 
     from helpers import make_manifest, manifest_fields, stand_in, write_snapshot_dir
 
-    model = tmp_path / "tiny-llama"
+    model = tmp_path / "smollm2"
 
-    def generate(out, hidden=128, layers=2, heads=2, intermediate=None):
+    def convert(out, src=None):
         return model
 
     asked: list[tuple[str, dict | None]] = []
 
     def http_json(url, body=None, timeout=30.0, api_key=None):
         asked.append((url, body))
-        return 200, {"choices": [{"text": " there"}]}
+        return 200, {"choices": [{"text": " Paris."}]}
 
-    monkeypatch.setattr(tiny_model, "generate", stand_in(tiny_model.generate, generate))
+    monkeypatch.setattr(smollm2, "convert", stand_in(smollm2.convert, convert))
     monkeypatch.setattr(demo, "http_json", stand_in(demo.http_json, http_json))
     fields = manifest_fields()
     m = make_manifest(engine=fields["engine"].model_copy(update={"engine_args": tuple(demo.ENGINE_ARGS)}))
@@ -156,9 +156,10 @@ def test_the_demo_runs_against_the_fake_world(tmp_path, monkeypatch):
     assert w.published == [snap.absolute()]
     assert _before(w.calls, "publish", "restore_tree") and _before(w.calls, "restore_tree", "engine.kill")
     assert _before(w.calls, "engine.kill", "unregister")
-    assert report.completion == " there" and report.cold_s is None and report.snapshot == str(snap.absolute())
-    assert asked == [(f"{report.url}/v1/completions", {"model": m.model.served_name, "prompt": "Hello world",
-                                                       "max_tokens": 8, "temperature": 0.0})]
+    assert report.completion == " Paris." and report.cold_s is None and report.snapshot == str(snap.absolute())
+    assert asked == [(f"{report.url}/v1/completions", {"model": m.model.served_name, "prompt": "The capital of France is",
+                                                       "max_tokens": 8, "temperature": 0.0, "stop": ["\n"]})]
+    assert "SmolLM2" in report.model and "Apache-2.0" in report.model
 
     write_snapshot_dir(snap, m)  # the snapshot the first run made, found by the second
     assert (snap / layout.MANIFEST).exists()
@@ -166,7 +167,7 @@ def test_the_demo_runs_against_the_fake_world(tmp_path, monkeypatch):
     report = demo.run(snap, 8123, True, True, tools=w.tools)
     assert "launch_engine" not in w.calls and "publish" not in w.calls and "delete_snapshot" not in w.calls
     assert _before(w.calls, "restore_tree", "engine.kill") and _before(w.calls, "engine.kill", "unregister")
-    assert report.url.endswith(":8123") and report.completion == " there"
+    assert report.url.endswith(":8123") and report.completion == " Paris."
 
 
 def _before(calls: list[str], a: str, b: str) -> bool:

@@ -6,6 +6,7 @@ the engine's own parse recorded), and two concurrent serves of one key build onc
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import subprocess
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ENGINE_ARGS, ROOT, TINY, cli, engine_env
+from conftest import EAGER_ARGS, ENGINE_ARGS, ROOT, TINY, cli, engine_env
 from helpers import readable_by_engine
 from test_integration import free_port, port_accepts, post
 
@@ -42,13 +43,15 @@ def _private_dir(p: Path) -> Path:
 
 
 def test_serve_builds_then_restores_refuses_no_build_and_rebuilds_after_a_model_change(tmp_path, engine_tmp):
+    # eager: its two builds are about serve's choices, not compilation (conftest.EAGER_ARGS)
+    serve = functools.partial(_serve, args=EAGER_ARGS)
     root = _private_dir(tmp_path / "store")
     model = engine_tmp / "models" / "tiny-copy"
     shutil.copytree(TINY, model)
     readable_by_engine(model)  # the engine runs as the unprivileged engine user
     port = free_port()
     # 1. nothing there: builds (cold start), then restores and serves
-    p = _serve(root, model, port)
+    p = serve(root, model, port)
     assert p.returncode == 0, p.stderr
     first = json.loads(p.stdout)
     try:
@@ -61,7 +64,7 @@ def test_serve_builds_then_restores_refuses_no_build_and_rebuilds_after_a_model_
     assert built.parent == root and built.name == f"tiny-copy-{first['key'][:12]}"
     assert json.loads(cli("inspect", str(built), "--json", check=True).stdout)["manifest"]["key"]["value"] == first["key"]
     # 2. same model + args: restored, no cold start (no engine_start phase at all)
-    p = _serve(root, model, port)
+    p = serve(root, model, port)
     assert p.returncode == 0, p.stderr
     second = json.loads(p.stdout)
     try:
@@ -71,7 +74,7 @@ def test_serve_builds_then_restores_refuses_no_build_and_rebuilds_after_a_model_
     finally:
         _stop(port)
     # 3. --no-build with args no snapshot was made for: clear error, nothing bound, nothing built
-    p = _serve(root, model, port, "--no-build", args=[*ENGINE_ARGS, "--max-num-seqs", "8"])
+    p = _serve(root, model, port, "--no-build", args=[*EAGER_ARGS, "--max-num-seqs", "8"])
     assert p.returncode == 2, p.stderr
     err = json.loads(p.stdout)["error"]
     assert "no snapshot under" in err["message"] and "without --no-build" in err["hint"]
@@ -81,7 +84,7 @@ def test_serve_builds_then_restores_refuses_no_build_and_rebuilds_after_a_model_
     # shows the old one as unusable, naming the file; prune --unusable removes only it
     cfg = model / "config.json"
     cfg.write_text(json.dumps(json.loads(cfg.read_text()), indent=4) + "\n")  # same config, other bytes
-    p = _serve(root, model, port)
+    p = serve(root, model, port)
     assert p.returncode == 0, p.stderr
     third = json.loads(p.stdout)
     try:
@@ -108,7 +111,7 @@ atexit.register(lambda: open(out, "w").write(json.dumps(sorted(sys.modules))))
 sys.argv = ["vllm_snapshot", *sys.argv[1:]]
 runpy.run_module("vllm_snapshot", run_name="__main__", alter_sys=True)
 """
-#: vLLM's argument parser (what snapkey.normalize_args imports; ~10-16 s)
+#: vLLM's argument parser (what engine.args.normalize_args imports; ~10-16 s)
 VLLM_PARSER = ("vllm.entrypoints.launchers.cli_args", "vllm.engine.arg_utils")
 
 

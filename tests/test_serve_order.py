@@ -212,8 +212,13 @@ def test_serve_stops_building_after_repeated_refusals_of_one_key():
 def test_bad_engine_args_are_refused_before_building():
     t = _tools()
     with pytest.raises(UsageError, match="--bogus"):
-        _serve(t, engine_args=["--bogus"])
+        _serve(t, engine_args=["--bogus", "--kv-cache-memory-bytes", "64M"])
     assert "launch_engine" not in t.calls
+    # a CPU KV cache not sized: refused before the key (whose parse of the args takes ~16 s)
+    t = _tools()
+    with pytest.raises(UsageError, match="size it explicitly"):
+        _serve(t, engine_args=["--dtype", "float32"])
+    assert "normalize_engine_args" not in t.calls and "launch_engine" not in t.calls
     with pytest.raises(UsageError, match="serves TCP only"):
         _serve(t, engine_args=["--uds", "/tmp/x.sock"])
 

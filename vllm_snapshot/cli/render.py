@@ -9,6 +9,7 @@ a whole process within 0.3 s, docs/benchmarks.md target 5)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -41,15 +42,17 @@ def _write(text: str) -> None:
 
 
 def _console() -> Console:
-    """A terminal-width console; 140 columns when stdout is not a terminal (piped into a log or
-    `less`), where rich's 80-column default wraps every table cell."""
+    """A terminal-width console; when stdout is not a terminal (piped into a log or `less`)
+    ``$COLUMNS`` wide, else 140 columns (rich's 80-column default wraps every table cell)."""
     from rich.console import Console
 
     class _Console(Console):
         def on_broken_pipe(self) -> None:  # `list | head -1`: rich exits 1, "internal" in our table
             raise PipeClosed()
 
-    return _Console() if sys.stdout.isatty() else _Console(width=140)
+    if sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit():
+        return _Console()  # the terminal's width, or $COLUMNS (rich reads it)
+    return _Console(width=140)
 
 
 def show(result, as_json: bool = False, quiet: bool = False) -> None:
@@ -139,14 +142,19 @@ def _image_inspected(r: R.ImageInspected, quiet: bool) -> None:
 def _verified(r: R.Verified, quiet: bool) -> None:
     for w in r.warnings:
         sys.stderr.write(f"warning: {w}\n")
+    if quiet:
+        return
     _line(f"{r.snapshot}: OK ({r.images} images, {r.model_files} model files"
           + (f", the weights file {r.weights}" if r.weights else "") + " verified)")
+    if r.cleared:
+        _line(f"{Path(r.snapshot).name}: no longer marked refused (was: {r.cleared.get('reason')}); `list` shows it usable")
 
 
 def _restored(r: R.Restored, quiet: bool) -> None:
     if not quiet:
         sys.stderr.write(f"[vllm-snapshot] serving {r.served_name} at {r.url} (engine PID {r.pid}"
-                         + (f", restored on {r.gpu}" if r.gpu else "") + "); "
+                         + (f", restored on {r.gpu}" if r.gpu else "") + (f", log {r.log_file}" if r.log_file else "")
+                         + "); "
                          f"restore took {sum(r.timings.values()):.2f} s"
                          + (f"; {', '.join(r.frontend)}" if r.frontend else "") + "\n")
         sys.stderr.flush()
@@ -163,7 +171,9 @@ def _served(r: R.Served, quiet: bool) -> None:
         sys.stderr.write(f"[vllm-snapshot] {how} {Path(r.restored.snapshot).name} (key {r.key[:12]}): serving "
                          f"after {r.total_s - (r.push_s or 0.0):.2f} s\n")
         sys.stderr.write(f"[vllm-snapshot] serving {r.restored.served_name} at {r.restored.url} "
-                         f"(engine PID {r.restored.pid}); restore took {r.restore_s:.2f} s"
+                         f"(engine PID {r.restored.pid}"
+                         + (f", log {r.restored.log_file}" if r.restored.log_file else "")
+                         + f"); restore took {r.restore_s:.2f} s"
                          + (f"; the push to the registry then took {r.push_s:.2f} s" if r.push_s is not None else "")
                          + "\n")
         sys.stderr.flush()
@@ -172,18 +182,34 @@ def _served(r: R.Served, quiet: bool) -> None:
 
 
 def _listed(r: R.Listed, quiet: bool) -> None:
+    if quiet:  # names only, for scripts (`for s in $(vllm-snapshot list -q)`)
+        for row in r.rows:
+            _line(row["name"])
+        return
+    if r.elsewhere and not r.rows:  # another user: not "no snapshots" while root has some
+        _line(f"none of your own (under {r.root}); {r.elsewhere}")
+        return
     if not r.root_exists:
         _line(f"no snapshots: the snapshot root {r.root} does not exist (yet; `create` makes it)")
         return
     for w in r.warnings:
         sys.stderr.write(f"warning: {w}\n")
     snapshot_list(r.rows, r.root)
+    if r.elsewhere:
+        _line(r.elsewhere)
 
 
 def _deleted(r: R.Deleted, quiet: bool) -> None:
     _line(f"deleted {r.snapshot}" + (f" (stopped engines {r.stopped_pids})" if r.stopped_pids else ""))
     for p in r.weights_removed:
         _line(f"removed the weights file {p} (no snapshot uses it any more)")
+    _weights_kept(r.weights_kept_for)
+
+
+def _weights_kept(dirs: list[str]) -> None:
+    if dirs:
+        _line(f"kept the unused weights files: the manifest of {', '.join(dirs)} cannot be read and may name them "
+              "(`vllm-snapshot delete` it or put its manifest back, then `vllm-snapshot prune`)")
 
 
 def _pruned(r: R.Pruned, quiet: bool) -> None:
@@ -196,11 +222,16 @@ def _pruned(r: R.Pruned, quiet: bool) -> None:
         _line(f"{'would remove' if r.dry_run else 'removed'} leftover {p}")
     for p in r.weights_removed:
         _line(f"{'would remove' if r.dry_run else 'removed'} the weights file {p} (no snapshot uses it any more)")
-    if not (r.deleted or r.kept_running or r.temp_removed or r.weights_removed):
+    _weights_kept(r.weights_kept_for)
+    if not (r.deleted or r.kept_running or r.temp_removed or r.weights_removed or r.weights_kept_for):
         _line("nothing to prune")
 
 
 def _engines(r: R.Engines, quiet: bool) -> None:
+    if quiet:  # root PIDs only
+        for e in r.engines:
+            _line(str(e["pid"]))
+        return
     engine_list(r.engines)
     if r.orphans:
         _line(f"{len(r.orphans)} engine tree(s) nobody owns (what a killed restore left: frozen or "
@@ -214,6 +245,10 @@ def _engines(r: R.Engines, quiet: bool) -> None:
 
 
 def _stopped(r: R.Stopped, quiet: bool) -> None:
+    if quiet:
+        return
+    if r.nothing:
+        _line(f"nothing to stop: {r.nothing} (`vllm-snapshot status` lists the running ones)")
     for s_ in r.stopped:
         _line(f"stopped engine {s_['pid']} ({s_['snapshot']} on port {s_['port']}) in {s_['seconds']:.2f} s")
         if not s_.get("drained", True):
@@ -242,6 +277,12 @@ def _doctor(r: R.DoctorReport, quiet: bool) -> None:
     from rich.table import Table
 
     c = _console()
+    if quiet:  # the failed checks only, one line each; nothing when all passed
+        for ch in r.checks:
+            if not ch.ok:
+                c.print(f"{ch.severity}: {ch.name}: {ch.detail}" + (f" ({ch.remedy})" if ch.remedy else ""),
+                        markup=False, highlight=False, soft_wrap=True)
+        return
     t = Table(title="vllm-snapshot doctor", title_justify="left")
     t.add_column("", no_wrap=True)
     t.add_column("check", style="bold", no_wrap=True)
@@ -266,7 +307,14 @@ def _doctor(r: R.DoctorReport, quiet: bool) -> None:
 def _demo(r: R.DemoReport, quiet: bool) -> None:
     timings_table("create phases (seconds, from the manifest)", r.create_timings)
     timings_table("restore phases (seconds, this run)", r.restore_timings)
-    _line(f"completion from the restored engine: {r.completion!r}")
+    if r.model:
+        _line(f"model: {r.model}")
+    if r.prompt:
+        _line(f"completion from the restored engine: {r.prompt!r} → {r.completion!r}")
+    else:
+        _line(f"completion from the restored engine: {r.completion!r}")
+    if r.note:
+        _line(f"note: {r.note}")
     _line(f"images: {human_bytes(r.raw_bytes)} raw, {human_bytes(r.stored_bytes)} stored")
     _line(f"restore → first validated completion: {r.restore_s:.2f} s")
     if r.cold_s:
@@ -302,7 +350,8 @@ def manifest_table(m: Manifest, path: str) -> None:
     t.add_row("created", f"{m.created_at} by vllm-snapshot {m.tool_version}")
     t.add_row("engine", f"{m.engine.kind}, sleep level {m.engine.sleep_level}"
               + (" (full state captured)" if m.engine.full_state_captured else ""))
-    t.add_row("model", f"{m.model.requested}  [dim]({m.model.path}, {len(m.model.files)} files, {human_bytes(m.model.total_bytes)})[/]")
+    where = "" if m.model.requested.rstrip("/") == m.model.path.rstrip("/") else f"{m.model.path}, "  # the path once
+    t.add_row("model", f"{m.model.requested}  [dim]({where}{len(m.model.files)} files, {human_bytes(m.model.total_bytes)})[/]")
     t.add_row("served as", m.model.served_name)
     t.add_row("engine args", " ".join(m.engine.engine_args) or "[dim](none)[/]")
     u = m.engine.user
@@ -354,10 +403,20 @@ def manifest_table(m: Manifest, path: str) -> None:
     p = Table(title="phase timings", title_justify="left")
     p.add_column("phase", style="bold")
     p.add_column("seconds", justify="right")
-    for k, v in m.timings.items():
+    for k, v in sorted(m.timings.items(), key=lambda kv: _phase_rank(kv[0])):
         p.add_row(k, f"{v:.2f}")
     p.add_row("total", f"{sum(m.timings.values()):.2f}", style="bold")
     c.print(p)
+
+
+#: create's phases in the order they run (ops/create.py), for tables of a manifest's timings
+#: (stored as a JSON object with sorted keys); a phase not listed keeps its place after them
+CREATE_PHASES = ("model_digest", "engine_start", "sleep", "inventory", "model_recheck", "carry", "dump", "pack",
+                 "code_identity", "publish")
+
+
+def _phase_rank(name: str) -> int:
+    return CREATE_PHASES.index(name) if name in CREATE_PHASES else len(CREATE_PHASES)
 
 
 def timings_table(title: str, timings: dict[str, float]) -> None:
@@ -365,10 +424,10 @@ def timings_table(title: str, timings: dict[str, float]) -> None:
     from rich.table import Table
 
     c = _console()
-    p = Table(title=title, title_justify="left")
+    p = Table(title=title, title_justify="left", min_width=len(title))  # the title on one line
     p.add_column("phase", style="bold")
     p.add_column("seconds", justify="right")
-    for k, v in timings.items():
+    for k, v in sorted(timings.items(), key=lambda kv: _phase_rank(kv[0])):  # create's in run order; others as given
         p.add_row(k, f"{v:.2f}")
     p.add_row("total", f"{sum(timings.values()):.2f}", style="bold")
     c.print(p)
@@ -380,36 +439,75 @@ def _when(ts: float | None) -> str:
     return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
 
 
+#: ``list``'s columns, most important first; at a width where they do not all fit, the last
+#: ones are left out first (the name is never wrapped: it is what an operator copies)
+LIST_COLUMNS = ("name", "here", "model", "key", "created", "stored", "last restore", "kind", "raw", "weights", "sleep")
+#: columns whose cells are never wrapped (names, keys, dates: what a person copies or reads whole)
+_NO_WRAP = {"name", "key", "created", "last restore", "here", "stored", "raw", "kind", "sleep"}
+
+
+def fitting_columns(widths: dict[str, int], available: int, order=LIST_COLUMNS) -> list[str]:
+    """The columns (of ``order``, in the table's order) that fit a rich table with a border in
+    ``available`` cells when each column takes its widest cell ``widths[col]`` plus 3 (padding
+    and rule): the least important (last in ``order``) are left out first; the name always
+    stays. Pure."""
+    keep = list(order)
+    while len(keep) > 1 and sum(widths[c] + 3 for c in keep) + 1 > available:
+        keep.pop()
+    return [c for c in _TABLE_ORDER if c in keep]
+
+
+#: the order the columns are shown in
+_TABLE_ORDER = ("name", "model", "key", "created", "kind", "sleep", "raw", "stored", "weights", "here", "last restore")
+
+
 def snapshot_list(rows: list[dict], root: str) -> None:
-    """Print ``list`` rows as a table."""
+    """Print ``list`` rows as a table that fits the console's width: the name is never wrapped;
+    at a narrow width the least important columns are left out (and named below the table)."""
     from rich.table import Table
+    from rich.text import Text
 
     c = _console()
     if not rows:
         c.print(f"no snapshots under {root}")
         return
-    t = Table(title=f"snapshots under {root}", title_justify="left")
-    for col in ("name", "model", "key", "created", "kind", "sleep", "raw", "stored", "weights", "here", "last restore"):
-        t.add_column(col, overflow="fold")  # a narrow terminal wraps a cell, never cuts it
     refused = []
+    cells = []
     for r in rows:
-        here = "[green]✓[/]" if r["compatible"] else "[red]✗[/] (below)"
         if not r["compatible"]:
             refused.append((r["name"], r["why"]))
-        model = (r["model"] or "-").rstrip("/").rsplit("/", 1)[-1]
-        created = (r["created"] or "-")[:16].replace("T", " ")
-        t.add_row(r["name"], model, (r.get("key") or "-")[:12], created, str(r["kind"] or "-"),
-                  str(r["sleep_level"] if r["sleep_level"] is not None else "-"),
-                  human_bytes(r["raw_bytes"]) if r["raw_bytes"] is not None else "-",
-                  human_bytes(r["stored_bytes"]) if r["stored_bytes"] is not None else "-",
-                  (Path(r["weights"]).name[:8] + " " + human_bytes(r["weights_bytes"])) if r.get("weights") else "-",
-                  here, _when(r["last_restore"]))
+        cells.append({
+            "name": r["name"], "model": (r["model"] or "-").rstrip("/").rsplit("/", 1)[-1],
+            "key": (r.get("key") or "-")[:12], "created": (r["created"] or "-")[:16].replace("T", " "),
+            "kind": str(r["kind"] or "-"), "sleep": str(r["sleep_level"] if r["sleep_level"] is not None else "-"),
+            "raw": human_bytes(r["raw_bytes"]) if r["raw_bytes"] is not None else "-",
+            "stored": human_bytes(r["stored_bytes"]) if r["stored_bytes"] is not None else "-",
+            "weights": (Path(r["weights"]).name[:8] + " " + human_bytes(r["weights_bytes"])) if r.get("weights") else "-",
+            "here": "[green]✓[/]" if r["compatible"] else "[red]✗[/] (below)", "last restore": _when(r["last_restore"])})
+    widths = {col: max([Text.from_markup(row[col]).cell_len for row in cells] + [len(col)]) for col in _TABLE_ORDER}
+    whole = not sys.stdout.isatty() and not os.environ.get("COLUMNS", "").isdigit()
+    if whole:  # piped, no $COLUMNS: whole rows, one line each
+        c.width = max(c.width, sum(w + 3 for w in widths.values()) + 1)
+    cols = fitting_columns(widths, c.width)
+    t = Table(title=f"snapshots under {root}", title_justify="left")
+    for col in cols:
+        t.add_column(col, no_wrap=col in _NO_WRAP, overflow="fold")  # a model name may still fold, never cut
+    for row in cells:
+        t.add_row(*(row[col] for col in cols))
     c.print(t)
-    _line("here: ✓ = this host's identity and the model files fit (a stat of each model file, re-hashed when it "
-          "changed); image checksums are read by `verify` and by every restore before it serves")
-    if any(r.get("weights") for r in rows):
-        _line("weights: the weights file the engine maps (digest prefix, size), outside the images; snapshots of the "
-              "same weights share one")
+
+    def note(text: str) -> None:  # wrapped at words to the width, one line each in a pipe without $COLUMNS
+        c.print(text, markup=False, highlight=False, soft_wrap=whole)
+
+    if "here" in cols:
+        note("here: ✓ = this host's identity and the model files fit (a stat of each model file, re-hashed when it "
+             "changed); image checksums are read by `verify` and by every restore before it serves")
+    if "weights" in cols and any(r.get("weights") for r in rows):
+        note("weights: the weights file the engine maps (digest prefix, size), outside the images; snapshots of the "
+             "same weights share one")
+    left_out = [col for col in _TABLE_ORDER if col not in cols]
+    if left_out:
+        note(f"left out at this width ({c.width} columns): {', '.join(left_out)}; a wider terminal or --json shows them")
     for name, why in refused:  # whole, on lines of their own: what an operator copies or greps
         c.print(f"✗ {name}: {why}", markup=False, highlight=False, soft_wrap=True)
 
@@ -430,5 +528,6 @@ def engine_list(rows: list[dict]) -> None:
     c.print(t)
     # a path or a cgroup folded across table lines cannot be copied: whole, on lines of their own
     for r in rows:
-        c.print(f"{r['pid']}: {r['snapshot']}  cgroup {r.get('cgroup') or '?'}", markup=False, highlight=False,
+        c.print(f"{r['pid']}: {r['snapshot']}  cgroup {r.get('cgroup') or '?'}"
+                + (f"  log {r['log_file']}" if r.get("log_file") else ""), markup=False, highlight=False,
                 soft_wrap=True)

@@ -22,6 +22,11 @@ from pathlib import Path
 GENERATOR_VERSION = "1"
 STAMP = ".vllm-snapshot-tiny-model"
 SERVED_NAME = "tiny-llama"
+#: Engine args for the tiny model on CPU (the demo's, the benchmarks' default): float32, a 64 MiB
+#: KV cache (without an explicit size vLLM's CPU backend reserves --gpu-memory-utilization of
+#: host RAM, and every byte of it lands in the snapshot), served as :data:`SERVED_NAME`.
+ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes", "64M",
+               "--served-model-name", SERVED_NAME]
 
 _CORPUS = (
     "The quick brown fox jumps over the lazy dog. "

@@ -45,16 +45,26 @@ class LocalModelTools(ModelTools):
 
         from ..engine.args import normalize_args
         from ..errors import UsageError
+        from ..suggest import did_you_mean
 
         captured = io.StringIO()
         try:
             with contextlib.redirect_stderr(captured):
-                return normalize_args(list(engine_args))
+                from ..store import argnames
+
+                # the next typo is answered from these names, without vLLM
+                return normalize_args(list(engine_args),
+                                      on_parser=lambda p: argnames.remember(argnames.parser_options(p)))
         except SystemExit as e:
             from ..engine.args import argparse_reason
+            from ..store import argnames
 
-            raise UsageError(f"invalid engine arguments: {argparse_reason(captured.getvalue())}",
-                             hint="the engine args are those of `vllm serve`") from e
+            reason = argparse_reason(captured.getvalue())
+            options = argnames.known_options()  # the parse above remembered them
+            bad = argnames.unknown_flags(list(engine_args), options) if options else []
+            guess = did_you_mean(bad[0], options) if bad and options else None
+            raise UsageError(f"invalid engine arguments: {reason}",
+                             hint=guess or "the engine args are those of `vllm serve`") from e
 
     def verify_model(self, model_dir: Path, files: tuple[ModelFile, ...], mode: str) -> ModelCheck:
         from ..store import model_digest

@@ -463,6 +463,10 @@ class StoreTools(Protocol):
 
     def delete_snapshot(self, snapshot: Path) -> None: ...
 
+    def weights_blocked(self, root: Path) -> list[str]:
+        """Snapshot dirs under ``root`` whose unreadable manifest keeps weights files no other
+        snapshot names (they might name them); empty when none is kept that way."""
+
     def remove_unused_weights(self, root: Path, dry_run: bool = False) -> list[Path]:
         """Remove the weights files under ``root/.weights`` that no snapshot's manifest under
         ``root`` names and no process maps (:func:`vllm_snapshot.store.weights.unreferenced`);
@@ -482,6 +486,9 @@ class StoreTools(Protocol):
 
     def refusal(self, snapshot: Path) -> dict | None:
         """The refusal recorded for ``snapshot`` since its last restore, or None."""
+
+    def clear_refusal(self, snapshot: Path, codes: frozenset[str]) -> dict | None:
+        """Forget the refusal recorded for ``snapshot`` if its code is in ``codes``; return it."""
 
     def last_restore(self, snapshot: Path) -> float | None: ...
 

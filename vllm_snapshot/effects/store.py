@@ -79,6 +79,11 @@ class LocalStoreTools(StoreTools):
         store.delete(snapshot)
         locks.remove_lock_file(snapshot)  # the caller holds it exclusively
 
+    def weights_blocked(self, root: Path) -> list[str]:
+        from ..store import weights
+
+        return weights.blocked(root)
+
     def remove_unused_weights(self, root: Path, dry_run: bool = False) -> list[Path]:
         from ..checkpoint.carry import holders
         from ..store import weights
@@ -125,6 +130,11 @@ class LocalStoreTools(StoreTools):
         from ..store import store
 
         return store.refusal(snapshot)
+
+    def clear_refusal(self, snapshot: Path, codes: frozenset[str]) -> dict | None:
+        from ..store import store
+
+        return store.clear_refusal(snapshot, codes)
 
     def last_restore(self, snapshot: Path) -> float | None:
         from ..store import store

@@ -414,14 +414,16 @@ def normalize_namespace(got: Mapping[str, object], defaults: Mapping[str, object
     return out
 
 
-def normalize_args(engine_args: Sequence[str]) -> dict[str, str]:
+def normalize_args(engine_args: Sequence[str], on_parser=None) -> dict[str, str]:
     """Normalize ``vllm serve`` engine args with vLLM's own parser (imports vLLM: ~16 s on a
     small host): :func:`normalize_namespace` of the parse against the parser's defaults; the
     snapshot key's engine part. The engine program and ``serve`` both call it, so the key
     recorded at create is the one serve computes. ``os.environ`` is as it was before:
     importing vLLM sets variables there (TORCHINDUCTOR_CACHE_DIR=/tmp/..., LD_LIBRARY_PATH,
     PYTORCH_NVML_BASED_CUDA_CHECK, ...) that would reach the engine's environment and the key's
-    env part of a create in this process. Raises SystemExit (argparse) on args vLLM rejects."""
+    env part of a create in this process. ``on_parser(parser)``, when given, sees vLLM's parser
+    before the parse (``serve`` keeps its option names for the next typo). Raises SystemExit
+    (argparse) on args vLLM rejects."""
     import os
 
     saved = dict(os.environ)
@@ -430,6 +432,8 @@ def normalize_args(engine_args: Sequence[str]) -> dict[str, str]:
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
         parser = make_arg_parser(FlexibleArgumentParser(prog="vllm-snapshot serve MODEL"))
+        if on_parser is not None:
+            on_parser(parser)
         got = vars(parser.parse_args(["--model", "MODEL", *engine_args]))
         base = vars(parser.parse_args(["--model", "MODEL"]))
         return normalize_namespace(got, base)

@@ -12,7 +12,7 @@ its own (:mod:`.net`): only processes of this tree can connect. At ``prepare-dum
 :func:`prepare_self` and answers with its numbers, then closes the socket and ends the thread,
 so neither is in the images.
 
-What :func:`prepare_self` does (measured on the tiny demo engine, docs/benchmarks.md):
+What :func:`prepare_self` does (measured on the tiny demo engine, docs/history.md):
 
 - ``gc.collect()`` and glibc's ``malloc_trim(0)`` (returns freed heap to the kernel);
 - the pages of the CPU KV cache that are entirely zero (every block no request has used yet)

@@ -97,12 +97,14 @@ def recv_msg(sock: socket.socket, max_bytes: int = 64 << 20) -> tuple[dict, int 
     return json.loads(body), (fds[0] if fds else None)
 
 
-def plan(named: list[tuple[str, object]]) -> tuple[list[dict], list[dict], list]:
+def plan(named: list[tuple[str, object]], device: str = "cpu") -> tuple[list[dict], list[dict], list]:
     """The weights file's table for ``named`` (name, tensor) pairs (parameters and buffers):
     one entry per distinct storage, in name order, each at an :data:`ALIGN`-ed offset:
     ``{"names", "offset", "nbytes", "dtype"}``; the tensors that stay in the process with the
     reason: ``{"name", "nbytes", "why"}``; and the storages (tensors), parallel to the table.
-    Tied weights (one storage, two names) are written once. Pure over the tensors."""
+    Tied weights (one storage, two names) are written once. ``device``: the device type whose
+    tensors go into the file (``cpu``: mapped in place; ``cuda``: the source of a level-2 wake,
+    :func:`fill_in_place`). Pure over the tensors."""
     import torch
 
     entries: list[dict] = []
@@ -114,7 +116,7 @@ def plan(named: list[tuple[str, object]]) -> tuple[list[dict], list[dict], list]
         if not isinstance(t, torch.Tensor):
             continue
         nbytes = t.numel() * t.element_size()
-        if t.device.type != "cpu":
+        if t.device.type != device:
             stays.append({"name": name, "nbytes": nbytes, "why": f"on {t.device.type}"})
             continue
         if nbytes < MIN_BYTES:
@@ -141,16 +143,65 @@ def _named_tensors(model) -> list[tuple[str, object]]:
     return out
 
 
+#: Bytes copied between a device tensor and the file per step (:func:`_write_all`,
+#: :func:`fill_in_place`): bounds the host memory a GPU copy needs.
+CHUNK = 64 << 20
+
+
 def _write_all(fd: int, entries: list[dict], storages: list) -> None:
-    """Write each storage's bytes at its entry's offset into ``fd``. Raises OSError."""
+    """Write each storage's bytes at its entry's offset into ``fd``: a CPU tensor's own bytes
+    (no copy), a device tensor's through :data:`CHUNK`-sized host copies. Raises OSError."""
     import torch
 
     for e, t in zip(entries, storages):
-        raw = t.detach().reshape(-1).view(torch.uint8).numpy()  # the tensor's own bytes, no copy
-        view = memoryview(raw)
+        flat = t.detach().reshape(-1).view(torch.uint8)
         done = 0
-        while done < len(view):
-            done += os.pwrite(fd, view[done:done + (64 << 20)], e["offset"] + done)
+        while done < flat.numel():
+            part = flat[done:done + CHUNK]
+            view = memoryview((part if part.device.type == "cpu" else part.cpu()).numpy())
+            written = 0
+            while written < len(view):
+                written += os.pwrite(fd, view[written:], e["offset"] + done + written)
+            done += len(view)
+
+
+def _tensor(model, full: str):
+    kind, name = full.split(":", 1)
+    return dict(model.named_parameters(remove_duplicate=False) if kind == "param"
+                else model.named_buffers(remove_duplicate=False)).get(name)
+
+
+def fill_in_place(model, entries: list[dict], fd: int) -> int:
+    """Copy each entry's bytes from the weights file ``fd`` into the tensors it names, in place:
+    the same storages (a GPU engine woken from sleep level 2 has its weight tensors back at the
+    addresses CUDA graphs and kernels captured, with undefined contents), so nothing is re-pointed
+    and vLLM's post-processing is not run again -- the file holds the post-processed bytes.
+    Returns the bytes copied. Raises RuntimeError when a named tensor is missing or has another
+    dtype or size (the model is not the one the file was written from), OSError (the file)."""
+    import torch
+
+    done_bytes = 0
+    for e in entries:
+        dtype = getattr(torch, e["dtype"].removeprefix("torch."))
+        dsts = [(_tensor(model, n), n) for n in e["names"]]
+        for t, n in dsts:
+            if t is None:
+                raise RuntimeError(f"the weights file names {n}, which this model does not have")
+            if t.dtype != dtype or t.numel() * t.element_size() != e["nbytes"] or not t.is_contiguous():
+                raise RuntimeError(f"{n} is {t.dtype} x {t.numel()} here, the weights file has {e['dtype']}, "
+                                   f"{e['nbytes']} bytes")
+        flat = dsts[0][0].detach().reshape(-1).view(torch.uint8)  # tied names share this storage
+        host = torch.empty(min(CHUNK, e["nbytes"]), dtype=torch.uint8)
+        done = 0
+        while done < e["nbytes"]:
+            n = min(CHUNK, e["nbytes"] - done)
+            got = os.preadv(fd, [memoryview(host[:n].numpy())], e["offset"] + done)
+            if got != n:
+                raise OSError(f"the weights file ended at {e['offset'] + done + got} bytes, inside {e['names'][0]}")
+            flat[done:done + n].copy_(host[:n])
+            done += n
+        done_bytes += e["nbytes"]
+    return done_bytes
 
 
 def _repoint(model, entries: list[dict], mm: mmap.mmap) -> tuple[int, list[str]]:

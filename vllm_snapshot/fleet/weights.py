@@ -156,7 +156,7 @@ class WeightsStaging:
         the recorded one), make it 0600, flush it, and rename it to :attr:`final` (written
         once: a rename, never a write into an existing file; a mapping of a file that was there
         keeps its pages). Raises OSError."""
-        from ..store.weights import hash_file, protect, unprotect
+        from ..store.weights import hash_file, protect, unprotect, write_pin
 
         got = hash_file(self.data)
         if got != self.blake3:
@@ -179,6 +179,7 @@ class WeightsStaging:
         finally:
             os.close(dfd)
         protect(self.final)  # immutable, as create publishes it: every engine restored from it maps it
+        write_pin(self.final, got)  # hashed above: restores on this node trust its stat (the manifest's is another node's)
 
 
 @contextlib.contextmanager

@@ -96,7 +96,7 @@ def delete(snapshot: Path, force: bool = False, tools: Tools | None = None) -> D
         t.store.delete_snapshot(snapshot)
     # the weights file it mapped goes with the last snapshot that names it (counted from the manifests)
     gone = t.store.remove_unused_weights(snapshot.parent)
-    return Deleted(str(snapshot), [e.pid for e in running], [str(p) for p in gone])
+    return Deleted(str(snapshot), [e.pid for e in running], [str(p) for p in gone], t.store.weights_blocked(snapshot.parent))
 
 
 def parse_duration(text: str) -> float:
@@ -154,7 +154,7 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
         deleted.append(str(p))
     temps = t.store.reclaim(root, dry_run=True) if dry_run else [str(x) for x in t.store.clean_stale_temps(root)] + t.store.reclaim(root)
     weights_gone = [str(p) for p in t.store.remove_unused_weights(root, dry_run=dry_run)]
-    return Pruned(deleted, kept, temps, dry_run, weights_gone)
+    return Pruned(deleted, kept, temps, dry_run, weights_gone, t.store.weights_blocked(root))
 
 
 def status(tools: Tools | None = None) -> Engines:
@@ -174,8 +174,9 @@ def stop_engines(snapshot: Path | None, port: int | None, tools: Tools | None = 
     on ``port`` (on any host address), or the one whose root PID is ``pid``; wait until their
     processes are gone. Each drains first (no new connection; requests in flight finish) for at
     most ``drain_s`` seconds (default: the drain timeout it was restored with); requests still
-    in flight then are cut and counted (``cut`` in each row). Raises UsageError when none
-    matches."""
+    in flight then are cut and counted (``cut`` in each row). None matching is no error (as
+    ``systemctl stop``: the wanted state holds): nothing stopped, ``nothing`` says what matched
+    none. Raises UsageError for a PID of an engine's tree that is not its root (naming the root)."""
     t = tools or local_tools()
     entries = t.runtime.engines()
     mine = _engines_of(t.store, t.runtime, snapshot, entries) if snapshot is not None else []
@@ -187,7 +188,7 @@ def stop_engines(snapshot: Path | None, port: int | None, tools: Tools | None = 
         if owner is not None:  # a child of an engine tree, or the supervisor of a foreground one
             raise UsageError(f"PID {pid} is not an engine root: it belongs to the engine with root PID {owner.pid} "
                              f"({owner.snapshot}, port {owner.port})", hint=f"vllm-snapshot stop --pid {owner.pid}")
-        raise UsageError(f"no restored engine matches {what}", hint="`vllm-snapshot status` lists them")
+        return Stopped([], nothing=f"no restored engine matches {what}")
     rows = []
     for e in match:
         r = t.runtime.stop_engine(e, drain_s)

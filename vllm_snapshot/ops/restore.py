@@ -176,7 +176,8 @@ def restore(req: RestoreRequest, rep: Reporter, tools: Tools | None = None) -> t
                              mode="detached" if req.detach else "foreground",
                              scheme=r.url.split(":", 1)[0], cgroup=r.cgroup, frontend=r.frontend_fp, auth=r.auth,
                              drain_s=req.drain_s,
-                             frontend_args=tuple(frontend.without_secrets(list(req.frontend)))))
+                             frontend_args=tuple(frontend.without_secrets(list(req.frontend))),
+                             log_file=r.log_file))
             t.store.record_restore(snapshot, [w for w in r.warnings if w.startswith("identity override")])
         except OSError as e:  # bookkeeping only: never fail a served restore for it
             rep.info(f"could not record the engine in the registry: {e}")
@@ -247,7 +248,8 @@ def _restore_phases(t: Tools, req: RestoreRequest, rep: Reporter, st: _Restoring
         return Restored(str(snapshot), pid, url, m.model.served_name, dict(rep.timings), warnings, req.detach,
                         tuple(fe.describe()), placement.cgroup if placement and placement.leaves else "",
                         frontend.fingerprint(fe.args), bool(fe.api_keys), req.drain_s,
-                        st.gpu.describe() if st.gpu is not None else ""), st.engine
+                        st.gpu.describe() if st.gpu is not None else "",
+                        str(log_file) if req.detach and log_file is not None else ""), st.engine
     except BaseException as e:
         _undo(t.files, t.checkpoint, st, e)
         raise

@@ -67,7 +67,7 @@ from ..host.envpolicy import scrubbed_env
 from ..effects.protocols import Engine, HostTools, ModelTools, SnapshotFiles, StoreTools
 from ..effects.tools import Tools, local_tools
 from ..engine.args import arg_value, check_engine_args, memoizable
-from .create import weights_mode, CreateRequest, check_keep_env, create
+from .create import weights_mode, CreateRequest, check_cpu_kv_cache, check_keep_env, create
 from .restore import RestoreRequest, restore
 
 #: Errors that mean "this snapshot cannot serve here": record it, try the next, or build.
@@ -256,6 +256,9 @@ def _prepare(t: Tools, req: ServeRequest, rep: Reporter, check_port: bool):
     frontend.check(list(req.frontend), t.host.environ())  # a bad TLS file is found before a build, not after
     model_dir, rev = t.model.resolve_model(req.model, arg_value(req.engine_args, "--revision"))
     t.model.check_model_config(model_dir, req.engine_args)
+    # in milliseconds, not after the key's parse of the args (~16 s): no snapshot of a CPU
+    # engine without a sized KV cache can exist (create refuses it), so neither can a build
+    check_cpu_kv_cache(req.engine_args, t.host.environ(), t.host.engine_device())
     if check_port:
         t.host.port_free(req.host, req.port)
     with rep.phase("key", "computing the snapshot key (model digest, engine args, host)"):

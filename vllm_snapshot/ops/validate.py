@@ -155,7 +155,18 @@ def verify(snapshot: Path, allow: frozenset[str] = frozenset(), tools: Tools | N
     with damaged_hint(snapshot), t.store.snapshot_lock(snapshot, shared=True):
         m, warnings = validate_roles(t.host, t.model, t.files, snapshot, "full", allow, check_images=True)
         raise_code_changed(t.files.check_code(snapshot, m))
-    return Verified(str(snapshot), len(m.images), len(m.model.files), warnings, m.weights.path if m.weights else None)
+        try:  # what it re-checked passes now (e.g. the weights file put back): list stops showing the old ✗
+            cleared = t.store.clear_refusal(snapshot, VERIFY_RECHECKS)
+        except OSError:  # bookkeeping only
+            cleared = None
+    return Verified(str(snapshot), len(m.images), len(m.model.files), warnings, m.weights.path if m.weights else None,
+                    cleared)
+
+
+#: The refusal codes whose causes ``verify`` re-checks in full (host, mounts, files, images,
+#: model, weights, code): a pass clears such a recorded refusal. An oracle mismatch, a CRIU or an
+#: engine failure is re-checked only by a restore, which clears any refusal when it serves.
+VERIFY_RECHECKS = frozenset({"incompatible-host", "model-changed", "corrupt-snapshot"})
 
 
 #: ``details["stage"]`` of an EngineError raised after the oracle matched, while the engine

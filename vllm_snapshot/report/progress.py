@@ -28,6 +28,11 @@ class Reporter:
     def info(self, text: str) -> None:
         pass
 
+    def detail(self, text: str) -> None:
+        """The latest line of what the current phase is doing (the engine's log while it
+        starts): shown under a terminal's spinner, nowhere else (a log or the journal gets the
+        phase lines only; ``-v`` streams the whole engine log)."""
+
     @contextmanager
     def phase(self, name: str, label: str | None = None) -> Iterator[None]:
         label = label or name.replace("_", " ")
@@ -61,23 +66,45 @@ class PlainReporter(Reporter):
 
 
 class RichReporter(Reporter):
-    """A rich status spinner per phase, and a ✓/✗ line with its duration when it ends."""
+    """Per phase a rich spinner with the elapsed time, and under it the phase's latest
+    :meth:`detail` line (the engine's log while it starts, with a pointer to ``-v``); a ✓/✗ line
+    with its duration when it ends."""
+
+    #: what the detail line says besides the latest log line
+    DETAIL_HINT = "(-v streams the engine log)"
 
     def __init__(self) -> None:
         super().__init__()
         from rich.console import Console
 
         self.console = Console(stderr=True)
-        self._status = None
+        self._live = None
+        self._detail = None
+        self._task = None
 
     def start(self, name: str, label: str) -> None:
-        self._status = self.console.status(f"{label} …")
-        self._status.start()
+        from rich.console import Group
+        from rich.live import Live
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+        from rich.text import Text
+
+        progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                            TextColumn("[dim]{task.fields[hint]}"), console=self.console)
+        self._task = (progress, progress.add_task(f"{label} …", total=None, hint=""))
+        self._detail = Text("", style="dim", no_wrap=True, overflow="ellipsis")
+        self._live = Live(Group(progress, self._detail), console=self.console, transient=True, refresh_per_second=4)
+        self._live.start()
+
+    def detail(self, text: str) -> None:
+        if self._detail is not None:
+            self._detail.plain = f"  {text}"
+            progress, task = self._task
+            progress.update(task, hint=self.DETAIL_HINT)
 
     def end(self, name: str, label: str, seconds: float, ok: bool) -> None:
-        if self._status is not None:
-            self._status.stop()
-            self._status = None
+        if self._live is not None:
+            self._live.stop()
+            self._live = self._detail = None
         mark = "[green]✓[/]" if ok else "[red]✗[/]"
         self.console.print(f"{mark} {label} [dim]{seconds:.2f} s[/]")
 
@@ -112,6 +139,31 @@ class NotifyingReporter(Reporter):
 
     def info(self, text: str) -> None:
         self.inner.info(text)
+
+    def detail(self, text: str) -> None:
+        self.inner.detail(text)
+
+
+class LastLine:
+    """A log sink (``(bytes) -> None``, what the engine's log is streamed to) that hands the
+    last complete non-empty line, without terminal escapes, to ``show`` (at most ``width``
+    characters): the reporter's :meth:`Reporter.detail`."""
+
+    def __init__(self, show, width: int = 200) -> None:
+        self.show = show
+        self.width = width
+        self._rest = b""
+
+    def __call__(self, chunk: bytes) -> None:
+        import re
+
+        lines = (self._rest + chunk).split(b"\n")
+        self._rest = lines.pop()[-4096:]
+        for raw in reversed(lines):
+            text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|[\x00-\x08\x0b-\x1f\x7f]", "", raw.decode("utf-8", "replace")).strip()
+            if text:
+                self.show(text[:self.width])
+                return
 
 
 def make_reporter(quiet: bool = False) -> Reporter:

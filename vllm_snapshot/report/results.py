@@ -48,11 +48,13 @@ class Restored:
     #: CUDA: the GPU the engine runs on, ``GPU <uuid>`` and, when its state was remapped from the
     #: GPU recorded at create, ``(recorded <uuid>)`` (GpuPlacement.describe); "" on CPU
     gpu: str = ""
+    #: a detached engine's log file, else ""
+    log_file: str = ""
 
     def to_json(self) -> dict:
         return {"snapshot": self.snapshot, "pid": self.pid, "url": self.url, "timings": self.timings,
                 "warnings": self.warnings, "oracle": "match", "frontend": list(self.frontend),
-                "cgroup": self.cgroup, "gpu": self.gpu}
+                "cgroup": self.cgroup, "gpu": self.gpu, "log_file": self.log_file}
 
 
 @dataclass(frozen=True)
@@ -65,9 +67,12 @@ class Verified:
     warnings: list[str]
     #: the weights file re-hashed whole (None: the snapshot has none)
     weights: str | None = None
+    #: the recorded refusal this pass cleared (``{"code", "reason", "by", "at"}``; None: none was)
+    cleared: dict | None = None
 
     def to_json(self) -> dict:
-        return {"snapshot": self.snapshot, "ok": True, "warnings": self.warnings, "weights": self.weights}
+        return {"snapshot": self.snapshot, "ok": True, "warnings": self.warnings, "weights": self.weights,
+                "cleared_refusal": self.cleared}
 
 
 @dataclass(frozen=True)
@@ -110,11 +115,15 @@ class Listed:
     root_exists: bool = True
     #: why create/restore would refuse snapshots under ``root`` (a 0777 root, ...), in words
     warnings: tuple[str, ...] = ()
+    #: where else snapshots are that this user cannot read (root's, for another user), in words
+    elsewhere: str = ""
 
     def to_json(self) -> dict:
         out = {"root": self.root, "root_exists": self.root_exists, "snapshots": self.rows}
         if self.warnings:
             out["warnings"] = list(self.warnings)
+        if self.elsewhere:
+            out["elsewhere"] = self.elsewhere
         return out
 
 
@@ -126,9 +135,12 @@ class Deleted:
     snapshot: str
     stopped_pids: list[int]
     weights_removed: list[str] = field(default_factory=list)
+    #: snapshot dirs whose unreadable manifest kept unused weights files (it might name them)
+    weights_kept_for: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return {"deleted": self.snapshot, "stopped_pids": self.stopped_pids, "weights_removed": self.weights_removed}
+        return {"deleted": self.snapshot, "stopped_pids": self.stopped_pids, "weights_removed": self.weights_removed,
+                "weights_kept_for": self.weights_kept_for}
 
 
 @dataclass(frozen=True)
@@ -142,10 +154,12 @@ class Pruned:
     dry_run: bool = False
     #: weights files no snapshot names any more, removed (or that would be, with ``dry_run``)
     weights_removed: list[str] = field(default_factory=list)
+    #: snapshot dirs whose unreadable manifest kept unused weights files (it might name them)
+    weights_kept_for: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"deleted": self.deleted, "kept_running": self.kept_running, "temp_removed": self.temp_removed,
-                "dry_run": self.dry_run, "weights_removed": self.weights_removed}
+                "dry_run": self.dry_run, "weights_removed": self.weights_removed, "weights_kept_for": self.weights_kept_for}
 
 
 @dataclass(frozen=True)
@@ -169,9 +183,11 @@ class Stopped:
     out with ``cut`` requests in flight, ``killed`` when SIGKILL was needed after it."""
 
     stopped: list[dict]
+    #: when nothing matched: what matched none (``no restored engine matches port 8000``)
+    nothing: str = ""
 
     def to_json(self) -> dict:
-        return {"stopped": self.stopped}
+        return {"stopped": self.stopped, **({"nothing": self.nothing} if self.nothing else {})}
 
 
 @dataclass(frozen=True)
@@ -229,10 +245,15 @@ class DemoReport:
     #: every cold start measured, by name (``compiled``: the demo's args with a warm compile
     #: cache; ``eager``: with ``--enforce-eager``) -> seconds; ``cold_s`` is the faster
     cold_starts: dict[str, float] = field(default_factory=dict)
+    #: which model the demo ran (a title with its licence), the prompt sent, a note for the reader
+    model: str = ""
+    prompt: str = ""
+    note: str = ""
 
     def to_json(self) -> dict:
         return {
             "snapshot": self.snapshot, "url": self.url, "completion": self.completion,
+            "model": self.model, "prompt": self.prompt,
             "cold_starts_s": {k: round(v, 3) for k, v in self.cold_starts.items()},
             "create_timings": self.create_timings, "create_s": round(sum(self.create_timings.values()), 3),
             "restore_timings": self.restore_timings, "restore_to_validated_completion_s": round(self.restore_s, 3),

@@ -44,7 +44,7 @@ from .staging import (SHM, STAGE_PREFIX, new_stage, own_staging, remove_staging,
 CHUNK = 4 << 20  # bytes per read
 DEFAULT_LEVEL = 3
 #: The default for ``create --compress``. Measured on the tiny-model CPU engine (1280 MiB raw,
-#: docs/benchmarks.md, "The targets, final run"): ``none`` restores in 1.07 s (checksums over
+#: docs/history.md, "The targets, final run"): ``none`` restores in 1.07 s (checksums over
 #: hard-linked images), zstd:3 stores 18.8% of raw but restore takes 2.87 s on 2 cores with the
 #: images in the page cache (decompression is CPU work CRIU waits for); read from disk, both take
 #: ~3.7 s ("Page cache cold vs warm"). Start time is what this tool exists for, and restored
@@ -433,7 +433,7 @@ def verify(src_dir: Path, images: tuple[ImageFile, ...], cancel: threading.Event
     first). ``cancel`` (set by another thread) stops the check early, raising
     CorruptSnapshotError("cancelled"). ``background``: the hashing threads run at nice 19, so
     that CRIU, restoring at the same time, gets the CPUs first (measured on 2 CPUs, 4 restores
-    each, docs/benchmarks.md: CRIU's phase 1.22 -> 1.15 s, restore 1.39 -> 1.30 s median; the
+    each, docs/history.md: CRIU's phase 1.22 -> 1.15 s, restore 1.39 -> 1.30 s median; the
     hashing is still done before the verdict). Raises CorruptSnapshotError."""
     def one(img: ImageFile) -> None:
         src = src_dir / stored_name(img)

@@ -143,6 +143,7 @@ def check_config(model_dir: Path, engine_args: list[str]) -> None:
         return
     cfg = model_dir / "config.json"
     if not cfg.is_file():
+        _check_other_format(model_dir)
         return
     hint = ("check the model folder: config.json must be the model's Hugging Face config (as the model's "
             "publisher ships it, naming its model_type and architectures), beside its weights and tokenizer files")
@@ -157,6 +158,26 @@ def check_config(model_dir: Path, engine_args: list[str]) -> None:
     if not raw.get("model_type") and not raw.get("architectures"):
         raise UsageError(f"the model's {cfg} names neither model_type nor architectures: vLLM cannot tell "
                          "which model it is", hint=hint)
+
+
+def _check_other_format(model_dir: Path) -> None:
+    """A model directory without ``config.json``: refuse it in milliseconds (UsageError) when
+    it is empty or holds neither a GGUF file nor Mistral's ``params.json`` -- vLLM would fail
+    on it after a cold start of tens of seconds."""
+    try:
+        names = [n for n in os.listdir(model_dir) if not n.startswith(".")]
+    except NotADirectoryError:
+        return  # a single file (a .gguf): vLLM's to judge
+    except OSError as e:
+        raise UsageError(f"the model directory {model_dir} cannot be read: {e}") from e
+    hint = ("give the directory of a Hugging Face model (config.json beside its weights and tokenizer files), "
+            "e.g. what `huggingface-cli download` put in place")
+    if not names:
+        raise UsageError(f"the model directory {model_dir} is empty", hint=hint)
+    if "params.json" in names or any(n.endswith(".gguf") for n in names):
+        return  # Mistral's format, a GGUF model: vLLM reads those without config.json
+    raise UsageError(f"the model directory {model_dir} has no config.json (it holds "
+                     + ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "") + ")", hint=hint)
 
 
 def _stat_key(st: os.stat_result) -> tuple[int, int, int, int, int]:

@@ -66,6 +66,9 @@ class Entry:
     #: older vllm-snapshot). Kept in a file of its own beside the entry (``PID.frontend``, a
     #: JSON list), like ``drain_s``
     frontend_args: tuple[str, ...] | None = None
+    #: a detached engine's log file ("" when none: a foreground engine logs to its command's
+    #: stderr). Kept in a file of its own beside the entry (``PID.log``), like ``drain_s``
+    log_file: str = ""
 
     @property
     def url(self) -> str:
@@ -97,6 +100,8 @@ def register(e: Entry) -> Path:
     _write(p.with_suffix(".drain"), repr(float(e.drain_s)))
     if e.frontend_args is not None:
         _write(p.with_suffix(".frontend"), json.dumps(list(e.frontend_args)))
+    if e.log_file:
+        _write(p.with_suffix(".log"), e.log_file)
     _write(p, json.dumps({k: v for k, v in asdict(e).items() if k in _JSON_FIELDS}))
     return p
 
@@ -105,6 +110,7 @@ def unregister(pid: int) -> None:
     (_dir() / f"{pid}.json").unlink(missing_ok=True)
     (_dir() / f"{pid}.drain").unlink(missing_ok=True)
     (_dir() / f"{pid}.frontend").unlink(missing_ok=True)
+    (_dir() / f"{pid}.log").unlink(missing_ok=True)
 
 
 def _drain_of(f: Path) -> float:
@@ -124,6 +130,14 @@ def _frontend_of(f: Path) -> tuple[str, ...] | None:
     except (OSError, ValueError):
         return None
     return tuple(v) if isinstance(v, list) and all(isinstance(x, str) for x in v) else None
+
+
+def _log_of(f: Path) -> str:
+    """The log file recorded beside the entry file ``f`` ("" when none is)."""
+    try:
+        return f.with_suffix(".log").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _alive(e: Entry) -> bool:
@@ -146,7 +160,7 @@ def entries() -> list[Entry]:
             # a field this version does not know (a newer vllm-snapshot's) is not a reason to
             # forget a live engine
             e = Entry(**{k: v for k, v in raw.items() if k in _JSON_FIELDS}, drain_s=_drain_of(f),
-                      frontend_args=_frontend_of(f))
+                      frontend_args=_frontend_of(f), log_file=_log_of(f))
         except (OSError, ValueError, TypeError):
             unregister(int(f.stem)) if f.stem.isdigit() else f.unlink(missing_ok=True)
             continue
@@ -154,7 +168,7 @@ def entries() -> list[Entry]:
             out.append(e)
         else:
             unregister(e.pid)
-    for f in [*d.glob("*.drain"), *d.glob("*.frontend")]:  # an entry removed by a vllm-snapshot
+    for f in [*d.glob("*.drain"), *d.glob("*.frontend"), *d.glob("*.log")]:  # an entry removed by a vllm-snapshot
         if not f.with_suffix(".json").exists():                # that knew no such file
             f.unlink(missing_ok=True)
     return sorted(out, key=lambda e: (e.port, e.pid))

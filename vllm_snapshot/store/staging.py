@@ -35,7 +35,7 @@ def staging_parent(raw_bytes: int, fallback: Path, images: tuple[ImageFile, ...]
        hard-linked, not copied; nothing is written) when no image is compressed and it is
        writable;
     2. /dev/shm (tmpfs: decompressing or copying there is ~3x faster than onto a disk, see
-       docs/benchmarks.md) when its free space exceeds ``raw_bytes`` by 25% plus 1 GiB *and*
+       docs/history.md) when its free space exceeds ``raw_bytes`` by 25% plus 1 GiB *and*
        the memory on offer (:func:`vllm_snapshot.host.resources.offer`) holds the staged images
        and the restored tree at once (twice ``raw_bytes`` plus 1 GiB): tmpfs pages are RAM until
        the restore removes its staging, and the memory check before CRIU counts the images once;

@@ -201,6 +201,31 @@ def record_refusal(snapshot: Path, code: str, reason: str, by: str = "serve") ->
     os.chmod(p, 0o600)
 
 
+def clear_refusal(snapshot: Path, codes: frozenset[str]) -> dict | None:
+    """Forget the refusal recorded for ``snapshot`` when its error code is one of ``codes`` (the
+    checks a passing ``verify`` has just re-run: a weights file or model put back, a damaged
+    image replaced); return the refusal forgotten, or None (none, or one of another code, e.g.
+    an oracle mismatch that only a restore re-checks). Raises OSError."""
+    import json
+
+    p = _state_file(snapshot)
+    try:
+        state = json.loads(p.read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return None
+    r = state.get("refused") if isinstance(state, dict) else None
+    if not isinstance(r, dict) or r.get("code") not in codes:
+        return None
+    del state["refused"]
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(state))
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, p)
+    return r
+
+
 def refusal(snapshot: Path) -> dict | None:
     """``{"at": unix s, "code": error code, "reason": text}`` of the last refusal recorded for
     ``snapshot`` since its last successful restore, or None."""

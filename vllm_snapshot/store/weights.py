@@ -37,6 +37,8 @@ DIR = ".weights"
 SUFFIX = ".weights"
 #: Prefix of the temp files a create writes before the rename.
 TMP_PREFIX = ".incoming-"
+#: Suffix of a weights file's node-local stat pin (``BLAKE3.weights.pin``, see :func:`write_pin`).
+PIN_SUFFIX = ".pin"
 #: A weights file larger than this is refused (bytes): a bound on what a worker can ask create
 #: to allocate, far above any TP1 engine's host memory.
 MAX_BYTES = 1 << 40
@@ -193,7 +195,7 @@ def check(rec: WeightsFile, full: bool = False) -> str | None:
                 f"and root (fix: chattr -i {p}; chown root:root {p} && chmod 0600 {p}; chattr +i {p})")
     if st.st_size != rec.size:
         return f"the weights file {p} has {st.st_size} bytes, not the {rec.size} it had at create"
-    pinned = stat_unchanged(st, rec)
+    pinned = stat_unchanged(st, rec) or _pin_matches(p, st, rec.blake3)
     if pinned and not full:
         return None
     try:
@@ -202,7 +204,55 @@ def check(rec: WeightsFile, full: bool = False) -> str | None:
         return f"the weights file {p} cannot be read: {e.strerror}"
     if got != rec.blake3:
         return f"the weights file {p} changed since create (BLAKE3 {got[:12]}…, recorded {rec.blake3[:12]}…)"
+    write_pin(p, got, st)  # hashed whole and right: the next check on this node trusts this stat
     return None
+
+
+def pin_path(path: Path) -> Path:
+    """The node-local stat pin of the weights file ``path`` (``path`` + ``.pin``). Pure."""
+    return path.with_name(path.name + PIN_SUFFIX)
+
+
+def write_pin(path: Path, blake3: str, st: os.stat_result | None = None) -> bool:
+    """Record, beside the weights file ``path``, that its bytes hashed to ``blake3`` while it had
+    the stat ``st`` (default: its stat now): size, mtime, ctime, inode, device. A manifest pins
+    the stat the file had on the node that created it; a file placed by a pull, or re-hashed after
+    its stat changed (a restore from backup, ``chattr``), has another, and without this pin every
+    restore on this node would hash it whole again (seconds per GiB). The pin lives in the
+    root-owned 0700 ``.weights`` directory (0600, temp + rename), so only root can vouch for a
+    stat; :func:`check` trusts it exactly as it trusts the manifest's. Returns False when it
+    cannot be written (not root, read-only store): the next check hashes again. Never raises."""
+    try:
+        st = os.stat(path, follow_symlinks=False) if st is None else st
+        doc = {"blake3": blake3, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
+               "inode": st.st_ino, "device": st.st_dev}
+        dst = pin_path(path)
+        tmp = dst.with_name(f"{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}{PIN_SUFFIX}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, dst)
+        return True
+    except OSError:
+        return False
+
+
+def _pin_matches(path: Path, st: os.stat_result, blake3: str) -> bool:
+    """True when the node-local pin of ``path`` (:func:`write_pin`) names ``blake3`` and the stat
+    ``st``, and the pin is a root-owned 0600 regular file. Never raises."""
+    import stat as _stat
+
+    pin = pin_path(path)
+    try:
+        pst = os.stat(pin, follow_symlinks=False)
+        if not _stat.S_ISREG(pst.st_mode) or pst.st_uid != 0 or _stat.S_IMODE(pst.st_mode) & 0o077:
+            return False
+        doc = json.loads(pin.read_text())
+        return (isinstance(doc, dict) and doc.get("blake3") == blake3
+                and (doc.get("size"), doc.get("mtime_ns"), doc.get("ctime_ns"), doc.get("inode"), doc.get("device"))
+                == (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev))
+    except (OSError, ValueError):
+        return False
 
 
 def refuse(rec: WeightsFile, full: bool = False) -> None:
@@ -255,13 +305,37 @@ def unreferenced(root: Path) -> list[Path]:
                   and str(p) not in used)
 
 
+def blocked(root: Path) -> list[str]:
+    """The snapshot directories under ``root`` whose unreadable manifest keeps weights files that
+    no readable manifest names (:func:`unreferenced` lists none while such a manifest exists: it
+    might name any); empty when nothing is kept that way. Never raises."""
+    d = directory(root)
+    if not d.is_dir():
+        return []
+    used, unreadable = referenced(root)
+    if not unreadable:
+        return []
+    try:
+        waiting = [p for p in d.iterdir() if p.name.endswith(SUFFIX) and not p.name.startswith(".") and str(p) not in used]
+    except OSError:
+        return []
+    return unreadable if waiting else []
+
+
 def remove_unreferenced(root: Path) -> list[Path]:
     """Remove the weights files no snapshot under ``root`` names; return them. Raises OSError."""
     gone = []
     for p in unreferenced(root):
         unprotect(p)
         p.unlink(missing_ok=True)
+        pin_path(p).unlink(missing_ok=True)
         gone.append(p)
+    d = directory(root)
+    if d.is_dir():  # pins whose weights file is gone (removed by hand)
+        for pin in d.iterdir():
+            if (pin.name.endswith(SUFFIX + PIN_SUFFIX) and not pin.name.startswith(".")
+                    and not pin.with_name(pin.name[:-len(PIN_SUFFIX)]).exists()):
+                pin.unlink(missing_ok=True)
     return gone
 
 

@@ -5,7 +5,7 @@ holds CRIU's options apart from the runner in ``criu_linux.go``).
 
 The flags shared by dump and restore are one constant, :data:`SHARED_FLAGS`, recorded in the
 manifest. They were measured to dump and restore a vLLM CPU engine tree with CRIU 4.2.1
-(README.md, "How it works"; docs/mounts-experiments.md uses the same):
+(docs/how-it-works.md; docs/mounts-experiments.md uses the same):
 ``--shell-job --ext-unix-sk --tcp-established --link-remap --file-locks``.
 The engine tree is the init of its own PID + mount namespace, so restore passes ``--root /``
 (CRIU: "The --root option is required to restore a mount namespace").

@@ -1,43 +1,39 @@
-"""A real registry for the fleet tests: CNCF distribution (Debian's ``docker-registry``,
-installed by scripts/setup.sh) on 127.0.0.1, filesystem storage in a temp dir, its access log
-captured (one line per request) so tests can count blob requests."""
+"""A real registry for the fleet tests and benchmarks: CNCF distribution (Debian's
+``docker-registry``, installed by scripts/setup.sh) on 127.0.0.1, filesystem storage in a temp
+dir, its access log captured (one line per request) so tests can count blob requests."""
 
 from __future__ import annotations
 
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import requests
 
+from . import free_port
+
 BINARY = shutil.which("docker-registry") or "/usr/bin/docker-registry"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RegistryServer:
     """``docker-registry serve`` on a free loopback port: ``host`` is ``127.0.0.1:PORT``,
-    ``storage`` its root dir, ``log`` the file its stdout/stderr go to."""
+    ``storage`` its root dir, ``log`` the file its stdout/stderr go to. ``access_log=False``
+    (throughput benchmarks): no line per request is written, so :meth:`requests_log` is empty."""
 
-    def __init__(self, base: Path):
+    def __init__(self, base: Path, access_log: bool = True):
         self.base = base
         self.storage = base / "storage"
         self.storage.mkdir(parents=True)
-        self.port = _free_port()
+        self.port = free_port()
         self.host = f"127.0.0.1:{self.port}"
         self.log = base / "registry.log"
         cfg = base / "config.yml"
         cfg.write_text(
             "version: 0.1\n"
-            "log:\n  level: info\n  accesslog:\n    disabled: false\n"
+            f"log:\n  level: info\n  accesslog:\n    disabled: {'false' if access_log else 'true'}\n"
             f"storage:\n  filesystem:\n    rootdirectory: {self.storage}\n  delete:\n    enabled: true\n"
             f"http:\n  addr: 127.0.0.1:{self.port}\n")
         self._out = open(self.log, "ab")

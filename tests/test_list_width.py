@@ -1,0 +1,44 @@
+"""``list`` at any width never wraps a snapshot's name (what an operator copies): at a narrow
+width the least important columns are left out and named; piped output follows ``$COLUMNS``
+(issue "Operator experience": at 100 columns names, keys and dates were split mid-word)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_snapshot.cli import render
+
+ROW = {"name": "trial-model-a711061d712f-with-a-long-name", "model": "/models/smollm2-135m-instruct",
+       "key": "a711061d712f0000", "created": "2026-12-03T17:04:00", "kind": "cpu", "sleep_level": 0,
+       "raw_bytes": 1 << 30, "stored_bytes": 1 << 30, "weights": "/w/d6b36aa7ffff", "weights_bytes": 515 << 20,
+       "compatible": True, "why": None, "last_restore": 1.7e9}
+
+
+def test_the_least_important_columns_go_first_and_the_name_stays():
+    widths = {c: 10 for c in render.LIST_COLUMNS}
+    assert render.fitting_columns(widths, 1000) == list(render._TABLE_ORDER)
+    assert render.fitting_columns(widths, 13 * 3 + 1) == ["name", "model", "here"]
+    assert render.fitting_columns(widths, 5) == ["name"]
+
+
+@pytest.mark.parametrize("columns", [60, 100, 160])
+def test_list_never_wraps_the_name_and_says_what_it_left_out(columns, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", str(columns))
+    render.snapshot_list([ROW], "/var/lib/vllm-snapshot")
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert any(ROW["name"] in ln for ln in lines), out
+    assert all(len(ln) <= columns for ln in lines), out
+    assert any("a711061d712f" in ln for ln in lines) or "key" in out.split("left out at this width")[-1]
+    if columns < 160:
+        assert f"left out at this width ({columns} columns): " in out
+
+
+def test_piped_without_columns_shows_every_column_on_one_line_per_row(monkeypatch, capsys):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    render.snapshot_list([ROW], "/r")
+    out = capsys.readouterr().out
+    row = next(ln for ln in out.splitlines() if ROW["name"] in ln)
+    for cell in ("smollm2-135m-instruct", "a711061d712f", "2026-12-03 17:04", "d6b36aa7 515.0 MiB", "1.0 GiB"):
+        assert cell in row, row
+    assert "left out" not in out

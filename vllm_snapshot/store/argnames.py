@@ -1,0 +1,164 @@
+"""The option names of ``vllm serve`` (vLLM's own parser is their source), kept on disk per
+vLLM version so a mistyped engine arg is refused in milliseconds with "did you mean", not after
+the ~16 s import of vLLM's parser or a cold start.
+
+The file is ``$VLLM_SNAPSHOT_CACHE/vllm-serve-options-VERSION.json``: ``{"vllm": VERSION,
+"options": [every option string of the parser, sorted]}``. It is written (atomically) by
+setup (``python -m vllm_snapshot.engine.argnames``), by every parse of engine args in the CLI
+process (:func:`remember`) and by :func:`known_options` ``(load=True)``; a missing or
+unreadable file means "not known yet": the args are then left to vLLM's parse, which stays the
+authority (abbreviations, values).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from ..engine.args import flag_name
+from ..errors import UsageError
+
+
+def cache_file(version: str | None = None) -> Path:
+    """Where the option names of vLLM ``version`` (default: the installed one) are kept."""
+    from ..host.identity import vllm_version
+    from ..paths import cache_dir
+
+    return cache_dir() / f"vllm-serve-options-{version or vllm_version()}.json"
+
+
+def parser_options(parser) -> list[str]:
+    """Every option string of an argparse parser (``--dtype``, ``-tp``, ``--no-enforce-eager``),
+    sorted. Pure."""
+    return sorted({s for a in parser._actions for s in a.option_strings})
+
+
+def remember(options: Iterable[str]) -> None:
+    """Write the option names of the installed vLLM (``options``, from its parser) to
+    :func:`cache_file`, atomically; silently nothing when the cache is not writable (another
+    user than root) -- they are only a shortcut."""
+    from ..host.identity import vllm_version
+
+    version = vllm_version()
+    target = cache_file(version)
+    try:
+        if target.is_file():
+            return
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"vllm": version, "options": sorted(set(options))}, f, indent=0)
+        os.chmod(tmp, 0o644)
+        os.rename(tmp, target)
+    except OSError:
+        try:
+            os.unlink(tmp)  # type: ignore[possibly-undefined]
+        except (OSError, NameError):
+            pass
+
+
+def _from_parser() -> list[str]:
+    """Build vLLM's ``vllm serve`` parser (imports vLLM: ~16 s on a small host) and return its
+    option strings; ``os.environ`` is left as it was (importing vLLM sets variables there)."""
+    saved = dict(os.environ)
+    try:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        return parser_options(make_arg_parser(FlexibleArgumentParser(prog="vllm serve")))
+    finally:
+        if dict(os.environ) != saved:
+            os.environ.clear()
+            os.environ.update(saved)
+
+
+def known_options(load: bool = False) -> frozenset[str] | None:
+    """The installed vLLM's ``vllm serve`` option names from :func:`cache_file`; when it is
+    missing: with ``load``, from vLLM's parser (slow, then remembered), else None."""
+    try:
+        data = json.loads(cache_file().read_text())
+        if isinstance(data, dict) and isinstance(data.get("options"), list):
+            return frozenset(str(o) for o in data["options"])
+    except (OSError, ValueError):
+        pass
+    if not load:
+        return None
+    options = _from_parser()
+    remember(options)
+    return frozenset(options)
+
+
+def _known(flag: str, options: frozenset[str]) -> bool:
+    """True when vLLM's parser would take ``flag`` (a token starting with ``-``, without its
+    ``=VALUE``) as one of ``options``: exactly, with ``_`` for ``-`` (vLLM's parser accepts
+    ``--max_model_len``), as a unique abbreviation (argparse's), or a short option with its value
+    attached (``-O3``). Pure."""
+    if flag in options:
+        return True
+    if flag.startswith("--"):
+        norm = "--" + flag[2:].replace("_", "-")
+        if norm in options:
+            return True
+        return sum(o.startswith(norm) for o in options if o.startswith("--")) == 1
+    return any(flag.startswith(o) for o in options if not o.startswith("--") and len(o) >= 2)
+
+
+def unknown_flags(engine_args: Sequence[str], options: frozenset[str]) -> list[str]:
+    """The tokens of ``engine_args`` that look like options (``-x``, ``--x``, ``--x=V``; not a
+    negative number, not ``-`` or ``--``) and that vLLM's parser would not take (:func:`_known`),
+    as given (without ``=VALUE``), in order. Pure."""
+    out = []
+    for a in engine_args:
+        flag = flag_name(a)
+        if not flag.startswith("-") or flag in ("-", "--") or flag[1:2].isdigit() or flag[1:2] == ".":
+            continue
+        if not _known(flag, options) and flag not in out:
+            out.append(flag)
+    return out
+
+
+def check(engine_args: Sequence[str], own: Iterable[str], command: str, options: frozenset[str] | None) -> None:
+    """Refuse (UsageError, exit 2) an option in ``engine_args`` that is neither one of vLLM's
+    (``options``; None: not known, nothing is checked) -- naming the closest of vLLM's and of
+    ``command``'s own options ``own`` ("did you mean --port?") -- or that abbreviates one of
+    ``own`` (``--weight`` for ``--weights``: vLLM's parser would take it as another option's
+    abbreviation, ``--weight-transfer-config``). Pure."""
+    if options is None:
+        return
+    own = set(own)
+    where = "vllm-snapshot " + command
+    for a in engine_args:  # `serve --weight file`: vLLM would take it as --weight-transfer-config
+        flag = flag_name(a)
+        if not flag.startswith("--") or flag in options or "--" + flag[2:].replace("_", "-") in options:
+            continue
+        ours = sorted(o for o in own if o.startswith(flag) and o != flag)
+        if ours:
+            theirs = sorted(o for o in options if o.startswith("--" + flag[2:].replace("_", "-")))
+            raise UsageError(f"{flag} is not a whole option name: it abbreviates `{where}`'s {' and '.join(ours)}"
+                             + (f", and vLLM would read it as {', '.join(theirs[:3])}" if theirs else ""),
+                             hint=f"did you mean {ours[0]}? (write options out in full)")
+    bad = unknown_flags(engine_args, options)
+    if not bad:
+        return
+    from ..suggest import did_you_mean
+
+    flag = bad[0]
+    guess = did_you_mean(flag, own | options)
+    raise UsageError(f"{flag} is neither an option of `{where}` nor a vLLM engine arg"
+                     + (f" (also unknown: {', '.join(bad[1:])})" if bad[1:] else ""),
+                     hint=guess or f"`{where} --help` lists its options; `vllm serve --help` the engine args")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the installed vLLM's option names to the cache (setup runs this); print the path."""
+    remember(known_options(load=True) or ())
+    print(cache_file())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -44,7 +44,7 @@ from vllm_snapshot.effects.protocols import (
 )
 from vllm_snapshot.effects.tools import Tools
 from vllm_snapshot.fleet import reference
-from vllm_snapshot.fleet.tools import FleetTools
+from vllm_snapshot.effects.protocols import FleetTools
 from vllm_snapshot.fleet.transport import Target
 from vllm_snapshot.engine.protocol import decode, encode_event
 
@@ -168,6 +168,7 @@ class FakeWorld:
         self.capacity_uuid: str | None = None
         self.model_files: tuple[ModelFile, ...] | None = None
         self.refusals: dict[str, dict] = {}
+        self.restored_at: dict[str, float] = {}  # snapshot -> when record_restore last ran
         #: str(snapshot) -> its pull record (``pulled_from``): a snapshot pulled from a registry
         self.pulled: dict[str, dict] = {}
         #: path -> manifest: a store of several snapshots (list_snapshots/open_snapshot/publish)
@@ -720,10 +721,15 @@ class FakeStoreTools(_Role, StoreTools):
         return self.w.refusals.pop(str(snapshot))
 
     def last_restore(self, snapshot: Path) -> float | None:
-        return None
+        return self.w.restored_at.get(str(snapshot))
 
     def record_restore(self, snapshot: Path, overrides: list[str]) -> None:
+        """As the real one: the time is kept, and a successful restore clears a refusal."""
+        import time
+
         self.w._call("record_restore")
+        self.w.restored_at[str(snapshot)] = time.time()
+        self.w.refusals.pop(str(snapshot), None)
 
 
 class FakeRuntimeTools(_Role, RuntimeTools):

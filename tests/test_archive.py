@@ -9,7 +9,7 @@ from pathlib import Path
 import blake3
 import pytest
 
-from vllm_snapshot.store import archive
+from vllm_snapshot.store import archive, staging
 from vllm_snapshot.store.archive import Compression
 from vllm_snapshot.errors import CorruptSnapshotError, UsageError
 
@@ -413,16 +413,16 @@ def test_staging_order_and_ram_only_when_memory_holds_staging_and_tree(tmp_path,
 
     ro, stage, gib = tmp_path / "ro", tmp_path / "stage", 1 << 30
     ro.mkdir()
-    monkeypatch.setattr(archive, "_read_only", lambda p: Path(p) == ro)
-    monkeypatch.setattr(archive, "_free", lambda p: 100 * gib)  # room everywhere
+    monkeypatch.setattr(staging, "_read_only", lambda p: Path(p) == ro)
+    monkeypatch.setattr(staging, "_free", lambda p: 100 * gib)  # room everywhere
     monkeypatch.setenv("VLLM_SNAPSHOT_STAGING_DIR", str(stage))
     raw = (ImageFile(name="pages-1.img", raw_bytes=10 * gib, stored_bytes=10 * gib, blake3="0" * 64),)
     zst = (ImageFile(name="pages-1.img", raw_bytes=10 * gib, stored_bytes=2 * gib, blake3="0" * 64,
                      compression="zstd"),)
-    monkeypatch.setattr(archive, "_memory_room", lambda: 64 * gib, raising=False)
+    monkeypatch.setattr(staging, "_memory_room", lambda: 64 * gib, raising=False)
     assert archive.staging_parent(10 * gib, tmp_path, raw) == tmp_path  # hard links beside it
     assert archive.staging_parent(10 * gib, ro, raw) == Path("/dev/shm")
     assert archive.staging_parent(10 * gib, tmp_path, zst) == Path("/dev/shm")
-    monkeypatch.setattr(archive, "_memory_room", lambda: 15 * gib, raising=False)  # the images fit once, not twice
+    monkeypatch.setattr(staging, "_memory_room", lambda: 15 * gib, raising=False)  # the images fit once, not twice
     assert archive.staging_parent(10 * gib, ro, raw) == stage
     assert archive.staging_parent(10 * gib, tmp_path, zst) == tmp_path

@@ -13,7 +13,7 @@ import pytest
 
 from helpers import stand_in, write_snapshot_dir
 
-from vllm_snapshot.store import archive, locks, store
+from vllm_snapshot.store import archive, locks, staging, store
 from vllm_snapshot.cli import app as cli
 from vllm_snapshot import ops
 from vllm_snapshot.errors import BusyError, CorruptSnapshotError, CriuError, ModelChangedError, UsageError
@@ -134,15 +134,15 @@ def test_delete_through_a_symlinked_root_refuses_while_the_engine_runs(tmp_path)
 def test_read_only_store_stages_in_the_staging_dir(tmp_path, monkeypatch):
     ro = tmp_path / "ro"
     ro.mkdir()
-    monkeypatch.setattr(archive, "_read_only", lambda p: Path(p) == ro)
-    monkeypatch.setattr(archive, "_free", lambda p: 0 if str(p) == "/dev/shm" else 1 << 40)
+    monkeypatch.setattr(staging, "_read_only", lambda p: Path(p) == ro)
+    monkeypatch.setattr(staging, "_free", lambda p: 0 if str(p) == "/dev/shm" else 1 << 40)
     monkeypatch.setenv("VLLM_SNAPSHOT_STAGING_DIR", str(tmp_path / "stage"))
     from vllm_snapshot.store.manifest import ImageFile
 
     imgs = (ImageFile(name="a.img", raw_bytes=10, stored_bytes=10, blake3="0" * 64),)
     assert archive.staging_parent(10, ro, imgs) == tmp_path / "stage"
     assert archive.staging_parent(10, tmp_path, imgs) == tmp_path  # writable: beside the snapshot
-    monkeypatch.setattr(archive, "_free", lambda p: 5)
+    monkeypatch.setattr(staging, "_free", lambda p: 5)
     from vllm_snapshot.errors import EnvironmentProblem
 
     with pytest.raises(EnvironmentProblem, match="read-only") as ei:

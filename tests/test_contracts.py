@@ -103,12 +103,12 @@ def callers(trees: dict[str, ast.AST], name: str) -> list[str]:
     return sorted(out)
 
 
-def test_only_archive_lists_the_staging_parents():
+def test_only_staging_lists_the_staging_parents():
     # where restore stages (/dev/shm, paths.staging_dir(), beside the snapshot) is decided by
-    # archive.staging_parent and listed by archive.staging_parents; cleanup, reclaim and doctor
+    # staging.staging_parent and listed by staging.staging_parents; cleanup, reclaim and doctor
     # ask for that list instead of writing it out again
     trees = _trees()
-    assert callers(trees, "staging_dir") == ["store/archive.py"]
+    assert callers(trees, "staging_dir") == ["store/staging.py"]
     assert set(callers(trees, "stale_staging") + callers(trees, "own_staging")) <= set(callers(trees, "staging_parents"))
 
 

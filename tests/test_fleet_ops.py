@@ -25,7 +25,8 @@ from vllm_snapshot.effects.files import LocalSnapshotFiles
 from vllm_snapshot.effects.host import LocalHostTools
 from vllm_snapshot.effects.store import LocalStoreTools
 from vllm_snapshot.effects.tools import local_tools
-from vllm_snapshot.fleet.tools import PULLED, LocalFleetTools
+from vllm_snapshot.effects.fleet import LocalFleetTools
+from vllm_snapshot.fleet.tools import PULLED
 from vllm_snapshot.ops import fleet
 from vllm_snapshot.report.progress import Reporter
 

@@ -12,7 +12,8 @@ import pytest
 from vllm_snapshot.checkpoint import cuda_checkpoint
 from vllm_snapshot.cli import doctor
 from vllm_snapshot.effects import checkpoint, engine, files, host, model, protocols, runtime, store, tools
-from vllm_snapshot.fleet.tools import FleetTools, LocalFleetTools
+from vllm_snapshot.effects.fleet import LocalFleetTools
+from vllm_snapshot.effects.protocols import FleetTools
 from vllm_snapshot.store import archive
 from vllm_snapshot.supervise import supervisor
 

@@ -15,7 +15,7 @@ HARNESS = textwrap.dedent(r"""
     import os, signal, subprocess, sys, threading, time
     from types import SimpleNamespace
     from vllm_snapshot.host import interrupts
-    from vllm_snapshot.ops.restore import serve_foreground
+    from vllm_snapshot.ops.foreground import serve_foreground
     from vllm_snapshot.effects.runtime import LocalRuntimeTools
     from vllm_snapshot.effects.tools import local_tools
     import dataclasses
@@ -75,7 +75,7 @@ def test_an_engine_that_does_not_stop_is_killed_after_the_grace():
 
 # ------------------------------------------------------------------ through the fakes
 
-from vllm_snapshot.ops.restore import FOREGROUND_POLL_S, serve_foreground  # noqa: E402
+from vllm_snapshot.ops.foreground import FOREGROUND_POLL_S, serve_foreground  # noqa: E402
 
 from fakes import FakeEngine, FakeWorld  # noqa: E402
 

@@ -111,7 +111,7 @@ atexit.register(lambda: open(out, "w").write(json.dumps(sorted(sys.modules))))
 sys.argv = ["vllm_snapshot", *sys.argv[1:]]
 runpy.run_module("vllm_snapshot", run_name="__main__", alter_sys=True)
 """
-#: vLLM's argument parser (what snapkey.normalize_args imports; ~10-16 s)
+#: vLLM's argument parser (what engine.args.normalize_args imports; ~10-16 s)
 VLLM_PARSER = ("vllm.entrypoints.launchers.cli_args", "vllm.engine.arg_utils")
 
 

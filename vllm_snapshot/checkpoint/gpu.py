@@ -29,6 +29,9 @@ from dataclasses import dataclass
 from ..engine.args import last_value
 from ..errors import BusyError, EnvironmentProblem
 from ..host.identity import GPU_USED_FIELDS  # noqa: F401 - re-exported: the fields place() reads
+# placement and the restored state live beside this module; their names are gpu's too
+from .gpu_placement import GpuPlacement, GpuSlot, check_remap_usable, place  # noqa: F401
+from .gpu_state import NO_CUDA, HelperRun, check_restored, restored_states  # noqa: F401
 
 #: The query, its columns in order.
 QUERY_FIELDS: tuple[str, ...] = ("driver_version", "name", "uuid", "memory.used", "memory.free")
@@ -233,98 +236,6 @@ class GpuUse:
 
 
 
-@dataclass(frozen=True)
-class GpuSlot:
-    """One GPU of this host: ``uuid`` (``GPU-...``), ``name`` (model, as nvidia-smi prints it),
-    ``minor`` (N of its device file ``/dev/nvidiaN``)."""
-
-    uuid: str
-    name: str
-    minor: int
-
-
-@dataclass(frozen=True)
-class GpuPlacement:
-    """Where a restore puts a CUDA snapshot's GPU state: ``recorded`` (the UUID its tree used at
-    the dump) and ``target`` (the UUID of this host's GPU it goes onto), ``minor`` the target's
-    device minor (None when not known: the recorded GPU itself, on a host without its /proc
-    file)."""
-
-    recorded: str
-    target: str
-    minor: int | None = None
-
-    @property
-    def remapped(self) -> bool:
-        """True when the GPU state goes onto another GPU than the one it was checkpointed on."""
-        return self.target != self.recorded
-
-    @property
-    def pairs(self) -> tuple[tuple[str, str], ...]:
-        """The device map (``((recorded, target),)``) when remapped, else ``()``."""
-        return ((self.recorded, self.target),) if self.remapped else ()
-
-    def describe(self) -> str:
-        """``GPU <target>`` and, when remapped, ``(recorded <recorded>)``."""
-        return f"GPU {self.target}" + (f" (recorded {self.recorded})" if self.remapped else "")
-
-
-def _listing(here: Sequence[GpuSlot]) -> str:
-    return "; ".join(f"/dev/nvidia{s.minor} {s.uuid} ({s.name})" for s in sorted(here, key=lambda s: s.minor)) or "none"
-
-
-def place(recorded: Mapping[str, str], here: Sequence[GpuSlot]) -> GpuPlacement | None:
-    """Which GPU of this host (``here``) a CUDA snapshot's GPU state goes onto, from the facts
-    it recorded (``recorded``: the manifest's host fields or a pulled image's machine
-    annotations, :data:`GPU_USED_FIELDS`). None for a snapshot without ``gpu_uuid_used`` (CPU).
-
-    * The recorded GPU is here: onto it, as it was (no device map).
-    * Else the GPU here with the **same device minor** (``/dev/nvidiaN``) and the **same
-      model** (``gpu_name_used``), remapped (``pairs``). The same minor because CRIU restores
-      every file the tree held by its path: a GPU device file left open (``/dev/nvidiaN``)
-      would be re-opened as whatever GPU has that minor here, which must be the GPU the state
-      goes onto; on identical nodes of a fleet the GPU at the same minor is the same slot. The
-      same model because the driver restores only onto "the same chip type" (cuda-bindings'
-      ``cuCheckpointProcessRestore``) and the engine's memory budget was profiled on it.
-      Whether that GPU is free is decided later, under its lock (:func:`check_free_memory`).
-
-    Pure. Raises IncompatibleHostError naming the recorded GPU, this host's GPUs and what to do
-    when none fits, or when the snapshot predates ``gpu_minor_used``/``gpu_name_used`` (it
-    restores on its own GPU only)."""
-    from ..errors import IncompatibleHostError
-
-    uuid = recorded.get("gpu_uuid_used")
-    if not uuid:
-        return None
-    for s in here:
-        if s.uuid == uuid:
-            return GpuPlacement(uuid, uuid, s.minor)
-    minor_text, name = recorded.get("gpu_minor_used", ""), recorded.get("gpu_name_used", "")
-    lead = f"the snapshot's engine used GPU {uuid}, which this host does not have (GPUs here: {_listing(here)})"
-    details = {"gpu_uuid_used": uuid, "gpus_here": [s.__dict__ for s in here]}
-    if not minor_text.isdigit() or not name:
-        raise IncompatibleHostError(
-            lead + "; the snapshot does not record that GPU's device minor and model (made before GPU remapping), "
-            "so it restores only onto that GPU", hint="restore it on the host that has that GPU, or re-create the "
-                                                      "snapshot with this version", details=details)
-    minor = int(minor_text)
-    if uuid.startswith("MIG-"):
-        raise IncompatibleHostError(lead + "; it is a MIG instance, which the driver does not remap",
-                                    hint="restore it on the host that has that MIG instance", details=details)
-    slot = next((s for s in here if s.minor == minor), None)
-    if slot is None:
-        raise IncompatibleHostError(
-            lead + f"; a remap needs a {name} at /dev/nvidia{minor} (the device file the tree held), and there is none",
-            hint=f"restore it on a node whose /dev/nvidia{minor} is a {name}, or re-create the snapshot here",
-            details=details)
-    if slot.name != name:
-        raise IncompatibleHostError(
-            lead + f"; /dev/nvidia{minor} here is a {slot.name}, the snapshot's GPU was a {name} (the driver restores "
-            "only onto the same model)", hint=f"restore it on a node whose /dev/nvidia{minor} is a {name}",
-            details=details)
-    return GpuPlacement(uuid, slot.uuid, minor)
-
-
 def slots(runner: Runner | None = None, *, which: Callable[[str], str | None] = shutil.which,
           proc_gpus: str = PROC_GPUS) -> list[GpuSlot]:
     """This host's GPUs with model and device minor: the driver's /proc files
@@ -335,29 +246,6 @@ def slots(runner: Runner | None = None, *, which: Callable[[str], str | None] = 
         return []
     names = {g.uuid: g.name for g in query(runner, which=which, proc_gpus=proc_gpus) or ()}
     return [GpuSlot(u, names.get(u, ""), n) for n, u in sorted(minors.items())]
-
-
-def check_remap_usable(rc: int, out: str, own_helper: str | None = None) -> None:
-    """Before a CRIU restore that remaps GPUs: the ``cuda-checkpoint`` CRIU will run must take a
-    device map. ``rc``, ``out``: the exit status and output of its ``-h``;
-    ``own_helper``: ``$VLLM_SNAPSHOT_CUDA_CHECKPOINT`` (NVIDIA's binary: CRIU 4.2.1's plugin runs
-    it without ``--device-map`` and it does not read our environment). Pure. Raises
-    EnvironmentProblem saying why not and what to do."""
-    from .cuda_checkpoint import NO_REMAP_HELP, REMAP_HELP
-
-    if own_helper:
-        raise EnvironmentProblem(
-            f"restoring onto another GPU needs a device map, but VLLM_SNAPSHOT_CUDA_CHECKPOINT={own_helper} makes CRIU "
-            "run that cuda-checkpoint, to which CRIU 4.2.1 passes none",
-            hint="unset VLLM_SNAPSHOT_CUDA_CHECKPOINT (vllm-snapshot's own helper takes the map), or restore on the "
-                 "host that has the recorded GPU")
-    if rc != 0 or REMAP_HELP not in out:
-        why = next((ln.strip(" ()") for ln in out.splitlines() if NO_REMAP_HELP in ln),
-                   " ".join(out.split())[:300] or f"exit {rc}")
-        raise EnvironmentProblem(
-            f"restoring onto another GPU needs a driver that remaps GPUs, and this one cannot: {why}",
-            hint=f"upgrade the NVIDIA driver to r580+ and cuda-bindings to 13, or restore on the host that has the "
-                 "recorded GPU")
 
 
 APPS_UUID_QUERY_ARGS: tuple[str, ...] = ("--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader,nounits")
@@ -583,72 +471,6 @@ def check_host_room(gpu_bytes: int, how: str, ram_available: int, disk_free: int
             f"and the images, but " + " and ".join(short) + " is less",
             hint="create with --sleep-level 2 (weights and KV cache are freed before the dump), or free RAM/disk",
             details={"gpu_bytes": gpu_bytes, "ram_available": ram_available, "disk_free": disk_free})
-
-
-#: Runs a ``cuda-checkpoint`` command line and returns (exit status, stdout + stderr).
-HelperRun = Callable[[Sequence[str]], "tuple[int, str]"]
-
-
-#: The state :func:`restored_states` reports for a recorded CUDA process the driver finds no
-#: CUDA context in after the restore.
-NO_CUDA = "without CUDA state"
-
-
-def restored_states(pids: Sequence[int], run: HelperRun, recorded: bool = False) -> list[tuple[int, str]]:
-    """``(pid, state)`` of every CUDA process among ``pids`` (host PIDs of a restored tree), as
-    our ``cuda-checkpoint`` reports them: ``--get-restore-tid`` exit 0 marks a CUDA process
-    (exit 1: none, or ``gone`` when the process vanished), then ``--get-state``. ``recorded``:
-    ``pids`` are the processes that had CUDA at the dump, so one without CUDA now is reported
-    (:data:`NO_CUDA`) instead of left out. A helper that cannot reach the driver (exit 3) or
-    cannot run at all (any other exit) raises EnvironmentProblem. States: running, locked,
-    checkpointed, failed, gone, :data:`NO_CUDA`, or ``unknown (<message>)``."""
-    from .cuda_checkpoint import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE
-
-    out = []
-    for pid in pids:
-        rc, text = run(["--get-restore-tid", "--pid", str(pid)])
-        if rc == EXIT_UNAVAILABLE:
-            raise EnvironmentProblem(f"cannot check the restored CUDA processes: {text.strip()}",
-                                     hint="run `vllm-snapshot doctor` on this host")
-        if rc == EXIT_FAILED and "no such process" in text:
-            out.append((pid, "gone"))
-            continue
-        if rc == EXIT_FAILED:
-            if recorded:
-                out.append((pid, NO_CUDA))
-            continue  # the driver says: not a CUDA process
-        if rc != EXIT_OK:
-            raise EnvironmentProblem(f"cannot check the restored CUDA processes: cuda-checkpoint exited {rc}: "
-                                     f"{text.strip()[:300]}")
-        rc, text = run(["--get-state", "--pid", str(pid)])
-        out.append((pid, text.strip() if rc == EXIT_OK else f"unknown ({text.strip()[:200]})"))
-    return out
-
-
-def check_restored(states: Sequence[tuple[int, str]], expected: int | None = None) -> None:
-    """Raise CriuError unless at least one CUDA process was found (``expected``: exactly that
-    many, the CUDA processes recorded at the dump) and every one is ``running``. CRIU 4.2.1
-    only logs a failed RESUME_DEVICES_LATE hook (criu/cr-restore.c: 2259-2274) and resumes the
-    tree anyway, so a process whose GPU state was not restored or unlocked comes back locked
-    and blocks on its next CUDA call.
-
-    ``gone`` is a failure: a process of the just-restored tree that exited before its GPU state
-    could be checked -- a recorded CUDA process (or, for snapshots that did not record them,
-    any process of the tree) -- means the engine is not the one recorded; fail closed. Pure."""
-    from ..errors import CriuError
-
-    bad = [(p, s) for p, s in states if s != "running"]
-    if bad:
-        said = [f"PID {p} exited" if s == "gone" else f"PID {p} is {s}" for p, s in bad]
-        raise CriuError("CRIU restored the tree, but not every CUDA process of it is running: " + ", ".join(said)
-                        + " (expected running); stopped the tree",
-                        hint="see the CRIU restore log (grep cuda_plugin); free GPU memory or check the GPU, then retry")
-    if not states:
-        raise CriuError("CRIU restored the tree, but no process of it has CUDA state: the GPU state was not restored",
-                        hint="see the CRIU restore log (grep cuda_plugin)")
-    if expected is not None and len(states) != expected:
-        raise CriuError(f"CRIU restored the tree, but {len(states)} of its processes have CUDA state where the dump "
-                        f"had {expected}; stopped the tree", hint="see the CRIU restore log (grep cuda_plugin)")
 
 
 def engine_device(dists: Callable[[str], str | None] | None = None, proc_gpus: str = PROC_GPUS) -> str:

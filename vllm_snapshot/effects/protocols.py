@@ -3,7 +3,7 @@ implementation of each), the engine handle and channel they return, and the stag
 restore waits on.
 
 Each role has one local implementation in a module of its own (:mod:`.host`, :mod:`.model`,
-:mod:`.files`, :mod:`.checkpoint`, :mod:`.engine`, :mod:`.store`, :mod:`.runtime`) and one
+:mod:`.files`, :mod:`.checkpoint`, :mod:`.engine`, :mod:`.store`, :mod:`.runtime`, :mod:`.fleet`) and one
 recording fake in ``tests/fakes.py``; ``tests/test_protocols.py`` checks that both define
 exactly the role's methods, with the same signatures (vLLM's own fake drifted from its real
 class without such a test). Policies live in the leaves the implementations call, not here.
@@ -27,6 +27,8 @@ from ..store.manifest import (CarriedDir, CarriedFile, CodeIdentity, EngineUser,
                               ModelFile, WeightsFile)
 from ..store.model_digest import ModelCheck
 from ..store.registry import Entry, StopReport
+from ..fleet import reference
+from ..fleet.transport import Target
 
 
 class Engine(Protocol):
@@ -550,3 +552,44 @@ class Clock(Protocol):
         """Unix time, seconds."""
 
     def sleep(self, seconds: float) -> None: ...
+
+
+class FleetTools(Protocol):
+    """Side effects of ``push``/``pull``/``inspect IMAGE``."""
+
+    def open_target(self, ref: reference.Ref, plain_http: bool, create: bool) -> Target:
+        """The registry repository or image layout of ``ref`` (:func:`.transport.open_target`).
+        Raises UsageError (``--plain-http`` to a host that is not loopback; not a layout)."""
+
+    def snapshot_config(self, snapshot: Path) -> bytes:
+        """The bytes of ``snapshot/manifest.json`` (the artifact's config, pushed byte for byte)."""
+
+    def check_pulled(self, staging: Path, m) -> None:
+        """The snapshot's own checks over a downloaded staging dir: member layout (stat),
+        every image and saved file's BLAKE3, the code table's digest. Raises
+        CorruptSnapshotError naming the file."""
+
+    def pull_staging(self, dest: Path, digest: str) -> AbstractContextManager:
+        """Where a pull of the artifact ``digest`` (``sha256:HEX``) to be published as ``dest``
+        writes: a :class:`.partial.Staging` (the store's partial dir of that artifact, locked,
+        with what an interrupted pull of it left; or a private dir of this pull's own when
+        another pull holds it), after removing stale partial and temp dirs beside ``dest``.
+        Leaving by an exception keeps the partial dir for an interruption or a registry
+        problem and removes it otherwise (:mod:`.partial`)."""
+
+    def weights_problem(self, path: Path) -> str | None:
+        """Why the weights file cannot be placed at ``path`` on this node (None: it can):
+        :func:`.weights.destination_problem`. Reads only."""
+
+    def weights_present(self, path: Path, blake3: str, size: int) -> bool:
+        """True when a regular file at ``path`` holds ``size`` bytes hashing to ``blake3``."""
+
+    def weights_staging(self, final: Path, blake3: str, where: str) -> AbstractContextManager:
+        """The locked :class:`.weights.WeightsStaging` of the weights file ``final``
+        (:func:`.weights.staging`). Raises IncompatibleHostError when its directory cannot be
+        made."""
+
+    def publish_pulled(self, staging: Path, target: Path, config: bytes, provenance: dict) -> None:
+        """Write ``manifest.json`` (``config``, byte for byte) and :data:`PULLED`
+        (``provenance``), 0600, drop the resume marks, then rename ``staging`` to ``target``
+        (UsageError when ``target`` appeared meanwhile)."""

@@ -2,7 +2,7 @@
 
 :class:`Tools` holds one implementation of each role Protocol of :mod:`.protocols` (this host,
 the model directory, snapshot directories, CRIU, the engine, the store, running engines, time,
-registries: :class:`vllm_snapshot.fleet.tools.FleetTools`);
+registries: :class:`vllm_snapshot.effects.protocols.FleetTools`);
 :func:`local_tools` builds the real ones, each in a module of its own (:mod:`.host`,
 :mod:`.model`, :mod:`.files`, :mod:`.checkpoint`, :mod:`.engine`, :mod:`.store`,
 :mod:`.runtime`); ``tests/fakes.py`` has one recording fake per role over one call log.
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..fleet.tools import FleetTools
 from .protocols import (
     CheckpointTools,
     Clock,
     EngineTools,
+    FleetTools,
     HostTools,
     ModelTools,
     RuntimeTools,
@@ -46,7 +46,7 @@ class Tools:
 def local_tools(engine_argv: tuple[str, ...] | None = None) -> Tools:
     """The roles over this host. ``engine_argv`` replaces the engine root's command (tests run
     a protocol-speaking fake engine through it)."""
-    from ..fleet.tools import LocalFleetTools
+    from .fleet import LocalFleetTools
     from .checkpoint import CriuRunners, LocalCheckpointTools
     from .engine import LocalEngineTools
     from .files import LocalSnapshotFiles

@@ -41,13 +41,12 @@ binds the port itself.
 from __future__ import annotations
 
 import os
-import signal
 import socket
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable
 
 from ..checkpoint import carry, criu, mountpolicy
 
@@ -61,8 +60,6 @@ from ..errors import (
     CorruptSnapshotError,
     CriuError,
     EngineError,
-    EnvironmentProblem,
-    IncompatibleHostError,
     InsufficientResources,
     Interrupted,
     OracleMismatchError,
@@ -71,8 +68,8 @@ from ..errors import (
 from ..store.manifest import Manifest
 from ..report.progress import Reporter
 from ..host.cgroups import Placement
-from ..store.registry import DRAIN_S, TEARDOWN_S, Entry
-from ..report.results import Restored, Verified
+from ..store.registry import DRAIN_S, Entry
+from ..report.results import Restored
 from ..effects.protocols import (
     CheckpointTools,
     Clock,
@@ -88,17 +85,14 @@ from ..effects.protocols import (
 )
 from ..effects.tools import Tools, local_tools
 from .cleanup import report_reclaimed, run_cleanups
-from .create import check_access, wake_timeout_s
+from .create import wake_timeout_s
+# the checks before CRIU and the foreground server live beside restore; their names are restore's too
+from .foreground import died_while_serving, how_it_ended, serve_foreground  # noqa: F401
+from .validate import damaged_hint, raise_code_changed, validate, validate_roles, verify  # noqa: F401
 
 RESTORE_ORACLE_TIMEOUT_S = 300.0
 BIND_TIMEOUT_S = 120.0
 HEALTH_POLL_S = 0.05
-#: Seconds between two looks at a foreground engine (has it exited? is its grace over?).
-FOREGROUND_POLL_S = 0.2
-#: Restore's warning for a snapshot made before engines dropped privileges (no engine user).
-LEGACY_ROOT_NOTE = ("this snapshot was made before engines ran unprivileged: its engine tree runs as root "
-                    "with every capability; re-create it to run as an unprivileged user")
-
 
 @dataclass
 class RestoreRequest:
@@ -142,153 +136,6 @@ def _pool():
     return _POOL
 
 
-def validate(snapshot: Path, verify_model: str = "quick", allow: frozenset[str] = frozenset(),
-             check_images: bool = False, port: tuple[str, int] | None = None,
-             tools: Tools | None = None, pins: list | None = None) -> tuple[Manifest, list[str]]:
-    """Every check a restore makes before CRIU, in the order of the module doc (the GPU
-    placement included, not whether that GPU is free: the restore decides that under its lock); ``port``
-    (host, port) is probed before the model files are re-hashed; ``check_images`` adds every
-    image checksum (``verify``); ``pins`` receives the model files' stats as the check saw
-    them (:func:`vllm_snapshot.store.model_digest.stat_pins`). Returns (manifest, warnings). Raises UsageError,
-    CorruptSnapshotError, IncompatibleHostError, ModelChangedError, BusyError,
-    EnvironmentProblem."""
-    t = tools or local_tools()
-    return _validate(t.host, t.model, t.files, snapshot, verify_model, allow, check_images, port, pins)
-
-
-def _validate(host: HostTools, model: ModelTools, files: SnapshotFiles, snapshot: Path, verify_model: str = "quick",
-              allow: frozenset[str] = frozenset(), check_images: bool = False, port: tuple[str, int] | None = None,
-              pins: list | None = None, gpu: list | None = None) -> tuple[Manifest, list[str]]:
-    """:func:`validate` over the three roles it uses; ``gpu`` receives the CUDA snapshot's
-    :class:`~vllm_snapshot.checkpoint.gpu.GpuPlacement` (nothing for a CPU snapshot)."""
-    snapshot = snapshot.absolute()
-    m = files.open_snapshot(snapshot)
-    try:
-        criu.check_flags(m.criu.flags)
-    except ValueError as e:
-        raise CorruptSnapshotError(f"{snapshot}: the manifest's CRIU flags are not restorable by this tool: {e}",
-                                   hint="re-create the snapshot with this version of vllm-snapshot") from e
-    here = host.host_identity(m.engine.kind)
-    pulled = files.pulled_from(snapshot)  # pulled from a registry: any machine of its host class restores it
-    try:
-        diffs = identity.compare(m.host, here, allow, machine=pulled is None)
-    except ValueError as e:
-        raise UsageError(str(e)) from e
-    warnings = [f"identity override: {d}" for d in diffs if d.overridden]
-    hard = [d for d in diffs if not d.overridden]
-    if hard:
-        raise IncompatibleHostError(
-            "this host differs from the one the snapshot was created on:\n  " + "\n  ".join(map(str, hard)),
-            hint="restore on a matching host, or re-create the snapshot here",
-            details=[d.__dict__ for d in hard])
-    if "gpu_uuid_used" in m.host:  # the GPU its state goes onto: the recorded one, else one of its model, remapped
-        from ..checkpoint import gpu as gpus
-
-        recorded = m.host["gpu_uuid_used"]
-        # the recorded GPU here: known from the driver's /proc files, without running nvidia-smi
-        placed = (gpus.GpuPlacement(recorded, recorded) if recorded in host.gpu_uuids()
-                  else gpus.place(m.host, host.gpu_slots()))
-        if gpu is not None and placed is not None:
-            gpu.append(placed)
-    if m.engine.user is None:
-        missing = files.caps_missing(snapshot, m)
-        if missing:  # CRIU would log "Unable to restore capabilities" and hang (docs/operations.md)
-            raise EnvironmentProblem(
-                f"this snapshot's engine runs as root with capabilities this restore does not have "
-                f"({', '.join(map(privilege.cap_name, missing))}; e.g. a systemd CapabilityBoundingSet=): CRIU "
-                "could not give them back", hint="re-create the snapshot (engines now run unprivileged, with no capability), "
-                                       "or restore it outside the narrower bounding set")
-        warnings.append(LEGACY_ROOT_NOTE)
-    else:
-        who = host.user_problems(m.engine.user)
-        if who:
-            u = m.engine.user
-            raise IncompatibleHostError(
-                f"the snapshot's engine runs as {u.name} (uid {u.uid}, gid {u.gid}), which is not the same user "
-                "on this host:\n  " + "\n  ".join(who),
-                hint=f"give {u.name} uid {u.uid} and gid {u.gid} again (e.g. useradd --system --uid {u.uid} "
-                     f"--gid {u.gid} {u.name}), or re-create the snapshot on this host",
-                details={"engine_user": who})
-    mount_problems = host.check_external_mounts(m.criu.external_mounts)
-    if mount_problems:
-        raise IncompatibleHostError(
-            "mounts the snapshot binds from the host differ:\n  " + "\n  ".join(mount_problems),
-            hint="mount the same file systems at the same places, or re-create the snapshot",
-            details={"mounts": mount_problems})
-    if port is not None:
-        host.port_free(*port)
-    if check_images:
-        files.verify_images(snapshot, m)
-    # the weights file the engine maps (a CPU snapshot's weights are not in its images):
-    # missing or changed refuses now, naming it (CRIU would map whatever is at that path)
-    files.check_weights(m, full=verify_model == "full")
-    problems = files.check_tree_files(m)
-    if problems:
-        raise IncompatibleHostError(
-            "files the engine had open or mapped changed since the snapshot was created:\n  " + "\n  ".join(problems),
-            hint="restore with the same venv/libraries, or re-create the snapshot")
-    # files the snapshot carries: their stored copies verified (a damaged one refuses, naming
-    # the file); missing or replaceable ones are put back right before CRIU; what cannot be
-    # (another owner's file differs, a live process holds a differing one) refuses now
-    refused = carry.refusal(files.plan_carried(snapshot, m))
-    if refused is not None:
-        raise refused
-    if pins is not None:  # before the check: a change made after it shows in the stat
-        pins.extend(model.model_stats(Path(m.model.path), m.model.files))
-    model.verify_model(Path(m.model.path), m.model.files, verify_model)  # added files: refused or ignored
-    if m.engine.user is not None:  # as create refuses: a level-2 wake reloads the weights as that user
-        model_dir = Path(m.model.path)
-        check_access(m.engine.user, model_dir, {"model": host.unreadable_by(m.engine.user, [model_dir])})
-    return m, warnings
-
-
-def raise_code_changed(problems: list[str]) -> None:
-    """Raise IncompatibleHostError when the code identity check found ``problems``."""
-    if problems:
-        raise IncompatibleHostError(
-            "Python files the engine imports from changed since the snapshot was created "
-            "(a restored engine would import them):\n  " + "\n  ".join(problems),
-            hint="reinstall the recorded versions (`vllm-snapshot inspect` lists them), or re-create the snapshot",
-            details={"code": problems})
-
-
-@contextmanager
-def _damaged_hint(snapshot: Path) -> Iterator[None]:
-    """A CorruptSnapshotError (exit 5: an image failing its checksum, a manifest that is not
-    JSON, ...) raised without a hint gets one: delete and re-create, or pull again."""
-    try:
-        yield
-    except CorruptSnapshotError as e:
-        if e.hint is None:
-            e.hint = layout.damaged_hint(snapshot)
-        raise
-
-
-def verify(snapshot: Path, allow: frozenset[str] = frozenset(), tools: Tools | None = None) -> Verified:
-    """``verify``: :func:`validate` with every image checksum and a full model re-hash, under
-    the snapshot's shared lock. Returns :class:`Verified`."""
-    t = tools or local_tools()
-    snapshot = t.store.canonical(snapshot)
-    with _damaged_hint(snapshot), t.store.snapshot_lock(snapshot, shared=True):
-        m, warnings = _validate(t.host, t.model, t.files, snapshot, "full", allow, check_images=True)
-        raise_code_changed(t.files.check_code(snapshot, m))
-        try:  # what it re-checked passes now (e.g. the weights file put back): list stops showing the old ✗
-            cleared = t.store.clear_refusal(snapshot, VERIFY_RECHECKS)
-        except OSError:  # bookkeeping only
-            cleared = None
-    return Verified(str(snapshot), len(m.images), len(m.model.files), warnings, m.weights.path if m.weights else None,
-                    cleared)
-
-
-#: The refusal codes whose causes ``verify`` re-checks in full (host, mounts, files, images,
-#: model, weights, code): a pass clears such a recorded refusal. An oracle mismatch, a CRIU or an
-#: engine failure is re-checked only by a restore, which clears any refusal when it serves.
-VERIFY_RECHECKS = frozenset({"incompatible-host", "model-changed", "corrupt-snapshot"})
-
-
-#: ``details["stage"]`` of an EngineError raised after the oracle matched, while the engine
-#: started its HTTP server: what fails there is the front-end options' (TLS, ...) or the host's,
-#: not the snapshot's, so ``serve`` does not hold it against the snapshot.
 SERVER_START = "server-start"
 
 
@@ -318,7 +165,7 @@ def restore(req: RestoreRequest, rep: Reporter, tools: Tools | None = None) -> t
     snapshot = t.store.canonical(req.snapshot)
     served = False
     try:
-        with _damaged_hint(snapshot), t.store.snapshot_lock(snapshot, shared=True):
+        with damaged_hint(snapshot), t.store.snapshot_lock(snapshot, shared=True):
             r, engine = _restore_locked(t, req, rep, snapshot)
         served = True
         # signals are held from the moment the engine serves validated (hold_signals in
@@ -416,7 +263,7 @@ def _validate_request(t: Tools, req: RestoreRequest, snapshot: Path):
     fe = frontend.check(list(req.frontend), t.host.environ())  # the options' values and files, before CRIU
     pins: list = []  # the model files' stats as checked: a level-2 wake reloads from them
     placed: list = []
-    m, warnings = _validate(t.host, t.model, t.files, snapshot, req.verify_model, req.allow,
+    m, warnings = validate_roles(t.host, t.model, t.files, snapshot, req.verify_model, req.allow,
                             port=None if req.listener is not None else (req.host, req.port), pins=pins, gpu=placed)
     if fe.files and m.engine.user is not None:  # the unprivileged engine opens them when it serves
         unreadable = t.host.unreadable_by(m.engine.user, [Path(p) for p in fe.files])
@@ -647,92 +494,3 @@ def _undo(files: SnapshotFiles, cp: CheckpointTools, st: _Restoring, e: BaseExce
         ce.message = f"{ce.message}\n(the restore had already failed: {type(e).__name__}: {e}; the restored tree was stopped)"
         ce.args = (ce.message,)
         raise ce from e
-
-
-def serve_foreground(r: Restored, engine: Engine, on_signal_msg: Callable[[str], None] | None = None,
-                     stop_grace_s: float | None = None, tools: Tools | None = None) -> int:
-    """Block until the restored engine exits; every SIGINT/SIGTERM/SIGHUP (a closed terminal)
-    is forwarded to it as SIGTERM: the first makes it drain (no new connection, requests in flight finish within
-    ``r.drain_s`` seconds) and exit 0, a second cuts the drain short. SIGKILL after
-    ``stop_grace_s`` seconds from the first signal (default ``r.drain_s`` + the engine's
-    teardown time, :data:`vllm_snapshot.store.registry.TEARDOWN_S`). Returns the engine's exit code
-    (137 when it had to be killed); unregisters it. An engine that ends by itself with a
-    status other than 0 (killed, crashed) while no signal asked it to stop raises
-    EngineError (exit 8) naming its PID, the signal or status and where its log is
-    (:func:`died_while_serving`); one stopped by ``vllm-snapshot stop`` exits 0 and returns 0."""
-    t = tools or local_tools()
-    return _serve_until_exit(t.runtime, t.clock, r, engine, on_signal_msg,
-                             r.drain_s + TEARDOWN_S if stop_grace_s is None else stop_grace_s)
-
-
-def _signame(signum: int) -> str:
-    """``SIGINT`` for 2; ``signal N`` for a number without a name."""
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-def how_it_ended(code: int) -> tuple[str, str | None]:
-    """(in words, signal name or None) for an engine root's exit code as ``reap`` gives it
-    (a signal N is ``128 + N``): ``("killed by SIGKILL (exit status 137)", "SIGKILL")``,
-    ``("exited with status 3", None)``."""
-    if code > 128:
-        try:
-            name = signal.Signals(code - 128).name
-        except ValueError:
-            name = None
-        if name is not None:
-            return f"killed by {name} (exit status {code})", name
-    return f"exited with status {code}", None
-
-
-def died_while_serving(r: Restored, code: int) -> EngineError:
-    """The error for a foreground engine that ended while serving without being asked to
-    (no signal to the command): its PID, what ended it (``code`` as ``reap`` gives it: a
-    signal N is ``128 + N``) and where its log is (the command's stderr: the journal under
-    systemd). ``details``: ``{"stage": "serving", "pid", "exit_status", "signal", "log": None}``."""
-    said, sig = how_it_ended(code)
-    return EngineError(
-        f"the engine (PID {r.pid}) serving {r.served_name} on {r.url} ended while serving: {said}; "
-        "it was not stopped through this command",
-        hint="its log is the output above (stderr; under systemd: `journalctl -u UNIT`); "
-             + ("a SIGKILL nobody sent by hand is often the kernel's OOM killer: `dmesg | grep -i oom`"
-                if sig == "SIGKILL" else "its last lines say why"),
-        details={"stage": "serving", "pid": r.pid, "exit_status": code, "signal": sig, "log": None})
-
-
-def _serve_until_exit(rt: RuntimeTools, clock: Clock, r: Restored, engine: Engine,
-                      on_signal_msg: Callable[[str], None] | None, stop_grace_s: float) -> int:
-    """:func:`serve_foreground` over its two roles: signals and the registry (``rt``), time."""
-    stopping: dict[str, float | None] = {"at": None}
-
-    def _fwd(signum: int) -> None:
-        if on_signal_msg:
-            # by name (a trial's Ctrl-C read as "signal 15": the engine's own line names the
-            # SIGTERM it is sent, this one what the command received)
-            on_signal_msg(f"received {_signame(signum)}; stopping the engine" + (
-                f" (draining: requests in flight may finish for up to {r.drain_s:g} s)" if stopping["at"] is None
-                else " now (requests still in flight are cut)"))
-        stopping["at"] = stopping["at"] or clock.monotonic()
-        rt.terminate(engine.root_pid)
-
-    try:
-        with rt.forward_signals(_fwd):
-            while True:
-                code = engine.reap(block=False)
-                if code is not None:
-                    break
-                at = stopping["at"]
-                if at and clock.monotonic() - at > stop_grace_s:
-                    engine.kill()
-                    code = 128 + signal.SIGKILL
-                    break
-                clock.sleep(FOREGROUND_POLL_S)
-            engine.drain_log(5.0)  # stragglers of the namespace die with its init
-            if stopping["at"] is None and code != 0:
-                raise died_while_serving(r, code)
-            return code
-    finally:
-        engine.close()
-        rt.unregister(r.pid)

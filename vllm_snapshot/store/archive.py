@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import tempfile
 import threading
 import time
 from collections import deque
@@ -38,6 +37,9 @@ import zstandard
 
 from ..errors import CorruptSnapshotError, UsageError
 from .manifest import Frame, ImageFile
+# where to stage and the staging dirs' lifecycle live in .staging; their names are archive's too
+from .staging import (SHM, STAGE_PREFIX, new_stage, own_staging, remove_staging, stale_staging,  # noqa: F401
+                      staging_parent, staging_parents)
 
 CHUNK = 4 << 20  # bytes per read
 DEFAULT_LEVEL = 3
@@ -398,7 +400,7 @@ class Unpacking:
 def start_unpack(src_dir: Path, images: tuple[ImageFile, ...], parent: Path) -> tuple[Path, Unpacking]:
     """A new private staging dir under ``parent`` and an :class:`Unpacking` into it. Raises
     CorruptSnapshotError or OSError (staging already removed)."""
-    stage = Path(tempfile.mkdtemp(prefix=f"{STAGE_PREFIX}{os.getpid()}-", dir=parent))
+    stage = new_stage(parent)
     try:
         return stage, Unpacking(src_dir, images, stage)
     except BaseException:
@@ -495,7 +497,7 @@ def link_stage(src_dir: Path, images: tuple[ImageFile, ...], parent: Path) -> Pa
     removed)."""
     if any(i.compression != "none" for i in images):
         raise ValueError("link_stage stages uncompressed images only")
-    stage = Path(tempfile.mkdtemp(prefix=f"{STAGE_PREFIX}{os.getpid()}-", dir=parent))
+    stage = new_stage(parent)
     try:
         for img in images:
             src = src_dir / stored_name(img)
@@ -511,85 +513,12 @@ def link_stage(src_dir: Path, images: tuple[ImageFile, ...], parent: Path) -> Pa
     return stage
 
 
-#: Memory-backed staging for compressed images (:func:`staging_parent`).
-SHM = Path("/dev/shm")
-
-
-def staging_parents(near: Path) -> list[Path]:
-    """Every directory :func:`staging_parent` may stage under for snapshots beside ``near``
-    (/dev/shm, :func:`paths.staging_dir`, ``near``): where :func:`own_staging` and
-    :func:`stale_staging` look. Pure."""
-    from .. import paths
-
-    return [SHM, paths.staging_dir(), near]
-
-
-def staging_parent(raw_bytes: int, fallback: Path, images: tuple[ImageFile, ...] = ()) -> Path:
-    """Where to stage, the first that fits of:
-
-    1. ``fallback`` (the snapshot's parent: same filesystem, so uncompressed images are
-       hard-linked, not copied; nothing is written) when no image is compressed and it is
-       writable;
-    2. /dev/shm (tmpfs: decompressing or copying there is ~3x faster than onto a disk, see
-       docs/history.md) when its free space exceeds ``raw_bytes`` by 25% plus 1 GiB *and*
-       the memory on offer (:func:`vllm_snapshot.host.resources.offer`) holds the staged images
-       and the restored tree at once (twice ``raw_bytes`` plus 1 GiB): tmpfs pages are RAM until
-       the restore removes its staging, and the memory check before CRIU counts the images once;
-    3. ``fallback`` when writable (compressed images decompressed onto its disk);
-    4. :func:`paths.staging_dir` (a read-only snapshot store: images are copied there).
-
-    Raises EnvironmentProblem when that has too little free space."""
-    from .. import paths
-    from ..errors import EnvironmentProblem
-
-    writable = os.access(fallback, os.W_OK | os.X_OK) and not _read_only(fallback)
-    if writable and images and all(i.compression == "none" for i in images):
-        return fallback
-    if _free(SHM) > raw_bytes * 1.25 + (1 << 30) and _memory_room() > 2 * raw_bytes + (1 << 30):
-        return SHM
-    if writable:
-        return fallback
-    d = paths.ensure_private_dir(paths.staging_dir())
-    if _free(d) < raw_bytes * 1.1:
-        raise EnvironmentProblem(
-            f"the snapshot's directory {fallback} is read-only, and the staging directory {d} has "
-            f"{_free(d) >> 20} MiB free; staging needs {raw_bytes >> 20} MiB",
-            hint="free space there, or point VLLM_SNAPSHOT_STAGING_DIR at a filesystem with room")
-    return d
-
-
-def _memory_room() -> int:
-    """Bytes of memory on offer to this process (MemAvailable or its cgroup's headroom, the
-    smaller); 0 when it cannot be read (then nothing is staged in RAM)."""
-    from ..host import resources
-
-    try:
-        return resources.offer().available
-    except (OSError, ValueError):
-        return 0
-
-
-def _free(p: Path) -> int:
-    try:
-        st = os.statvfs(p)
-        return st.f_bavail * st.f_frsize
-    except OSError:
-        return 0
-
-
-def _read_only(p: Path) -> bool:
-    try:
-        return bool(os.statvfs(p).f_flag & os.ST_RDONLY)
-    except OSError:
-        return True
-
-
 def unpack(src_dir: Path, images: tuple[ImageFile, ...], parent: Path) -> Path:
     """Stage raw images into a new private dir under ``parent``, verifying checksums on the
     way (files, and the frames of ``zstd-frames`` images, in parallel). Returns the staging
     dir; the caller removes it with :func:`remove_staging`. Raises CorruptSnapshotError or
     OSError (staging already removed)."""
-    stage = Path(tempfile.mkdtemp(prefix=f"{STAGE_PREFIX}{os.getpid()}-", dir=parent))
+    stage = new_stage(parent)
     try:
         if any(i.compression == "zstd-frames" for i in images):
             Unpacking(src_dir, images, stage, background=lambda i: i.compression != "none").ready()
@@ -600,52 +529,3 @@ def unpack(src_dir: Path, images: tuple[ImageFile, ...], parent: Path) -> Path:
         remove_staging(stage)
         raise
     return stage
-
-
-#: Staging dirs are ``vllm-snapshot-stage-<owner PID>-XXXX``: one whose owner is gone is stale.
-STAGE_PREFIX = "vllm-snapshot-stage-"
-
-
-def stale_staging(parents: list[Path]) -> list[Path]:
-    """Staging dirs under ``parents`` whose owner process is gone (a SIGKILLed restore), or
-    that carry no owner PID (made by an older version); a live owner's are never listed."""
-    import psutil
-
-    out = []
-    for d in parents:
-        try:
-            entries = list(d.glob(f"{STAGE_PREFIX}*"))
-        except OSError:
-            continue
-        for p in entries:
-            if not p.is_dir() or p.is_symlink():
-                continue
-            head = p.name[len(STAGE_PREFIX):].split("-", 1)[0]
-            pid = int(head) if head.isdigit() else 0
-            if pid and psutil.pid_exists(pid):
-                try:
-                    if psutil.Process(pid).create_time() <= p.stat().st_mtime + 1:
-                        continue  # its owner (not a reused PID) is still running
-                except psutil.Error:
-                    pass
-            out.append(p)
-    return sorted(out)
-
-
-def own_staging(parents: list[Path], pid: int | None = None) -> list[Path]:
-    """Staging dirs under ``parents`` made by process ``pid`` (default this one): how a failed
-    or interrupted restore finds its staging even when a signal landed between creating it
-    and remembering it."""
-    mark = f"{STAGE_PREFIX}{pid or os.getpid()}-"
-    out = []
-    for d in parents:
-        try:
-            out += [p for p in d.glob(f"{mark}*") if p.is_dir() and not p.is_symlink()]
-        except OSError:
-            continue
-    return sorted(out)
-
-
-def remove_staging(stage: Path) -> None:
-    """Remove a staging dir made by :func:`unpack` (never follows its symlinks)."""
-    shutil.rmtree(stage, ignore_errors=True)

@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from registry_server import BINARY
+from vllm_snapshot.dev.registry_server import BINARY
 
 HERE = Path(__file__).resolve().parent
 REG_ADDR, NODE_ADDR = "10.231.0.1", "10.231.0.2"

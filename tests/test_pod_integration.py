@@ -40,7 +40,7 @@ import requests
 
 from conftest import CACHE, ENGINE_ARGS, ROOT, TINY, cli
 from pod_image import build_rootfs, import_image, remove_rootfs
-from registry_server import RegistryServer
+from vllm_snapshot.dev.registry_server import RegistryServer
 from test_bare_root import cached_root_tarball
 from test_fleet import _keypair
 from test_integration import free_port

@@ -245,7 +245,7 @@ class LocalCheckpointTools(CheckpointTools):
             runner.env = {**runner.env, cuda_checkpoint.DEVICE_MAP_ENV: cuda_checkpoint.format_device_map(gpu_map)}
         if kind == "cuda":  # as at dump: a helper that cannot reach the driver (or remap) fails here, not after CRIU
             self.criu.cuda_preflight(runner.env, remap=bool(gpu_map))
-        from ..engine.mounts import ENGINE_TMPDIR
+        from ..paths import ENGINE_TMPDIR
 
         # the engine's private TMPDIR tmpfs is mounted there: CRIU needs the mount point, which
         # create made on the host's disk -- gone in a container restored from a fresh image

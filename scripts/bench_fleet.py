@@ -6,7 +6,11 @@
   ``cp -a`` of the same snapshot directory (alone, and followed by ``sync`` of the copy: pull
   fsyncs what it writes), for ``--compress none`` and zstd frames;
 * "fresh node -> first validated completion": pull into an empty store + restore, against a
-  cold start (``vllm serve``'s API server, same engine args) on the same machine.
+  cold start (``vllm serve``'s API server, same engine args) on the same machine;
+* our pull beside other clients' pulls of the same artifact from the same registry, in the
+  same run: ``skopeo copy docker://... oci:DIR`` (Debian's skopeo, when installed) and
+  oras-py's ``OrasClient.pull`` (when the ``oras`` package is importable); a client that is
+  not installed is reported as such, not timed.
 
 Run with the project's venv as root:
 
@@ -37,6 +41,43 @@ from vllm_snapshot.effects.tools import local_tools  # noqa: E402
 from vllm_snapshot.ops import fleet  # noqa: E402
 from vllm_snapshot.report.progress import Reporter  # noqa: E402
 from vllm_snapshot.store import archive  # noqa: E402
+
+
+def other_pulls(host: str, image: str, work: Path) -> dict:
+    """Seconds of other clients' pulls of ``image`` (``HOST/REPO:TAG`` on the loopback
+    registry ``host``) into fresh directories under ``work``: ``skopeo copy`` to an ``oci:``
+    layout, oras-py's pull; each None with a ``*_missing`` reason when not installed, or an
+    ``*_error`` when it failed."""
+    out: dict = {}
+    skopeo = shutil.which("skopeo")
+    if skopeo is None:
+        out["skopeo_s"], out["skopeo_missing"] = None, "skopeo is not installed (apt-get install skopeo)"
+    else:
+        dst = work / "skopeo-oci"
+        shutil.rmtree(dst, ignore_errors=True)
+        t0 = time.monotonic()
+        p = subprocess.run([skopeo, "copy", "--src-tls-verify=false", f"docker://{image}", f"oci:{dst}:x"],
+                           capture_output=True, text=True)
+        out["skopeo_s"] = round(time.monotonic() - t0, 3) if p.returncode == 0 else None
+        if p.returncode:
+            out["skopeo_error"] = p.stderr.strip()[-500:]
+        shutil.rmtree(dst, ignore_errors=True)
+    try:
+        import oras.client  # noqa: F401
+    except ImportError:
+        out["oras_s"], out["oras_missing"] = None, "oras-py is not installed (pip install oras)"
+    else:
+        dst = work / "oras-out"
+        shutil.rmtree(dst, ignore_errors=True)
+        dst.mkdir(mode=0o700)
+        t0 = time.monotonic()
+        try:
+            oras.client.OrasClient(hostname=host, insecure=True).pull(target=image, outdir=str(dst))
+            out["oras_s"] = round(time.monotonic() - t0, 3)
+        except Exception as e:  # noqa: BLE001 - another client's failure is a result, not ours
+            out["oras_s"], out["oras_error"] = None, str(e)[-500:]
+        shutil.rmtree(dst, ignore_errors=True)
+    return out
 
 
 def dir_bytes(d: Path) -> int:
@@ -90,6 +131,15 @@ def main() -> int:
                              "pull_phases": {k: round(v, 3) for k, v in pull_rep.timings.items()}}
                 print(f"  {kind}: push {r.seconds:.2f} s, pull {p.seconds:.2f} s, cp {run['cp_s']:.2f} s "
                       f"({size / 1e6:.0f} MB)", file=sys.stderr)
+                if kind == "registry":  # the same artifact, other clients, this run
+                    others = other_pulls(host, image, work)
+                    run[kind]["others"] = others
+
+                    def show(k: str) -> str:
+                        return (f"{others[k + '_s']:.2f} s" if others.get(k + "_s") is not None
+                                else others.get(k + "_missing") or "failed: " + others.get(k + "_error", "?"))
+                    print(f"  registry pull side by side: ours {p.seconds:.2f} s, skopeo copy to oci: "
+                          f"{show('skopeo')}, oras-py {show('oras')}", file=sys.stderr)
                 if kind == "registry":  # a fresh node: pull + restore -> first validated completion
                     shutil.rmtree(root)
                     root.mkdir(mode=0o700)

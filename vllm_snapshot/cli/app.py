@@ -88,7 +88,7 @@ METAVARS = {
     "drain_timeout": "SECONDS", "sleep_level": "0|1|2", "verify_model": "quick|full", "compress": "none|zstd[:LEVEL]",
     "weights": "file|in-image", "keep_env": "VAR", "allow_mismatch": "FIELD", "older_than": "AGE", "keep": "N",
     "log_file": "FILE", "snapshot_dir": "DIR", "root": "DIR", "sign_key": "PEM", "verify_key": "PEM",
-    "oracle_prompt": "TEXT", "registry": "HOST[:PORT]/REPO",
+    "oracle_prompt": "TEXT", "registry": "HOST[:PORT]/REPO", "chunk_size": "SIZE",
 }
 
 
@@ -357,6 +357,9 @@ def push(
     plain_http: bool = typer.Option(False, "--plain-http", help="HTTP instead of HTTPS (a registry on loopback only)."),
     sign_key: Optional[Path] = typer.Option(None, "--sign-key", help="Sign offline with this PEM EC P-256 key "
                                                                      "(cosign's layout: tag sha256-DIGEST.sig)."),
+    chunk_size: Optional[str] = typer.Option(None, "--chunk-size", help="Upload each blob in PATCH chunks of this "
+                                             "size (16M, 65536; 0: one PUT per blob, chunks only after a 413). "
+                                             "Default $VLLM_SNAPSHOT_PUSH_CHUNK, else 0."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
 ) -> None:
@@ -368,9 +371,20 @@ def push(
     from ..ops import fleet
     from . import render
 
+    chunk = None
+    if chunk_size is not None:
+        from ..fleet.transport import parse_size
+
+        try:
+            chunk = parse_size(chunk_size)
+        except ValueError:
+            chunk = -1
+        if chunk != 0 and not 1024 <= chunk:
+            raise UsageError(f"--chunk-size {chunk_size!r} is not a size of at least 1024 bytes (or 0)",
+                             hint="e.g. --chunk-size 16M")
     _root_only("push")
     _interruptible()
-    render.show(fleet.push(fleet.PushRequest(_resolve(snapshot), image, plain_http, sign_key),
+    render.show(fleet.push(fleet.PushRequest(_resolve(snapshot), image, plain_http, sign_key, chunk),
                            _reporter(quiet, as_json), local_tools()), as_json, quiet)
 
 

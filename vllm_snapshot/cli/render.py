@@ -102,6 +102,8 @@ def _inspected(r: R.Inspected, quiet: bool) -> None:
 
 
 def _pushed(r: R.Pushed, quiet: bool) -> None:
+    for w in r.warnings:
+        _line(f"note: {w}")
     if quiet:
         return
     _line(f"pushed {r.snapshot} to {r.image}@{r.digest}: {r.blobs} blobs, {human_bytes(r.bytes)} "

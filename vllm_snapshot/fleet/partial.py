@@ -121,9 +121,38 @@ def _make(path: Path) -> None:
 
 def _keep_for_resume(exc: BaseException) -> bool:
     """True for the failures after which the partial dir is worth keeping: an interruption
-    (a signal, Ctrl-C) or a registry/network problem. Anything else (a digest or checksum
-    that did not match, a refused config, a name taken) removes it."""
-    return isinstance(exc, (KeyboardInterrupt, SystemExit, EnvironmentProblem, ConnectionError, TimeoutError))
+    (a signal, Ctrl-C), a registry/network problem (EnvironmentProblem, or any network error
+    :func:`.transport.transient` knows -- ``requests``' and urllib3's included, should one get
+    past the retries), or the disk (an OSError: full, read-only; what was verified stays
+    verified). Anything else (a digest or checksum that did not match, a refused config, a name
+    taken) removes it."""
+    from ..errors import Interrupted
+    from .transport import transient
+
+    return isinstance(exc, (KeyboardInterrupt, SystemExit, EnvironmentProblem, Interrupted, OSError)) \
+        or transient(exc)
+
+
+def check_private_dirs(path: Path, subs) -> None:
+    """Refuse (CorruptSnapshotError, exit 5) a staging dir ``path`` whose ``subs`` are not
+    real directories -- a symbolic link there would have the pull write through it."""
+    import stat
+
+    from ..errors import CorruptSnapshotError
+
+    for sub in subs:
+        p = Path(path) / sub
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            raise CorruptSnapshotError(
+                f"{p} in the pull's staging directory is not a directory ("
+                + ("a symbolic link" if stat.S_ISLNK(st.st_mode) else "a file")
+                + ": nothing a pull makes); nothing was written through it",
+                hint="pull again: the staging directory was removed and the pull starts afresh",
+                details={"path": str(p)})
 
 
 @contextlib.contextmanager
@@ -154,8 +183,9 @@ def staging(dest: Path, digest: str, fresh, discard, max_age_s: float = MAX_AGE_
             raise
         return
     try:
+        check_private_dirs(path, ("images", "files", "carried", MARKS))
         for sub in ("images", "files", "carried", MARKS):  # a partial dir from before carried/ existed
-            if not (path / sub).is_dir():
+            if not os.path.lexists(path / sub):
                 os.mkdir(path / sub, 0o700)
         os.utime(path)
         yield Staging(path, True, removed)

@@ -122,8 +122,9 @@ def signature_layers(raw_manifest: bytes, where: str) -> list[tuple[str, int, by
     return out
 
 
-def verify(pub, body: bytes, signature: bytes, digest: str) -> bool:
-    """True when ``signature`` is ``pub``'s over ``body`` and ``body`` names ``digest``."""
+def signed_digest(pub, body: bytes, signature: bytes) -> str | None:
+    """The artifact digest the simple-signing payload ``body`` names, when ``signature`` is
+    ``pub``'s over it; None when it is not (or the payload names none)."""
     from cryptography.exceptions import InvalidSignature
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -131,12 +132,17 @@ def verify(pub, body: bytes, signature: bytes, digest: str) -> bool:
     try:
         pub.verify(signature, body, ec.ECDSA(hashes.SHA256()))
     except InvalidSignature:
-        return False
+        return None
     try:
         named = json.loads(body)["critical"]["image"]["docker-manifest-digest"]
     except (ValueError, KeyError, TypeError):
-        return False
-    return named == digest
+        return None
+    return named if isinstance(named, str) else None
+
+
+def verify(pub, body: bytes, signature: bytes, digest: str) -> bool:
+    """True when ``signature`` is ``pub``'s over ``body`` and ``body`` names ``digest``."""
+    return signed_digest(pub, body, signature) == digest
 
 
 def fingerprint(pub) -> str:

@@ -15,6 +15,7 @@ later pull of the same artifact downloads only the layers not marked.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -46,6 +47,11 @@ class Pushed:
     skipped: int
     seconds: float
     signature_tag: str | None
+    #: blobs the target held damaged (an image layout's, hashed before skipping) and that
+    #: were written again
+    repaired: tuple[str, ...] = ()
+    #: what the operator should know about the target (a body limit met, ranges ignored)
+    notes: tuple[str, ...] = ()
 
 
 def _parallel(fn, items, workers: int) -> None:
@@ -111,7 +117,7 @@ def push(snapshot: Path, config: bytes, ann: dict[str, str], target: Target, tag
         with lock:
             dup = p.digest in seen
             seen.add(p.digest)
-        if dup or target.has_blob(p.digest):
+        if dup or target.has_blob(p.digest, p.size):
             with lock:
                 sent[1] += 1
         else:
@@ -124,7 +130,7 @@ def push(snapshot: Path, config: bytes, ann: dict[str, str], target: Target, tag
     order = sorted(parts, key=lambda p: -p.size)  # the big parts first: they set the wall time
     _parallel(upload, order, workers)
     cfg_digest = oci.sha256(config)
-    if not target.has_blob(cfg_digest):
+    if not target.has_blob(cfg_digest, len(config)):
         _put_bytes(target, cfg_digest, config)
     digest = target.put_manifest(tag, raw)
     sig_tag = None
@@ -135,7 +141,9 @@ def push(snapshot: Path, config: bytes, ann: dict[str, str], target: Target, tag
         sig_tag = sign.sig_tag(digest)
         target.put_manifest(sig_tag, sman)
     return Pushed(digest=digest, tag=tag, bytes=sum(p.size for p in parts), sent_bytes=sent[0], blobs=len(parts),
-                  skipped=sent[1], seconds=time.monotonic() - t0, signature_tag=sig_tag)
+                  skipped=sent[1], seconds=time.monotonic() - t0, signature_tag=sig_tag,
+                  repaired=tuple(dict.fromkeys(getattr(target, "repaired", ()))),
+                  notes=tuple(getattr(target, "notes", ())))
 
 
 def _put_bytes(target: Target, digest: str, data: bytes) -> None:
@@ -178,12 +186,23 @@ def verify_signature(target: Target, art: oci.Artifact, pub, where: str) -> str:
         raise sign.SignatureError(f"{where} is not signed (no {tag} beside it); nothing was pulled",
                                   hint="push it with --sign-key, or pull without --verify-key if you trust the "
                                        "repository") from e
+    stale: list[str] = []
     for digest, size, signature in sign.signature_layers(raw, where):
         if size > 1 << 20:
             continue
         body = fetch_bytes(target, digest, size, "signature payload")
-        if sign.verify(pub, body, signature, art.digest):
+        named = sign.signed_digest(pub, body, signature)
+        if named == art.digest:
             return sign.fingerprint(pub)
+        if named is not None:
+            stale.append(named)
+    if stale:
+        raise sign.SignatureError(
+            f"{where}: the signature tag {tag} read there is signed by the given key ({sign.fingerprint(pub)}) but "
+            f"names another artifact, {stale[0]}, not {art.digest} (a stale signature: that tag was written for "
+            "another push); nothing was pulled",
+            hint="sign this artifact again: `vllm-snapshot push SNAPSHOT IMAGE --sign-key KEY` on the node that "
+                 "holds the snapshot writes its signature tag anew", details={"tag": tag, "names": stale[0]})
     raise sign.SignatureError(f"{where}: no signature beside it verifies with the given key "
                               f"({sign.fingerprint(pub)}); nothing was pulled",
                               hint="check --verify-key names the public key of the key it was pushed with")
@@ -191,10 +210,12 @@ def verify_signature(target: Target, art: oci.Artifact, pub, where: str) -> str:
 
 @dataclass(frozen=True)
 class Downloaded:
-    """Result of :func:`download`: layers (``fetched``) and bytes (``fetched_bytes``) downloaded
-    now, and what an interrupted pull of the same artifact had already put in place and that
-    hashed to their digests again: whole layers (``reused``) and bytes (``reused_bytes``:
-    those layers' and the flushed prefixes of layers it was cut off in)."""
+    """Result of :func:`download`: layers (``fetched``) and bytes (``fetched_bytes``: every
+    byte that came, a layer fetched again or a range a registry ignored counting each time)
+    downloaded now, and what an interrupted pull of the same artifact had already put in place
+    and that hashed to their digests again: whole layers (``reused``) and bytes
+    (``reused_bytes``: those layers' and the flushed prefixes of layers it was cut off in that
+    were not downloaded again)."""
 
     fetched: int
     fetched_bytes: int
@@ -259,7 +280,16 @@ def download(target: Target, art: oci.Artifact, staging: Path, workers: int = WO
     lock = threading.Lock()
     try:
         for member, size in sizes.items():
-            fd = os.open(staging / member, flags, 0o600)
+            try:
+                fd = os.open(staging / member, flags, 0o600)
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.EISDIR, errno.ENOTDIR, errno.EEXIST):
+                    raise
+                raise CorruptSnapshotError(
+                    f"{staging / member} in the pull's staging directory is not a regular file (a symbolic link or a "
+                    "directory: nothing a pull writes); nothing was followed or written through it",
+                    hint="pull again: the staging directory is removed and the pull starts afresh",
+                    details={"path": str(staging / member)}) from e
             fds[member] = fd
             os.fchmod(fd, 0o600)
             if os.fstat(fd).st_size != size:
@@ -299,24 +329,33 @@ def download(target: Target, art: oci.Artifact, staging: Path, workers: int = WO
                         at[1] = 0
 
             try:
-                target.get_blob(p.digest, p.size, sink, p.member, start=start, h=h)
+                got = target.get_blob(p.digest, p.size, sink, p.member, start=start, h=h)
             except NotFound as e:
                 raise CorruptSnapshotError(f"{target.describe()}: blob {p.digest} ({p.member}) is missing",
-                                           hint="push the snapshot again") from e
+                                           hint="push the snapshot again", details={"blob": p.digest,
+                                                                                    "member": p.member,
+                                                                                    "missing": True}) from e
+            except CorruptSnapshotError as e:
+                with lock:  # bytes that came and did not hold still came
+                    counts[1] += int((e.details or {}).get("received") or 0) if isinstance(e.details, dict) else 0
+                raise
+            wire = got if isinstance(got, int) else p.size - start
             with lock:
                 counts[0] += 1
-                counts[1] += p.size - start
-                counts[3] += start
+                counts[1] += wire
+                counts[3] += start if wire <= p.size - start else 0  # a registry that ignored the range sent it again
 
         def get(ip: tuple[int, oci.Part]) -> None:
             i, p = ip
             start = _progress(marks, i, p.size) if resumable else 0
             try:
                 fetch(i, p, start)
-            except CorruptSnapshotError:
-                if not start:
+            except CorruptSnapshotError as e:
+                details = e.details if isinstance(e.details, dict) else {}
+                if not (start or details.get("resumed")) or details.get("missing"):
                     raise
-                (marks / f"{i}.at").unlink(missing_ok=True)  # the kept prefix did not hold: the whole layer
+                # the kept prefix, or a resumed stream, did not hold: the whole layer once more
+                (marks / f"{i}.at").unlink(missing_ok=True)
                 fetch(i, p, 0)
             if resumable:  # the bytes on disk before the mark: a marked layer survives a crash
                 os.fdatasync(fds[p.member])

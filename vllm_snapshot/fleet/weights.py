@@ -211,6 +211,7 @@ def staging(final: Path, blake3: str, where: str = "the artifact"):
         raise OSError(f"the staging dir {path} of the weights file kept disappearing (another pull removing it?)")
     try:
         os.chmod(path, 0o700)
+        partial.check_private_dirs(path, (partial.MARKS,))
         os.makedirs(path / partial.MARKS, mode=0o700, exist_ok=True)
         os.utime(path)
         yield WeightsStaging(final, path, blake3, removed)

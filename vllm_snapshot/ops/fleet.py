@@ -23,25 +23,30 @@ removes it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import CorruptSnapshotError, IncompatibleHostError, ModelChangedError, UsageError
+from ..errors import CorruptSnapshotError, EnvironmentProblem, IncompatibleHostError, ModelChangedError, UsageError
 from ..fleet import oci, reference, sign, transfer
-from ..fleet.transport import NotFound, Target
+from ..fleet.transport import Net, NotFound, Target
 from ..effects.tools import Tools
 from ..report.results import ImageInspected, Pulled, Pushed
 
 
 @dataclass(frozen=True)
 class PushRequest:
-    """``snapshot`` (a dir), ``image`` (IMAGE text), ``plain_http``, ``sign_key`` (PEM path)."""
+    """``snapshot`` (a dir), ``image`` (IMAGE text), ``plain_http``, ``sign_key`` (PEM path),
+    ``chunk_bytes``: upload in PATCH chunks of this size (0: one PUT per blob; None: the
+    environment's, :class:`~vllm_snapshot.fleet.transport.Net`)."""
 
     snapshot: Path
     image: str
     plain_http: bool = False
     sign_key: Path | None = None
+    chunk_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -72,9 +77,14 @@ def push(req: PushRequest, rep, t: Tools) -> Pushed:
     ref = reference.parse(req.image)
     tag = _tag_of(ref, "push")
     key = sign.load_private(req.sign_key) if req.sign_key is not None else None
+    again = shlex.join(["vllm-snapshot", "push", str(req.snapshot), str(ref.with_tag(tag))]
+                       + (["--plain-http"] if req.plain_http else [])
+                       + (["--sign-key", str(req.sign_key)] if req.sign_key is not None else []))
     # the destination before the seconds of checksumming: a file, or a folder that is neither
     # empty nor a layout, is refused here with nothing written (a layout is made on its first blob)
     target = t.fleet.open_target(ref, req.plain_http, True)
+    if req.chunk_bytes is not None and isinstance(getattr(target, "net", None), Net):
+        target.net = dataclasses.replace(target.net, chunk_bytes=req.chunk_bytes)
     snapshot = t.store.canonical(req.snapshot)
     with t.store.snapshot_lock(snapshot, shared=True):
         m = t.files.open_snapshot(snapshot)
@@ -90,12 +100,22 @@ def push(req: PushRequest, rep, t: Tools) -> Pushed:
             t.files.check_weights(m)
         config = t.fleet.snapshot_config(snapshot)
         with rep.phase("push", f"pushing to {ref}"):
-            r = transfer.push(snapshot, config, oci.annotations(m, model_part(m.model.files)), target, tag,
-                              signing_key=key, docker_reference=str(ref.with_tag(tag)).removesuffix(f":{tag}"),
-                              weights=m.weights)
+            try:
+                r = transfer.push(snapshot, config, oci.annotations(m, model_part(m.model.files)), target, tag,
+                                  signing_key=key, docker_reference=str(ref.with_tag(tag)).removesuffix(f":{tag}"),
+                                  weights=m.weights)
+            except EnvironmentProblem as e:  # the network or the registry, past the retries
+                e.hint = (f"{e.hint}; " if e.hint else "") + (
+                    f"then `{again}` pushes again, sending only the blobs {target.describe()} lacks (the tag is set "
+                    "last: it still names what it named before)")
+                raise
+    notes = list(r.notes)
+    if r.repaired:
+        notes.append(f"{len(r.repaired)} blob(s) {target.describe()} held damaged (not matching their digest) were "
+                     f"written again: {', '.join(r.repaired[:3])}" + (" ..." if len(r.repaired) > 3 else ""))
     return Pushed(snapshot=str(snapshot), image=str(ref.with_tag(tag)), digest=r.digest, bytes=r.bytes,
                   sent_bytes=r.sent_bytes, blobs=r.blobs, skipped=r.skipped, seconds=round(r.seconds, 3),
-                  signature=r.signature_tag)
+                  signature=r.signature_tag, repaired=list(r.repaired), warnings=notes)
 
 
 def fetch(ref: reference.Ref, plain_http: bool, t: Tools) -> tuple[Target, oci.Artifact]:
@@ -256,7 +276,8 @@ def pull(req: PullRequest, rep, t: Tools) -> Pulled:
         if t.host.path_exists(dest):
             raise _taken(dest, name, ref, art.digest, t)
         report = t.store.reclaim(dest.parent)
-        with t.fleet.pull_staging(dest, art.digest) as st:  # resumes what a killed pull of this artifact left
+        with t.fleet.pull_staging(dest, art.digest) as st, _explained(req, ref, name, st):
+            # (the staging dir resumes what a killed pull of this artifact left)
             staging = st.path
             report += st.removed
             config = transfer.fetch_bytes(target, art.config_digest, art.config_size, "config (snapshot manifest)")
@@ -291,7 +312,8 @@ def pull(req: PullRequest, rep, t: Tools) -> Pulled:
                     "pulled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t.clock.now())),
                     "machine_id": here.get("machine_id", "unknown"), "hostname": here.get("hostname", "unknown"),
                     "verified_by": verified_by})
-    wskip = art.weights_bytes - wgot.fetched_bytes
+    wskip = art.weights_bytes if how in ("present", "linked") else wgot.reused_bytes
+    notes += list(getattr(target, "notes", ()))
     return Pulled(snapshot=str(dest), image=str(ref), digest=art.digest, bytes=art.blob_bytes,
                   seconds=round(t.clock.monotonic() - t0, 3), verified_by=verified_by,
                   fetched_bytes=got.fetched_bytes + wgot.fetched_bytes,
@@ -300,6 +322,60 @@ def pull(req: PullRequest, rep, t: Tools) -> Pulled:
                   warnings=notes + [f"removed leftover {p}" for p in report],
                   weights=m.weights.path if m.weights is not None else None,
                   weights_bytes=art.weights_bytes, weights_fetched_bytes=wgot.fetched_bytes, weights_reused=how)
+
+
+def resume_command(req: PullRequest, name: str) -> str:
+    """The command line that pulls ``req.image`` again into the same store and name -- and so
+    continues from the partial directory a failed pull of it left."""
+    argv = ["vllm-snapshot", "--root", str(req.root), "pull", req.image, "--name", name]
+    if req.plain_http:
+        argv.append("--plain-http")
+    if req.verify_key is not None:
+        argv += ["--verify-key", str(req.verify_key)]
+    return shlex.join(argv)
+
+
+def repair_hint(ref: reference.Ref, digest: str, missing: bool, plain_http: bool) -> str:
+    """What repairs an artifact whose blob ``digest`` a pull found ``missing`` or damaged, as
+    commands that work (docs/oci-format.md, "A damaged artifact"). ``SNAPSHOT`` in them is the
+    snapshot it was pushed from, on the node that holds it."""
+    image = str(ref.with_tag(ref.tag or "TAG"))
+    flags = " --plain-http" if plain_http and isinstance(ref, reference.RegistryRef) else ""
+    push = f"`vllm-snapshot push SNAPSHOT {image}{flags}`"
+    if missing:
+        return (f"on the node that holds the snapshot, {push} uploads the missing blob (SNAPSHOT: the snapshot it was "
+                "pushed from), then pull again")
+    if isinstance(ref, reference.LayoutRef):
+        return (f"on the node that holds the snapshot, {push} writes it again (push hashes every blob a layout "
+                "already holds and replaces one that does not match its digest; SNAPSHOT: the snapshot it was pushed "
+                "from), then pull again")
+    hx = digest.split(":", 1)[1]
+    return (f"{ref.host} serves damaged bytes for blob {digest}, and pushing the same blob again does not replace "
+            "them (a registry keeps what it holds under a digest; distribution 2.8 keeps it even after a DELETE "
+            "through its API, and shares it between repositories). On the registry's host remove the blob's data "
+            f"(distribution's filesystem storage: `rm -r ROOTDIR/docker/registry/v2/blobs/sha256/{hx[:2]}/{hx}`, "
+            "ROOTDIR its storage.filesystem.rootdirectory; restart it when it caches blob descriptors), then run "
+            f"{push} on the node that holds the snapshot (SNAPSHOT: the snapshot it was pushed from) and pull again; "
+            "or push the snapshot to another registry, or to an image layout (`vllm-snapshot push SNAPSHOT "
+            "oci:DIR:TAG`), and pull from there")
+
+
+@contextlib.contextmanager
+def _explained(req: PullRequest, ref: reference.Ref, name: str, st):
+    """Inside a pull's staging: a network/registry failure (past the retries) says that the
+    verified layers are kept and which command resumes; a damaged or missing blob says what
+    repairs it (:func:`repair_hint`)."""
+    try:
+        yield
+    except EnvironmentProblem as e:
+        kept = (f"the layers verified so far are kept in {st.path}, and " if st.resumable else "")
+        e.hint = (f"{e.hint}; " if e.hint else "") + f"{kept}`{resume_command(req, name)}` resumes the pull"
+        raise
+    except CorruptSnapshotError as e:
+        d = e.details if isinstance(e.details, dict) else {}
+        if d.get("blob"):
+            e.hint = repair_hint(ref, d["blob"], bool(d.get("missing")), req.plain_http)
+        raise
 
 
 def _stage_weights(target: Target, art: oci.Artifact, m, root: Path, where: str, rep, t: Tools,
@@ -372,6 +448,8 @@ class RegistryCache:
                 or (isinstance(ref, reference.LayoutRef) and ref.tag != reference.DEFAULT_TAG):
             raise UsageError(f"--registry {repo!r} names a tag or digest; give the repository only",
                              hint="serve tags each snapshot with its key")
+        if isinstance(ref, reference.RegistryRef):
+            Net.from_env()  # a bad VLLM_SNAPSHOT_NET_* is a usage error now, not a warning after the build
         self.repo, self.t, self.rep = repo, tools, rep
         self.plain_http, self.sign_key, self.verify_key = plain_http, sign_key, verify_key
         #: seconds of the last :meth:`offer`'s push (None: nothing pushed)

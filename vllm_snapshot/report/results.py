@@ -267,7 +267,9 @@ class DemoReport:
 class Pushed:
     """``push``: the snapshot pushed to ``image`` (with the tag), the artifact's manifest
     ``digest``, bytes of every layer and of those sent (layers the target had are skipped),
-    blob counts, ``seconds`` of the transfer, the signature tag (or None)."""
+    blob counts, ``seconds`` of the transfer, the signature tag (or None), the digests of
+    blobs the target held damaged and that were written again (``repaired``: an image
+    layout's, hashed before being skipped), ``warnings`` (those, a body limit met...)."""
 
     snapshot: str
     image: str
@@ -278,6 +280,8 @@ class Pushed:
     skipped: int
     seconds: float
     signature: str | None
+    repaired: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {**asdict(self), "MB_s": round(self.bytes / 1e6 / max(self.seconds, 1e-9), 1)}

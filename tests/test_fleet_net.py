@@ -26,7 +26,7 @@ import pytest
 import requests
 
 from faultproxy import Fault, FaultProxy
-from registry_server import RegistryServer
+from vllm_snapshot.dev.registry_server import RegistryServer
 from test_fleet import _keypair
 from test_fleet_ops import Tools, _root, make_snapshot, model  # noqa: F401 - a fixture
 from vllm_snapshot.cli import app as cli

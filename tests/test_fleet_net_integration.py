@@ -16,7 +16,7 @@ import requests
 
 from conftest import cli, engine_env
 from faultproxy import Fault, FaultProxy
-from registry_server import RegistryServer
+from vllm_snapshot.dev.registry_server import RegistryServer
 from vllm_snapshot.fleet import oci
 
 pytestmark = pytest.mark.integration

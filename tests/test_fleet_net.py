@@ -33,7 +33,7 @@ from vllm_snapshot.cli import app as cli
 from vllm_snapshot.errors import CorruptSnapshotError, EnvironmentProblem, UsageError
 from vllm_snapshot.fleet import oci, partial, sign, transfer, transport
 from vllm_snapshot.fleet.reference import RegistryRef
-from vllm_snapshot.fleet.tools import LocalFleetTools
+from vllm_snapshot.effects.fleet import LocalFleetTools
 from vllm_snapshot.ops import fleet
 from vllm_snapshot.report.progress import Reporter
 

@@ -553,6 +553,54 @@ def auth_files() -> list[Path]:
     return out
 
 
+#: Where podman/skopeo (containers-certs.d(5)) and docker look for a registry's own certificate
+#: authorities: ``DIR/HOST[:PORT]/*.crt``.
+CERTS_DIRS = (Path("/etc/containers/certs.d"), Path("/etc/docker/certs.d"))
+_BUNDLES: dict[str, str] = {}
+_BUNDLES_LOCK = threading.Lock()
+
+
+def ca_bundle(host: str, certs_dirs: tuple[Path, ...] = CERTS_DIRS, environ=None) -> str | bool:
+    """What to trust for ``host`` (``name[:port]``) over HTTPS, as ``requests``' ``verify``: the
+    ``*.crt`` files of ``certs_dirs/HOST`` (podman's, skopeo's and docker's per-registry
+    authorities; several are joined into one private bundle file, 0600, removed at exit), else
+    ``$REQUESTS_CA_BUNDLE`` / ``$SSL_CERT_FILE`` (read on purpose: the sessions ignore the
+    environment so that no proxy variable redirects registry traffic), else True (the public
+    authorities certifi ships). Raises EnvironmentProblem naming a named file that does not exist."""
+    env = os.environ if environ is None else environ
+    for d in certs_dirs:
+        reg = d / host
+        try:
+            crts = sorted(p for p in reg.iterdir() if p.suffix == ".crt" and p.is_file())
+        except OSError:
+            continue
+        if len(crts) == 1:
+            return str(crts[0])
+        if crts:
+            key = "\0".join(map(str, crts))
+            with _BUNDLES_LOCK:
+                if key not in _BUNDLES:
+                    import atexit
+                    import tempfile
+
+                    fd, path = tempfile.mkstemp(prefix="vllm-snapshot-ca-", suffix=".pem")
+                    with os.fdopen(fd, "wb") as f:  # mkstemp: 0600
+                        for c in crts:
+                            f.write(c.read_bytes().rstrip(b"\n") + b"\n")
+                    atexit.register(lambda q=path: os.path.exists(q) and os.unlink(q))
+                    _BUNDLES[key] = path
+                return _BUNDLES[key]
+    for var in ("REQUESTS_CA_BUNDLE", "SSL_CERT_FILE"):
+        named = env.get(var)
+        if named:
+            if not os.path.exists(named):
+                raise EnvironmentProblem(f"${var} names {named}, which does not exist",
+                                         hint=f"point {var} at the PEM file of your registry's certificate authority, "
+                                              "or unset it")
+            return named
+    return True
+
+
 def credentials(host: str) -> tuple[str, str] | None:
     """``(username, password)`` for ``host`` from the first auth file that has an entry for
     it (credential helpers and stores included, through ``docker.auth``), or None."""
@@ -611,6 +659,7 @@ class Registry:
         self.ref = ref
         self.net = net if net is not None else Net.from_env()
         self.base = f"{'http' if plain_http else 'https'}://{ref.host}/v2/{ref.repo}/"
+        self._verify = True if plain_http else ca_bundle(ref.host)
         self._local = threading.local()
         self._token: str | None = None
         self._auth_gen = 0
@@ -642,6 +691,7 @@ class Registry:
         if s is None:
             s = self._local.s = requests.Session()
             s.trust_env = False  # no proxies from the environment for registry traffic
+            s.verify = self._verify  # a private registry's own authority (certs.d, $REQUESTS_CA_BUNDLE)
         return s
 
     def _creds(self) -> tuple[str, str] | None:
@@ -728,6 +778,9 @@ class Registry:
                 return fn()
             except Exception as e:  # noqa: BLE001 - sorted right below
                 if not transient(e):
+                    tls = self._tls_refusal(e)
+                    if tls is not None:
+                        raise tls from e
                     raise
                 fired = interrupts.fired()
                 if fired is not None:  # a signal a C extension turned into a network error
@@ -743,6 +796,22 @@ class Registry:
                 if getattr(e, "wait", None) is not None:
                     wait = min(self.net.backoff_max_s, max(wait, e.wait))
                 _sleep(wait)
+
+    def _tls_refusal(self, e: BaseException) -> EnvironmentProblem | None:
+        """The refusal (exit 11) for a TLS failure ``e`` -- the registry's certificate is not
+        signed by an authority trusted here (a private registry's own) -- naming where this client
+        looks for one; None for any other error."""
+        import requests
+        import urllib3
+
+        if not isinstance(e, (requests.exceptions.SSLError, urllib3.exceptions.SSLError)):
+            return None
+        d = " or ".join(f"{c}/{self.ref.host}/ca.crt" for c in CERTS_DIRS)
+        return EnvironmentProblem(
+            f"the TLS connection to {self.ref.host} failed: {_words(e)}",
+            hint=f"if the registry's certificate comes from your own authority, put that authority's PEM at {d}, "
+                 "or name it in REQUESTS_CA_BUNDLE (as podman, skopeo and docker do)",
+            details={"registry": self.ref.host, "trusted": self._verify if isinstance(self._verify, str) else "public"})
 
     def _unreachable(self) -> str:
         return f"cannot reach the registry {self.ref.host}"

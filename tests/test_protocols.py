@@ -169,6 +169,17 @@ def test_the_demo_runs_against_the_fake_world(tmp_path, monkeypatch):
     assert _before(w.calls, "restore_tree", "engine.kill") and _before(w.calls, "engine.kill", "unregister")
     assert report.url.endswith(":8123") and report.completion == " Paris."
 
+    # a path that is there and is not a snapshot is the user's: refused, untouched (a trial: an
+    # empty --snapshot-dir was taken, and an interrupted demo removed it)
+    from vllm_snapshot.errors import UsageError
+
+    for mine in (tmp_path / "empty", tmp_path / "afile"):
+        mine.mkdir() if mine.name == "empty" else mine.write_text("x")
+        w = fakes.FakeWorld(manifest=m)
+        with pytest.raises(UsageError, match=f"{mine} already exists and is a (directory|file), not a snapshot"):
+            demo.run(mine, 0, True, True, tools=w.tools)
+        assert mine.exists() and "launch_engine" not in w.calls
+
 
 def _before(calls: list[str], a: str, b: str) -> bool:
     return a in calls and b in calls and calls.index(a) < calls.index(b)

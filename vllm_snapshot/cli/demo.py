@@ -21,7 +21,7 @@ from typing import Callable
 
 from ..dev import smollm2, tiny_model
 from ..dev.bench import cold_start, free_port
-from ..errors import EngineError, SnapshotError
+from ..errors import EngineError, SnapshotError, UsageError
 from ..report.progress import make_reporter
 from ..report.results import DemoReport
 from ..effects.http import http_json
@@ -99,8 +99,10 @@ def run(snap: Path, port: int, skip_cold: bool, as_json: bool, tools: Tools | No
             rep.info(f"existing snapshot {snap} does not validate ({e.code}); re-creating it")
         if m is None:
             ops.delete(snap, tools=t)  # under its lock; refuses while an engine from it runs
-    elif snap.exists() and not any(snap.iterdir()):
-        snap.rmdir()
+    elif snap.exists() or snap.is_symlink():  # never the demo's to remove: refused as create refuses it
+        what = "a symlink" if snap.is_symlink() else "a directory" if snap.is_dir() else "a file"
+        raise UsageError(f"{snap} already exists and is {what}, not a snapshot; the demo does not overwrite it",
+                         hint="choose another --snapshot-dir, or remove it yourself")
     if m is None:
         snap.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         m = ops.create(ops.CreateRequest(model=str(model), target=snap, engine_args=list(args)),

@@ -50,9 +50,28 @@ def test_symlink_is_refused(base):
     real = _snapdir(base, "real")
     link = base / "link"
     link.symlink_to(real)
-    with pytest.raises(CorruptSnapshotError, match="symlink") as ei:
+    # a usage error naming where it points (a trial: a link to a good snapshot was "corrupt", exit 5,
+    # with a hint to delete it)
+    with pytest.raises(UsageError, match="symlink") as ei:
         layout.check_dir_safety(link)
-    assert str(link) in ei.value.message
+    assert str(link) in ei.value.message and ei.value.exit_code == 2 and str(real.resolve()) in ei.value.hint
+
+
+def test_the_damaged_hint_names_a_command_that_removes_the_snapshot(base):
+    # a trial: restore's hint said `vllm-snapshot delete`, which refuses a snapshot whose manifest
+    # itself is damaged (it removes only what is surely a snapshot)
+    from helpers import write_snapshot_dir
+
+    good = base / "good"
+    write_snapshot_dir(good)
+    (good / layout.IMAGES).mkdir(mode=0o700)
+    assert f"`vllm-snapshot delete {good}`" in layout.damaged_hint(good)
+    bad = base / "bad"
+    write_snapshot_dir(bad)
+    (bad / layout.IMAGES).mkdir(mode=0o700)
+    (bad / "manifest.json").write_text("{")
+    hint = layout.damaged_hint(bad)
+    assert f"`rm -r {bad}`" in hint and "not readable JSON" in hint and "vllm-snapshot delete " not in hint
 
 
 def test_regular_file_is_refused(base):

@@ -50,10 +50,17 @@ def test_a_hint_already_given_is_kept():
 def test_a_manifest_that_is_not_json_says_what_to_do(tmp_path):
     snap = tmp_path / "s"
     write_snapshot_dir(snap)
+    (snap / "images").mkdir(mode=0o700)
     (snap / "manifest.json").write_text('{"schema_version": 1,')
     with pytest.raises(CorruptSnapshotError, match="not valid JSON") as ei:
         manifest.read(snap)
-    _damaged(ei.value.hint, snap)
+    # `delete` refuses a directory whose manifest is not readable (it removes only what is surely a
+    # snapshot): the hint names what does remove it, and the command is right (a trial ran it)
+    hint = ei.value.hint
+    assert f"`rm -r {snap}`" in hint and "vllm-snapshot delete " not in hint and "re-create" in hint, hint
+    from vllm_snapshot.cli import app as cli
+
+    assert cli.main(["delete", str(snap)]) == 5 and snap.exists()
 
 
 def test_restore_of_a_name_that_does_not_exist_points_at_list(tmp_path, monkeypatch, capsys):

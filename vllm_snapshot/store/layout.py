@@ -100,7 +100,14 @@ def judge(path: Path) -> UsageError | CorruptSnapshotError | None:
 def damaged_hint(snapshot: Path) -> str:
     """The hint of a refusal of a damaged snapshot (a corrupt image or manifest, a missing
     file: exit 5): what to do, with the command to run."""
-    return (f"its files are damaged: delete it (`vllm-snapshot delete {snapshot}`) and re-create it "
+    try:  # what `delete` would refuse, it must not be told to run
+        why = not_a_snapshot(snapshot) if paths.lexists(snapshot) else None
+    except Exception:  # noqa: BLE001 - a hint never fails the error it decorates
+        why = None
+    remove = (f"delete it (`vllm-snapshot delete {snapshot}`)" if why is None else
+              f"remove it (`rm -r {snapshot}`: `vllm-snapshot delete` removes only what is surely a snapshot, and "
+              f"{why})")
+    return (f"its files are damaged: {remove} and re-create it "
             "(`create`; `serve` builds it again by itself), or pull it again (`vllm-snapshot pull IMAGE`)")
 
 
@@ -171,8 +178,9 @@ def check_dir_safety(path: Path) -> None:
         raise UsageError(f"{path} does not exist", hint=missing_hint(path)) from e
     except PermissionError as e:
         raise paths.not_allowed(path) from e
-    if stat.S_ISLNK(st.st_mode):
-        raise CorruptSnapshotError(f"{path} is a symlink; refusing to trust it")
+    if stat.S_ISLNK(st.st_mode):  # a link could be re-pointed between the checks and CRIU: not followed
+        raise UsageError(f"{path} is a symlink; snapshots are opened by their own path, not through a link",
+                         hint=f"use the path it points to: {os.path.realpath(path)}")
     if not stat.S_ISDIR(st.st_mode):
         raise CorruptSnapshotError(f"{path} is not a directory")
     if st.st_uid != uid:

@@ -34,9 +34,28 @@ def _old(port=8101, host="::1", snap="/snaps/old"):
 def test_switch_to_a_bad_target_never_stops_the_old_engine():
     t = FakeWorld(fail={"open_snapshot": CorruptSnapshotError("manifest.json not found")})
     t.entries = [_old()]
-    with pytest.raises(CorruptSnapshotError):
+    with pytest.raises(CorruptSnapshotError) as ei:
         ops.switch(SNAP, None, 8101, None, Reporter(), tools=t.tools)
     assert "stop_engine" not in t.calls and "restore_tree" not in t.calls
+    # and says so, with what to do (a trial: no hint, no details)
+    e = ei.value
+    assert "nothing was stopped: PID 77 still serves http://[::1]:8101" in e.message
+    assert e.details["stopped"] == [] and e.details["serving"]["pid"] == 77
+    assert e.hint is not None and "damaged" in e.hint
+
+
+def test_switch_to_a_port_where_nothing_serves_says_so():
+    from vllm_snapshot.report.progress import Reporter as R
+
+    said = []
+
+    class Listening(R):
+        def info(self, text):
+            said.append(text)
+
+    t = FakeWorld()
+    ops.switch(SNAP, None, 8101, None, Listening(), tools=t.tools)
+    assert any("nothing serves on port 8101" in x and "no engine is replaced" in x for x in said), said
 
 
 def test_switch_to_a_changed_model_never_stops_the_old_engine():

@@ -340,11 +340,22 @@ def _switch_locked(t: Tools, snapshot: Path, host: str | None, port: int, log_fi
         rep.info(f"{snapshot.name} already serves on port {port} (PID {old[0].pid}) with these front-end "
                   "options; nothing to switch")
         return Switched(str(snapshot), port, old[0].pid, old[0].url, 0.0, 0.0, 0.0, [], host, unchanged=True)
+    if not old:  # a mistyped port would otherwise start a second engine silently
+        rep.info(f"nothing serves on port {port}: {snapshot.name} is restored there, no engine is replaced")
     with rep.phase("validate_target", f"validating {snapshot.name} before touching port {port}"):
-        with t.store.snapshot_lock(snapshot, shared=True):
-            # everything restore checks before CRIU, image checksums included, except the
-            # port (the old engine holds it)
-            m, _ = validate(snapshot, check_images=True, tools=t)
+        try:
+            with t.store.snapshot_lock(snapshot, shared=True):
+                # everything restore checks before CRIU, image checksums included, except the
+                # port (the old engine holds it)
+                m, _ = validate(snapshot, check_images=True, tools=t)
+        except SnapshotError as e:  # the target is refused: say that nothing changed on the port
+            if old:
+                e.message += f"\nnothing was stopped: PID {old[0].pid} still serves {old[0].url}"
+                e.details = {**(e.details or {}), "stopped": [], "serving": {"pid": old[0].pid, "url": old[0].url,
+                                                                             "snapshot": old[0].snapshot}}
+            if e.hint is None and isinstance(e, CorruptSnapshotError):
+                e.hint = layout.damaged_hint(snapshot)
+            raise
         # an isolated snapshot's listeners live in its own fresh network namespace: nothing to check
         recorded = () if m.engine.network == "isolated" else m.criu.listeners
         held = set().union(*(t.host.ports_held_by(e.pid) for e in old)) if old else set()

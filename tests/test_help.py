@@ -49,3 +49,14 @@ def test_every_option_is_documented_with_a_human_type(name, capsys):
     for p in cmd.params:
         if p.param_type_name == "option" and "--help" not in p.opts:
             assert p.help, f"{name} {'/'.join(p.opts)} has no help"
+
+
+def test_each_commands_help_speaks_of_that_command(capsys):
+    # a trial: create's build options were headed "when no snapshot fits" (serve's case), and
+    # push/pull's -q spoke of a detached engine's PID
+    create = _help(capsys, "create", "--help")
+    assert "\nBuild:\n" in create and "when no snapshot fits" not in create
+    assert "when no snapshot fits" in _help(capsys, "serve", "--help")
+    for cmd in ("push", "pull"):
+        assert "detached" not in _help(capsys, cmd, "--help")
+    assert "detached engine's PID" in _help(capsys, "restore", "--help")

@@ -52,12 +52,14 @@ class _Command(typer.core.TyperCommand):
             if param.param_type_name == "argument":
                 args.append((param.metavar or param.name.upper(), rv[1]))  # MODEL, not "MODEL <str>"
             else:
-                panels.setdefault(PANEL_OF.get(param.name, "Options") if self.name in PANELLED else "Options",
-                                  []).append(rv)
+                title = PANEL_OF.get(param.name, "Options") if self.name in PANELLED else "Options"
+                if title == BUILD_PANEL and self.name == "create":
+                    title = "Build"  # create always builds
+                panels.setdefault(title, []).append(rv)
         if args:
             with formatter.section("Arguments"):
                 formatter.write_dl(args)
-        for title in (*PANELS, "Options"):
+        for title in ("Serving", BUILD_PANEL, "Build", "Registry", "Output", "Options"):
             if panels.get(title):
                 with formatter.section(title):
                     formatter.write_dl(panels[title])
@@ -72,13 +74,14 @@ class _FrontendCommand(_Command):
 
 
 #: the option groups of the long commands' help, in order, and which option is in which
-PANELS = ("Serving", "Build (when no snapshot fits)", "Registry", "Output")
+BUILD_PANEL = "Build (when no snapshot fits)"
+PANELS = ("Serving", BUILD_PANEL, "Registry", "Output")
 PANELLED = {"serve", "restore", "switch", "create"}
 PANEL_OF = {
     **dict.fromkeys(("host", "port", "detach", "log_file", "verify_model", "allow_mismatch", "drain_timeout",
                      "no_build", "rebuild", "rollback", "handover", "model"), "Serving"),
     **dict.fromkeys(("oracle_prompt", "sleep_level", "compress", "weights", "keep_env", "user", "verbose",
-                     "snapshot_dir", "name"), "Build (when no snapshot fits)"),
+                     "snapshot_dir", "name"), BUILD_PANEL),
     **dict.fromkeys(("registry", "plain_http", "sign_key", "verify_key"), "Registry"),
     **dict.fromkeys(("as_json", "quiet", "help"), "Output"),
 }
@@ -106,7 +109,9 @@ def _human_help(cmd):
 _STATE: dict = {"debug": False, "json": False, "root": None, "interruptible": False}
 PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 JSON_HELP = "Print the result as stable JSON (schema_version 1) on stdout."
-QUIET_HELP = "No progress or result lines; errors still go to stderr (a detached engine's PID still goes to stdout)."
+QUIET_HELP = "No progress or result lines; errors still go to stderr."
+#: -q of the commands that can start a detached engine
+QUIET_DETACH_HELP = QUIET_HELP[:-1] + " (a detached engine's PID still goes to stdout)."
 PORT_HELP = "TCP port to serve on (bound only after the oracle matched)."
 DRAIN_HELP = ("Seconds the engine lets requests in flight finish when it is stopped (SIGTERM, `stop`, "
               "`switch`): it takes no new connection meanwhile. Default $VLLM_SNAPSHOT_DRAIN_TIMEOUT, else 30.")
@@ -558,7 +563,7 @@ def switch(
         None, "--drain-timeout", min=0, help="Seconds the old engine lets requests in flight finish (default: its "
         "own); also the new engine's drain timeout (default $VLLM_SNAPSHOT_DRAIN_TIMEOUT, else 30)."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_DETACH_HELP),
 ) -> None:
     """Time-sharing: validate SNAPSHOT, restore and check it (detached) while the engine on PORT
     still serves, hand it that engine's listening socket (the port never stops listening), then
@@ -623,7 +628,7 @@ def restore(
     plain_http: bool = typer.Option(False, "--plain-http", help="IMAGE: HTTP to a registry on loopback."),
     verify_key: Optional[Path] = typer.Option(None, "--verify-key", help="IMAGE: refuse unless signed by this PEM public key."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_DETACH_HELP),
 ) -> None:
     """Validate, restore with CRIU, check the oracle inside the engine, then serve the OpenAI
     API on HOST:PORT. SNAPSHOT may be an IMAGE (HOST[:PORT]/REPO[:TAG] or oci:DIR[:TAG]): it
@@ -731,7 +736,7 @@ def serve(
     log_file: Optional[Path] = typer.Option(None, "--log-file", help="With --detach: engine log file."),
     no_build: bool = typer.Option(False, "--no-build", help="Restore a valid snapshot or fail; never cold-start."),
     rebuild: bool = typer.Option(False, "--rebuild", help="Build a new snapshot even if a valid one exists."),
-    verify_model: str = typer.Option("quick", "--verify-model", help="quick | full"),
+    verify_model: str = typer.Option("quick", "--verify-model", help="quick (re-hash files whose stat changed) | full"),
     oracle_prompt: str = typer.Option(None, "--oracle-prompt", help="Prompt of the one-token oracle (part of the key)."),
     sleep_level: int = typer.Option(2, "--sleep-level", min=0, max=2, help="GPU: sleep level before the dump."),
     compress: str = typer.Option("none", "--compress", help="Compression of a snapshot built now."),
@@ -746,7 +751,7 @@ def serve(
     sign_key: Optional[Path] = typer.Option(None, "--sign-key", help="--registry: sign what is pushed (PEM EC P-256)."),
     verify_key: Optional[Path] = typer.Option(None, "--verify-key", help="--registry: pull only what this key signed."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (which path, timings)."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_DETACH_HELP),
 ) -> None:
     """Like `vllm serve MODEL [engine args]`: restore the snapshot made for exactly this model,
     these args and this host class (the key); if there is none or it is refused, pull it from

@@ -179,3 +179,10 @@ def test_collect_has_the_documented_fields_and_imports_nothing_heavy():
     assert ident["criu"] == "4.2.1" and ident["gpu"] == "H100"
     assert len(ident["cpu_flags"]) == 16
     assert ident["python"] == "%d.%d.%d" % sys.version_info[:3]
+
+
+def test_an_override_of_a_field_that_cannot_be_overridden_says_which_can_in_words():
+    # a trial: "cannot override ['kernel']; overridable: ['cpu_model', 'machine_id']" (Python reprs)
+    with pytest.raises(ValueError) as e:
+        compare(BASE, dict(BASE), frozenset({"kernel"}))
+    assert str(e.value) == "cannot override kernel: only cpu_model and machine_id may differ on purpose"

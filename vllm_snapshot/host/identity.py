@@ -155,7 +155,8 @@ def compare(
     """
     bad = set(overrides) - OVERRIDABLE
     if bad:
-        raise ValueError(f"cannot override {sorted(bad)}; overridable: {sorted(OVERRIDABLE)}")
+        raise ValueError(f"cannot override {', '.join(sorted(bad))}: only {' and '.join(sorted(OVERRIDABLE))} "
+                         "may differ on purpose")
     diffs = []
     skip = NOT_COMPARED | (frozenset() if machine else MACHINE_FIELDS)
     for key in sorted((set(expected) | set(actual)) - skip):

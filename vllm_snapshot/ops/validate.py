@@ -56,7 +56,8 @@ def validate_roles(host: HostTools, model: ModelTools, files: SnapshotFiles, sna
     try:
         diffs = identity.compare(m.host, here, allow, machine=pulled is None)
     except ValueError as e:
-        raise UsageError(str(e)) from e
+        raise UsageError(str(e), hint="--allow-mismatch takes " + " or ".join(sorted(identity.OVERRIDABLE))
+                         + "; anything else that differs needs a snapshot made on this host") from e
     warnings = [f"identity override: {d}" for d in diffs if d.overridden]
     hard = [d for d in diffs if not d.overridden]
     if hard:

@@ -869,3 +869,26 @@ def test_create_command_hands_an_empty_oracle_prompt_on_instead_of_the_default(m
     monkeypatch.setattr(ops, "create", stand_in(ops.create, fake_create))
     assert cli.main(["create", str(tmp_path), "--snapshot-dir", str(tmp_path / "s"), "--oracle-prompt", "", "-q"]) == 2
     assert seen["prompt"] == ""
+
+
+def test_prune_keep_keeps_usable_snapshots_first_and_breaks_ties_by_last_restore(tmp_path, monkeypatch):
+    # a trial: two snapshots made the same second; `prune --keep 1` dropped the usable, restored
+    # one and kept the copy a restore had refused (the tie went to the path's sort order)
+    from helpers import make_manifest
+
+    monkeypatch.setenv("VLLM_SNAPSHOT_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("VLLM_SNAPSHOT_RUN_DIR", str(tmp_path / "run"))
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    for name in ("demo", "democopy", "demo-old"):  # no images to check on disk: the ranking is what is tested
+        write_snapshot_dir(root / name, make_manifest(images=(), created_at="2026-12-03T10:00:00+00:00"
+                                                      if name != "demo-old" else "2026-12-01T10:00:00+00:00"))
+        for sub in ("images", "files"):
+            (root / name / sub).mkdir(mode=0o700)
+    store.record_restore(root / "demo", [])
+    store.record_refusal(root / "democopy", "corrupt-snapshot", "image pages-1.img fails its checksum", by="restore")
+    r = ops.prune(root, 1, None, True)
+    assert sorted(Path(p).name for p in r.deleted) == ["demo-old", "democopy"]
+    store.record_restore(root / "democopy", [])  # restored since: usable again, and the last restored wins the tie
+    r = ops.prune(root, 1, None, True)
+    assert sorted(Path(p).name for p in r.deleted) == ["demo", "demo-old"]

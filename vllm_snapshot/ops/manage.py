@@ -109,7 +109,8 @@ def parse_duration(text: str) -> float:
 
 def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: bool,
           tools: Tools | None = None, unusable: bool = False) -> Pruned:
-    """Select snapshots under ``root`` beyond the ``keep`` newest per model, or older than
+    """Select snapshots under ``root`` beyond the ``keep`` newest per model (those a restore or
+    ``serve`` refused here count after the others; ties go to the last restored), or older than
     ``older_than_s`` seconds (with both: beyond the ``keep`` newest *and* older: ``--keep`` always
     keeps the newest, as restic's ``--keep-last`` with ``--keep-within`` does), and/or
     (``unusable``) those this host cannot restore (a refusal ``serve`` recorded, host identity,
@@ -130,10 +131,13 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
         victims |= {p for p in t.store.list_snapshots(root) if not describe(p, t)["compatible"]}
     aged: set[Path] = {p for _, _, p in rows}
     if keep is not None:
+        # kept first: those not refused here, then the newest, then the last restored (a trial:
+        # `--keep 2` kept a copy restore had refused and dropped the usable one made the same second)
         by_model: dict[str, list] = {}
         for model, created, p in rows:
-            by_model.setdefault(model, []).append((created, p))
-        aged = {p for items in by_model.values() for _, p in sorted(items, reverse=True)[keep:]}
+            rank = (t.store.refusal(p) is None, created, t.store.last_restore(p) or 0.0, str(p))
+            by_model.setdefault(model, []).append((rank, p))
+        aged = {p for items in by_model.values() for _, p in sorted(items, key=lambda x: x[0], reverse=True)[keep:]}
     if older_than_s is not None:
         now = t.clock.now()
         aged &= {p for _, created, p in rows if now - created > older_than_s}

@@ -128,3 +128,31 @@ def python_outside_usr(monkeypatch) -> None:
     for name in ("prefix", "base_prefix", "exec_prefix"):
         monkeypatch.setattr(sys, name, "/opt/py")
     monkeypatch.setattr(sys, "executable", "/opt/py/bin/python3.11")
+
+
+def throwaway_user(prefix: str):
+    """A context manager: a user named ``PREFIX-XXXXXXXX`` with no rights of its own and a HOME
+    it owns under /var/tmp (pytest's temp dirs are root's only); yields ``(name, home)`` and
+    removes the user, its group and the HOME afterwards. Raises CalledProcessError (useradd)."""
+    import contextlib
+    import pwd
+    import shutil
+    import subprocess
+    import tempfile
+    import uuid
+
+    @contextlib.contextmanager
+    def made():
+        name = f"{prefix}-" + uuid.uuid4().hex[:8]
+        home = Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir="/var/tmp"))
+        subprocess.run(["useradd", "--no-create-home", "--home-dir", str(home), "--shell", "/usr/sbin/nologin", name],
+                       check=True, capture_output=True)
+        try:
+            os.chown(home, pwd.getpwnam(name).pw_uid, pwd.getpwnam(name).pw_gid)
+            yield name, home
+        finally:
+            subprocess.run(["userdel", name], capture_output=True)
+            subprocess.run(["groupdel", name], capture_output=True)
+            shutil.rmtree(home, ignore_errors=True)
+
+    return made()

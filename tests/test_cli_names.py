@@ -71,25 +71,11 @@ def test_a_model_of_several_snapshots_lists_them(tmp_path, capsys):
 
 @pytest.fixture()
 def other_user():
-    """A throw-away user (removed afterwards) with a HOME of its own (under /var/tmp: pytest's
-    temp dirs are root's only)."""
-    import shutil
-    import tempfile
-    import uuid
+    """A throw-away user (removed afterwards) with a HOME of its own."""
+    from helpers import throwaway_user
 
-    name = "vsnap-ux-" + uuid.uuid4().hex[:8]
-    home = Path(tempfile.mkdtemp(prefix="vsnap-ux-", dir="/var/tmp"))
-    subprocess.run(["useradd", "--no-create-home", "--home-dir", str(home), "--shell", "/usr/sbin/nologin", name],
-                   check=True, capture_output=True)
-    try:
-        import pwd
-
-        os.chown(home, pwd.getpwnam(name).pw_uid, pwd.getpwnam(name).pw_gid)
-        yield name, home
-    finally:
-        subprocess.run(["userdel", name], capture_output=True)
-        subprocess.run(["groupdel", name], capture_output=True)
-        shutil.rmtree(home, ignore_errors=True)
+    with throwaway_user("vsnap-ux") as u:
+        yield u
 
 
 def test_another_user_is_told_where_roots_snapshots_are(other_user, monkeypatch):

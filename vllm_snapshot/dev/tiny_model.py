@@ -102,16 +102,28 @@ def generate(out: Path, hidden: int = 128, layers: int = 2, heads: int = 2, inte
         model = LlamaForCausalLM(config)
         model.save_pretrained(tmp, safe_serialization=True)
         (tmp / STAMP).write_text(stamp + "\n")
-        for p in tmp.iterdir():
-            os.chmod(p, 0o644)
-        os.chmod(tmp, 0o755)
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
+        publish_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def publish_dir(tmp: Path, out: Path) -> None:
+    """Make the finished model directory ``tmp`` readable by every user (the engine runs as its
+    own user) and put it at ``out`` by renames: an existing ``out`` is moved aside first and
+    removed after, so ``out`` is never half-written or missing for longer than between two
+    renames. ``tmp`` and ``out`` share a parent. Raises OSError."""
+    for p in tmp.iterdir():
+        os.chmod(p, 0o644)
+    os.chmod(tmp, 0o755)
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+        os.rename(out, old / "model")  # out is free for the rename below; the old one goes after
+        os.rename(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ import pytest
 from helpers import stand_in, write_snapshot_dir
 
 from vllm_snapshot.store import archive, locks, staging, store
-from vllm_snapshot.cli import app as cli
+from vllm_snapshot.cli import app as cli, common
 from vllm_snapshot import ops
 from vllm_snapshot.errors import BusyError, CorruptSnapshotError, CriuError, ModelChangedError, UsageError
 from vllm_snapshot.report.progress import Reporter
@@ -736,7 +736,7 @@ def test_a_failure_after_a_signal_is_reported_as_the_interruption(monkeypatch, c
         raise CriuError("CRIU dump failed; log excerpt: (00.742236) page-xfer: p 0x556c", hint="full log: /x.log")
 
     monkeypatch.setattr(ops, "verify", stand_in(ops.verify, dump_cut_by_sigint))
-    monkeypatch.setattr(cli, "_root_only", lambda what: None)
+    monkeypatch.setattr(common, "root_only", lambda what: None)
     (tmp_path / "some-name").mkdir()
     (tmp_path / "some-name" / "manifest.json").write_text("{}")  # a name that exists (verify is the fake)
     assert cli.main(["--root", str(tmp_path), "verify", "some-name"]) == 130
@@ -771,7 +771,7 @@ def test_a_failure_after_a_signal_is_reported_as_the_interruption(monkeypatch, c
 
 HANDOFF_SCRIPT = r"""
 import os, signal, sys
-from vllm_snapshot.cli import app as cli, render; from vllm_snapshot import ops
+from vllm_snapshot.cli import app as cli, common, render; from vllm_snapshot import ops
 
 class Engine:
     def close(self):
@@ -786,8 +786,8 @@ def show(r, as_json=False, quiet=False):
 
 ops.restore = fake_restore
 render.show = show
-cli._root_only = lambda what: None
-cli._resolve = lambda ref: ref
+common.root_only = lambda what: None
+common.resolve = lambda ref: ref
 sys.argv = ["vllm-snapshot", "restore", "snap", "--port", "18999", "--detach", "-q"]
 sys.exit(cli.main())
 """

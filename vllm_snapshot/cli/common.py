@@ -1,0 +1,177 @@
+"""What the commands share: the typer ``app`` they register on, the state the group's options set
+(:data:`STATE`), option help texts, and helpers (the snapshot root, NAME -> directory, root
+only, reporters, checks of engine args)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import UsageError
+
+app = typer.Typer(
+    name="vllm-snapshot",
+    help="Checkpoint an initialized vLLM engine with CRIU and restore it in seconds, safely.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    # plain click help: the rich help renderer imports markdown-it and costs ~0.2 s per call
+    rich_markup_mode=None,
+    # -h as well, like `vllm serve -h` (every command inherits it from the group's context)
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+STATE: dict = {"debug": False, "json": False, "root": None, "interruptible": False}
+PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
+JSON_HELP = "Print the result as stable JSON (schema_version 1) on stdout."
+QUIET_HELP = "No progress or result lines; errors still go to stderr."
+#: -q of the commands that can start a detached engine
+QUIET_DETACH_HELP = QUIET_HELP[:-1] + " (a detached engine's PID still goes to stdout)."
+PORT_HELP = "TCP port to serve on (bound only after the oracle matched)."
+DRAIN_HELP = ("Seconds the engine lets requests in flight finish when it is stopped (SIGTERM, `stop`, "
+              "`switch`): it takes no new connection meanwhile. Default $VLLM_SNAPSHOT_DRAIN_TIMEOUT, else 30.")
+
+
+def drain(given: Optional[float]) -> float:
+    """``--drain-timeout`` or ``$VLLM_SNAPSHOT_DRAIN_TIMEOUT`` or the default (seconds)."""
+    from ..store.registry import drain_timeout
+
+    return drain_timeout(given)
+
+
+def root_dir() -> Path:
+    """The snapshot root (``--root``, ``$VLLM_SNAPSHOT_ROOT``, the default). Raises UsageError
+    when it exists and is not a directory (every command: a file as --root made restore say
+    "NAME does not exist" and prune "nothing to prune")."""
+    from .. import paths
+
+    root = paths.snapshot_root(STATE["root"])
+    if os.path.lexists(root) and not root.is_dir():
+        raise UsageError(f"the snapshot root {root} is not a directory", hint="check --root / VLLM_SNAPSHOT_ROOT")
+    return root
+
+
+def system_root_note() -> str | None:
+    """For a user other than root on the default (per-user) root: where root's snapshots are and
+    that reading them needs sudo -- or None (root, ``--root``/``$VLLM_SNAPSHOT_ROOT`` given, or
+    root has no snapshot root). A trial's non-root ``list`` said "no snapshots" while root had three."""
+    from .. import paths
+
+    if os.geteuid() == 0 or STATE["root"] is not None or os.environ.get("VLLM_SNAPSHOT_ROOT"):
+        return None
+    if not os.path.isdir(paths.DEFAULT_ROOT):
+        return None
+    return f"root's snapshots are in {paths.DEFAULT_ROOT}, which only root can read"
+
+
+def resolve(ref: str) -> Path:
+    """A snapshot NAME (under the root) or PATH -> its directory. A name or path that names no
+    snapshot but a model (a model directory, or a model's name) selects that model's one snapshot
+    under the root (saying so on stderr); several are a UsageError listing them. A name that
+    names nothing is a UsageError with close names ("did you mean"), or -- for a user other than
+    root -- an EnvironmentProblem saying where root's snapshots are."""
+    from ..errors import EnvironmentProblem
+    from ..store import layout, store
+    from . import suggest
+
+    root = root_dir()
+    path = store.resolve(ref, root)
+    try:
+        if (path / layout.MANIFEST).exists() or (path.exists() and not (path / "config.json").exists()):
+            return path  # a snapshot, or something else that is not a model: judged by the command
+    except OSError:  # not readable by this user: the command says so
+        return path
+    is_path = "/" in ref or ref in (".", "..")
+    snaps = store.list_snapshots(root) if os.access(root, os.R_OK | os.X_OK) else []
+    of_model = suggest.snapshots_of_model(ref, snaps)
+    if len(of_model) == 1:
+        print(f"[vllm-snapshot] {ref} is a model, not a snapshot: using its snapshot {of_model[0].name}",
+              file=sys.stderr, flush=True)
+        return of_model[0]
+    if len(of_model) > 1:
+        raise UsageError(f"{ref} is the model of {len(of_model)} snapshots under {root}: "
+                         + ", ".join(p.name for p in of_model), hint="name one of them (`vllm-snapshot list` shows them)")
+    if is_path:
+        return path  # the command says what is wrong with it
+    note = system_root_note()
+    if note is not None:
+        raise EnvironmentProblem(f"snapshot {ref!r} does not exist in your own store {root}; {note}",
+                                 hint=f"run it with sudo (sudo vllm-snapshot ... {ref})")
+    hint = suggest.did_you_mean(ref, [p.name for p in snaps])
+    raise UsageError(f"snapshot {ref!r} does not exist under {root}",
+                     hint=hint or layout.missing_hint(root / ref))
+
+
+def root_only(what: str) -> None:
+    """Commands that need root say so with the documented exit code (11), not with a
+    permission error halfway through or an empty answer."""
+    from ..host.privilege import require_root
+
+    require_root(what)
+
+
+def interruptible() -> None:
+    """SIGINT/SIGTERM/SIGHUP -> Interrupted (exit 130) after every cleanup ran. Installed by
+    ``main`` for the real command; create/restore/switch/demo make sure of it."""
+    from ..host import interrupts
+
+    if STATE.get("interruptible"):
+        interrupts.install()
+
+
+def reporter(quiet: bool, as_json: bool):
+    from ..report.progress import make_reporter
+
+    return make_reporter(quiet or as_json)
+
+
+def stderr_sink(b: bytes) -> None:
+    try:
+        sys.stderr.buffer.write(b)
+        sys.stderr.buffer.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def own_options(ctx: typer.Context) -> list[str]:
+    """Every option name of the running command (``--port``, ``-q``, ``--no-rollback``)."""
+    return [o for p in ctx.command.params for o in (*p.opts, *p.secondary_opts) if o.startswith("-")]
+
+
+def not_an_option(value: str, ctx: typer.Context, what: str) -> None:
+    """Refuse an unknown option that click, which passes unknown options through to vLLM here,
+    took for the positional ``what`` (``restore --prot 8603 NAME``: "--prot" as the snapshot).
+    Raises UsageError with the closest of the command's own options and vLLM's."""
+    argv = STATE.get("argv") or []
+    head = argv[:argv.index("--")] if "--" in argv else argv
+    if not value.startswith("-") or value == "-" or value not in head:  # after --: a positional
+        return
+    from ..engine.args import flag_name
+    from ..store import argnames
+    from ..suggest import did_you_mean
+
+    own = own_options(ctx)
+    guess = did_you_mean(flag_name(value), set(own) | (argnames.known_options() or frozenset()))
+    raise UsageError(f"no such option: {value} (where {what} was expected)",
+                     hint=guess or f"`vllm-snapshot {ctx.command.name} --help` lists the options")
+
+
+def check_engine_arg_names(ctx: typer.Context, engine_args: list[str], load: bool = False, quiet: bool = True) -> None:
+    """Refuse, in milliseconds, an engine arg that is no option of vLLM's (nor of this command),
+    with "did you mean" (:mod:`vllm_snapshot.store.argnames`). vLLM's option names come from
+    the cache setup wrote; when it is missing: with ``load`` (create) they are read from
+    vLLM's parser now (~20 s, once per vLLM version), else vLLM's parse checks the args later."""
+    from ..store import argnames
+
+    if not engine_args:
+        return
+    options = argnames.known_options()
+    if options is None and load:
+        with reporter(quiet, False).phase("engine_arg_names", "reading vLLM's engine arg names (once per vLLM version)"):
+            options = argnames.known_options(load=True)
+    argnames.check(engine_args, own_options(ctx), ctx.command.name, options)
+

@@ -15,7 +15,7 @@ import pytest
 from vllm_snapshot import ops
 from vllm_snapshot.errors import BusyError, EngineError, InsufficientResources, OracleMismatchError
 from vllm_snapshot.host.resources import Offer
-from vllm_snapshot.ops.manage import handover_blocker
+from vllm_snapshot.ops.switch import handover_blocker
 from vllm_snapshot.report.progress import Reporter
 from vllm_snapshot.store.registry import Entry
 

@@ -373,10 +373,10 @@ def _offer(req: ServeRequest, snapshot: Path, key: str, out=None) -> list[str]:
 def switch_model(req: ServeRequest, host: str | None, rollback: bool, rep: Reporter,
                  tools: Tools | None = None, handover: bool = True):
     """``switch --model MODEL [engine args]``: the snapshot of this key (validated, or built now
-    -- while whatever serves on ``req.port`` keeps serving), then :func:`~.manage.switch` to
+    -- while whatever serves on ``req.port`` keeps serving), then :func:`~.switch.switch` to
     it. Returns (:class:`~vllm_snapshot.report.results.Switched`, path taken: ``restored`` when an
     existing snapshot was used, ``built``). Raises what :func:`serve` and ``switch`` raise."""
-    from .manage import switch
+    from .switch import switch
     from .restore import validate
 
     t = tools or local_tools()

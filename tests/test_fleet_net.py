@@ -110,7 +110,7 @@ def test_transient_sorts_network_failures_from_refusals():
     for e in (requests.exceptions.ChunkedEncodingError("reset"), requests.exceptions.ConnectionError("refused"),
               requests.exceptions.ReadTimeout("stall"), urllib3.exceptions.ProtocolError("broken"),
               urllib3.exceptions.ReadTimeoutError(None, "/", "read timed out"), http.client.IncompleteRead(b"x", 3),
-              ConnectionResetError(104, "reset"), TimeoutError("slow"), transport._Again("503")):
+              ConnectionResetError(104, "reset"), TimeoutError("slow"), transport.Again("503")):
         assert transport.transient(e), e
     for e in (requests.exceptions.SSLError("certificate verify failed"), CorruptSnapshotError("bad"),
               EnvironmentProblem("refused"), ValueError("x"), transport.Stopped("ctrl-c")):

@@ -242,7 +242,7 @@ class _Slow(transport.Layout):
                     if len(self.given) == self.interrupt_after:
                         os.kill(os.getpid(), signal.SIGALRM)
                 yield data[i:i + 1000]
-        transport._check_stream(chunks(), digest, size, sink, what, start, h)
+        transport.check_stream(chunks(), digest, size, sink, what, start, h)
 
 
 def test_an_interrupt_stops_the_download_threads_within_a_chunk(tmp_path, snap):
@@ -276,7 +276,7 @@ def test_an_interrupt_stops_the_download_threads_within_a_chunk(tmp_path, snap):
 def test_a_stop_event_stops_an_upload_between_chunks(tmp_path):
     big = tmp_path / "big"
     big.write_bytes(os.urandom(3 * 8192))
-    body = transport._Slice(big, 0, 3 * 8192)
+    body = transport.Slice(big, 0, 3 * 8192)
     ev = threading.Event()
     transport.STOP.event = ev
     try:

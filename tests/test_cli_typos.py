@@ -84,6 +84,11 @@ def test_setup_remembered_vllms_own_option_names():
     assert {"--dtype", "--max-model-len", "--kv-cache-memory-bytes", "--served-model-name"} <= have
 
 
+def _vllm_modules(modules_out) -> list[str]:
+    """The vLLM modules a :func:`_cli` run had loaded at exit (``modules_out``: its record)."""
+    return [m for m in json.loads(modules_out.read_text()) if m == "vllm" or m.startswith("vllm.")]
+
+
 def _cli(*argv, modules_out=None):
     """Run the CLI; with ``modules_out`` (a path), the names in its ``sys.modules`` at exit are
     written there (as tests/test_serve_integration.py's MODULES_AT_EXIT: a fact, not a timing)."""
@@ -117,7 +122,7 @@ def test_a_typo_is_a_usage_error_with_did_you_mean_in_well_under_a_second_of_wor
     assert p.stderr.startswith("error [usage]: ") and f"hint: {hint}" in p.stderr, p.stderr
     assert "engine error" not in p.stderr
     # answered without vLLM (its import alone takes ~16 s here) and without an engine
-    assert [m for m in json.loads(out.read_text()) if m == "vllm" or m.startswith("vllm.")] == []
+    assert _vllm_modules(out) == []
 
 
 @pytest.mark.parametrize("sub", [[], ["model.safetensors"]])
@@ -131,4 +136,4 @@ def test_an_empty_model_dir_is_refused_before_the_key(tmp_path, sub):
                 "--", "--dtype", "float32", modules_out=out)
     assert p.returncode == 2 and ("is empty" in p.stderr or "has no config.json" in p.stderr), p.stderr
     # refused before the key: no vLLM parser (~16 s), no cold start
-    assert [m for m in json.loads(out.read_text()) if m == "vllm" or m.startswith("vllm.")] == []
+    assert _vllm_modules(out) == []

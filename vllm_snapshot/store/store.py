@@ -211,9 +211,7 @@ def clear_refusal(snapshot: Path, codes: frozenset[str]) -> dict | None:
     p = _state_file(snapshot)
     try:
         state = json.loads(p.read_text())
-    except FileNotFoundError:
-        return None
-    except ValueError:
+    except (FileNotFoundError, ValueError):  # no record, or one refusal() cannot read either
         return None
     r = state.get("refused") if isinstance(state, dict) else None
     if not isinstance(r, dict) or r.get("code") not in codes:

@@ -159,7 +159,10 @@ RUN_STATE_DIRS = {"VLLM_SNAPSHOT_RUN_DIR": "run", "VLLM_SNAPSHOT_STATE_DIR": "st
 RUN_BASE: Path | None = None
 #: PIDs of the vllm-snapshot commands this run started (:func:`cli`, :func:`started`): the
 #: owners of staging dirs this run may have left.
-STARTED: set[int] = set()
+STARTED: dict[int, float | None] = {}
+"""PID -> start time (psutil ``create_time``, None if it had gone) of the commands this run
+started. PIDs wrap (pid_max is 32768 on the CI machine), so a live process with a recorded PID
+but another start time is somebody else's."""
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -195,7 +198,12 @@ def _run_state(tmp_path_factory):
 
 def started(p: subprocess.Popen) -> subprocess.Popen:
     """Record ``p`` (a vllm-snapshot command a test started itself) as this run's; returns it."""
-    STARTED.add(p.pid)
+    import psutil
+
+    try:
+        STARTED[p.pid] = psutil.Process(p.pid).create_time()
+    except psutil.Error:
+        STARTED[p.pid] = None
     return p
 
 
@@ -244,11 +252,14 @@ def staging_left(*near: Path) -> list[Path]:
         for s in (d.glob(f"{archive.STAGE_PREFIX}*") if d.is_dir() else []):
             head = s.name[len(archive.STAGE_PREFIX):].split("-", 1)[0]
             pid = int(head) if head.isdigit() else 0
-            if pid in STARTED:
-                out.append(s)
+            if not pid:
                 continue
             try:
-                if pid and owned_by_this_run(psutil.Process(pid)):
+                proc = psutil.Process(pid)
+                if (pid in STARTED and STARTED[pid] == proc.create_time()) or owned_by_this_run(proc):
+                    out.append(s)
+            except psutil.NoSuchProcess:
+                if pid in STARTED:  # one of this run's commands, gone since
                     out.append(s)
             except psutil.Error:
                 continue

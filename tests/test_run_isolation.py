@@ -92,6 +92,9 @@ def test_staging_left_lists_this_runs_staging_dirs_only(spawn, tmp_path):
     dead.wait()
     theirs = spawn([sys.executable, "-c", SLEEP], "/run/vllm-snapshot-another-run")
     live = spawn([sys.executable, "-c", SLEEP], os.environ["VLLM_SNAPSHOT_RUN_DIR"])
+    # PIDs wrap (pid_max 32768 on the CI machine): theirs has the PID one of this run's commands
+    # had long ago -- as in a CI run that listed another run's dir as this run's
+    conftest.STARTED.setdefault(theirs.pid, 1.0)
     made = [Path(d) / f"{archive.STAGE_PREFIX}{pid}-{tmp_path.name}"
             for d, pid in (("/dev/shm", dead.pid), ("/dev/shm", theirs.pid), (tmp_path, live.pid),
                            (paths.staging_dir(), theirs.pid))]

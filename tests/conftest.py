@@ -194,6 +194,45 @@ def _run_state(tmp_path_factory):
 
         for e in registry.entries():
             registry.stop(e, drain_s=0)
+    # pytest removes the base temp dirs of passed tests (and, at the next run, the rest): it
+    # cannot while the stores in them hold immutable weights files
+    unprotect_weights(RUN_BASE)
+
+
+def unprotect_weights(top: Path) -> int:
+    """Clear the immutable attribute (``chattr -i``) of every weights file below ``top`` (the
+    store sets it on each ``.weights/*.weights`` it publishes), so that the tree can be removed.
+    Returns how many files had it. Does not follow symlinks or cross into other mounts."""
+    from vllm_snapshot.store import weights as sw
+
+    n = 0
+    top_dev = top.lstat().st_dev if top.exists() else None
+    for dirpath, dirnames, filenames in os.walk(top):
+        dirnames[:] = [d for d in dirnames if os.lstat(os.path.join(dirpath, d)).st_dev == top_dev]
+        for name in filenames:
+            f = Path(dirpath, name)
+            if name.endswith(".weights") and f.is_file() and not f.is_symlink():
+                try:
+                    if sw.immutable(f):
+                        sw.unprotect(f)
+                        n += 1
+                except OSError:
+                    continue
+    return n
+
+
+def remove_tree(path: Path) -> None:
+    """Remove ``path`` (a store or scratch dir a test made), immutable weights files included.
+    Raises AssertionError naming what is left (a test must leave nothing behind: before this,
+    every test store's immutable weights file stayed, and 57 GB of them filled the CI disk)."""
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        return
+    unprotect_weights(path)
+    shutil.rmtree(path, ignore_errors=True)
+    if path.exists():
+        left = sorted(str(p) for p in path.rglob("*"))[:10]
+        raise AssertionError(f"could not remove {path}; left: {left}")
 
 
 def started(p: subprocess.Popen) -> subprocess.Popen:
@@ -326,4 +365,4 @@ def engine_tmp():
     d = Path(tempfile.mkdtemp(prefix="vsnap-engine-", dir="/var/tmp"))
     os.chmod(d, 0o711)
     yield d
-    shutil.rmtree(d, ignore_errors=True)
+    remove_tree(d)

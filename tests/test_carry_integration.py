@@ -23,7 +23,7 @@ import pytest
 
 from vllm_snapshot.host.privilege import DEFAULT_USER
 
-from conftest import ENGINE_ARGS, ROOT, TINY, cli
+from conftest import ENGINE_ARGS, ROOT, TINY, cli, remove_tree
 from test_integration import free_port
 
 pytestmark = pytest.mark.integration
@@ -67,7 +67,7 @@ def engine_user():
             subprocess.run(["setfacl", "-x", f"u:{name}", str(d)], capture_output=True)
         subprocess.run(["userdel", name], capture_output=True)
         subprocess.run(["groupdel", name], capture_output=True)
-        shutil.rmtree(top, ignore_errors=True)
+        remove_tree(top)
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import EAGER_ARGS, ROOT, TINY
+from conftest import EAGER_ARGS, ROOT, TINY, remove_tree
 from helpers import readable_by_engine
 
 pytestmark = pytest.mark.integration
@@ -76,7 +76,7 @@ class Disks:
             out = _run("losetup", "-j", str(img), check=False).stdout
             for line in out.splitlines():
                 _run("losetup", "-d", line.split(":", 1)[0], check=False)
-        shutil.rmtree(self.base, ignore_errors=True)
+        remove_tree(self.base)
 
 
 @pytest.fixture

@@ -38,7 +38,7 @@ import psutil
 import pytest
 import requests
 
-from conftest import CACHE, ENGINE_ARGS, ROOT, TINY, cli
+from conftest import CACHE, ENGINE_ARGS, ROOT, TINY, cli, remove_tree
 from pod_image import build_rootfs, import_image, remove_rootfs
 from vllm_snapshot.dev.registry_server import RegistryServer
 from test_bare_root import cached_root_tarball
@@ -90,7 +90,7 @@ class Podman:
         self("rm", "--all", "--force", "--time", "10", check=False, timeout=120)
         self("rmi", "--all", "--force", check=False, timeout=120)
         self("system", "reset", "--force", check=False, timeout=120)
-        shutil.rmtree(self.base, ignore_errors=True)
+        remove_tree(self.base)
 
 
 def _private(d: Path) -> Path:
@@ -211,7 +211,7 @@ def _remove_stores(*stores: Path) -> None:
     for store in stores:
         for f in store.glob(".weights/*.weights"):
             sw.unprotect(f)
-        shutil.rmtree(store, ignore_errors=True)
+        remove_tree(store)
 
 
 def _logs(pm: Podman, pod: str) -> str:

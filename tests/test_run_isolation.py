@@ -7,6 +7,7 @@ another run's commands, CRIU and engines do."""
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -105,3 +106,19 @@ def test_staging_left_lists_this_runs_staging_dirs_only(spawn, tmp_path):
     finally:
         for d in made:
             d.rmdir()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chattr +i needs CAP_LINUX_IMMUTABLE (root; CI runs as root)")
+def test_remove_tree_removes_a_store_with_an_immutable_weights_file(tmp_path):
+    from vllm_snapshot.store import weights as sw
+
+    store = tmp_path / "snaps"
+    (store / ".weights").mkdir(parents=True)
+    f = store / ".weights" / ("ab" * 32 + ".weights")
+    f.write_bytes(b"w" * 4096)
+    if not sw.protect(f):
+        pytest.fail(f"{tmp_path} has no immutable attribute: the test needs a file system that has")
+    shutil.rmtree(store, ignore_errors=True)
+    assert f.exists()  # what every test store left behind before remove_tree
+    conftest.remove_tree(store)
+    assert not store.exists()

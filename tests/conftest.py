@@ -308,6 +308,8 @@ def staging_left(*near: Path) -> list[Path]:
 def engine_env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the KV cache size is an engine arg
+    for var in ("COLUMNS", "LINES"):  # pytest-xdist's workers set COLUMNS=80; a plain run does not
+        env.pop(var, None)
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

@@ -201,8 +201,6 @@ class FakeWorld:
         self.terminated: list[int] = []
         #: what read_log_tail returns (None: the log cannot be read)
         self.log_file_tail: str | None = None
-        #: seconds sleep() adds to the clock (serve_foreground polls with sleep)
-        self.sleep_ticks = 0.0
         #: called by sleep() with the clock's time (a test sends a signal or ends the engine there)
         self.on_sleep: Callable[[float], None] | None = None
         #: what the weights channel's worker mapped (None: no worker used it); check_weights's refusal
@@ -791,6 +789,10 @@ class FakeRuntimeTools(_Role, RuntimeTools):
 
 
 class FakeClock(_Role, Clock):
+    """Time that moves only when read or slept: every ``monotonic()`` reading adds 1 s (so each
+    phase an operation times takes a whole second), ``sleep(s)`` adds ``s`` (and refuses a
+    negative ``s``, as :func:`time.sleep` does), ``now()`` is a fixed Unix time.
+    tests/test_clock_contract.py holds it to what callers rely on from the real clock."""
 
     def monotonic(self) -> float:
         self.w._t += 1.0
@@ -800,7 +802,9 @@ class FakeClock(_Role, Clock):
         return 1_700_000_000.0
 
     def sleep(self, seconds: float) -> None:
-        self.w._t += self.w.sleep_ticks
+        if seconds < 0:
+            raise ValueError("sleep length must be non-negative")
+        self.w._t += seconds
         if self.w.on_sleep is not None:
             self.w.on_sleep(self.w._t)
 

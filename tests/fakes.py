@@ -176,7 +176,7 @@ class FakeWorld:
         #: path -> the error its restore raises (from ``stage``)
         self.refuse: dict[Path, BaseException] = {}
         self.refuse_all: BaseException | None = None
-        self.corrupt_images: BaseException | None = None  # raised by the background checksum verdict
+        self.corrupt_images: BaseException | None = None  # damaged image bytes: raised by verify_images and the staged verdict
         self.unpacking = False  # stage_checking returns an Unpacking (a compressed snapshot: ready() before memory)
         self.corrupt_frame: BaseException | None = None  # raised by that ready()
         self.offer = Offer(64 << 30, "MemAvailable 64.00 GiB")
@@ -413,10 +413,22 @@ class FakeModelTools(_Role, ModelTools):
 
 
 class FakeSnapshotFiles(_Role, SnapshotFiles):
+    """Snapshot directories without a file system: by default any path opens as ``w.manifest``;
+    in store mode (``w.snapshots`` a dict) only what was published opens, and a published one
+    is never overwritten. ``w.corrupt_images`` stands for image bytes damaged at rest.
+    tests/test_files_contract.py holds it to the real role's behaviour."""
 
     def prepare_target(self, target: Path) -> Path:
         self.w._call("prepare_target")
+        self._refuse_existing(target, "already exists; refusing to overwrite a snapshot")
         return target.parent / f".{target.name}.tmp-x"
+
+    def _refuse_existing(self, target: Path, why: str) -> None:
+        """In store mode (``w.snapshots``), a published snapshot is never overwritten."""
+        if self.w.snapshots is not None and target in self.w.snapshots:
+            from vllm_snapshot.errors import UsageError
+
+            raise UsageError(f"{target} {why}")
 
     def discard(self, tmp: Path) -> None:
         self.w._call("discard")
@@ -424,6 +436,7 @@ class FakeSnapshotFiles(_Role, SnapshotFiles):
 
     def publish(self, m: Manifest, tmp: Path, target: Path) -> None:
         self.w._call("publish")
+        self._refuse_existing(target, "appeared while the snapshot was being created")
         self.w.published.append(target)
         if self.w.snapshots is not None:
             self.w.snapshots[target] = m
@@ -443,6 +456,8 @@ class FakeSnapshotFiles(_Role, SnapshotFiles):
 
     def verify_images(self, snapshot: Path, m: Manifest) -> None:
         self.w._call("verify_images")
+        if self.w.corrupt_images is not None:  # the bytes the staged verdict fails fail here too
+            raise self.w.corrupt_images
 
     def check_weights(self, m: Manifest, full: bool = False) -> None:
         self.w._call("check_weights")

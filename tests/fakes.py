@@ -47,6 +47,7 @@ from vllm_snapshot.fleet import reference
 from vllm_snapshot.effects.protocols import FleetTools
 from vllm_snapshot.fleet.transport import Target
 from vllm_snapshot.engine.protocol import decode, encode_event
+from vllm_snapshot.engine.spec import EngineSpec
 
 from helpers import ENGINE_USER, make_manifest, make_oracle
 
@@ -613,12 +614,12 @@ class FakeCheckpointTools(_Role, CheckpointTools):
 
 class FakeEngineTools(_Role, EngineTools):
 
-    def launch_engine(self, spec: dict, env: dict[str, str], log_path: Path,
+    def launch_engine(self, spec: EngineSpec, env: dict[str, str], log_path: Path,
                       echo: Callable[[bytes], None] | None) -> Engine:
         self.w._call("launch_engine")
         self.w.launch_env = env
         self.w.launch_spec = spec
-        self.w.engine = FakeEngine(self.w.calls, self.w.kind, self.w.oracles, engine_args=spec.get("engine_args"))
+        self.w.engine = FakeEngine(self.w.calls, self.w.kind, self.w.oracles, engine_args=list(spec.engine_args))
         return self.w.engine
 
     def new_channel(self, log_file: Path | None) -> EngineChannel:

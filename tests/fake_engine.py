@@ -22,6 +22,7 @@ from vllm_snapshot.entrypoints.engine_root import emit
 from vllm_snapshot.engine.mounts import make_private
 from vllm_snapshot.engine.net import loopback_up, receive_listener
 from vllm_snapshot.engine.protocol import decode
+from vllm_snapshot.engine.spec import EngineSpec
 from vllm_snapshot.host.procs import set_parent_death_signal
 
 CALLS: list[str] = []
@@ -33,7 +34,7 @@ def oracle(prompt: str) -> dict:
             "top_logprobs": [{"token_id": 42, "logprob": STATE["logprob"]}, {"token_id": 7, "logprob": -3.5}]}
 
 
-def serve(spec: dict, sock, host: str, port: int) -> None:
+def serve(spec: EngineSpec, sock, host: str, port: int) -> None:
     class H(BaseHTTPRequestHandler):
         def log_message(self, *a):
             pass
@@ -103,21 +104,21 @@ def start_cuda_child() -> None:
 
 def main() -> int:
     os.setsid()
-    spec = json.loads(sys.argv[1])
+    spec = EngineSpec.from_json(sys.argv[1])  # as the real engine root reads it
     make_private()
     loopback_up()
-    user = spec.get("user")
+    user = spec.user
     if user:  # as the real engine root does (vllm_snapshot/entrypoints/engine_root.py)
         from vllm_snapshot.host.privilege import drop_to
 
-        drop_to(int(user["uid"]), int(user["gid"]), [int(g) for g in user["groups"]])
+        drop_to(user.uid, user.gid, list(user.groups))
         set_parent_death_signal(signal.SIGKILL)
     if os.environ.get("VLLM_FAKE_CUDA_CHILD"):
         start_cuda_child()
-    prompt = spec["oracle_prompt"]
+    prompt = spec.oracle_prompt
     emit("initialized", oracle=oracle(prompt), info={"kind": "cuda", "vllm": "fake", "torch": "fake",
                                                       "served_model_name": "fake",
-                                                      "normalized_args": {"raw": json.dumps(spec.get("engine_args", []))}})
+                                                      "normalized_args": {"raw": json.dumps(list(spec.engine_args))}})
     for line in sys.stdin:
         cmd = decode(line)
         if cmd is None:

@@ -47,6 +47,7 @@ from vllm_snapshot.fleet import reference
 from vllm_snapshot.effects.protocols import FleetTools
 from vllm_snapshot.fleet.transport import Target
 from vllm_snapshot.engine.protocol import decode, encode_event
+from vllm_snapshot.engine.spec import EngineSpec
 
 from helpers import ENGINE_USER, make_manifest, make_oracle
 
@@ -176,7 +177,7 @@ class FakeWorld:
         #: path -> the error its restore raises (from ``stage``)
         self.refuse: dict[Path, BaseException] = {}
         self.refuse_all: BaseException | None = None
-        self.corrupt_images: BaseException | None = None  # raised by the background checksum verdict
+        self.corrupt_images: BaseException | None = None  # damaged image bytes: raised by verify_images and the staged verdict
         self.unpacking = False  # stage_checking returns an Unpacking (a compressed snapshot: ready() before memory)
         self.corrupt_frame: BaseException | None = None  # raised by that ready()
         self.offer = Offer(64 << 30, "MemAvailable 64.00 GiB")
@@ -201,8 +202,6 @@ class FakeWorld:
         self.terminated: list[int] = []
         #: what read_log_tail returns (None: the log cannot be read)
         self.log_file_tail: str | None = None
-        #: seconds sleep() adds to the clock (serve_foreground polls with sleep)
-        self.sleep_ticks = 0.0
         #: called by sleep() with the clock's time (a test sends a signal or ends the engine there)
         self.on_sleep: Callable[[float], None] | None = None
         #: what the weights channel's worker mapped (None: no worker used it); check_weights's refusal
@@ -415,10 +414,22 @@ class FakeModelTools(_Role, ModelTools):
 
 
 class FakeSnapshotFiles(_Role, SnapshotFiles):
+    """Snapshot directories without a file system: by default any path opens as ``w.manifest``;
+    in store mode (``w.snapshots`` a dict) only what was published opens, and a published one
+    is never overwritten. ``w.corrupt_images`` stands for image bytes damaged at rest.
+    tests/test_files_contract.py holds it to the real role's behaviour."""
 
     def prepare_target(self, target: Path) -> Path:
         self.w._call("prepare_target")
+        self._refuse_existing(target, "already exists; refusing to overwrite a snapshot")
         return target.parent / f".{target.name}.tmp-x"
+
+    def _refuse_existing(self, target: Path, why: str) -> None:
+        """In store mode (``w.snapshots``), a published snapshot is never overwritten."""
+        if self.w.snapshots is not None and target in self.w.snapshots:
+            from vllm_snapshot.errors import UsageError
+
+            raise UsageError(f"{target} {why}")
 
     def discard(self, tmp: Path) -> None:
         self.w._call("discard")
@@ -426,6 +437,7 @@ class FakeSnapshotFiles(_Role, SnapshotFiles):
 
     def publish(self, m: Manifest, tmp: Path, target: Path) -> None:
         self.w._call("publish")
+        self._refuse_existing(target, "appeared while the snapshot was being created")
         self.w.published.append(target)
         if self.w.snapshots is not None:
             self.w.snapshots[target] = m
@@ -445,6 +457,8 @@ class FakeSnapshotFiles(_Role, SnapshotFiles):
 
     def verify_images(self, snapshot: Path, m: Manifest) -> None:
         self.w._call("verify_images")
+        if self.w.corrupt_images is not None:  # the bytes the staged verdict fails fail here too
+            raise self.w.corrupt_images
 
     def check_weights(self, m: Manifest, full: bool = False) -> None:
         self.w._call("check_weights")
@@ -600,12 +614,12 @@ class FakeCheckpointTools(_Role, CheckpointTools):
 
 class FakeEngineTools(_Role, EngineTools):
 
-    def launch_engine(self, spec: dict, env: dict[str, str], log_path: Path,
+    def launch_engine(self, spec: EngineSpec, env: dict[str, str], log_path: Path,
                       echo: Callable[[bytes], None] | None) -> Engine:
         self.w._call("launch_engine")
         self.w.launch_env = env
         self.w.launch_spec = spec
-        self.w.engine = FakeEngine(self.w.calls, self.w.kind, self.w.oracles, engine_args=spec.get("engine_args"))
+        self.w.engine = FakeEngine(self.w.calls, self.w.kind, self.w.oracles, engine_args=list(spec.engine_args))
         return self.w.engine
 
     def new_channel(self, log_file: Path | None) -> EngineChannel:
@@ -791,6 +805,10 @@ class FakeRuntimeTools(_Role, RuntimeTools):
 
 
 class FakeClock(_Role, Clock):
+    """Time that moves only when read or slept: every ``monotonic()`` reading adds 1 s (so each
+    phase an operation times takes a whole second), ``sleep(s)`` adds ``s`` (and refuses a
+    negative ``s``, as :func:`time.sleep` does), ``now()`` is a fixed Unix time.
+    tests/test_clock_contract.py holds it to what callers rely on from the real clock."""
 
     def monotonic(self) -> float:
         self.w._t += 1.0
@@ -800,7 +818,9 @@ class FakeClock(_Role, Clock):
         return 1_700_000_000.0
 
     def sleep(self, seconds: float) -> None:
-        self.w._t += self.w.sleep_ticks
+        if seconds < 0:
+            raise ValueError("sleep length must be non-negative")
+        self.w._t += seconds
         if self.w.on_sleep is not None:
             self.w.on_sleep(self.w._t)
 

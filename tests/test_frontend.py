@@ -135,7 +135,7 @@ def test_serve_keeps_front_end_options_out_of_the_build_and_applies_them_at_rest
     req = ops.ServeRequest(model="/models/tiny", root=tmp_path, engine_args=["--kv-cache-memory-bytes", "64M"],
                            port=8123, frontend=("--api-key", "k"))
     served, _engine = ops.serve(req, Reporter(), tools=t.tools)
-    assert "--api-key" not in t.launch_spec["engine_args"] and "k" not in t.launch_spec["engine_args"]
+    assert "--api-key" not in t.launch_spec.engine_args and "k" not in t.launch_spec.engine_args
     assert t.served_frontend == ("--api-key", "k") and t.canary_key == "k"
 
 

@@ -493,14 +493,14 @@ def test_hf_id_is_served_by_its_id_and_its_revision_recorded():
                                      engine_args=["--kv-cache-memory-bytes", "1M", "--revision", "v1"]),
                    Reporter(), tools=t.tools).manifest
     assert "resolve_model:v1" in t.calls
-    assert t.launch_spec["served_model_name"] == "acme/tiny" and t.launch_spec["model"].endswith("abc123")
+    assert t.launch_spec.served_model_name == "acme/tiny" and t.launch_spec.model.endswith("abc123")
     assert m.model.revision == "abc123" and m.model.requested == "acme/tiny"
     t2 = FakeWorld()
     t2.tools = dataclasses.replace(t2.tools, model=HfModel(t2))
     ops.create(ops.CreateRequest(model="acme/tiny", target=SNAP,
                                  engine_args=["--kv-cache-memory-bytes", "1M", "--served-model-name", "x"]),
                Reporter(), tools=t2.tools)
-    assert "served_model_name" not in t2.launch_spec  # an explicit name wins
+    assert t2.launch_spec.served_model_name is None  # an explicit name wins
 
 
 def test_cuda_create_records_the_gpu_used_and_restore_places_the_state_by_it():

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_snapshot.checkpoint import criu
+from vllm_snapshot.engine.spec import RunAs
 from vllm_snapshot.store import manifest as mf
 from vllm_snapshot import ops
 from vllm_snapshot.host import privilege
@@ -150,8 +151,7 @@ def _create(t: FakeWorld, **kw):
 def test_create_runs_the_engine_as_the_user_and_records_it():
     t = FakeWorld()
     res = _create(t, user="svc")
-    assert t.launch_spec["user"] == {"name": "svc", "uid": 990, "gid": 990, "groups": [990],
-                                     "home": "/var/lib/vllm-snapshot-engine"}
+    assert t.launch_spec.user == RunAs(name="svc", uid=990, gid=990, groups=(990,), home="/var/lib/vllm-snapshot-engine")
     assert t.launch_env["HOME"] == "/var/lib/vllm-snapshot-engine" and t.launch_env["USER"] == "svc"
     assert res.manifest.engine.user == mf.EngineUser(name="svc", uid=990, gid=990, groups=(990,),
                                                      home="/var/lib/vllm-snapshot-engine")

@@ -103,12 +103,11 @@ class _Engine(FakeEngine):
 
 def _serve(w: FakeWorld, engine: _Engine, signals_at: dict[float, int], grace: float | None = 10.0,
            drain_s: float = 5.0) -> tuple[int, list[str]]:
-    """serve_foreground with the clock moving ``FOREGROUND_POLL_S`` per poll and the signals of
+    """serve_foreground with the fake clock (a poll sleeps ``FOREGROUND_POLL_S``) and the signals of
     ``signals_at`` (clock time -> signum) delivered through the handler it installed."""
     from types import SimpleNamespace
 
     said: list[str] = []
-    w.sleep_ticks = FOREGROUND_POLL_S
 
     def on_sleep(now: float) -> None:
         assert now < 1000, "serve_foreground never stopped"

@@ -486,10 +486,10 @@ def test_a_missing_or_changed_weights_file_refuses_the_snapshot_and_serve_builds
     (built,) = t.snapshots
     m = t.snapshots[built]
     assert m.weights == t.weights_file and m.key.value == first.key  # create recorded what the worker mapped
-    assert t.launch_spec["weights_file"] is True and t.weights_root == ROOT  # the store's .weights beside it
+    assert t.launch_spec.weights_file is True and t.weights_root == ROOT  # the store's .weights beside it
     assert t.carry_also == (m.weights.path,)  # never copied into carried/
     assert t.mounts_also == (str(ROOT),)  # the engine's mount namespace keeps the store's mount
-    assert t.launch_spec["weights_root"] == str(ROOT)
+    assert t.launch_spec.weights_root == str(ROOT)
     t.weights_problems[m.weights.path] = f"the weights file {m.weights.path} is missing"
     t.weights_file = m.weights.model_copy(update={"path": "/snaps/.weights/" + "cd" * 32 + ".weights"})  # the rebuild's
     t.calls.clear()
@@ -505,7 +505,7 @@ def test_weights_in_image_is_its_own_key_and_asks_the_engine_for_no_file():
     t.weights_file = None
     image, _ = _serve(t, weights="in-image")
     assert image.path == "built" and image.key != file_.key
-    assert t.launch_spec["weights_file"] is False
+    assert t.launch_spec.weights_file is False
     assert t.snapshots[Path(image.restored.snapshot)].weights is None
     t.calls.clear()
     again, _ = _serve(t, weights="in-image")

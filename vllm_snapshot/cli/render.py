@@ -463,7 +463,7 @@ def fitting_columns(widths: dict[str, int], available: int, order=LIST_COLUMNS) 
 _TABLE_ORDER = ("name", "model", "key", "created", "kind", "sleep", "raw", "stored", "weights", "here", "last restore")
 
 
-def snapshot_list(rows: list[dict], root: str) -> None:
+def snapshot_list(rows: list[R.SnapshotRow], root: str) -> None:
     """Print ``list`` rows as a table that fits the console's width: the name is never wrapped;
     at a narrow width the least important columns are left out (and named below the table)."""
     from rich.table import Table
@@ -514,7 +514,7 @@ def snapshot_list(rows: list[dict], root: str) -> None:
         c.print(f"✗ {name}: {why}", markup=False, highlight=False, soft_wrap=True)
 
 
-def engine_list(rows: list[dict]) -> None:
+def engine_list(rows: list[R.EngineRow]) -> None:
     """Print ``status`` rows as a table."""
     from rich.table import Table
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from .. import paths
+from ..engine.spec import EngineSpec
 from ..store.manifest import Manifest, WeightsFile
 from .protocols import Engine, EngineChannel, EngineTools, WeightsChannel
 
@@ -44,7 +45,7 @@ class LocalEngineTools(EngineTools):
 
         self.engine_argv = tuple(engine_argv or ENGINE_ARGV)
 
-    def launch_engine(self, spec: dict, env: dict[str, str], log_path: Path,
+    def launch_engine(self, spec: EngineSpec, env: dict[str, str], log_path: Path,
                       echo: Callable[[bytes], None] | None) -> Engine:
         from ..supervise.supervisor import launch
 

@@ -19,6 +19,7 @@ from typing import Callable, Protocol, runtime_checkable
 from ..checkpoint.criu import DumpOptions, RestoreOptions
 from ..checkpoint.gpu import GpuSlot, GpuUse
 from ..checkpoint.inventory import Inventory
+from ..engine.spec import EngineSpec
 from ..host.cgroups import Placement
 from ..host.privilege import Creds, User
 from ..host.resources import Offer
@@ -390,9 +391,11 @@ class CheckpointTools(Protocol):
 class EngineTools(Protocol):
     """The engine process and its server: start (create), fresh channel and adoption (restore), the port handed over, HTTP health and canary, its log files."""
 
-    def launch_engine(self, spec: dict, env: dict[str, str], log_path: Path,
+    def launch_engine(self, spec: EngineSpec, env: dict[str, str], log_path: Path,
                       echo: Callable[[bytes], None] | None) -> Engine:
-        """Start the engine root in its own PID + mount namespace. Raises EngineError."""
+        """Start the engine root of ``spec`` in its own PID, mount and network namespace, with
+        the environment ``env``, its log appended to ``log_path`` (and each chunk passed to
+        ``echo``). Raises EngineError."""
 
     def new_channel(self, log_file: Path | None) -> EngineChannel: ...
 

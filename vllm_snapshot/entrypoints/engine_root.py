@@ -24,6 +24,7 @@ import traceback
 from ..engine import args as engine_args_rules
 from ..engine.args import PARALLEL_SIZES, argparse_reason, normalize_args, unrestorable
 from ..engine.protocol import FD_EVENTS, decode, encode_event
+from ..engine.spec import EngineSpec
 from ..host.procs import set_parent_death_signal
 
 _events = None
@@ -267,7 +268,7 @@ async def serve(app, args, sock, host: str | None, port: int, drain_s: float = D
         sock.close()
 
 
-async def run(spec: dict) -> int:
+async def run(spec: EngineSpec) -> int:
     loop = asyncio.get_running_loop()
     import contextlib
     import io
@@ -275,9 +276,9 @@ async def run(spec: dict) -> int:
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):
-            args = parse_engine_args(spec["model"], list(spec.get("engine_args", [])))
+            args = parse_engine_args(spec.model, list(spec.engine_args))
             # the same function `serve` uses, so the key recorded here is the one it computes
-            normalized = normalize_args(list(spec.get("engine_args", [])))
+            normalized = normalize_args(list(spec.engine_args))
     except SystemExit as e:
         # argparse printed usage + "prog: error: REASON"; pass the reason on
         emit("error", kind="usage", message=f"invalid engine arguments: {argparse_reason(captured.getvalue())}")
@@ -285,15 +286,15 @@ async def run(spec: dict) -> int:
     except ValueError as e:
         emit("error", kind="usage", message=str(e))
         return 2
-    if spec.get("served_model_name") and not getattr(args, "served_model_name", None):
-        args.served_model_name = [spec["served_model_name"]]  # a Hugging Face id, served by its id
+    if spec.served_model_name and not getattr(args, "served_model_name", None):
+        args.served_model_name = [spec.served_model_name]  # a Hugging Face id, served by its id
     try:
         kind = _device_kind()
     except RuntimeError as e:
         emit("error", kind="usage", message=str(e))
         return 2
-    sleep_level = int(spec.get("sleep_level", 0)) if kind == "cuda" else 0
-    if spec.get("weights_file") and kind == "cpu":
+    sleep_level = spec.sleep_level if kind == "cuda" else 0
+    if spec.weights_file and kind == "cpu":
         from ..engine.weights import ENV as WEIGHTS_ENV
 
         os.environ[WEIGHTS_ENV] = "1"  # vLLM's children (spawned after this) map their weights
@@ -305,7 +306,7 @@ async def run(spec: dict) -> int:
     q: asyncio.Queue = asyncio.Queue()
     app = None
     async with build_async_engine_client(args) as engine:
-        oracle = await run_oracle(engine, spec["oracle_prompt"])
+        oracle = await run_oracle(engine, spec.oracle_prompt)
         import torch
         import vllm
 
@@ -322,7 +323,7 @@ async def run(spec: dict) -> int:
             name = cmd.get("cmd")
             try:
                 if name == "oracle":
-                    emit("oracle", oracle=await run_oracle(engine, spec["oracle_prompt"]))
+                    emit("oracle", oracle=await run_oracle(engine, spec.oracle_prompt))
                 elif name == "sleep":
                     await engine.reset_prefix_cache()
                     await engine.sleep(level=int(cmd.get("level", sleep_level)))
@@ -407,8 +408,8 @@ def main() -> int:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, _term)
-    spec = json.loads(sys.argv[1])
-    user = spec.get("user")
+    spec = EngineSpec.from_json(sys.argv[1])
+    user = spec.user
     if os.getpid() == 1:  # our own PID + mount + network namespace (always, when launched by create)
         from ..engine.mounts import link_inductor_cache, make_private
         from ..engine.net import loopback_up
@@ -425,12 +426,12 @@ def main() -> int:
         from ..host.privilege import drop_to
 
         try:
-            drop_to(int(user["uid"]), int(user["gid"]), [int(g) for g in user["groups"]])
+            drop_to(user.uid, user.gid, list(user.groups))
             set_parent_death_signal(signal.SIGKILL)  # the uid change cleared --kill-child's
             if os.getpid() == 1:
                 link_inductor_cache()
         except OSError as e:
-            emit("error", kind="engine", message=f"cannot run the engine as {user['name']}: {e}")
+            emit("error", kind="engine", message=f"cannot run the engine as {user.name}: {e}")
             return 1
     try:
         # Plain asyncio, not uvloop: libuv >= 1.45 opens io_uring instances, which CRIU

@@ -38,6 +38,7 @@ from ..store import layout, manifest, oracle, snapkey
 from ..host import privilege
 from ..engine.args import arg_value, check_engine_args, has_flag
 from ..engine.mounts import PRIVATE as PRIVATE_MOUNTS
+from ..engine.spec import EngineSpec, RunAs
 from ..store.archive import DEFAULT_COMPRESSION, Compression
 from ..errors import CriuError, EngineError, EnvironmentProblem, OracleMismatchError, UnsnapshottableError, UsageError
 from ..checkpoint.inventory import Inventory
@@ -245,7 +246,7 @@ def engine_user_record(user: privilege.User) -> manifest.EngineUser:
     return manifest.EngineUser(name=user.name, uid=user.uid, gid=user.gid, groups=user.groups, home=user.home)
 
 
-def _start_engine(et: EngineTools, req: CreateRequest, spec: dict, env: dict[str, str], tmp: Path,
+def _start_engine(et: EngineTools, req: CreateRequest, spec: EngineSpec, env: dict[str, str], tmp: Path,
                   model_dir: Path, weights_root: Path | None = None,
                   uid: int = 0) -> tuple[Engine, dict, manifest.WeightsFile | None]:
     """Launch the engine and wait for its oracle; with ``weights_root``, serve its weights
@@ -405,12 +406,14 @@ def _create_locked(t: Tools, req: CreateRequest, rep: Reporter, target: Path, mo
         env_scrubbed = env == scrubbed_env(t.host.environ(), (), user)  # --keep-env added nothing the scrubber drops
         who = engine_user_record(user)
         mode = weights_mode(req.weights, t.host.engine_device())
-        spec = {"model": str(model_dir), "engine_args": list(req.engine_args),
-                "oracle_prompt": req.oracle_prompt, "sleep_level": req.sleep_level,
-                "user": who.model_dump(mode="json"), "weights_file": mode == "file",
-                "weights_root": str(target.parent) if mode == "file" else None}
-        if revision is not None and arg_value(req.engine_args, "--served-model-name") is None:
-            spec["served_model_name"] = req.model  # serve a Hugging Face id by its id, as `vllm serve` does
+        spec = EngineSpec(
+            model=str(model_dir), engine_args=tuple(req.engine_args), oracle_prompt=req.oracle_prompt,
+            sleep_level=req.sleep_level,
+            user=RunAs(name=who.name, uid=who.uid, gid=who.gid, groups=who.groups, home=who.home),
+            weights_file=mode == "file", weights_root=str(target.parent) if mode == "file" else None,
+            # serve a Hugging Face id by its id, as `vllm serve` does
+            served_model_name=req.model if revision is not None and arg_value(
+                req.engine_args, "--served-model-name") is None else None)
         loading_since_ns = int(t.clock.now() * 1e9)  # the engine may read the model files from here on
         with rep.phase("engine_start", "starting engine (load, compile, warm-up)"):
             engine, init, weights = _start_engine(t.engine, req, spec, env, tmp, model_dir,

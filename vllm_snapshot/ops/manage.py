@@ -11,15 +11,17 @@ from ..host import identity
 from ..store import layout
 from ..errors import BusyError, CorruptSnapshotError, SnapshotError, UsageError, first_lines
 from ..store.registry import Entry
-from ..report.results import Deleted, Engines, Listed, Pruned, Stopped
+from ..report.results import Deleted, EngineRow, Engines, Listed, Pruned, SnapshotRow, Stopped, StoppedRow
 from ..effects.protocols import RuntimeTools, StoreTools
 from ..effects.tools import Tools, local_tools
 
 
-def describe(snapshot: Path, tools: Tools | None = None) -> dict:
-    """One ``list`` row: name, path, model, key, created, kind, sleep level, raw/stored bytes,
-    whether this host can restore it (``compatible`` + ``why``: a refusal ``serve`` recorded
-    since its last restore, else host identity and model files), last restore (unix s or None).
+def describe(snapshot: Path, tools: Tools | None = None) -> SnapshotRow:
+    """One ``list`` row (:class:`~vllm_snapshot.report.results.SnapshotRow`): name, path, model,
+    key, created, kind, sleep level, raw/stored bytes, whether this host can restore it
+    (``compatible`` + ``why``: a refusal ``serve`` recorded since its last restore, else host
+    identity and model files), last restore (unix s or None); None for what an unreadable
+    manifest cannot say.
 
     Cheap by design (a ``list`` of many snapshots stays fast): trust checks, manifest, layout
     (stat), host identity (probed once per command, not per row) and the model's stat; image
@@ -165,9 +167,9 @@ def status(tools: Tools | None = None) -> Engines:
     trees nobody owns (a killed restore's) and the engine cgroups no process is in any more (an
     engine that exited or was killed): ``prune`` removes both."""
     t = tools or local_tools()
-    return Engines([{**{k: v for k, v in e.__dict__.items() if k != "frontend"}, "url": e.url,
-                     "cgroup": t.runtime.cgroup_of(e.pid)} for e in t.runtime.engines()], t.runtime.orphan_pids(),
-                   t.runtime.empty_engine_cgroups())
+    rows: list[EngineRow] = [{**{k: v for k, v in e.__dict__.items() if k != "frontend"},
+                              "url": e.url, "cgroup": t.runtime.cgroup_of(e.pid)} for e in t.runtime.engines()]
+    return Engines(rows, t.runtime.orphan_pids(), t.runtime.empty_engine_cgroups())
 
 
 def stop_engines(snapshot: Path | None, port: int | None, tools: Tools | None = None,
@@ -191,7 +193,7 @@ def stop_engines(snapshot: Path | None, port: int | None, tools: Tools | None = 
             raise UsageError(f"PID {pid} is not an engine root: it belongs to the engine with root PID {owner.pid} "
                              f"({owner.snapshot}, port {owner.port})", hint=f"vllm-snapshot stop --pid {owner.pid}")
         return Stopped([], nothing=f"no restored engine matches {what}")
-    rows = []
+    rows: list[StoppedRow] = []
     for e in match:
         r = t.runtime.stop_engine(e, drain_s)
         rows.append({"pid": e.pid, "snapshot": e.snapshot, "port": e.port, "seconds": round(r.seconds, 3),

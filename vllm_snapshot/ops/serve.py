@@ -60,7 +60,7 @@ from ..store.manifest import Manifest, ModelFile
 from ..store.model_digest import ignored, kind
 from ..report.progress import Reporter
 from .restore import SERVER_START
-from ..report.results import Served
+from ..report.results import NotMatching, Refused, Served
 from ..host.privilege import DEFAULT_USER
 from ..store.registry import DRAIN_S
 from ..host.envpolicy import scrubbed_env
@@ -277,9 +277,9 @@ def _find_or_build(t: Tools, req: ServeRequest, rep: Reporter, model_dir: Path, 
         snaps = _published(t.host, t.store, t.files, req.root)  # again: a serve we waited for may have built it
         matching = sorted((x for x in snaps if x[1].key is not None and snapkey.key_of(x[1]) == key.value),
                           key=lambda x: x[1].created_at, reverse=True)
-        refused: list[dict] = []
+        refused: list[Refused] = []
         errors: list[SnapshotError] = []
-        others = [{"snapshot": str(p), "why": why_not(m, key, files, host)} for p, m in snaps
+        others: list[NotMatching] = [{"snapshot": str(p), "why": why_not(m, key, files, host)} for p, m in snaps
                   if m.model.path == str(model_dir) and (m.key is None or snapkey.key_of(m) != key.value)]
         for p, m in [] if req.build == "always" else matching:
             try:
@@ -397,7 +397,9 @@ def _restore_req(req: ServeRequest, snapshot: Path) -> RestoreRequest:
 REFUSAL_LINES = 8
 
 
-def _refuse(t: Tools, rep: Reporter, p: Path, e: SnapshotError, refused: list[dict]) -> None:
+def _refuse(t: Tools, rep: Reporter, p: Path, e: SnapshotError, refused: list[Refused]) -> None:
+    """Say why ``p`` was refused, append it to ``refused`` and record the refusal (``list``
+    shows it); a refusal that cannot be recorded is only said."""
     line = first_lines(e)
     lines = (e.message or str(e)).splitlines()
     more = len(lines) - REFUSAL_LINES

@@ -6,6 +6,7 @@ old engines drain in a thread of their own (:class:`_Stopping`) while the target
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypedDict
 
 from ..store import layout
 from ..errors import BusyError, CorruptSnapshotError, Interrupted, SnapshotError, UsageError
@@ -15,6 +16,16 @@ from ..report.results import Switched
 from ..effects.protocols import Clock, HostTools, RuntimeTools
 from ..effects.tools import Tools, local_tools
 from .restore import RestoreRequest, restore, validate
+
+
+class OldEngine(TypedDict):
+    """An engine a failed ``switch`` stopped, as its error's ``details["stopped"]`` lists it:
+    root ``pid``, ``snapshot`` (path), ``host`` and ``port`` it served."""
+
+    pid: int
+    snapshot: str
+    host: str
+    port: int
 
 
 class _Stopping:
@@ -218,7 +229,7 @@ def _switch_locked(t: Tools, snapshot: Path, host: str | None, port: int, log_fi
             else:
                 stopping.wait_port(t.host, t.clock, host, port)
     t1 = t.clock.monotonic()
-    stopped = [{"pid": e.pid, "snapshot": e.snapshot, "host": e.host, "port": e.port} for e in old]
+    stopped: list[OldEngine] = [{"pid": e.pid, "snapshot": e.snapshot, "host": e.host, "port": e.port} for e in old]
     try:
         try:
             r, engine = restore(req, rep, tools=t)
@@ -393,7 +404,7 @@ def _roll_back(t: Tools, prev: Entry, rep: Reporter, frontend: tuple[str, ...] =
         return None
 
 
-def _explain_switch_failure(err: SnapshotError, port: int, stopped: list[dict], serving: dict | None,
+def _explain_switch_failure(err: SnapshotError, port: int, stopped: list[OldEngine], serving: dict | None,
                             rollback: bool, now: list[Entry] | None = None, why: str = "") -> None:
     """Append to ``err`` what the failed switch stopped and what serves on ``port`` now:
     ``serving`` (the rollback's engine), else the registry's engines on the port (``now``:

@@ -1,15 +1,106 @@
 """What commands return: frozen data, no live handles. :mod:`vllm_snapshot.cli.render` turns each
-into a table/lines for humans or a versioned JSON object; ``to_json()`` is the JSON body."""
+into a table/lines for humans or a versioned JSON object; ``to_json()`` is the JSON body.
+
+The rows inside a result (``list``'s snapshots, ``status``'s engines, ``stop``'s engines,
+``serve``'s refused and not-matching snapshots) are TypedDicts, not dataclasses: a row *is* the
+JSON object ``--json`` prints (and an error's ``details`` carries), read by key in
+:mod:`vllm_snapshot.cli.render`, so the type costs no conversion at the JSON edge and cannot
+change a byte of the output; ``tests/test_result_shapes.py`` pins each row's keys against its
+declaration."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from .inspected import Inspected  # noqa: F401 - a result like the others; its own module keeps `inspect` light
 
 if TYPE_CHECKING:  # annotations only: importing results must not build the pydantic models
     from ..store.manifest import Manifest
+
+
+class SnapshotRow(TypedDict):
+    """One ``list`` row (:func:`vllm_snapshot.ops.manage.describe`). ``name``, ``path`` (the
+    snapshot dir); ``last_restore``: Unix seconds of its last restore here, or None. From the
+    manifest, each None when it cannot be read: ``model`` (as requested at create), ``key``
+    (the snapshot key, hex, or None for a snapshot made without one), ``created`` (ISO 8601),
+    ``kind`` (``cpu``/``cuda``), ``sleep_level`` (0-2), ``raw_bytes``/``stored_bytes`` (images,
+    bytes), ``weights`` (the weights file's path, or None: in the images) and ``weights_bytes``.
+    ``compatible``: whether this host can restore it; ``why``: the reason when not ("" when it can)."""
+
+    name: str
+    path: str
+    last_restore: float | None
+    model: str | None
+    key: str | None
+    created: str | None
+    kind: str | None
+    sleep_level: int | None
+    raw_bytes: int | None
+    stored_bytes: int | None
+    weights: str | None
+    weights_bytes: int | None
+    compatible: bool
+    why: str
+
+
+class EngineRow(TypedDict):
+    """One ``status`` row: a registry entry (:class:`vllm_snapshot.store.registry.Entry`, its
+    front-end fingerprint left out) with its ``url``. ``snapshot`` (path), ``pid`` (the engine
+    root's host PID), ``supervisor_pid`` (0 when detached), ``host``, ``port``, ``started_at``
+    (Unix seconds), ``mode`` (``foreground``/``detached``), ``create_time`` (the root process's
+    start, Unix seconds as psutil gives it: tells a reused PID from it; 0.0 when not recorded), ``scheme`` (``http``/``https``), ``cgroup`` (the
+    cgroup it runs in now, read from /proc), ``auth`` (an API key is required), ``drain_s``
+    (seconds, ``stop``'s default drain), ``frontend_args`` (front-end option tokens without
+    secrets, None when not recorded), ``log_file`` ("" when none), ``url``."""
+
+    snapshot: str
+    pid: int
+    supervisor_pid: int
+    host: str
+    port: int
+    started_at: float
+    mode: str
+    create_time: float
+    scheme: str
+    cgroup: str
+    auth: bool
+    drain_s: float
+    frontend_args: tuple[str, ...] | None
+    log_file: str
+    url: str
+
+
+class StoppedRow(TypedDict):
+    """One engine ``stop`` stopped: root ``pid``, ``snapshot`` (path), ``port``, ``seconds`` the
+    stop took, ``drain_s`` the drain timeout applied (seconds), ``drained`` (False when it ran
+    out with ``cut`` requests still in flight), ``killed`` (SIGKILL was needed after it)."""
+
+    pid: int
+    snapshot: str
+    port: int
+    seconds: float
+    drain_s: float
+    drained: bool
+    cut: int
+    killed: bool
+
+
+class Refused(TypedDict):
+    """A snapshot ``serve`` refused on the way (and recorded as unusable here): ``snapshot``
+    (path), ``code`` (the error's code, e.g. ``oracle-mismatch``), ``reason`` (its first line)."""
+
+    snapshot: str
+    code: str
+    reason: str
+
+
+class NotMatching(TypedDict):
+    """A snapshot of the same model directory whose key differs: ``snapshot`` (path), ``why``
+    it does not match (what differs, in words)."""
+
+    snapshot: str
+    why: str
 
 
 @dataclass(frozen=True)
@@ -79,18 +170,18 @@ class Verified:
 class Served:
     """``serve``: which ``path`` was taken (``restored`` an existing snapshot, ``pulled`` one from
     ``--registry``, or ``built`` one and restored it), the serving engine (:class:`Restored`), the snapshot key, the snapshots
-    refused on the way (``{"snapshot", "code", "reason"}``), warnings, every phase's duration
-    and the total (seconds)."""
+    refused on the way (:class:`Refused`), warnings, every phase's duration and the total
+    (seconds)."""
 
     path: str
     restored: Restored
     key: str
-    refused: list[dict]
+    refused: list[Refused]
     warnings: list[str]
     timings: dict[str, float]
     total_s: float
-    #: snapshots of the same model directory with another key: ``{"snapshot", "why"}``
-    others: list[dict] = field(default_factory=list)
+    #: snapshots of the same model directory with another key
+    others: list[NotMatching] = field(default_factory=list)
     #: seconds of the restore that serves (validation to canary), without key or build
     restore_s: float = 0.0
     #: ``--registry``: seconds of the push after the engine served (None: nothing pushed); it is
@@ -108,10 +199,10 @@ class Served:
 
 @dataclass(frozen=True)
 class Listed:
-    """``list`` rows (see :func:`vllm_snapshot.ops.manage.describe`) under ``root``."""
+    """``list`` rows (:class:`SnapshotRow`) under ``root``."""
 
     root: str
-    rows: list[dict]
+    rows: list[SnapshotRow]
     root_exists: bool = True
     #: why create/restore would refuse snapshots under ``root`` (a 0777 root, ...), in words
     warnings: tuple[str, ...] = ()
@@ -164,11 +255,11 @@ class Pruned:
 
 @dataclass(frozen=True)
 class Engines:
-    """``status``: restored engines on this host (registry rows with ``url``), the root PIDs of
+    """``status``: restored engines on this host (:class:`EngineRow`), the root PIDs of
     engine trees nobody owns (``orphans``) and the paths of engine cgroups left empty
     (``empty_cgroups``)."""
 
-    engines: list[dict]
+    engines: list[EngineRow]
     orphans: list[int] = field(default_factory=list)
     empty_cgroups: list[str] = field(default_factory=list)
 
@@ -178,11 +269,9 @@ class Engines:
 
 @dataclass(frozen=True)
 class Stopped:
-    """Engines stopped: ``[{"pid", "snapshot", "port", "seconds", "drain_s", "drained", "cut",
-    "killed"}]``: ``drain_s`` the drain timeout applied (seconds), ``drained`` False when it ran
-    out with ``cut`` requests in flight, ``killed`` when SIGKILL was needed after it."""
+    """Engines stopped (:class:`StoppedRow`, one each)."""
 
-    stopped: list[dict]
+    stopped: list[StoppedRow]
     #: when nothing matched: what matched none (``no restored engine matches port 8000``)
     nothing: str = ""
 

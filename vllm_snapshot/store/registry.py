@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 
 from .. import paths
+from ..engine.spec import ROOT_MARK
 from ..host import ports
 from ..host.procs import ns_pids, socket_inodes, tree, wait_gone
 from ..host.sockets import TCP_ESTABLISHED, TCP_LISTEN, tcp_table
@@ -304,13 +305,13 @@ REAPERS = frozenset({"systemd", "init", "tini", "dumb-init", "catatonit", "runit
 
 
 def _is_engine_root(p: psutil.Process) -> bool:
-    """An engine tree's root: its last argument is the engine spec (JSON with the oracle
-    prompt) and it is PID 1 of its own PID namespace."""
+    """An engine tree's root: its last argument is the engine spec (a JSON object holding
+    :data:`~vllm_snapshot.engine.spec.ROOT_MARK`) and it is PID 1 of its own PID namespace."""
     try:
         argv = p.cmdline()
     except (psutil.Error, OSError):
         return False
-    if not argv or not argv[-1].startswith("{") or '"oracle_prompt"' not in argv[-1]:
+    if not argv or not argv[-1].startswith("{") or ROOT_MARK not in argv[-1]:
         return False
     pids = ns_pids(p.pid)
     return len(pids) > 1 and pids[-1] == 1

@@ -11,7 +11,6 @@ no mount, so CRIU can dump them, while a /dev/null inherited from the caller cou
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import signal
@@ -27,6 +26,7 @@ from typing import IO, Callable
 import psutil
 
 from ..engine.protocol import FD_EVENTS, FD_LOG, PROGRAM, ROLES, decode, encode_command, missing_fields
+from ..engine.spec import EngineSpec
 from ..host.procs import set_parent_death_signal, tree, wait_gone
 from ..errors import EngineError
 
@@ -326,10 +326,10 @@ def engine_import_env(env: dict[str, str]) -> dict[str, str]:
     return {**env, "PYTHONPATH": os.pathsep.join([parent, *rest])}
 
 
-def launch(spec: dict, env: dict[str, str], log_sinks: list[Callable[[bytes], None]],
+def launch(spec: EngineSpec, env: dict[str, str], log_sinks: list[Callable[[bytes], None]],
            engine_argv: tuple[str, ...] = ENGINE_ARGV) -> EngineHandle:
-    """Start the engine root (``ENGINE_ARGV SPEC``) in a new PID + mount namespace; return
-    its handle.
+    """Start the engine root (``ENGINE_ARGV SPEC``, ``SPEC`` the JSON of ``spec``) in a new PID +
+    mount namespace; return its handle.
 
     Raises EngineError when it cannot be started.
     """
@@ -354,7 +354,7 @@ def launch(spec: dict, env: dict[str, str], log_sinks: list[Callable[[bytes], No
     # namespace with only lo (engine/net.py brings it up): no route out at create, and the
     # recorded loopback listeners live in a namespace CRIU re-creates fresh at every restore.
     argv = ["unshare", "--pid", "--fork", "--mount-proc", "--propagation", "private", "--net", "--kill-child", "--",
-            *engine_argv, json.dumps(spec)]
+            *engine_argv, spec.to_json()]
     # engine fd 0 = control, 1 and 2 = log, 3 = events (engine/protocol.py)
     try:
         launcher = subprocess.Popen(

@@ -22,7 +22,7 @@ import threading
 import traceback
 
 from ..engine import args as engine_args_rules
-from ..engine.args import PARALLEL_SIZES, argparse_reason, normalize_args, unrestorable
+from ..engine.args import PARALLEL_SIZES, argparse_reason, normalize_args, stray_error, unrestorable
 from ..engine.protocol import FD_EVENTS, decode, encode_event
 from ..host.procs import set_parent_death_signal
 
@@ -59,15 +59,16 @@ _PARSER = None
 
 def parse_engine_args(model: str, engine_args: list[str]):
     """Parse ``vllm serve`` engine args with vLLM's own parser. Raises SystemExit(2) on bad
-    args (argparse prints the reason to stderr, which is the engine log)."""
+    args (argparse prints the reason to stderr, which is the engine log), ValueError on what
+    cannot be snapshotted or on a stray word (vLLM would load it as the model)."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     global _PARSER
     parser = _PARSER = make_arg_parser(FlexibleArgumentParser(prog="vllm-snapshot create MODEL"))
     args = parser.parse_args(["--model", model, *engine_args])
-    if getattr(args, "model_tag", None) is not None:
-        args.model = args.model_tag
+    if getattr(args, "model_tag", None) is not None:  # a stray word: it would replace the model create hashed
+        raise ValueError(stray_error([args.model_tag], "create").message)
     if getattr(args, "headless", False) or getattr(args, "grpc", False):
         raise ValueError("vllm-snapshot needs the HTTP frontend (no --headless/--grpc)")
     if getattr(args, "api_server_count", None) not in (None, 1):

@@ -103,7 +103,8 @@ def switch(
         common.not_an_option(snapshot, ctx, "SNAPSHOT")
     if (snapshot is None) == (model is None):
         raise UsageError("give a SNAPSHOT or --model MODEL (one of them, not both)")
-    common.check_engine_arg_names(ctx, engine_args)
+    common.check_engine_arg_names(ctx, engine_args,
+                                  usage=None if model is None else "switch --model MODEL --port P -- [engine args]")
     front, engine_args = frontend.split(engine_args)  # API key, TLS, CORS, ...: applied at restore
     common.drain(drain_timeout)  # a bad $VLLM_SNAPSHOT_DRAIN_TIMEOUT: a usage error before anything runs
     if model is None:
@@ -155,7 +156,7 @@ def restore(
     extra = list(ctx.args)  # front-end options: ops.restore checks them (frontend.check) before CRIU
     if extra and extra[0] == "--":
         extra = extra[1:]
-    common.check_engine_arg_names(ctx, extra)
+    common.check_engine_arg_names(ctx, extra, usage=None)  # front-end options: judged by ops.restore
     common.interruptible()
     if verify_model not in ("quick", "full"):
         raise UsageError("--verify-model must be quick or full")

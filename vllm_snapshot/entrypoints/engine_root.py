@@ -23,7 +23,7 @@ import traceback
 
 from ..engine import args as engine_args_rules
 from ..engine.args import PARALLEL_SIZES, argparse_reason, normalize_args, stray_error, unrestorable
-from ..engine.protocol import FD_EVENTS, decode, encode_event
+from ..engine.protocol import FD_EVENTS, cut_line, decode, drain_line, encode_event
 from ..host.procs import set_parent_death_signal
 
 _events = None
@@ -208,12 +208,10 @@ def install_drain(loop: asyncio.AbstractEventLoop, server, drain_s: float) -> No
         busy = len(server.server_state.tasks)
         name = signal.Signals(signum).name  # a trial read "signal 15": named, as the supervisor names its own
         if state["signals"] == 1:
-            print(f"vllm-snapshot: {name}: draining: no new connections, {busy} request(s) in flight "
-                  f"may finish for up to {drain_s:g} s", file=sys.stderr, flush=True)
+            print(drain_line(name, busy, drain_s), file=sys.stderr, flush=True)
             server.should_exit = True
             return
-        print(f"vllm-snapshot: {name} again: cancelling {busy} request(s) still in flight",
-              file=sys.stderr, flush=True)
+        print(cut_line(name, busy), file=sys.stderr, flush=True)
         server.should_exit = True
         for task in list(server.server_state.tasks):
             task.cancel(msg="vllm-snapshot: stopped before the request finished")

@@ -176,13 +176,13 @@ def restore(
         snapshot_dir = common.resolve(snapshot)
     req = ops.RestoreRequest(snapshot=snapshot_dir, host=host, port=port, detach=detach,
                              log_file=log_file, verify_model=verify_model,
-                             allow=frozenset(allow_mismatch), engine_log=common.stderr_sink, frontend=tuple(extra),
+                             allow=frozenset(allow_mismatch), engine_log=(log := ForegroundLog()), frontend=tuple(extra),
                              drain_s=common.drain(drain_timeout))
     r, engine = ops.restore(req, rep)
     if detach:
         _handed_off()
     render.show(r, as_json, quiet)
-    _run_engine(r, engine, rep, lifecycle, detach, quiet or as_json)
+    _run_engine(r, engine, rep, lifecycle, detach, quiet or as_json, log)
 
 
 
@@ -211,12 +211,39 @@ def _handed_off() -> None:
             signal.signal(s, signal.SIG_IGN)
 
 
-def _run_engine(r, engine, rep, lifecycle, detach: bool, silent: bool = False) -> None:
+class ForegroundLog:
+    """The engine log of a foreground restore/serve, onto stderr (``sink``), less the engine's own
+    line about each signal this command forwarded to it: the command names the signal it
+    received (a Ctrl-C: SIGINT) and what happens, and the engine's line would name the SIGTERM
+    it was sent -- two lines, two signals, for one Ctrl-C. A signal sent to the engine by anyone
+    else (``stop``, ``kill``) keeps the engine's line."""
+
+    def __init__(self, sink=common.stderr_sink) -> None:
+        self.sink = sink
+        self.forwarded = 0  # signals forwarded whose engine line has not come yet
+
+    def said(self) -> None:
+        """This command has said that it received a signal and forwards it to the engine."""
+        self.forwarded += 1
+
+    def __call__(self, chunk: bytes) -> None:
+        if self.forwarded:
+            from ...engine.protocol import SIGNAL_LINE
+
+            chunk, n = SIGNAL_LINE.subn(b"", chunk, count=self.forwarded)
+            self.forwarded -= n
+            if not chunk:
+                return
+        self.sink(chunk)
+
+
+def _run_engine(r, engine, rep, lifecycle, detach: bool, silent: bool = False, log: ForegroundLog | None = None) -> None:
     """After a restore: detached -> return; foreground -> READY=1, serve until the engine
     exits (SIGINT/SIGTERM/SIGHUP stop it), exit with its code; an engine that dies by itself
     raises EngineError (exit 8, see ``ops.serve_foreground``). The line naming the signal the
     command received is printed on stderr even when ``silent`` (``-q``/``--json``: the
-    reporter prints nothing), so a log or the journal says what stopped the engine."""
+    reporter prints nothing), so a log or the journal says what stopped the engine; ``log``
+    (the engine log's sink) then leaves out the engine's own line about it."""
     from ... import ops
 
     if detach:
@@ -227,6 +254,8 @@ def _run_engine(r, engine, rep, lifecycle, detach: bool, silent: bool = False) -
 
     def on_signal(msg: str) -> None:
         lifecycle.stopping()
+        if log is not None:  # one line for the signal: this one; the engine's echo is left out
+            log.said()
         if silent:
             print(f"vllm-snapshot: {msg}", file=sys.stderr, flush=True)
         else:
@@ -334,11 +363,11 @@ def serve(
         build="never" if no_build else "always" if rebuild else "auto",
         oracle_prompt=oracle.DEFAULT_PROMPT if oracle_prompt is None else oracle_prompt, sleep_level=sleep_level,
         compression=archive.Compression.parse(compress), keep_env=tuple(keep_env), user=user,
-        engine_log=common.stderr_sink, create_log=common.stderr_sink if verbose else LastLine(rep.detail), frontend=tuple(front),
+        engine_log=(log := ForegroundLog()), create_log=common.stderr_sink if verbose else LastLine(rep.detail), frontend=tuple(front),
         drain_s=common.drain(drain_timeout), registry=cache, weights=weights)
     served, engine = ops.serve(req, rep)
     if detach:
         _handed_off()
     render.show(served, as_json, quiet)
-    _run_engine(served.restored, engine, rep, lifecycle, detach, quiet or as_json)
+    _run_engine(served.restored, engine, rep, lifecycle, detach, quiet or as_json, log)
 

@@ -133,6 +133,62 @@ def test_inspect_of_a_hand_edited_manifest_exits_5(tmp_path, capsys):
     assert "$.digest" in err and "hint:" in err
 
 
+def _damaged(tmp_path: Path, text: str) -> Path:
+    """A snapshot dir with one image whose manifest.json is ``text``."""
+    snap = tmp_path / "snap"
+    write_snapshot_dir(snap)
+    (snap / layout.IMAGES).mkdir(mode=0o700)
+    (snap / layout.IMAGES / "pages-1.img").write_bytes(b"p" * 4096)
+    (snap / layout.MANIFEST).write_text(text)
+    return snap
+
+
+def test_inspect_of_a_truncated_manifest_says_so_shows_what_is_left_and_exits_5(tmp_path, capsys):
+    # a trial: inspect of a damaged snapshot showed one JSON error and nothing of the directory
+    whole = (write_snapshot_dir(tmp_path / "whole") and (tmp_path / "whole" / layout.MANIFEST).read_text())
+    snap = _damaged(tmp_path, whole[:300])
+    code, out, err = _run_main(capsys, "inspect", str(snap))
+    assert code == 5, err
+    assert f"{snap / layout.MANIFEST} is not valid JSON" in err and "line " in err and "column " in err, err
+    assert "the file ends there, after 300 bytes: it was cut short (truncated)" in err, err
+    assert "`vllm-snapshot verify` and `restore` refuse it the same way" in err and "rm -r" in err, err
+    assert out.startswith(f"snapshot {snap}: its manifest is damaged; what can still be read:"), out
+    lines = {ln.split()[0]: ln for ln in out.splitlines()[1:]}
+    assert "4.0 KiB (1 file)" in lines["images/"] and "300 B" in lines["manifest.json"], out
+
+
+def test_inspect_json_of_a_manifest_of_the_wrong_schema_names_the_field_and_lists_the_members(tmp_path, capsys):
+    doc = json.loads((write_snapshot_dir(tmp_path / "whole") and (tmp_path / "whole" / layout.MANIFEST)).read_text())
+    del doc["oracle"]
+    snap = _damaged(tmp_path, json.dumps(doc))
+    (snap / "stray.txt").write_text("x")
+    code, out, err = _run_main(capsys, "inspect", str(snap), "--json")
+    assert code == 5
+    e = json.loads(out)["error"]
+    assert e["code"] == "corrupt-snapshot" and "$.oracle: Field required" in e["message"], e
+    left = e["details"]["remains"]
+    assert {m["name"]: (m["kind"], m["files"], m["bytes"]) for m in left["members"]} == {
+        "images": ("dir", 1, 4096), "manifest.json": ("file", 1, len(json.dumps(doc))), "stray.txt": ("file", 1, 1)}
+    assert left["unexpected"] == ["stray.txt"] and e["details"]["manifest"] == str(snap / layout.MANIFEST)
+
+
+def test_delete_of_a_snapshot_whose_manifest_is_cut_short_points_to_inspect_and_rm(tmp_path, capsys):
+    # before: "check the path; remove other directories with rm" -- as if it were not ours
+    from vllm_snapshot.store import store
+
+    snap = _damaged(tmp_path, '{"schema_version": 1, "criu": {')
+    with pytest.raises(errors.CorruptSnapshotError) as e:
+        store.delete(snap)
+    assert f"`vllm-snapshot inspect {snap}` shows what is left" in e.value.hint and f"rm -r {snap}" in e.value.hint
+    assert (snap / layout.IMAGES / "pages-1.img").exists()  # nothing deleted
+    other = tmp_path / "webapp"
+    other.mkdir()
+    (other / layout.MANIFEST).write_text("{")
+    with pytest.raises(errors.CorruptSnapshotError) as e:
+        store.delete(other)
+    assert e.value.hint == "check the path; remove other directories with rm, not vllm-snapshot"
+
+
 def test_inspect_json_error_is_json(tmp_path, capsys):
     code, out, err = _run_main(capsys, "inspect", str(tmp_path / "nope"), "--json")
     assert code == 2

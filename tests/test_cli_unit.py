@@ -307,3 +307,18 @@ def test_demo_report_compares_with_the_faster_cold_start(capsys):
     cap = capsys.readouterr()
     out = cap.out + cap.err
     assert "compiled 38.00 s, eager 30.00 s" in out and "30.0× faster than the faster cold start" in out
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["restore", "snap", "--verify-model", "fast", "--log-file", "x.log"],
+     ["--verify-model 'fast': must be quick or full", "--log-file applies to --detach"]),
+    (["serve", "/m", "--no-build", "--rebuild", "--weights", "mmap", "--compress", "gzip", "--plain-http"],
+     ["--no-build and --rebuild contradict", "--weights 'mmap'", "--compress 'gzip'", "--plain-http, --sign-key"]),
+])
+def test_several_bad_options_are_all_said_in_one_run(tmp_path, capsys, argv, said):
+    # a trial: each rerun met the next bad option
+    code, out, err = _run_main(capsys, "--root", str(tmp_path / "root"), *argv)
+    assert code == 2, err
+    assert err.startswith(f"error [usage]: {said[0]}"), err
+    assert f"and {len(said) - 1} more problem" in err and all(s in err for s in said), err
+    assert not (tmp_path / "root").exists() or not any((tmp_path / "root").iterdir())

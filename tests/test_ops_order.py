@@ -186,7 +186,7 @@ def test_every_refusal_of_one_restore_is_said_at_once_with_the_first_ones_exit_c
     msg = e.value.message
     assert msg.startswith("this host differs from the one the snapshot was created on:\n  "), msg
     assert "kernel" in msg and "torch" in msg, msg
-    assert "also refused (2 more; each must be fixed before it restores):" in msg, msg
+    assert "and 2 more problems (fix each before running it again):" in msg, msg
     assert "  - [incompatible-host] mounts the snapshot binds from the host differ:\n      /models: nfs" in msg, msg
     assert "  - [model-changed] model files differ: config.json changed\n    hint: put the model back" in msg, msg
     assert e.value.exit_code == 3 and e.value.hint == "restore on a matching host, or re-create the snapshot here"
@@ -207,14 +207,14 @@ def test_a_taken_port_stops_the_checks_before_the_model_is_checked():
 
 def test_combined_refusals_keep_the_first_ones_class_and_list_the_others_in_details():
     from vllm_snapshot.errors import ModelChangedError
-    from vllm_snapshot.ops.validate import combined
+    from vllm_snapshot.errors import combined
 
     first = ModelChangedError("weights file /w changed", hint="serve builds a new one", details={"weights": "/w"})
     other = UsageError("the engine user cannot read /m", hint="setfacl -m u:vllm-snapshot:rx /m")
     assert combined([first]) is first
     both = combined([first, other])
     assert type(both) is ModelChangedError and both.exit_code == 4 and both.hint == "serve builds a new one"
-    assert both.message == ("weights file /w changed\nalso refused (1 more; each must be fixed before it restores):\n"
+    assert both.message == ("weights file /w changed\nand 1 more problem (fix each before running it again):\n"
                             "  - [usage] the engine user cannot read /m\n    hint: setfacl -m u:vllm-snapshot:rx /m")
     assert both.details == {"weights": "/w", "also": [{"code": "usage", "exit_code": 2, "message": other.message,
                                                         "hint": other.hint}]}

@@ -187,3 +187,33 @@ def check_engine_arg_names(ctx: typer.Context, engine_args: list[str], load: boo
         with reporter(quiet, False).phase("engine_arg_names", phase):
             arity = argnames.known_arities(load=True)
     argnames.check_stray_words(engine_args, ctx.command.name, arity, usage or None)
+
+
+class UsageChecks:
+    """The checks of one command line, each in ``with checks.one():``: a UsageError in one is
+    kept and the next one still runs; :meth:`done` raises them all as one
+    (:func:`vllm_snapshot.errors.combined`, exit 2), so several bad options are said in one run,
+    not one per run."""
+
+    def __init__(self) -> None:
+        self.found: list = []
+
+    def one(self):
+        """A context in which a UsageError is kept instead of raised."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def kept():
+            try:
+                yield
+            except UsageError as e:
+                self.found.append(e)
+
+        return kept()
+
+    def done(self) -> None:
+        """Raise what was kept (the first one's message first, then the others), if anything."""
+        if self.found:
+            from ..errors import combined
+
+            raise combined(self.found)

@@ -12,7 +12,7 @@ from ..checkpoint import carry, criu
 from ..host import identity, privilege
 from ..store import layout
 from ..errors import (BusyError, CorruptSnapshotError, EnvironmentProblem, IncompatibleHostError, ModelChangedError,
-                      SnapshotError, UsageError)
+                      SnapshotError, UsageError, combined)
 from ..store.manifest import Manifest
 from ..report.results import Verified
 from ..effects.protocols import HostTools, ModelTools, SnapshotFiles
@@ -44,27 +44,6 @@ def validate(snapshot: Path, verify_model: str = "quick", allow: frozenset[str] 
 COLLECTED = (UsageError, CorruptSnapshotError, IncompatibleHostError, ModelChangedError, BusyError, EnvironmentProblem)
 
 
-def combined(found: list[SnapshotError]) -> SnapshotError:
-    """One error for the refusals ``found`` by one validation, in check order: the first one --
-    its class, exit code, hint and details, as when it was the only one -- with every other one
-    after it in words (``also refused:``, each with its code and hint), so an operator fixes
-    them all in one go instead of meeting the next one at the next run; with dict or no
-    details, ``details["also"]`` lists them (``code``, ``message``, ``hint``). Pure."""
-    first, rest = found[0], found[1:]
-    if not rest:
-        return first
-    lines = [first.message, f"also refused ({len(rest)} more; each must be fixed before it restores):"]
-    for e in rest:
-        msg = e.message.replace("\n", "\n    ")
-        lines.append(f"  - [{e.code}] {msg}" + (f"\n    hint: {e.hint}" if e.hint else ""))
-    also = [{"code": e.code, "exit_code": e.exit_code, "message": e.message, "hint": e.hint} for e in rest]
-    details = first.details
-    if details is None or isinstance(details, dict):
-        details = {**(details or {}), "also": also}
-    out = type(first)("\n".join(lines), hint=first.hint, details=details)
-    return out
-
-
 def validate_roles(host: HostTools, model: ModelTools, files: SnapshotFiles, snapshot: Path, verify_model: str = "quick",
                    allow: frozenset[str] = frozenset(), check_images: bool = False,
                    port: tuple[str, int] | None = None, pins: list | None = None,
@@ -73,7 +52,7 @@ def validate_roles(host: HostTools, model: ModelTools, files: SnapshotFiles, sna
     :class:`~vllm_snapshot.checkpoint.gpu.GpuPlacement` (nothing for a CPU snapshot). Once the
     manifest is read, every check runs even when an earlier one refused (host identity, engine
     user, mounts, images, weights, open files, carried files, model files, access), and all
-    their refusals are raised as one (:func:`combined`: the first one's exit code) -- except a
+    their refusals are raised as one (:func:`vllm_snapshot.errors.combined`: the first one's exit code) -- except a
     port in use, which stops the checks there (nothing is re-hashed for a port that is taken;
     the port is not probed at all once a check before it refused)."""
     snapshot = snapshot.absolute()

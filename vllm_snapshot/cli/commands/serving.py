@@ -158,11 +158,14 @@ def restore(
         extra = extra[1:]
     common.check_engine_arg_names(ctx, extra, usage=None)  # front-end options: judged by ops.restore
     common.interruptible()
-    if verify_model not in ("quick", "full"):
-        raise UsageError("--verify-model must be quick or full")
-    if log_file is not None and not detach:
-        raise UsageError("--log-file applies to --detach; in the foreground the engine log goes to stderr",
-                         hint="add --detach, or redirect stderr (2>>FILE)")
+    checks = common.UsageChecks()  # several bad options: all said in one run
+    with checks.one():
+        _check_verify_model(verify_model)
+    with checks.one():
+        _check_log_file(log_file, detach)
+    with checks.one():
+        common.drain(drain_timeout)
+    checks.done()
     rep, lifecycle = _lifecycle_reporter(quiet, as_json)
     from ...fleet.reference import looks_like_image
 
@@ -184,6 +187,17 @@ def restore(
     render.show(r, as_json, quiet)
     _run_engine(r, engine, rep, lifecycle, detach, quiet or as_json, log)
 
+
+
+def _check_verify_model(verify_model: str) -> None:
+    if verify_model not in ("quick", "full"):
+        raise UsageError(f"--verify-model {verify_model!r}: must be quick or full")
+
+
+def _check_log_file(log_file: Optional[Path], detach: bool) -> None:
+    if log_file is not None and not detach:
+        raise UsageError("--log-file applies to --detach; in the foreground the engine log goes to stderr",
+                         hint="add --detach, or redirect stderr (2>>FILE)")
 
 
 def _lifecycle_reporter(quiet: bool, as_json: bool):
@@ -309,16 +323,31 @@ def serve(
     common.not_an_option(model, ctx, "MODEL")
     common.root_only("serve")
     common.interruptible()
+    checks = common.UsageChecks()  # several bad options: all said in one run
     if no_build and rebuild:
-        raise UsageError("--no-build and --rebuild contradict each other")
+        with checks.one():
+            raise UsageError("--no-build and --rebuild contradict each other")
     from ...ops.create import weights_mode
 
-    weights_mode(weights, "cpu")  # a bad --weights now, not after the key
-    if verify_model not in ("quick", "full"):
-        raise UsageError("--verify-model must be quick or full")
-    if log_file is not None and not detach:
-        raise UsageError("--log-file applies to --detach; in the foreground the engine log goes to stderr",
-                         hint="add --detach, or redirect stderr (2>>FILE)")
+    with checks.one():
+        weights_mode(weights, "cpu")  # a bad --weights now, not after the key
+    with checks.one():
+        _check_verify_model(verify_model)
+    with checks.one():
+        _check_log_file(log_file, detach)
+    with checks.one():
+        archive.Compression.parse(compress)
+    if oracle_prompt is not None:
+        from ...ops.create import check_oracle_prompt
+
+        with checks.one():
+            check_oracle_prompt(oracle_prompt)
+    if registry is None and (plain_http or sign_key or verify_key):
+        with checks.one():
+            raise UsageError("--plain-http, --sign-key and --verify-key apply to --registry")
+    with checks.one():
+        common.drain(drain_timeout)
+    checks.done()
     engine_args = list(ctx.args)
     if engine_args and engine_args[0] == "--":
         engine_args = engine_args[1:]
@@ -342,10 +371,6 @@ def serve(
         if not p.isdigit() or not 1 <= int(p) <= 65535:
             raise UsageError(f"--port {p!r}: expected a port number 1-65535")
         port = int(p)
-    if oracle_prompt is not None:
-        from ...ops.create import check_oracle_prompt
-
-        check_oracle_prompt(oracle_prompt)
     from ...report.progress import LastLine
 
     rep, lifecycle = _lifecycle_reporter(quiet, as_json)
@@ -355,8 +380,6 @@ def serve(
         from ...ops.fleet import RegistryCache
 
         cache = RegistryCache(registry, local_tools(), rep, plain_http, sign_key, verify_key)
-    elif plain_http or sign_key or verify_key:
-        raise UsageError("--plain-http, --sign-key and --verify-key apply to --registry")
     req = ops.ServeRequest(
         model=model, root=store.ensure_root(common.root_dir()), engine_args=engine_args, host=host, port=port,
         detach=detach, log_file=log_file, verify_model=verify_model,

@@ -311,7 +311,7 @@ def test_demo_report_compares_with_the_faster_cold_start(capsys):
 
 @pytest.mark.parametrize("argv,said", [
     (["restore", "snap", "--verify-model", "fast", "--log-file", "x.log"],
-     ["--verify-model 'fast': must be quick or full", "--log-file applies to --detach"]),
+     ["--verify-model must be quick or full, not 'fast'", "--log-file applies to --detach"]),
     (["serve", "/m", "--no-build", "--rebuild", "--weights", "mmap", "--compress", "gzip", "--plain-http"],
      ["--no-build and --rebuild contradict", "--weights 'mmap'", "--compress 'gzip'", "--plain-http, --sign-key"]),
 ])

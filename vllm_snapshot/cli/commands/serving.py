@@ -191,7 +191,7 @@ def restore(
 
 def _check_verify_model(verify_model: str) -> None:
     if verify_model not in ("quick", "full"):
-        raise UsageError(f"--verify-model {verify_model!r}: must be quick or full")
+        raise UsageError(f"--verify-model must be quick or full, not {verify_model!r}")
 
 
 def _check_log_file(log_file: Optional[Path], detach: bool) -> None:

@@ -314,6 +314,10 @@ def test_demo_report_compares_with_the_faster_cold_start(capsys):
      ["--verify-model must be quick or full, not 'fast'", "--log-file applies to --detach"]),
     (["serve", "/m", "--no-build", "--rebuild", "--weights", "mmap", "--compress", "gzip", "--plain-http"],
      ["--no-build and --rebuild contradict", "--weights 'mmap'", "--compress 'gzip'", "--plain-http, --sign-key"]),
+    # judged by their words before the validation starts (it printed "validating ...: FAILED" first)
+    (["restore", "snap", "--allow-mismatch", "kernel", "--", "--max-num-seqs", "4"],
+     ["--allow-mismatch kernel: only cpu_model and machine_id may differ on purpose",
+      "--max-num-seqs is not an option restore can apply"]),
 ])
 def test_several_bad_options_are_all_said_in_one_run(tmp_path, capsys, argv, said):
     # a trial: each rerun met the next bad option

@@ -370,7 +370,9 @@ def refuse_engine_options(args: Sequence[str], where: str = "restore") -> None:
             raise UsageError(f"{name} is {where}'s own option, not a front-end option to pass on",
                              hint=f"give {name} before any --")
         if not tok.startswith("-"):
-            raise UsageError(f"unexpected argument {tok!r}", hint="front-end options are --flag [value]")
+            raise UsageError(f"unexpected argument {tok!r}: {where} takes one SNAPSHOT, and what follows it are "
+                             "front-end options of `vllm serve` (--flag [value])",
+                             hint="engine args are frozen in the snapshot; front-end options are --flag [value]")
         could = sorted(o for o in (*FRONTEND_OPTIONS, *REFUSED_AT_RESTORE) if name.startswith("--") and len(name) > 2
                        and o.startswith(name))
         if could:  # `--api`: vLLM's parser takes abbreviations; frozen options could not be told from them

@@ -158,13 +158,20 @@ def restore(
         extra = extra[1:]
     common.check_engine_arg_names(ctx, extra, usage=None)  # front-end options: judged by ops.restore
     common.interruptible()
-    checks = common.UsageChecks()  # several bad options: all said in one run
+    checks = common.UsageChecks()  # several bad options: all said in one run, before any phase starts
     with checks.one():
         _check_verify_model(verify_model)
     with checks.one():
         _check_log_file(log_file, detach)
     with checks.one():
         common.drain(drain_timeout)
+    with checks.one():
+        _check_allow_mismatch(allow_mismatch)
+    with checks.one():  # what can be judged by the words alone (engine options, stray words, values)
+        from ...engine.args import refuse_engine_options, values
+
+        refuse_engine_options(extra)
+        values(extra)
     checks.done()
     rep, lifecycle = _lifecycle_reporter(quiet, as_json)
     from ...fleet.reference import looks_like_image
@@ -192,6 +199,15 @@ def restore(
 def _check_verify_model(verify_model: str) -> None:
     if verify_model not in ("quick", "full"):
         raise UsageError(f"--verify-model must be quick or full, not {verify_model!r}")
+
+
+def _check_allow_mismatch(fields: List[str]) -> None:
+    from ...host.identity import OVERRIDABLE
+
+    bad = sorted(set(fields) - OVERRIDABLE)
+    if bad:
+        raise UsageError(f"--allow-mismatch {' '.join(bad)}: only {' and '.join(sorted(OVERRIDABLE))} may differ on "
+                         "purpose", hint="anything else that differs needs a snapshot made on this host")
 
 
 def _check_log_file(log_file: Optional[Path], detach: bool) -> None:

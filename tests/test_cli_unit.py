@@ -187,6 +187,18 @@ def test_delete_of_a_snapshot_whose_manifest_is_cut_short_points_to_inspect_and_
     with pytest.raises(errors.CorruptSnapshotError) as e:
         store.delete(other)
     assert e.value.hint == "check the path; remove other directories with rm, not vllm-snapshot"
+    # a snapshot with a file put into it by hand: move it out (restore/verify and delete say so)
+    whole = tmp_path / "whole"
+    write_snapshot_dir(whole)
+    (whole / layout.IMAGES).mkdir(mode=0o700)
+    (whole / "notes.txt").write_text("x")
+    os.chmod(whole / "notes.txt", 0o600)
+    with pytest.raises(errors.CorruptSnapshotError) as e:
+        store.delete(whole)
+    assert e.value.hint.startswith("if it is a snapshot with files put into it by hand, move them out"), e.value.hint
+    with pytest.raises(errors.CorruptSnapshotError) as e:
+        layout.open_trusted(whole)
+    assert e.value.hint.startswith("move notes.txt out of the snapshot directory"), e.value.hint
 
 
 def test_inspect_json_error_is_json(tmp_path, capsys):

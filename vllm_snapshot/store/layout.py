@@ -197,7 +197,8 @@ def open_trusted(path: Path) -> SnapshotDir:
     extra = sorted(set(os.listdir(path)) - MEMBERS)
     if extra:
         raise CorruptSnapshotError(f"{path} holds unexpected members: {', '.join(extra)}",
-                                   hint="a snapshot holds only " + ", ".join(sorted(MEMBERS)))
+                                   hint=f"move {' and '.join(extra[:3])}{' ...' if extra[3:] else ''} out of the "
+                                        "snapshot directory (a snapshot holds only " + ", ".join(sorted(MEMBERS)) + ")")
     return SnapshotDir(path)
 
 

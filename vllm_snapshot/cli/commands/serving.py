@@ -45,8 +45,11 @@ def stop(
     from ... import ops
     from .. import render
 
-    if sum(x is not None for x in (snapshot, port, pid)) != 1:
-        raise UsageError("give a snapshot, --port or --pid (exactly one of them)")
+    given = [w for w, x in (("a snapshot", snapshot), ("--port", port), ("--pid", pid)) if x is not None]
+    if len(given) != 1:
+        raise UsageError("give a snapshot, --port or --pid (exactly one of them"
+                         + (f"; got {' and '.join(given)})" if given else "; got none)"),
+                         hint="`vllm-snapshot status` lists the engines with their snapshot, port and PID")
     common.root_only("stop")
     render.show(ops.stop_engines(common.resolve(snapshot) if snapshot else None, port, pid=pid, drain_s=drain_timeout),
                 as_json, quiet)

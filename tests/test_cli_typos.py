@@ -250,3 +250,16 @@ def test_vllms_parser_gives_the_arities_and_its_parse_refuses_a_stray_word():
         == (1, 0, 0, "+", "?")
     assert got["said"].startswith("unexpected argument 'extra' among the engine args"), got
     assert got["plain"] == {"dtype": '"float32"'}
+
+
+def test_an_option_without_its_value_is_said_with_the_stray_words_in_one_error():
+    from vllm_snapshot.engine.args import valueless
+
+    lookup = argnames.arity_lookup(ARITY)
+    assert valueless(["--dtype", "--enforce-eager", "--max-model-len=512", "--api-key", "--port"], lookup) \
+        == ["--dtype", "--api-key", "--port"]
+    assert valueless(["--dtype", "float32", "--hf-token", "--port", "-1"], lookup) == []
+    with pytest.raises(UsageError) as e:
+        argnames.check_stray_words(["extra", "--max-model-len"], "serve", ARITY)
+    assert e.value.message.startswith("unexpected argument 'extra' among the engine args"), e.value.message
+    assert "and 1 more problem" in e.value.message and "  - [usage] --max-model-len needs a value" in e.value.message

@@ -253,6 +253,20 @@ def stray_words(engine_args: Sequence[str], arity: Arity) -> list[tuple[str, str
     return out
 
 
+def valueless(engine_args: Sequence[str], arity: Arity) -> list[str]:
+    """The options of ``engine_args`` that take a value (``arity`` 1 or ``"+"``) but are given
+    none: last, or (arity 1) followed by another ``--`` option, which vLLM's parser refuses
+    ("expected one argument"). As given, in order. Pure."""
+    out = []
+    for name, tokens, vals in walk(engine_args, arity):
+        if vals is None or "=" in tokens[0]:
+            continue
+        n = arity(name)
+        if (n in (1, "+") and not vals) or (n == 1 and vals[0].startswith("--") and len(vals[0]) > 2):
+            out.append(name)
+    return out
+
+
 def stray_error(words: Sequence[tuple[str, str | None]] | Sequence[str], command: str,
                 usage: str | None = None) -> UsageError:
     """The UsageError for stray ``words`` among the engine args of ``vllm-snapshot COMMAND``

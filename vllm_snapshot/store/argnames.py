@@ -164,16 +164,23 @@ def check_stray_words(engine_args: Sequence[str], command: str, arity: dict[str,
                       usage: str | None = None) -> None:
     """Refuse (UsageError, exit 2) a word among ``engine_args`` that no option takes as its
     value (:func:`vllm_snapshot.engine.args.stray_words`): vLLM's parser would load the first
-    as the model. ``arity`` None (not known yet): nothing is checked here (vLLM's parse refuses
+    as the model -- and an option given without its value
+    (:func:`vllm_snapshot.engine.args.valueless`), all in one error. ``arity`` None (not known yet): nothing is checked here (vLLM's parse refuses
     it later, :func:`vllm_snapshot.engine.args.normalize_args`); ``usage``: for the hint
     (:func:`vllm_snapshot.engine.args.stray_error`). Pure."""
-    from ..engine.args import stray_error, stray_words
+    from ..engine.args import stray_error, stray_words, valueless
+    from ..errors import combined
 
     if arity is None:
         return
-    words = stray_words(engine_args, arity_lookup(arity))
+    lookup = arity_lookup(arity)
+    found = [UsageError(f"{flag} needs a value", hint=f"give it as {flag} VALUE (or {flag}=VALUE)")
+             for flag in valueless(engine_args, lookup)]
+    words = stray_words(engine_args, lookup)
     if words:
-        raise stray_error(words, command, usage)
+        found.insert(0, stray_error(words, command, usage))
+    if found:
+        raise combined(found)
 
 
 def _known(flag: str, options: frozenset[str]) -> bool:

@@ -512,6 +512,9 @@ def snapshot_list(rows: list[dict], root: str) -> None:
         note(f"left out at this width ({c.width} columns): {', '.join(left_out)}; a wider terminal or --json shows them")
     for name, why in refused:  # whole, on lines of their own: what an operator copies or greps
         c.print(f"✗ {name}: {why}", markup=False, highlight=False, soft_wrap=True)
+    if refused:  # what to do next: a trial read the ✗ lines and did not know which command says more
+        note("✗: `vllm-snapshot verify NAME` runs every check and says what to fix (`inspect NAME` shows what is "
+             "left of a damaged one); `vllm-snapshot prune --unusable` deletes every ✗ snapshot")
 
 
 def engine_list(rows: list[dict]) -> None:

@@ -211,7 +211,8 @@ def _deleted(r: R.Deleted, quiet: bool) -> None:
 def _weights_kept(dirs: list[str]) -> None:
     if dirs:
         _line(f"kept the unused weights files: the manifest of {', '.join(dirs)} cannot be read and may name them "
-              "(`vllm-snapshot delete` it or put its manifest back, then `vllm-snapshot prune`)")
+              "(put its manifest back, or remove it: `vllm-snapshot delete DIR`, or `rm -r DIR` where delete cannot "
+              "tell it is a snapshot -- a manifest that is not JSON; then `vllm-snapshot prune`)")
 
 
 def _pruned(r: R.Pruned, quiet: bool) -> None:

@@ -131,7 +131,8 @@ def verify(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing when it passes (the exit code says; errors go to stderr)."),
 ) -> None:
     """Every restore check without restoring: permissions, manifest, host identity, all
-    image checksums, and a full re-hash of the model files."""
+    image checksums, and a full re-hash of the model files. Every problem found is said at
+    once (exit code: the first one's)."""
     from ... import ops
     from .. import render
 

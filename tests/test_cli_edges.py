@@ -200,10 +200,12 @@ def test_non_root_gets_the_environment_exit_code(argv, monkeypatch, capsys):
     assert "must run as root" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["stop"], ["stop", "x", "--pid", "3"], ["stop", "--port", "8000", "--pid", "3"]])
-def test_stop_takes_exactly_one_selector(argv, capsys):
+@pytest.mark.parametrize("argv,got", [(["stop"], "none"), (["stop", "x", "--pid", "3"], "a snapshot and --pid"),
+                                      (["stop", "--port", "8000", "--pid", "3"], "--port and --pid")])
+def test_stop_takes_exactly_one_selector(argv, got, capsys):
     assert cli.main(argv) == 2
-    assert "exactly one of them" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"exactly one of them; got {got})" in err and "`vllm-snapshot status` lists the engines" in err, err
 
 
 def test_usage_errors_honour_json(capsys):

@@ -137,3 +137,129 @@ def test_an_empty_model_dir_is_refused_before_the_key(tmp_path, sub):
     assert p.returncode == 2 and ("is empty" in p.stderr or "has no config.json" in p.stderr), p.stderr
     # refused before the key: no vLLM parser (~16 s), no cold start
     assert _vllm_modules(out) == []
+
+
+#: how many values each option of :data:`OPTIONS` takes (as vLLM's parser: parser_arities)
+ARITY = {"--dtype": 1, "--max-model-len": 1, "--port": 1, "--host": 1, "-tp": 1, "--tensor-parallel-size": 1,
+         "--enforce-eager": 0, "--no-enforce-eager": 0, "--lora-dtype": 1, "-O": "?", "--api-key": "+",
+         "--hf-token": "?", "--compilation-config": 1}
+
+
+@pytest.mark.parametrize("args,stray", [
+    (["--dtype", "float32", "extra"], [("extra", None)]),
+    (["--enforce-eager", "true", "--dtype", "float32"], [("true", "--enforce-eager")]),
+    (["a", "--dtype=float32", "b"], [("a", None), ("b", None)]),
+    (["--dtype=float32", "--max_model_len", "512", "--max-model", "64", "-tp", "1", "-O3"], []),
+    (["--api-key", "k1", "k2", "--hf-token", "--compilation-config.mode", "3", "--port", "-1"], []),
+    (["--enforce-eager", "-1"], []),  # a negative number is no word here: vLLM's parser says what it is
+])
+def test_a_word_no_option_takes_is_found_with_the_switch_before_it(args, stray):
+    from vllm_snapshot.engine.args import stray_words
+
+    assert stray_words(args, argnames.arity_lookup(ARITY)) == stray
+
+
+def test_a_stray_word_is_refused_naming_it_and_where_the_model_goes():
+    with pytest.raises(UsageError) as e:
+        argnames.check_stray_words(["--dtype", "float32", "extra"], "serve", ARITY)
+    assert e.value.message == ("unexpected argument 'extra' among the engine args: `vllm-snapshot serve` takes one "
+                               "MODEL, and every other word must be an option's value")
+    assert e.value.hint.startswith("the model goes first (`vllm-snapshot serve MODEL [engine args]`)")
+    assert e.value.exit_code == 2 and e.value.details == {"unexpected": ["extra"]}
+    with pytest.raises(UsageError) as e:
+        argnames.check_stray_words(["--enforce-eager", "yes", "stray"], "create", ARITY)
+    assert e.value.message.startswith("unexpected arguments 'yes', 'stray' among the engine args "
+                                      "(--enforce-eager is a switch: it takes no value)")
+    argnames.check_stray_words(["--dtype", "float32", "extra"], "serve", None)  # not known yet: vLLM's parse judges
+
+
+def test_dotted_config_fields_are_known_options():
+    # `--compilation-config.mode 3` is vLLM's own syntax: it used to be refused as unknown
+    assert argnames.unknown_flags(["--compilation-config.mode", "3", "--x.y", "1"], OPTIONS | {"--compilation-config"}) \
+        == ["--x.y"]
+
+
+def test_the_arities_are_remembered_and_an_older_file_without_them_is_rewritten(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_SNAPSHOT_CACHE", str(tmp_path))
+    argnames.remember(["--b", "--a"])  # as setup wrote it before arities were kept
+    assert argnames.known_arities() is None and argnames.known_options() == {"--a", "--b"}
+    argnames.remember(["--b", "--a"], {"--b": 0, "--a": 1})
+    assert argnames.known_arities() == {"--a": 1, "--b": 0}
+    argnames.remember(["--c"], {"--c": 1})  # a complete file is kept
+    assert argnames.known_options() == {"--a", "--b"}
+
+
+def _stray_cache(tmp_path) -> dict:
+    """An environment whose option cache (VLLM_SNAPSHOT_CACHE) knows :data:`ARITY`."""
+    import os
+
+    env = {**os.environ, "VLLM_SNAPSHOT_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-c", "import json, sys; from vllm_snapshot.store import argnames; "
+                    "a = json.loads(sys.argv[1]); argnames.remember(list(a), a)", json.dumps(ARITY)],
+                   check=True, cwd=ROOT, env=env, timeout=60)
+    return env
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", str(CACHE / "models" / "tiny-llama"), "--port", "8799", "--dtype", "float32", "extra"],
+    ["create", str(CACHE / "models" / "tiny-llama"), "--name", "x", "--", "--dtype", "float32", "stray"],
+    ["switch", "--model", str(CACHE / "models" / "tiny-llama"), "--port", "8799", "--", "--enforce-eager", "on"],
+])
+def test_a_stray_word_among_the_engine_args_is_a_usage_error_before_anything_runs(tmp_path, argv):
+    env = _stray_cache(tmp_path)
+    root = tmp_path / "root"
+    p = subprocess.run([sys.executable, "-c", __import__("test_serve_integration").MODULES_AT_EXIT, "--root", str(root),
+                        *argv], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                       env={**env, "MODULES_OUT": str(tmp_path / "modules.json")})
+    assert p.returncode == 2, p.stderr
+    word = argv[-1]
+    assert p.stderr.startswith(f"error [usage]: unexpected argument {word!r} among the engine args"), p.stderr
+    assert "hint: the model goes first" in p.stderr
+    # nothing built, nothing left: no vLLM parser, no snapshot, not even the root's contents
+    assert _vllm_modules(tmp_path / "modules.json") == []
+    assert not root.exists() or not any(root.iterdir())
+
+
+_PARSER_CHECK = r"""
+import json
+from vllm_snapshot.engine.args import normalize_args
+from vllm_snapshot.errors import UsageError
+from vllm_snapshot.store import argnames
+
+options, arity = argnames._from_parser(arity=True)
+try:
+    normalize_args(["--dtype", "float32", "extra"])
+    said = None
+except UsageError as e:
+    said = e.message
+print(json.dumps({"arity": arity, "said": said, "plain": normalize_args(["--dtype", "float32"])}))
+"""
+
+
+@pytest.mark.integration
+def test_vllms_parser_gives_the_arities_and_its_parse_refuses_a_stray_word():
+    """The arities read from vLLM's own parser are the ones the early check needs, and the
+    parse itself (serve's key, create's engine) refuses the word vLLM would take as the model
+    (before, it was dropped from the key and loaded as the model by create's engine).
+    Integration: imports vLLM (~16 s), in a child process."""
+    p = subprocess.run([sys.executable, "-c", _PARSER_CHECK], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    a = got["arity"]
+    assert (a["--dtype"], a["--enforce-eager"], a["--no-enforce-eager"], a["--api-key"], a["--hf-token"]) \
+        == (1, 0, 0, "+", "?")
+    assert got["said"].startswith("unexpected argument 'extra' among the engine args"), got
+    assert got["plain"] == {"dtype": '"float32"'}
+
+
+def test_an_option_without_its_value_is_said_with_the_stray_words_in_one_error():
+    from vllm_snapshot.engine.args import valueless
+
+    lookup = argnames.arity_lookup(ARITY)
+    assert valueless(["--dtype", "--enforce-eager", "--max-model-len=512", "--api-key", "--port"], lookup) \
+        == ["--dtype", "--api-key", "--port"]
+    assert valueless(["--dtype", "float32", "--hf-token", "--port", "-1"], lookup) == []
+    with pytest.raises(UsageError) as e:
+        argnames.check_stray_words(["extra", "--max-model-len"], "serve", ARITY)
+    assert e.value.message.startswith("unexpected argument 'extra' among the engine args"), e.value.message
+    assert "and 1 more problem" in e.value.message and "  - [usage] --max-model-len needs a value" in e.value.message

@@ -133,6 +133,74 @@ def test_inspect_of_a_hand_edited_manifest_exits_5(tmp_path, capsys):
     assert "$.digest" in err and "hint:" in err
 
 
+def _damaged(tmp_path: Path, text: str) -> Path:
+    """A snapshot dir with one image whose manifest.json is ``text``."""
+    snap = tmp_path / "snap"
+    write_snapshot_dir(snap)
+    (snap / layout.IMAGES).mkdir(mode=0o700)
+    (snap / layout.IMAGES / "pages-1.img").write_bytes(b"p" * 4096)
+    (snap / layout.MANIFEST).write_text(text)
+    return snap
+
+
+def test_inspect_of_a_truncated_manifest_says_so_shows_what_is_left_and_exits_5(tmp_path, capsys):
+    # a trial: inspect of a damaged snapshot showed one JSON error and nothing of the directory
+    whole = (write_snapshot_dir(tmp_path / "whole") and (tmp_path / "whole" / layout.MANIFEST).read_text())
+    snap = _damaged(tmp_path, whole[:300])
+    code, out, err = _run_main(capsys, "inspect", str(snap))
+    assert code == 5, err
+    assert f"{snap / layout.MANIFEST} is not valid JSON" in err and "line " in err and "column " in err, err
+    assert "the file ends there, after 300 bytes: it was cut short (truncated)" in err, err
+    assert "`vllm-snapshot verify` and `restore` refuse it the same way" in err and "rm -r" in err, err
+    assert out.startswith(f"snapshot {snap}: its manifest is damaged; what can still be read:"), out
+    lines = {ln.split()[0]: ln for ln in out.splitlines()[1:]}
+    assert "4.0 KiB (1 file)" in lines["images/"] and "300 B" in lines["manifest.json"], out
+
+
+def test_inspect_json_of_a_manifest_of_the_wrong_schema_names_the_field_and_lists_the_members(tmp_path, capsys):
+    doc = json.loads((write_snapshot_dir(tmp_path / "whole") and (tmp_path / "whole" / layout.MANIFEST)).read_text())
+    del doc["oracle"]
+    snap = _damaged(tmp_path, json.dumps(doc))
+    (snap / "stray.txt").write_text("x")
+    code, out, err = _run_main(capsys, "inspect", str(snap), "--json")
+    assert code == 5
+    e = json.loads(out)["error"]
+    assert e["code"] == "corrupt-snapshot" and "$.oracle: Field required" in e["message"], e
+    left = e["details"]["remains"]
+    assert {m["name"]: (m["kind"], m["files"], m["bytes"]) for m in left["members"]} == {
+        "images": ("dir", 1, 4096), "manifest.json": ("file", 1, len(json.dumps(doc))), "stray.txt": ("file", 1, 1)}
+    assert left["unexpected"] == ["stray.txt"] and e["details"]["manifest"] == str(snap / layout.MANIFEST)
+
+
+def test_delete_of_a_snapshot_whose_manifest_is_cut_short_points_to_inspect_and_rm(tmp_path, capsys):
+    # before: "check the path; remove other directories with rm" -- as if it were not ours
+    from vllm_snapshot.store import store
+
+    snap = _damaged(tmp_path, '{"schema_version": 1, "criu": {')
+    with pytest.raises(errors.CorruptSnapshotError) as e:
+        store.delete(snap)
+    assert f"`vllm-snapshot inspect {snap}` shows what is left" in e.value.hint and f"rm -r {snap}" in e.value.hint
+    assert (snap / layout.IMAGES / "pages-1.img").exists()  # nothing deleted
+    other = tmp_path / "webapp"
+    other.mkdir()
+    (other / layout.MANIFEST).write_text("{")
+    with pytest.raises(errors.CorruptSnapshotError) as e:
+        store.delete(other)
+    assert e.value.hint == "check the path; remove other directories with rm, not vllm-snapshot"
+    # a snapshot with a file put into it by hand: move it out (restore/verify and delete say so)
+    whole = tmp_path / "whole"
+    write_snapshot_dir(whole)
+    (whole / layout.IMAGES).mkdir(mode=0o700)
+    (whole / "notes.txt").write_text("x")
+    os.chmod(whole / "notes.txt", 0o600)
+    with pytest.raises(errors.CorruptSnapshotError) as e:
+        store.delete(whole)
+    assert e.value.hint.startswith("if it is a snapshot with files put into it by hand, move them out"), e.value.hint
+    with pytest.raises(errors.CorruptSnapshotError) as e:
+        layout.open_trusted(whole)
+    assert e.value.hint.startswith("move notes.txt out of the snapshot directory"), e.value.hint
+
+
 def test_inspect_json_error_is_json(tmp_path, capsys):
     code, out, err = _run_main(capsys, "inspect", str(tmp_path / "nope"), "--json")
     assert code == 2
@@ -251,3 +319,22 @@ def test_demo_report_compares_with_the_faster_cold_start(capsys):
     cap = capsys.readouterr()
     out = cap.out + cap.err
     assert "compiled 38.00 s, eager 30.00 s" in out and "30.0× faster than the faster cold start" in out
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["restore", "snap", "--verify-model", "fast", "--log-file", "x.log"],
+     ["--verify-model must be quick or full, not 'fast'", "--log-file applies to --detach"]),
+    (["serve", "/m", "--no-build", "--rebuild", "--weights", "mmap", "--compress", "gzip", "--plain-http"],
+     ["--no-build and --rebuild contradict", "--weights 'mmap'", "--compress 'gzip'", "--plain-http, --sign-key"]),
+    # judged by their words before the validation starts (it printed "validating ...: FAILED" first)
+    (["restore", "snap", "--allow-mismatch", "kernel", "--", "--max-num-seqs", "4"],
+     ["--allow-mismatch kernel: only cpu_model and machine_id may differ on purpose",
+      "--max-num-seqs is not an option restore can apply"]),
+])
+def test_several_bad_options_are_all_said_in_one_run(tmp_path, capsys, argv, said):
+    # a trial: each rerun met the next bad option
+    code, out, err = _run_main(capsys, "--root", str(tmp_path / "root"), *argv)
+    assert code == 2, err
+    assert err.startswith(f"error [usage]: {said[0]}"), err
+    assert f"and {len(said) - 1} more problem" in err and all(s in err for s in said), err
+    assert not (tmp_path / "root").exists() or not any((tmp_path / "root").iterdir())

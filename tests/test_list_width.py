@@ -42,3 +42,15 @@ def test_piped_without_columns_shows_every_column_on_one_line_per_row(monkeypatc
     for cell in ("smollm2-135m-instruct", "a711061d712f", "2026-12-03 17:04", "d6b36aa7 515.0 MiB", "1.0 GiB"):
         assert cell in row, row
     assert "left out" not in out
+
+
+def test_a_refused_snapshot_is_followed_by_what_to_run_next(monkeypatch, capsys):
+    # a trial read "✗ dmg: ... manifest.json is not valid JSON" and did not know which command says more
+    monkeypatch.setenv("COLUMNS", "200")
+    render.snapshot_list([ROW, {**ROW, "name": "dmg", "compatible": False, "why": "manifest.json is not valid JSON"}],
+                         "/r")
+    out = capsys.readouterr().out
+    assert "✗ dmg: manifest.json is not valid JSON" in out
+    assert "✗: `vllm-snapshot verify NAME` runs every check" in out and "prune --unusable" in out, out
+    render.snapshot_list([ROW], "/r")
+    assert "prune --unusable" not in capsys.readouterr().out  # nothing refused: no pointer

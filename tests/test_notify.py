@@ -246,6 +246,37 @@ def test_the_signal_the_command_received_is_said_on_stderr_even_when_quiet(monke
     assert "received SIGHUP; stopping the engine" in capsys.readouterr().err
 
 
+def test_ctrl_c_in_the_foreground_is_said_in_one_line_naming_the_signal_received(monkeypatch, tmp_path, capsys):
+    # a trial: Ctrl-C printed "received SIGINT; stopping the engine ..." and the engine's own
+    # "SIGTERM: draining ..." (the signal the command forwarded): two signals named for one key
+    from vllm_snapshot.engine.protocol import cut_line, drain_line
+
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    seen = {}
+
+    def fake_restore(req, rep, tools=None):
+        seen["log"] = req.engine_log
+        return _fake_restored()
+
+    def fake_serve(r, engine, on_signal_msg=None, stop_grace_s=None, tools=None):
+        log = seen["log"]
+        log(b"INFO engine serving\n" + drain_line("SIGTERM", 0, 30).encode() + b"\n")  # sent by someone else: kept
+        on_signal_msg("received SIGINT; stopping the engine (draining: ...)")
+        log(drain_line("SIGTERM", 2, 30).encode() + b"\nINFO shutting down\n")
+        on_signal_msg("received SIGINT; stopping the engine now (requests still in flight are cut)")
+        log(cut_line("SIGTERM", 2).encode() + b"\n")
+        log(drain_line("SIGTERM", 0, 30).encode() + b"\n")  # no third signal was forwarded: kept
+        return 0
+
+    monkeypatch.setattr(ops, "restore", stand_in(ops.restore, fake_restore))
+    monkeypatch.setattr(ops, "serve_foreground", stand_in(ops.serve_foreground, fake_serve))
+    assert cli.main(["restore", str(tmp_path), "--port", "8123", "-q"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("received SIGINT; stopping the engine") == 2, err
+    assert err.count("SIGTERM: draining") == 2 and "cancelling" not in err, err
+    assert "2 request(s) in flight" not in err and "INFO engine serving" in err and "INFO shutting down" in err, err
+
+
 def test_serve_command_notifies_ready_only_after_serve_returned(path_socket, monkeypatch, tmp_path):
     from vllm_snapshot.report.results import Served
 

@@ -173,6 +173,53 @@ def test_restore_refuses_unknown_recorded_flag_before_criu():
     assert "restore_tree" not in t.calls and "stage_checking" not in t.calls
 
 
+def test_every_refusal_of_one_restore_is_said_at_once_with_the_first_ones_exit_code():
+    # a trial: the operator fixed the kernel, reran, met the mounts, fixed them, met the model...
+    from vllm_snapshot.errors import ModelChangedError
+
+    t = FakeWorld(host={**HOST, "kernel": "6.1.0", "torch": "2.14.0"},
+                  fail={"verify_model:quick": ModelChangedError("model files differ: config.json changed",
+                                                                hint="put the model back, or re-create")})
+    t.mount_problems = ["/models: nfs server:/a, now ext4 /dev/sdb1"]
+    with pytest.raises(IncompatibleHostError) as e:
+        _restore(t)
+    msg = e.value.message
+    assert msg.startswith("this host differs from the one the snapshot was created on:\n  "), msg
+    assert "kernel" in msg and "torch" in msg, msg
+    assert "and 2 more problems (fix each before running it again):" in msg, msg
+    assert "  - [incompatible-host] mounts the snapshot binds from the host differ:\n      /models: nfs" in msg, msg
+    assert "  - [model-changed] model files differ: config.json changed\n    hint: put the model back" in msg, msg
+    assert e.value.exit_code == 3 and e.value.hint == "restore on a matching host, or re-create the snapshot here"
+    assert isinstance(e.value.details, list)  # the identity's differing fields, as when it was alone
+    # fail-closed as before: nothing probed, staged or run
+    assert not {"stage_checking", "criu_lock", "restore_tree", "port_free", "register"} & set(t.calls)
+
+
+def test_a_taken_port_stops_the_checks_before_the_model_is_checked():
+    from vllm_snapshot.errors import ModelChangedError
+
+    t = FakeWorld(fail={"port_free": BusyError("port 8123 is in use by PID 7 (nc)"),
+                        "verify_model:quick": ModelChangedError("model files differ")})
+    with pytest.raises(BusyError) as e:
+        _restore(t)
+    assert e.value.message == "port 8123 is in use by PID 7 (nc)" and "verify_model:quick" not in t.calls
+
+
+def test_combined_refusals_keep_the_first_ones_class_and_list_the_others_in_details():
+    from vllm_snapshot.errors import ModelChangedError
+    from vllm_snapshot.errors import combined
+
+    first = ModelChangedError("weights file /w changed", hint="serve builds a new one", details={"weights": "/w"})
+    other = UsageError("the engine user cannot read /m", hint="setfacl -m u:vllm-snapshot:rx /m")
+    assert combined([first]) is first
+    both = combined([first, other])
+    assert type(both) is ModelChangedError and both.exit_code == 4 and both.hint == "serve builds a new one"
+    assert both.message == ("weights file /w changed\nand 1 more problem (fix each before running it again):\n"
+                            "  - [usage] the engine user cannot read /m\n    hint: setfacl -m u:vllm-snapshot:rx /m")
+    assert both.details == {"weights": "/w", "also": [{"code": "usage", "exit_code": 2, "message": other.message,
+                                                        "hint": other.hint}]}
+
+
 def test_identity_mismatch_never_calls_criu():
     t = FakeWorld(host={**HOST, "kernel": "6.1.0"})
     with pytest.raises(IncompatibleHostError, match="kernel"):

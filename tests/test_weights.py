@@ -320,6 +320,8 @@ def test_prune_says_which_unreadable_manifest_keeps_unused_weights_files(tmp_pat
     out = capsys.readouterr().out
     assert f"kept the unused weights files: the manifest of {root / 's1'} cannot be read" in out
     assert "nothing to prune" not in out and a.exists()
+    # `delete` refuses a manifest that is not JSON: the way out it names is rm -r there
+    assert "`rm -r DIR` where delete cannot tell it is a snapshot" in out, out
     assert cli.main(["--root", str(root), "prune", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["weights_kept_for"] == [str(root / "s1")]
     sw.unprotect(a)

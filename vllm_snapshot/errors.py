@@ -63,6 +63,26 @@ def first_lines(e: BaseException) -> str:
     return lines[0] + (" " + lines[1].strip() if len(lines) > 1 else "")
 
 
+def combined(found: list[SnapshotError]) -> SnapshotError:
+    """One error for the refusals ``found`` by one validation (or one command line), in check order: the first one --
+    its class, exit code, hint and details, as when it was the only one -- with every other one
+    after it in words (``and N more problems``, each with its code and hint), so an operator fixes
+    them all in one go instead of meeting the next one at the next run; with dict or no
+    details, ``details["also"]`` lists them (``code``, ``message``, ``hint``). Pure."""
+    first, rest = found[0], found[1:]
+    if not rest:
+        return first
+    lines = [first.message, f"and {len(rest)} more problem{'s' if len(rest) > 1 else ''} (fix each before running it again):"]
+    for e in rest:
+        msg = e.message.replace("\n", "\n    ")
+        lines.append(f"  - [{e.code}] {msg}" + (f"\n    hint: {e.hint}" if e.hint else ""))
+    also = [{"code": e.code, "exit_code": e.exit_code, "message": e.message, "hint": e.hint} for e in rest]
+    details = first.details
+    if details is None or isinstance(details, dict):
+        details = {**(details or {}), "also": also}
+    return type(first)("\n".join(lines), hint=first.hint, details=details)
+
+
 class UsageError(SnapshotError):
     code, exit_code = "usage", 2
 

@@ -160,18 +160,60 @@ def not_an_option(value: str, ctx: typer.Context, what: str) -> None:
                      hint=guess or f"`vllm-snapshot {ctx.command.name} --help` lists the options")
 
 
-def check_engine_arg_names(ctx: typer.Context, engine_args: list[str], load: bool = False, quiet: bool = True) -> None:
+def check_engine_arg_names(ctx: typer.Context, engine_args: list[str], load: bool = False, quiet: bool = True,
+                           usage: str | None = "") -> None:
     """Refuse, in milliseconds, an engine arg that is no option of vLLM's (nor of this command),
-    with "did you mean" (:mod:`vllm_snapshot.store.argnames`). vLLM's option names come from
-    the cache setup wrote; when it is missing: with ``load`` (create) they are read from
-    vLLM's parser now (~20 s, once per vLLM version), else vLLM's parse checks the args later."""
+    with "did you mean" (:mod:`vllm_snapshot.store.argnames`), and -- unless ``usage`` is None
+    (restore: front-end options only, judged by their own check) -- a stray word among them
+    (``serve MODEL --dtype float32 extra``: vLLM would load "extra" as the model), ``usage``
+    being the command's synopsis for the hint ("" for ``COMMAND MODEL [engine args]``). vLLM's
+    option names and arities come from the cache setup wrote; when it is missing: with
+    ``load`` (create) they are read from vLLM's parser now (~20 s, once per vLLM version), else
+    vLLM's parse checks the args later."""
     from ..store import argnames
 
     if not engine_args:
         return
+    phase = "reading vLLM's engine arg names (once per vLLM version)"
     options = argnames.known_options()
     if options is None and load:
-        with reporter(quiet, False).phase("engine_arg_names", "reading vLLM's engine arg names (once per vLLM version)"):
+        with reporter(quiet, False).phase("engine_arg_names", phase):
             options = argnames.known_options(load=True)
-    argnames.check(engine_args, own_options(ctx), ctx.command.name, options)
+    argnames.check(engine_args, own_options(ctx), ctx.command.name, options)  # a typo first: no parse for it
+    if usage is None:
+        return
+    arity = argnames.known_arities()
+    if arity is None and load:  # a file an older setup wrote: the names without their arities
+        with reporter(quiet, False).phase("engine_arg_names", phase):
+            arity = argnames.known_arities(load=True)
+    argnames.check_stray_words(engine_args, ctx.command.name, arity, usage or None)
 
+
+class UsageChecks:
+    """The checks of one command line, each in ``with checks.one():``: a UsageError in one is
+    kept and the next one still runs; :meth:`done` raises them all as one
+    (:func:`vllm_snapshot.errors.combined`, exit 2), so several bad options are said in one run,
+    not one per run."""
+
+    def __init__(self) -> None:
+        self.found: list = []
+
+    def one(self):
+        """A context in which a UsageError is kept instead of raised."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def kept():
+            try:
+                yield
+            except UsageError as e:
+                self.found.append(e)
+
+        return kept()
+
+    def done(self) -> None:
+        """Raise what was kept (the first one's message first, then the others), if anything."""
+        if self.found:
+            from ..errors import combined
+
+            raise combined(self.found)

@@ -211,7 +211,8 @@ def _deleted(r: R.Deleted, quiet: bool) -> None:
 def _weights_kept(dirs: list[str]) -> None:
     if dirs:
         _line(f"kept the unused weights files: the manifest of {', '.join(dirs)} cannot be read and may name them "
-              "(`vllm-snapshot delete` it or put its manifest back, then `vllm-snapshot prune`)")
+              "(put its manifest back, or remove it: `vllm-snapshot delete DIR`, or `rm -r DIR` where delete cannot "
+              "tell it is a snapshot -- a manifest that is not JSON; then `vllm-snapshot prune`)")
 
 
 def _pruned(r: R.Pruned, quiet: bool) -> None:
@@ -512,6 +513,9 @@ def snapshot_list(rows: list[R.SnapshotRow], root: str) -> None:
         note(f"left out at this width ({c.width} columns): {', '.join(left_out)}; a wider terminal or --json shows them")
     for name, why in refused:  # whole, on lines of their own: what an operator copies or greps
         c.print(f"✗ {name}: {why}", markup=False, highlight=False, soft_wrap=True)
+    if refused:  # what to do next: a trial read the ✗ lines and did not know which command says more
+        note("✗: `vllm-snapshot verify NAME` runs every check and says what to fix (`inspect NAME` shows what is "
+             "left of a damaged one); `vllm-snapshot prune --unusable` deletes every ✗ snapshot")
 
 
 def engine_list(rows: list[R.EngineRow]) -> None:

@@ -54,7 +54,8 @@ class LocalModelTools(ModelTools):
 
                 # the next typo is answered from these names, without vLLM
                 return normalize_args(list(engine_args),
-                                      on_parser=lambda p: argnames.remember(argnames.parser_options(p)))
+                                      on_parser=lambda p: argnames.remember(argnames.parser_options(p),
+                                                                             argnames.parser_arities(p)))
         except SystemExit as e:
             from ..engine.args import argparse_reason
             from ..store import argnames

@@ -238,6 +238,51 @@ def argparse_reason(stderr_text: str) -> str:
                 lines[-1] if lines else "rejected by vLLM's argument parser")
 
 
+def stray_words(engine_args: Sequence[str], arity: Arity) -> list[tuple[str, str | None]]:
+    """The words of ``engine_args`` that no option takes as its value (``arity``: how many
+    values each option takes, None for a token that is none of them), each as ``(word, the
+    switch right before it or None)``: vLLM's parser would take the first as its positional
+    ``model_tag`` -- the model to load instead of MODEL -- and refuse the next ones. Tokens
+    starting with ``-`` (options, negative numbers) are never words here. Pure."""
+    out: list[tuple[str, str | None]] = []
+    before: str | None = None
+    for name, tokens, vals in walk(engine_args, arity):
+        if vals is None and not tokens[0].startswith("-"):
+            out.append((tokens[0], before))
+        before = name if vals is not None and not vals and arity(name) == 0 else None
+    return out
+
+
+def valueless(engine_args: Sequence[str], arity: Arity) -> list[str]:
+    """The options of ``engine_args`` that take a value (``arity`` 1 or ``"+"``) but are given
+    none: last, or (arity 1) followed by another ``--`` option, which vLLM's parser refuses
+    ("expected one argument"). As given, in order. Pure."""
+    out = []
+    for name, tokens, vals in walk(engine_args, arity):
+        if vals is None or "=" in tokens[0]:
+            continue
+        n = arity(name)
+        if (n in (1, "+") and not vals) or (n == 1 and vals[0].startswith("--") and len(vals[0]) > 2):
+            out.append(name)
+    return out
+
+
+def stray_error(words: Sequence[tuple[str, str | None]] | Sequence[str], command: str,
+                usage: str | None = None) -> UsageError:
+    """The UsageError for stray ``words`` among the engine args of ``vllm-snapshot COMMAND``
+    (:func:`stray_words`' pairs, or bare words), naming them and what to do; ``usage``: the
+    command's synopsis for the hint (default ``COMMAND MODEL [engine args]``)."""
+    pairs = [(w, None) if isinstance(w, str) else w for w in words]
+    names = ", ".join(repr(w) for w, _ in pairs)
+    after = next(((w, s) for w, s in pairs if s), None)
+    why = f" ({after[1]} is a switch: it takes no value)" if after else ""
+    return UsageError(f"unexpected argument{'s' if len(pairs) > 1 else ''} {names} among the engine args{why}: "
+                      f"`vllm-snapshot {command}` takes one MODEL, and every other word must be an option's value",
+                      hint=f"the model goes first (`vllm-snapshot {usage or command + ' MODEL [engine args]'}`); "
+                           "give the word to its option (--flag VALUE) or leave it out",
+                      details={"unexpected": [w for w, _ in pairs]})
+
+
 def check_engine_args(engine_args: Sequence[str]) -> None:
     """Refuse engine args the snapshot could only record and ignore, and (early, before the
     engine starts) the settings that make a snapshot unrestorable -- the engine's parse
@@ -339,7 +384,9 @@ def refuse_engine_options(args: Sequence[str], where: str = "restore") -> None:
             raise UsageError(f"{name} is {where}'s own option, not a front-end option to pass on",
                              hint=f"give {name} before any --")
         if not tok.startswith("-"):
-            raise UsageError(f"unexpected argument {tok!r}", hint="front-end options are --flag [value]")
+            raise UsageError(f"unexpected argument {tok!r}: {where} takes one SNAPSHOT, and what follows it are "
+                             "front-end options of `vllm serve` (--flag [value])",
+                             hint="engine args are frozen in the snapshot; front-end options are --flag [value]")
         could = sorted(o for o in (*FRONTEND_OPTIONS, *REFUSED_AT_RESTORE) if name.startswith("--") and len(name) > 2
                        and o.startswith(name))
         if could:  # `--api`: vLLM's parser takes abbreviations; frozen options could not be told from them
@@ -423,7 +470,7 @@ def normalize_args(engine_args: Sequence[str], on_parser=None) -> dict[str, str]
     PYTORCH_NVML_BASED_CUDA_CHECK, ...) that would reach the engine's environment and the key's
     env part of a create in this process. ``on_parser(parser)``, when given, sees vLLM's parser
     before the parse (``serve`` keeps its option names for the next typo). Raises SystemExit
-    (argparse) on args vLLM rejects."""
+    (argparse) on args vLLM rejects, UsageError on a stray word (:func:`stray_error`)."""
     import os
 
     saved = dict(os.environ)
@@ -435,6 +482,8 @@ def normalize_args(engine_args: Sequence[str], on_parser=None) -> dict[str, str]
         if on_parser is not None:
             on_parser(parser)
         got = vars(parser.parse_args(["--model", "MODEL", *engine_args]))
+        if got.get("model_tag") is not None:  # a stray word: vLLM would load it as the model
+            raise stray_error([str(got["model_tag"])], "serve")
         base = vars(parser.parse_args(["--model", "MODEL"]))
         return normalize_namespace(got, base)
     finally:

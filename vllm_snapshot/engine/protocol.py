@@ -46,6 +46,7 @@ EOF on ``control`` before ``serve`` makes the engine exit (its supervisor died);
 from __future__ import annotations
 
 import json
+import re
 
 #: The engine root's program, run as ``python -m PROGRAM SPEC_JSON``
 #: (:mod:`vllm_snapshot.entrypoints.engine_root`).
@@ -112,3 +113,19 @@ def decode(line: bytes | str) -> dict | None:
     except ValueError:
         return None
     return obj if isinstance(obj, dict) else None
+
+
+def drain_line(signal_name: str, busy: int, drain_s: float) -> str:
+    """The engine root's line on the first SIGTERM/SIGINT while serving (on its log)."""
+    return (f"vllm-snapshot: {signal_name}: draining: no new connections, {busy} request(s) in flight "
+            f"may finish for up to {drain_s:g} s")
+
+
+def cut_line(signal_name: str, busy: int) -> str:
+    """The engine root's line on a further signal while it drains (on its log)."""
+    return f"vllm-snapshot: {signal_name} again: cancelling {busy} request(s) still in flight"
+
+
+#: One of :func:`drain_line` / :func:`cut_line` in a log chunk (bytes, a line of its own): what a
+#: foreground command that said itself which signal it received and forwarded leaves out.
+SIGNAL_LINE = re.compile(rb"^vllm-snapshot: SIG[A-Z0-9]+(?: again)?: (?:draining:|cancelling) [^\n]*\n?", re.M)

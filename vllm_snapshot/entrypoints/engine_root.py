@@ -22,8 +22,8 @@ import threading
 import traceback
 
 from ..engine import args as engine_args_rules
-from ..engine.args import PARALLEL_SIZES, argparse_reason, normalize_args, unrestorable
-from ..engine.protocol import FD_EVENTS, decode, encode_event
+from ..engine.args import PARALLEL_SIZES, argparse_reason, normalize_args, stray_error, unrestorable
+from ..engine.protocol import FD_EVENTS, cut_line, decode, drain_line, encode_event
 from ..engine.spec import EngineSpec
 from ..host.procs import set_parent_death_signal
 
@@ -60,15 +60,16 @@ _PARSER = None
 
 def parse_engine_args(model: str, engine_args: list[str]):
     """Parse ``vllm serve`` engine args with vLLM's own parser. Raises SystemExit(2) on bad
-    args (argparse prints the reason to stderr, which is the engine log)."""
+    args (argparse prints the reason to stderr, which is the engine log), ValueError on what
+    cannot be snapshotted or on a stray word (vLLM would load it as the model)."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     global _PARSER
     parser = _PARSER = make_arg_parser(FlexibleArgumentParser(prog="vllm-snapshot create MODEL"))
     args = parser.parse_args(["--model", model, *engine_args])
-    if getattr(args, "model_tag", None) is not None:
-        args.model = args.model_tag
+    if getattr(args, "model_tag", None) is not None:  # a stray word: it would replace the model create hashed
+        raise ValueError(stray_error([args.model_tag], "create").message)
     if getattr(args, "headless", False) or getattr(args, "grpc", False):
         raise ValueError("vllm-snapshot needs the HTTP frontend (no --headless/--grpc)")
     if getattr(args, "api_server_count", None) not in (None, 1):
@@ -208,12 +209,10 @@ def install_drain(loop: asyncio.AbstractEventLoop, server, drain_s: float) -> No
         busy = len(server.server_state.tasks)
         name = signal.Signals(signum).name  # a trial read "signal 15": named, as the supervisor names its own
         if state["signals"] == 1:
-            print(f"vllm-snapshot: {name}: draining: no new connections, {busy} request(s) in flight "
-                  f"may finish for up to {drain_s:g} s", file=sys.stderr, flush=True)
+            print(drain_line(name, busy, drain_s), file=sys.stderr, flush=True)
             server.should_exit = True
             return
-        print(f"vllm-snapshot: {name} again: cancelling {busy} request(s) still in flight",
-              file=sys.stderr, flush=True)
+        print(cut_line(name, busy), file=sys.stderr, flush=True)
         server.should_exit = True
         for task in list(server.server_state.tasks):
             task.cancel(msg="vllm-snapshot: stopped before the request finished")

@@ -11,7 +11,8 @@ from typing import Iterator
 from ..checkpoint import carry, criu
 from ..host import identity, privilege
 from ..store import layout
-from ..errors import BusyError, CorruptSnapshotError, EnvironmentProblem, IncompatibleHostError, UsageError
+from ..errors import (BusyError, CorruptSnapshotError, EnvironmentProblem, IncompatibleHostError, ModelChangedError,
+                      SnapshotError, UsageError, combined)
 from ..store.manifest import Manifest
 from ..report.results import Verified
 from ..effects.protocols import HostTools, ModelTools, SnapshotFiles
@@ -38,12 +39,22 @@ def validate(snapshot: Path, verify_model: str = "quick", allow: frozenset[str] 
     return validate_roles(t.host, t.model, t.files, snapshot, verify_model, allow, check_images, port, pins)
 
 
+#: The refusals :func:`validate_roles` collects instead of stopping at the first: each a
+#: problem of the snapshot against this host an operator fixes by hand (not an interruption).
+COLLECTED = (UsageError, CorruptSnapshotError, IncompatibleHostError, ModelChangedError, BusyError, EnvironmentProblem)
+
+
 def validate_roles(host: HostTools, model: ModelTools, files: SnapshotFiles, snapshot: Path, verify_model: str = "quick",
                    allow: frozenset[str] = frozenset(), check_images: bool = False,
                    port: tuple[str, int] | None = None, pins: list | None = None,
                    gpu: list | None = None) -> tuple[Manifest, list[str]]:
     """:func:`validate` over the three roles it uses; ``gpu`` receives the CUDA snapshot's
-    :class:`~vllm_snapshot.checkpoint.gpu.GpuPlacement` (nothing for a CPU snapshot)."""
+    :class:`~vllm_snapshot.checkpoint.gpu.GpuPlacement` (nothing for a CPU snapshot). Once the
+    manifest is read, every check runs even when an earlier one refused (host identity, engine
+    user, mounts, images, weights, open files, carried files, model files, access), and all
+    their refusals are raised as one (:func:`vllm_snapshot.errors.combined`: the first one's exit code) -- except a
+    port in use, which stops the checks there (nothing is re-hashed for a port that is taken;
+    the port is not probed at all once a check before it refused)."""
     snapshot = snapshot.absolute()
     m = files.open_snapshot(snapshot)
     try:
@@ -51,6 +62,15 @@ def validate_roles(host: HostTools, model: ModelTools, files: SnapshotFiles, sna
     except ValueError as e:
         raise CorruptSnapshotError(f"{snapshot}: the manifest's CRIU flags are not restorable by this tool: {e}",
                                    hint="re-create the snapshot with this version of vllm-snapshot") from e
+    found: list[SnapshotError] = []
+
+    @contextmanager
+    def collect() -> Iterator[None]:
+        try:
+            yield
+        except COLLECTED as e:
+            found.append(e)
+
     here = host.host_identity(m.engine.kind)
     pulled = files.pulled_from(snapshot)  # pulled from a registry: any machine of its host class restores it
     try:
@@ -61,68 +81,79 @@ def validate_roles(host: HostTools, model: ModelTools, files: SnapshotFiles, sna
     warnings = [f"identity override: {d}" for d in diffs if d.overridden]
     hard = [d for d in diffs if not d.overridden]
     if hard:
-        raise IncompatibleHostError(
+        found.append(IncompatibleHostError(
             "this host differs from the one the snapshot was created on:\n  " + "\n  ".join(map(str, hard)),
             hint="restore on a matching host, or re-create the snapshot here",
-            details=[d.__dict__ for d in hard])
+            details=[d.__dict__ for d in hard]))
     if "gpu_uuid_used" in m.host:  # the GPU its state goes onto: the recorded one, else one of its model, remapped
         from ..checkpoint import gpu as gpus
 
         recorded = m.host["gpu_uuid_used"]
         # the recorded GPU here: known from the driver's /proc files, without running nvidia-smi
-        placed = (gpus.GpuPlacement(recorded, recorded) if recorded in host.gpu_uuids()
-                  else gpus.place(m.host, host.gpu_slots()))
-        if gpu is not None and placed is not None:
-            gpu.append(placed)
+        with collect():
+            placed = (gpus.GpuPlacement(recorded, recorded) if recorded in host.gpu_uuids()
+                      else gpus.place(m.host, host.gpu_slots()))
+            if gpu is not None and placed is not None:
+                gpu.append(placed)
     if m.engine.user is None:
         missing = files.caps_missing(snapshot, m)
         if missing:  # CRIU would log "Unable to restore capabilities" and hang (docs/operations.md)
-            raise EnvironmentProblem(
+            found.append(EnvironmentProblem(
                 f"this snapshot's engine runs as root with capabilities this restore does not have "
                 f"({', '.join(map(privilege.cap_name, missing))}; e.g. a systemd CapabilityBoundingSet=): CRIU "
                 "could not give them back", hint="re-create the snapshot (engines now run unprivileged, with no capability), "
-                                       "or restore it outside the narrower bounding set")
+                                       "or restore it outside the narrower bounding set"))
         warnings.append(LEGACY_ROOT_NOTE)
     else:
         who = host.user_problems(m.engine.user)
         if who:
             u = m.engine.user
-            raise IncompatibleHostError(
+            found.append(IncompatibleHostError(
                 f"the snapshot's engine runs as {u.name} (uid {u.uid}, gid {u.gid}), which is not the same user "
                 "on this host:\n  " + "\n  ".join(who),
                 hint=f"give {u.name} uid {u.uid} and gid {u.gid} again (e.g. useradd --system --uid {u.uid} "
                      f"--gid {u.gid} {u.name}), or re-create the snapshot on this host",
-                details={"engine_user": who})
+                details={"engine_user": who}))
     mount_problems = host.check_external_mounts(m.criu.external_mounts)
     if mount_problems:
-        raise IncompatibleHostError(
+        found.append(IncompatibleHostError(
             "mounts the snapshot binds from the host differ:\n  " + "\n  ".join(mount_problems),
             hint="mount the same file systems at the same places, or re-create the snapshot",
-            details={"mounts": mount_problems})
-    if port is not None:
-        host.port_free(*port)
+            details={"mounts": mount_problems}))
+    if port is not None and not found:  # a port matters only to a snapshot that could restore here
+        try:
+            host.port_free(*port)
+        except BusyError as e:  # transient: nothing is re-hashed for it; what was found so far is said too
+            raise combined([*found, e]) from e
     if check_images:
-        files.verify_images(snapshot, m)
+        with collect():
+            files.verify_images(snapshot, m)
     # the weights file the engine maps (a CPU snapshot's weights are not in its images):
     # missing or changed refuses now, naming it (CRIU would map whatever is at that path)
-    files.check_weights(m, full=verify_model == "full")
+    with collect():
+        files.check_weights(m, full=verify_model == "full")
     problems = files.check_tree_files(m)
     if problems:
-        raise IncompatibleHostError(
+        found.append(IncompatibleHostError(
             "files the engine had open or mapped changed since the snapshot was created:\n  " + "\n  ".join(problems),
-            hint="restore with the same venv/libraries, or re-create the snapshot")
+            hint="restore with the same venv/libraries, or re-create the snapshot"))
     # files the snapshot carries: their stored copies verified (a damaged one refuses, naming
     # the file); missing or replaceable ones are put back right before CRIU; what cannot be
     # (another owner's file differs, a live process holds a differing one) refuses now
-    refused = carry.refusal(files.plan_carried(snapshot, m))
-    if refused is not None:
-        raise refused
+    with collect():
+        refused = carry.refusal(files.plan_carried(snapshot, m))
+        if refused is not None:
+            raise refused
     if pins is not None:  # before the check: a change made after it shows in the stat
         pins.extend(model.model_stats(Path(m.model.path), m.model.files))
-    model.verify_model(Path(m.model.path), m.model.files, verify_model)  # added files: refused or ignored
+    with collect():
+        model.verify_model(Path(m.model.path), m.model.files, verify_model)  # added files: refused or ignored
     if m.engine.user is not None:  # as create refuses: a level-2 wake reloads the weights as that user
         model_dir = Path(m.model.path)
-        check_access(m.engine.user, model_dir, {"model": host.unreadable_by(m.engine.user, [model_dir])})
+        with collect():
+            check_access(m.engine.user, model_dir, {"model": host.unreadable_by(m.engine.user, [model_dir])})
+    if found:
+        raise combined(found)
     return m, warnings
 
 

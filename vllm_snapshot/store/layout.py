@@ -144,6 +144,44 @@ def not_a_snapshot(path: Path) -> str | None:
     return None
 
 
+def remains(path: Path, limit: int = 40) -> dict:
+    """What can still be read of a snapshot directory whose manifest cannot be (``inspect`` of a
+    damaged one): ``{"directory", "members": [{"name", "kind": "file"|"dir"|"other", "bytes",
+    "files"}], "total_bytes", "unexpected": [names outside MEMBERS]}`` -- each top-level member
+    with its size (a directory: its files' count and bytes, not followed into symlinks), at most
+    ``limit`` members. Reads only directory entries and stats; what this user may not read
+    is left out."""
+    members: list[dict] = []
+    total = 0
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        names = []
+    for name in names[:limit]:
+        p = path / name
+        try:
+            st = p.lstat()
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            count = size = 0
+            for dirpath, _dirs, files in os.walk(p):
+                for f in files:
+                    try:
+                        size += os.lstat(os.path.join(dirpath, f)).st_size
+                        count += 1
+                    except OSError:
+                        pass
+            members.append({"name": name, "kind": "dir", "bytes": size, "files": count})
+        else:
+            size = st.st_size if stat.S_ISREG(st.st_mode) else 0
+            members.append({"name": name, "kind": "file" if stat.S_ISREG(st.st_mode) else "other", "bytes": size,
+                            "files": 1})
+        total += size
+    return {"directory": str(path), "members": members, "total_bytes": total,
+            "unexpected": [n for n in names if n not in MEMBERS and n != MANIFEST_TMP]}
+
+
 def open_trusted(path: Path) -> SnapshotDir:
     """Run the trust checks once -- :func:`judge` (a symlink is refused by the next check, not
     followed), :func:`check_dir_safety`, :func:`check_file_modes`, and no unexpected top-level
@@ -159,7 +197,8 @@ def open_trusted(path: Path) -> SnapshotDir:
     extra = sorted(set(os.listdir(path)) - MEMBERS)
     if extra:
         raise CorruptSnapshotError(f"{path} holds unexpected members: {', '.join(extra)}",
-                                   hint="a snapshot holds only " + ", ".join(sorted(MEMBERS)))
+                                   hint=f"move {' and '.join(extra[:3])}{' ...' if extra[3:] else ''} out of the "
+                                        "snapshot directory (a snapshot holds only " + ", ".join(sorted(MEMBERS)) + ")")
     return SnapshotDir(path)
 
 

@@ -398,7 +398,9 @@ def parse(text: str, source: str = MANIFEST) -> Manifest:
     try:
         raw = json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
     except ValueError as e:
-        raise CorruptSnapshotError(f"{source} is not valid JSON: {e}") from e
+        cut = isinstance(e, json.JSONDecodeError) and e.pos >= len(text.rstrip())
+        raise CorruptSnapshotError(f"{source} is not valid JSON: {e}" + (
+            f"; the file ends there, after {len(text.encode())} bytes: it was cut short (truncated)" if cut else "")) from e
     if not isinstance(raw, dict):
         raise CorruptSnapshotError(f"{source}: $ must be an object")
     sv = raw.get("schema_version")

@@ -268,8 +268,17 @@ def delete(snapshot: Path) -> None:
 
     why = not_a_snapshot(snapshot)
     if why:
-        raise CorruptSnapshotError(f"{snapshot} is not a vllm-snapshot snapshot: {why}; nothing was deleted",
-                                   hint="check the path; remove other directories with rm, not vllm-snapshot")
+        from .layout import IMAGES, MANIFEST
+
+        damaged = why.startswith(f"its {MANIFEST}") and (snapshot / IMAGES).is_dir()
+        raise CorruptSnapshotError(
+            f"{snapshot} is not a vllm-snapshot snapshot: {why}; nothing was deleted",
+            hint=(f"it looks like a snapshot whose manifest is damaged (`vllm-snapshot inspect {snapshot}` shows what "
+                  f"is left); delete removes only what is surely a snapshot: remove it with `rm -r {snapshot}`")
+            if damaged else
+            ("if it is a snapshot with files put into it by hand, move them out and run delete again; otherwise "
+             "remove the directory with rm, not vllm-snapshot") if why.startswith("it holds ") and (snapshot / IMAGES).is_dir()
+            else "check the path; remove other directories with rm, not vllm-snapshot")
     tmp = snapshot.parent / f".{snapshot.name}{TMP_MARK}deleting-{os.getpid()}"
     os.rename(snapshot, tmp)
     shutil.rmtree(tmp)

@@ -45,8 +45,11 @@ def stop(
     from ... import ops
     from .. import render
 
-    if sum(x is not None for x in (snapshot, port, pid)) != 1:
-        raise UsageError("give a snapshot, --port or --pid (exactly one of them)")
+    given = [w for w, x in (("a snapshot", snapshot), ("--port", port), ("--pid", pid)) if x is not None]
+    if len(given) != 1:
+        raise UsageError("give a snapshot, --port or --pid (exactly one of them"
+                         + (f"; got {' and '.join(given)})" if given else "; got none)"),
+                         hint="`vllm-snapshot status` lists the engines with their snapshot, port and PID")
     common.root_only("stop")
     render.show(ops.stop_engines(common.resolve(snapshot) if snapshot else None, port, pid=pid, drain_s=drain_timeout),
                 as_json, quiet)
@@ -103,7 +106,8 @@ def switch(
         common.not_an_option(snapshot, ctx, "SNAPSHOT")
     if (snapshot is None) == (model is None):
         raise UsageError("give a SNAPSHOT or --model MODEL (one of them, not both)")
-    common.check_engine_arg_names(ctx, engine_args)
+    common.check_engine_arg_names(ctx, engine_args,
+                                  usage=None if model is None else "switch --model MODEL --port P -- [engine args]")
     front, engine_args = frontend.split(engine_args)  # API key, TLS, CORS, ...: applied at restore
     common.drain(drain_timeout)  # a bad $VLLM_SNAPSHOT_DRAIN_TIMEOUT: a usage error before anything runs
     if model is None:
@@ -155,13 +159,23 @@ def restore(
     extra = list(ctx.args)  # front-end options: ops.restore checks them (frontend.check) before CRIU
     if extra and extra[0] == "--":
         extra = extra[1:]
-    common.check_engine_arg_names(ctx, extra)
+    common.check_engine_arg_names(ctx, extra, usage=None)  # front-end options: judged by ops.restore
     common.interruptible()
-    if verify_model not in ("quick", "full"):
-        raise UsageError("--verify-model must be quick or full")
-    if log_file is not None and not detach:
-        raise UsageError("--log-file applies to --detach; in the foreground the engine log goes to stderr",
-                         hint="add --detach, or redirect stderr (2>>FILE)")
+    checks = common.UsageChecks()  # several bad options: all said in one run, before any phase starts
+    with checks.one():
+        _check_verify_model(verify_model)
+    with checks.one():
+        _check_log_file(log_file, detach)
+    with checks.one():
+        common.drain(drain_timeout)
+    with checks.one():
+        _check_allow_mismatch(allow_mismatch)
+    with checks.one():  # what can be judged by the words alone (engine options, stray words, values)
+        from ...engine.args import refuse_engine_options, values
+
+        refuse_engine_options(extra)
+        values(extra)
+    checks.done()
     rep, lifecycle = _lifecycle_reporter(quiet, as_json)
     from ...fleet.reference import looks_like_image
 
@@ -175,14 +189,34 @@ def restore(
         snapshot_dir = common.resolve(snapshot)
     req = ops.RestoreRequest(snapshot=snapshot_dir, host=host, port=port, detach=detach,
                              log_file=log_file, verify_model=verify_model,
-                             allow=frozenset(allow_mismatch), engine_log=common.stderr_sink, frontend=tuple(extra),
+                             allow=frozenset(allow_mismatch), engine_log=(log := ForegroundLog()), frontend=tuple(extra),
                              drain_s=common.drain(drain_timeout))
     r, engine = ops.restore(req, rep)
     if detach:
         _handed_off()
     render.show(r, as_json, quiet)
-    _run_engine(r, engine, rep, lifecycle, detach, quiet or as_json)
+    _run_engine(r, engine, rep, lifecycle, detach, quiet or as_json, log)
 
+
+
+def _check_verify_model(verify_model: str) -> None:
+    if verify_model not in ("quick", "full"):
+        raise UsageError(f"--verify-model must be quick or full, not {verify_model!r}")
+
+
+def _check_allow_mismatch(fields: List[str]) -> None:
+    from ...host.identity import OVERRIDABLE
+
+    bad = sorted(set(fields) - OVERRIDABLE)
+    if bad:
+        raise UsageError(f"--allow-mismatch {' '.join(bad)}: only {' and '.join(sorted(OVERRIDABLE))} may differ on "
+                         "purpose", hint="anything else that differs needs a snapshot made on this host")
+
+
+def _check_log_file(log_file: Optional[Path], detach: bool) -> None:
+    if log_file is not None and not detach:
+        raise UsageError("--log-file applies to --detach; in the foreground the engine log goes to stderr",
+                         hint="add --detach, or redirect stderr (2>>FILE)")
 
 
 def _lifecycle_reporter(quiet: bool, as_json: bool):
@@ -210,12 +244,39 @@ def _handed_off() -> None:
             signal.signal(s, signal.SIG_IGN)
 
 
-def _run_engine(r, engine, rep, lifecycle, detach: bool, silent: bool = False) -> None:
+class ForegroundLog:
+    """The engine log of a foreground restore/serve, onto stderr (``sink``), less the engine's own
+    line about each signal this command forwarded to it: the command names the signal it
+    received (a Ctrl-C: SIGINT) and what happens, and the engine's line would name the SIGTERM
+    it was sent -- two lines, two signals, for one Ctrl-C. A signal sent to the engine by anyone
+    else (``stop``, ``kill``) keeps the engine's line."""
+
+    def __init__(self, sink=common.stderr_sink) -> None:
+        self.sink = sink
+        self.forwarded = 0  # signals forwarded whose engine line has not come yet
+
+    def said(self) -> None:
+        """This command has said that it received a signal and forwards it to the engine."""
+        self.forwarded += 1
+
+    def __call__(self, chunk: bytes) -> None:
+        if self.forwarded:
+            from ...engine.protocol import SIGNAL_LINE
+
+            chunk, n = SIGNAL_LINE.subn(b"", chunk, count=self.forwarded)
+            self.forwarded -= n
+            if not chunk:
+                return
+        self.sink(chunk)
+
+
+def _run_engine(r, engine, rep, lifecycle, detach: bool, silent: bool = False, log: ForegroundLog | None = None) -> None:
     """After a restore: detached -> return; foreground -> READY=1, serve until the engine
     exits (SIGINT/SIGTERM/SIGHUP stop it), exit with its code; an engine that dies by itself
     raises EngineError (exit 8, see ``ops.serve_foreground``). The line naming the signal the
     command received is printed on stderr even when ``silent`` (``-q``/``--json``: the
-    reporter prints nothing), so a log or the journal says what stopped the engine."""
+    reporter prints nothing), so a log or the journal says what stopped the engine; ``log``
+    (the engine log's sink) then leaves out the engine's own line about it."""
     from ... import ops
 
     if detach:
@@ -226,6 +287,8 @@ def _run_engine(r, engine, rep, lifecycle, detach: bool, silent: bool = False) -
 
     def on_signal(msg: str) -> None:
         lifecycle.stopping()
+        if log is not None:  # one line for the signal: this one; the engine's echo is left out
+            log.said()
         if silent:
             print(f"vllm-snapshot: {msg}", file=sys.stderr, flush=True)
         else:
@@ -279,16 +342,31 @@ def serve(
     common.not_an_option(model, ctx, "MODEL")
     common.root_only("serve")
     common.interruptible()
+    checks = common.UsageChecks()  # several bad options: all said in one run
     if no_build and rebuild:
-        raise UsageError("--no-build and --rebuild contradict each other")
+        with checks.one():
+            raise UsageError("--no-build and --rebuild contradict each other")
     from ...ops.create import weights_mode
 
-    weights_mode(weights, "cpu")  # a bad --weights now, not after the key
-    if verify_model not in ("quick", "full"):
-        raise UsageError("--verify-model must be quick or full")
-    if log_file is not None and not detach:
-        raise UsageError("--log-file applies to --detach; in the foreground the engine log goes to stderr",
-                         hint="add --detach, or redirect stderr (2>>FILE)")
+    with checks.one():
+        weights_mode(weights, "cpu")  # a bad --weights now, not after the key
+    with checks.one():
+        _check_verify_model(verify_model)
+    with checks.one():
+        _check_log_file(log_file, detach)
+    with checks.one():
+        archive.Compression.parse(compress)
+    if oracle_prompt is not None:
+        from ...ops.create import check_oracle_prompt
+
+        with checks.one():
+            check_oracle_prompt(oracle_prompt)
+    if registry is None and (plain_http or sign_key or verify_key):
+        with checks.one():
+            raise UsageError("--plain-http, --sign-key and --verify-key apply to --registry")
+    with checks.one():
+        common.drain(drain_timeout)
+    checks.done()
     engine_args = list(ctx.args)
     if engine_args and engine_args[0] == "--":
         engine_args = engine_args[1:]
@@ -312,10 +390,6 @@ def serve(
         if not p.isdigit() or not 1 <= int(p) <= 65535:
             raise UsageError(f"--port {p!r}: expected a port number 1-65535")
         port = int(p)
-    if oracle_prompt is not None:
-        from ...ops.create import check_oracle_prompt
-
-        check_oracle_prompt(oracle_prompt)
     from ...report.progress import LastLine
 
     rep, lifecycle = _lifecycle_reporter(quiet, as_json)
@@ -325,19 +399,17 @@ def serve(
         from ...ops.fleet import RegistryCache
 
         cache = RegistryCache(registry, local_tools(), rep, plain_http, sign_key, verify_key)
-    elif plain_http or sign_key or verify_key:
-        raise UsageError("--plain-http, --sign-key and --verify-key apply to --registry")
     req = ops.ServeRequest(
         model=model, root=store.ensure_root(common.root_dir()), engine_args=engine_args, host=host, port=port,
         detach=detach, log_file=log_file, verify_model=verify_model,
         build="never" if no_build else "always" if rebuild else "auto",
         oracle_prompt=oracle.DEFAULT_PROMPT if oracle_prompt is None else oracle_prompt, sleep_level=sleep_level,
         compression=archive.Compression.parse(compress), keep_env=tuple(keep_env), user=user,
-        engine_log=common.stderr_sink, create_log=common.stderr_sink if verbose else LastLine(rep.detail), frontend=tuple(front),
+        engine_log=(log := ForegroundLog()), create_log=common.stderr_sink if verbose else LastLine(rep.detail), frontend=tuple(front),
         drain_s=common.drain(drain_timeout), registry=cache, weights=weights)
     served, engine = ops.serve(req, rep)
     if detach:
         _handed_off()
     render.show(served, as_json, quiet)
-    _run_engine(served.restored, engine, rep, lifecycle, detach, quiet or as_json)
+    _run_engine(served.restored, engine, rep, lifecycle, detach, quiet or as_json, log)
 

@@ -87,9 +87,39 @@ def inspect(
     from ...report.inspected import Inspected
     from ...store import manifest
 
+    from ...errors import CorruptSnapshotError
+
     snapshot_dir = common.resolve(snapshot).absolute()
     # only the manifest is read (strict schema + digest); nothing of the payload is used or run
-    render.show(Inspected(str(snapshot_dir), manifest.read(snapshot_dir), read_pulled(snapshot_dir)), as_json)
+    try:
+        m = manifest.read(snapshot_dir)
+    except CorruptSnapshotError as e:
+        raise _damaged(e, snapshot_dir, as_json) from e
+    render.show(Inspected(str(snapshot_dir), m, read_pulled(snapshot_dir)), as_json)
+
+
+def _damaged(e, snapshot_dir: Path, as_json: bool):
+    """``inspect`` of a snapshot whose manifest cannot be read (not JSON, cut short, the wrong
+    schema, edited): what can still be read -- the directory, each member and its size
+    (:func:`vllm_snapshot.store.layout.remains`) -- printed on stdout (``details.remains`` with
+    ``--json``), and ``e`` (exit 5) saying what is wrong and what to do."""
+    from ...store import layout
+    from ...units import human_bytes
+
+    left = layout.remains(snapshot_dir)
+    e.details = {"directory": str(snapshot_dir), "manifest": str(snapshot_dir / layout.MANIFEST), "remains": left}
+    e.hint = ("nothing else of it can be checked or restored without its manifest ("
+              f"`vllm-snapshot verify` and `restore` refuse it the same way); {e.hint or layout.damaged_hint(snapshot_dir)}")
+    if not as_json and left["members"]:
+        width = max(len(x["name"]) + (x["kind"] == "dir") for x in left["members"])
+        print(f"snapshot {snapshot_dir}: its manifest is damaged; what can still be read:")
+        for x in left["members"]:
+            name = x["name"] + ("/" if x["kind"] == "dir" else "")
+            files = f" ({x['files']} file{'s' if x['files'] != 1 else ''})" if x["kind"] == "dir" else ""
+            odd = "  (not a snapshot member)" if x["name"] in left["unexpected"] else ""
+            print(f"  {name:<{width}}  {human_bytes(x['bytes']):>10}{files}{odd}")
+        print(f"  {'total':<{width}}  {human_bytes(left['total_bytes']):>10}", flush=True)
+    return e
 
 
 
@@ -101,7 +131,8 @@ def verify(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing when it passes (the exit code says; errors go to stderr)."),
 ) -> None:
     """Every restore check without restoring: permissions, manifest, host identity, all
-    image checksums, and a full re-hash of the model files."""
+    image checksums, and a full re-hash of the model files. Every problem found is said at
+    once (exit code: the first one's)."""
     from ... import ops
     from .. import render
 

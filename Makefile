@@ -13,8 +13,10 @@ setup:
 demo: setup
 	$(VENV)/bin/vllm-snapshot demo
 
+# two pytest-xdist workers: the bare-root test (minutes of apt and pip in its own namespaces) on
+# one, every other test in order on the other (tests/conftest.py SYSTEM_GROUP, HOST_GROUP)
 test: setup
-	$(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 unit: setup
 	$(VENV)/bin/python -m pytest tests -m "not integration and not system" $(PYTEST_ARGS)

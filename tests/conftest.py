@@ -117,7 +117,18 @@ def _missing() -> str | None:
     return None
 
 
+#: the xdist group of the bare-root test (marker ``system``): `make test` runs it on a second
+#: worker beside the rest (``-n 2 --dist loadgroup``). It lives in its own mount and PID
+#: namespace and chroot and shares nothing the others check; every other test stays on one
+#: worker, in collection order, as in a plain run: they share the host's CRIU lock, engine
+#: cgroups and the loopback ports, and a unit test's empty engine cgroup is fair game for an
+#: integration test's reclaim.
+SYSTEM_GROUP, HOST_GROUP = "bare-root", "host"
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(SYSTEM_GROUP if "system" in item.keywords else HOST_GROUP))
     reason = _missing()
     if reason is None:
         return

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import shutil
 from pathlib import Path
 
@@ -284,3 +285,31 @@ def test_a_staged_file_that_does_not_hash_to_its_name_is_not_placed(tmp_path):
             ws.data.write_bytes(b"not those bytes")
             ws.place()
     assert os.listdir(final.parent) == []
+
+
+def test_present_hashes_a_file_once_then_trusts_this_nodes_pin_until_its_stat_changes(tmp_path, monkeypatch):
+    """A weights file found at its path (a node that has it) is hashed whole the first time and
+    pinned; the next pull trusts the pin for the same stat; a changed stat hashes again, and a
+    changed byte is never present."""
+    import blake3
+
+    from vllm_snapshot.fleet import weights as fw
+    from vllm_snapshot.store import weights as store_w
+
+    data = os.urandom(5000)
+    b3 = blake3.blake3(data).hexdigest()
+    final = tmp_path / ".weights" / f"{b3}.weights"
+    final.parent.mkdir(mode=0o700)
+    final.write_bytes(data)
+    os.chmod(final, 0o600)
+    hashed = []
+    real = store_w.hash_file
+    monkeypatch.setattr(store_w, "hash_file", lambda p: hashed.append(p) or real(p))
+    assert fw.present(final, b3, len(data)) and hashed == [final]
+    assert sw.pin_path(final).exists()
+    assert fw.present(final, b3, len(data)) and hashed == [final]  # this node's pin: not hashed again
+    assert not fw.present(final, "b" * 64, len(data)) and len(hashed) == 2  # a pin names one digest
+    time.sleep(0.05)  # file times tick with the kernel's clock (a few ms): past the pinned ones
+    with open(final, "r+b") as f:  # same size, one byte changed: the stat (mtime, ctime) changes
+        f.write(b"\x00" if data[:1] != b"\x00" else b"\x01")
+    assert not fw.present(final, b3, len(data)) and len(hashed) == 3

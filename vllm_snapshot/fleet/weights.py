@@ -86,8 +86,11 @@ def refusal(path: Path, why: str, where: str) -> IncompatibleHostError:
 
 def present(path: Path, blake3: str, size: int) -> bool:
     """True when a regular file (not a symlink) of ``size`` bytes is at ``path`` and its bytes
-    hash to ``blake3`` (read whole: a file written on another node has no stat to trust)."""
-    from ..store.weights import hash_file
+    hash to ``blake3``: read whole (the manifest's stat is another node's), unless this node's
+    own pin (:func:`..store.weights.write_pin`) vouches for exactly this stat and digest. A file
+    hashed here and found right gets that pin, so the restores that follow (and the next pull
+    of another snapshot of the same weights) do not hash it again. Never raises."""
+    from ..store.weights import hash_file, pin_matches, write_pin
 
     try:
         st = os.lstat(path)
@@ -95,10 +98,15 @@ def present(path: Path, blake3: str, size: int) -> bool:
         return False
     if not stat.S_ISREG(st.st_mode) or st.st_size != size:
         return False
+    if pin_matches(path, st, blake3):
+        return True
     try:
-        return hash_file(path) == blake3
+        if hash_file(path) != blake3:
+            return False
     except OSError:
         return False
+    write_pin(path, blake3, st)  # the stat read before the hash: a change since makes the pin miss
+    return True
 
 
 def _open_dirs(path: Path) -> int:

@@ -195,7 +195,7 @@ def check(rec: WeightsFile, full: bool = False) -> str | None:
                 f"and root (fix: chattr -i {p}; chown root:root {p} && chmod 0600 {p}; chattr +i {p})")
     if st.st_size != rec.size:
         return f"the weights file {p} has {st.st_size} bytes, not the {rec.size} it had at create"
-    pinned = stat_unchanged(st, rec) or _pin_matches(p, st, rec.blake3)
+    pinned = stat_unchanged(st, rec) or pin_matches(p, st, rec.blake3)
     if pinned and not full:
         return None
     try:
@@ -237,7 +237,7 @@ def write_pin(path: Path, blake3: str, st: os.stat_result | None = None) -> bool
         return False
 
 
-def _pin_matches(path: Path, st: os.stat_result, blake3: str) -> bool:
+def pin_matches(path: Path, st: os.stat_result, blake3: str) -> bool:
     """True when the node-local pin of ``path`` (:func:`write_pin`) names ``blake3`` and the stat
     ``st``, and the pin is a root-owned 0600 regular file. Never raises."""
     import stat as _stat

@@ -263,3 +263,19 @@ def test_an_option_without_its_value_is_said_with_the_stray_words_in_one_error()
         argnames.check_stray_words(["extra", "--max-model-len"], "serve", ARITY)
     assert e.value.message.startswith("unexpected argument 'extra' among the engine args"), e.value.message
     assert "and 1 more problem" in e.value.message and "  - [usage] --max-model-len needs a value" in e.value.message
+
+
+@pytest.mark.parametrize("args", [["-O3"], ["-O", "3"], ["-O=3"], ["-Odecode"], ["--max_model_len", "512"],
+                                  ["--compilation-config.mode", "3"], ["-tp", "1"], ["--dtype=float32"]])
+def test_what_the_installed_vllms_parser_takes_passes_both_checks(args):
+    """Against the installed vLLM's own option table (not :data:`OPTIONS`): `-O3` was refused as
+    unknown, because vLLM's parser rewrites `-O...` to --optimization-level before argparse and
+    `-O` is none of its option strings."""
+    options, arity = argnames.known_options(load=True), argnames.known_arities(load=True)
+    argnames.check(args, [], "serve", options)
+    argnames.check_stray_words(args, "serve", arity)
+    with pytest.raises(UsageError, match="unexpected argument 'stray'"):
+        argnames.check_stray_words([*args, "stray"], "serve", arity)
+    if args == ["-O3"]:
+        with pytest.raises(UsageError, match=r"\(-O3 carries its value: it takes no other\)"):
+            argnames.check_stray_words([*args, "stray"], "serve", arity)

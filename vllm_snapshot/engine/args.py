@@ -275,7 +275,11 @@ def stray_error(words: Sequence[tuple[str, str | None]] | Sequence[str], command
     pairs = [(w, None) if isinstance(w, str) else w for w in words]
     names = ", ".join(repr(w) for w, _ in pairs)
     after = next(((w, s) for w, s in pairs if s), None)
-    why = f" ({after[1]} is a switch: it takes no value)" if after else ""
+    why = ""
+    if after and not after[1].startswith("--") and len(after[1]) > 2:  # -O3: a short option, its value attached
+        why = f" ({after[1]} carries its value: it takes no other)"
+    elif after:
+        why = f" ({after[1]} is a switch: it takes no value)"
     return UsageError(f"unexpected argument{'s' if len(pairs) > 1 else ''} {names} among the engine args{why}: "
                       f"`vllm-snapshot {command}` takes one MODEL, and every other word must be an option's value",
                       hint=f"the model goes first (`vllm-snapshot {usage or command + ' MODEL [engine args]'}`); "

@@ -145,6 +145,8 @@ def arity_lookup(arity: dict[str, int | str]):
     def lookup(flag: str) -> int | str | None:
         if flag in arity:
             return arity[flag]
+        if _optimization_level(flag) and OPTIMIZATION_LEVEL in arity:
+            return 1 if flag == "-O" else 0  # `-O 3`, `-O3`, `-O=3` (the value given with it)
         if flag in ("-", "--") or flag[1:2].isdigit() or flag[1:2] == ".":
             return None  # not an option: stdin, the end of options, a negative number
         if "." in flag and _known(flag.split(".", 1)[0], frozenset(arity)):
@@ -183,12 +185,24 @@ def check_stray_words(engine_args: Sequence[str], command: str, arity: dict[str,
         raise combined(found)
 
 
+#: What vLLM's parser turns ``-O3``, ``-O 3``, ``-O=3`` and ``-Odecode`` into before argparse sees
+#: them (vllm/utils/argparse_utils.py): ``-O`` is not among its option strings.
+OPTIMIZATION_LEVEL = "--optimization-level"
+
+
+def _optimization_level(flag: str) -> bool:
+    """True for ``-O`` and ``-O<VALUE>`` (vLLM's short form of :data:`OPTIMIZATION_LEVEL`). Pure."""
+    return flag.startswith("-O") and not flag.startswith("--")
+
+
 def _known(flag: str, options: frozenset[str]) -> bool:
     """True when vLLM's parser would take ``flag`` (a token starting with ``-``, without its
     ``=VALUE``) as one of ``options``: exactly, with ``_`` for ``-`` (vLLM's parser accepts
     ``--max_model_len``), as a unique abbreviation (argparse's), or a short option with its value
     attached (``-O3``). Pure."""
     if flag in options:
+        return True
+    if _optimization_level(flag) and OPTIMIZATION_LEVEL in options:
         return True
     if "." in flag[1:] and not flag[1:2].isdigit():  # a dotted config field: `--compilation-config.mode`
         return _known(flag.split(".", 1)[0], options)

@@ -112,6 +112,8 @@ def _cli(*argv, modules_out=None):
     (["restore", "--prot", "8603", "demo"], "did you mean --port?"),
     (["create", "/m", "--name", "x", "--", "--max-model-lne", "512"], "did you mean --max-model-len?"),
     (["serve", "/m", "--detatch"], "did you mean --detach?"),
+    # vLLM's parser takes `vllm serve --dtype float32 MODEL`; our command line wants MODEL first
+    (["serve", "--dtype", "float32", "/m"], "vllm-snapshot serve MODEL --dtype ... (engine args after MODEL)"),
 ])
 def test_a_typo_is_a_usage_error_with_did_you_mean_in_well_under_a_second_of_work(tmp_path, argv, hint):
     if argnames.known_options() is None:

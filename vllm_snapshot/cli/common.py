@@ -155,7 +155,12 @@ def not_an_option(value: str, ctx: typer.Context, what: str) -> None:
     from ..suggest import did_you_mean
 
     own = own_options(ctx)
-    guess = did_you_mean(flag_name(value), set(own) | (argnames.known_options() or frozenset()))
+    options = argnames.known_options() or frozenset()
+    if what == "MODEL" and value not in own and options and argnames.unknown_flags([value], options) == []:
+        # `serve --dtype float32 MODEL`: vLLM's parser takes that order, our command line does not
+        raise UsageError(f"{value} is a vLLM engine arg given before {what}: {what} goes first here",
+                         hint=f"vllm-snapshot {ctx.command.name} {what} {value} ... (engine args after {what})")
+    guess = did_you_mean(flag_name(value), set(own) | options)
     raise UsageError(f"no such option: {value} (where {what} was expected)",
                      hint=guess or f"`vllm-snapshot {ctx.command.name} --help` lists the options")
 

@@ -172,6 +172,19 @@ def prepare_self() -> dict:
     return {"pid": os.getpid(), "anon_before": before, "anon_after": _anon_kib() << 10, "kv_zero_bytes": kv}
 
 
+def trim_root() -> dict:
+    """The engine root's own share of ``prepare-dump``, after its ``gc.collect()`` +
+    ``gc.freeze()``: glibc's ``malloc_trim(0)`` (the freed heap given back to the kernel, so
+    CRIU does not dump it; measured on the demo model's API server: 27 MiB of 540). Returns
+    ``{"pid", "anon_before", "anon_after"}`` (bytes). Never raises for a libc without
+    ``malloc_trim`` (musl): nothing is trimmed then."""
+    before = _anon_kib() << 10
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+    return {"pid": os.getpid(), "role": "root", "anon_before": before, "anon_after": _anon_kib() << 10}
+
+
 def prepare_children(timeout_s: float = CHILD_TIMEOUT_S) -> list[dict]:
     """Ask every descendant of this process that has the hook to :func:`prepare_self`; returns
     their answers (a child without the hook is skipped; a failing one answers ``{"error"}``)."""

@@ -14,7 +14,8 @@ so neither is in the images.
 
 What :func:`prepare_self` does (measured on the tiny demo engine, docs/history.md):
 
-- ``gc.collect()`` and glibc's ``malloc_trim(0)`` (returns freed heap to the kernel);
+- ``gc.collect()`` and glibc's ``malloc_trim(0)`` (returns freed heap to the kernel; the root
+  does the same for itself, :func:`trim_root`);
 - the pages of the CPU KV cache that are entirely zero (every block no request has used yet)
   are given back with ``madvise(MADV_DONTNEED)``: in a private anonymous mapping the kernel
   maps a fresh zero page on the next access, so the contents are the same, but CRIU dumps

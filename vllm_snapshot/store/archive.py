@@ -428,8 +428,9 @@ def open_raw(src_dir: Path, img: ImageFile) -> Iterator:
 
 
 #: bytes per read of an uncompressed image's checksum: one buffer refilled in place, hashed
-#: while still in the CPU's cache (measured on the demo model's 1.6 GB of pages, page cache
-#: warm: 0.53 CPU-s against 0.7 with 4 MiB reads into new buffers; docs/benchmarks.md)
+#: while still in the CPU's cache (the demo model's 1.6 GB of pages, page cache warm: 0.53
+#: CPU-s against 0.7 with 4 MiB reads into new buffers, one thread; 0.43 against 0.45 in the
+#: pull's parallel pass -- docs/benchmarks.md, "Fleet: a lighter download")
 VERIFY_BUF = 256 << 10
 
 

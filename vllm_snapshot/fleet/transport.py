@@ -428,13 +428,15 @@ def _body(r):
     reset, http.client's IncompleteRead: :func:`.net.transient`)."""
     fp = getattr(r.raw, "_fp", None)
     encoding = (r.headers.get("Content-Encoding") or "identity").strip().lower()
-    if encoding != "identity" or not callable(getattr(fp, "readinto", None)):
+    if encoding != "identity" or not all(callable(getattr(fp, a, None)) for a in ("readinto", "isclosed")):
         yield from r.iter_content(CHUNK)
         return
     buf = memoryview(bytearray(CHUNK))
     while n := fp.readinto(buf):
         yield buf[:n]
-    if callable(getattr(fp, "isclosed", None)) and fp.isclosed():  # the whole body came: keep-alive
+    # the whole body came over a connection that stays open (not one cut short, not one the
+    # server closes after this answer): hand it back for the next request
+    if fp.isclosed() and not getattr(fp, "length", None) and not getattr(fp, "will_close", True):
         r.raw.release_conn()
 
 

@@ -24,6 +24,7 @@ were just written): these are the tool's and the protocol's costs, not a network
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import subprocess
@@ -40,7 +41,7 @@ from vllm_snapshot.dev.registry_server import RegistryServer  # noqa: E402
 from vllm_snapshot.effects.tools import local_tools  # noqa: E402
 from vllm_snapshot.ops import fleet  # noqa: E402
 from vllm_snapshot.report.progress import Reporter  # noqa: E402
-from vllm_snapshot.store import archive  # noqa: E402
+from vllm_snapshot.store import archive, weights  # noqa: E402
 
 
 def other_pulls(host: str, image: str, work: Path) -> dict:
@@ -171,6 +172,9 @@ def main() -> int:
         res["load_after"] = [round(x, 2) for x in os.getloadavg()]
     finally:
         reg.stop()
+        for w in work.glob("*/.weights/*.weights"):  # immutable once published: rmtree alone leaves them
+            with contextlib.suppress(OSError):
+                weights.unprotect(w)
         shutil.rmtree(work, ignore_errors=True)
     for comp, run in res["runs"].items():
         mb = run["bytes"] / 1e6

@@ -15,7 +15,7 @@
 Run with the project's venv as root:
 
     /var/cache/vllm-snapshot/venv/bin/python scripts/bench_fleet.py [--compress none --compress zstd:3]
-        [--json-out F] [-- ENGINE ARGS]
+        [--json-out F] [--no-cold-start] [-- ENGINE ARGS]
 
 The registry, the store and the copies share one disk and the page cache is warm (the bytes
 were just written): these are the tool's and the protocol's costs, not a network's.
@@ -24,6 +24,7 @@ were just written): these are the tool's and the protocol's costs, not a network
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import subprocess
@@ -40,7 +41,7 @@ from vllm_snapshot.dev.registry_server import RegistryServer  # noqa: E402
 from vllm_snapshot.effects.tools import local_tools  # noqa: E402
 from vllm_snapshot.ops import fleet  # noqa: E402
 from vllm_snapshot.report.progress import Reporter  # noqa: E402
-from vllm_snapshot.store import archive  # noqa: E402
+from vllm_snapshot.store import archive, weights  # noqa: E402
 
 
 def other_pulls(host: str, image: str, work: Path) -> dict:
@@ -89,6 +90,8 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="model directory (default: the embedded tiny model)")
     ap.add_argument("--compress", action="append", default=None)
     ap.add_argument("--json-out", type=Path)
+    ap.add_argument("--no-cold-start", action="store_true",
+                    help="skip the cold start (a before/after pair of runs where the other one measures it)")
     ap.add_argument("engine_args", nargs="*")
     a = ap.parse_args()
     comps = a.compress or ["none", "zstd:3"]
@@ -102,6 +105,7 @@ def main() -> int:
     host = reg.host
     res: dict = {"model": a.model, "engine_args": engine_args, "runs": {}}
     try:
+        res["load_before"] = [round(x, 2) for x in os.getloadavg()]
         for comp in comps:
             tag = comp.replace(":", "-")
             snap = work / "node-a" / f"snap-{tag}"
@@ -143,12 +147,17 @@ def main() -> int:
                 if kind == "registry":  # a fresh node: pull + restore -> first validated completion
                     shutil.rmtree(root)
                     root.mkdir(mode=0o700)
+                    fresh_pull, fresh_restore = Reporter(), Reporter()
                     t0 = time.monotonic()
-                    pulled = fleet.pull(fleet.PullRequest(image, root, "tiny", plain_http=True), Reporter(), t)
+                    pulled = fleet.pull(fleet.PullRequest(image, root, "tiny", plain_http=True), fresh_pull, t)
                     rr, engine = ops.restore(ops.RestoreRequest(snapshot=Path(pulled.snapshot),
-                                                                port=bench.free_port()), Reporter())
+                                                                port=bench.free_port()), fresh_restore)
                     run["fresh_node_s"] = round(time.monotonic() - t0, 3)
                     run["fresh_node_pull_s"] = pulled.seconds
+                    # where the fresh node's seconds went (each phase as its reporter timed it)
+                    run["fresh_node_pull_phases"] = {k: round(v, 3) for k, v in fresh_pull.timings.items()}
+                    run["fresh_node_restore_phases"] = {k: round(v, 3) for k, v in fresh_restore.timings.items()}
+                    run["images_bytes"] = {f.name: f.stat().st_size for f in sorted((snap / "images").glob("pages-*.img"))}
                     engine.kill(grace=15)
                     engine.close()
                     t.runtime.unregister(rr.pid)
@@ -156,11 +165,16 @@ def main() -> int:
                           file=sys.stderr)
                 shutil.rmtree(root)
             res["runs"][comp] = run
-        print("cold start -> first completion ...", file=sys.stderr)
-        res["cold_start_s"] = round(bench.cold_start(Path(a.model), bench.free_port(), engine_args), 3)
-        print(f"  {res['cold_start_s']:.2f} s", file=sys.stderr)
+        if not a.no_cold_start:
+            print("cold start -> first completion ...", file=sys.stderr)
+            res["cold_start_s"] = round(bench.cold_start(Path(a.model), bench.free_port(), engine_args), 3)
+            print(f"  {res['cold_start_s']:.2f} s", file=sys.stderr)
+        res["load_after"] = [round(x, 2) for x in os.getloadavg()]
     finally:
         reg.stop()
+        for w in work.glob("*/.weights/*.weights"):  # immutable once published: rmtree alone leaves them
+            with contextlib.suppress(OSError):
+                weights.unprotect(w)
         shutil.rmtree(work, ignore_errors=True)
     for comp, run in res["runs"].items():
         mb = run["bytes"] / 1e6

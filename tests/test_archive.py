@@ -426,3 +426,22 @@ def test_staging_order_and_ram_only_when_memory_holds_staging_and_tree(tmp_path,
     monkeypatch.setattr(staging, "_memory_room", lambda: 15 * gib, raising=False)  # the images fit once, not twice
     assert archive.staging_parent(10 * gib, ro, raw) == stage
     assert archive.staging_parent(10 * gib, tmp_path, zst) == tmp_path
+
+
+@pytest.mark.parametrize("off", [archive.VERIFY_BUF - 1, archive.VERIFY_BUF, 2 * archive.VERIFY_BUF + 100])
+def test_an_uncompressed_image_of_several_reads_is_checked_whole(tmp_path, off):
+    """The checksum pass reads an uncompressed image into one buffer refilled in place: every
+    read counts, the first, one across a read's boundary and the last short one."""
+    d = tmp_path / "images"
+    d.mkdir()
+    (d / PAGES).write_bytes(os.urandom(2 * archive.VERIFY_BUF + 12345))
+    images = archive.pack(d, Compression.parse("none"))
+    archive.verify(d, images)
+    p = d / PAGES
+    with open(p, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0x01]))
+    with pytest.raises(CorruptSnapshotError, match=str(p)):
+        archive.verify(d, images)

@@ -14,7 +14,8 @@ so neither is in the images.
 
 What :func:`prepare_self` does (measured on the tiny demo engine, docs/history.md):
 
-- ``gc.collect()`` and glibc's ``malloc_trim(0)`` (returns freed heap to the kernel);
+- ``gc.collect()`` and glibc's ``malloc_trim(0)`` (returns freed heap to the kernel; the root
+  does the same for itself, :func:`trim_root`);
 - the pages of the CPU KV cache that are entirely zero (every block no request has used yet)
   are given back with ``madvise(MADV_DONTNEED)``: in a private anonymous mapping the kernel
   maps a fresh zero page on the next access, so the contents are the same, but CRIU dumps
@@ -170,6 +171,19 @@ def prepare_self() -> dict:
             kv += drop_zero_pages(ptr, nbytes, anon, libc)
     libc.malloc_trim(0)
     return {"pid": os.getpid(), "anon_before": before, "anon_after": _anon_kib() << 10, "kv_zero_bytes": kv}
+
+
+def trim_root() -> dict:
+    """The engine root's own share of ``prepare-dump``, after its ``gc.collect()`` +
+    ``gc.freeze()``: glibc's ``malloc_trim(0)`` (the freed heap given back to the kernel, so
+    CRIU does not dump it; measured on the demo model's API server: 27 MiB of 540). Returns
+    ``{"pid", "anon_before", "anon_after"}`` (bytes). Never raises for a libc without
+    ``malloc_trim`` (musl): nothing is trimmed then."""
+    before = _anon_kib() << 10
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+    return {"pid": os.getpid(), "role": "root", "anon_before": before, "anon_after": _anon_kib() << 10}
 
 
 def prepare_children(timeout_s: float = CHILD_TIMEOUT_S) -> list[dict]:

@@ -352,10 +352,12 @@ async def run(spec: EngineSpec) -> int:
                     # frozen object is never freed, as after vLLM's own freeze).
                     gc.freeze()
                     # the children (EngineCore, workers): gc, malloc_trim, zero KV pages out
-                    from ..engine.prep import prepare_children
+                    from ..engine.prep import prepare_children, trim_root
 
                     for r in await loop.run_in_executor(None, prepare_children):
                         print(f"vllm-snapshot prepare-dump: {json.dumps(r)}", file=sys.stderr)
+                    # and this process: its freed heap given back (the children trimmed theirs)
+                    print(f"vllm-snapshot prepare-dump: {json.dumps(trim_root())}", file=sys.stderr)
                     sys.stdout.flush()
                     sys.stderr.flush()
                     # what the code identity pins (vllm_snapshot.host.codeid): the distributions

@@ -141,11 +141,13 @@ class Restored:
     gpu: str = ""
     #: a detached engine's log file, else ""
     log_file: str = ""
+    #: restored KSM-mergeable (``--merge-pages``)
+    merge_pages: bool = False
 
     def to_json(self) -> dict:
         return {"snapshot": self.snapshot, "pid": self.pid, "url": self.url, "timings": self.timings,
                 "warnings": self.warnings, "oracle": "match", "frontend": list(self.frontend),
-                "cgroup": self.cgroup, "gpu": self.gpu, "log_file": self.log_file}
+                "cgroup": self.cgroup, "gpu": self.gpu, "log_file": self.log_file, "merge_pages": self.merge_pages}
 
 
 @dataclass(frozen=True)

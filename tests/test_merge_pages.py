@@ -179,3 +179,24 @@ def test_serve_passes_merge_pages_to_its_restore_only_when_asked(tmp_path):
 
     assert _restore_req(ServeRequest(model="m", root=tmp_path, merge_pages=True), tmp_path / "s").merge_pages is True
     assert _restore_req(ServeRequest(model="m", root=tmp_path), tmp_path / "s").merge_pages is False
+
+
+def test_status_says_which_engines_are_marked_and_what_ksm_merged():
+    from vllm_snapshot import ops
+    from vllm_snapshot.store.registry import Entry
+
+    t = FakeWorld()
+    t.entries = [Entry("/snaps/a", 77, 0, "127.0.0.1", 8101, 1.0, "detached"),
+                 Entry("/snaps/a", 78, 0, "127.0.0.1", 8102, 1.0, "detached")]
+    t.merged = {77: (True, 326745)}
+    rows = {r["pid"]: r for r in ops.status(tools=t.tools).engines}
+    assert (rows[77]["merge_pages"], rows[77]["ksm_merged_pages"]) == (True, 326745)
+    assert (rows[78]["merge_pages"], rows[78]["ksm_merged_pages"]) == (False, 0)
+
+
+def test_the_host_runtime_reads_an_unmarked_process_as_unmarked():
+    from vllm_snapshot.effects.runtime import LocalRuntimeTools
+
+    assert _own_merge() == 0
+    marked, merged = LocalRuntimeTools().merge_of(os.getpid())
+    assert marked is False and merged == 0

@@ -40,6 +40,8 @@ def test_merge_pages_marks_every_restored_process_and_only_with_the_option(snaps
             assert m["anon_vmas"] > 0 and m["mergeable_vmas"] == m["anon_vmas"], m
         for m in _marks(off["pid"]):
             assert m["merge_any"] == 0 and m["mergeable_vmas"] == 0 and m["anon_vmas"] > 0, m
+        rows = {r["pid"]: r for r in json.loads(cli("status", "--json", check=True).stdout)["engines"]}
+        assert rows[on["pid"]]["merge_pages"] is True and rows[off["pid"]]["merge_pages"] is False
     finally:
         for pid in pids:
             stop(pid)

@@ -779,6 +779,9 @@ class FakeRuntimeTools(_Role, RuntimeTools):
     def cgroup_of(self, pid: int) -> str:
         return "/fake"
 
+    def merge_of(self, pid: int) -> tuple[bool, int]:
+        return getattr(self.w, "merged", {}).get(pid, (False, 0))
+
     def forward_signals(self, handler: Callable[[int], None]) -> AbstractContextManager:
         from contextlib import contextmanager
 

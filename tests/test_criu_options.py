@@ -541,7 +541,7 @@ def test_a_criu_run_killed_before_it_logged_says_its_log_is_empty(tmp_path):
 
 FAKE_SWRK = r"""#!{python}
 # a `criu swrk FD` stand-in: records what it was given, answers one request as CRIU would
-import json, os, socket, sys
+import ctypes, json, os, socket, sys
 from pycriu import rpc_pb2 as rpc
 sk = socket.socket(fileno=int(sys.argv[2]))
 req = rpc.criu_req()
@@ -550,7 +550,8 @@ inherit = [f.fd for f in req.opts.inherit_fd]
 with open(os.environ["FAKE_SWRK_OUT"], "w") as f:
     json.dump({{"argv": sys.argv[1:], "env": dict(os.environ), "type": req.type,
                "open": [fd for fd in inherit if os.path.exists(f"/proc/self/fd/{{fd}}")],
-               "stdin": os.readlink("/proc/self/fd/0")}}, f)
+               "stdin": os.readlink("/proc/self/fd/0"),
+               "merge": ctypes.CDLL(None).prctl(68, 0, 0, 0, 0)}}, f)  # PR_GET_MEMORY_MERGE
 resp = rpc.criu_resp()
 resp.type = req.type
 resp.success = {success}

@@ -634,3 +634,17 @@ def test_the_model_store_is_where_paths_says(monkeypatch):
     assert "can read every model under /srv/cache/models" in _by_name(doctor.run_checks(WithStore()))["engine-user:models"].detail
     by = _by_name(doctor.run_checks(WithStore(environ={"VLLM_SNAPSHOT_CACHE": "/srv/env-cache"})))
     assert "/srv/env-cache/models" in by["engine-user:models"].detail
+
+
+def test_ksm_is_reported_for_merge_pages():
+    p = FakeProbes()
+    p.texts = {"/sys/kernel/mm/ksm/run": "1\n", "/sys/kernel/mm/ksm/pages_to_scan": "5000\n",
+               "/sys/kernel/mm/ksm/sleep_millisecs": "20\n"}
+    c = _by_name(doctor.run_checks(p))["ksm"]
+    assert c.ok and c.severity == "info" and "KSM runs (run=1, pages_to_scan=5000, sleep_millisecs=20)" in c.detail
+    p.texts = {"/sys/kernel/mm/ksm/run": "0\n"}
+    c = _by_name(doctor.run_checks(p))["ksm"]
+    assert "KSM is not running (run=0)" in c.detail and "nothing is merged" in c.detail
+    assert "echo 1 > /sys/kernel/mm/ksm/run" in c.remedy and "security" in c.remedy
+    p.texts = {}
+    assert "this kernel has no KSM" in _by_name(doctor.run_checks(p))["ksm"].detail

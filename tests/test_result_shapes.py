@@ -47,7 +47,7 @@ def test_status_rows_have_the_engine_row_keys():
     res = ops.status(tools=t.tools)
     (row,) = res.engines
     want = ["snapshot", "pid", "supervisor_pid", "host", "port", "started_at", "mode", "create_time", "scheme",
-            "cgroup", "auth", "drain_s", "frontend_args", "log_file", "url"]
+            "cgroup", "auth", "drain_s", "frontend_args", "log_file", "url", "merge_pages", "ksm_merged_pages"]
     assert set(row) == _keys(R.EngineRow) == set(want)
     assert "frontend" not in row  # the fingerprint is the registry's, never shown
     assert sorted(res.to_json()) == ["empty_cgroups", "engines", "orphans"]

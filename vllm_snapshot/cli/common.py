@@ -34,6 +34,10 @@ QUIET_DETACH_HELP = QUIET_HELP[:-1] + " (a detached engine's PID still goes to s
 PORT_HELP = "TCP port to serve on (bound only after the oracle matched)."
 DRAIN_HELP = ("Seconds the engine lets requests in flight finish when it is stopped (SIGTERM, `stop`, "
               "`switch`): it takes no new connection meanwhile. Default $VLLM_SNAPSHOT_DRAIN_TIMEOUT, else 30.")
+MERGE_PAGES_HELP = ("Restore the engine's memory KSM-mergeable (prctl PR_SET_MEMORY_MERGE): clones of one snapshot "
+                    "then share their identical pages when the host runs KSM (/sys/kernel/mm/ksm/run = 1). "
+                    "Off by default: KSM merges host-wide, a timing side channel; use it only where every "
+                    "process on the host is trusted.")
 
 
 def drain(given: Optional[float]) -> float:
@@ -121,6 +125,18 @@ def interruptible() -> None:
 
     if STATE.get("interruptible"):
         interrupts.install()
+
+
+def merge_pages_notice(rep, state=None) -> None:
+    """For ``--merge-pages``: tell ``rep`` (info) when KSM does not run on this host, so the
+    mark merges nothing yet. ``state``: a :class:`~vllm_snapshot.checkpoint.criu.merge.KsmState`
+    (default: read from /sys/kernel/mm/ksm)."""
+    from ..checkpoint.criu.merge import ksm_state
+
+    state = ksm_state() if state is None else state
+    if state.run is not None and not state.running:
+        rep.info(f"--merge-pages: KSM is not running on this host (/sys/kernel/mm/ksm/run = {state.run}): the "
+                 "engine's memory is marked mergeable, but nothing is merged until run = 1")
 
 
 def reporter(quiet: bool, as_json: bool):

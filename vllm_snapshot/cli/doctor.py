@@ -163,6 +163,22 @@ def _check_io_uring(p: Probes) -> Check:
     return Check("io_uring", True, "info", f"kernel.io_uring_disabled={v} ({meaning}); {ours}", remedy)
 
 
+def _check_ksm(p: Probes) -> Check:
+    """KSM's state for ``restore --merge-pages`` (docs/weights.md): info only, nothing needs it."""
+    base = "/sys/kernel/mm/ksm/"
+    run = (p.read_text(base + "run") or "").strip()
+    use = "restore/serve --merge-pages"
+    if run == "1":
+        scan, sleep = ((p.read_text(base + n) or "?").strip() for n in ("pages_to_scan", "sleep_millisecs"))
+        return Check("ksm", True, "info", f"KSM runs (run=1, pages_to_scan={scan}, sleep_millisecs={sleep}): engines "
+                     f"restored with {use} share their identical pages")
+    if run in ("0", "2"):
+        return Check("ksm", True, "info", f"KSM is not running (run={run}): {use} marks the engine's memory "
+                     "mergeable, but nothing is merged", "optional, to share identical pages between clones: "
+                     "echo 1 > /sys/kernel/mm/ksm/run (docs/security.md: KSM's side channels)")
+    return Check("ksm", True, "info", f"this kernel has no KSM (/sys/kernel/mm/ksm): {use} is refused")
+
+
 def _check_kernel(p: Probes) -> list[Check]:
     rel = p.kernel_release()
     kt = _kernel_tuple(rel)
@@ -487,7 +503,7 @@ def _check_engine_user(p: Probes) -> list[Check]:
 
 def run_checks(probes: Probes | None = None, *, snapshot_root: str = DEFAULT_SNAPSHOT_ROOT) -> list[Check]:
     """Every check, in a fixed order: root/capabilities, CRIU (version, ``criu check``,
-    features), io_uring, kernel, glibc, snapshot root (permissions, free space), /dev/shm,
+    features), io_uring, kernel, glibc, KSM (for ``--merge-pages``), snapshot root (permissions, free space), /dev/shm,
     helper programs, vLLM, pycriu, whether every user can start the CLI (its interpreter, venv
     and checkout within other users' reach), the engine user (exists, reads the venv and the model
     store, writable HOME), and on GPU hosts the GPU, driver, CRIU CUDA plugin and
@@ -501,6 +517,7 @@ def run_checks(probes: Probes | None = None, *, snapshot_root: str = DEFAULT_SNA
         checks += _check_criu_kernel(p, binary)
     checks.append(_check_io_uring(p))
     checks += _check_kernel(p)
+    checks.append(_check_ksm(p))
     checks += _check_snapshot_root(p, snapshot_root)
     checks.append(_check_dev_shm(p))
     checks.append(_check_leftovers(p, snapshot_root))

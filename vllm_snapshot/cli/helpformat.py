@@ -56,7 +56,7 @@ PANELS = ("Serving", BUILD_PANEL, "Registry", "Output")
 PANELLED = {"serve", "restore", "switch", "create"}
 PANEL_OF = {
     **dict.fromkeys(("host", "port", "detach", "log_file", "verify_model", "allow_mismatch", "drain_timeout",
-                     "no_build", "rebuild", "rollback", "handover", "model"), "Serving"),
+                     "no_build", "rebuild", "rollback", "handover", "model", "merge_pages"), "Serving"),
     **dict.fromkeys(("oracle_prompt", "sleep_level", "compress", "weights", "keep_env", "user", "verbose",
                      "snapshot_dir", "name"), BUILD_PANEL),
     **dict.fromkeys(("registry", "plain_http", "sign_key", "verify_key"), "Registry"),

@@ -535,5 +535,7 @@ def engine_list(rows: list[R.EngineRow]) -> None:
     # a path or a cgroup folded across table lines cannot be copied: whole, on lines of their own
     for r in rows:
         c.print(f"{r['pid']}: {r['snapshot']}  cgroup {r.get('cgroup') or '?'}"
-                + (f"  log {r['log_file']}" if r.get("log_file") else ""), markup=False, highlight=False,
+                + (f"  log {r['log_file']}" if r.get("log_file") else "")
+                + (f"  merge-pages ({r.get('ksm_merged_pages', 0)} pages merged by KSM)" if r.get("merge_pages") else ""),
+                markup=False, highlight=False,
                 soft_wrap=True)

@@ -530,6 +530,11 @@ class RuntimeTools(Protocol):
     def cgroup_of(self, pid: int) -> str:
         """The cgroup ``pid`` runs in, in words (:func:`vllm_snapshot.host.cgroups.where`)."""
 
+    def merge_of(self, pid: int) -> tuple[bool, int]:
+        """(whether the engine tree rooted at ``pid`` is marked KSM-mergeable -- restored with
+        ``--merge-pages`` --, how many of its pages KSM has merged now), from /proc
+        (:func:`vllm_snapshot.checkpoint.criu.merge.process_merge`); (False, 0) when it is gone."""
+
     def forward_signals(self, handler: Callable[[int], None]) -> AbstractContextManager:
         """While the context is open, SIGINT, SIGTERM and SIGHUP (a closed terminal) call
         ``handler(signum)`` instead of their handlers; the old handlers come back on exit."""

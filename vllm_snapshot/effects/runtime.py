@@ -73,6 +73,13 @@ class LocalRuntimeTools(RuntimeTools):
 
         return cgroups.where(pid)
 
+    def merge_of(self, pid: int) -> tuple[bool, int]:
+        from ..checkpoint.criu.merge import process_merge
+        from ..host.procs import tree
+
+        marks = [m for p in tree(pid) if (m := process_merge(p.pid)) is not None]
+        return bool(marks) and marks[0]["merge_any"] == 1, sum(m["merging_pages"] for m in marks)
+
     def forward_signals(self, handler: Callable[[int], None]) -> AbstractContextManager:
         return _forwarding(handler)
 

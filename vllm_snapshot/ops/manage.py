@@ -167,8 +167,11 @@ def status(tools: Tools | None = None) -> Engines:
     trees nobody owns (a killed restore's) and the engine cgroups no process is in any more (an
     engine that exited or was killed): ``prune`` removes both."""
     t = tools or local_tools()
-    rows: list[EngineRow] = [{**{k: v for k, v in e.__dict__.items() if k != "frontend"},
-                              "url": e.url, "cgroup": t.runtime.cgroup_of(e.pid)} for e in t.runtime.engines()]
+    rows: list[EngineRow] = []
+    for e in t.runtime.engines():
+        marked, merged = t.runtime.merge_of(e.pid)
+        rows.append({**{k: v for k, v in e.__dict__.items() if k != "frontend"}, "url": e.url,
+                     "cgroup": t.runtime.cgroup_of(e.pid), "merge_pages": marked, "ksm_merged_pages": merged})
     return Engines(rows, t.runtime.orphan_pids(), t.runtime.empty_engine_cgroups())
 
 

@@ -121,6 +121,10 @@ class RestoreRequest:
     #: switch's hand-over stops the old engine's accepting there, so both reach the new engine
     #: only); what it raises fails the restore
     on_serving: Callable[[Engine], None] | None = None
+    #: start CRIU's restore KSM-mergeable (``--merge-pages``): every anonymous mapping of the
+    #: restored tree may then be merged with identical pages of other processes by ksmd, when
+    #: the host runs KSM (:mod:`vllm_snapshot.checkpoint.criu.merge`)
+    merge_pages: bool = False
 
 
 _POOL = None
@@ -249,7 +253,7 @@ def _restore_phases(t: Tools, req: RestoreRequest, rep: Reporter, st: _Restoring
                         tuple(fe.describe()), placement.cgroup if placement and placement.leaves else "",
                         frontend.fingerprint(fe.args), bool(fe.api_keys), req.drain_s,
                         st.gpu.describe() if st.gpu is not None else "",
-                        str(log_file) if req.detach and log_file is not None else ""), st.engine
+                        str(log_file) if req.detach and log_file is not None else "", req.merge_pages), st.engine
     except BaseException as e:
         _undo(t.files, t.checkpoint, st, e)
         raise
@@ -320,7 +324,8 @@ def _criu_restore(host: HostTools, et: EngineTools, cp: CheckpointTools, rt: Run
                 hint="stop the engine holding them (vllm-snapshot status / stop), or re-create the snapshot")
         opts = criu.RestoreOptions(flags=m.criu.flags, inherit_fds=st.channel.inherit_fds(m.criu.inherit),
                                    external=mountpolicy.restore_args(m.criu.external_mounts),
-                                   network_lock=criu.NETWORK_LOCK_ISOLATED if isolated else None)
+                                   network_lock=criu.NETWORK_LOCK_ISOLATED if isolated else None,
+                                   merge_pages=req.merge_pages)
         cp.check_gpu_capacity(m, st.gpu_uuid)  # CUDA: the GPU has room (after switch stopped the old engine)
         if m.carried is not None and m.carried.files:
             # under the CRIU lock: no other restore replaces a carried file between this

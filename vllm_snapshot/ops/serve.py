@@ -113,6 +113,9 @@ class ServeRequest:
     #: where a build's CPU engine keeps its weights: ``file`` (a weights file it maps,
     #: :mod:`vllm_snapshot.store.weights`) or ``in-image`` (in the CRIU images)
     weights: str = "file"
+    #: restore KSM-mergeable (:attr:`RestoreRequest.merge_pages`; not part of the key, never
+    #: given to a build; `switch` does not take it yet)
+    merge_pages: bool = False
 
 
 def _published(host: HostTools, store: StoreTools, files: SnapshotFiles, root: Path) -> list[tuple[Path, Manifest]]:
@@ -390,7 +393,7 @@ def switch_model(req: ServeRequest, host: str | None, rollback: bool, rep: Repor
 def _restore_req(req: ServeRequest, snapshot: Path) -> RestoreRequest:
     return RestoreRequest(snapshot=snapshot, host=req.host, port=req.port, verify_model=req.verify_model,
                           detach=req.detach, log_file=req.log_file, engine_log=req.engine_log, frontend=req.frontend,
-                          drain_s=req.drain_s)
+                          drain_s=req.drain_s, merge_pages=req.merge_pages)
 
 
 #: Lines of a refusal ``serve`` prints before it builds a replacement (what differed, named).

@@ -52,7 +52,9 @@ class EngineRow(TypedDict):
     start, Unix seconds as psutil gives it: tells a reused PID from it; 0.0 when not recorded), ``scheme`` (``http``/``https``), ``cgroup`` (the
     cgroup it runs in now, read from /proc), ``auth`` (an API key is required), ``drain_s``
     (seconds, ``stop``'s default drain), ``frontend_args`` (front-end option tokens without
-    secrets, None when not recorded), ``log_file`` ("" when none), ``url``."""
+    secrets, None when not recorded), ``log_file`` ("" when none), ``url``, ``merge_pages``
+    (its processes are marked KSM-mergeable: restored with ``--merge-pages``, read from /proc),
+    ``ksm_merged_pages`` (pages of its tree KSM has merged now)."""
 
     snapshot: str
     pid: int
@@ -69,6 +71,8 @@ class EngineRow(TypedDict):
     frontend_args: tuple[str, ...] | None
     log_file: str
     url: str
+    merge_pages: bool
+    ksm_merged_pages: int
 
 
 class StoppedRow(TypedDict):
@@ -141,11 +145,13 @@ class Restored:
     gpu: str = ""
     #: a detached engine's log file, else ""
     log_file: str = ""
+    #: restored KSM-mergeable (``--merge-pages``)
+    merge_pages: bool = False
 
     def to_json(self) -> dict:
         return {"snapshot": self.snapshot, "pid": self.pid, "url": self.url, "timings": self.timings,
                 "warnings": self.warnings, "oracle": "match", "frontend": list(self.frontend),
-                "cgroup": self.cgroup, "gpu": self.gpu, "log_file": self.log_file}
+                "cgroup": self.cgroup, "gpu": self.gpu, "log_file": self.log_file, "merge_pages": self.merge_pages}
 
 
 @dataclass(frozen=True)

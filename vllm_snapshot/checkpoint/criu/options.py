@@ -107,13 +107,16 @@ class RestoreOptions:
     """What a restore needs. ``flags`` are those recorded at dump (the manifest's
     ``criu.flags``); ``inherit_fds`` maps a dump-time key (``pipe:[123]``) to an fd number of
     this process (>= 3, not close-on-exec) that replaces it; ``external`` and ``network_lock``
-    as for dump."""
+    as for dump. ``merge_pages``: start ``criu swrk`` with ``prctl(PR_SET_MEMORY_MERGE, 1)``,
+    which every process it forks for the tree inherits, so every anonymous mapping the restorer
+    makes is KSM-mergeable (:mod:`vllm_snapshot.checkpoint.criu.merge`)."""
 
     flags: tuple[str, ...] = SHARED_FLAGS
     root: str = "/"
     inherit_fds: tuple[tuple[str, int], ...] = ()
     external: tuple[str, ...] = ()
     network_lock: str | None = None
+    merge_pages: bool = False
 
 
 _FLAG_TO_OPT = {

@@ -61,14 +61,19 @@ class Swrk:
         self.proc = proc
 
     @classmethod
-    def spawn(cls, argv0: str, env: Mapping[str, str], pass_fds: tuple[int, ...] = ()) -> Swrk:
+    def spawn(cls, argv0: str, env: Mapping[str, str], pass_fds: tuple[int, ...] = (),
+              merge_pages: bool = False) -> Swrk:
         """Start ``argv0 swrk FD`` (FD: its end of a new socket pair) with exactly ``env`` as
         its environment, stdio on /dev/null, and only FD and ``pass_fds`` (the fds a restore
-        hands to the tree with ``inherit_fd``) open besides. Raises RpcFailed when it cannot be
-        started."""
+        hands to the tree with ``inherit_fd``) open besides. ``merge_pages``: started through
+        :func:`merge.launch_argv`, so it and every process it forks are KSM-mergeable. Raises
+        RpcFailed when it cannot be started."""
+        from .merge import launch_argv
+
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        argv = [argv0, "swrk", str(theirs.fileno())]
         try:
-            proc = subprocess.Popen([argv0, "swrk", str(theirs.fileno())], env=dict(env),
+            proc = subprocess.Popen(launch_argv(argv) if merge_pages else argv, env=dict(env),
                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                     pass_fds=(theirs.fileno(), *pass_fds))
         except OSError as e:
@@ -257,8 +262,10 @@ class Criu:
             details={"log": str(kept) if kept else None})
 
     def _call(self, what: str, req, work_dir: Path, log_name: str, floor: float = 0.0,
-              run: Callable[[Swrk], object] | None = None, pass_fds: tuple[int, ...] = ()):
-        """Spawn ``criu swrk`` and run ``req`` on it (or ``run(swrk)`` in its stead), with
+              run: Callable[[Swrk], object] | None = None, pass_fds: tuple[int, ...] = (),
+              merge_pages: bool = False):
+        """Spawn ``criu swrk`` (``merge_pages``: KSM-mergeable, :meth:`Swrk.spawn`) and run
+        ``req`` on it (or ``run(swrk)`` in its stead), with
         signals deferred (:mod:`interrupts`) and a watchdog that SIGKILLs that process after
         :attr:`timeout_s` (at least ``floor`` seconds: never before CRIU's own freeze timeout).
         Returns CRIU's response (or what ``run`` returns). Raises CriuError."""
@@ -273,7 +280,7 @@ class Criu:
         argv0 = self._argv0()
         with deferred():
             try:
-                swrk = Swrk.spawn(argv0, env, pass_fds)
+                swrk = Swrk.spawn(argv0, env, pass_fds, merge_pages=merge_pages)
             except RpcFailed as e:
                 raise self._failed(what, work_dir, log_name) from e
 
@@ -357,12 +364,17 @@ class Criu:
             req.opts.work_dir_fd = wfd
             restore_rpc(opts, req.opts)
             fds = tuple(fd for _key, fd in opts.inherit_fds)  # CRIU's own fds, handed to the tree
+            if opts.merge_pages:  # before CRIU starts: a kernel without the prctl says so in words
+                from .merge import check_available
+                check_available()
+            merge = opts.merge_pages
             if before_memory is None:
-                return int(self._call("restore", req, work_dir, RESTORE_LOG, pass_fds=fds).restore.pid)
+                return int(self._call("restore", req, work_dir, RESTORE_LOG, pass_fds=fds,
+                                      merge_pages=merge).restore.pid)
             failed: list[BaseException] = []
             req.opts.notify_scripts = True
             try:
-                resp = self._call("restore", req, work_dir, RESTORE_LOG, pass_fds=fds,
+                resp = self._call("restore", req, work_dir, RESTORE_LOG, pass_fds=fds, merge_pages=merge,
                                   run=lambda swrk: restore_notified(swrk, req, before_memory, failed))
             except CriuError:
                 if failed:  # CRIU aborted because we said so: ours is the cause

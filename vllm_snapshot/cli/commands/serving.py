@@ -10,7 +10,7 @@ import typer
 
 from ...errors import UsageError
 from .. import common
-from ..common import app, PASSTHROUGH, JSON_HELP, QUIET_DETACH_HELP, PORT_HELP, DRAIN_HELP
+from ..common import app, PASSTHROUGH, JSON_HELP, QUIET_DETACH_HELP, PORT_HELP, DRAIN_HELP, MERGE_PAGES_HELP
 from ..helpformat import Command, EngineArgsCommand, FrontendCommand
 
 
@@ -142,6 +142,7 @@ def restore(
     drain_timeout: Optional[float] = typer.Option(None, "--drain-timeout", min=0, help=DRAIN_HELP),
     plain_http: bool = typer.Option(False, "--plain-http", help="IMAGE: HTTP to a registry on loopback."),
     verify_key: Optional[Path] = typer.Option(None, "--verify-key", help="IMAGE: refuse unless signed by this PEM public key."),
+    merge_pages: bool = typer.Option(False, "--merge-pages", help=MERGE_PAGES_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_DETACH_HELP),
 ) -> None:
@@ -190,7 +191,9 @@ def restore(
     req = ops.RestoreRequest(snapshot=snapshot_dir, host=host, port=port, detach=detach,
                              log_file=log_file, verify_model=verify_model,
                              allow=frozenset(allow_mismatch), engine_log=(log := ForegroundLog()), frontend=tuple(extra),
-                             drain_s=common.drain(drain_timeout))
+                             drain_s=common.drain(drain_timeout), merge_pages=merge_pages)
+    if merge_pages:
+        common.merge_pages_notice(rep)
     r, engine = ops.restore(req, rep)
     if detach:
         _handed_off()
@@ -326,6 +329,7 @@ def serve(
     plain_http: bool = typer.Option(False, "--plain-http", help="--registry: HTTP to a registry on loopback."),
     sign_key: Optional[Path] = typer.Option(None, "--sign-key", help="--registry: sign what is pushed (PEM EC P-256)."),
     verify_key: Optional[Path] = typer.Option(None, "--verify-key", help="--registry: pull only what this key signed."),
+    merge_pages: bool = typer.Option(False, "--merge-pages", help=MERGE_PAGES_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (which path, timings)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_DETACH_HELP),
 ) -> None:
@@ -406,7 +410,9 @@ def serve(
         oracle_prompt=oracle.DEFAULT_PROMPT if oracle_prompt is None else oracle_prompt, sleep_level=sleep_level,
         compression=archive.Compression.parse(compress), keep_env=tuple(keep_env), user=user,
         engine_log=(log := ForegroundLog()), create_log=common.stderr_sink if verbose else LastLine(rep.detail), frontend=tuple(front),
-        drain_s=common.drain(drain_timeout), registry=cache, weights=weights)
+        drain_s=common.drain(drain_timeout), registry=cache, weights=weights, merge_pages=merge_pages)
+    if merge_pages:
+        common.merge_pages_notice(rep)
     served, engine = ops.serve(req, rep)
     if detach:
         _handed_off()

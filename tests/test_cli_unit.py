@@ -328,7 +328,7 @@ def test_demo_report_compares_with_the_faster_cold_start(capsys):
      ["--no-build and --rebuild contradict", "--weights 'mmap'", "--compress 'gzip'", "--plain-http, --sign-key"]),
     # judged by their words before the validation starts (it printed "validating ...: FAILED" first)
     (["restore", "snap", "--allow-mismatch", "kernel", "--", "--max-num-seqs", "4"],
-     ["--allow-mismatch kernel: only cpu_model and machine_id may differ on purpose",
+     ["--allow-mismatch cannot override kernel: only cpu_model and machine_id may differ on purpose",
       "--max-num-seqs is not an option restore can apply"]),
 ])
 def test_several_bad_options_are_all_said_in_one_run(tmp_path, capsys, argv, said):

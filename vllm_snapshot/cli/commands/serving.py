@@ -212,7 +212,7 @@ def _check_allow_mismatch(fields: List[str]) -> None:
 
     bad = sorted(set(fields) - OVERRIDABLE)
     if bad:
-        raise UsageError(f"--allow-mismatch {' '.join(bad)}: only {' and '.join(sorted(OVERRIDABLE))} may differ on "
+        raise UsageError(f"--allow-mismatch cannot override {', '.join(bad)}: only {' and '.join(sorted(OVERRIDABLE))} may differ on "
                          "purpose", hint="anything else that differs needs a snapshot made on this host")
 
 

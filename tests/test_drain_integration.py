@@ -30,7 +30,7 @@ from test_integration import free_port, port_accepts, wait_gone
 
 pytestmark = pytest.mark.integration
 
-N, MAX_TOKENS = 192, 500
+N, MAX_TOKENS = 288, 500  # waves enough to outlast the stop on a quiet box (192 once ended first)
 
 
 class LongRequest(threading.Thread):

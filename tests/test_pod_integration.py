@@ -206,11 +206,7 @@ def test_the_operations_pod_pulls_restores_and_becomes_ready_under_podman_kube_p
 
 def _remove_stores(*stores: Path) -> None:
     """Remove the stores the test made, their immutable weights files included."""
-    from vllm_snapshot.store import weights as sw
-
     for store in stores:
-        for f in store.glob(".weights/*.weights"):
-            sw.unprotect(f)
         remove_tree(store)
 
 

@@ -37,6 +37,10 @@ from .probes import (CAPS_RECOMMENDED, CAPS_REQUIRED, CRIU_CHECK_TIMEOUT_S, CRIU
 
 _CAP_USE = {"CAP_NET_ADMIN": "TCP repair (--tcp-established)", "CAP_SYS_RESOURCE": "rlimits, PR_SET_MM",
             "CAP_DAC_OVERRIDE": "files of other users"}
+# recommended capabilities whose absence the product works around (docs/security.md, "Containers
+# whose root lacks CAP_SYS_RESOURCE"): a note, not a warning that stays on every such host
+_CAP_HANDLED = {"CAP_SYS_RESOURCE": "a dump runs CRIU as the engine user to read its rlimits, "
+                "a restore sets the memory layout with PR_SET_MM_MAP, which does not need it"}
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -92,11 +96,17 @@ def _check_root(p: Probes) -> list[Check]:
         out.append(Check("root", True, "error",
                          "root with the capabilities CRIU needs" if caps_known
                          else "root (effective capabilities could not be read)"))
-    if euid == 0 and rec_missing:
+    handled = [c for c in rec_missing if c in _CAP_HANDLED]
+    unhandled = [c for c in rec_missing if c not in _CAP_HANDLED]
+    note = ("; no " + ", ".join(handled) + " (as root in many containers), which is handled: "
+            + "; ".join(_CAP_HANDLED[c] for c in handled)) if handled else ""
+    if euid == 0 and unhandled:
         out.append(Check("capabilities", False, "warning",
-                         "missing " + ", ".join(f"{c} ({_CAP_USE[c]})" for c in rec_missing)
-                         + ": CRIU may fail on those steps",
+                         "missing " + ", ".join(f"{c} ({_CAP_USE[c]})" for c in unhandled)
+                         + ": CRIU may fail on those steps" + note,
                          "grant them if a dump or restore fails on such a step"))
+    elif euid == 0 and handled:
+        out.append(Check("capabilities", True, "warning", note[2].upper() + note[3:]))
     return out
 
 

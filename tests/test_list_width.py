@@ -54,3 +54,25 @@ def test_a_refused_snapshot_is_followed_by_what_to_run_next(monkeypatch, capsys)
     assert "✗: `vllm-snapshot verify NAME` runs every check" in out and "prune --unusable" in out, out
     render.snapshot_list([ROW], "/r")
     assert "prune --unusable" not in capsys.readouterr().out  # nothing refused: no pointer
+
+
+LONG = "/var/cache/vllm-snapshot/criu-4.2.1/criu/criu-with-a-path-longer-than-a-narrow-terminal"
+
+
+@pytest.mark.parametrize("columns", [80, 100, 140])
+def test_doctor_never_cuts_a_path_or_a_remedy(columns, monkeypatch, capsys):
+    # a trial at 80 columns read "CRIU 4.2.1 at /var/cache/vllm-…" and "sysctl -w kernel.io_uring…"
+    from vllm_snapshot.cli.probes import Check
+    from vllm_snapshot.report.results import DoctorReport
+
+    remedy = "sysctl -w kernel.io_uring_disabled=0 (and in /etc/sysctl.d/99-vllm-snapshot-io-uring.conf)"
+    checks = [Check("criu", True, "error", f"CRIU 4.2.1 at {LONG}"),
+              Check("io_uring", False, "warning", "io_uring is disabled for this host's processes", remedy)]
+    monkeypatch.setenv("COLUMNS", str(columns))
+    render.show(DoctorReport(checks, 0))
+    out = capsys.readouterr().out
+    assert "…" not in out
+    joined = "".join(ln.strip(" │") for ln in out.splitlines())  # what a fold split, joined again
+    assert LONG in joined.replace(" ", "") or LONG in out.replace("\n", ""), out
+    assert remedy.replace(" ", "") in joined.replace(" ", ""), out
+    assert all(len(ln) <= columns for ln in out.splitlines()), out

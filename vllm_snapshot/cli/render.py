@@ -273,11 +273,34 @@ def _switched(r: R.Switched, quiet: bool) -> None:
           f"stop {r.stop_s:.2f} s + restore {r.restore_s:.2f} s = {r.switch_s:.2f} s")
 
 
-def _doctor(r: R.DoctorReport, quiet: bool) -> None:
-    """A table: mark (✓ passed, ✗ failed error, ! failed warning, i failed info), name,
-    detail, remedy; then a one-line verdict."""
+#: below this many columns doctor prints one check per line instead of a four-column table
+DOCTOR_TABLE_MIN_WIDTH = 110
+
+
+def _doctor_table(c, r) -> None:
+    """doctor's checks as a table on console ``c`` (wide terminals and pipes)."""
     from rich.markup import escape
     from rich.table import Table
+
+    t = Table(title="vllm-snapshot doctor", title_justify="left")
+    t.add_column("", no_wrap=True)
+    t.add_column("check", style="bold", no_wrap=True)
+    t.add_column("detail", overflow="fold")  # a path or a command wraps at a narrow width, never cut
+    t.add_column("remedy", overflow="fold")
+    for ch in r.checks:
+        if ch.ok:
+            mark = "[green]✓[/]"
+        else:
+            mark = {"error": "[red]✗[/]", "warning": "[yellow]![/]"}.get(ch.severity, "[blue]i[/]")
+        t.add_row(mark, escape(ch.name), escape(ch.detail), "" if ch.ok and not ch.remedy else escape(ch.remedy))
+    c.print(t)
+
+
+def _doctor(r: R.DoctorReport, quiet: bool) -> None:
+    """A table: mark (✓ passed, ✗ failed error, ! failed warning, i failed info), name,
+    detail, remedy (below :data:`DOCTOR_TABLE_MIN_WIDTH` columns one check per line, remedy
+    below it); then a one-line verdict."""
+    from rich.markup import escape
 
     c = _console()
     if quiet:  # the failed checks only, one line each; nothing when all passed
@@ -286,18 +309,15 @@ def _doctor(r: R.DoctorReport, quiet: bool) -> None:
                 c.print(f"{ch.severity}: {ch.name}: {ch.detail}" + (f" ({ch.remedy})" if ch.remedy else ""),
                         markup=False, highlight=False, soft_wrap=True)
         return
-    t = Table(title="vllm-snapshot doctor", title_justify="left")
-    t.add_column("", no_wrap=True)
-    t.add_column("check", style="bold", no_wrap=True)
-    t.add_column("detail")
-    t.add_column("remedy")
-    for ch in r.checks:
-        if ch.ok:
-            mark = "[green]✓[/]"
-        else:
-            mark = {"error": "[red]✗[/]", "warning": "[yellow]![/]"}.get(ch.severity, "[blue]i[/]")
-        t.add_row(mark, escape(ch.name), escape(ch.detail), "" if ch.ok and not ch.remedy else escape(ch.remedy))
-    c.print(t)
+    if c.width < DOCTOR_TABLE_MIN_WIDTH:  # a narrow terminal: a table leaves each text a sliver
+        c.print("vllm-snapshot doctor", style="bold")
+        for ch in r.checks:
+            mark = "[green]✓[/]" if ch.ok else {"error": "[red]✗[/]", "warning": "[yellow]![/]"}.get(ch.severity, "[blue]i[/]")
+            c.print(f"{mark} [bold]{escape(ch.name)}[/]: {escape(ch.detail)}", soft_wrap=False, overflow="fold")
+            if ch.remedy and not ch.ok:
+                c.print(f"    remedy: {escape(ch.remedy)}", overflow="fold")
+    else:
+        _doctor_table(c, r)
     errors = [ch.name for ch in r.checks if not ch.ok and ch.severity == "error"]
     warnings = [ch.name for ch in r.checks if not ch.ok and ch.severity == "warning"]
     if errors:
@@ -348,8 +368,8 @@ def manifest_table(m: Manifest, path: str) -> None:
 
     c = _console()
     t = Table(title=f"snapshot {path}", show_header=False, title_justify="left")
-    t.add_column(style="bold")
-    t.add_column()
+    t.add_column(style="bold", no_wrap=True)
+    t.add_column(overflow="fold")  # keys, digests and paths wrap at a narrow width, never cut
     t.add_row("created", f"{m.created_at} by vllm-snapshot {m.tool_version}")
     t.add_row("engine", f"{m.engine.kind}, sleep level {m.engine.sleep_level}"
               + (" (full state captured)" if m.engine.full_state_captured else ""))
@@ -398,8 +418,8 @@ def manifest_table(m: Manifest, path: str) -> None:
               or "[dim](none: everything the engine uses is on the root filesystem)[/]")
     c.print(t)
     h = Table(title="host identity", title_justify="left")
-    h.add_column("field", style="bold")
-    h.add_column("value")
+    h.add_column("field", style="bold", no_wrap=True)
+    h.add_column("value", overflow="fold")
     for k in sorted(m.host):
         h.add_row(k, m.host[k])
     c.print(h)

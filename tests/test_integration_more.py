@@ -271,15 +271,20 @@ def test_kill_9_create_leaves_nothing(snap_root):
 
 def test_enospc_during_create_is_clear_and_leaves_nothing(tmp_path):
     """A snapshot dir on a 64 MiB tmpfs: the dump runs out of space; the error says so, no
-    partial directory is left, no engine process remains."""
+    partial directory is left, no engine process remains. The fake engine (tests/fake_cli.py:
+    the real command line, supervisor, CRIU and store) with 256 MiB of written memory: what
+    fills the disk is CRIU's dump of its tree."""
     mnt = tmp_path / "small"
     mnt.mkdir(mode=0o700)
     os.chmod(tmp_path, 0o700)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,mode=0700", "tmpfs", str(mnt)], check=True)
     try:
         before = engine_pids()
-        p = cli("create", str(TINY), "--snapshot-dir", str(mnt / "snap"), "--", *EAGER_ARGS, timeout=600)
+        env = {**fake_env(engine_env(), tmp_path / "fake"), "VLLM_FAKE_BALLAST_MB": "256"}
+        p = subprocess.run([*FAKE_CLI, "create", str(TINY), "--snapshot-dir", str(mnt / "snap")],
+                           capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
         assert p.returncode == 11, p.stderr[-3000:]
+        assert (tmp_path / "fake" / "fakecuda" / "calls.log").is_file()  # the dump ran on the fake's tree
         assert "no space left" in p.stderr and "partial snapshot was removed" in p.stderr
         assert list(mnt.iterdir()) == []
         time.sleep(1)

@@ -9,7 +9,7 @@ vLLM cold start. :func:`fake_env` is the environment it needs."""
 from __future__ import annotations
 
 import dataclasses
-import os
+import importlib
 import sys
 from pathlib import Path
 
@@ -35,25 +35,23 @@ def fake_env(base: dict[str, str], scratch: Path) -> dict[str, str]:
 
 
 def main() -> int:
+    """Run the command line of ``sys.argv[1:]`` with the fake engine behind ``create``; returns
+    its exit code."""
     sys.path.insert(0, str(TESTS))
     from test_gpu_sequencing import FAKE_ENGINE, FakeGpuCheckpoint, FakeGpuHost
 
-    import importlib
-
+    from vllm_snapshot.cli.app import main as cli_main
     from vllm_snapshot.effects.tools import local_tools
-
-    create = importlib.import_module("vllm_snapshot.ops.create")  # the module (vllm_snapshot.ops.create is also the function)
 
     def fake_tools():
         t = local_tools(engine_argv=FAKE_ENGINE)
         return dataclasses.replace(t, checkpoint=FakeGpuCheckpoint(t.checkpoint.criu), host=FakeGpuHost(t.host.criu))
 
-    create.local_tools = fake_tools  # what the create command calls without tools
-    from vllm_snapshot.cli.app import main as cli_main
-
+    # what the create command calls without tools (the module: the package's attribute
+    # ``vllm_snapshot.ops.create`` is the function)
+    importlib.import_module("vllm_snapshot.ops.create").local_tools = fake_tools
     sys.argv[0] = "vllm-snapshot"
     return cli_main()  # argv None: the command line's own signal handlers, as `vllm-snapshot`
-
 
 if __name__ == "__main__":
     sys.exit(main())

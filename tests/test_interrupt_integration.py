@@ -1,5 +1,6 @@
 """Interrupting restore, create and switch at every phase leaves nothing behind (real engine +
-CRIU). The phase is found from the progress lines, as a user's script would; a signal that
+CRIU; the creates' phases with the fake engine through the real command line and CRIU, and one
+real vLLM create interrupted as it starts and in its dump). The phase is found from the progress lines, as a user's script would; a signal that
 lands just after a short phase ends hits the next one, which is fine: the invariants are the
 same. Afterwards: no engine process, no CRIU process, no staging dir of this run, no registry
 entry, no lock held, the port free, and the snapshot restores normally the next time."""

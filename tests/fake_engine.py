@@ -6,7 +6,9 @@ serves ``/health``, ``/calls`` (commands seen since the last restore-visible res
 over (like the real engine, it lives in a network namespace of its own). ``VLLM_FAKE_ORACLE_SHIFT`` (env) changes the logprob at every wake (a reload that produced
 other weights). ``VLLM_FAKE_CUDA_CHILD=1`` (env) starts a child, like vLLM's EngineCore under
 its non-CUDA API root, with a thread named ``fakecuda-rst``: the CUDA process of
-tests/fakecuda's fake driver.
+tests/fakecuda's fake driver. ``VLLM_FAKE_START_S`` (env, seconds) delays ``initialized``, as a
+real engine's load does; ``VLLM_FAKE_BALLAST_MB`` (env) holds that many MiB of written memory, so
+that the dump and its checksums take as long as a small real engine's (tests/fake_cli.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 from vllm_snapshot.entrypoints.engine_root import emit
@@ -115,6 +118,8 @@ def main() -> int:
         set_parent_death_signal(signal.SIGKILL)
     if os.environ.get("VLLM_FAKE_CUDA_CHILD"):
         start_cuda_child()
+    ballast = bytearray(b"\x5a") * (int(os.environ.get("VLLM_FAKE_BALLAST_MB", "0")) << 20)  # noqa: F841 - held
+    time.sleep(float(os.environ.get("VLLM_FAKE_START_S", "0")))
     prompt = spec.oracle_prompt
     emit("initialized", oracle=oracle(prompt), info={"kind": "cuda", "vllm": "fake", "torch": "fake",
                                                       "served_model_name": "fake",

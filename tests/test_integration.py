@@ -30,7 +30,8 @@ def free_port() -> int:
 
 
 def engine_pids(settle_s: float = 0.0, baseline: set[int] | None = None) -> set[int]:
-    """PIDs of this run's engine roots (ours) and vLLM engine processes that are still running
+    """PIDs of this run's engine roots (ours, or tests/fake_engine.py and its child, whose code
+    names its ``fakecuda-rst`` thread) and vLLM engine processes that are still running
     (zombies waiting for their reaper are not running): :func:`conftest.owned_by_this_run`, so
     an engine of a service or of another test run on this host is not counted. With
     ``baseline``, waits up to ``settle_s`` seconds for the processes not in it to disappear."""
@@ -42,7 +43,7 @@ def engine_pids(settle_s: float = 0.0, baseline: set[int] | None = None) -> set[
                 if p.info["status"] == psutil.STATUS_ZOMBIE:
                     continue
                 cmd = " ".join(p.info["cmdline"] or [])
-                if (any(prog in cmd for prog in PROGRAMS) or "fake_engine.py" in cmd
+                if (any(prog in cmd for prog in PROGRAMS) or "fake_engine.py" in cmd or "fakecuda-rst" in cmd
                         or (p.info["name"] or "").startswith("VLLM::")) and owned_by_this_run(p):
                     out.add(p.pid)
             except psutil.Error:

@@ -21,7 +21,8 @@ import zstandard
 from vllm_snapshot.store import archive
 from vllm_snapshot.store import manifest as mf
 
-from conftest import EAGER_ARGS, PLANTED_SECRETS, ROOT, TINY, cli, engine_env, staging_left
+from conftest import EAGER_ARGS, PLANTED_SECRETS, ROOT, TINY, cli, engine_env, staging_left, started
+from fake_cli import FAKE_CLI, fake_env
 from test_integration import engine_pids, free_port, port_accepts, post, stop, wait_gone
 from helpers import readable_by_engine
 
@@ -270,15 +271,20 @@ def test_kill_9_create_leaves_nothing(snap_root):
 
 def test_enospc_during_create_is_clear_and_leaves_nothing(tmp_path):
     """A snapshot dir on a 64 MiB tmpfs: the dump runs out of space; the error says so, no
-    partial directory is left, no engine process remains."""
+    partial directory is left, no engine process remains. The fake engine (tests/fake_cli.py:
+    the real command line, supervisor, CRIU and store) with 256 MiB of written memory: what
+    fills the disk is CRIU's dump of its tree."""
     mnt = tmp_path / "small"
     mnt.mkdir(mode=0o700)
     os.chmod(tmp_path, 0o700)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,mode=0700", "tmpfs", str(mnt)], check=True)
     try:
         before = engine_pids()
-        p = cli("create", str(TINY), "--snapshot-dir", str(mnt / "snap"), "--", *EAGER_ARGS, timeout=600)
+        env = {**fake_env(engine_env(), tmp_path / "fake"), "VLLM_FAKE_BALLAST_MB": "256"}
+        p = subprocess.run([*FAKE_CLI, "create", str(TINY), "--snapshot-dir", str(mnt / "snap")],
+                           capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
         assert p.returncode == 11, p.stderr[-3000:]
+        assert (tmp_path / "fake" / "fakecuda" / "calls.log").is_file()  # the dump ran on the fake's tree
         assert "no space left" in p.stderr and "partial snapshot was removed" in p.stderr
         assert list(mnt.iterdir()) == []
         time.sleep(1)
@@ -337,15 +343,17 @@ def test_changed_mapped_library_refused_before_criu(clone_snapshot, tmp_path):
 
 
 @pytest.mark.parametrize("phase", ["CRIU dump", "checksums + compression"])
-def test_kill_9_create_in_late_phases_leaves_nothing(snap_root, phase):
+def test_kill_9_create_in_late_phases_leaves_nothing(snap_root, tmp_path, phase):
     """kill -9 of `create` as soon as it enters the dump or the packing phase: no published
-    snapshot, and no engine process once CRIU (left running) has finished with the tree."""
+    snapshot, and no engine process once CRIU (left running) has finished with the tree. The
+    fake engine (tests/fake_cli.py: the real command line, supervisor, CRIU and store) with
+    its child process and 256 MiB of memory, so that the dump and checksums take a second."""
     before = engine_pids()
     name = "k9-" + phase.split()[0].lower()
     target = snap_root / name
-    p = subprocess.Popen([sys.executable, "-m", "vllm_snapshot", "create", str(TINY), "--snapshot-dir", str(target),
-                          "--", *EAGER_ARGS], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                         env=engine_env(), cwd=ROOT)
+    env = {**fake_env(engine_env(), tmp_path), "VLLM_FAKE_BALLAST_MB": "256"}
+    p = started(subprocess.Popen([*FAKE_CLI, "create", str(TINY), "--snapshot-dir", str(target)],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT))
     seen = False
     for line in p.stderr:
         if line.startswith(f"[vllm-snapshot] {phase}") and line.rstrip().endswith("..."):
@@ -354,6 +362,7 @@ def test_kill_9_create_in_late_phases_leaves_nothing(snap_root, phase):
             break
     p.wait()
     assert seen, f"create never reached the {phase!r} phase"
+    assert (tmp_path / "fakecuda" / "calls.log").is_file()  # the dump began on the fake's tree
     assert engine_pids(60, before) - before == set(), "engine processes outlived the killed create"
     assert not target.exists()
     env = {**engine_env(), "VLLM_SNAPSHOT_ROOT": str(snap_root)}

@@ -1,5 +1,6 @@
 """Interrupting restore, create and switch at every phase leaves nothing behind (real engine +
-CRIU). The phase is found from the progress lines, as a user's script would; a signal that
+CRIU; the creates' phases with the fake engine through the real command line and CRIU, and one
+real vLLM create interrupted as it starts and in its dump). The phase is found from the progress lines, as a user's script would; a signal that
 lands just after a short phase ends hits the next one, which is fine: the invariants are the
 same. Afterwards: no engine process, no CRIU process, no staging dir of this run, no registry
 entry, no lock held, the port free, and the snapshot restores normally the next time."""
@@ -23,10 +24,12 @@ from vllm_snapshot.store import archive, locks
 from vllm_snapshot.store import manifest as mf
 
 from conftest import EAGER_ARGS, ROOT, TINY, cli, criu_pids, engine_env, staging_left, started
+from fake_cli import FAKE_CLI, fake_env
 from test_integration import engine_pids, free_port, port_accepts
 
 pytestmark = pytest.mark.integration
 
+VLLM_SNAPSHOT = (sys.executable, "-m", "vllm_snapshot")
 RESTORE_PHASES = ["validating snapshot, host and model", "staging images", "CRIU restore",
                   "replaying the oracle inside the engine", "image checksums", "binding", "waiting for the HTTP server",
                   "canary request over HTTP"]
@@ -68,10 +71,12 @@ def assert_nothing_left(snap: Path, port: int, before: set[int]) -> None:
     assert not port_accepts(port), "the port is still bound"
 
 
-def _interrupt_at(argv: list[str], label: str, sig: int, env=None) -> tuple[int, str]:
-    """Run ``vllm-snapshot ARGV``; send ``sig`` when the phase ``label`` starts. Returns
-    (exit code, stderr)."""
-    p = started(subprocess.Popen([sys.executable, "-m", "vllm_snapshot", *argv], stdout=subprocess.DEVNULL,
+def _interrupt_at(argv: list[str], label: str, sig: int, env=None, prog: tuple[str, ...] = VLLM_SNAPSHOT,
+                  ready=None) -> tuple[int, str]:
+    """Run ``PROG ARGV`` (``vllm-snapshot ARGV``, or tests/fake_cli.py's command line with the
+    fake engine); send ``sig`` when the phase ``label`` starts -- and, with ``ready`` (a
+    callable), once it returns true (polled for up to 60 s). Returns (exit code, stderr)."""
+    p = started(subprocess.Popen([*prog, *argv], stdout=subprocess.DEVNULL,
                                  stderr=subprocess.PIPE, text=True, env=env or engine_env(), cwd=ROOT))
     seen, lines = False, []
     # a phase line never seen must fail the test, not hang it while the engine serves
@@ -85,6 +90,9 @@ def _interrupt_at(argv: list[str], label: str, sig: int, env=None) -> tuple[int,
         for line in p.stderr:
             lines.append(line)
             if start.search(line):
+                deadline = time.monotonic() + 60
+                while ready is not None and not ready() and time.monotonic() < deadline:
+                    time.sleep(0.1)
                 p.send_signal(sig)
                 seen = True
                 break
@@ -144,18 +152,53 @@ def test_sigkilled_restore_is_reclaimed_by_the_next_command(snapshots, comp, pha
     assert_nothing_left(snap, port, before)
 
 
-@pytest.mark.parametrize("sig,phase", [(signal.SIGTERM, "starting engine"), (signal.SIGINT, "CRIU dump"),
-                                       (signal.SIGTERM, "checksums + compression")],
-                         ids=["TERM-engine-start", "INT-dump", "TERM-pack"])
-def test_interrupted_create_leaves_nothing(snap_root, sig, phase):
-    before = engine_pids()
-    target = snap_root / f"int-{sig}-{phase.split()[0]}"
-    rc, err = _interrupt_at(["create", str(TINY), "--snapshot-dir", str(target), "--", *EAGER_ARGS], phase, sig)
+def _assert_create_left_nothing(snap_root: Path, target: Path, rc: int, err: str, before: set[int]) -> None:
     assert rc == 130, err[-3000:]
     assert "interrupted by SIG" in err
     assert engine_pids(30, before) - before == set(), "engine processes outlived the interrupted create"
     assert not target.exists() and not list(snap_root.glob(f".{target.name}.tmp-*"))
     assert criu_pids() == []
+    assert staging_left(snap_root) == [], "a staging dir was left"
+
+
+#: The fake engine's start-up, for the phase "starting engine": it is interrupted in it, and would
+#: still be starting when the test looks for what was left.
+FAKE_START_S = "120"
+#: The fake engine's written memory (MiB): its dump and checksums take a second, not a few ms.
+FAKE_BALLAST_MB = "256"
+
+
+@pytest.mark.parametrize("sig,phase", [(signal.SIGTERM, "starting engine"), (signal.SIGINT, "CRIU dump"),
+                                       (signal.SIGTERM, "checksums + compression")],
+                         ids=["TERM-engine-start", "INT-dump", "TERM-pack"])
+def test_interrupted_create_leaves_nothing(snap_root, tmp_path, sig, phase):
+    """The real command line, supervisor, cgroups, CRIU (with its CUDA plugin) and store, with the
+    protocol-speaking fake engine (tests/fake_cli.py) and its child process: what is checked
+    (no engine process, no CRIU, no temp or staging dir, nothing published, exit 130) is the
+    create's cleanup, not the engine's. A real vLLM engine's case is the next test."""
+    before = engine_pids()
+    target = snap_root / f"int-fake-{sig}-{phase.split()[0]}"
+    env = {**fake_env(engine_env(), tmp_path), "VLLM_FAKE_BALLAST_MB": FAKE_BALLAST_MB,
+           "VLLM_FAKE_START_S": FAKE_START_S if phase == "starting engine" else "0"}
+    # at "starting engine", once the fake engine and its child run (as vLLM's would, loading)
+    ready = (lambda: len(engine_pids() - before) >= 2) if phase == "starting engine" else None
+    rc, err = _interrupt_at(["create", str(TINY), "--snapshot-dir", str(target)], phase, sig, env=env,
+                            prog=FAKE_CLI, ready=ready)
+    if phase != "starting engine":  # the dump ran on the fake's tree: CRIU's CUDA plugin asked the fake driver
+        assert (tmp_path / "fakecuda" / "calls.log").is_file()
+    _assert_create_left_nothing(snap_root, target, rc, err, before)
+
+
+@pytest.mark.parametrize("sig,phase", [(signal.SIGTERM, "starting engine"), (signal.SIGINT, "CRIU dump")],
+                         ids=["TERM-engine-start", "INT-dump"])
+def test_interrupted_create_of_a_real_engine_leaves_nothing(snap_root, sig, phase):
+    """A real vLLM CPU engine interrupted as it starts (under a second) and in the dump (its
+    root, API server and EngineCore processes, after a full cold start): the cleanup the fake
+    engine's cases prove holds for vLLM's process tree too."""
+    before = engine_pids()
+    target = snap_root / f"int-real-{sig}-{phase.split()[0]}"
+    rc, err = _interrupt_at(["create", str(TINY), "--snapshot-dir", str(target), "--", *EAGER_ARGS], phase, sig)
+    _assert_create_left_nothing(snap_root, target, rc, err, before)
 
 
 def test_switch_interrupted_between_stop_and_restore_leaves_the_port_free(snapshots):

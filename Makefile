@@ -13,11 +13,9 @@ setup:
 demo: setup
 	$(VENV)/bin/vllm-snapshot demo
 
-# two pytest-xdist workers: the bare-root test (minutes of apt and pip in its own namespaces) on
-# one; the groups meant to keep every other test on the other (tests/conftest.py SYSTEM_GROUP,
-# HOST_GROUP) have no effect with pytest 9.2 + pytest-xdist 3.8: see docs/testing.md "Durations"
+# two pytest-xdist workers, each taking the next test when it is free (docs/testing.md "Durations")
 test: setup
-	$(VENV)/bin/python -m pytest tests -n 2 --dist loadgroup $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests -n 2 --dist load $(PYTEST_ARGS)
 
 unit: setup
 	$(VENV)/bin/python -m pytest tests -m "not integration and not system" $(PYTEST_ARGS)

@@ -117,21 +117,9 @@ def _missing() -> str | None:
     return None
 
 
-#: the xdist group of the bare-root test (marker ``system``): `make test` runs it on a second
-#: worker beside the rest (``-n 2 --dist loadgroup``). It lives in its own mount and PID
-#: namespace and chroot and shares nothing the others check; every other test stays on one
-#: worker, in collection order, as in a plain run: they share the host's CRIU lock, engine
-#: cgroups and the loopback ports, and a unit test's empty engine cgroup is fair game for an
-#: integration test's reclaim. NOTE: with pytest 9.2 and pytest-xdist 3.8 these groups have no
-#: effect (xdist passes them by rewriting node ids, which pytest 9.2 no longer reads:
-#: https://github.com/pytest-dev/pytest-xdist/issues/1386): ``--dist loadgroup`` then hands out
-#: tests one by one to either worker (docs/testing.md, "Durations").
-SYSTEM_GROUP, HOST_GROUP = "bare-root", "host"
 
 
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(SYSTEM_GROUP if "system" in item.keywords else HOST_GROUP))
     reason = _missing()
     if reason is None:
         return

@@ -177,3 +177,20 @@ def _check_leftover_leaf(p, tmp_path, cli, doctor, capsys) -> bool:
     assert not any(v.exists() for v in p.leaves.values())
     assert all(leaf in out for leaf in leaves), out
     return True
+
+
+def test_remove_leaf_removes_only_the_named_engine_leaf(tmp_path):
+    # stop removes its own engine's leaf at once; the lock-guarded reclaim skipped everything while
+    # any create/restore on the host held the CRIU lock (a trial saw a stopped engine's cgroup left)
+    h = cgroups.Hierarchy("memory", tmp_path, "/", True)
+    ro = cgroups.Hierarchy("pids", tmp_path / "ro", "/", False)
+    for leaf in ("snap-8000", "snap-8001"):
+        (tmp_path / cgroups.PARENT / leaf).mkdir(parents=True)
+    (tmp_path / "ro" / cgroups.PARENT / "snap-8000").mkdir(parents=True)
+    assert cgroups.remove_leaf("/vllm-snapshot/snap-8000", wait_s=0, hs=[h, ro]) == [
+        str(tmp_path / cgroups.PARENT / "snap-8000")]
+    assert (tmp_path / cgroups.PARENT / "snap-8001").is_dir()  # another engine's leaf stays
+    assert (tmp_path / "ro" / cgroups.PARENT / "snap-8000").is_dir()  # not ours to clean
+    for odd in ("/vllm-snapshot", "/vllm-snapshot/..", "/other/snap-8001", "/vllm-snapshot/a/b", ""):
+        assert cgroups.remove_leaf(odd, wait_s=0, hs=[h]) == []
+    assert (tmp_path / cgroups.PARENT).is_dir() and (tmp_path / cgroups.PARENT / "snap-8001").is_dir()

@@ -50,7 +50,11 @@ class LocalRuntimeTools(RuntimeTools):
     def stop_engine(self, entry: Entry, drain_s: float | None = None) -> StopReport:
         from ..store import reclaim, registry
 
+        from ..host import cgroups
+
         report = registry.stop(entry, drain_s)
+        if entry.cgroup:  # its own leaf at once: the reclaim below skips all while a CRIU run holds the lock
+            cgroups.remove_leaf(entry.cgroup)
         reclaim.remove_empty_cgroups()
         return report
 

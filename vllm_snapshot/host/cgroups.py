@@ -221,6 +221,35 @@ def empty_leaves(hs: list[Hierarchy] | None = None) -> list[Path]:
     return found
 
 
+def remove_leaf(cgroup: str, wait_s: float = 5.0, hs: list[Hierarchy] | None = None) -> list[str]:
+    """rmdir the leaf ``cgroup`` (``/vllm-snapshot/<name>``, what :attr:`Placement.cgroup`
+    recorded) in every writable hierarchy of ``hs`` (default :func:`hierarchies`) once its
+    processes have left, waiting up to ``wait_s`` seconds on EBUSY: what ``stop`` does for the
+    engine it stopped, without the CRIU lock :func:`remove_empty` needs (a stopped engine's leaf
+    is never one a restore is about to enter: :func:`create` picks another name while it exists).
+    Anything not directly under ``vllm-snapshot/`` is left alone. The paths removed; never raises."""
+    name = cgroup.strip("/")
+    parts = name.split("/")
+    if len(parts) != 2 or parts[0] != PARENT or parts[1] in ("", ".", ".."):
+        return []
+    gone = []
+    deadline = time.monotonic() + wait_s
+    for h in hierarchies() if hs is None else hs:
+        leaf = h.mount / name
+        if not h.writable:
+            continue
+        while True:
+            try:
+                leaf.rmdir()
+                gone.append(str(leaf))
+                break
+            except OSError as e:
+                if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+    return gone
+
+
 def remove_empty() -> list[str]:
     """Remove :func:`empty_leaves` (engines that exited); the paths removed."""
     gone = []

@@ -506,6 +506,21 @@ def test_a_directory_without_a_manifest_is_not_a_snapshot(tmp_path):
         layout.open_trusted(d)
 
 
+def test_a_stray_readable_file_is_named_as_unexpected_first(tmp_path):
+    # a trial: a 0644 file dropped into a snapshot was refused for its mode ("chmod -R go-rwx"),
+    # and after the chmod for being there: one answer, the one that fixes it, comes first
+    from vllm_snapshot.store import layout
+
+    os.chmod(tmp_path, 0o700)
+    d = tmp_path / "snap"
+    write_snapshot_dir(d)
+    (d / "notes.txt").write_text("mine")
+    os.chmod(d / "notes.txt", 0o644)
+    with pytest.raises(CorruptSnapshotError, match="unexpected members: notes.txt") as ei:
+        layout.open_trusted(d)
+    assert "move notes.txt out" in (ei.value.hint or "")
+
+
 def test_log_file_must_be_a_writable_regular_file(tmp_path):
     from vllm_snapshot.supervise.supervisor import check_log_file
 

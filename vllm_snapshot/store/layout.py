@@ -184,8 +184,8 @@ def remains(path: Path, limit: int = 40) -> dict:
 
 def open_trusted(path: Path) -> SnapshotDir:
     """Run the trust checks once -- :func:`judge` (a symlink is refused by the next check, not
-    followed), :func:`check_dir_safety`, :func:`check_file_modes`, and no unexpected top-level
-    member -- and return the snapshot's :class:`SnapshotDir`. Raises UsageError (missing, not a
+    followed), :func:`check_dir_safety`, no unexpected top-level member, :func:`check_file_modes`
+    -- and return the snapshot's :class:`SnapshotDir`. Raises UsageError (missing, not a
     directory, not a snapshot), CorruptSnapshotError (incomplete, untrusted or unexpected
     content)."""
     path = path.absolute()
@@ -193,12 +193,12 @@ def open_trusted(path: Path) -> SnapshotDir:
     if refused is not None:
         raise refused
     check_dir_safety(path)
-    check_file_modes(path)
     extra = sorted(set(os.listdir(path)) - MEMBERS)
-    if extra:
+    if extra:  # before the modes: a stray file is moved out, not chmod-ed and then refused again
         raise CorruptSnapshotError(f"{path} holds unexpected members: {', '.join(extra)}",
                                    hint=f"move {' and '.join(extra[:3])}{' ...' if extra[3:] else ''} out of the "
                                         "snapshot directory (a snapshot holds only " + ", ".join(sorted(MEMBERS)) + ")")
+    check_file_modes(path)
     return SnapshotDir(path)
 
 

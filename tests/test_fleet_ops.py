@@ -565,3 +565,49 @@ def test_a_node_fits_a_cuda_image_by_the_gpu_model_at_the_recorded_minor_not_by_
         with pytest.raises(IncompatibleHostError, match="does not fit this node") as ei:
             fleet.compatibility(facts, t, "IMG")
         assert says in ei.value.message and "GPU-0c4a1b2e-1111-2222-3333-444455556666" in ei.value.message
+
+
+def _full_after(monkeypatch, n: int) -> None:
+    """The layout's filesystem fills up at the ``n``-th blob written (ENOSPC, as a small mount gives)."""
+    import errno
+
+    calls = [0]
+    real = transport.Layout.put_blob
+
+    def put_blob(self, digest, size, path, offset=0):
+        calls[0] += 1
+        if calls[0] >= n:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self._blob(digest)))
+        return real(self, digest, size, path, offset)
+
+    monkeypatch.setattr(transport.Layout, "put_blob", put_blob)
+
+
+def test_a_push_to_a_full_filesystem_is_an_environment_error_and_removes_the_layout_it_began(tmp_path, model,
+                                                                                              monkeypatch):
+    snap = tmp_path / "snaps" / "tiny"
+    snap.parent.mkdir(mode=0o700)
+    make_snapshot(snap, model)
+    dest = tmp_path / "small" / "oci"  # neither exists: the push makes both
+    _full_after(monkeypatch, 2)
+    with pytest.raises(EnvironmentProblem) as e:
+        fleet.push(fleet.PushRequest(snapshot=snap, image=f"oci:{dest}:v1"), Reporter(), Tools())
+    assert e.value.exit_code == 11
+    assert "no space left" in e.value.message and str(dest) in e.value.message
+    assert "nothing was published" in e.value.message and e.value.hint
+    assert not dest.exists() and not dest.parent.exists()  # a failed push publishes nothing
+
+
+def test_a_failed_push_into_an_existing_layout_keeps_its_blobs(tmp_path, pushed, model, monkeypatch):
+    lay = pushed["layout"]
+    before = sorted(p.name for p in (lay / "blobs" / "sha256").iterdir())
+    index = (lay / "index.json").read_bytes()
+    other = tmp_path / "snaps" / "other"
+    make_snapshot(other, model)  # other random pages: new blobs to write
+    _full_after(monkeypatch, 2)  # one new blob written, then the filesystem is full
+    with pytest.raises(EnvironmentProblem, match="blobs it wrote are kept") as e:
+        fleet.push(fleet.PushRequest(snapshot=other, image=f"oci:{lay}:v2"), Reporter(), Tools())
+    assert e.value.exit_code == 11
+    after = sorted(p.name for p in (lay / "blobs" / "sha256").iterdir())
+    assert set(before) < set(after)  # nothing of the layout another push made is removed
+    assert (lay / "oci-layout").is_file() and (lay / "index.json").read_bytes() == index

@@ -422,7 +422,10 @@ class EngineTools(Protocol):
         """Raises UsageError when ``path`` cannot be an engine log file."""
 
     def default_log_file(self, snapshot: Path, port: int) -> Path:
-        """Where a detached engine's log goes when ``--log-file`` is not given."""
+        """Where a detached engine's log goes when ``--log-file`` is not given
+        (``$VLLM_SNAPSHOT_LOG_DIR/NAME-PORT.log``, created 0600 here). Raises
+        EnvironmentProblem (exit 11) naming the directory when it cannot be written (read-only,
+        full, denied)."""
 
     def read_log_tail(self, path: Path, lines: int = 20) -> str | None:
         """The last ``lines`` lines of the engine log file ``path`` (None when it cannot be read)."""

@@ -29,7 +29,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import CorruptSnapshotError, EnvironmentProblem, IncompatibleHostError, ModelChangedError, UsageError
+from ..errors import (CorruptSnapshotError, EnvironmentProblem, IncompatibleHostError, ModelChangedError, UsageError,
+                      from_os_error)
 from ..fleet import oci, reference, sign, transfer
 from ..fleet.transport import Net, NotFound, Target
 from ..effects.tools import Tools
@@ -65,6 +66,13 @@ def _tag_of(ref: reference.Ref, verb: str) -> str:
     if ref.digest:
         raise UsageError(f"{verb} needs a tag, not a digest: {ref}", hint="write IMAGE as ...:TAG")
     return ref.tag or reference.DEFAULT_TAG
+
+
+def _abandon(target) -> list:
+    """After a failed push: what ``target`` removes of what it made for this push (an image
+    layout it created; a registry: nothing). Never raises."""
+    abandon = getattr(target, "abandon", None)
+    return abandon() if abandon is not None else []
 
 
 def push(req: PushRequest, rep, t: Tools) -> Pushed:
@@ -104,7 +112,18 @@ def push(req: PushRequest, rep, t: Tools) -> Pushed:
                 r = transfer.push(snapshot, config, oci.annotations(m, model_part(m.model.files)), target, tag,
                                   signing_key=key, docker_reference=str(ref.with_tag(tag)).removesuffix(f":{tag}"),
                                   weights=m.weights)
-            except EnvironmentProblem as e:  # the network or the registry, past the retries
+            except BaseException as e:  # nothing was tagged: a layout this push began goes
+                removed = _abandon(target)
+                host = from_os_error(e) if isinstance(e, OSError) else None
+                if host is not None:  # the local side: an oci:DIR's filesystem (full, read-only, ...)
+                    raise EnvironmentProblem(
+                        f"push to {target.describe()} failed: {host.message}; "
+                        + ("nothing was published: the layout it had begun there was removed" if removed
+                           else "blobs it wrote are kept (the next push reuses them)"),
+                        hint=host.hint, details=host.details) from e
+                if not isinstance(e, EnvironmentProblem):
+                    raise
+                # the network or the registry, past the retries
                 e.hint = (f"{e.hint}; " if e.hint else "") + (
                     f"then `{again}` pushes again, sending only the blobs {target.describe()} lacks (the tag is set "
                     "last: it still names what it named before)")

@@ -258,7 +258,8 @@ def list_snapshots(root: Path) -> list[Path]:
 
 def delete(snapshot: Path) -> None:
     """Remove a snapshot: first renamed to a hidden temp name (so it vanishes from listings
-    atomically), then removed."""
+    atomically), then removed. Raises CorruptSnapshotError (not a snapshot), EnvironmentProblem
+    (a read-only filesystem, a mount point, denied: nothing was deleted)."""
     from ..errors import CorruptSnapshotError
 
     if snapshot.is_symlink():
@@ -280,7 +281,26 @@ def delete(snapshot: Path) -> None:
              "remove the directory with rm, not vllm-snapshot") if why.startswith("it holds ") and (snapshot / IMAGES).is_dir()
             else "check the path; remove other directories with rm, not vllm-snapshot")
     tmp = snapshot.parent / f".{snapshot.name}{TMP_MARK}deleting-{os.getpid()}"
-    os.rename(snapshot, tmp)
+    try:
+        os.rename(snapshot, tmp)
+    except OSError as e:
+        import errno
+
+        from ..errors import EnvironmentProblem
+
+        if e.errno == errno.EROFS:
+            raise EnvironmentProblem(f"{snapshot} is on a read-only filesystem; nothing was deleted",
+                                     hint=f"remount {snapshot.parent} read-write, then delete again") from e
+        if e.errno == errno.EBUSY:
+            raise EnvironmentProblem(f"{snapshot} is busy (a mount point, or in use); nothing was deleted",
+                                     hint=f"unmount it (`umount {snapshot}`; `findmnt {snapshot}` shows the mount), "
+                                          "then delete again") from e
+        if e.errno in (errno.EACCES, errno.EPERM):
+            raise EnvironmentProblem(f"{snapshot} cannot be renamed out of {snapshot.parent} ({e.strerror}); "
+                                     "nothing was deleted",
+                                     hint="run as root; as root, check `lsattr -d` of it and its directory "
+                                          "(an immutable or append-only attribute)") from e
+        raise
     shutil.rmtree(tmp)
     forget(snapshot)
 

@@ -322,6 +322,24 @@ def test_stop_reports_a_cut_drain(capsys):
     assert "the 2 s drain ran out with 3 request(s) in flight: they were cut" in capsys.readouterr().out
 
 
+def test_stop_says_when_it_had_to_sigkill_the_engine(capsys):
+    # a trial: "stopped engine 11232 (...) in 40.60 s" and nothing else, while --json said killed
+    from vllm_snapshot.cli import render
+
+    t = FakeWorld()
+    t.entries = [_old()]
+    t.stop_report = StopReport(40.6, drained=True, cut=0, killed=True)
+    res = ops.stop_engines(None, 8101, tools=t.tools)
+    assert res.stopped[0]["killed"] is True
+    render.show(res, False)
+    out = capsys.readouterr().out
+    assert "stopped engine 77 (/snaps/old on port 8101) in 40.60 s" in out
+    assert "did not exit on SIGTERM within the 30 s drain and the teardown wait: it was killed with SIGKILL" in out
+    t.stop_report = StopReport(0.4)
+    render.show(ops.stop_engines(None, 8101, tools=t.tools), False)
+    assert "SIGKILL" not in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------ the port lock
 
 def test_port_lock_makes_a_second_switch_wait_and_names_the_holder(tmp_path, monkeypatch):

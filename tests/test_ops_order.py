@@ -286,6 +286,18 @@ def test_detach_log_file_checked_during_validation():
     assert "stage_checking" not in t.calls
 
 
+def test_a_detached_restore_warns_when_the_log_files_filesystem_is_nearly_full():
+    # a trial: a full 1 MiB tmpfs as --log-file's home gave rc 0 and no word
+    t = FakeWorld()
+    t.log_room = 512 * 1024
+    r, _engine = _restore(t, detach=True, log_file=Path("/mnt/full/t.log"))
+    said = [w for w in r.warnings if "/mnt/full/t.log" in w]
+    assert said and "512.0 KiB free" in said[0] and "--log-file" in said[0], r.warnings
+    t = FakeWorld()
+    t.log_room = 10 * 1024 ** 3
+    assert not [w for w in _restore(t, detach=True)[0].warnings if "free:" in w]
+
+
 def test_cuda_restore_wakes_before_the_oracle():
     m = manifest_with(engine=manifest_with().engine.model_copy(update={"kind": "cuda", "sleep_level": 2,
                                                                       "full_state_captured": False}))

@@ -257,6 +257,9 @@ def _stopped(r: R.Stopped, quiet: bool) -> None:
         if not s_.get("drained", True):
             _line(f"  the {s_['drain_s']:g} s drain ran out with {s_['cut']} request(s) in flight: they were cut "
                   "(give a longer --drain-timeout to let them finish)")
+        if s_.get("killed"):
+            _line(f"  it did not exit on SIGTERM within the {s_['drain_s']:g} s drain and the teardown wait: it was "
+                  "killed with SIGKILL (its log file may say why; vLLM's own shutdown did not run)")
 
 
 def _switched(r: R.Switched, quiet: bool) -> None:

@@ -115,6 +115,13 @@ class LocalEngineTools(EngineTools):
                                      details={"log_dir": str(d), "errno": errno.errorcode.get(e.errno)}) from e
         return f
 
+    def log_room(self, path: Path) -> int | None:
+        try:
+            st = os.statvfs(path if path.exists() else path.parent)
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize
+
     def keep_log(self, path: Path, what: str) -> Path | None:
         from ..supervise.supervisor import keep_log
 

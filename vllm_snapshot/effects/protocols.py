@@ -427,6 +427,10 @@ class EngineTools(Protocol):
         EnvironmentProblem (exit 11) naming the directory when it cannot be written (read-only,
         full, denied)."""
 
+    def log_room(self, path: Path) -> int | None:
+        """Bytes free (to unprivileged writers) on the filesystem of the log file ``path`` (of
+        its directory when the file is absent); None when it cannot be told."""
+
     def read_log_tail(self, path: Path, lines: int = 20) -> str | None:
         """The last ``lines`` lines of the engine log file ``path`` (None when it cannot be read)."""
 

@@ -851,6 +851,9 @@ class FakeFleetTools(_Role, FleetTools):
     def check_pulled(self, staging: Path, m) -> None:
         self.w._call("check_pulled")
 
+    def partial_pulls(self, root: Path) -> list[dict]:
+        return list(getattr(self.w, "partial_pulls", []))
+
     def pull_staging(self, dest: Path, digest: str) -> AbstractContextManager:
         self.w._call("pull_staging")
         from vllm_snapshot.fleet.partial import Staging

@@ -611,3 +611,38 @@ def test_a_failed_push_into_an_existing_layout_keeps_its_blobs(tmp_path, pushed,
     after = sorted(p.name for p in (lay / "blobs" / "sha256").iterdir())
     assert set(before) < set(after)  # nothing of the layout another push made is removed
     assert (lay / "oci-layout").is_file() and (lay / "index.json").read_bytes() == index
+
+
+def test_an_interrupted_pull_says_what_it_kept_where_its_size_and_how_to_resume_or_remove_it(tmp_path, pushed6,
+                                                                                              monkeypatch):
+    # a trial: "interrupted by SIGINT; stopped what was running and cleaned up", rc 130, and a
+    # 471 MB .pull-<digest> left without a word
+    from vllm_snapshot.errors import Interrupted
+    from vllm_snapshot.fleet import transfer
+
+    root = _root(tmp_path)
+    real = transfer.download
+
+    def interrupted(target, art, staging, *a, **kw):
+        (Path(staging) / "images" / "pages-1.img").write_bytes(os.urandom(300 * 1024))  # what it had written
+        raise Interrupted("interrupted by SIGINT; stopped what was running and cleaned up", details={"signal": "SIGINT"})
+
+    monkeypatch.setattr(transfer, "download", interrupted)
+    with pytest.raises(Interrupted) as e:
+        fleet.pull(fleet.PullRequest(image=pushed6["image"], root=root, name="six"), Reporter(), Tools())
+    left = partial.partial_dir(root, pushed6["result"].digest)
+    assert left.is_dir()
+    msg, hint = e.value.message, e.value.hint
+    assert msg.startswith("interrupted by SIGINT; stopped what was running and cleaned up, except the partial pull "
+                          f"{left} (3") and "KiB" in msg and "the same pull resumes from it" in msg, msg
+    assert f"vllm-snapshot --root {root} pull {pushed6['image']} --name six` resumes" in hint
+    assert f"`rm -r {left}` removes it" in hint
+    assert e.value.exit_code == 130 and e.value.details == {"signal": "SIGINT", "kept": str(left),
+                                                            "kept_bytes": partial.disk_bytes(left)}
+    assert partial.disk_bytes(left) >= 300 * 1024
+    # prune and doctor list it (read by partial.kept), and keep it
+    [k] = partial.kept(root)
+    assert k.path == str(left) and k.bytes == partial.disk_bytes(left) and not k.live and 0 <= k.age_s < 60
+    monkeypatch.setattr(transfer, "download", real)
+    r = fleet.pull(fleet.PullRequest(image=pushed6["image"], root=root, name="six"), Reporter(), Tools())
+    assert os.listdir(root) == ["six"] and r.snapshot == str(root / "six")

@@ -298,6 +298,21 @@ def test_a_detached_restore_warns_when_the_log_files_filesystem_is_nearly_full()
     assert not [w for w in _restore(t, detach=True)[0].warnings if "free:" in w]
 
 
+def test_prune_lists_the_partial_pulls_it_keeps_with_their_size(capsys):
+    from vllm_snapshot.cli import render
+
+    part = {"path": "/var/lib/vllm-snapshot/.pull-ab12", "bytes": 471 << 20, "age_s": 7200.0, "live": False}
+    for dry in (True, False):
+        t = FakeWorld()
+        t.partial_pulls = [part]
+        r = ops.prune(Path("/var/lib/vllm-snapshot"), None, None, dry, tools=t.tools)
+        assert r.partial_pulls == [part] and r.to_json()["partial_pulls"] == [part]
+        render.show(r, False)
+        out = capsys.readouterr().out
+        assert ("kept the partial pull /var/lib/vllm-snapshot/.pull-ab12 (471.0 MiB, last written 2.0 h ago) for "
+                "resuming: the same pull resumes from it; `rm -r /var/lib/vllm-snapshot/.pull-ab12` removes it") in out
+
+
 def test_cuda_restore_wakes_before_the_oracle():
     m = manifest_with(engine=manifest_with().engine.model_copy(update={"kind": "cuda", "sleep_level": 2,
                                                                       "full_state_captured": False}))

@@ -584,6 +584,10 @@ class FleetTools(Protocol):
         every image and saved file's BLAKE3, the code table's digest. Raises
         CorruptSnapshotError naming the file."""
 
+    def partial_pulls(self, root: Path) -> list[dict]:
+        """The partial dirs of pulls under the store ``root`` (:func:`.partial.kept`: kept for
+        resuming, or a running pull's), each ``{"path", "bytes", "age_s", "live"}``. Reads only."""
+
     def pull_staging(self, dest: Path, digest: str) -> AbstractContextManager:
         """Where a pull of the artifact ``digest`` (``sha256:HEX``) to be published as ``dest``
         writes: a :class:`.partial.Staging` (the store's partial dir of that artifact, locked,

@@ -30,8 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import (CorruptSnapshotError, EnvironmentProblem, IncompatibleHostError, ModelChangedError, UsageError,
-                      from_os_error)
-from ..fleet import oci, reference, sign, transfer
+                      Interrupted, from_os_error)
+from .. import units
+from ..fleet import oci, partial, reference, sign, transfer
 from ..fleet.transport import Net, NotFound, Target
 from ..effects.tools import Tools
 from ..report.results import ImageInspected, Pulled, Pushed
@@ -386,6 +387,16 @@ def _explained(req: PullRequest, ref: reference.Ref, name: str, st):
     repairs it (:func:`repair_hint`)."""
     try:
         yield
+    except Interrupted as e:  # kept for resuming (fleet/partial.py): say what, where, and how to drop it
+        if not st.resumable or not Path(st.path).is_dir():
+            raise
+        size = partial.disk_bytes(st.path)
+        raise Interrupted(
+            f"{e.message}, except the partial pull {st.path} ({units.human_bytes(size)}: the layers verified so far), "
+            "kept on purpose so that the same pull resumes from it",
+            hint=f"`{resume_command(req, name)}` resumes the pull; `rm -r {st.path}` removes it (the next pull of "
+                 f"another image into this store, or any pull after {partial.MAX_AGE_S / 3600:g} h, removes it too)",
+            details={**(e.details if isinstance(e.details, dict) else {}), "kept": str(st.path), "kept_bytes": size}) from e
     except EnvironmentProblem as e:
         kept = (f"the layers verified so far are kept in {st.path}, and " if st.resumable else "")
         e.hint = (f"{e.hint}; " if e.hint else "") + f"{kept}`{resume_command(req, name)}` resumes the pull"

@@ -117,7 +117,9 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
     model files, an unreadable manifest: ``list``'s ✗); delete them unless ``dry_run``; skip
     those with running engines.
     Always removes what killed commands left (temp dirs of crashed creates, staging dirs of
-    killed restores, stale lock files); without ``keep``/``older_than_s`` only that."""
+    killed restores, stale lock files); without ``keep``/``older_than_s`` only that. Lists, and
+    keeps, the partial dirs interrupted pulls left for resuming (``.pull-*``: the next pull
+    removes stale ones)."""
     t = tools or local_tools()
     rows = []
     for p in t.store.list_snapshots(root) if (keep is not None or older_than_s is not None) else []:
@@ -158,7 +160,7 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
         deleted.append(str(p))
     temps = t.store.reclaim(root, dry_run=True) if dry_run else [str(x) for x in t.store.clean_stale_temps(root)] + t.store.reclaim(root)
     weights_gone = [str(p) for p in t.store.remove_unused_weights(root, dry_run=dry_run)]
-    return Pruned(deleted, kept, temps, dry_run, weights_gone, t.store.weights_blocked(root))
+    return Pruned(deleted, kept, temps, dry_run, weights_gone, t.store.weights_blocked(root), t.fleet.partial_pulls(root))
 
 
 def status(tools: Tools | None = None) -> Engines:

@@ -314,7 +314,8 @@ class FakeHostTools(_Role, HostTools):
 
     def path_exists(self, path: Path) -> bool:
         if self.w.snapshots is not None:
-            return path in self.w.snapshots or any(path in p.parents for p in self.w.snapshots)
+            return (path in self.w.snapshots or any(path in p.parents for p in self.w.snapshots)
+                    or (path.name == "manifest.json" and path.parent in self.w.snapshots))
         return False
 
     def path_kind(self, path: Path) -> str:

@@ -897,6 +897,29 @@ def test_a_restore_refused_for_corrupt_images_marks_the_snapshot_for_list_and_pr
     assert row["compatible"] is False and row["why"] == "refused by restore: image pages-1.img fails its checksum"
 
 
+def test_a_failed_verify_marks_the_snapshot_for_list_and_prune_as_a_refused_restore_does():
+    # a trial: `verify NAME` failed with exit 5 (a checksum) and `list` still showed ✓
+    from vllm_snapshot.errors import CorruptSnapshotError
+
+    t = FakeWorld()
+    t.snapshots = {SNAP: manifest_with()}  # a store holding it (its manifest is there)
+    t.fail["verify_images"] = CorruptSnapshotError("image pages-1.img fails its checksum\n(more)")
+    with pytest.raises(CorruptSnapshotError):
+        ops.verify(SNAP, tools=t.tools)
+    assert t.refusals[str(SNAP)]["code"] == "corrupt-snapshot" and t.refusals[str(SNAP)]["by"] == "verify"
+    row = ops.describe(SNAP, t.tools)
+    assert row["compatible"] is False and row["why"] == "refused by verify: image pages-1.img fails its checksum"
+    del t.fail["verify_images"]  # a passing verify clears it again
+    assert ops.verify(SNAP, tools=t.tools).cleared["by"] == "verify"
+    assert ops.describe(SNAP, t.tools)["compatible"] is True
+    # a directory that is not a snapshot (no manifest) is no snapshot to mark
+    other = Path("/snaps/notsnap")
+    t.fail["open_snapshot"] = CorruptSnapshotError(f"{other} has no manifest.json")
+    with pytest.raises(CorruptSnapshotError):
+        ops.verify(other, tools=t.tools)
+    assert str(other) not in t.refusals
+
+
 def test_a_restore_that_fails_for_another_reason_marks_nothing():
     # CRIU, a busy port, the engine: not the snapshot's fault (serve records those, restore does not)
     t = FakeWorld(fail={"restore_tree": CriuError("CRIU restore failed; log excerpt:\nError (x): y")})

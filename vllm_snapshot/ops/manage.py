@@ -77,7 +77,9 @@ def _engines_of(store: StoreTools, rt: RuntimeTools, snapshot: Path, entries: li
 def delete(snapshot: Path, force: bool = False, tools: Tools | None = None) -> Deleted:
     """Delete ``snapshot`` under its exclusive lock. Refuses (BusyError) while an engine
     restored from it runs, unless ``force`` (then they are stopped first). Raises UsageError
-    (missing), CorruptSnapshotError (a directory that is not a snapshot)."""
+    (missing, a file, a directory without a manifest), CorruptSnapshotError (a manifest that is
+    not a snapshot's, a damaged snapshot), EnvironmentProblem (a read-only filesystem, a mount
+    point: nothing was deleted)."""
     t = tools or local_tools()
     snapshot = t.store.canonical(snapshot)
     if not t.host.path_exists(snapshot / layout.MANIFEST):
@@ -85,7 +87,11 @@ def delete(snapshot: Path, force: bool = False, tools: Tools | None = None) -> D
             raise UsageError(f"{snapshot} does not exist")
         if not snapshot.is_dir():  # the exit-code rule: a file is a usage error, as for inspect
             raise UsageError(f"{snapshot} is not a directory (a snapshot is a directory)")
-        raise CorruptSnapshotError(f"{snapshot} has no {layout.MANIFEST}; refusing to delete a directory that is not a snapshot")
+        # a usage error, as a file is: a path that names no snapshot (a damaged snapshot, with its
+        # manifest, is a corrupt one: store.delete)
+        raise UsageError(f"{snapshot} is not a snapshot (it has no {layout.MANIFEST}); nothing was deleted",
+                         hint="check the path (`vllm-snapshot list` names the snapshots); remove other directories "
+                              "with rm, not vllm-snapshot")
     running = _engines_of(t.store, t.runtime, snapshot)
     if running and not force:
         raise BusyError(f"engines restored from {snapshot} are running: PIDs {[e.pid for e in running]}",

@@ -180,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     except typer.Abort:
         print("interrupted", file=sys.stderr)
         return 130
+    except click_exc.NoArgsIsHelpError as e:  # no command: the help, as git/podman print it, not an error line
+        print(e.format_message(), file=sys.stderr)  # where click puts it: stdout stays empty for a script
+        return e.exit_code  # 2, click's (a command is missing)
     except click_exc.ClickException as e:
         if _STATE["json"]:
             from .render import emit_json

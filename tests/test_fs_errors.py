@@ -85,6 +85,47 @@ def test_delete_on_a_read_only_store_or_of_a_mount_point_says_so(code, words, hi
     assert not snap.exists()
 
 
+MOUNTINFO = """22 1 8:1 / / rw - ext4 /dev/sda1 rw
+40 22 0:50 / {root} rw - tmpfs tmpfs rw
+41 40 8:1 /data {root}/store/a/images rw - ext4 /dev/sda1 rw
+42 40 8:1 /data {root}/store/ab rw - ext4 /dev/sda1 rw
+"""
+
+
+def test_delete_refuses_a_snapshot_with_a_filesystem_mounted_in_it_before_touching_anything(tmp_path, monkeypatch):
+    # a trial: a bind mount in a snapshot's images/ -- rmtree emptied the mounted directory (another
+    # filesystem's files) and then failed with "[Errno 16] Device or resource busy: 'images'"
+    snap = _snapshot(tmp_path)
+    info = MOUNTINFO.format(root=tmp_path)
+    assert store.mounts_within(snap, info) == [str(snap / "images")]  # not .../ab, a sibling
+    assert store.mounts_within(tmp_path / "store" / "ab", info) == [str(tmp_path / "store" / "ab")]
+    assert store.mounts_within(tmp_path / "store" / "x", info) == []
+    (snap / layout.IMAGES / "pages-1.img").write_bytes(b"x")
+    monkeypatch.setattr(store, "_mountinfo", lambda: info)
+    with pytest.raises(errors.EnvironmentProblem) as e:
+        store.delete(snap)
+    assert e.value.exit_code == 11
+    assert f"{snap} is a mount point or has filesystems mounted in it ({snap / 'images'}); nothing was deleted" \
+        in e.value.message
+    assert f"`umount {snap / 'images'}`" in e.value.hint
+    assert (snap / layout.IMAGES / "pages-1.img").exists() and (snap / layout.MANIFEST).exists()
+
+
+def test_a_delete_that_fails_half_way_names_what_is_left(tmp_path, monkeypatch):
+    snap = _snapshot(tmp_path)
+
+    def busy(path, *a, **kw):
+        raise OSError(errno.EBUSY, "Device or resource busy", "images")
+
+    monkeypatch.setattr(store.shutil, "rmtree", busy)
+    with pytest.raises(errors.EnvironmentProblem) as e:
+        store.delete(snap)
+    left = list((tmp_path / "store").iterdir())
+    assert len(left) == 1 and left[0].name.startswith(".a.tmp-deleting-")
+    assert f"{snap} was only partly deleted: Device or resource busy (images); what is left is {left[0]}" \
+        in e.value.message and f"rm -r {left[0]}" in e.value.hint
+
+
 def test_a_read_only_log_directory_refuses_a_detached_restore_before_it_starts(tmp_path, monkeypatch):
     from vllm_snapshot.effects.engine import LocalEngineTools
 

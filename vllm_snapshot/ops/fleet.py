@@ -115,6 +115,8 @@ def push(req: PushRequest, rep, t: Tools) -> Pushed:
                                   weights=m.weights)
             except BaseException as e:  # nothing was tagged: a layout this push began goes
                 removed = _abandon(target)
+                if isinstance(e, OSError) and e.filename is None and getattr(target, "path", None) is not None:
+                    e = OSError(e.errno, e.strerror, str(target.path))  # a write(2) names no file: the layout's
                 host = from_os_error(e) if isinstance(e, OSError) else None
                 if host is not None:  # the local side: an oci:DIR's filesystem (full, read-only, ...)
                     raise EnvironmentProblem(

@@ -202,6 +202,8 @@ class FakeWorld:
         self.terminated: list[int] = []
         #: what read_log_tail returns (None: the log cannot be read)
         self.log_file_tail: str | None = None
+        #: bytes free on the log file's filesystem (None: cannot be told)
+        self.log_room: int | None = None
         #: called by sleep() with the clock's time (a test sends a signal or ends the engine there)
         self.on_sleep: Callable[[float], None] | None = None
         #: what the weights channel's worker mapped (None: no worker used it); check_weights's refusal
@@ -312,7 +314,8 @@ class FakeHostTools(_Role, HostTools):
 
     def path_exists(self, path: Path) -> bool:
         if self.w.snapshots is not None:
-            return path in self.w.snapshots or any(path in p.parents for p in self.w.snapshots)
+            return (path in self.w.snapshots or any(path in p.parents for p in self.w.snapshots)
+                    or (path.name == "manifest.json" and path.parent in self.w.snapshots))
         return False
 
     def path_kind(self, path: Path) -> str:
@@ -659,6 +662,9 @@ class FakeEngineTools(_Role, EngineTools):
     def default_log_file(self, snapshot: Path, port: int) -> Path:
         return Path(f"/var/log/vllm-snapshot/{snapshot.name}-{port}.log")
 
+    def log_room(self, path: Path) -> int | None:
+        return self.w.log_room
+
     def read_log_tail(self, path: Path, lines: int = 20) -> str | None:
         self.w._call("read_log_tail")
         return self.w.log_file_tail
@@ -845,6 +851,9 @@ class FakeFleetTools(_Role, FleetTools):
 
     def check_pulled(self, staging: Path, m) -> None:
         self.w._call("check_pulled")
+
+    def partial_pulls(self, root: Path) -> list[dict]:
+        return list(getattr(self.w, "partial_pulls", []))
 
     def pull_staging(self, dest: Path, digest: str) -> AbstractContextManager:
         self.w._call("pull_staging")

@@ -831,6 +831,13 @@ def test_a_file_as_snapshot_or_as_root_is_a_usage_error_that_says_so(tmp_path, m
     f.write_text("hi")
     assert cli.main(["delete", str(f)]) == 2
     assert "is not a directory (a snapshot is a directory)" in capsys.readouterr().err and f.read_text() == "hi"
+    # a trial: `delete /tmp/notsnap` (a directory, no manifest) was exit 5 corrupt-snapshot
+    d = tmp_path / "notsnap"
+    (d / "sub").mkdir(parents=True)
+    assert cli.main(["delete", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert f"error [usage]: {d} is not a snapshot (it has no manifest.json); nothing was deleted" in err, err
+    assert (d / "sub").is_dir()
     for argv in (["restore", "x", "--port", "18999"], ["prune", "--dry-run"], ["list"], ["inspect", "x"]):
         assert cli.main(["--root", str(f), *argv]) == 2, argv
         assert f"the snapshot root {f} is not a directory" in capsys.readouterr().err, argv

@@ -248,9 +248,13 @@ def test_usage_errors_exit_2(capsys, argv):
 
 
 def test_no_arguments_shows_help_without_an_internal_error(capsys):
+    # a trial: "error [usage]: usage: vllm-snapshot ..." -- the help, framed as an error line
     code, out, err = _run_main(capsys)
-    assert "inspect" in out + err
-    assert "internal" not in err and code in (0, 2)
+    assert code == 2 and out == ""  # click's no_args_is_help: the help on stderr, exit 2
+    assert err.startswith("Usage: vllm-snapshot [OPTIONS] COMMAND [ARGS]...") and "error [" not in err, err[:200]
+    assert "inspect" in err and "restore" in err
+    code, _, err = _run_main(capsys, "--debug")  # global options but no command: a usage error naming it
+    assert code == 2 and "error [usage]: missing command" in err and "--help` lists the commands" in err
 
 
 def test_internal_errors_are_one_line_without_debug(tmp_path, capsys, monkeypatch):

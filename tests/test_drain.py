@@ -322,6 +322,24 @@ def test_stop_reports_a_cut_drain(capsys):
     assert "the 2 s drain ran out with 3 request(s) in flight: they were cut" in capsys.readouterr().out
 
 
+def test_stop_says_when_it_had_to_sigkill_the_engine(capsys):
+    # a trial: "stopped engine 11232 (...) in 40.60 s" and nothing else, while --json said killed
+    from vllm_snapshot.cli import render
+
+    t = FakeWorld()
+    t.entries = [_old()]
+    t.stop_report = StopReport(40.6, drained=True, cut=0, killed=True)
+    res = ops.stop_engines(None, 8101, tools=t.tools)
+    assert res.stopped[0]["killed"] is True
+    render.show(res, False)
+    out = capsys.readouterr().out
+    assert "stopped engine 77 (/snaps/old on port 8101) in 40.60 s" in out
+    assert "did not exit on SIGTERM within the 30 s drain and the teardown wait: it was killed with SIGKILL" in out
+    t.stop_report = StopReport(0.4)
+    render.show(ops.stop_engines(None, 8101, tools=t.tools), False)
+    assert "SIGKILL" not in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------ the port lock
 
 def test_port_lock_makes_a_second_switch_wait_and_names_the_holder(tmp_path, monkeypatch):
@@ -372,3 +390,42 @@ def test_the_registry_keeps_the_drain_timeout_where_older_versions_do_not_choke_
     # removed by an older version (the .json only): the drain file goes with the next read
     f.unlink()
     assert registry.entries() == [] and not list((tmp_path / "engines").iterdir())
+
+
+def test_install_drain_drains_when_its_log_line_cannot_be_written(monkeypatch):
+    # a detached engine's stderr is its log file: on a full filesystem the drain line's write
+    # raised ENOSPC inside the handler, before should_exit, and `stop` had to SIGKILL the engine
+    import errno
+    import sys
+
+    from vllm_snapshot.entrypoints.engine_root import install_drain
+
+    class Full:
+        def write(self, _):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    async def scenario() -> tuple:
+        loop = asyncio.get_running_loop()
+        request = loop.create_task(asyncio.sleep(60))
+        server = SimpleNamespace(should_exit=False, force_exit=False,
+                                 config=SimpleNamespace(timeout_graceful_shutdown=None),
+                                 server_state=SimpleNamespace(tasks={request}, connections=[]))
+        install_drain(loop, server, 12.5)
+        try:
+            monkeypatch.setattr(sys, "stderr", Full())
+            os.kill(os.getpid(), signal.SIGTERM)
+            await asyncio.sleep(0.2)
+            first = server.should_exit
+            os.kill(os.getpid(), signal.SIGTERM)
+            await asyncio.sleep(0.2)
+            return first, request.cancelled()
+        finally:
+            monkeypatch.undo()
+            for s in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(s)
+            request.cancel()
+
+    assert asyncio.run(scenario()) == (True, True)

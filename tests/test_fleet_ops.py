@@ -565,3 +565,84 @@ def test_a_node_fits_a_cuda_image_by_the_gpu_model_at_the_recorded_minor_not_by_
         with pytest.raises(IncompatibleHostError, match="does not fit this node") as ei:
             fleet.compatibility(facts, t, "IMG")
         assert says in ei.value.message and "GPU-0c4a1b2e-1111-2222-3333-444455556666" in ei.value.message
+
+
+def _full_after(monkeypatch, n: int) -> None:
+    """The layout's filesystem fills up at the ``n``-th blob written (ENOSPC, as a small mount gives)."""
+    import errno
+
+    calls = [0]
+    real = transport.Layout.put_blob
+
+    def put_blob(self, digest, size, path, offset=0):
+        calls[0] += 1
+        if calls[0] >= n:
+            raise OSError(errno.ENOSPC, "No space left on device")  # as write(2) raises it: no file named
+        return real(self, digest, size, path, offset)
+
+    monkeypatch.setattr(transport.Layout, "put_blob", put_blob)
+
+
+def test_a_push_to_a_full_filesystem_is_an_environment_error_and_removes_the_layout_it_began(tmp_path, model,
+                                                                                              monkeypatch):
+    snap = tmp_path / "snaps" / "tiny"
+    snap.parent.mkdir(mode=0o700)
+    make_snapshot(snap, model)
+    dest = tmp_path / "small" / "oci"  # neither exists: the push makes both
+    _full_after(monkeypatch, 2)
+    with pytest.raises(EnvironmentProblem) as e:
+        fleet.push(fleet.PushRequest(snapshot=snap, image=f"oci:{dest}:v1"), Reporter(), Tools())
+    assert e.value.exit_code == 11
+    assert "no space left" in e.value.message and str(dest) in e.value.message
+    assert "nothing was published" in e.value.message and e.value.hint
+    assert not dest.exists() and not dest.parent.exists()  # a failed push publishes nothing
+
+
+def test_a_failed_push_into_an_existing_layout_keeps_its_blobs(tmp_path, pushed, model, monkeypatch):
+    lay = pushed["layout"]
+    before = sorted(p.name for p in (lay / "blobs" / "sha256").iterdir())
+    index = (lay / "index.json").read_bytes()
+    other = tmp_path / "snaps" / "other"
+    make_snapshot(other, model)  # other random pages: new blobs to write
+    _full_after(monkeypatch, 2)  # one new blob written, then the filesystem is full
+    with pytest.raises(EnvironmentProblem, match="blobs it wrote are kept") as e:
+        fleet.push(fleet.PushRequest(snapshot=other, image=f"oci:{lay}:v2"), Reporter(), Tools())
+    assert e.value.exit_code == 11
+    after = sorted(p.name for p in (lay / "blobs" / "sha256").iterdir())
+    assert set(before) < set(after)  # nothing of the layout another push made is removed
+    assert (lay / "oci-layout").is_file() and (lay / "index.json").read_bytes() == index
+
+
+def test_an_interrupted_pull_says_what_it_kept_where_its_size_and_how_to_resume_or_remove_it(tmp_path, pushed6,
+                                                                                              monkeypatch):
+    # a trial: "interrupted by SIGINT; stopped what was running and cleaned up", rc 130, and a
+    # 471 MB .pull-<digest> left without a word
+    from vllm_snapshot.errors import Interrupted
+    from vllm_snapshot.fleet import transfer
+
+    root = _root(tmp_path)
+    real = transfer.download
+
+    def interrupted(target, art, staging, *a, **kw):
+        (Path(staging) / "images" / "pages-1.img").write_bytes(os.urandom(300 * 1024))  # what it had written
+        raise Interrupted("interrupted by SIGINT; stopped what was running and cleaned up", details={"signal": "SIGINT"})
+
+    monkeypatch.setattr(transfer, "download", interrupted)
+    with pytest.raises(Interrupted) as e:
+        fleet.pull(fleet.PullRequest(image=pushed6["image"], root=root, name="six"), Reporter(), Tools())
+    left = partial.partial_dir(root, pushed6["result"].digest)
+    assert left.is_dir()
+    msg, hint = e.value.message, e.value.hint
+    assert msg.startswith("interrupted by SIGINT; stopped what was running and cleaned up, except the partial pull "
+                          f"{left} (3") and "KiB" in msg and "the same pull resumes from it" in msg, msg
+    assert f"vllm-snapshot --root {root} pull {pushed6['image']} --name six` resumes" in hint
+    assert f"`rm -r {left}` removes it" in hint
+    assert e.value.exit_code == 130 and e.value.details == {"signal": "SIGINT", "kept": str(left),
+                                                            "kept_bytes": partial.disk_bytes(left)}
+    assert partial.disk_bytes(left) >= 300 * 1024
+    # prune and doctor list it (read by partial.kept), and keep it
+    [k] = partial.kept(root)
+    assert k.path == str(left) and k.bytes == partial.disk_bytes(left) and not k.live and 0 <= k.age_s < 60
+    monkeypatch.setattr(transfer, "download", real)
+    r = fleet.pull(fleet.PullRequest(image=pushed6["image"], root=root, name="six"), Reporter(), Tools())
+    assert os.listdir(root) == ["six"] and r.snapshot == str(root / "six")

@@ -286,6 +286,33 @@ def test_detach_log_file_checked_during_validation():
     assert "stage_checking" not in t.calls
 
 
+def test_a_detached_restore_warns_when_the_log_files_filesystem_is_nearly_full():
+    # a trial: a full 1 MiB tmpfs as --log-file's home gave rc 0 and no word
+    t = FakeWorld()
+    t.log_room = 512 * 1024
+    r, _engine = _restore(t, detach=True, log_file=Path("/mnt/full/t.log"))
+    said = [w for w in r.warnings if "/mnt/full/t.log" in w]
+    assert said and "512.0 KiB free" in said[0] and "--log-file" in said[0], r.warnings
+    t = FakeWorld()
+    t.log_room = 10 * 1024 ** 3
+    assert not [w for w in _restore(t, detach=True)[0].warnings if "free:" in w]
+
+
+def test_prune_lists_the_partial_pulls_it_keeps_with_their_size(capsys):
+    from vllm_snapshot.cli import render
+
+    part = {"path": "/var/lib/vllm-snapshot/.pull-ab12", "bytes": 471 << 20, "age_s": 7200.0, "live": False}
+    for dry in (True, False):
+        t = FakeWorld()
+        t.partial_pulls = [part]
+        r = ops.prune(Path("/var/lib/vllm-snapshot"), None, None, dry, tools=t.tools)
+        assert r.partial_pulls == [part] and r.to_json()["partial_pulls"] == [part]
+        render.show(r, False)
+        out = capsys.readouterr().out
+        assert ("kept the partial pull /var/lib/vllm-snapshot/.pull-ab12 (471.0 MiB, last written 2.0 h ago) for "
+                "resuming: the same pull resumes from it; `rm -r /var/lib/vllm-snapshot/.pull-ab12` removes it") in out
+
+
 def test_cuda_restore_wakes_before_the_oracle():
     m = manifest_with(engine=manifest_with().engine.model_copy(update={"kind": "cuda", "sleep_level": 2,
                                                                       "full_state_captured": False}))
@@ -868,6 +895,29 @@ def test_a_restore_refused_for_corrupt_images_marks_the_snapshot_for_list_and_pr
     assert t.refusals[str(SNAP)]["code"] == "corrupt-snapshot" and t.refusals[str(SNAP)]["by"] == "restore"
     row = ops.describe(SNAP, t.tools)
     assert row["compatible"] is False and row["why"] == "refused by restore: image pages-1.img fails its checksum"
+
+
+def test_a_failed_verify_marks_the_snapshot_for_list_and_prune_as_a_refused_restore_does():
+    # a trial: `verify NAME` failed with exit 5 (a checksum) and `list` still showed ✓
+    from vllm_snapshot.errors import CorruptSnapshotError
+
+    t = FakeWorld()
+    t.snapshots = {SNAP: manifest_with()}  # a store holding it (its manifest is there)
+    t.fail["verify_images"] = CorruptSnapshotError("image pages-1.img fails its checksum\n(more)")
+    with pytest.raises(CorruptSnapshotError):
+        ops.verify(SNAP, tools=t.tools)
+    assert t.refusals[str(SNAP)]["code"] == "corrupt-snapshot" and t.refusals[str(SNAP)]["by"] == "verify"
+    row = ops.describe(SNAP, t.tools)
+    assert row["compatible"] is False and row["why"] == "refused by verify: image pages-1.img fails its checksum"
+    del t.fail["verify_images"]  # a passing verify clears it again
+    assert ops.verify(SNAP, tools=t.tools).cleared["by"] == "verify"
+    assert ops.describe(SNAP, t.tools)["compatible"] is True
+    # a directory that is not a snapshot (no manifest) is no snapshot to mark
+    other = Path("/snaps/notsnap")
+    t.fail["open_snapshot"] = CorruptSnapshotError(f"{other} has no manifest.json")
+    with pytest.raises(CorruptSnapshotError):
+        ops.verify(other, tools=t.tools)
+    assert str(other) not in t.refusals
 
 
 def test_a_restore_that_fails_for_another_reason_marks_nothing():

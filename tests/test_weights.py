@@ -254,6 +254,26 @@ def test_a_file_placed_with_another_nodes_stat_is_hashed_once_then_pinned_on_thi
     assert sw.remove_unreferenced(root) == [p] and not pin.exists()
 
 
+def test_the_store_removes_an_unused_weights_files_pin_with_it(tmp_path):
+    # a trial: deleting the last snapshot that used a weights file left ROOT/.weights/<digest>.weights.pin
+    from vllm_snapshot.effects.store import LocalStoreTools
+
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    p, d, _ = _published(root, os.urandom(30000))
+    sw.write_pin(p, d)
+    pin = sw.pin_path(p)
+    assert pin.exists()
+    write_snapshot_dir(root / "s1", make_manifest(weights=sw.record(p, d)))
+    assert LocalStoreTools().remove_unused_weights(root) == [] and pin.exists()  # s1 uses it
+    import shutil
+
+    shutil.rmtree(root / "s1")
+    assert LocalStoreTools().remove_unused_weights(root, dry_run=True) == [p] and pin.exists()
+    assert LocalStoreTools().remove_unused_weights(root) == [p]
+    assert not p.exists() and not pin.exists() and not sw.directory(root).exists()  # .weights empty: gone too
+
+
 def test_unreferenced_counts_from_the_manifests(tmp_path):
     root = tmp_path / "root"
     root.mkdir(mode=0o700)

@@ -1,6 +1,6 @@
 """Errors with stable codes and exit codes.
 
-Every failure the CLI reports is a :class:`SnapshotError`; ``cli.py`` is the only place that
+Every failure the CLI reports is a :class:`SnapshotError`; ``cli/app.py`` is the only place that
 turns one into an exit code. The table (also in docs/cli.md, "Exit codes"):
 
 ==== ======================== ====================================================
@@ -17,8 +17,10 @@ exit code                     meaning
 8    ``engine-failed``        the engine failed to start, died, or timed out
 9    ``busy``                 a port, PID, or lock needed is held by someone else
 10   ``unsnapshottable``      the engine tree holds something CRIU cannot restore safely
-11   ``environment``          this host lacks something required (root, CRIU, vLLM), or a
-                              directory above a snapshot is writable by others
+11   ``environment``          this host lacks something required (root, CRIU, vLLM), a
+                              directory above a snapshot is writable by others, or a
+                              filesystem refused a write (full, read-only, busy, denied:
+                              :func:`from_os_error`)
 12   ``insufficient-resources`` not enough memory here (MemAvailable or cgroup) to restore
 13   ``untrusted-artifact``   pull --verify-key: the artifact is unsigned, or no signature by that key
 130  ``interrupted``          SIGINT/SIGTERM/SIGHUP stopped the command; it cleaned up
@@ -26,6 +28,8 @@ exit code                     meaning
 """
 
 from __future__ import annotations
+
+import errno as _errno
 
 
 class SnapshotError(Exception):
@@ -143,6 +147,45 @@ class Interrupted(SnapshotError):
     up (see :mod:`vllm_snapshot.host.interrupts`)."""
 
     code, exit_code = "interrupted", 130
+
+
+#: errnos of a filesystem refusing a write that say something about this host, not a bug:
+#: :func:`from_os_error` turns them into :class:`EnvironmentProblem` (exit 11)
+ENVIRONMENT_ERRNOS = frozenset({_errno.ENOSPC, _errno.EDQUOT, _errno.EROFS, _errno.EBUSY, _errno.EACCES,
+                                _errno.EPERM})
+
+
+def from_os_error(e: OSError) -> SnapshotError | None:
+    """The :class:`EnvironmentProblem` (exit 11) for an OSError the host's filesystem raised
+    (no space or quota left, read-only, a busy path such as a mount point, permission denied),
+    naming the path(s) it names and what to do; None for any other errno (a bug: ``internal``).
+    The CLI's last resort for a command with no words of its own for that failure. Pure."""
+    if not isinstance(e, OSError) or e.errno not in ENVIRONMENT_ERRNOS:
+        return None
+    path = e.filename if e.filename is not None else None
+    where = f" ({path} -> {e.filename2})" if path is not None and e.filename2 is not None else ""
+    at = f" {path}" if path is not None else ""
+    details = {"errno": _errno.errorcode.get(e.errno, str(e.errno)), "path": None if path is None else str(path),
+               "path2": None if e.filename2 is None else str(e.filename2)}
+    if e.errno in (_errno.ENOSPC, _errno.EDQUOT):
+        what = "no space left" if e.errno == _errno.ENOSPC else "the disk quota is used up"
+        return EnvironmentProblem(f"{what} on the filesystem of{at or ' a path it wrote'}{where}",
+                                  hint="free space there (`df -h` shows it) or choose another path, then run the "
+                                       "command again", details=details)
+    if e.errno == _errno.EROFS:
+        return EnvironmentProblem(f"the filesystem of{at or ' a path it writes'} is read-only{where}",
+                                  hint="remount it read-write, or choose a path on a writable filesystem (--root, "
+                                       "VLLM_SNAPSHOT_ROOT, VLLM_SNAPSHOT_LOG_DIR)", details=details)
+    if e.errno == _errno.EBUSY:
+        return EnvironmentProblem(f"{path if path is not None else 'a path'} is busy{where}: a mount point, or "
+                                  "in use by another process",
+                                  hint=f"unmount it (`umount {path}`) or stop what uses it (`fuser -vm {path}`), "
+                                       "then run the command again" if path is not None else
+                                  "unmount it or stop what uses it, then run the command again", details=details)
+    return EnvironmentProblem(f"permission denied:{at or ' ' + (e.strerror or str(e))}{where}",
+                              hint="vllm-snapshot needs root for snapshots, CRIU and the engine registry; as root, "
+                                   "an immutable attribute (`lsattr`) or a security module (SELinux, AppArmor) "
+                                   "may refuse it", details=details)
 
 
 ALL_ERRORS: tuple[type[SnapshotError], ...] = (

@@ -180,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     except typer.Abort:
         print("interrupted", file=sys.stderr)
         return 130
+    except click_exc.NoArgsIsHelpError as e:  # no command: the help, as git/podman print it, not an error line
+        print(e.format_message(), file=sys.stderr)  # where click puts it: stdout stays empty for a script
+        return e.exit_code  # 2, click's (a command is missing)
     except click_exc.ClickException as e:
         if _STATE["json"]:
             from .render import emit_json
@@ -201,11 +204,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except PermissionError as e:
-        from ..errors import EnvironmentProblem
-
-        return main_error(EnvironmentProblem(f"permission denied: {e.filename or e}",
-                                             hint="vllm-snapshot needs root for snapshots, CRIU and the engine registry"))
     except Exception as e:  # noqa: BLE001 - last resort: one line, traceback with --debug
         if type(e).__name__ == "PipeClosed":  # render.PipeClosed (`list | head -1`): not an internal error
             try:
@@ -217,6 +215,15 @@ def main(argv: list[str] | None = None) -> int:
 
         if fired() is not None and not _STATE["debug"]:
             return main_error(fired())  # a signal surfaced as another exception (cleanup ran)
+        from ..errors import from_os_error
+
+        host = from_os_error(e) if isinstance(e, OSError) else None
+        if host is not None:  # the host's filesystem refused (full, read-only, busy, denied): exit 11
+            if _STATE["debug"] or "--debug" in argv:
+                import traceback
+
+                traceback.print_exc()
+            return main_error(host)
         if _STATE["debug"] or "--debug" in argv:
             raise
         print(f"error [internal]: {type(e).__name__}: {e}\nhint: re-run with --debug for a traceback", file=sys.stderr)

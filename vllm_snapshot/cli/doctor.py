@@ -288,12 +288,17 @@ def _check_mounts(p: Probes) -> list[Check]:
 def _check_leftovers(p: Probes, root: str) -> Check:
     if p.euid() != 0:  # staging, the engine registry and the store are root's: another user sees none
         return _not_checked("leftovers", p.euid(), "looking for leftovers (root's staging, engine registry and cgroups)")
+    from .render import partial_pull_line
+
     left = p.leftovers(root)
+    # kept on purpose (prune keeps them): said, never a failed check
+    kept = "".join(f"; {partial_pull_line(x)}" for x in (p.partial_pulls(root) or []))
     if not left:
-        return Check("leftovers", True, "warning", "no leftovers of killed creates or restores, no empty engine cgroups")
+        return Check("leftovers", True, "warning",
+                     "no leftovers of killed creates or restores, no empty engine cgroups" + kept)
     return Check("leftovers", False, "warning",  # each says what it holds: an empty cgroup holds nothing
                  f"{len(left)} leftover(s) of killed commands or exited engines: " + "; ".join(left[:5])
-                 + (" ..." if len(left) > 5 else ""),
+                 + (" ..." if len(left) > 5 else "") + kept,
                  "vllm-snapshot prune (or the next create/restore) removes them")
 
 

@@ -134,6 +134,10 @@ class Probes(Protocol):
         ``snapshot_root``, /dev/shm and the staging dir, orphaned engine trees, engine cgroups
         left empty (what ``prune`` would remove)."""
 
+    def partial_pulls(self, snapshot_root: str) -> list[dict]:
+        """The partial dirs interrupted pulls left under ``snapshot_root`` for resuming
+        (:func:`vllm_snapshot.fleet.partial.kept`, as dicts): not leftovers, prune keeps them."""
+
     def engine_user(self, name: str):
         """:func:`privilege.lookup` of ``name``, None when there is no such user."""
 
@@ -242,6 +246,13 @@ class RealProbes(Probes):
         out += [f"engine tree PID {x.proc.pid} nobody owns (memory)" for x in found if x.kind == "orphan"]
         out += [f"temp dir {x.path} of a killed create (disk)" for x in found if x.kind == "temp"]
         return out + empty_cgroups([str(x.path) for x in found if x.kind == "cgroup"])
+
+    def partial_pulls(self, snapshot_root: str) -> list[dict]:
+        import dataclasses
+
+        from ..fleet import partial
+
+        return [dataclasses.asdict(x) for x in partial.kept(Path(snapshot_root))]
 
 
     def engine_user(self, name: str):

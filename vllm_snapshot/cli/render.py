@@ -226,8 +226,22 @@ def _pruned(r: R.Pruned, quiet: bool) -> None:
     for p in r.weights_removed:
         _line(f"{'would remove' if r.dry_run else 'removed'} the weights file {p} (no snapshot uses it any more)")
     _weights_kept(r.weights_kept_for)
+    for p in r.partial_pulls:
+        _line(partial_pull_line(p))
     if not (r.deleted or r.kept_running or r.temp_removed or r.weights_removed or r.weights_kept_for):
         _line("nothing to prune")
+
+
+def partial_pull_line(p: dict) -> str:
+    """One partial pull (``{"path", "bytes", "age_s", "live"}``) in words: what it holds, that
+    it is kept, and how it goes. Pure."""
+    if p.get("live"):
+        return f"kept {p['path']} ({human_bytes(p['bytes'])}): a pull running now writes it"
+    age = p["age_s"]
+    ago = f"{age / 3600:.1f} h" if age >= 3600 else f"{age / 60:.0f} min"
+    return (f"kept the partial pull {p['path']} ({human_bytes(p['bytes'])}, last written {ago} ago) for resuming: the "
+            f"same pull resumes from it; `rm -r {p['path']}` removes it (the next pull of another image into this "
+            "store, or any pull a day later, removes it too)")
 
 
 def _engines(r: R.Engines, quiet: bool) -> None:
@@ -257,6 +271,9 @@ def _stopped(r: R.Stopped, quiet: bool) -> None:
         if not s_.get("drained", True):
             _line(f"  the {s_['drain_s']:g} s drain ran out with {s_['cut']} request(s) in flight: they were cut "
                   "(give a longer --drain-timeout to let them finish)")
+        if s_.get("killed"):
+            _line(f"  it did not exit on SIGTERM within the {s_['drain_s']:g} s drain and the teardown wait: it was "
+                  "killed with SIGKILL (its log file may say why; vLLM's own shutdown did not run)")
 
 
 def _switched(r: R.Switched, quiet: bool) -> None:

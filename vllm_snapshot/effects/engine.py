@@ -95,7 +95,32 @@ class LocalEngineTools(EngineTools):
         check_log_file(path)
 
     def default_log_file(self, snapshot: Path, port: int) -> Path:
-        return paths.ensure_private_dir(paths.log_dir()) / f"{snapshot.name}-{port}.log"
+        import errno
+
+        from ..errors import ENVIRONMENT_ERRNOS, EnvironmentProblem
+
+        d = paths.log_dir()
+        f = d / f"{snapshot.name}-{port}.log"
+        try:  # before anything starts: a detached engine with nowhere to log is refused, not half-started
+            paths.ensure_private_dir(d)
+            os.close(os.open(f, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o600))
+        except OSError as e:
+            if e.errno not in ENVIRONMENT_ERRNOS:
+                raise
+            why = {errno.EROFS: "is on a read-only filesystem", errno.ENOSPC: "is on a full filesystem",
+                   errno.EDQUOT: "is on a filesystem whose disk quota is used up"}.get(e.errno, f"cannot be written ({e.strerror})")
+            raise EnvironmentProblem(f"the engine log directory {d} {why}: the detached engine's log {f} cannot be "
+                                     "created; nothing was started",
+                                     hint="set VLLM_SNAPSHOT_LOG_DIR to a writable directory, or pass --log-file FILE",
+                                     details={"log_dir": str(d), "errno": errno.errorcode.get(e.errno)}) from e
+        return f
+
+    def log_room(self, path: Path) -> int | None:
+        try:
+            st = os.statvfs(path if path.exists() else path.parent)
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize
 
     def keep_log(self, path: Path, what: str) -> Path | None:
         from ..supervise.supervisor import keep_log

@@ -60,6 +60,13 @@ class LocalFleetTools(FleetTools):
             if blake3.blake3(table).hexdigest() != m.code.table_digest:
                 raise CorruptSnapshotError(f"the artifact's {layout.CODE_TABLE} does not match its digest in the manifest")
 
+    def partial_pulls(self, root: Path) -> list[dict]:
+        import dataclasses
+
+        from ..fleet import partial
+
+        return [dataclasses.asdict(x) for x in partial.kept(root)]
+
     def pull_staging(self, dest: Path, digest: str) -> AbstractContextManager:
         import contextlib
         import shutil

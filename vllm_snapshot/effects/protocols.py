@@ -422,7 +422,14 @@ class EngineTools(Protocol):
         """Raises UsageError when ``path`` cannot be an engine log file."""
 
     def default_log_file(self, snapshot: Path, port: int) -> Path:
-        """Where a detached engine's log goes when ``--log-file`` is not given."""
+        """Where a detached engine's log goes when ``--log-file`` is not given
+        (``$VLLM_SNAPSHOT_LOG_DIR/NAME-PORT.log``, created 0600 here). Raises
+        EnvironmentProblem (exit 11) naming the directory when it cannot be written (read-only,
+        full, denied)."""
+
+    def log_room(self, path: Path) -> int | None:
+        """Bytes free (to unprivileged writers) on the filesystem of the log file ``path`` (of
+        its directory when the file is absent); None when it cannot be told."""
 
     def read_log_tail(self, path: Path, lines: int = 20) -> str | None:
         """The last ``lines`` lines of the engine log file ``path`` (None when it cannot be read)."""
@@ -576,6 +583,10 @@ class FleetTools(Protocol):
         """The snapshot's own checks over a downloaded staging dir: member layout (stat),
         every image and saved file's BLAKE3, the code table's digest. Raises
         CorruptSnapshotError naming the file."""
+
+    def partial_pulls(self, root: Path) -> list[dict]:
+        """The partial dirs of pulls under the store ``root`` (:func:`.partial.kept`: kept for
+        resuming, or a running pull's), each ``{"path", "bytes", "age_s", "live"}``. Reads only."""
 
     def pull_staging(self, dest: Path, digest: str) -> AbstractContextManager:
         """Where a pull of the artifact ``digest`` (``sha256:HEX``) to be published as ``dest``

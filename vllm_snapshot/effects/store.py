@@ -95,11 +95,11 @@ class LocalStoreTools(StoreTools):
             if dry_run:
                 gone.append(p)
                 continue
-            weights.unprotect(p)
-            p.unlink(missing_ok=True)
+            weights.remove(p)  # and its node-local pin
             gone.append(p)
         try:  # an empty .weights (a failed first create) goes too: a root then holds only snapshots
             if not dry_run:
+                weights.remove_orphan_pins(root)
                 weights.directory(root).rmdir()
         except OSError:
             pass

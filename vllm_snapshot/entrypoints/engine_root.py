@@ -204,16 +204,24 @@ def install_drain(loop: asyncio.AbstractEventLoop, server, drain_s: float) -> No
     server.config.timeout_graceful_shutdown = drain_s
     state = {"signals": 0}
 
+    def say(line: str) -> None:
+        """The line on stderr, best effort: stderr is the log file of a detached engine, and on a
+        full filesystem the write raises ENOSPC -- raised here it ended the handler before
+        ``should_exit``, so the engine never drained and `stop` had to SIGKILL it."""
+        try:
+            print(line, file=sys.stderr, flush=True)
+        except (OSError, ValueError):
+            pass
+
     def on_signal(signum: int) -> None:
         state["signals"] += 1
         busy = len(server.server_state.tasks)
         name = signal.Signals(signum).name  # a trial read "signal 15": named, as the supervisor names its own
+        server.should_exit = True  # first: whatever the log line below meets
         if state["signals"] == 1:
-            print(drain_line(name, busy, drain_s), file=sys.stderr, flush=True)
-            server.should_exit = True
+            say(drain_line(name, busy, drain_s))
             return
-        print(cut_line(name, busy), file=sys.stderr, flush=True)
-        server.should_exit = True
+        say(cut_line(name, busy))
         for task in list(server.server_state.tasks):
             task.cancel(msg="vllm-snapshot: stopped before the request finished")
         # a connection whose client does not read keeps its unsent bytes (and the graceful

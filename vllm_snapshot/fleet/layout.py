@@ -39,18 +39,22 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
-def make_private_dirs(path: Path) -> None:
+def make_private_dirs(path: Path) -> list[Path]:
     """Create directory ``path`` and every missing parent 0700 (``Path.mkdir(parents=True)``
-    makes the parents with the umask's mode, not the one asked for)."""
+    makes the parents with the umask's mode, not the one asked for); return those this call
+    made, outermost first."""
     path = Path(path)
     missing = []
     p = path
     while not os.path.lexists(p) and p != p.parent:
         missing.append(p)
         p = p.parent
+    made = []
     for d in reversed(missing):
         with contextlib.suppress(FileExistsError):
             os.mkdir(d, 0o700)
+            made.append(d)
+    return made
 
 
 class Layout:
@@ -82,6 +86,10 @@ class Layout:
         else:
             check_layout_dir(self.path, create)
         self._ready = (self.path / "oci-layout").is_file()
+        #: directories this object created (the layout's and missing parents), outermost first
+        self._made_dirs: list[Path] = []
+        #: True once this object turned the directory into a layout (it was absent or empty)
+        self._made_layout = False
 
     @contextlib.contextmanager
     def _locked(self):
@@ -108,11 +116,12 @@ class Layout:
                     return
                 if not os.path.lexists(self.path):
                     check_layout_dir(self.path, True)  # again: it may have changed since the check
-                    make_private_dirs(self.path)
+                    self._made_dirs = make_private_dirs(self.path)
             with self._locked():
                 if self._ready:
                     return
                 check_layout_dir(self.path, True)  # under the lock: another process's half-made layout is not seen
+                self._made_layout = not (self.path / "oci-layout").exists()
                 (self.path / "blobs" / "sha256").mkdir(mode=0o700, parents=True, exist_ok=True)
                 for d in (self.path / "blobs", self.path / "blobs" / "sha256"):
                     os.chmod(d, 0o700)
@@ -125,6 +134,46 @@ class Layout:
         except OSError as e:
             raise EnvironmentProblem(f"cannot create the OCI image layout {self.path}: {e.strerror or e}",
                                      hint="name a directory this user can write (oci:DIR)") from e
+
+    def abandon(self) -> list[Path]:
+        """After a failed push: remove what this object made of a layout that nothing was
+        published into -- when it turned an absent or empty directory into a layout and the
+        index still names no manifest (no other push tagged into it meanwhile), the layout's
+        files and the directories it created; otherwise nothing (the blobs of an existing layout
+        may serve other pushes; the next push of the same snapshot reuses them). Returns the
+        paths removed. Never raises (an OSError leaves the rest, e.g. on a read-only mount)."""
+        import shutil
+
+        if not self._made_layout:
+            return []
+        removed: list[Path] = []
+        try:
+            with self._locked():
+                try:
+                    named = json.loads((self.path / "index.json").read_bytes()).get("manifests")
+                except (OSError, ValueError, AttributeError):
+                    named = []
+                if named:
+                    return []
+                for name in ("blobs", "index.json", "oci-layout"):
+                    p = self.path / name
+                    if p.is_dir():
+                        shutil.rmtree(p)
+                    elif os.path.lexists(p):
+                        p.unlink()
+                    else:
+                        continue
+                    removed.append(p)
+                for p in list(self.path.iterdir()):  # the temp files of index writes
+                    if p.name.startswith((".index.json.tmp-", ".oci-layout.tmp-")):
+                        p.unlink()
+            for d in reversed(self._made_dirs):
+                d.rmdir()  # OSError when not empty: another process's files are left
+                removed.append(d)
+            self._ready = self._made_layout = False
+        except OSError:
+            pass
+        return removed
 
     def describe(self) -> str:
         return f"oci:{self.path}"

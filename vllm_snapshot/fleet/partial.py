@@ -110,6 +110,47 @@ def clean_stale(root: Path, keep: str | None, max_age_s: float = MAX_AGE_S) -> l
     return removed
 
 
+def disk_bytes(path: Path) -> int:
+    """Bytes of disk the partial dir ``path`` takes (its files' allocated blocks: a member file
+    is written layer by layer at its offsets, so it may be sparse); 0 when it cannot be read."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
+    return total
+
+
+@dataclass(frozen=True)
+class Partial:
+    """A partial dir kept for resuming: ``path``, ``bytes`` of disk it takes, ``age_s`` since it
+    last changed, ``live`` (a pull holds it now)."""
+
+    path: str
+    bytes: int
+    age_s: float
+    live: bool
+
+
+def kept(root: Path) -> list[Partial]:
+    """The partial dirs under the store ``root`` (interrupted or failed pulls kept for resuming,
+    and those of pulls running now), oldest name first. Reads only; never raises for one it
+    cannot read (its size is then 0)."""
+    out = []
+    for p in sorted(Path(root).glob(PREFIX + "*")):
+        if p.is_symlink() or not p.is_dir():
+            continue
+        fd = lock_dir(p)
+        if fd is not None:
+            os.close(fd)
+        try:
+            age = _age_s(p)
+        except OSError:
+            age = 0.0
+        out.append(Partial(str(p), disk_bytes(p), round(age, 1), fd is None))
+    return out
+
+
 def _make(path: Path) -> None:
     from ..store.layout import CARRIED, FILES, IMAGES
 

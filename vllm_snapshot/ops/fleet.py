@@ -29,8 +29,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import CorruptSnapshotError, EnvironmentProblem, IncompatibleHostError, ModelChangedError, UsageError
-from ..fleet import oci, reference, sign, transfer
+from ..errors import (CorruptSnapshotError, EnvironmentProblem, IncompatibleHostError, ModelChangedError, UsageError,
+                      Interrupted, from_os_error)
+from .. import units
+from ..fleet import oci, partial, reference, sign, transfer
 from ..fleet.transport import Net, NotFound, Target
 from ..effects.tools import Tools
 from ..report.results import ImageInspected, Pulled, Pushed
@@ -65,6 +67,13 @@ def _tag_of(ref: reference.Ref, verb: str) -> str:
     if ref.digest:
         raise UsageError(f"{verb} needs a tag, not a digest: {ref}", hint="write IMAGE as ...:TAG")
     return ref.tag or reference.DEFAULT_TAG
+
+
+def _abandon(target) -> list:
+    """After a failed push: what ``target`` removes of what it made for this push (an image
+    layout it created; a registry: nothing). Never raises."""
+    abandon = getattr(target, "abandon", None)
+    return abandon() if abandon is not None else []
 
 
 def push(req: PushRequest, rep, t: Tools) -> Pushed:
@@ -104,7 +113,20 @@ def push(req: PushRequest, rep, t: Tools) -> Pushed:
                 r = transfer.push(snapshot, config, oci.annotations(m, model_part(m.model.files)), target, tag,
                                   signing_key=key, docker_reference=str(ref.with_tag(tag)).removesuffix(f":{tag}"),
                                   weights=m.weights)
-            except EnvironmentProblem as e:  # the network or the registry, past the retries
+            except BaseException as e:  # nothing was tagged: a layout this push began goes
+                removed = _abandon(target)
+                if isinstance(e, OSError) and e.filename is None and getattr(target, "path", None) is not None:
+                    e = OSError(e.errno, e.strerror, str(target.path))  # a write(2) names no file: the layout's
+                host = from_os_error(e) if isinstance(e, OSError) else None
+                if host is not None:  # the local side: an oci:DIR's filesystem (full, read-only, ...)
+                    raise EnvironmentProblem(
+                        f"push to {target.describe()} failed: {host.message}; "
+                        + ("nothing was published: the layout it had begun there was removed" if removed
+                           else "blobs it wrote are kept (the next push reuses them)"),
+                        hint=host.hint, details=host.details) from e
+                if not isinstance(e, EnvironmentProblem):
+                    raise
+                # the network or the registry, past the retries
                 e.hint = (f"{e.hint}; " if e.hint else "") + (
                     f"then `{again}` pushes again, sending only the blobs {target.describe()} lacks (the tag is set "
                     "last: it still names what it named before)")
@@ -367,6 +389,16 @@ def _explained(req: PullRequest, ref: reference.Ref, name: str, st):
     repairs it (:func:`repair_hint`)."""
     try:
         yield
+    except Interrupted as e:  # kept for resuming (fleet/partial.py): say what, where, and how to drop it
+        if not st.resumable or not Path(st.path).is_dir():
+            raise
+        size = partial.disk_bytes(st.path)
+        raise Interrupted(
+            f"{e.message}, except the partial pull {st.path} ({units.human_bytes(size)}: the layers verified so far), "
+            "kept on purpose so that the same pull resumes from it",
+            hint=f"`{resume_command(req, name)}` resumes the pull; `rm -r {st.path}` removes it (the next pull of "
+                 f"another image into this store, or any pull after {partial.MAX_AGE_S / 3600:g} h, removes it too)",
+            details={**(e.details if isinstance(e.details, dict) else {}), "kept": str(st.path), "kept_bytes": size}) from e
     except EnvironmentProblem as e:
         kept = (f"the layers verified so far are kept in {st.path}, and " if st.resumable else "")
         e.hint = (f"{e.hint}; " if e.hint else "") + f"{kept}`{resume_command(req, name)}` resumes the pull"

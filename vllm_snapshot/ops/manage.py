@@ -77,7 +77,9 @@ def _engines_of(store: StoreTools, rt: RuntimeTools, snapshot: Path, entries: li
 def delete(snapshot: Path, force: bool = False, tools: Tools | None = None) -> Deleted:
     """Delete ``snapshot`` under its exclusive lock. Refuses (BusyError) while an engine
     restored from it runs, unless ``force`` (then they are stopped first). Raises UsageError
-    (missing), CorruptSnapshotError (a directory that is not a snapshot)."""
+    (missing, a file, a directory without a manifest), CorruptSnapshotError (a manifest that is
+    not a snapshot's, a damaged snapshot), EnvironmentProblem (a read-only filesystem, a mount
+    point: nothing was deleted)."""
     t = tools or local_tools()
     snapshot = t.store.canonical(snapshot)
     if not t.host.path_exists(snapshot / layout.MANIFEST):
@@ -85,7 +87,11 @@ def delete(snapshot: Path, force: bool = False, tools: Tools | None = None) -> D
             raise UsageError(f"{snapshot} does not exist")
         if not snapshot.is_dir():  # the exit-code rule: a file is a usage error, as for inspect
             raise UsageError(f"{snapshot} is not a directory (a snapshot is a directory)")
-        raise CorruptSnapshotError(f"{snapshot} has no {layout.MANIFEST}; refusing to delete a directory that is not a snapshot")
+        # a usage error, as a file is: a path that names no snapshot (a damaged snapshot, with its
+        # manifest, is a corrupt one: store.delete)
+        raise UsageError(f"{snapshot} is not a snapshot (it has no {layout.MANIFEST}); nothing was deleted",
+                         hint="check the path (`vllm-snapshot list` names the snapshots); remove other directories "
+                              "with rm, not vllm-snapshot")
     running = _engines_of(t.store, t.runtime, snapshot)
     if running and not force:
         raise BusyError(f"engines restored from {snapshot} are running: PIDs {[e.pid for e in running]}",
@@ -117,7 +123,9 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
     model files, an unreadable manifest: ``list``'s ✗); delete them unless ``dry_run``; skip
     those with running engines.
     Always removes what killed commands left (temp dirs of crashed creates, staging dirs of
-    killed restores, stale lock files); without ``keep``/``older_than_s`` only that."""
+    killed restores, stale lock files); without ``keep``/``older_than_s`` only that. Lists, and
+    keeps, the partial dirs interrupted pulls left for resuming (``.pull-*``: the next pull
+    removes stale ones)."""
     t = tools or local_tools()
     rows = []
     for p in t.store.list_snapshots(root) if (keep is not None or older_than_s is not None) else []:
@@ -158,7 +166,7 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
         deleted.append(str(p))
     temps = t.store.reclaim(root, dry_run=True) if dry_run else [str(x) for x in t.store.clean_stale_temps(root)] + t.store.reclaim(root)
     weights_gone = [str(p) for p in t.store.remove_unused_weights(root, dry_run=dry_run)]
-    return Pruned(deleted, kept, temps, dry_run, weights_gone, t.store.weights_blocked(root))
+    return Pruned(deleted, kept, temps, dry_run, weights_gone, t.store.weights_blocked(root), t.fleet.partial_pulls(root))
 
 
 def status(tools: Tools | None = None) -> Engines:

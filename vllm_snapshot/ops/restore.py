@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 from ..supervise import frontend
 from ..host import identity, ports, privilege, resources
 from ..store import layout, oracle
+from .. import units
 from ..errors import (
     BusyError,
     CorruptSnapshotError,
@@ -92,6 +93,9 @@ from .validate import damaged_hint, raise_code_changed, validate, validate_roles
 
 RESTORE_ORACLE_TIMEOUT_S = 300.0
 BIND_TIMEOUT_S = 120.0
+#: a detached engine's log file on a filesystem with less free than this (bytes) is warned about:
+#: an engine writes a few MiB of log lines in its first hours (vLLM's periodic stats, requests)
+LOG_ROOM_MIN = 8 * 1024 * 1024
 HEALTH_POLL_S = 0.05
 
 @dataclass
@@ -285,6 +289,11 @@ def _validate_request(t: Tools, req: RestoreRequest, snapshot: Path):
         if req.log_file is not None:
             t.engine.check_log_file(req.log_file)
         log_file = req.log_file or t.engine.default_log_file(snapshot, req.port)
+        room = t.engine.log_room(log_file)
+        if room is not None and room < LOG_ROOM_MIN:
+            warnings = [*warnings, f"the engine log {log_file} is on a filesystem with {units.human_bytes(room)} free: "
+                                   "the engine's log lines will be lost once it is full (free space there, or "
+                                   "restore again with --log-file on another filesystem)"]
     return m, warnings, fe, pins, log_file, (placed[0] if placed else None)
 
 

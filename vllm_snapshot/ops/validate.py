@@ -181,16 +181,27 @@ def damaged_hint(snapshot: Path) -> Iterator[None]:
 
 def verify(snapshot: Path, allow: frozenset[str] = frozenset(), tools: Tools | None = None) -> Verified:
     """``verify``: :func:`validate` with every image checksum and a full model re-hash, under
-    the snapshot's shared lock. Returns :class:`Verified`."""
+    the snapshot's shared lock. Returns :class:`Verified`. A pass clears a refusal recorded for
+    what it re-checks (:data:`VERIFY_RECHECKS`); a CorruptSnapshotError (a checksum, a file) of a
+    directory with a manifest is recorded as a refusal ``by`` verify, as a refused restore
+    records it (``list`` shows ✗, ``prune --unusable`` selects it)."""
     t = tools or local_tools()
     snapshot = t.store.canonical(snapshot)
-    with damaged_hint(snapshot), t.store.snapshot_lock(snapshot, shared=True):
-        m, warnings = validate_roles(t.host, t.model, t.files, snapshot, "full", allow, check_images=True)
-        raise_code_changed(t.files.check_code(snapshot, m))
-        try:  # what it re-checked passes now (e.g. the weights file put back): list stops showing the old ✗
-            cleared = t.store.clear_refusal(snapshot, VERIFY_RECHECKS)
-        except OSError:  # bookkeeping only
-            cleared = None
+    try:
+        with damaged_hint(snapshot), t.store.snapshot_lock(snapshot, shared=True):
+            m, warnings = validate_roles(t.host, t.model, t.files, snapshot, "full", allow, check_images=True)
+            raise_code_changed(t.files.check_code(snapshot, m))
+            try:  # what it re-checked passes now (e.g. the weights file put back): list stops showing the old ✗
+                cleared = t.store.clear_refusal(snapshot, VERIFY_RECHECKS)
+            except OSError:  # bookkeeping only
+                cleared = None
+    except CorruptSnapshotError as e:
+        if t.host.path_exists(snapshot / layout.MANIFEST):  # a snapshot, damaged (not some other directory)
+            try:
+                t.store.record_refusal(snapshot, e.code, e.message.splitlines()[0], by="verify")
+            except OSError:  # bookkeeping only
+                pass
+        raise
     return Verified(str(snapshot), len(m.images), len(m.model.files), warnings, m.weights.path if m.weights else None,
                     cleared)
 

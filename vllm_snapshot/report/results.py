@@ -253,10 +253,14 @@ class Pruned:
     weights_removed: list[str] = field(default_factory=list)
     #: snapshot dirs whose unreadable manifest kept unused weights files (it might name them)
     weights_kept_for: list[str] = field(default_factory=list)
+    #: partial pulls kept for resuming (never removed by prune): ``path``, ``bytes`` of disk,
+    #: ``age_s`` since it last changed, ``live`` (a pull holds it now)
+    partial_pulls: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"deleted": self.deleted, "kept_running": self.kept_running, "temp_removed": self.temp_removed,
-                "dry_run": self.dry_run, "weights_removed": self.weights_removed, "weights_kept_for": self.weights_kept_for}
+                "dry_run": self.dry_run, "weights_removed": self.weights_removed, "weights_kept_for": self.weights_kept_for,
+                "partial_pulls": self.partial_pulls}
 
 
 @dataclass(frozen=True)

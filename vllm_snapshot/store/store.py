@@ -256,9 +256,33 @@ def list_snapshots(root: Path) -> list[Path]:
                   and (p / MANIFEST).is_file())
 
 
+def mounts_within(path: Path, mountinfo: str) -> list[str]:
+    """The mount points at or below ``path`` (absolute, canonical) in ``mountinfo`` (the text of
+    ``/proc/self/mountinfo``), in file order, each once. Pure."""
+    from ..engine.mounts import parse_mountinfo
+
+    top = str(path).rstrip("/") or "/"
+    seen: list[str] = []
+    for m in parse_mountinfo(mountinfo):
+        mp = m.mount_point
+        if (mp == top or mp.startswith(top + "/")) and mp not in seen:
+            seen.append(mp)
+    return seen
+
+
+def _mountinfo() -> str:
+    try:
+        with open("/proc/self/mountinfo") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 def delete(snapshot: Path) -> None:
     """Remove a snapshot: first renamed to a hidden temp name (so it vanishes from listings
-    atomically), then removed."""
+    atomically), then removed. Raises CorruptSnapshotError (not a snapshot), EnvironmentProblem
+    (a mount point at or below it, a read-only filesystem, denied: nothing was deleted; a
+    failure half-way: what is left, hidden)."""
     from ..errors import CorruptSnapshotError
 
     if snapshot.is_symlink():
@@ -279,9 +303,47 @@ def delete(snapshot: Path) -> None:
             ("if it is a snapshot with files put into it by hand, move them out and run delete again; otherwise "
              "remove the directory with rm, not vllm-snapshot") if why.startswith("it holds ") and (snapshot / IMAGES).is_dir()
             else "check the path; remove other directories with rm, not vllm-snapshot")
+    mounted = mounts_within(snapshot, _mountinfo())
+    if mounted:  # rmtree would empty a mounted filesystem (another one's files) before failing with EBUSY
+        from ..errors import EnvironmentProblem
+
+        raise EnvironmentProblem(
+            f"{snapshot} is a mount point or has filesystems mounted in it ({', '.join(mounted)}); nothing was deleted "
+            "(deleting would remove the files of the mounted filesystem too)",
+            hint="unmount " + ("it" if len(mounted) == 1 else "them") + " (`umount "
+                 + " ".join(reversed(mounted)) + "`), then delete again", details={"mounts": mounted})
     tmp = snapshot.parent / f".{snapshot.name}{TMP_MARK}deleting-{os.getpid()}"
-    os.rename(snapshot, tmp)
-    shutil.rmtree(tmp)
+    try:
+        os.rename(snapshot, tmp)
+    except OSError as e:
+        import errno
+
+        from ..errors import EnvironmentProblem
+
+        if e.errno == errno.EROFS:
+            raise EnvironmentProblem(f"{snapshot} is on a read-only filesystem; nothing was deleted",
+                                     hint=f"remount {snapshot.parent} read-write, then delete again") from e
+        if e.errno == errno.EBUSY:
+            raise EnvironmentProblem(f"{snapshot} is busy (a mount point, or in use); nothing was deleted",
+                                     hint=f"unmount it (`umount {snapshot}`; `findmnt {snapshot}` shows the mount), "
+                                          "then delete again") from e
+        if e.errno in (errno.EACCES, errno.EPERM):
+            raise EnvironmentProblem(f"{snapshot} cannot be renamed out of {snapshot.parent} ({e.strerror}); "
+                                     "nothing was deleted",
+                                     hint="run as root; as root, check `lsattr -d` of it and its directory "
+                                          "(an immutable or append-only attribute)") from e
+        raise
+    try:
+        shutil.rmtree(tmp)
+    except OSError as e:
+        from ..errors import ENVIRONMENT_ERRNOS, EnvironmentProblem
+
+        if e.errno not in ENVIRONMENT_ERRNOS:
+            raise
+        raise EnvironmentProblem(f"{snapshot} was only partly deleted: {e.strerror} ({e.filename}); what is left is "
+                                 f"{tmp}, hidden from list",
+                                 hint=f"fix that, then `rm -r {tmp}` (`vllm-snapshot prune` removes it a minute "
+                                      "from now)") from e
     forget(snapshot)
 
 

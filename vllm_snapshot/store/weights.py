@@ -322,20 +322,36 @@ def blocked(root: Path) -> list[str]:
     return unreadable if waiting else []
 
 
-def remove_unreferenced(root: Path) -> list[Path]:
-    """Remove the weights files no snapshot under ``root`` names; return them. Raises OSError."""
-    gone = []
-    for p in unreferenced(root):
-        unprotect(p)
-        p.unlink(missing_ok=True)
-        pin_path(p).unlink(missing_ok=True)
-        gone.append(p)
+def remove(path: Path) -> None:
+    """Remove the weights file ``path`` (its immutable attribute cleared first) and its
+    node-local pin (:func:`pin_path`). Raises OSError."""
+    unprotect(path)
+    path.unlink(missing_ok=True)
+    pin_path(path).unlink(missing_ok=True)
+
+
+def remove_orphan_pins(root: Path) -> list[Path]:
+    """Remove the pins in ``root/.weights`` whose weights file is gone (removed by hand, or
+    before pins went with their file); return them. Raises OSError."""
     d = directory(root)
-    if d.is_dir():  # pins whose weights file is gone (removed by hand)
+    gone = []
+    if d.is_dir():
         for pin in d.iterdir():
             if (pin.name.endswith(SUFFIX + PIN_SUFFIX) and not pin.name.startswith(".")
                     and not pin.with_name(pin.name[:-len(PIN_SUFFIX)]).exists()):
                 pin.unlink(missing_ok=True)
+                gone.append(pin)
+    return gone
+
+
+def remove_unreferenced(root: Path) -> list[Path]:
+    """Remove the weights files no snapshot under ``root`` names (with their pins); return them.
+    Raises OSError."""
+    gone = []
+    for p in unreferenced(root):
+        remove(p)
+        gone.append(p)
+    remove_orphan_pins(root)
     return gone
 
 

@@ -185,8 +185,10 @@ def check_engine_arg_names(ctx: typer.Context, engine_args: list[str], load: boo
                            usage: str | None = "") -> None:
     """Refuse, in milliseconds, an engine arg that is no option of vLLM's (nor of this command),
     with "did you mean" (:mod:`vllm_snapshot.store.argnames`), and -- unless ``usage`` is None
-    (restore: front-end options only, judged by their own check) -- a stray word among them
-    (``serve MODEL --dtype float32 extra``: vLLM would load "extra" as the model), ``usage``
+    (restore: front-end options only, judged by their own check) -- an abbreviated engine arg
+    (``--kv-cache-memory-byte``: our rules read whole names) and a stray word among them
+    (``serve MODEL --dtype float32 extra``: vLLM would load "extra" as the model), all in one
+    error, ``usage``
     being the command's synopsis for the hint ("" for ``COMMAND MODEL [engine args]``). vLLM's
     option names and arities come from the cache setup wrote; when it is missing: with
     ``load`` (create) they are read from vLLM's parser now (~20 s, once per vLLM version), else
@@ -203,11 +205,19 @@ def check_engine_arg_names(ctx: typer.Context, engine_args: list[str], load: boo
     argnames.check(engine_args, own_options(ctx), ctx.command.name, options)  # a typo first: no parse for it
     if usage is None:
         return
+    found = argnames.abbreviation_errors(engine_args, options)  # vLLM's parser would take them; our rules not
     arity = argnames.known_arities()
     if arity is None and load:  # a file an older setup wrote: the names without their arities
         with reporter(quiet, False).phase("engine_arg_names", phase):
             arity = argnames.known_arities(load=True)
-    argnames.check_stray_words(engine_args, ctx.command.name, arity, usage or None)
+    try:
+        argnames.check_stray_words(engine_args, ctx.command.name, arity, usage or None)
+    except UsageError as e:
+        found.append(e)
+    if found:
+        from ..errors import combined
+
+        raise combined(found)
 
 
 class UsageChecks:

@@ -145,6 +145,22 @@ def reporter(quiet: bool, as_json: bool):
     return make_reporter(quiet or as_json)
 
 
+def host_address(host: str | None, quiet: bool) -> str | None:
+    """``--host`` as the one address it stands for (:func:`vllm_snapshot.host.ports.resolve_host`:
+    a name such as ``localhost`` is resolved here, once, and the line says which address is
+    bound, unless ``quiet``); None stays None. Raises UsageError for a name that does not
+    resolve to an address of this host."""
+    if host is None:
+        return None
+    from ..host.ports import resolve_host
+
+    addr = resolve_host(host)
+    if addr != host and not quiet:
+        print(f"[vllm-snapshot] --host {host}: binding {addr} (the address {host} resolves to here)",
+              file=sys.stderr, flush=True)
+    return addr
+
+
 def stderr_sink(b: bytes) -> None:
     try:
         sys.stderr.buffer.write(b)

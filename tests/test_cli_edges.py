@@ -54,8 +54,21 @@ def test_switch_to_a_port_where_nothing_serves_says_so():
             said.append(text)
 
     t = FakeWorld()
-    ops.switch(SNAP, None, 8101, None, Listening(), tools=t.tools)
+    r = ops.switch(SNAP, None, 8101, None, Listening(), tools=t.tools)
     assert any("nothing serves on port 8101" in x and "no engine is replaced" in x for x in said), said
+    # the result says it too (a trial's output was only "stop 0.00 s + restore 2.63 s"): a typo'd
+    # port gives a second engine
+    assert r.new_engine and r.stopped == [] and r.to_json()["new_engine"] is True
+
+
+def test_the_output_of_a_switch_that_started_a_new_engine_says_so(capsys):
+    from vllm_snapshot.cli import render
+    from vllm_snapshot.report.results import Switched
+
+    render.show(Switched("/s/b", 8101, 4242, "http://127.0.0.1:8101", 0.0, 2.63, 2.63, [], new_engine=True))
+    assert capsys.readouterr().out == ("nothing served on port 8101, so this started a new engine there: /s/b (engine "
+                                       "PID 4242) in 2.63 s; no engine was replaced (`vllm-snapshot status` lists them "
+                                       "all)\n")
 
 
 def test_switch_to_a_changed_model_never_stops_the_old_engine():

@@ -319,3 +319,17 @@ def test_create_refuses_an_abbreviated_engine_arg_before_the_kv_cache_check(tmp_
                                "--dtype\nand 1 more problem"), p.stderr
     assert "write it out in full: --kv-cache-memory-bytes" in p.stderr and "size it explicitly" not in p.stderr
     assert not root.exists() or not any(root.iterdir())
+
+
+def test_a_typo_an_abbreviation_and_a_stray_word_are_said_in_one_run(tmp_path):
+    from conftest import cli
+
+    root, model = tmp_path / "root", str(CACHE / "models" / "tiny-llama")
+    p = cli("--root", str(root), "create", model, "--name", "x", "--", "--dtpye", "float32",
+            "--kv-cache-memory-byte", "64M", timeout=120)
+    assert p.returncode == 2 and p.stderr.startswith("error [usage]: --dtpye is neither an option"), p.stderr
+    assert "and 1 more problem" in p.stderr and "write it out in full: --kv-cache-memory-bytes" in p.stderr
+    p = cli("--root", str(root), "create", model, "--name", "x", "--", "--dtype", "float32",
+            "--kv-cache-memory-byte", "64M", "stray", timeout=120)
+    assert p.returncode == 2 and "write it out in full: --kv-cache-memory-bytes" in p.stderr, p.stderr
+    assert "unexpected argument 'stray'" in p.stderr

@@ -218,16 +218,24 @@ def check_engine_arg_names(ctx: typer.Context, engine_args: list[str], load: boo
     if options is None and load:
         with reporter(quiet, False).phase("engine_arg_names", phase):
             options = argnames.known_options(load=True)
-    argnames.check(engine_args, own_options(ctx), ctx.command.name, options)  # a typo first: no parse for it
+    found: list[UsageError] = []
+    try:
+        argnames.check(engine_args, own_options(ctx), ctx.command.name, options)  # a typo first: no parse for it
+    except UsageError as e:
+        if usage is None:
+            raise
+        found.append(e)
     if usage is None:
         return
-    found = argnames.abbreviation_errors(engine_args, options)  # vLLM's parser would take them; our rules not
+    unknown = bool(found)
+    found += argnames.abbreviation_errors(engine_args, options)  # vLLM's parser would take them; our rules not
     arity = argnames.known_arities()
     if arity is None and load:  # a file an older setup wrote: the names without their arities
         with reporter(quiet, False).phase("engine_arg_names", phase):
             arity = argnames.known_arities(load=True)
     try:
-        argnames.check_stray_words(engine_args, ctx.command.name, arity, usage or None)
+        if not unknown:  # after an unknown option its value would read as a stray word too
+            argnames.check_stray_words(engine_args, ctx.command.name, arity, usage or None)
     except UsageError as e:
         found.append(e)
     if found:

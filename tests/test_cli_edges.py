@@ -54,8 +54,21 @@ def test_switch_to_a_port_where_nothing_serves_says_so():
             said.append(text)
 
     t = FakeWorld()
-    ops.switch(SNAP, None, 8101, None, Listening(), tools=t.tools)
+    r = ops.switch(SNAP, None, 8101, None, Listening(), tools=t.tools)
     assert any("nothing serves on port 8101" in x and "no engine is replaced" in x for x in said), said
+    # the result says it too (a trial's output was only "stop 0.00 s + restore 2.63 s"): a typo'd
+    # port gives a second engine
+    assert r.new_engine and r.stopped == [] and r.to_json()["new_engine"] is True
+
+
+def test_the_output_of_a_switch_that_started_a_new_engine_says_so(capsys):
+    from vllm_snapshot.cli import render
+    from vllm_snapshot.report.results import Switched
+
+    render.show(Switched("/s/b", 8101, 4242, "http://127.0.0.1:8101", 0.0, 2.63, 2.63, [], new_engine=True))
+    assert capsys.readouterr().out == ("nothing served on port 8101, so this started a new engine there: /s/b (engine "
+                                       "PID 4242) in 2.63 s; no engine was replaced (`vllm-snapshot status` lists them "
+                                       "all)\n")
 
 
 def test_switch_to_a_changed_model_never_stops_the_old_engine():
@@ -187,6 +200,43 @@ def test_invalid_names_are_refused_as_names(name, capsys):
     assert cli.main(["create", "/models/good", "--name", name, "--", "--dtype", "float32"]) == 2
     err = capsys.readouterr().err
     assert "--name" in err and "not a valid snapshot name" in err
+
+
+@pytest.mark.parametrize("argv,flag,nxt", [
+    (["create", "/models/good", "--name", "--", "--dtype", "float32"], "--name", "'--'"),
+    (["create", "/models/good", "--name", "--dtype", "float32"], "--name", "'--dtype'"),
+    (["create", "/models/good", "--name", "x", "--oracle-prompt", "--", "--dtype", "float32"], "--oracle-prompt", "'--'"),
+    (["pull", "127.0.0.1:5000/r:t", "--name", "-q"], "--name", "'-q'"),
+])
+def test_an_option_followed_by_another_option_or_the_end_of_options_needs_a_value(argv, flag, nxt, capsys):
+    # a trial: `create M --name -- --dtype ...` named the snapshot `--` and started the engine
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error [usage]: {flag} needs a value: it is followed by {nxt}"), err
+
+
+def test_a_negative_number_and_an_equals_sign_still_give_values():
+    from vllm_snapshot.cli.helpformat import missing_values
+
+    params = [p for p in __import__("typer").main.get_command(cli.app).commands["create"].params]
+    missing_values(params, ["/m", "--sleep-level", "-1", "--oracle-prompt=-x", "--name", "x", "--", "--name", "--"])
+
+
+@pytest.mark.parametrize("name", ["-dash", "--", "-"])
+def test_a_snapshot_name_never_starts_with_a_dash(name, capsys):
+    # `create --name=-dash` made ROOT/-dash, which `inspect -dash` / `delete -dash` then read as options
+    from vllm_snapshot.store import store
+
+    assert not store.valid_name(name) and store.valid_name("a-dash") and store.valid_name("_x")
+    assert cli.main(["create", "/models/good", f"--name={name}", "--", "--dtype", "float32"]) == 2
+    assert "not a valid snapshot name" in capsys.readouterr().err
+
+
+def test_serve_builds_no_name_that_starts_with_a_dash(tmp_path):
+    from vllm_snapshot.ops.serve import _name_for
+
+    t = FakeWorld()
+    assert _name_for(t.tools.host, tmp_path, "/m/-model", Path("/m/-model"), False, "ab" * 8).name == "model-abababababab"
 
 
 # ------------------------------------------------------------------ non-root, usage errors

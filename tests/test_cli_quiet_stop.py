@@ -76,9 +76,17 @@ def test_errors_are_coloured_on_a_terminal_only(monkeypatch, capsys):
 
 
 def test_clicks_own_errors_read_like_ours(capsys):
-    assert cli.main(["list", "--bogus"]) == 2
-    assert capsys.readouterr().err == ("error [usage]: no such option: --bogus\n"
-                                       "hint: `vllm-snapshot list --help` lists the options and arguments\n")
+    # a trial: `list --keep 3` got click's "Possible options: --help" (not --json, not -q)
+    assert cli.main(["list", "--keep", "3"]) == 2
+    assert capsys.readouterr().err == ("error [usage]: no such option: --keep\n"
+                                       "hint: `vllm-snapshot list` takes --help, --json, -q, --quiet; "
+                                       "`vllm-snapshot list --help` says what they do\n")
+    assert cli.main(["list", "--jsn"]) == 2
+    assert capsys.readouterr().err == ("error [usage]: no such option: --jsn\n"
+                                       "hint: did you mean --json? (`vllm-snapshot list` takes --help, --json, -q, "
+                                       "--quiet)\n")
+    assert cli.main(["list", "extra"]) == 2  # click's other errors keep their words
+    assert "hint: `vllm-snapshot list --help` lists the options and arguments" in capsys.readouterr().err
 
 
 def test_inspect_names_the_model_path_once_and_phases_in_run_order(tmp_path, capsys, monkeypatch):

@@ -79,3 +79,15 @@ def test_the_exit_code_table_names_every_error_class_and_nothing_else():
     assert {(int(n), c) for n, c in rows} == expected
     listed = {int(n) for n in re.findall(r"^\| (\d+) \|", text, re.M)}
     assert listed == {0, 141} | {n for n, _ in expected}
+
+
+def test_the_options_the_readme_gives_to_restore_are_the_ones_restore_takes():
+    """A trial: the README said `--uds` belongs to serve/restore; restore refused it."""
+    from vllm_snapshot.engine.args import REFUSED_AT_RESTORE, RESTORE_OWNED_ARGS
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    said = re.search(r"((?:`--[a-z-]+`(?:, | and )?)+) belongs? to `serve`/`restore`", readme)
+    assert said, "README.md no longer says which options belong to serve/restore"
+    flags = re.findall(r"`(--[a-z-]+)`", said.group(1))
+    assert flags and not [f for f in flags if f in REFUSED_AT_RESTORE]
+    assert "--uds" in RESTORE_OWNED_ARGS and "`--uds` is refused everywhere" in readme

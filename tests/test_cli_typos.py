@@ -281,3 +281,55 @@ def test_what_the_installed_vllms_parser_takes_passes_both_checks(args):
     if args == ["-O3"]:
         with pytest.raises(UsageError, match=r"\(-O3 carries its value: it takes no other\)"):
             argnames.check_stray_words([*args, "stray"], "serve", arity)
+
+
+def test_an_abbreviated_engine_arg_is_refused_naming_the_whole_name():
+    # a trial: `--kv-cache-memory-byte 64M` passed the name check, then the CPU KV-cache check
+    # (whole names) said the size was missing; `--dtyp` was keyed as dtype but shown as typed
+    options = OPTIONS | {"--kv-cache-memory-bytes"}
+    args = ["--dtyp", "float32", "--max_model_len", "512", "--kv-cache-memory-byte", "64M", "-tp", "1", "-O3"]
+    assert argnames.abbreviated(args, options) == [("--dtyp", "--dtype"), ("--kv-cache-memory-byte",
+                                                                            "--kv-cache-memory-bytes")]
+    errs = argnames.abbreviation_errors(args, options)
+    assert [e.message for e in errs] == [
+        "--dtyp is an abbreviation of vLLM's --dtype: write it out in full: --dtype",
+        "--kv-cache-memory-byte is an abbreviation of vLLM's --kv-cache-memory-bytes: write it out in full: "
+        "--kv-cache-memory-bytes"]
+    assert errs[0].exit_code == 2 and errs[0].hint == "did you mean --dtype? (engine args are written out in full)"
+    assert argnames.abbreviation_errors(args, None) == []  # not known yet: vLLM's parse judges
+
+
+def test_no_real_option_of_the_installed_vllm_counts_as_an_abbreviation():
+    options = argnames.known_options()
+    assert options is not None, f"run scripts/setup.sh: no {argnames.cache_file()}"
+    real = sorted(options) + ["-O3", "-O", "--max_model_len", "--compilation-config.mode", "--no-enforce-eager"]
+    assert argnames.abbreviated(real, options) == []
+    assert argnames.abbreviated(["--kv-cache-memory-byte", "--max-model"], options) == [
+        ("--kv-cache-memory-byte", "--kv-cache-memory-bytes"), ("--max-model", "--max-model-len")]
+
+
+def test_create_refuses_an_abbreviated_engine_arg_before_the_kv_cache_check(tmp_path):
+    from conftest import cli
+
+    root = tmp_path / "root"
+    p = cli("--root", str(root), "create", str(CACHE / "models" / "tiny-llama"), "--name", "x", "--",
+            "--dtyp", "float32", "--max-model-len", "512", "--kv-cache-memory-byte", "64M", timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.startswith("error [usage]: --dtyp is an abbreviation of vLLM's --dtype: write it out in full: "
+                               "--dtype\nand 1 more problem"), p.stderr
+    assert "write it out in full: --kv-cache-memory-bytes" in p.stderr and "size it explicitly" not in p.stderr
+    assert not root.exists() or not any(root.iterdir())
+
+
+def test_a_typo_an_abbreviation_and_a_stray_word_are_said_in_one_run(tmp_path):
+    from conftest import cli
+
+    root, model = tmp_path / "root", str(CACHE / "models" / "tiny-llama")
+    p = cli("--root", str(root), "create", model, "--name", "x", "--", "--dtpye", "float32",
+            "--kv-cache-memory-byte", "64M", timeout=120)
+    assert p.returncode == 2 and p.stderr.startswith("error [usage]: --dtpye is neither an option"), p.stderr
+    assert "and 1 more problem" in p.stderr and "write it out in full: --kv-cache-memory-bytes" in p.stderr
+    p = cli("--root", str(root), "create", model, "--name", "x", "--", "--dtype", "float32",
+            "--kv-cache-memory-byte", "64M", "stray", timeout=120)
+    assert p.returncode == 2 and "write it out in full: --kv-cache-memory-bytes" in p.stderr, p.stderr
+    assert "unexpected argument 'stray'" in p.stderr

@@ -118,7 +118,7 @@ ARG_RULES = {"arg_value", "has_flag", "last_value", "flag_name", "check_engine_a
              "PARALLEL_SIZES", "OPTIONS", "Option", "walk", "split", "values", "refuse_engine_options",
              "without_secrets", "secrets", "pop_option", "redact_args", "is_secret_name", "SECRET_FLAGS",
              "SECRET_DESTS", "REFUSED", "REFUSED_AT_RESTORE", "APP_DESTS", "normalize_args",
-             "normalize_namespace", "memoizable", "ARGS_IGNORED"}
+             "normalize_namespace", "memoizable", "ARGS_IGNORED", "config_refusal", "PARALLEL_FLAGS"}
 
 #: What the finder flags that does not take engine arguments apart, and what it splits instead.
 NOT_ENGINE_ARGS = {

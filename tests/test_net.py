@@ -192,3 +192,39 @@ def test_handoff_gives_up_at_once_when_the_engine_dies():
 def test_receive_listener_without_a_name_says_why():
     with pytest.raises(ValueError, match="without a hand-off socket"):
         net.receive_listener("")
+
+
+def _resolver(table: dict[str, list[str]]):
+    """A getaddrinfo over ``table`` (name -> addresses); numeric hosts resolve to themselves."""
+    def resolve(host, port, type=0, flags=0):
+        import ipaddress as ip
+
+        try:
+            ip.ip_address(host)
+            return [(socket.AF_INET6 if ":" in host else socket.AF_INET, type, 6, "", (host, 0))]
+        except ValueError:
+            if flags & socket.AI_NUMERICHOST or host not in table:
+                raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET6 if ":" in a else socket.AF_INET, type, 6, "", (a, 0)) for a in table[host]]
+    return resolve
+
+
+def test_a_host_name_is_resolved_once_to_a_loopback_or_local_address():
+    # a trial: `--host localhost` was refused although `vllm serve` and unit files use it
+    r = _resolver({"localhost": ["::1", "127.0.0.1"], "box": ["10.1.2.3"], "far": ["192.0.2.1"]})
+    assert ports.resolve_host("127.0.0.2", r, set()) == "127.0.0.2"  # numeric: as given
+    assert ports.resolve_host("localhost", r, set()) == "127.0.0.1"  # IPv4 first, as vllm serve binds a name
+    assert ports.resolve_host("box", r, {"10.1.2.3"}) == "10.1.2.3"
+    with pytest.raises(UsageError, match="'far' resolves to 192.0.2.1, which is no address of this host"):
+        ports.resolve_host("far", r, {"10.1.2.3"})
+    with pytest.raises(UsageError, match="'nowhere' is neither an IPv4/IPv6 address nor a name that resolves here"):
+        ports.resolve_host("nowhere", r, set())
+    assert ports.resolve_host("localhost") in ("127.0.0.1", "::1")  # this host's own resolver
+
+
+def test_restore_binds_the_address_localhost_stands_for_and_says_so(capsys):
+    from vllm_snapshot.cli import common
+
+    assert common.host_address("localhost", quiet=False) in ("127.0.0.1", "::1")
+    assert "--host localhost: binding " in capsys.readouterr().err
+    assert common.host_address("127.0.0.1", quiet=False) == "127.0.0.1" and capsys.readouterr().err == ""

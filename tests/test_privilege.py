@@ -349,3 +349,16 @@ def test_restore_refuses_a_model_the_engine_user_can_no_longer_read_before_criu(
     assert "restore_tree" not in t.calls and "stage_checking" not in t.calls
     t.user_unreadable = []
     ops.restore(ops.RestoreRequest(snapshot=SNAP, port=8123), Reporter(), tools=t.tools)
+
+
+def test_a_model_directory_that_does_not_exist_is_no_permission_problem(tmp_path):
+    # a trial: after `mv MODELDIR elsewhere`, restore said "does not exist" (right) and also
+    # "cannot read MODELDIR: Permission denied" with setfacl advice (wrong)
+    user = privilege.lookup(privilege.DEFAULT_USER)
+    tmp_path.chmod(0o755)
+    gone = tmp_path / "moved-away"
+    assert privilege.access_problems(user, read=[gone]) == []
+    hidden = tmp_path / "hidden"
+    hidden.mkdir(mode=0o700)  # root's, not readable to the engine user: still a problem
+    problems = privilege.access_problems(user, read=[hidden])
+    assert problems and "Permission denied" in problems[0]

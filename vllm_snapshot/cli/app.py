@@ -152,6 +152,20 @@ def _after_signal(e: SnapshotError, sig: SnapshotError | None) -> SnapshotError:
                        hint=e.hint, details={**(sig.details or {}), "then": {"code": e.code, "message": e.message}})
 
 
+def unknown_option(option: str, command, cmd_name: str) -> tuple[str, str]:
+    """``(message, hint)`` for an option ``command`` (a click command) does not have: "did you
+    mean" its closest option when there is one, else every option it has (click's own "Possible
+    options" named only the close ones: ``list --keep`` got "--help" alone). Pure."""
+    from ..suggest import did_you_mean
+
+    opts = [o for p in command.params for o in (*p.opts, *p.secondary_opts) if o.startswith("-")]
+    opts += [] if "--help" in opts else ["--help"]  # click adds it outside the params
+    guess = did_you_mean(option, opts)
+    listed = ", ".join(sorted(opts, key=lambda o: (o.lstrip("-").lower(), o)))
+    return f"no such option: {option}", (f"{guess} (`{cmd_name}` takes {listed})" if guess
+                                          else f"`{cmd_name}` takes {listed}; `{cmd_name} --help` says what they do")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry: run the app, map errors to exit codes (see errors.py)."""
     try:  # typer >= 0.29 vendors its own click
@@ -184,16 +198,19 @@ def main(argv: list[str] | None = None) -> int:
         print(e.format_message(), file=sys.stderr)  # where click puts it: stdout stays empty for a script
         return e.exit_code  # 2, click's (a command is missing)
     except click_exc.ClickException as e:
+        cmd_name = getattr(getattr(e, "ctx", None), "command_path", None) or "vllm-snapshot"
+        msg = e.format_message()
+        what = "commands" if "command" in msg.lower() else "options and arguments"
+        hint = f"`{cmd_name} --help` lists the {what}"
+        if isinstance(e, click_exc.NoSuchOption) and getattr(e, "ctx", None) is not None:
+            msg, hint = unknown_option(e.option_name, e.ctx.command, cmd_name)
         if _STATE["json"]:
             from .render import emit_json
 
-            emit_json({"error": {"code": "usage", "exit_code": e.exit_code, "message": e.format_message(),
-                                 "hint": "see --help", "details": None}})
+            emit_json({"error": {"code": "usage", "exit_code": e.exit_code, "message": msg,
+                                 "hint": hint, "details": None}})
         else:  # click's own errors (an unknown option, a missing argument) in our format
-            cmd_name = getattr(getattr(e, "ctx", None), "command_path", None) or "vllm-snapshot"
-            msg = e.format_message()
-            what = "commands" if "command" in msg.lower() else "options and arguments"
-            _error_lines("error [usage]", msg[:1].lower() + msg[1:], f"`{cmd_name} --help` lists the {what}")
+            _error_lines("error [usage]", msg[:1].lower() + msg[1:], hint)
         return e.exit_code
     except SnapshotError as e:
         if _STATE["debug"]:

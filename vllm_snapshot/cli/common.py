@@ -145,6 +145,22 @@ def reporter(quiet: bool, as_json: bool):
     return make_reporter(quiet or as_json)
 
 
+def host_address(host: str | None, quiet: bool) -> str | None:
+    """``--host`` as the one address it stands for (:func:`vllm_snapshot.host.ports.resolve_host`:
+    a name such as ``localhost`` is resolved here, once, and the line says which address is
+    bound, unless ``quiet``); None stays None. Raises UsageError for a name that does not
+    resolve to an address of this host."""
+    if host is None:
+        return None
+    from ..host.ports import resolve_host
+
+    addr = resolve_host(host)
+    if addr != host and not quiet:
+        print(f"[vllm-snapshot] --host {host}: binding {addr} (the address {host} resolves to here)",
+              file=sys.stderr, flush=True)
+    return addr
+
+
 def stderr_sink(b: bytes) -> None:
     try:
         sys.stderr.buffer.write(b)
@@ -185,8 +201,10 @@ def check_engine_arg_names(ctx: typer.Context, engine_args: list[str], load: boo
                            usage: str | None = "") -> None:
     """Refuse, in milliseconds, an engine arg that is no option of vLLM's (nor of this command),
     with "did you mean" (:mod:`vllm_snapshot.store.argnames`), and -- unless ``usage`` is None
-    (restore: front-end options only, judged by their own check) -- a stray word among them
-    (``serve MODEL --dtype float32 extra``: vLLM would load "extra" as the model), ``usage``
+    (restore: front-end options only, judged by their own check) -- an abbreviated engine arg
+    (``--kv-cache-memory-byte``: our rules read whole names) and a stray word among them
+    (``serve MODEL --dtype float32 extra``: vLLM would load "extra" as the model), all in one
+    error, ``usage``
     being the command's synopsis for the hint ("" for ``COMMAND MODEL [engine args]``). vLLM's
     option names and arities come from the cache setup wrote; when it is missing: with
     ``load`` (create) they are read from vLLM's parser now (~20 s, once per vLLM version), else
@@ -200,14 +218,30 @@ def check_engine_arg_names(ctx: typer.Context, engine_args: list[str], load: boo
     if options is None and load:
         with reporter(quiet, False).phase("engine_arg_names", phase):
             options = argnames.known_options(load=True)
-    argnames.check(engine_args, own_options(ctx), ctx.command.name, options)  # a typo first: no parse for it
+    found: list[UsageError] = []
+    try:
+        argnames.check(engine_args, own_options(ctx), ctx.command.name, options)  # a typo first: no parse for it
+    except UsageError as e:
+        if usage is None:
+            raise
+        found.append(e)
     if usage is None:
         return
+    unknown = bool(found)
+    found += argnames.abbreviation_errors(engine_args, options)  # vLLM's parser would take them; our rules not
     arity = argnames.known_arities()
     if arity is None and load:  # a file an older setup wrote: the names without their arities
         with reporter(quiet, False).phase("engine_arg_names", phase):
             arity = argnames.known_arities(load=True)
-    argnames.check_stray_words(engine_args, ctx.command.name, arity, usage or None)
+    try:
+        if not unknown:  # after an unknown option its value would read as a stray word too
+            argnames.check_stray_words(engine_args, ctx.command.name, arity, usage or None)
+    except UsageError as e:
+        found.append(e)
+    if found:
+        from ..errors import combined
+
+        raise combined(found)
 
 
 class UsageChecks:

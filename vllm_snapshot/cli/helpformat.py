@@ -1,5 +1,7 @@
 """How ``--help`` reads: the option groups of the long commands, ``vllm serve``-style metavars,
-and a usage line that ends with what a command passes through to vLLM."""
+and a usage line that ends with what a command passes through to vLLM; and the one rule click
+lacks for our options: an option that takes a value is not given ``--`` or another option as
+its value (:func:`missing_values`)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,10 @@ class Command(typer.core.TyperCommand):
     and whose usage line ends with :attr:`usage_tail` (what it passes through to vLLM)."""
 
     usage_tail = ""
+
+    def parse_args(self, ctx, args):
+        missing_values(self.get_params(ctx), args)
+        return super().parse_args(ctx, args)
 
     def collect_usage_pieces(self, ctx):
         rv = [self.options_metavar] if self.options_metavar else []
@@ -40,6 +46,35 @@ class Command(typer.core.TyperCommand):
             if panels.get(title):
                 with formatter.section(title):
                     formatter.write_dl(panels[title])
+
+
+def missing_values(params, args: list[str]) -> None:
+    """Refuse (UsageError, exit 2) an option of the command (``params``: its click parameters)
+    that takes a value but is followed by ``--`` or by what looks like an option (``--name
+    --dtype``, ``--oracle-prompt -- --dtype``): click would take that word as the value, and
+    ``--name --`` made a snapshot named ``--`` and passed the engine args on as its own. A
+    negative number and ``-`` (stdin) are values; ``--opt=-x`` gives a value that starts with
+    ``-`` on purpose. Only the words before the first ``--`` that no option took are read."""
+    import re
+
+    from ..errors import UsageError
+
+    takes = {o for p in params if getattr(p, "param_type_name", "") == "option"
+             and not getattr(p, "is_flag", False) and not getattr(p, "count", False) for o in p.opts}
+    i = 0
+    while i < len(args):
+        tok = args[i]
+        if tok == "--":
+            return
+        if tok in takes and i + 1 < len(args):
+            nxt = args[i + 1]
+            if nxt == "--" or (nxt.startswith("-") and len(nxt) > 1 and not re.fullmatch(r"-\d+(\.\d*)?", nxt)):
+                raise UsageError(f"{tok} needs a value: it is followed by {nxt!r}, which is "
+                                 + ("the end of the options" if nxt == "--" else "an option, not a value"),
+                                 hint=f"give it as {tok} VALUE" + ("" if tok == "--name" else
+                                                                  f" (or {tok}=VALUE for a value that starts with -)"))
+            i += 1
+        i += 1
 
 
 class EngineArgsCommand(Command):

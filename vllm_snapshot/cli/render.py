@@ -286,6 +286,10 @@ def _switched(r: R.Switched, quiet: bool) -> None:
         _line(f"switched port {r.port} to {r.snapshot} (engine PID {r.pid}) by hand-over: restore {r.restore_s:.2f} s "
               f"while the old engine served, then it drained and stopped in {r.stop_s:.2f} s")
         return
+    if r.new_engine:  # a trial: "stop 0.00 s + restore 2.63 s" hid that a typo'd port gave a second engine
+        _line(f"nothing served on port {r.port}, so this started a new engine there: {r.snapshot} (engine PID "
+              f"{r.pid}) in {r.restore_s:.2f} s; no engine was replaced (`vllm-snapshot status` lists them all)")
+        return
     _line(f"switched port {r.port} to {r.snapshot} (engine PID {r.pid}): "
           f"stop {r.stop_s:.2f} s + restore {r.restore_s:.2f} s = {r.switch_s:.2f} s")
 

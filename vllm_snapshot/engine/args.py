@@ -238,6 +238,42 @@ def argparse_reason(stderr_text: str) -> str:
                 lines[-1] if lines else "rejected by vLLM's argument parser")
 
 
+#: Exception type names of vLLM's argument and config validation: pydantic's (vLLM's config
+#: classes are pydantic dataclasses: "1 validation error for ModelConfig / Value error, ...")
+#: and vLLM's own (``--chat-template`` that names no file).
+_VALIDATION_ERRORS = ("ValidationError", "VLLMValidationError")
+
+
+def config_refusal(exc: BaseException) -> str | None:
+    """The engine's own words when ``exc`` -- raised while vLLM built the engine config from
+    the args, before any engine process started -- is a refusal of the args (a bad value: a
+    ``--max-model-len`` above the model's, a ``--chat-template`` that names no file): a pydantic
+    or vLLM validation error in its chain (``__cause__``/``__context__``), or a ValueError or
+    TypeError raised inside ``create_engine_config``; None for anything else (a runtime
+    failure: out of memory, a crash, an engine core that died). The words: the ``Value error,``
+    lines of a pydantic error without its ``[type=...]`` and link lines, else its first
+    line. Pure."""
+    import traceback as tb_mod
+
+    seen: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and e not in seen:
+        seen.append(e)
+        e = e.__cause__ or e.__context__
+    found = next((x for x in seen if type(x).__name__ in _VALIDATION_ERRORS), None)
+    if found is None:
+        found = next((x for x in seen if isinstance(x, (ValueError, TypeError))
+                      and any(f.name == "create_engine_config" for f in tb_mod.extract_tb(x.__traceback__))), None)
+    if found is None:
+        return None
+    lines = [ln.strip() for ln in str(found).splitlines() if ln.strip()]
+    values = [ln.split("Value error,", 1)[1].split(" [type=", 1)[0].strip() for ln in lines if "Value error," in ln]
+    if values:
+        return "; ".join(values)
+    words = [ln.split(" [type=", 1)[0] for ln in lines if not ln.startswith("For further information")]
+    return "; ".join(words[:3]) or type(found).__name__
+
+
 def stray_words(engine_args: Sequence[str], arity: Arity) -> list[tuple[str, str | None]]:
     """The words of ``engine_args`` that no option takes as its value (``arity``: how many
     values each option takes, None for a token that is none of them), each as ``(word, the
@@ -289,7 +325,8 @@ def stray_error(words: Sequence[tuple[str, str | None]] | Sequence[str], command
 
 def check_engine_args(engine_args: Sequence[str]) -> None:
     """Refuse engine args the snapshot could only record and ignore, and (early, before the
-    engine starts) the settings that make a snapshot unrestorable -- the engine's parse
+    engine starts) the settings that make a snapshot unrestorable (a parallel size above 1,
+    logits as logprobs, front-end settings restore owns) -- the engine's parse
     (:func:`unrestorable` over vLLM's namespace, in ``entrypoints/engine_root.py``) stays the authority,
     abbreviations included. Pure. Raises UsageError naming the flag, with the remedy."""
     for a in engine_args:
@@ -312,6 +349,28 @@ def check_engine_args(engine_args: Sequence[str]) -> None:
         if flag in EARLY_REFUSED:
             raise UsageError(f"{flag}: {EARLY_REFUSED[flag]}; a snapshot made with it could never be restored "
                              "or validated", hint=f"create without {flag}")
+    sizes = [(flag, v) for flag, v in _values_of(engine_args, PARALLEL_FLAGS) if v.strip() not in ("1", "")]
+    if sizes:
+        raise UsageError("a snapshot is of one device: vllm-snapshot supports single-device (TP1) engines only, not "
+                         + ", ".join(f"{flag} {v}" for flag, v in sizes),
+                         hint="create without the parallel size (or with 1)")
+    modes = [v for _flag, v in _values_of(engine_args, ("--logprobs-mode", "--logprobs_mode"))]
+    if modes and modes[-1] in ("raw_logits", "processed_logits"):
+        raise UsageError(f"--logprobs-mode {modes[-1]}: the oracle compares logprobs in nats; logits break its "
+                         "tolerance, so a snapshot made with it could never be validated",
+                         hint="create without --logprobs-mode, or with raw_logprobs/processed_logprobs")
+
+
+#: The option names (long, with ``_`` too, and vLLM's short ones) of every :data:`PARALLEL_SIZES`.
+PARALLEL_FLAGS = tuple(f for d, short in zip(PARALLEL_SIZES, ("-tp", "-pp", "-dp", "-pcp", "-dcp"))
+                       for f in ("--" + d.replace("_", "-"), "--" + d, short))
+
+
+def _values_of(engine_args: Sequence[str], flags: Sequence[str]) -> list[tuple[str, str]]:
+    """``(flag, value)`` of each of ``flags`` (exact names, one value each) in ``engine_args``,
+    in order. Pure."""
+    return [(name, vals[0]) for name, _tokens, vals in walk(engine_args, lambda n: 1 if n in flags else None)
+            if vals]
 
 
 def unrestorable(args) -> list[str]:

@@ -83,7 +83,10 @@ def parse_engine_args(model: str, engine_args: list[str]):
     if problems:
         raise ValueError("these settings would make a snapshot that can never be restored or validated:\n  "
                          + "\n  ".join(problems))
-    validate_parsed_serve_args(args)
+    try:
+        validate_parsed_serve_args(args)  # vLLM's own quick checks (--chat-template names a file, ...)
+    except Exception as e:  # noqa: BLE001  (TypeError, ValueError, VLLMValidationError: all refusals of args)
+        raise ValueError(f"invalid engine arguments: {e}") from e
     return args
 
 
@@ -312,7 +315,16 @@ async def run(spec: EngineSpec) -> int:
 
     q: asyncio.Queue = asyncio.Queue()
     app = None
-    async with build_async_engine_client(args) as engine:
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            engine = await stack.enter_async_context(build_async_engine_client(args))
+        except Exception as e:  # noqa: BLE001
+            reason = engine_args_rules.config_refusal(e)  # a bad value, before any engine process started
+            if reason is None:
+                raise  # a runtime failure (out of memory, a crash): the engine's own error, exit 8
+            traceback.print_exc()
+            emit("error", kind="usage", message=f"invalid engine arguments: {reason}")
+            return 2
         oracle = await run_oracle(engine, spec.oracle_prompt)
         import torch
         import vllm

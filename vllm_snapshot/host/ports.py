@@ -53,6 +53,47 @@ def port_owner(port: int, host: str | None = None) -> tuple[int, str] | None:
         return best, "?"
 
 
+def local_addresses() -> set[str]:
+    """Every IPv4/IPv6 address of this host's interfaces (in the caller's network namespace),
+    without an IPv6 scope (``fe80::1%eth0`` -> ``fe80::1``); empty when unreadable."""
+    try:
+        return {a.address.split("%", 1)[0] for addrs in psutil.net_if_addrs().values() for a in addrs
+                if a.family in (socket.AF_INET, socket.AF_INET6)}
+    except (psutil.Error, OSError):
+        return set()
+
+
+def resolve_host(host: str, resolve=socket.getaddrinfo, local: set[str] | None = None) -> str:
+    """The one address ``--host`` stands for: ``host`` itself when numeric; for a name
+    (``localhost``, the machine's own name) the address the resolver gives first -- IPv4 first,
+    as ``vllm serve`` binds a name (an ``AF_INET`` socket) -- when it is a loopback address or
+    one of this host's (:func:`local_addresses`). Resolved once, at the command line: the bind
+    (in the host's namespace, after the oracle matched), the URL, the engine registry and a later
+    ``switch``/``stop`` all name the port by that one address. ``resolve``/``local``: for
+    tests. Raises UsageError for a name that does not resolve or resolves to no address of
+    this host."""
+    try:
+        resolve(host, None, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+        return host
+    except (socket.gaierror, UnicodeError):
+        pass
+    try:
+        infos = resolve(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        why = getattr(e, "strerror", None) or str(e)
+        raise UsageError(f"--host {host!r} is neither an IPv4/IPv6 address nor a name that resolves here ({why})",
+                         hint="give the address to listen on, e.g. 127.0.0.1, 0.0.0.0 or ::1") from e
+    addrs = list(dict.fromkeys(i[4][0] for i in infos))
+    ordered = [a for a in addrs if ":" not in a] + [a for a in addrs if ":" in a]
+    mine = local_addresses() if local is None else local
+    usable = [a for a in ordered if ipaddress.ip_address(a.split("%", 1)[0]).is_loopback or a in mine]
+    if not usable:
+        raise UsageError(f"--host {host!r} resolves to {', '.join(addrs) or 'no address'}, which is no address of "
+                         "this host: nothing could listen there",
+                         hint="give an address of this host, e.g. 127.0.0.1, 0.0.0.0 or ::1")
+    return usable[0]
+
+
 def port_free(host: str, port: int) -> None:
     """Refuse when ``host:port`` cannot be bound now (TCP, SO_REUSEADDR, so TIME_WAIT does not
     count). Raises UsageError for a non-numeric host or an address this host does not have,

@@ -326,9 +326,11 @@ def access_problems(user: User, read: Iterable[Path] = (), reach: Iterable[Path]
     runs as that user (so every permission the kernel checks counts: modes, ACLs, parent
     directories, mount flags): every file under each of ``read`` opened for reading (links
     followed), each of ``reach`` readable and traversable, none of ``nowrite`` writable, each
-    of ``write`` writable. Needs root. Returns human lines (empty: all good). Raises OSError
-    when the checker cannot run."""
-    spec = {"read": [str(p) for p in read], "exec": [str(p) for p in reach], "nowrite": [str(p) for p in nowrite],
+    of ``write`` writable. A ``read`` path that does not exist (as root sees it) is not
+    checked: its absence is the business of what reads it (restore's model check says "does not
+    exist"); as the user a missing path and one it cannot search look alike. Needs root. Returns
+    human lines (empty: all good). Raises OSError when the checker cannot run."""
+    spec = {"read": [str(p) for p in read if os.path.lexists(p)], "exec": [str(p) for p in reach], "nowrite": [str(p) for p in nowrite],
             "write": [str(p) for p in write]}
     p = subprocess.run([sys.executable, "-I", "-S", "-c", _CHECKER, json.dumps(spec)], capture_output=True, text=True,
                        user=user.uid, group=user.gid, extra_groups=list(user.groups), cwd="/", env={"PATH": "/usr/bin:/bin"},

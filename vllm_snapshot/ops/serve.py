@@ -213,7 +213,7 @@ def added_since(m: Manifest, key, files: tuple[ModelFile, ...]) -> list[str]:
 def _name_for(host: HostTools, root: Path, model: str, model_dir: Path, hf_id: bool, key: str) -> Path:
     """``<model dir name, or the Hugging Face id with / as -->-<key prefix>[-N]``, unused under ``root``."""
     base = model.strip("/").replace("/", "--") if hf_id else model_dir.name
-    base = "".join(c if (c.isalnum() or c in "._-") else "-" for c in base.replace("/", "--")).lstrip(".") or "model"
+    base = "".join(c if (c.isalnum() or c in "._-") else "-" for c in base.replace("/", "--")).lstrip(".-") or "model"
     stem = f"{base[:100]}-{key[:12]}"
     for n in range(1, 1000):
         p = root / (stem if n == 1 else f"{stem}-{n}")

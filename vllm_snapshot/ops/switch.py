@@ -258,7 +258,7 @@ def _switch_locked(t: Tools, snapshot: Path, host: str | None, port: int, log_fi
     if stopping is not None:
         _finish(stopping, rep)
     return Switched(str(snapshot), port, r.pid, r.url, round(t1 - t0, 3), round(t2 - t1, 3),
-                    round(t2 - t0, 3), [e.pid for e in old], host, fallback=why)
+                    round(t2 - t0, 3), [e.pid for e in old], host, fallback=why, new_engine=not old)
 
 
 def handover_blocker(t: Tools, m, old: list[Entry], host: str, port: int) -> str | None:

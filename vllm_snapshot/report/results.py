@@ -309,6 +309,9 @@ class Switched:
     handover: bool = False
     #: why there was no hand-over ("" when there was one, or nothing served the port)
     fallback: str = ""
+    #: nothing served the port: this started a new engine there, none was replaced (a mistyped
+    #: ``--port`` gives a second engine)
+    new_engine: bool = False
 
     def to_json(self) -> dict:
         d = asdict(self)

@@ -228,6 +228,37 @@ def unknown_flags(engine_args: Sequence[str], options: frozenset[str]) -> list[s
     return out
 
 
+def abbreviated(engine_args: Sequence[str], options: frozenset[str]) -> list[tuple[str, str]]:
+    """The ``--`` options of ``engine_args`` that vLLM's parser would take only as an
+    abbreviation (argparse's unique prefix: ``--kv-cache-memory-byte``), each as ``(as given,
+    the whole name)``, in order, once each. Whole names, ``_`` for ``-``, dotted config fields,
+    ``--no-`` forms and vLLM's short options (``-tp``, ``-O3``) are not abbreviations. Pure."""
+    out: list[tuple[str, str]] = []
+    for a in engine_args:
+        flag = flag_name(a)
+        if not flag.startswith("--") or flag == "--" or flag[2:3] in ("", "-") or "." in flag:
+            continue
+        norm = "--" + flag[2:].replace("_", "-")
+        if norm in options:
+            continue
+        could = [o for o in options if o.startswith("--") and o.startswith(norm)]
+        if len(could) == 1 and (flag, could[0]) not in out:
+            out.append((flag, could[0]))
+    return out
+
+
+def abbreviation_errors(engine_args: Sequence[str], options: frozenset[str] | None) -> list[UsageError]:
+    """A UsageError for each abbreviated engine arg (:func:`abbreviated`): vLLM's parser would
+    take it, but our own rules read whole names (the snapshot key, the KV-cache size check,
+    ``inspect``), so an abbreviation is refused before anything runs, naming the whole name.
+    ``options`` None (not known yet): none. Pure."""
+    if options is None:
+        return []
+    return [UsageError(f"{flag} is an abbreviation of vLLM's {whole}: write it out in full: {whole}",
+                       hint=f"did you mean {whole}? (engine args are written out in full)")
+            for flag, whole in abbreviated(engine_args, options)]
+
+
 def check(engine_args: Sequence[str], own: Iterable[str], command: str, options: frozenset[str] | None) -> None:
     """Refuse (UsageError, exit 2) an option in ``engine_args`` that is neither one of vLLM's
     (``options``; None: not known, nothing is checked) -- naming the closest of vLLM's and of

@@ -109,14 +109,15 @@ def default_root() -> Path:
     return paths.snapshot_root()
 
 
-NAME_RULE = "letters, digits, '.', '_' and '-', not starting with '.', at most 128 characters"
+NAME_RULE = "letters, digits, '.', '_' and '-', not starting with '.' or '-', at most 128 characters"
 
 
 def valid_name(name: str) -> bool:
-    """Names: letters, digits, ``.``, ``_``, ``-``; not starting with ``.``; <= 128 chars."""
+    """Names: letters, digits, ``.``, ``_``, ``-``; not starting with ``.`` (hidden) or ``-``
+    (every command would read it as an option: ``inspect -dash``); <= 128 chars. Pure."""
     import re
 
-    return bool(re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}", name))
+    return bool(re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}", name))
 
 
 def canonical(path: str | Path) -> Path:
@@ -142,7 +143,9 @@ def resolve(ref: str | Path, root: Path | None = None) -> Path:
     if "/" in s or s in (".", ".."):
         return canonical(s)
     if not valid_name(s):
-        raise UsageError(f"{s!r} is neither a path nor a valid snapshot name (letters, digits, . _ -)")
+        raise UsageError(f"{s!r} is neither a path nor a valid snapshot name ({NAME_RULE})",
+                         hint=f"give a directory named so by its path (./{s}, or under the root)"
+                         if s.startswith("-") else None)
     named = (root or default_root()) / s
     local = Path(s).absolute()
     if local.is_dir() and local != named:

@@ -110,6 +110,7 @@ def switch(
                                   usage=None if model is None else "switch --model MODEL --port P -- [engine args]")
     front, engine_args = frontend.split(engine_args)  # API key, TLS, CORS, ...: applied at restore
     common.drain(drain_timeout)  # a bad $VLLM_SNAPSHOT_DRAIN_TIMEOUT: a usage error before anything runs
+    host = common.host_address(host, quiet or as_json)
     if model is None:
         if engine_args:
             raise UsageError(f"unexpected arguments {' '.join(engine_args)!r}: engine args go with --model MODEL",
@@ -171,6 +172,8 @@ def restore(
         common.drain(drain_timeout)
     with checks.one():
         _check_allow_mismatch(allow_mismatch)
+    with checks.one():
+        host = common.host_address(host, quiet or as_json)
     with checks.one():  # what can be judged by the words alone (engine options, stray words, values)
         from ...engine.args import refuse_engine_options, values
 
@@ -389,7 +392,7 @@ def serve(
         if val is not None and explicit and val != given:
             raise UsageError(f"{flag} is given twice with different values ({given} and {val})",
                              hint=f"give {flag} once")
-    host = h if h is not None else host
+    host = common.host_address(h if h is not None else host, quiet or as_json)
     if p is not None:
         if not p.isdigit() or not 1 <= int(p) <= 65535:
             raise UsageError(f"--port {p!r}: expected a port number 1-65535")

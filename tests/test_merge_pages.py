@@ -177,6 +177,9 @@ def test_process_merge_counts_marked_anonymous_mappings(tmp_path):
     assert merge.process_merge(42, tmp_path) == {"mergeable_vmas": 2, "anon_vmas": 3, "merging_pages": 17,
                                                  "merge_any": 1}
     assert merge.process_merge(43, tmp_path) is None
+    assert merge.process_marked(42, tmp_path) and not merge.process_marked(43, tmp_path)
+    (tmp_path / "42" / "ksm_stat").write_text("ksm_rmap_items 0\nksm_merge_any: no\nksm_mergeable: no\n")
+    assert not merge.process_marked(42, tmp_path)
 
 
 def test_serve_passes_merge_pages_to_its_restore_only_when_asked(tmp_path):
@@ -205,6 +208,7 @@ def test_the_host_runtime_reads_an_unmarked_process_as_unmarked():
     assert _own_merge() == 0
     marked, merged = LocalRuntimeTools().merge_of(os.getpid())
     assert marked is False and merged == 0
+    assert LocalRuntimeTools().merge_marked(os.getpid()) is False
 
 
 # ------------------------------------------------------------------ switch --merge-pages

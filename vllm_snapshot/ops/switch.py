@@ -170,7 +170,7 @@ def _switch_locked(t: Tools, snapshot: Path, host: str | None, port: int, log_fi
     host = host or (old[0].host if old else "127.0.0.1")
     # KSM-mergeable or not, each old engine (read from /proc while it runs): a rollback restores
     # it as it was, and a switch that would change only the mark is not "unchanged"
-    marks = {e.pid: t.runtime.merge_of(e.pid)[0] for e in old}
+    marks = {e.pid: t.runtime.merge_marked(e.pid) for e in old}
     if old and all(t.store.canonical(Path(e.snapshot)) == snapshot and e.host == host for e in old) \
             and all(fe.same_settings(wanted.args, e.frontend) and marks[e.pid] == merge_pages for e in old):
         rep.info(f"{snapshot.name} already serves on port {port} (PID {old[0].pid}) with these front-end "

@@ -5,8 +5,9 @@ old engines drain in a thread of their own (:class:`_Stopping`) while the target
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TypedDict
+from typing import Iterator, TypedDict
 
 from ..store import layout
 from ..errors import BusyError, CorruptSnapshotError, Interrupted, SnapshotError, UsageError
@@ -88,9 +89,10 @@ def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, r
 
     0. the port's lock is taken (:func:`vllm_snapshot.store.locks.port_lock`): a second switch of the
        same port waits, saying for whom, and then replaces the first one's engine;
-    1. the target is validated completely first (everything restore checks before CRIU except
-       the port, which the old engine still holds): a typo, a changed model, a corrupt or
-       incompatible snapshot refuse here and the old engine keeps serving;
+    1. the target is validated first (everything restore checks before CRIU except the port,
+       which the old engine still holds, and the image checksums, checked below before the old
+       engine is touched): a typo, a changed model, an incompatible or damaged snapshot refuse
+       here and the old engine keeps serving;
 
     then, as a **hand-over** (``handover``, the default) when one engine serves the port on the
     same address, the target's engine has a network namespace of its own and both engines fit
@@ -108,6 +110,9 @@ def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, r
 
     Otherwise (the reason is said, and kept in ``Switched.fallback``) the old way:
 
+    1b. every image checksum is verified while the old engine still serves (a corrupt image
+        refuses here, nothing stopped; the hand-over's restore verifies them instead, alongside
+        CRIU, before the socket is handed over);
     2. the old engine is told to stop: it closes its listening socket at once and drains
        (requests in flight finish, for at most its drain timeout; ``drain_s`` overrides it) in
        the background;
@@ -188,19 +193,12 @@ def _switch_locked(t: Tools, snapshot: Path, host: str | None, port: int, log_fi
                 e.message += f"\nnothing was stopped: PID {old[0].pid} still serves {old[0].url}"
             raise
     with rep.phase("validate_target", f"validating {snapshot.name} before touching port {port}"):
-        try:
+        with _refused_target(snapshot, old):
             with t.store.snapshot_lock(snapshot, shared=True):
-                # everything restore checks before CRIU, image checksums included, except the
-                # port (the old engine holds it)
-                m, _ = validate(snapshot, check_images=True, tools=t)
-        except SnapshotError as e:  # the target is refused: say that nothing changed on the port
-            if old:
-                e.message += f"\nnothing was stopped: PID {old[0].pid} still serves {old[0].url}"
-                e.details = {**(e.details or {}), "stopped": [], "serving": {"pid": old[0].pid, "url": old[0].url,
-                                                                             "snapshot": old[0].snapshot}}
-            if e.hint is None and isinstance(e, CorruptSnapshotError):
-                e.hint = layout.damaged_hint(snapshot)
-            raise
+                # everything restore checks before CRIU except the port (the old engine holds
+                # it) and the image checksums: a hand-over's restore verifies them before the
+                # socket is handed over, the old way checks them before the old engine stops
+                m, _ = validate(snapshot, tools=t)
         # an isolated snapshot's listeners live in its own fresh network namespace: nothing to check
         recorded = () if m.engine.network == "isolated" else m.criu.listeners
         held = set().union(*(t.host.ports_held_by(e.pid) for e in old)) if old else set()
@@ -233,6 +231,10 @@ def _switch_locked(t: Tools, snapshot: Path, host: str | None, port: int, log_fi
             why = done
         rep.info(f"no hand-over: {why}; the old engine stops first (the port refuses connections until the "
                  "new one serves)")
+        with rep.phase("check_images", f"checking {snapshot.name}'s image checksums before stopping the engine "
+                                       f"on port {port}"):
+            with _refused_target(snapshot, old), t.store.snapshot_lock(snapshot, shared=True):
+                t.files.verify_images(snapshot, m)
     t0 = t.clock.monotonic()
     stopping = None
     if old:
@@ -275,6 +277,23 @@ def _switch_locked(t: Tools, snapshot: Path, host: str | None, port: int, log_fi
         _finish(stopping, rep)
     return Switched(str(snapshot), port, r.pid, r.url, round(t1 - t0, 3), round(t2 - t1, 3),
                     round(t2 - t0, 3), [e.pid for e in old], host, fallback=why)
+
+
+@contextmanager
+def _refused_target(snapshot: Path, old: list[Entry]) -> Iterator[None]:
+    """A SnapshotError raised inside (the target refused before anything was touched) says
+    that the engine on the port (``old``, when one serves) still serves, in its message and
+    ``details`` (``stopped``: [], ``serving``); a corrupt snapshot's says how to repair it."""
+    try:
+        yield
+    except SnapshotError as e:
+        if old:
+            e.message += f"\nnothing was stopped: PID {old[0].pid} still serves {old[0].url}"
+            e.details = {**(e.details or {}), "stopped": [], "serving": {"pid": old[0].pid, "url": old[0].url,
+                                                                         "snapshot": old[0].snapshot}}
+        if e.hint is None and isinstance(e, CorruptSnapshotError):
+            e.hint = layout.damaged_hint(snapshot)
+        raise
 
 
 def handover_blocker(t: Tools, m, old: list[Entry], host: str, port: int) -> str | None:

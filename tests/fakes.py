@@ -247,9 +247,6 @@ class FakeChecking(StagedImages):
         if self.w.corrupt_images is not None:
             raise self.w.corrupt_images
 
-    def hurry(self) -> None:
-        self.w.hurried_calls = [*getattr(self.w, "hurried_calls", []), list(self.w.calls)]
-
     def cancel(self) -> None:
         self.w._call("checksums.cancel")
 

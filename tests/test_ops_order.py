@@ -1027,11 +1027,3 @@ def test_a_passing_verify_clears_a_refusal_it_rechecked_and_keeps_one_it_cannot(
     t.tools.store.record_refusal(SNAP, "oracle-mismatch", "the restored engine answered another token")
     assert ops.verify(SNAP, tools=t.tools).cleared is None
     assert ops.describe(SNAP, t.tools)["why"] == "refused by serve: the restored engine answered another token"
-
-
-def test_the_checksums_are_hurried_once_criu_is_done_before_the_oracle():
-    # hashed at nice 19 while CRIU runs; awaited afterwards, at the process's own priority
-    t = FakeWorld()
-    _restore(t)
-    first = t.hurried_calls[0]
-    assert "restore_tree" in first and "engine.oracle" not in first and "checksums" not in first

@@ -84,10 +84,6 @@ class StagedImages(Protocol):
     def wait(self) -> None:
         """Block until every checksum was verified. Raises CorruptSnapshotError (a mismatch)."""
 
-    def hurry(self) -> None:
-        """CRIU is done: the verification, held back while it ran, is awaited now and may take
-        the CPUs at the process's own priority (:meth:`wait` does so too)."""
-
     def cancel(self) -> None:
         """Stop the verification and wait for it."""
 

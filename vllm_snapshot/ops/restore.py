@@ -245,7 +245,6 @@ def _restore_phases(t: Tools, req: RestoreRequest, rep: Reporter, st: _Restoring
     try:
         _stage(t.files, t.checkpoint, rep, st)
         pid = _criu_restore(t.host, t.engine, t.checkpoint, t.runtime, req, rep, st, log_file)
-        st.checking.hurry()  # CRIU is done: the checksums, held back while it ran, are awaited now
         _adopt_and_verify(t.engine, t.checkpoint, t.files, t.model, t.clock, req, rep, st, pid, pins)
         url = _serve_verified(t.engine, t.clock, req, rep, st, fe, log_file)
         t.runtime.hold_signals()  # serving, validated: see restore()

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import blake3
 import zstandard
@@ -391,9 +391,6 @@ class Unpacking:
         except OSError:
             pass
 
-    def hurry(self) -> None:
-        """Nothing: the unpacking runs at the process's own priority (CRIU waits for it)."""
-
     def cancel(self) -> None:
         """Stop unpacking and wait for the workers (at most one frame each)."""
         self._cancel.set()
@@ -409,14 +406,6 @@ def start_unpack(src_dir: Path, images: tuple[ImageFile, ...], parent: Path) -> 
     except BaseException:
         remove_staging(stage)
         raise
-
-
-def _own_priority() -> int:
-    """The calling thread's nice value (0 when it cannot be read)."""
-    try:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    except OSError:
-        return 0
 
 
 def _lowest_priority() -> None:
@@ -459,14 +448,13 @@ def _raw_chunks(reader, plain: bool) -> Iterator:
 
 
 def verify(src_dir: Path, images: tuple[ImageFile, ...], cancel: threading.Event | None = None,
-           background: bool = False, init: Callable[[], None] | None = None) -> None:
+           background: bool = False) -> None:
     """Check every image's checksum without writing anything (files in parallel, largest
     first). ``cancel`` (set by another thread) stops the check early, raising
     CorruptSnapshotError("cancelled"). ``background``: the hashing threads run at nice 19, so
     that CRIU, restoring at the same time, gets the CPUs first (measured on 2 CPUs, 4 restores
     each, docs/history.md: CRIU's phase 1.22 -> 1.15 s, restore 1.39 -> 1.30 s median; the
-    hashing is still done before the verdict). ``init``: run by each hashing thread as it
-    starts, instead of ``background``'s. Raises CorruptSnapshotError."""
+    hashing is still done before the verdict). Raises CorruptSnapshotError."""
     def one(img: ImageFile) -> None:
         src = src_dir / stored_name(img)
         h = blake3.blake3()
@@ -485,7 +473,7 @@ def verify(src_dir: Path, images: tuple[ImageFile, ...], cancel: threading.Event
         if raw != img.raw_bytes or h.hexdigest() != img.blake3:
             raise CorruptSnapshotError(f"image {src} fails its checksum (BLAKE3 of {raw} raw bytes differs)")
 
-    with ThreadPoolExecutor(_workers(), initializer=init or (_lowest_priority if background else None)) as ex:
+    with ThreadPoolExecutor(_workers(), initializer=_lowest_priority if background else None) as ex:
         list(ex.map(one, sorted(images, key=lambda i: -i.raw_bytes)))
 
 
@@ -494,54 +482,23 @@ class Checking:
     while CRIU restores from their hard links (:func:`link_stage`). :meth:`wait` is the
     decision: it blocks until every checksum was verified and raises CorruptSnapshotError on
     a mismatch; restore calls it before the HTTP port is bound, so nothing unverified is
-    served. :meth:`cancel` stops the thread early (a failed restore) and waits for it.
-
-    The hashing threads run at nice 19 while CRIU restores (it gets the CPUs first); once CRIU
-    is done the rest of the hashing is in the restore's way: :meth:`hurry` (and :meth:`wait`)
-    gives them this process's own priority back. On a box loaded by others a nice-19 hash was
-    starved: the restore then waited 0.5-1.2 s for it after the oracle (docs/benchmarks.md,
-    "Switch: where the time goes")."""
+    served. :meth:`cancel` stops the thread early (a failed restore) and waits for it."""
 
     def __init__(self, src_dir: Path, images: tuple[ImageFile, ...]) -> None:
         self._cancel = threading.Event()
         self._error: BaseException | None = None
-        self._nice = _own_priority()  # what hurry() gives back
-        self._lock = threading.Lock()
-        self._tids: list[int] = []
-        self._urgent = False
         self._thread = threading.Thread(target=self._run, args=(src_dir, images), daemon=True,
                                         name="vllm-snapshot-checksums")
         self._thread.start()
 
     def _run(self, src_dir: Path, images: tuple[ImageFile, ...]) -> None:
         try:
-            verify(src_dir, images, self._cancel, init=self._started)
+            verify(src_dir, images, self._cancel, background=True)
         except BaseException as e:  # noqa: BLE001 - handed to wait()
             self._error = e
 
-    def _started(self) -> None:
-        """A hashing thread starts: nice 19 unless :meth:`hurry` came first; remembered for it."""
-        with self._lock:
-            self._tids.append(threading.get_native_id())
-            if not self._urgent:
-                _lowest_priority()
-
-    def hurry(self) -> None:
-        """The hashing threads get this process's priority back (as it was when the check
-        started): CRIU is done, the verdict is awaited. Never raises (a process that may not
-        raise a thread's priority leaves it at nice 19)."""
-        with self._lock:
-            self._urgent = True
-            for tid in self._tids:
-                try:
-                    os.setpriority(os.PRIO_PROCESS, tid, self._nice)
-                except OSError:  # gone already, or no CAP_SYS_NICE
-                    pass
-
     def wait(self) -> None:
-        """Block until done (the hashing threads hurried first). Raises CorruptSnapshotError (a
-        mismatch, or cancelled)."""
-        self.hurry()
+        """Block until done. Raises CorruptSnapshotError (a mismatch, or cancelled)."""
         self._thread.join()
         if self._error is not None:
             raise self._error

@@ -297,5 +297,6 @@ def test_switch_refuses_a_kernel_without_the_prctl_before_anything_is_touched(mo
         with pytest.raises(EnvironmentProblem, match="cannot mark") as ei:
             ops.switch(Path("/snaps/new"), None, 8101, None, Reporter(), tools=t.tools, merge_pages=True)
         assert "nothing was stopped: PID 77 still serves http://127.0.0.1:8101" in ei.value.message
+        assert ei.value.details["stopped"] == [] and ei.value.details["serving"]["pid"] == 77
         assert opts == [] and "stop_engine" not in t.calls and "take_listener" not in t.calls
         assert "open_snapshot" not in t.calls  # refused before the target's validation

@@ -186,12 +186,8 @@ def _switch_locked(t: Tools, snapshot: Path, host: str | None, port: int, log_fi
     if merge_pages:  # a kernel without the prctl is refused before anything is touched
         from ..checkpoint.criu import merge
 
-        try:
+        with _refused_target(snapshot, old):
             merge.check_available()
-        except SnapshotError as e:
-            if old:
-                e.message += f"\nnothing was stopped: PID {old[0].pid} still serves {old[0].url}"
-            raise
     with rep.phase("validate_target", f"validating {snapshot.name} before touching port {port}"):
         with _refused_target(snapshot, old):
             with t.store.snapshot_lock(snapshot, shared=True):
@@ -349,9 +345,9 @@ def _hand_over(t: Tools, req: RestoreRequest, prev: Entry, listener, rep: Report
     accepted finish within its drain) and, once it stopped accepting, ``/health`` and the
     canary reach the new engine alone. A failure before that leaves ``prev`` serving untouched
     (the error says so); after it (``/health``/canary), ``prev``'s snapshot is restored again
-    on the same socket unless ``rollback`` is false (KSM-mergeable when ``marked``). Returns the result, or a reason (str)
-    when the restore found too little memory before anything was touched (the caller then
-    stops first). Raises the errors of :func:`restore`."""
+    on the same socket unless ``rollback`` is false (KSM-mergeable when ``marked``). Returns
+    the result, or a reason (str) when the restore found too little memory before anything was
+    touched (the caller then stops first). Raises the errors of :func:`restore`."""
     from ..errors import EngineError, InsufficientResources
     import dataclasses
 

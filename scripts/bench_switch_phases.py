@@ -55,18 +55,12 @@ def short(label: str) -> str:
     return next((n for p, n in NAMES if label.startswith(p)), label[:24])
 
 
-def one_switch(code: Path, root: str, snapshot: str, port: int, extra: list[str]) -> tuple[float, dict]:
-    """(wall seconds, {phase: seconds, "startup", "tail"}) of one switch run with ``code``."""
-    env = {**os.environ, "PYTHONPATH": str(code)}
-    t0 = time.monotonic()
-    p = subprocess.Popen([sys.executable, "-m", "vllm_snapshot", "--root", root, "switch", snapshot, "--port", str(port),
-                          *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=code)
+def phases_of(stamped: list[tuple[float, str]], wall: float) -> dict:
+    """{phase: seconds, "startup", "tail", "before:PHASE"} from a switch's stderr lines, each
+    with the seconds since launch it came at, and the whole run's ``wall`` seconds. Pure."""
     phases: dict = {}
     first = last = None
-    lines = []
-    for line in p.stderr:
-        now = time.monotonic() - t0
-        lines.append(line)
+    for now, line in stamped:
         if line.rstrip().endswith("..."):
             first = now if first is None else first
             gap = now - last if last is not None else 0.0
@@ -78,13 +72,25 @@ def one_switch(code: Path, root: str, snapshot: str, port: int, extra: list[str]
             k = short(m.group(1))
             phases[k] = phases.get(k, 0.0) + float(m.group(2))
             last = now
-    p.wait()
-    wall = time.monotonic() - t0
-    if p.returncode != 0 or first is None:
-        raise SystemExit(f"switch {snapshot} ({code}) failed ({p.returncode}):\n{''.join(lines)[-2000:]}")
+    if first is None or last is None:
+        raise ValueError("no phase in the output")
     phases["startup"] = first
     phases["tail"] = wall - last
-    return wall, phases
+    return phases
+
+
+def one_switch(code: Path, root: str, snapshot: str, port: int, extra: list[str]) -> tuple[float, dict]:
+    """(wall seconds, :func:`phases_of`) of one switch run with ``code``."""
+    env = {**os.environ, "PYTHONPATH": str(code)}
+    t0 = time.monotonic()
+    p = subprocess.Popen([sys.executable, "-m", "vllm_snapshot", "--root", root, "switch", snapshot, "--port", str(port),
+                          *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=code)
+    stamped = [(time.monotonic() - t0, line) for line in p.stderr]
+    p.wait()
+    wall = time.monotonic() - t0
+    if p.returncode != 0:
+        raise SystemExit(f"switch {snapshot} ({code}) failed ({p.returncode}):\n{''.join(x for _, x in stamped)[-2000:]}")
+    return wall, phases_of(stamped, wall)
 
 
 def main() -> int:

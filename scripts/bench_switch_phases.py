@@ -17,7 +17,7 @@ are no phase of its own:
 With ``--poll-ms`` a client polls the port across each switch as ``scripts/bench_switch.py``
 does (one-token completions; refused, failed, longest time dark, longest answer).
 
-Usage (root, venv from scripts/setup.sh; an engine of A or B already serving on the port):
+Usage (root, venv from scripts/setup.sh; an engine of A serving on the port: the first switch goes to B):
     python scripts/bench_switch_phases.py ROOT A B --port 8731 [--rounds 6] [--before DIR]
         [--poll-ms 50] [-- extra switch options, e.g. --no-handover]
 ``--before DIR``: a checkout of the code to compare with (e.g. ``git worktree add`` or
@@ -90,7 +90,10 @@ def one_switch(code: Path, root: str, snapshot: str, port: int, extra: list[str]
     wall = time.monotonic() - t0
     if p.returncode != 0:
         raise SystemExit(f"switch {snapshot} ({code}) failed ({p.returncode}):\n{''.join(x for _, x in stamped)[-2000:]}")
-    return wall, phases_of(stamped, wall)
+    try:
+        return wall, phases_of(stamped, wall)
+    except ValueError:  # e.g. "already serves ...; nothing to switch"
+        raise SystemExit(f"switch {snapshot} ({code}) ran no phase:\n{''.join(x for _, x in stamped)[-2000:]}") from None
 
 
 def main() -> int:

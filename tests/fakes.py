@@ -788,6 +788,9 @@ class FakeRuntimeTools(_Role, RuntimeTools):
     def merge_of(self, pid: int) -> tuple[bool, int]:
         return getattr(self.w, "merged", {}).get(pid, (False, 0))
 
+    def merge_marked(self, pid: int) -> bool:
+        return self.merge_of(pid)[0]
+
     def forward_signals(self, handler: Callable[[int], None]) -> AbstractContextManager:
         from contextlib import contextmanager
 

@@ -250,3 +250,50 @@ def test_an_engine_whose_socket_is_also_held_elsewhere_still_serves():
         for h in holders:
             h.kill()
             h.wait()
+
+
+def test_a_hand_over_hashes_the_images_once_in_its_restore_and_a_corrupt_one_leaves_the_old_engine_serving():
+    from vllm_snapshot.errors import CorruptSnapshotError
+
+    t = _world()
+    res = _switch(t)
+    c = t.calls
+    # no pass of its own before the restore: the restore's verdict, before the socket is handed over
+    assert res.handover and "verify_images" not in c and c.count("checksums") == 1
+    assert c.index("checksums") < c.index("serve_engine") < c.index("stop_engine")
+    t = _world()
+    t.corrupt_images = CorruptSnapshotError("image pages-4.img fails its checksum")
+    with pytest.raises(CorruptSnapshotError, match="fails its checksum") as ei:
+        _switch(t)
+    assert "stop_engine" not in t.calls and "serve_engine" not in t.calls and "register" not in t.calls
+    assert "was not touched: it still serves http://127.0.0.1:8101" in ei.value.message
+    assert ei.value.details["stopped"] == []
+
+
+def test_the_old_way_checks_the_images_before_the_old_engine_is_stopped():
+    from vllm_snapshot.errors import CorruptSnapshotError
+
+    t = _world()
+    res = _switch(t, handover=False)
+    c = t.calls
+    assert not res.handover and c.index("verify_images") < c.index("stop_engine") < c.index("restore_tree")
+    t = _world()
+    t.corrupt_images = CorruptSnapshotError("image pages-4.img fails its checksum")
+    with pytest.raises(CorruptSnapshotError, match="fails its checksum") as ei:
+        _switch(t, handover=False)
+    assert "stop_engine" not in t.calls and "restore_tree" not in t.calls
+    assert "nothing was stopped: PID 77 still serves http://127.0.0.1:8101" in ei.value.message
+    assert ei.value.details["stopped"] == [] and ei.value.hint  # how to repair a damaged snapshot
+    # a hand-over given up for memory at the restore itself (nothing verified yet): checked before the stop
+    t = _world()
+    offers = iter([t.offer, Offer(10, "MemAvailable 0.00 GiB")])
+    t.tools.host.memory_offer = lambda detached=False: next(offers, t.offer)
+    res = _switch(t)
+    c = t.calls
+    assert not res.handover and c.index("take_listener") < c.index("verify_images") < c.index("stop_engine")
+
+
+def test_nothing_serving_the_port_leaves_the_images_to_the_restore():
+    t = FakeWorld(manifest=isolated_manifest())
+    res = _switch(t)
+    assert res.stopped == [] and "verify_images" not in t.calls and t.calls.count("checksums") == 1

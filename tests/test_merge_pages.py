@@ -114,6 +114,8 @@ def fake(req, rep, tools=None):
     return object(), Engine()
 
 ops.restore = ops.serve = fake
+ops.switch = lambda snapshot, host, port, log_file, rep, rollback, **k: print("MERGE switch", k["merge_pages"])
+ops.switch_model = lambda req, host, rollback, rep, **k: (print("MERGE", type(req).__name__, req.merge_pages), None)
 render.show = lambda *a, **k: None
 common.root_only = lambda what: None
 common.resolve = lambda ref: ref
@@ -127,6 +129,9 @@ sys.exit(cli.main())
 @pytest.mark.parametrize("argv, want", [
     (["restore", "snap", "--port", "18999", "--detach", "--merge-pages"], "MERGE RestoreRequest True"),
     (["restore", "snap", "--port", "18999", "--detach"], "MERGE RestoreRequest False"),
+    (["switch", "snap", "--port", "18999", "--merge-pages"], "MERGE switch True"),
+    (["switch", "snap", "--port", "18999"], "MERGE switch False"),
+    (["switch", "--model", "m", "--port", "18999", "--merge-pages"], "MERGE ServeRequest True"),
 ])
 def test_the_cli_option_reaches_the_request_and_says_when_ksm_does_not_run(argv, want):
     cp = subprocess.run([sys.executable, "-c", CLI_SCRIPT, *argv], capture_output=True, text=True, timeout=120,
@@ -172,6 +177,9 @@ def test_process_merge_counts_marked_anonymous_mappings(tmp_path):
     assert merge.process_merge(42, tmp_path) == {"mergeable_vmas": 2, "anon_vmas": 3, "merging_pages": 17,
                                                  "merge_any": 1}
     assert merge.process_merge(43, tmp_path) is None
+    assert merge.process_marked(42, tmp_path) and not merge.process_marked(43, tmp_path)
+    (tmp_path / "42" / "ksm_stat").write_text("ksm_rmap_items 0\nksm_merge_any: no\nksm_mergeable: no\n")
+    assert not merge.process_marked(42, tmp_path)
 
 
 def test_serve_passes_merge_pages_to_its_restore_only_when_asked(tmp_path):
@@ -200,3 +208,95 @@ def test_the_host_runtime_reads_an_unmarked_process_as_unmarked():
     assert _own_merge() == 0
     marked, merged = LocalRuntimeTools().merge_of(os.getpid())
     assert marked is False and merged == 0
+    assert LocalRuntimeTools().merge_marked(os.getpid()) is False
+
+
+# ------------------------------------------------------------------ switch --merge-pages
+
+def _switch_world(handover: bool, marked: bool = False):
+    from tests.fakes import isolated_manifest
+    from vllm_snapshot.store.registry import Entry
+
+    # hand-over: an isolated target beside the old engine; else the old socket cannot be shared
+    t = FakeWorld(manifest=isolated_manifest(), fail={} if handover else {"take_listener": LookupError("none")})
+    t.entries = [Entry("/snaps/old", 77, 0, "127.0.0.1", 8101, 0.0, "detached")]
+    if marked:
+        t.merged = {77: (True, 1000)}
+    opts = []
+    real = t.tools.checkpoint.restore_tree
+    t.tools.checkpoint.restore_tree = lambda kind, o, *a, **k: (opts.append(o.merge_pages), real(kind, o, *a, **k))[1]
+    return t, opts
+
+
+@pytest.mark.parametrize("handover", [True, False])
+def test_switch_restores_the_new_engine_mergeable_only_when_asked(handover):
+    from vllm_snapshot import ops
+    from vllm_snapshot.report.progress import Reporter
+
+    for asked in (True, False):
+        t, opts = _switch_world(handover)
+        res = ops.switch(Path("/snaps/new"), None, 8101, None, Reporter(), tools=t.tools, merge_pages=asked)
+        assert res.handover is handover and opts == [asked] and res.stopped == [77]
+
+
+@pytest.mark.parametrize("handover", [True, False])
+def test_a_switch_rollback_restores_the_old_engine_with_the_mark_it_had(handover):
+    from vllm_snapshot import ops
+    from vllm_snapshot.errors import CriuError, OracleMismatchError
+    from vllm_snapshot.report.progress import Reporter
+
+    for old_marked in (True, False):
+        t, opts = _switch_world(handover, marked=old_marked)
+        if handover:  # the new engine's canary fails after the old one stopped accepting
+            canary = t.tools.engine.http_canary
+            t.tools.engine.http_canary = lambda *a: ["token 1 != 2"] if len(opts) == 1 else canary(*a)
+        else:  # the new engine's CRIU restore fails after the old one was stopped
+            real = t.tools.checkpoint.restore_tree
+
+            def restore_tree(kind, o, *a, **k):
+                pid = real(kind, o, *a, **k)  # records the mark
+                if len(opts) == 1:
+                    raise CriuError("CRIU restore failed")
+                return pid
+
+            t.tools.checkpoint.restore_tree = restore_tree
+        with pytest.raises(OracleMismatchError if handover else CriuError, match="rolled back"):
+            ops.switch(Path("/snaps/new"), None, 8101, None, Reporter(), tools=t.tools, merge_pages=not old_marked)
+        assert opts == [not old_marked, old_marked], opts  # the new engine as asked, the old one as it was
+        assert [r.snapshot for r in t.registered] == ["/snaps/old"]
+
+
+def test_a_switch_that_changes_only_the_mark_is_not_unchanged():
+    from vllm_snapshot import ops
+    from vllm_snapshot.report.progress import Reporter
+    from vllm_snapshot.store.registry import Entry
+
+    t = FakeWorld()
+    t.entries = [Entry("/snaps/new", 77, 0, "127.0.0.1", 8101, 0.0, "detached")]
+    assert ops.switch(Path("/snaps/new"), None, 8101, None, Reporter(), tools=t.tools).unchanged
+    res = ops.switch(Path("/snaps/new"), None, 8101, None, Reporter(), tools=t.tools, merge_pages=True)
+    assert not res.unchanged and res.stopped == [77] and t.restore_opts.merge_pages is True
+    t = FakeWorld()
+    t.entries = [Entry("/snaps/new", 77, 0, "127.0.0.1", 8101, 0.0, "detached")]
+    t.merged = {77: (True, 5)}
+    assert ops.switch(Path("/snaps/new"), None, 8101, None, Reporter(), tools=t.tools, merge_pages=True).unchanged
+    assert "stop_engine" not in t.calls
+
+
+def test_switch_refuses_a_kernel_without_the_prctl_before_anything_is_touched(monkeypatch):
+    from vllm_snapshot import ops
+    from vllm_snapshot.report.progress import Reporter
+
+    def no_prctl(prctl=None):
+        raise EnvironmentProblem("--merge-pages: this kernel cannot mark a process's memory mergeable",
+                                 hint="it needs Linux >= 6.4 built with CONFIG_KSM; restore without --merge-pages")
+
+    monkeypatch.setattr(merge, "check_available", no_prctl)
+    for handover in (True, False):
+        t, opts = _switch_world(handover)
+        with pytest.raises(EnvironmentProblem, match="cannot mark") as ei:
+            ops.switch(Path("/snaps/new"), None, 8101, None, Reporter(), tools=t.tools, merge_pages=True)
+        assert "nothing was stopped: PID 77 still serves http://127.0.0.1:8101" in ei.value.message
+        assert ei.value.details["stopped"] == [] and ei.value.details["serving"]["pid"] == 77
+        assert opts == [] and "stop_engine" not in t.calls and "take_listener" not in t.calls
+        assert "open_snapshot" not in t.calls  # refused before the target's validation

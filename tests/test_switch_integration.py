@@ -46,7 +46,8 @@ def test_switch_bad_target_keeps_serving_and_failed_restore_rolls_back(clone_sna
 
     a = clone_snapshot("sw-a")
     corrupt = clone_snapshot("sw-corrupt")
-    # a flipped byte in an image: found by the target's full validation, before any stop
+    # a flipped byte in an image: found by the hand-over's restore (its checksums, before the
+    # socket is handed over), the old engine untouched
     pages = max((corrupt / "images").glob("pages-*"), key=lambda x: x.stat().st_size)
     _break_link(pages)
     raw = bytearray(pages.read_bytes())

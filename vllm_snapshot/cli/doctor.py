@@ -177,7 +177,7 @@ def _check_ksm(p: Probes) -> Check:
     """KSM's state for ``restore --merge-pages`` (docs/weights.md): info only, nothing needs it."""
     base = "/sys/kernel/mm/ksm/"
     run = (p.read_text(base + "run") or "").strip()
-    use = "restore/serve --merge-pages"
+    use = "restore/serve/switch --merge-pages"
     if run == "1":
         scan, sleep = ((p.read_text(base + n) or "?").strip() for n in ("pages_to_scan", "sleep_millisecs"))
         return Check("ksm", True, "info", f"KSM runs (run=1, pages_to_scan={scan}, sleep_millisecs={sleep}): engines "

@@ -542,6 +542,11 @@ class RuntimeTools(Protocol):
         ``--merge-pages`` --, how many of its pages KSM has merged now), from /proc
         (:func:`vllm_snapshot.checkpoint.criu.merge.process_merge`); (False, 0) when it is gone."""
 
+    def merge_marked(self, pid: int) -> bool:
+        """Whether the engine tree rooted at ``pid`` is marked KSM-mergeable, as :meth:`merge_of`
+        says it but from the root's ``/proc/PID/ksm_stat`` alone (the tree inherits the mark;
+        :func:`vllm_snapshot.checkpoint.criu.merge.process_marked`); False when it is gone."""
+
     def forward_signals(self, handler: Callable[[int], None]) -> AbstractContextManager:
         """While the context is open, SIGINT, SIGTERM and SIGHUP (a closed terminal) call
         ``handler(signum)`` instead of their handlers; the old handlers come back on exit."""

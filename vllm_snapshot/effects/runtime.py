@@ -84,6 +84,11 @@ class LocalRuntimeTools(RuntimeTools):
         marks = [m for p in tree(pid) if (m := process_merge(p.pid)) is not None]
         return bool(marks) and marks[0]["merge_any"] == 1, sum(m["merging_pages"] for m in marks)
 
+    def merge_marked(self, pid: int) -> bool:
+        from ..checkpoint.criu.merge import process_marked
+
+        return process_marked(pid)
+
     def forward_signals(self, handler: Callable[[int], None]) -> AbstractContextManager:
         return _forwarding(handler)
 

@@ -387,7 +387,7 @@ def switch_model(req: ServeRequest, host: str | None, rollback: bool, rep: Repor
     path, snapshot, _refused, _warnings, _others = _find_or_build(
         t, req, rep, model_dir, hf_id, key, files, host_id, lambda p: (validate(p, tools=t), p)[1])
     return switch(snapshot, host, req.port, req.log_file, rep, rollback, tools=t, frontend=req.frontend,
-                  drain_s=req.drain_s, handover=handover), path
+                  drain_s=req.drain_s, handover=handover, merge_pages=req.merge_pages), path
 
 
 def _restore_req(req: ServeRequest, snapshot: Path) -> RestoreRequest:

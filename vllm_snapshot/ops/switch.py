@@ -5,8 +5,9 @@ old engines drain in a thread of their own (:class:`_Stopping`) while the target
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TypedDict
+from typing import Iterator, TypedDict
 
 from ..store import layout
 from ..errors import BusyError, CorruptSnapshotError, Interrupted, SnapshotError, UsageError
@@ -82,15 +83,16 @@ class _Stopping:
 
 def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, rep: Reporter,
            rollback: bool = True, tools: Tools | None = None, frontend: tuple[str, ...] = (),
-           drain_s: float | None = None, handover: bool = True) -> Switched:
+           drain_s: float | None = None, handover: bool = True, merge_pages: bool = False) -> Switched:
     """Serve ``snapshot`` on ``port`` instead of whatever serves there, never leaving the port
     dark by mistake and never cutting an accepted request:
 
     0. the port's lock is taken (:func:`vllm_snapshot.store.locks.port_lock`): a second switch of the
        same port waits, saying for whom, and then replaces the first one's engine;
-    1. the target is validated completely first (everything restore checks before CRIU except
-       the port, which the old engine still holds): a typo, a changed model, a corrupt or
-       incompatible snapshot refuse here and the old engine keeps serving;
+    1. the target is validated first (everything restore checks before CRIU except the port,
+       which the old engine still holds, and the image checksums, checked below before the old
+       engine is touched): a typo, a changed model, an incompatible or damaged snapshot refuse
+       here and the old engine keeps serving;
 
     then, as a **hand-over** (``handover``, the default) when one engine serves the port on the
     same address, the target's engine has a network namespace of its own and both engines fit
@@ -108,6 +110,9 @@ def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, r
 
     Otherwise (the reason is said, and kept in ``Switched.fallback``) the old way:
 
+    1b. every image checksum is verified while the old engine still serves (a corrupt image
+        refuses here, nothing stopped; the hand-over's restore verifies them instead, alongside
+        CRIU, before the socket is handed over);
     2. the old engine is told to stop: it closes its listening socket at once and drains
        (requests in flight finish, for at most its drain timeout; ``drain_s`` overrides it) in
        the background;
@@ -131,6 +136,8 @@ def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, r
     touched.
     ``drain_s``: the old engine's drain (seconds; default its own) and the new one's (default
     :func:`vllm_snapshot.store.registry.drain_timeout`).
+    ``merge_pages``: the new engine is restored KSM-mergeable (:attr:`RestoreRequest.merge_pages`);
+    a rollback restores the old engine with the mark it had (read from /proc before it stops).
 
     Durations in seconds: ``stop_s`` until the restore could start (the old engine closed the
     port; after a hand-over: the old engine's drain, after the new engine took over),
@@ -139,12 +146,13 @@ def switch(snapshot: Path, host: str | None, port: int, log_file: Path | None, r
     t = tools or local_tools()
     t.host.require_root()
     with t.store.port_lock(port, rep.info):
-        return _switch_locked(t, snapshot, host, port, log_file, rep, rollback, frontend, drain_s, handover)
+        return _switch_locked(t, snapshot, host, port, log_file, rep, rollback, frontend, drain_s, handover,
+                              merge_pages)
 
 
 def _switch_locked(t: Tools, snapshot: Path, host: str | None, port: int, log_file: Path | None,
                    rep: Reporter, rollback: bool, frontend: tuple[str, ...], drain_s: float | None,
-                   handover: bool = True) -> Switched:
+                   handover: bool = True, merge_pages: bool = False) -> Switched:
     from ..supervise import frontend as fe
     from ..errors import InsufficientResources
     from ..store.registry import drain_timeout
@@ -165,27 +173,28 @@ def _switch_locked(t: Tools, snapshot: Path, host: str | None, port: int, log_fi
                          hint="give switch the same --api-key (or VLLM_API_KEY) and --ssl-* options; to serve "
                               f"without them on purpose, `vllm-snapshot stop --port {port}` first, then restore")
     host = host or (old[0].host if old else "127.0.0.1")
+    # KSM-mergeable or not, each old engine (read from /proc while it runs): a rollback restores
+    # it as it was, and a switch that would change only the mark is not "unchanged"
+    marks = {e.pid: t.runtime.merge_marked(e.pid) for e in old}
     if old and all(t.store.canonical(Path(e.snapshot)) == snapshot and e.host == host for e in old) \
-            and all(fe.same_settings(wanted.args, e.frontend) for e in old):
+            and all(fe.same_settings(wanted.args, e.frontend) and marks[e.pid] == merge_pages for e in old):
         rep.info(f"{snapshot.name} already serves on port {port} (PID {old[0].pid}) with these front-end "
-                  "options; nothing to switch")
+                  "options" + (" and --merge-pages" if merge_pages else "") + "; nothing to switch")
         return Switched(str(snapshot), port, old[0].pid, old[0].url, 0.0, 0.0, 0.0, [], host, unchanged=True)
     if not old:  # a mistyped port would otherwise start a second engine silently
         rep.info(f"nothing serves on port {port}: {snapshot.name} is restored there, no engine is replaced")
+    if merge_pages:  # a kernel without the prctl is refused before anything is touched
+        from ..checkpoint.criu import merge
+
+        with _refused_target(snapshot, old):
+            merge.check_available()
     with rep.phase("validate_target", f"validating {snapshot.name} before touching port {port}"):
-        try:
+        with _refused_target(snapshot, old):
             with t.store.snapshot_lock(snapshot, shared=True):
-                # everything restore checks before CRIU, image checksums included, except the
-                # port (the old engine holds it)
-                m, _ = validate(snapshot, check_images=True, tools=t)
-        except SnapshotError as e:  # the target is refused: say that nothing changed on the port
-            if old:
-                e.message += f"\nnothing was stopped: PID {old[0].pid} still serves {old[0].url}"
-                e.details = {**(e.details or {}), "stopped": [], "serving": {"pid": old[0].pid, "url": old[0].url,
-                                                                             "snapshot": old[0].snapshot}}
-            if e.hint is None and isinstance(e, CorruptSnapshotError):
-                e.hint = layout.damaged_hint(snapshot)
-            raise
+                # everything restore checks before CRIU except the port (the old engine holds
+                # it) and the image checksums: a hand-over's restore verifies them before the
+                # socket is handed over, the old way checks them before the old engine stops
+                m, _ = validate(snapshot, tools=t)
         # an isolated snapshot's listeners live in its own fresh network namespace: nothing to check
         recorded = () if m.engine.network == "isolated" else m.criu.listeners
         held = set().union(*(t.host.ports_held_by(e.pid) for e in old)) if old else set()
@@ -197,7 +206,8 @@ def _switch_locked(t: Tools, snapshot: Path, host: str | None, port: int, log_fi
         rep.info(f"keeping the front-end options of the engine on port {port}: {', '.join(dict.fromkeys(carried))} "
                  "(give one to switch to change it)")
     req = RestoreRequest(snapshot=snapshot, host=host, port=port, detach=True, log_file=log_file,
-                         frontend=tuple(tokens), drain_s=new_drain)
+                         frontend=tuple(tokens), drain_s=new_drain, merge_pages=merge_pages)
+    marked = bool(old) and marks[old[0].pid]  # the rollback's
     why = ""
     if old:
         why = (handover_blocker(t, m, old, host, port) or "") if handover else "--no-handover"
@@ -209,7 +219,7 @@ def _switch_locked(t: Tools, snapshot: Path, host: str | None, port: int, log_fi
                 why = f"the old engine's listening socket cannot be shared ({e})"
         if listener is not None:
             try:
-                done = _hand_over(t, req, old[0], listener, rep, rollback, tuple(back), drain_s)
+                done = _hand_over(t, req, old[0], listener, rep, rollback, tuple(back), drain_s, marked)
             finally:
                 listener.close()
             if isinstance(done, Switched):
@@ -217,6 +227,10 @@ def _switch_locked(t: Tools, snapshot: Path, host: str | None, port: int, log_fi
             why = done
         rep.info(f"no hand-over: {why}; the old engine stops first (the port refuses connections until the "
                  "new one serves)")
+        with rep.phase("check_images", f"checking {snapshot.name}'s image checksums before stopping the engine "
+                                       f"on port {port}"):
+            with _refused_target(snapshot, old), t.store.snapshot_lock(snapshot, shared=True):
+                t.files.verify_images(snapshot, m)
     t0 = t.clock.monotonic()
     stopping = None
     if old:
@@ -243,7 +257,7 @@ def _switch_locked(t: Tools, snapshot: Path, host: str | None, port: int, log_fi
         # an interruption means "stop": no rollback then (the port ends free, the registry says so)
         if stopping is not None:
             _finish(stopping, rep)
-        serving = _roll_back(t, old[0], rep, tuple(back), new_drain) \
+        serving = _roll_back(t, old[0], rep, tuple(back), new_drain, merge_pages=marked) \
             if (old and rollback and not isinstance(err, Interrupted)) else None
         gone = {e.pid for e in old}
         _explain_switch_failure(err, port, stopped, serving, rollback,
@@ -259,6 +273,23 @@ def _switch_locked(t: Tools, snapshot: Path, host: str | None, port: int, log_fi
         _finish(stopping, rep)
     return Switched(str(snapshot), port, r.pid, r.url, round(t1 - t0, 3), round(t2 - t1, 3),
                     round(t2 - t0, 3), [e.pid for e in old], host, fallback=why, new_engine=not old)
+
+
+@contextmanager
+def _refused_target(snapshot: Path, old: list[Entry]) -> Iterator[None]:
+    """A SnapshotError raised inside (the target refused before anything was touched) says
+    that the engine on the port (``old``, when one serves) still serves, in its message and
+    ``details`` (``stopped``: [], ``serving``); a corrupt snapshot's says how to repair it."""
+    try:
+        yield
+    except SnapshotError as e:
+        if old:
+            e.message += f"\nnothing was stopped: PID {old[0].pid} still serves {old[0].url}"
+            e.details = {**(e.details or {}), "stopped": [], "serving": {"pid": old[0].pid, "url": old[0].url,
+                                                                         "snapshot": old[0].snapshot}}
+        if e.hint is None and isinstance(e, CorruptSnapshotError):
+            e.hint = layout.damaged_hint(snapshot)
+        raise
 
 
 def handover_blocker(t: Tools, m, old: list[Entry], host: str, port: int) -> str | None:
@@ -304,7 +335,7 @@ HANDOVER_ACCEPT_S = 120.0
 
 
 def _hand_over(t: Tools, req: RestoreRequest, prev: Entry, listener, rep: Reporter, rollback: bool,
-               back: tuple[str, ...], drain_s: float | None) -> Switched | str:
+               back: tuple[str, ...], drain_s: float | None, marked: bool = False) -> Switched | str:
     """Restore ``req`` while ``prev`` still serves, on ``prev``'s own listening socket
     (``listener``, a duplicate: the port never stops listening, its backlog is shared, so no
     connection is refused or reset). Every check of the restore (identity, model, code, image
@@ -314,9 +345,9 @@ def _hand_over(t: Tools, req: RestoreRequest, prev: Entry, listener, rep: Report
     accepted finish within its drain) and, once it stopped accepting, ``/health`` and the
     canary reach the new engine alone. A failure before that leaves ``prev`` serving untouched
     (the error says so); after it (``/health``/canary), ``prev``'s snapshot is restored again
-    on the same socket unless ``rollback`` is false. Returns the result, or a reason (str)
-    when the restore found too little memory before anything was touched (the caller then
-    stops first). Raises the errors of :func:`restore`."""
+    on the same socket unless ``rollback`` is false (KSM-mergeable when ``marked``). Returns
+    the result, or a reason (str) when the restore found too little memory before anything was
+    touched (the caller then stops first). Raises the errors of :func:`restore`."""
     from ..errors import EngineError, InsufficientResources
     import dataclasses
 
@@ -359,7 +390,7 @@ def _hand_over(t: Tools, req: RestoreRequest, prev: Entry, listener, rep: Report
             raise
         # /health or the canary failed after the old engine stopped accepting: the socket is
         # still ours, the old snapshot takes it again (connections wait in its backlog)
-        serving = _roll_back(t, prev, rep, back, req.drain_s, listener) \
+        serving = _roll_back(t, prev, rep, back, req.drain_s, listener, marked) \
             if rollback and not isinstance(err, Interrupted) else None
         _finish(stopping, rep)
         _explain_switch_failure(err, port, [{"pid": prev.pid, "snapshot": prev.snapshot, "host": prev.host,
@@ -387,16 +418,16 @@ def _finish(stopping: _Stopping, rep: Reporter) -> None:
 
 
 def _roll_back(t: Tools, prev: Entry, rep: Reporter, frontend: tuple[str, ...] = (),
-               drain_s: float | None = None, listener=None) -> dict | None:
+               drain_s: float | None = None, listener=None, merge_pages: bool = False) -> dict | None:
     """Restore the engine a failed switch stopped (with ``frontend``: its own recorded options
-    and the switch's API key; on ``listener`` when the port's socket was kept); its serving
-    record, or None."""
+    and the switch's API key; on ``listener`` when the port's socket was kept; KSM-mergeable
+    when ``merge_pages``: it was); its serving record, or None."""
     try:
         with rep.phase("rollback", f"restoring {Path(prev.snapshot).name} again on port {prev.port}"):
             r, engine = restore(RestoreRequest(snapshot=Path(prev.snapshot), host=prev.host, port=prev.port,
                                                detach=True, frontend=frontend,
                                                drain_s=prev.drain_s if drain_s is None else drain_s,
-                                               listener=listener), rep, tools=t)
+                                               listener=listener, merge_pages=merge_pages), rep, tools=t)
         engine.close()
         return {"snapshot": prev.snapshot, "pid": r.pid, "url": r.url}
     except SnapshotError as e:

@@ -97,6 +97,16 @@ def ksm_state(sysfs: Path = KSM_SYSFS) -> KsmState:
                     num("pages_to_scan") or 0, num("sleep_millisecs") or 0)
 
 
+def process_marked(pid: int, proc: Path = Path("/proc")) -> bool:
+    """Whether process ``pid`` is marked ``ksm_merge_any`` (``/proc/PID/ksm_stat``, Linux >=
+    6.6), as :func:`process_merge` reads it but without its pass over ``smaps`` (tens of ms
+    for an engine); False when the process is gone or the kernel does not say."""
+    try:
+        return "ksm_merge_any: yes" in (proc / str(pid) / "ksm_stat").read_text()
+    except OSError:
+        return False
+
+
 def process_merge(pid: int, proc: Path = Path("/proc")) -> dict[str, int] | None:
     """KSM's view of process ``pid``: ``{"mergeable_vmas", "anon_vmas", "merging_pages",
     "merge_any"}`` -- anonymous VMAs (no path, or ``[heap]``/``[stack]``) in

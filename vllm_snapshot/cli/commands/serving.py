@@ -75,6 +75,7 @@ def switch(
     drain_timeout: Optional[float] = typer.Option(
         None, "--drain-timeout", min=0, help="Seconds the old engine lets requests in flight finish (default: its "
         "own); also the new engine's drain timeout (default $VLLM_SNAPSHOT_DRAIN_TIMEOUT, else 30)."),
+    merge_pages: bool = typer.Option(False, "--merge-pages", help=MERGE_PAGES_HELP),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_DETACH_HELP),
 ) -> None:
@@ -111,20 +112,23 @@ def switch(
     front, engine_args = frontend.split(engine_args)  # API key, TLS, CORS, ...: applied at restore
     common.drain(drain_timeout)  # a bad $VLLM_SNAPSHOT_DRAIN_TIMEOUT: a usage error before anything runs
     host = common.host_address(host, quiet or as_json)
+    rep = common.reporter(quiet, as_json)
+    if merge_pages:
+        common.merge_pages_notice(rep)
     if model is None:
         if engine_args:
             raise UsageError(f"unexpected arguments {' '.join(engine_args)!r}: engine args go with --model MODEL",
                              hint="a snapshot's engine args are frozen at create; front-end options (API key, "
                                   "TLS, CORS, ...) are accepted after --")
-        switched = ops.switch(common.resolve(snapshot), host, port, log_file, common.reporter(quiet, as_json), rollback,
-                              frontend=tuple(front), drain_s=drain_timeout, handover=handover)
+        switched = ops.switch(common.resolve(snapshot), host, port, log_file, rep, rollback,
+                              frontend=tuple(front), drain_s=drain_timeout, handover=handover, merge_pages=merge_pages)
         _handed_off()
         render.show(switched, as_json, quiet)
         return
     req = ops.ServeRequest(model=model, root=store.ensure_root(common.root_dir()), engine_args=engine_args, port=port,
                            log_file=log_file, build="never" if no_build else "auto", detach=True,
-                           frontend=tuple(front), drain_s=common.drain(drain_timeout))
-    switched, _path = ops.switch_model(req, host, rollback, common.reporter(quiet, as_json), handover=handover)
+                           frontend=tuple(front), drain_s=common.drain(drain_timeout), merge_pages=merge_pages)
+    switched, _path = ops.switch_model(req, host, rollback, rep, handover=handover)
     _handed_off()
     render.show(switched, as_json, quiet)
 

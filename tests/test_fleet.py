@@ -229,6 +229,59 @@ def test_a_blob_damaged_at_rest_is_refused_naming_it(tmp_path, registry):
         transfer.download(target, art, _staging(tmp_path / "out"))
 
 
+def _layout_artifact(tmp_path: Path, pages: bytes, part_bytes: int = 8192):
+    snap, m = _snapshot(tmp_path / "s", pages=pages)
+    target = transport.Layout(tmp_path / "layout", create=True)
+    transfer.push(snap, (snap / "manifest.json").read_bytes(), oci.annotations(m, "d" * 64), target, "v1",
+                  part_bytes=part_bytes)
+    return snap, m, target, transfer.fetch_manifest(target, "v1", "IMG")
+
+
+def test_a_downloads_flushes_are_made_beside_the_streams_and_every_layer_ends_flushed_then_marked(
+        tmp_path, monkeypatch):
+    """No blob stream calls fdatasync (the flush thread does, for the progress records and the
+    markers); the download ends with every layer marked and no progress record left."""
+    from vllm_snapshot.fleet import partial
+
+    monkeypatch.setattr(transfer, "PROGRESS_BYTES", 4096)
+    snap, _, target, art = _layout_artifact(tmp_path, os.urandom(60000))
+    synced: list[tuple[str, str]] = []
+    real = os.fdatasync
+
+    def fdatasync(fd):
+        synced.append((__import__("threading").current_thread().name, os.readlink(f"/proc/self/fd/{fd}")))
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    out = _staging(tmp_path / "out")
+    (out / partial.MARKS).mkdir(mode=0o700)
+    transfer.download(target, art, out, resumable=True)
+    assert {k: v for k, v in _tree(out).items() if not k.startswith(partial.MARKS)} == _tree(snap)
+    assert synced and {name for name, _ in synced} == {"vllm-snapshot-flush"}
+    assert str(out / "images" / "pages-1.img") in {path for _, path in synced}
+    assert sorted(os.listdir(out / partial.MARKS)) == sorted(str(i) for i in range(len(art.parts)))
+
+
+def test_a_flush_that_fails_fails_the_download_and_marks_nothing(tmp_path, monkeypatch):
+    """A marker says its layer's bytes are on disk: when the flush before it fails (EIO), the
+    download raises that error and no layer is marked."""
+    import errno
+
+    from vllm_snapshot.fleet import partial
+
+    _, _, target, art = _layout_artifact(tmp_path, os.urandom(30000))
+
+    def fdatasync(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    out = _staging(tmp_path / "out")
+    (out / partial.MARKS).mkdir(mode=0o700)
+    with pytest.raises(OSError, match="Input/output error"):
+        transfer.download(target, art, out, resumable=True)
+    assert os.listdir(out / partial.MARKS) == []
+
+
 def test_a_push_that_fails_midway_leaves_no_tag(tmp_path):
     snap, m = _snapshot(tmp_path / "s", pages=os.urandom(20000))
     layout = transport.Layout(tmp_path / "layout", create=True)

@@ -346,7 +346,12 @@ def download(target: Target, art: oci.Artifact, staging: Path, workers: int = WO
     off half-way records every :data:`PROGRESS_BYTES` how far its flushed bytes reach
     (``.parts/INDEX.at``); the next pull hashes that prefix from disk and fetches only the
     rest (an HTTP range), the digest checked over the whole layer; a prefix that does not
-    hold makes that layer be fetched whole once more. The flushes and those records are made
+    hold makes that layer be fetched whole once more.
+
+    ``on_blob(part)`` is called (on a worker thread) for each layer downloaded now once its
+    bytes matched its digest and are written: nothing writes into that region of its member
+    again (each stream writes inside its own region only, and the layers tile each member);
+    not for a layer reused from a partial dir. The flushes and those records are made
     by one thread beside the streams (:class:`_Flusher`), never by a stream; every file is
     ``fsync``-ed before this returns, and what that thread had yet to flush and record is
     flushed and recorded before an error or an interruption leaves."""
@@ -399,8 +404,12 @@ def download(target: Target, art: oci.Artifact, staging: Path, workers: int = WO
             if start and h is None:
                 start = 0
             at = [p.offset + start, 0]  # where the next byte goes, bytes since the last progress record
+            end = p.offset + p.size
 
             def sink(chunk: bytes) -> None:
+                if at[0] + len(chunk) > end:  # never past the layer's region (on_blob's promise)
+                    raise CorruptSnapshotError(f"blob {p.digest} ({p.member}) is longer than its {p.size} bytes",
+                                               details={"blob": p.digest, "member": p.member})
                 os.pwrite(fd, chunk, at[0])
                 at[0] += len(chunk)
                 at[1] += len(chunk)

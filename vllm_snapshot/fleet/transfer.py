@@ -264,10 +264,11 @@ class _Flusher:
     order handed over: ``INDEX.at`` progress records, and for a verified layer its marker
     ``INDEX`` (its ``.at`` removed). So a record or marker never names bytes that are not on
     disk, as when each stream flushed for itself (measured: those flushes held the four streams
-    1.9-2.8 s in all per 1.6 GB pull, docs/benchmarks.md "Fleet: flushes off the streams").
+    1.9-3.7 s in all per 1.6 GB pull: docs/benchmarks.md, "Fleet: flushes off the streams, the
+    checksum pass beside the download").
     Without ``marks`` it only flushes (the writeback spread over the download; the caller's
     final ``fsync`` has little left). :meth:`close` flushes and records what is still handed
-    over -- on an error or an interruption too (one ``fdatasync`` per file at most), so a
+    over -- on an error or an interruption too (the pass under way and one more), so a
     verified layer is marked as before -- and raises the thread's OSError, if any;
     :meth:`progress` and :meth:`verified` raise it as soon as it happened."""
 

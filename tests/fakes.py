@@ -852,7 +852,7 @@ class FakeFleetTools(_Role, FleetTools):
         self.w._call("snapshot_config")
         return self.w.manifest.model_dump_json().encode()
 
-    def check_pulled(self, staging: Path, m) -> None:
+    def check_pulled(self, staging: Path, m, assembled=None) -> None:
         self.w._call("check_pulled")
 
     def partial_pulls(self, root: Path) -> list[dict]:

@@ -229,6 +229,143 @@ def test_a_blob_damaged_at_rest_is_refused_naming_it(tmp_path, registry):
         transfer.download(target, art, _staging(tmp_path / "out"))
 
 
+def _layout_artifact(tmp_path: Path, pages: bytes, part_bytes: int = 8192):
+    snap, m = _snapshot(tmp_path / "s", pages=pages)
+    target = transport.Layout(tmp_path / "layout", create=True)
+    transfer.push(snap, (snap / "manifest.json").read_bytes(), oci.annotations(m, "d" * 64), target, "v1",
+                  part_bytes=part_bytes)
+    return snap, m, target, transfer.fetch_manifest(target, "v1", "IMG")
+
+
+def test_a_downloads_flushes_are_made_beside_the_streams_and_every_layer_ends_flushed_then_marked(
+        tmp_path, monkeypatch):
+    """No blob stream calls fdatasync (the flush thread does, for the progress records and the
+    markers); the download ends with every layer marked and no progress record left."""
+    from vllm_snapshot.fleet import partial
+
+    monkeypatch.setattr(transfer, "PROGRESS_BYTES", 4096)
+    snap, _, target, art = _layout_artifact(tmp_path, os.urandom(60000))
+    synced: list[tuple[str, str]] = []
+    real = os.fdatasync
+
+    def fdatasync(fd):
+        synced.append((__import__("threading").current_thread().name, os.readlink(f"/proc/self/fd/{fd}")))
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    out = _staging(tmp_path / "out")
+    (out / partial.MARKS).mkdir(mode=0o700)
+    transfer.download(target, art, out, resumable=True)
+    assert {k: v for k, v in _tree(out).items() if not k.startswith(partial.MARKS)} == _tree(snap)
+    assert synced and {name for name, _ in synced} == {"vllm-snapshot-flush"}
+    assert str(out / "images" / "pages-1.img") in {path for _, path in synced}
+    assert sorted(os.listdir(out / partial.MARKS)) == sorted(str(i) for i in range(len(art.parts)))
+
+
+def test_a_flush_that_fails_fails_the_download_and_marks_nothing(tmp_path, monkeypatch):
+    """A marker says its layer's bytes are on disk: when the flush before it fails (EIO), the
+    download raises that error and no layer is marked."""
+    import errno
+
+    from vllm_snapshot.fleet import partial
+
+    _, _, target, art = _layout_artifact(tmp_path, os.urandom(30000))
+
+    def fdatasync(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    out = _staging(tmp_path / "out")
+    (out / partial.MARKS).mkdir(mode=0o700)
+    with pytest.raises(OSError, match="Input/output error"):
+        transfer.download(target, art, out, resumable=True)
+    assert os.listdir(out / partial.MARKS) == []
+
+
+def test_on_blob_names_each_layer_once_its_bytes_are_written_and_checked(tmp_path):
+    """What a pull's checksum pass relies on to hash a file while it is assembled: on_blob comes
+    after the layer's bytes are in its region of the member, for every layer downloaded."""
+    snap, _, target, art = _layout_artifact(tmp_path, os.urandom(50000))
+    out = _staging(tmp_path / "out")
+    seen = []
+
+    def on_blob(p):
+        with open(out / p.member, "rb") as f:
+            f.seek(p.offset)
+            seen.append((p.member, p.offset, f.read(p.size) == (snap / p.member).read_bytes()[p.offset:p.offset + p.size]))
+
+    transfer.download(target, art, out, on_blob=on_blob)
+    assert sorted(seen) == sorted((p.member, p.offset, True) for p in art.parts)
+
+
+def _assembling_files(tmp_path: Path, data: bytes, name: str = "pages-1.img"):
+    from vllm_snapshot.store import archive
+
+    d = tmp_path / "images"
+    d.mkdir(mode=0o700, exist_ok=True)
+    path = d / name
+    img = manifest.ImageFile(name=name, raw_bytes=len(data), stored_bytes=len(data), blake3=_b3(data))
+    return archive, path, img
+
+
+def test_assembling_hashes_a_file_whose_parts_are_written_in_any_order(tmp_path):
+    """Regions announced out of order are hashed in file order as far as they reach without a gap,
+    before finish(); finish() hashes the rest (regions never announced: a resumed pull's reused
+    layers) and accepts the file."""
+    data = os.urandom(10 * 300_000 + 123)
+    archive, path, img = _assembling_files(tmp_path, data)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, len(data))
+    a = archive.Assembling({path: img})
+    size = 300_000
+    regions = [(off, min(size, len(data) - off)) for off in range(0, len(data), size)]
+    for off, n in [regions[2], regions[0], regions[1], regions[4]]:  # regions[3] never announced
+        os.pwrite(fd, data[off:off + n], off)
+        a.ready(path, off, n)
+    for off, n in regions[3:]:
+        os.pwrite(fd, data[off:off + n], off)
+    os.close(fd)
+    deadline = time.monotonic() + 10
+    while a.early_bytes < 3 * size and time.monotonic() < deadline:  # 0..3 reach without a gap
+        time.sleep(0.01)
+    assert a.early_bytes == 3 * size
+    assert a.finish() == {path}
+
+
+def test_assembling_refuses_a_part_at_the_wrong_offset_or_a_file_of_another_size(tmp_path):
+    """The bytes are read back from the file, not taken from the stream: a part written where it
+    does not belong fails the file's checksum, as a file longer than recorded does."""
+    from vllm_snapshot.store import archive
+
+    data = os.urandom(100_000)
+    _, path, img = _assembling_files(tmp_path, data)
+    swapped = data[50_000:] + data[:50_000]  # each half's bytes sound, at the other's offset
+    path.write_bytes(swapped)
+    a = archive.Assembling({path: img})
+    a.ready(path, 0, 50_000)
+    a.ready(path, 50_000, 50_000)
+    with pytest.raises(CorruptSnapshotError, match=rf"image {path} fails its checksum"):
+        a.finish()
+    path.write_bytes(data + b"x")
+    a = archive.Assembling({path: img})
+    a.ready(path, 0, 100_000)
+    with pytest.raises(CorruptSnapshotError, match="BLAKE3 of 100001 raw bytes differs"):
+        a.finish()
+
+
+def test_assembling_says_a_missing_file_is_missing_and_cancel_stops_it(tmp_path):
+    from vllm_snapshot.store import archive
+
+    _, path, img = _assembling_files(tmp_path, b"abc")
+    with pytest.raises(CorruptSnapshotError, match=rf"image file {path} is missing"):
+        archive.Assembling({path: img}).finish()
+    path.write_bytes(b"abc")
+    a = archive.Assembling({path: img})
+    a.cancel()
+    a.ready(path, 0, 3)  # after cancel: ignored
+    assert a.early_bytes == 0
+
+
 def test_a_push_that_fails_midway_leaves_no_tag(tmp_path):
     snap, m = _snapshot(tmp_path / "s", pages=os.urandom(20000))
     layout = transport.Layout(tmp_path / "layout", create=True)

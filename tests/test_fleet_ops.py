@@ -458,13 +458,33 @@ def test_a_pull_that_fails_verification_removes_its_partial_dir(tmp_path, pushed
     left = _interrupted(root, pushed6["image"], "images/inventory.img")
     t = Tools()
 
-    def refuse(staging, m):
+    def refuse(staging, m, assembled=None):
         raise CorruptSnapshotError("pages-2.img does not match its checksum")
 
     t.fleet.check_pulled = refuse
     with pytest.raises(CorruptSnapshotError):
         fleet.pull(fleet.PullRequest(image=pushed6["image"], root=root, name="six"), Reporter(), t)
     assert not left.exists() and os.listdir(root) == []
+
+
+def test_a_pull_whose_layers_disagree_with_the_snapshot_manifest_is_refused_and_publishes_nothing(tmp_path, pushed6):
+    """Every layer's sha256 holds (the pusher hashed what it sent) but a file assembled from them
+    is not the one the snapshot manifest's BLAKE3 names: the checksum pass that runs while the
+    files are written refuses it, naming the file, and nothing is listed or left."""
+    from vllm_snapshot.fleet import transfer
+
+    snap = pushed6["snapshot"]
+    layout = transport.Layout(Path(pushed6["image"].split(":")[1]), create=False)
+    art = transfer.fetch_manifest(layout, "v1", "IMG")
+    with open(snap / "images" / "pages-2.img", "r+b") as f:  # changed after the manifest was sealed
+        f.seek(7)
+        f.write(b"\xff\x00")
+    transfer.push(snap, (snap / "manifest.json").read_bytes(), art.annotations, layout, "bad")
+    root = _root(tmp_path)
+    image = pushed6["image"].rsplit(":", 1)[0] + ":bad"
+    with pytest.raises(CorruptSnapshotError, match=r"images/pages-2.img fails its checksum"):
+        fleet.pull(fleet.PullRequest(image=image, root=root, name="six"), Reporter(), Tools())
+    assert os.listdir(root) == []
 
 
 def test_default_names():

@@ -39,7 +39,7 @@ class LocalFleetTools(FleetTools):
 
         return (Path(snapshot) / layout.MANIFEST).read_bytes()
 
-    def check_pulled(self, staging: Path, m) -> None:
+    def check_pulled(self, staging: Path, m, assembled=None) -> None:
         import blake3
 
         from ..store import archive, layout
@@ -47,11 +47,17 @@ class LocalFleetTools(FleetTools):
         sd = layout.SnapshotDir(staging)
         archive.check_layout(sd.images, m.images)
         archive.check_layout(sd.files, m.extra_files)
-        archive.verify(sd.images, m.images)
-        archive.verify(sd.files, m.extra_files)
         if m.carried is not None:  # the files restore puts back on this node (checkpoint/carry.py)
             archive.check_layout(sd.carried, m.carried.blobs)
-            archive.verify(sd.carried, m.carried.blobs)
+        done = assembled.finish() if assembled is not None else set()
+
+        def rest(d: Path, images):
+            return tuple(i for i in images if d / archive.stored_name(i) not in done)
+
+        archive.verify(sd.images, rest(sd.images, m.images))
+        archive.verify(sd.files, rest(sd.files, m.extra_files))
+        if m.carried is not None:
+            archive.verify(sd.carried, rest(sd.carried, m.carried.blobs))
         if m.code is not None:
             try:
                 table = (staging / layout.CODE_TABLE).read_bytes()

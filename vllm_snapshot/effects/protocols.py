@@ -584,9 +584,12 @@ class FleetTools(Protocol):
     def snapshot_config(self, snapshot: Path) -> bytes:
         """The bytes of ``snapshot/manifest.json`` (the artifact's config, pushed byte for byte)."""
 
-    def check_pulled(self, staging: Path, m) -> None:
+    def check_pulled(self, staging: Path, m, assembled=None) -> None:
         """The snapshot's own checks over a downloaded staging dir: member layout (stat),
-        every image and saved file's BLAKE3, the code table's digest. Raises
+        every image and saved file's BLAKE3, the code table's digest. ``assembled``: an
+        :class:`~vllm_snapshot.store.archive.Assembling` that hashed some of those files while
+        they were downloaded; its decision (:meth:`~vllm_snapshot.store.archive.Assembling.finish`,
+        after the layout check) stands for them, the others are hashed here. Raises
         CorruptSnapshotError naming the file."""
 
     def partial_pulls(self, root: Path) -> list[dict]:

@@ -258,7 +258,7 @@ def pull(req: PullRequest, rep, t: Tools) -> Pulled:
     -> now),
     IncompatibleHostError, ModelChangedError, UntrustedArtifactError (``--verify-key``),
     CorruptSnapshotError, EnvironmentProblem, BusyError; publishes nothing on any of them."""
-    from ..store import manifest, store
+    from ..store import archive, manifest, store
     from ..store.snapkey import model_part
 
     ref = reference.parse(req.image)
@@ -298,7 +298,8 @@ def pull(req: PullRequest, rep, t: Tools) -> Pulled:
         if t.host.path_exists(dest):
             raise _taken(dest, name, ref, art.digest, t)
         report = t.store.reclaim(dest.parent)
-        with t.fleet.pull_staging(dest, art.digest) as st, _explained(req, ref, name, st):
+        with t.fleet.pull_staging(dest, art.digest) as st, _explained(req, ref, name, st), \
+                contextlib.ExitStack() as stack:
             # (the staging dir resumes what a killed pull of this artifact left)
             staging = st.path
             report += st.removed
@@ -318,14 +319,19 @@ def pull(req: PullRequest, rep, t: Tools) -> Pulled:
                 raise CorruptSnapshotError(f"{ref}: the manifest annotations disagree with the snapshot manifest "
                                            f"({', '.join(wrong[:5])}); nothing was pulled",
                                            hint="push the snapshot again with `vllm-snapshot push`")
+            # the snapshot's BLAKE3 pass over its uncompressed files runs while they are written:
+            # each file hashed from disk in order, as far as its verified layers reach
+            assembled = archive.Assembling(_plain_members(staging, m))
+            stack.callback(assembled.cancel)
             with rep.phase("download", f"downloading {(art.blob_bytes - art.weights_bytes) / 1e6:.0f} MB"):
-                got = transfer.download(target, art, staging, resumable=st.resumable)
+                got = transfer.download(target, art, staging, resumable=st.resumable,
+                                        on_blob=lambda p: assembled.ready(staging / p.member, p.offset, p.size))
             with contextlib.ExitStack() as placing:
                 wgot, how, ws = _stage_weights(target, art, m, req.root, str(ref), rep, t, placing)
                 if ws is not None:
                     report += ws.removed
                 with rep.phase("verify", "checking the snapshot's own checksums"):
-                    t.fleet.check_pulled(staging, m)
+                    t.fleet.check_pulled(staging, m, assembled)
                 if ws is not None:  # the weights file last but one: complete and verified, then the snapshot
                     ws.place()
                 here = t.host.host_identity(m.engine.kind)
@@ -408,6 +414,19 @@ def _explained(req: PullRequest, ref: reference.Ref, name: str, st):
         if d.get("blob"):
             e.hint = repair_hint(ref, d["blob"], bool(d.get("missing")), req.plain_http)
         raise
+
+
+def _plain_members(staging: Path, m) -> dict:
+    """The uncompressed files of snapshot manifest ``m`` as they are laid out in ``staging``
+    (path -> :class:`~vllm_snapshot.store.manifest.ImageFile`): those whose BLAKE3 is of the
+    stored bytes, so it can be computed as a pull writes them."""
+    from ..store import archive, layout
+
+    sd = layout.SnapshotDir(staging)
+    groups = [(sd.images, m.images), (sd.files, m.extra_files)]
+    if m.carried is not None:
+        groups.append((sd.carried, m.carried.blobs))
+    return {d / archive.stored_name(i): i for d, images in groups for i in images if i.compression == "none"}
 
 
 def _stage_weights(target: Target, art: oci.Artifact, m, root: Path, where: str, rep, t: Tools,

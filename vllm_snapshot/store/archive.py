@@ -509,6 +509,130 @@ class Checking:
         self._thread.join()
 
 
+class Assembling:
+    """The BLAKE3 checksums of uncompressed files being assembled from parts that are written
+    in any order (a pull's layers, :func:`vllm_snapshot.fleet.transfer.download`), computed
+    while they are written instead of in a pass after. ``files`` maps each file's path to its
+    :class:`ImageFile` (``compression`` ``none``: the stored bytes are the raw bytes).
+
+    :meth:`ready` says that a region of a file is written and will not be written again (the
+    caller's promise: a pull calls it once a layer's bytes matched its digest, and the layers
+    tile each file, checked when the manifest was read). Each file is hashed in order, from
+    disk (the page cache: read back, not the bytes that were handed to ``pwrite``, so a part
+    placed at a wrong offset or in a wrong file fails as in :func:`verify`), as far as its
+    ready regions reach without a gap, on :func:`_workers` threads (one file on one thread at a
+    time). :meth:`finish` is the decision: every file is hashed on from where it got to, to its
+    end, as :func:`verify` reads it, and compared with its size and BLAKE3. Raises
+    CorruptSnapshotError naming the file (a mismatch, a missing file); :meth:`cancel` stops
+    early (a failed pull) and waits for the threads."""
+
+    def __init__(self, files: dict[Path, ImageFile]) -> None:
+        self._files = dict(files)
+        self._lock = threading.Lock()
+        self._cancel = threading.Event()
+        self._at = {f: 0 for f in self._files}  # bytes hashed so far
+        self._ready: dict[Path, dict[int, int]] = {f: {} for f in self._files}  # offset -> end, not yet hashed
+        self._h = {f: blake3.blake3() for f in self._files}
+        self._fd: dict[Path, int] = {}
+        self._busy: set[Path] = set()
+        self._all = False  # finish(): every file to its end
+        self._errors: list[BaseException] = []
+        self._ex = ThreadPoolExecutor(_workers(), thread_name_prefix="vllm-snapshot-assembled")
+        self._futs: list[Future] = []
+        #: bytes hashed before finish() was called (how much of the pass the writing hid)
+        self.early_bytes = 0
+
+    def ready(self, path: Path, offset: int, size: int) -> None:
+        """Bytes ``[offset, offset + size)`` of ``path`` are written for good. A path not in
+        ``files`` is ignored."""
+        with self._lock:
+            if path not in self._files or self._cancel.is_set():
+                return
+            self._ready[path][offset] = offset + size
+            self._kick(path)
+
+    def _kick(self, path: Path) -> None:
+        """(lock held) Start hashing ``path`` unless a thread is on it already."""
+        if path not in self._busy and (self._all or self._at[path] in self._ready[path]):
+            self._busy.add(path)
+            self._futs.append(self._ex.submit(self._run, path))
+
+    def _run(self, path: Path) -> None:
+        try:
+            while True:
+                with self._lock:
+                    start = self._at[path]
+                    end = self._ready[path].pop(start, None)
+                    if end is None and not self._all:
+                        self._busy.discard(path)
+                        return
+                    tail = end is None  # finish(): on to the end of the file
+                n = self._hash(path, start, end)
+                with self._lock:
+                    self._at[path] = start + n
+                    if not self._all:
+                        self.early_bytes += n
+                    if tail:
+                        self._busy.discard(path)
+                        return
+        except BaseException as e:  # noqa: BLE001 - handed to finish()
+            with self._lock:
+                self._errors.append(e)
+                self._busy.discard(path)
+                self._cancel.set()
+
+    def _hash(self, path: Path, start: int, end: int | None) -> int:
+        """Hash ``path`` from ``start`` to ``end`` (None: to its end) into its hasher; the
+        bytes hashed."""
+        fd = self._fd.get(path)
+        if fd is None:
+            try:
+                fd = self._fd[path] = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError as e:
+                raise CorruptSnapshotError(f"image file {path} is missing") from e
+        buf = memoryview(bytearray(VERIFY_BUF))
+        h, at = self._h[path], start
+        while end is None or at < end:
+            if self._cancel.is_set():
+                raise CorruptSnapshotError(f"checksum verification of {path} cancelled")
+            want = VERIFY_BUF if end is None else min(VERIFY_BUF, end - at)
+            n = os.preadv(fd, [buf[:want]], at)
+            if n == 0:
+                break
+            h.update(buf[:n])
+            at += n
+        return at - start
+
+    def finish(self) -> set[Path]:
+        """Hash every file on to its end and compare it with its size and BLAKE3; returns the
+        paths checked (every one of ``files``). Raises CorruptSnapshotError."""
+        try:
+            with self._lock:
+                self._all = True  # a thread on a file now goes on to its end; an idle file gets one
+                for path in self._files:
+                    self._kick(path)
+                futs = list(self._futs)
+            for f in futs:
+                f.result()
+            if self._errors:
+                raise self._errors[0]
+            for path, img in self._files.items():
+                if self._at[path] != img.raw_bytes or self._h[path].hexdigest() != img.blake3:
+                    raise CorruptSnapshotError(
+                        f"image {path} fails its checksum (BLAKE3 of {self._at[path]} raw bytes differs)")
+            return set(self._files)
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Stop hashing and wait for the threads (at most one buffer each); close the files."""
+        self._cancel.set()
+        self._ex.shutdown(wait=True, cancel_futures=True)
+        for fd in self._fd.values():
+            os.close(fd)
+        self._fd.clear()
+
+
 def link_stage(src_dir: Path, images: tuple[ImageFile, ...], parent: Path) -> Path:
     """Stage uncompressed images as hard links (copies across file systems) in a new private
     dir under ``parent``, WITHOUT verifying them: the caller verifies concurrently

@@ -44,6 +44,9 @@ class CountingLayout(transport.Layout):
     fail_after: int | None = None
     #: downloads in progress (the pull runs several at once)
     active = 0
+    #: the artifact's number of layers (set by the fixture that pushed it): a failing download
+    #: waits until each of them has begun, so no layer is still queued when the connection drops
+    layers_total: int | None = None
     _lock = threading.Lock()
 
     def get_blob(self, digest, size, sink, what, start=0, h=None):
@@ -73,7 +76,8 @@ class CountingLayout(transport.Layout):
                         # (the tests count what a resume fetches again: which layers were still in
                         # flight must not depend on the machine's load)
                         deadline = time.monotonic() + 30
-                        while CountingLayout.active > 1 and time.monotonic() < deadline:
+                        while time.monotonic() < deadline and (
+                                CountingLayout.active > 1 or len(set(CountingLayout.gets)) < (CountingLayout.layers_total or 0)):
                             time.sleep(0.005)
                         raise EnvironmentProblem(f"connection to the registry lost while fetching {what}")
             return super().get_blob(digest, size, cut, what, start, h)
@@ -135,6 +139,12 @@ class _Files(LocalSnapshotFiles):
 
     def discard(self, tmp):
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _no_layer_count():
+    """Each test starts without a layer count (only pushed6 sets one)."""
+    CountingLayout.layers_total = None
 
 
 def Tools(host: dict[str, str] | None = None):  # noqa: N802 - reads as the bundle it builds
@@ -317,6 +327,7 @@ def pushed6(tmp_path, model):
     make_snapshot(snap, model, pages_files=6)
     image = f"oci:{tmp_path / 'layout6'}:v1"
     r = fleet.push(fleet.PushRequest(snapshot=snap, image=image), Reporter(), Tools())
+    CountingLayout.layers_total = r.blobs
     return {"image": image, "snapshot": snap, "result": r}
 
 

@@ -298,6 +298,13 @@ def _switched(r: R.Switched, quiet: bool) -> None:
 DOCTOR_TABLE_MIN_WIDTH = 110
 
 
+def _doctor_mark(ch) -> str:
+    """A check's mark in rich markup: ✓ passed, ✗ failed error, ! failed warning, i failed info."""
+    if ch.ok:
+        return "[green]✓[/]"
+    return {"error": "[red]✗[/]", "warning": "[yellow]![/]"}.get(ch.severity, "[blue]i[/]")
+
+
 def _doctor_table(c, r) -> None:
     """doctor's checks as a table on console ``c`` (wide terminals and pipes)."""
     from rich.markup import escape
@@ -309,11 +316,7 @@ def _doctor_table(c, r) -> None:
     t.add_column("detail", overflow="fold")  # a path or a command wraps at a narrow width, never cut
     t.add_column("remedy", overflow="fold")
     for ch in r.checks:
-        if ch.ok:
-            mark = "[green]✓[/]"
-        else:
-            mark = {"error": "[red]✗[/]", "warning": "[yellow]![/]"}.get(ch.severity, "[blue]i[/]")
-        t.add_row(mark, escape(ch.name), escape(ch.detail), "" if ch.ok and not ch.remedy else escape(ch.remedy))
+        t.add_row(_doctor_mark(ch), escape(ch.name), escape(ch.detail), "" if ch.ok and not ch.remedy else escape(ch.remedy))
     c.print(t)
 
 
@@ -333,8 +336,7 @@ def _doctor(r: R.DoctorReport, quiet: bool) -> None:
     if c.width < DOCTOR_TABLE_MIN_WIDTH:  # a narrow terminal: a table leaves each text a sliver
         c.print("vllm-snapshot doctor", style="bold")
         for ch in r.checks:
-            mark = "[green]✓[/]" if ch.ok else {"error": "[red]✗[/]", "warning": "[yellow]![/]"}.get(ch.severity, "[blue]i[/]")
-            c.print(f"{mark} [bold]{escape(ch.name)}[/]: {escape(ch.detail)}", soft_wrap=False, overflow="fold")
+            c.print(f"{_doctor_mark(ch)} [bold]{escape(ch.name)}[/]: {escape(ch.detail)}", soft_wrap=False, overflow="fold")
             if ch.remedy and not ch.ok:
                 c.print(f"    remedy: {escape(ch.remedy)}", overflow="fold")
     else:

@@ -158,16 +158,20 @@ class Placement:
         later)."""
         deadline = time.monotonic() + wait_s
         for leaf in self.leaves.values():
-            while True:
-                try:
-                    leaf.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError as e:
-                    if e.errno != errno.EBUSY or time.monotonic() > deadline:
-                        break
-                    time.sleep(0.05)
+            _rmdir_once_empty(leaf, deadline)
+
+
+def _rmdir_once_empty(leaf: Path, deadline: float) -> bool:
+    """rmdir ``leaf``, retrying on EBUSY (processes still leaving) until ``deadline``
+    (``time.monotonic()`` seconds); True when this call removed it. Never raises."""
+    while True:
+        try:
+            leaf.rmdir()
+            return True
+        except OSError as e:
+            if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
 
 
 def create(name: str) -> Placement:
@@ -235,18 +239,8 @@ def remove_leaf(cgroup: str, wait_s: float = 5.0, hs: list[Hierarchy] | None = N
     gone = []
     deadline = time.monotonic() + wait_s
     for h in hierarchies() if hs is None else hs:
-        leaf = h.mount / name
-        if not h.writable:
-            continue
-        while True:
-            try:
-                leaf.rmdir()
-                gone.append(str(leaf))
-                break
-            except OSError as e:
-                if e.errno != errno.EBUSY or time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
+        if h.writable and _rmdir_once_empty(h.mount / name, deadline):
+            gone.append(str(h.mount / name))
     return gone
 
 

@@ -26,7 +26,7 @@ from vllm_snapshot.engine.mounts import make_private
 from vllm_snapshot.engine.net import loopback_up, receive_listener
 from vllm_snapshot.engine.protocol import decode
 from vllm_snapshot.engine.spec import EngineSpec
-from vllm_snapshot.host.procs import set_parent_death_signal
+from vllm_snapshot.host.procs import mark_served, set_parent_death_signal
 
 CALLS: list[str] = []
 STATE = {"logprob": -1.25, "awake": True}
@@ -149,6 +149,7 @@ def main() -> int:
             set_parent_death_signal(signal.SIGKILL)
             emit("attached")
         elif name == "serve":
+            mark_served()  # as the real engine root
             set_parent_death_signal(signal.SIGKILL if cmd.get("die_with_parent") else 0)
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
             serve(spec, receive_listener(cmd.get("handoff", "")), cmd["host"], int(cmd["port"]))

@@ -25,7 +25,7 @@ import urllib.request
 
 import pytest
 
-from conftest import ROOT, cli, engine_env
+from conftest import ROOT, cli, engine_env, started
 from test_integration import free_port, port_accepts, wait_gone
 
 pytestmark = pytest.mark.integration
@@ -86,18 +86,32 @@ def _restore(snapshot, port: int, *extra: str) -> int:
     return json.loads(p.stdout)["pid"]
 
 
-def test_stop_with_a_request_in_flight_lets_it_finish(clone_snapshot):
+def test_stop_with_a_request_in_flight_lets_it_finish(clone_snapshot, tmp_path):
     snap = clone_snapshot("drain-stop")
     port = free_port()
     pid = _restore(snap, port)
     try:
         req = _busy(port)
         t0 = time.monotonic()
-        p = cli("stop", "--port", str(port), "--json", env=engine_env(), timeout=120)
+        stopping = started(subprocess.Popen([sys.executable, "-m", "vllm_snapshot", "stop", "--port", str(port), "--json"],
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=engine_env(),
+                                            cwd=ROOT))
+        # while it drains (listening socket closed, the request in flight) a prune of another
+        # run dir must not take it for a killed restore's leftover (CI: the other xdist
+        # worker's reclaim killed it so, the request cut)
+        deadline = time.monotonic() + 30
+        while port_accepts(port) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        other = tmp_path / "other-run"
+        other.mkdir(mode=0o700)
+        pr = cli("prune", "--json", env={**engine_env(), "VLLM_SNAPSHOT_RUN_DIR": str(other)}, timeout=60)
+        out, err = stopping.communicate(timeout=120)
+        p = subprocess.CompletedProcess(stopping.args, stopping.returncode, out, err)
         t1 = time.monotonic()
         req.join(60)
     finally:
         _cleanup(port)
+    assert pr.returncode == 0 and f"orphaned engine tree PID {pid}" not in pr.stdout, pr.stdout + pr.stderr
     assert p.returncode == 0, p.stderr
     row = json.loads(p.stdout)["stopped"][0]
     took = t1 - t0

@@ -602,17 +602,25 @@ def test_detached_engine_outlives_the_cgroup_it_was_launched_from(snapshot, tmp_
 def test_a_serving_engine_missing_from_this_registry_is_not_an_orphan(snapshot, tmp_path):
     """An engine registered in another run dir (another VLLM_SNAPSHOT_RUN_DIR, or a wiped /run)
     that serves is somebody's live server: `prune` here must not kill it as a leftover (seen
-    in a new-user trial: it did)."""
+    in a new-user trial: it did) -- nor a `prune` run in a network namespace of its own (a pod
+    that shares the host's PIDs, not its network), which sees none of the host's listening
+    sockets (it killed every such engine: in CI, the other xdist worker's)."""
     port = free_port()
     r = cli("restore", str(snapshot), "--port", str(port), "--detach", "--json", timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     pid = json.loads(r.stdout)["pid"]
     try:
+        assert psutil.Process(pid).name() == "vllm-served"  # what tells a served tree, host-wide
         other = tmp_path / "other-run"
         other.mkdir(mode=0o700)
-        p = cli("prune", "--json", env={**engine_env(), "VLLM_SNAPSHOT_RUN_DIR": str(other)}, timeout=60)
+        env = {**engine_env(), "VLLM_SNAPSHOT_RUN_DIR": str(other)}
+        p = cli("prune", "--json", env=env, timeout=60)
         assert p.returncode == 0, p.stderr
         assert f"orphaned engine tree PID {pid}" not in p.stdout
+        netns = subprocess.run(["unshare", "--net", "--", sys.executable, "-m", "vllm_snapshot", "prune", "--json"],
+                               capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+        assert netns.returncode == 0, netns.stderr
+        assert f"orphaned engine tree PID {pid}" not in netns.stdout
         time.sleep(0.5)
         assert psutil.pid_exists(pid) and port_accepts(port)
     finally:

@@ -391,7 +391,11 @@ async def run(spec: EngineSpec) -> int:
                     emit("attached")
                 elif name == "serve":
                     from ..engine.net import receive_listener
+                    from ..host.procs import mark_served
 
+                    # named as served before the parent-death signal may go (--detach): from
+                    # now on no reclaim anywhere on the host takes this tree for a leftover
+                    mark_served()
                     # the supervisor bound host:port in the host's namespace; we get the socket
                     sock = receive_listener(str(cmd.get("handoff") or ""))
                     # foreground: the engine must not outlive its supervisor; --detach: it must

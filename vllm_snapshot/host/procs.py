@@ -14,6 +14,7 @@ from typing import Literal, TypeVar
 import psutil
 
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
 #: setns(2) flags by namespace kind (CLONE_NEWNET, CLONE_NEWIPC)
 NS_FLAGS = {"net": 0x40000000, "ipc": 0x08000000}
 _T = TypeVar("_T")
@@ -182,6 +183,35 @@ def run_in_namespace(pid: int, kind: Literal["net", "ipc"], fn: Callable[[], _T]
 def set_parent_death_signal(sig: int) -> None:
     """prctl(PR_SET_PDEATHSIG, sig) for the calling thread's process (0 clears it)."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+#: The command name (``/proc/PID/comm``, at most 15 bytes) an engine root takes once it is told
+#: to serve (:func:`mark_served`). Until then it keeps the name it had at dump, which its restore
+#: gives back; so the name tells, host-wide and whatever registry or network namespace the
+#: reader has, whether a tree ever served: a served tree is somebody's server, even while it
+#: drains with its listening socket closed, never a killed restore's leftover.
+SERVED_COMM = "vllm-served"
+
+
+def mark_served() -> None:
+    """Give this process (its main thread: ``/proc/self/comm``, what ``ps`` shows) the name
+    :data:`SERVED_COMM`. Best effort: an unwritable ``/proc`` falls back to ``prctl(PR_SET_NAME)``,
+    which names the calling thread (call it from the main thread)."""
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(SERVED_COMM)
+    except OSError:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, SERVED_COMM.encode(), 0, 0, 0)
+
+
+def marked_served(pid: int) -> bool:
+    """Whether process ``pid`` took the name :data:`SERVED_COMM` (:func:`mark_served`); False
+    when it is gone or its name cannot be read."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip() == SERVED_COMM
+    except OSError:
+        return False
 
 
 def kill_restored_children() -> list[int]:

@@ -340,14 +340,20 @@ def orphans() -> list[psutil.Process]:
     (reparented to init or a subreaper) and that serves nothing -- what a SIGKILLed restore
     leaves when CRIU finished after its supervisor died (the tree never got its listening
     socket). A create's engine (child of ``unshare``), a restore in progress (child of its
-    restore), every registered engine and every serving engine are never listed: an engine
-    that serves but is missing from *this* registry (another ``VLLM_SNAPSHOT_RUN_DIR``, a wiped
-    /run) is somebody's live server, not a leftover."""
+    restore), every registered engine, every engine that was ever told to serve (its root took
+    the name :data:`~vllm_snapshot.host.procs.SERVED_COMM`) and every serving engine are never
+    listed: an engine missing from *this* registry (another ``VLLM_SNAPSHOT_RUN_DIR``, a wiped
+    /run) that served is somebody's live server, not a leftover -- also while it drains with its
+    listening socket closed, and whatever network namespace the caller runs in (whose table of
+    listening sockets holds none of the host's). The socket check is what is left for a tree
+    restored from a snapshot whose engine code predates the name."""
+    from ..host.procs import marked_served
+
     known = {e.pid for e in entries()}
     out = []
     serving: set[int] | None = None
     for p in psutil.process_iter(["ppid"]):
-        if p.pid in known or not _is_engine_root(p):
+        if p.pid in known or not _is_engine_root(p) or marked_served(p.pid):
             continue
         try:
             ppid = p.info["ppid"]

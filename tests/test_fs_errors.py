@@ -111,6 +111,42 @@ def test_delete_refuses_a_snapshot_with_a_filesystem_mounted_in_it_before_touchi
     assert (snap / layout.IMAGES / "pages-1.img").exists() and (snap / layout.MANIFEST).exists()
 
 
+def test_prune_goes_past_a_snapshot_it_cannot_delete_and_exits_with_its_code(tmp_path, monkeypatch, capsys):
+    # noticed in a review: the first snapshot delete refused (a mount in it) ended the prune --
+    # the other old snapshots stayed and no leftover was reclaimed; `rm a b` goes on past `a`
+    from helpers import make_manifest
+
+    monkeypatch.setenv("VLLM_SNAPSHOT_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("VLLM_SNAPSHOT_RUN_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("VLLM_SNAPSHOT_ROOT", str(tmp_path / "store"))
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    for name in ("a", "b", "c"):
+        snap = tmp_path / "store" / name
+        write_snapshot_dir(snap, make_manifest(images=(), created_at="2026-12-01T10:00:00+00:00"))
+        for sub in ("images", "files"):
+            (snap / sub).mkdir(mode=0o700)
+    os.chmod(tmp_path / "store", 0o700)
+    stale = tmp_path / "store" / f".x{store.TMP_MARK}1"  # a crashed create's temp dir (its owner is gone)
+    stale.mkdir(mode=0o700)
+    (stale / store.OWNER_PID).write_text("999999999")
+    monkeypatch.setattr(store, "_mountinfo", lambda: MOUNTINFO.format(root=tmp_path))  # a mount in a/images
+    assert cli.main(["prune", "--older-than", "1h", "--json"]) == 11
+    got = json.loads(capsys.readouterr().out)
+    assert sorted(Path(p).name for p in got["deleted"]) == ["b", "c"]
+    [nd] = got["not_deleted"]
+    assert nd["path"] == str(tmp_path / "store" / "a") and nd["error"] == "environment" and nd["exit_code"] == 11
+    assert "mounted in it" in nd["message"] and "umount" in nd["hint"]
+    assert (tmp_path / "store" / "a" / layout.MANIFEST).is_file()  # left whole
+    assert not (tmp_path / "store" / "b").exists() and not stale.exists()  # the rest went, leftovers too
+    write_snapshot_dir(tmp_path / "store" / "d", make_manifest(images=(), created_at="2026-12-01T10:00:00+00:00"))
+    for sub in ("images", "files"):
+        (tmp_path / "store" / "d" / sub).mkdir(mode=0o700)
+    assert cli.main(["prune", "--older-than", "1h"]) == 11
+    out = capsys.readouterr().out
+    assert f"could not delete {tmp_path / 'store' / 'a'}: {tmp_path / 'store' / 'a'} is a mount point" in out
+    assert f"deleted {tmp_path / 'store' / 'd'}" in out
+
+
 def test_a_delete_that_fails_half_way_names_what_is_left(tmp_path, monkeypatch):
     snap = _snapshot(tmp_path)
 

@@ -221,6 +221,8 @@ def _pruned(r: R.Pruned, quiet: bool) -> None:
         _line(f"{verb} {p}")
     for p in r.kept_running:
         _line(f"kept {p} (an engine restored from it is running)")
+    for f in r.not_deleted:
+        _line(f"could not delete {f['path']}: {f['message']}" + (f"; {f['hint']}" if f.get("hint") else ""))
     for p in r.temp_removed:
         _line(f"{'would remove' if r.dry_run else 'removed'} leftover {p}")
     for p in r.weights_removed:
@@ -228,7 +230,7 @@ def _pruned(r: R.Pruned, quiet: bool) -> None:
     _weights_kept(r.weights_kept_for)
     for p in r.partial_pulls:
         _line(partial_pull_line(p))
-    if not (r.deleted or r.kept_running or r.temp_removed or r.weights_removed or r.weights_kept_for):
+    if not (r.deleted or r.kept_running or r.not_deleted or r.temp_removed or r.weights_removed or r.weights_kept_for):
         _line("nothing to prune")
 
 

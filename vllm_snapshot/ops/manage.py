@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..host import identity
 from ..store import layout
-from ..errors import BusyError, CorruptSnapshotError, SnapshotError, UsageError, first_lines
+from ..errors import BusyError, CorruptSnapshotError, SnapshotError, UsageError, first_lines, from_os_error
 from ..store.registry import Entry
 from ..report.results import Deleted, EngineRow, Engines, Listed, Pruned, SnapshotRow, Stopped, StoppedRow
 from ..effects.protocols import RuntimeTools, StoreTools
@@ -121,7 +121,9 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
     keeps the newest, as restic's ``--keep-last`` with ``--keep-within`` does), and/or
     (``unusable``) those this host cannot restore (a refusal ``serve`` recorded, host identity,
     model files, an unreadable manifest: ``list``'s ✗); delete them unless ``dry_run``; skip
-    those with running engines.
+    those with running engines. A snapshot that cannot be deleted (a mount point in it, busy,
+    read-only, denied: :func:`vllm_snapshot.store.store.delete`'s EnvironmentProblem, or such
+    an OSError) is left whole and listed in ``not_deleted`` with why; the others still go.
     Always removes what killed commands left (temp dirs of crashed creates, staging dirs of
     killed restores, stale lock files); without ``keep``/``older_than_s`` only that. Lists, and
     keeps, the partial dirs interrupted pulls left for resuming (``.pull-*``: the next pull
@@ -151,7 +153,7 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
         aged &= {p for _, created, p in rows if now - created > older_than_s}
     if keep is not None or older_than_s is not None:
         victims |= aged
-    deleted, kept = [], []
+    deleted, kept, failed = [], [], []
     for p in sorted(victims):
         if _engines_of(t.store, t.runtime, p):
             kept.append(str(p))
@@ -163,10 +165,18 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
             except CorruptSnapshotError:  # not a snapshot at all (another tool's manifest.json): never removed
                 kept.append(str(p))
                 continue
+            except (SnapshotError, OSError) as e:  # one that cannot go (mounted, busy, read-only): the rest still go
+                err = e if isinstance(e, SnapshotError) else from_os_error(e)
+                if err is None:
+                    raise
+                failed.append({"path": str(p), "error": err.code, "exit_code": err.exit_code, "message": str(err),
+                               "hint": err.hint})
+                continue
         deleted.append(str(p))
     temps = t.store.reclaim(root, dry_run=True) if dry_run else [str(x) for x in t.store.clean_stale_temps(root)] + t.store.reclaim(root)
     weights_gone = [str(p) for p in t.store.remove_unused_weights(root, dry_run=dry_run)]
-    return Pruned(deleted, kept, temps, dry_run, weights_gone, t.store.weights_blocked(root), t.fleet.partial_pulls(root))
+    return Pruned(deleted, kept, temps, dry_run, weights_gone, t.store.weights_blocked(root), t.fleet.partial_pulls(root),
+                  failed)
 
 
 def status(tools: Tools | None = None) -> Engines:

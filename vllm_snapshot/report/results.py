@@ -256,11 +256,19 @@ class Pruned:
     #: partial pulls kept for resuming (never removed by prune): ``path``, ``bytes`` of disk,
     #: ``age_s`` since it last changed, ``live`` (a pull holds it now)
     partial_pulls: list[dict] = field(default_factory=list)
+    #: snapshots that could not be deleted, each left whole: ``path``, ``error`` (the error
+    #: code), ``exit_code``, ``message``, ``hint``; the command exits with the first one's code
+    not_deleted: list[dict] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        """0, or the exit code of the first snapshot that could not be deleted."""
+        return self.not_deleted[0]["exit_code"] if self.not_deleted else 0
 
     def to_json(self) -> dict:
         return {"deleted": self.deleted, "kept_running": self.kept_running, "temp_removed": self.temp_removed,
                 "dry_run": self.dry_run, "weights_removed": self.weights_removed, "weights_kept_for": self.weights_kept_for,
-                "partial_pulls": self.partial_pulls}
+                "partial_pulls": self.partial_pulls, "not_deleted": self.not_deleted}
 
 
 @dataclass(frozen=True)

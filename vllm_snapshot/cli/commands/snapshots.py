@@ -195,5 +195,8 @@ def prune(
 
     common.root_only("prune")
     older = ops.parse_duration(older_than) if older_than else None
-    render.show(ops.prune(common.root_dir(), keep, older, dry_run, unusable=unusable), as_json)
+    res = ops.prune(common.root_dir(), keep, older, dry_run, unusable=unusable)
+    render.show(res, as_json)
+    if res.exit_code:  # one it could not delete (said above, with why): the others went
+        raise typer.Exit(res.exit_code)
 

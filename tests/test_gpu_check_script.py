@@ -16,6 +16,7 @@ scarce minutes.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import shutil
 import subprocess
@@ -369,6 +370,31 @@ def test_part_c_harness_through_real_criu_with_the_fake_driver(tmp_path):
         assert "cuda_plugin: initialized" in (tmp_path / "out" / log).read_text()
 
 
+def test_part_d_engine_child_sleeps_wakes_and_answers_on_the_fake_driver(tmp_path):
+    """Part D's CUDA child alone (vllm_snapshot/dev/gpu_engine.py --cuda-child) on the fake
+    driver: the checksum of the weights at start; asleep, nothing to read (the range is
+    unmapped); a wake maps at the same VA and reloads the same checksum; a wake without the
+    reload (fresh memory) or without the mapping answers something else."""
+    from vllm_snapshot.dev import gpu_engine
+
+    model = gpu_engine.write_model(tmp_path / "model", 4)
+    script = "sleep\nanswer\nwake\nanswer\nsleep\nwake no-reload\nanswer\nsleep\nwake no-remap\nanswer\n"
+    cp = subprocess.run([sys.executable, "-m", "vllm_snapshot.dev.gpu_engine", "--cuda-child", str(model)], input=script,
+                        capture_output=True, text=True, timeout=60, cwd=ROOT,
+                        env={**os.environ, "PYTHONPATH": f"{ROOT / 'tests' / 'fakecuda'}:{ROOT}",
+                             "FAKE_CUDA_DIR": str(tmp_path)})
+    got = [json.loads(ln) for ln in cp.stdout.splitlines()]  # one reply when ready, then one per command
+    assert cp.returncode == 0 and len(got) == 11, cp.stdout + cp.stderr
+    ready, slept, asleep_answer, woken, answer, _, woken_fresh, fresh, _, woken_unmapped, unmapped = got
+    assert ready["ok"] and ready["bytes"] == 4 << 20 and ready["checksum"].startswith("sum=")
+    assert slept == {"ok": True, "va": ready["va"]}
+    assert asleep_answer["ok"] is False and "cuMemcpyDtoH: CUDA_ERROR_INVALID_VALUE" in asleep_answer["error"]
+    assert woken == {"ok": True, "va": ready["va"]} and answer == {"ok": True, "checksum": ready["checksum"]}
+    assert woken_fresh == woken and fresh["ok"] and fresh["checksum"].startswith("sum=0 ")
+    assert woken_unmapped == woken
+    assert unmapped["ok"] is False and "cuMemcpyDtoH: CUDA_ERROR_INVALID_VALUE" in unmapped["error"]
+
+
 # ---------------------------------------------------------------- the fake VMM (M3's stand-in)
 
 FAKE_VMM_SEQUENCE = r"""
@@ -439,7 +465,9 @@ fake = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(fake)
 sys.path.insert(0, sys.argv[2])
 import gpu_check_tree
-used = sorted(set(re.findall(r"\bcu\.(\w+)", gpu_check_tree.CHILD)))
+source = open(sys.argv[3]).read() if len(sys.argv) > 3 else gpu_check_tree.CHILD
+# the driver's calls, types and enums (the fake's own knobs, e.g. RESTORE_THREAD, are not the driver's)
+used = sorted({n for n in re.findall(r"\bcu\.(\w+)", source) if n.lower().startswith("cu")})
 problems = []
 for name in used:
     for mod, what in ((real, "cuda-bindings"), (fake, "the fake")):
@@ -452,9 +480,11 @@ for name in used:
         if want != got:
             problems.append(f"{name}: cuda-bindings takes {want}, the fake {got}")
 import ast
-for node in ast.walk(ast.parse(gpu_check_tree.CHILD)):
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
-            and node.func.value.id == "cu" and node.func.attr.startswith("cu")):
+def is_cu(v):  # `cu` or `self.cu`
+    return isinstance(v, ast.Name) and v.id == "cu" or isinstance(v, ast.Attribute) and v.attr == "cu"
+for node in ast.walk(ast.parse(source)):
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and is_cu(node.func.value)
+            and node.func.attr.startswith("cu")):
         doc = (getattr(real, node.func.attr).__doc__ or "").split("\n")[0]
         n = len([p for p in doc[doc.index("(") + 1: doc.rindex(")")].split(",") if p.strip()])
         if len(node.args) + len(node.keywords) != n:
@@ -477,10 +507,13 @@ sys.exit(1 if problems else 0)
 """
 
 
-def test_the_childs_driver_calls_match_cuda_bindings_and_the_fake():
-    """What part C's child calls exists in the real cuda-bindings (a dev extra; its import needs
-    no GPU) with the fake's parameter names, so the dry run exercises the calls the GPU run
-    makes."""
+@pytest.mark.parametrize("child", [None, ROOT / "vllm_snapshot" / "dev" / "gpu_engine.py"], ids=["part C", "part D"])
+def test_the_childs_driver_calls_match_cuda_bindings_and_the_fake(child):
+    """What part C's child and part D's engine (vllm_snapshot/dev/gpu_engine.py) call exists in
+    the real cuda-bindings (a dev extra; its import needs no GPU) with the fake's parameter
+    names, so the dry run exercises the calls the GPU run makes."""
     cp = subprocess.run([str(VENV_PY), "-c", CONTRACT, str(ROOT / "tests" / "fakecuda" / "cuda" / "bindings" / "driver.py"),
-                         str(ROOT / "scripts")], capture_output=True, text=True, timeout=120)
+                         str(ROOT / "scripts"), *([str(child)] if child else [])], capture_output=True, text=True,
+                        timeout=120)
     assert cp.returncode == 0, cp.stdout + cp.stderr
+    assert int(cp.stdout.split()[0]) >= 15, cp.stdout  # the calls were found: reserve, create, map, ...

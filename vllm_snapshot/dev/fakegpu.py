@@ -2,9 +2,9 @@
 tests/fakecuda (no GPU, no nvidia-smi): the GPU evidence, room and capacity checks that need a
 real GPU, replaced by what the fake driver can answer. Used as
 ``dataclasses.replace(t, checkpoint=FakeGpuCheckpoint(t.checkpoint.criu), host=FakeGpuHost(t.host.criu))``
-over :func:`vllm_snapshot.effects.tools.local_tools` by tests/test_gpu_sequencing.py and
-tests/fake_cli.py; everything else (CRIU, its CUDA plugin, our helper, the supervisor, the
-store) is the real one."""
+over :func:`vllm_snapshot.effects.tools.local_tools` by tests/test_gpu_sequencing.py,
+tests/fake_cli.py and ``--fake`` part D of scripts/gpu_check.sh; everything else (CRIU, its
+CUDA plugin, our helper, the supervisor, the store) is the real one."""
 
 from __future__ import annotations
 

@@ -27,11 +27,12 @@
 #                                    generated rpc_pb2.py): gpu_check.sh's part C runs CRIU through it
 #                                    (criu swrk), as vllm-snapshot does. Needs protobuf on the GPU host.
 #   .criu-carry/wheels/*.whl         cp312 manylinux x86_64 wheels (`pip download --only-binary=:all:`)
-#                                    of what the product's modules used by gpu_check_tree.py import
-#                                    and the GPU image lacks: pydantic, pydantic-core,
-#                                    annotated-types, typing-inspection, typing-extensions (pydantic
-#                                    needs a recent one), blake3 -- each at the version of the setup
-#                                    venv, where the tests ran. psutil and protobuf are in the image.
+#                                    of what the product's modules used by gpu_check_tree.py and
+#                                    gpu_check_ops.py import and the GPU image lacks: pydantic,
+#                                    pydantic-core, annotated-types, typing-inspection,
+#                                    typing-extensions (pydantic needs a recent one), blake3,
+#                                    zstandard -- each at the version of the setup venv, where the
+#                                    tests ran. psutil and protobuf are in the image.
 #                                    gpu_check.sh installs them with `pip install --no-index --target`.
 #   .criu-carry/MANIFEST             source, build host, newest GLIBC symbol version needed, sizes,
 #                                    sha256 of every file
@@ -46,9 +47,9 @@ CACHE=${VLLM_SNAPSHOT_CACHE:-/var/cache/vllm-snapshot}
 SRC=${1:-$CACHE/criu-4.2.1}
 PYVER=${GPU_CARRY_PYTHON:-3.12}
 VENV_PY=${GPU_CARRY_VENV_PYTHON:-$CACHE/venv/bin/python}
-#: what gpu_check_tree.py's imports of vllm_snapshot need beyond the GPU image's packages
-#: (tests/test_gpu_check_script.py checks this list against a real import)
-WHEELS=(pydantic pydantic-core annotated-types typing-inspection typing-extensions blake3)
+#: what gpu_check_tree.py's and gpu_check_ops.py's imports of vllm_snapshot need beyond the GPU
+#: image's packages (tests/test_gpu_check_script.py checks this list against a real import)
+WHEELS=(pydantic pydantic-core annotated-types typing-inspection typing-extensions blake3 zstandard)
 CRIU=$SRC/criu/criu
 PLUGIN=$SRC/plugins/cuda/cuda_plugin.so
 DEST=$REPO/.criu-carry

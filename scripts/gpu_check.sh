@@ -9,7 +9,7 @@
 #   on the device:  bash scripts/gpu_check.sh        with carry=[".criu-carry"], timeout_s 360
 # The verdict is the last line of stdout; $OUT holds two files: gpu_check.log (this output) and
 # gpu_check.tgz (every other diagnostic: environment.txt, results.tsv, CRIU logs, part C's
-# events; the device returns at most 8 files).
+# events, part D's output and engine logs; the device returns at most 8 files).
 #
 # Target machine: one H200, driver 580, python3.12 with torch cu130 and cuda-bindings; no
 # network, no criu, no vLLM, no `ip`, no pydantic/blake3; root; the driver under a read-only
@@ -31,7 +31,19 @@
 #     PYTORCH_NVML_BASED_CUDA_CHECK=1, as vLLM) do to the inventory and to CRIU. The restore
 #     takes the GPU remap path with the identity device map (the one GPU's UUID onto itself:
 #     "C restore with the identity device map"); GPU_CHECK_REMAP=0 restores without a map.
-#   part A (after C, when 60 s are left): a torch CUDA worker allocates a deterministic tensor
+#   part D (after C, when 90 s are left; else an INFO line): the product's own create and restore
+#     instead of C's re-sequencing of their calls (scripts/gpu_check_ops.py): ops.create,
+#     ops.restore (detached) and ops.stop_engines through local_tools(engine_argv=...) of
+#     vllm_snapshot/dev/gpu_engine.py, an engine speaking the engine protocol: a non-CUDA root and
+#     a CUDA child holding a VMM range (reserved, mapped, the model's weights.bin copied in;
+#     released at sleep with the reservation kept; re-mapped at the same VA and reloaded at
+#     wake) whose oracle is a checksum computed on that GPU memory. So create's preconditions,
+#     sleep rehearsal, inventory, GPU evidence, dump, pack and publish, and restore's
+#     validation, CRIU restore, wake, oracle (matching: the wake's proof), bind, /health and HTTP
+#     canary all run as for vLLM; then one more completion must give the recorded checksum.
+#     Its FAIL fails the verdict; the verdict does not yet rest on it (part C can go once D
+#     passed on a GPU). A budget that leaves D its time: GPU_CHECK_BUDGET_S=360 (timeout_s 480).
+#   part A (after C and D, when 60 s are left): a torch CUDA worker allocates a deterministic tensor
 #     (GPU_CHECK_MIB MiB, default 256) and prints its checksum when sent SIGUSR1. Then, via our
 #     helper, each call timed (one run = one driver attach; CRIU's freeze timeout is sized from
 #     it): get-restore-tid of a non-CUDA PID (must fail, exit 1) -> get-state running ->
@@ -50,8 +62,8 @@
 #   env: OUT, PYTHON, GPU_CHECK_MIB, GPU_CHECK_BUDGET_S, GPU_CHECK_USER (default vllm-snapshot),
 #   GPU_CHECK_NVML=0 (no NVML call in part C's child), GPU_CHECK_REMAP=0 (part C restores without
 #   the identity device map), GPU_CHECK_CARRY (default <repo>/.criu-carry),
-#   GPU_CHECK_FAKE=1 (CPU dry run for tests: the fake driver of tests/fakecuda, parts A and B
-#   not run, the verdict at best NOT RUN).
+#   GPU_CHECK_FAKE=1 (CPU dry run for tests: the fake driver of tests/fakecuda, parts C and D
+#   run through real CRIU, parts A and B not run, the verdict at best NOT RUN).
 # `[ test ] && result PASS ... || result FAIL ...` is safe here: result() always returns 0.
 # shellcheck disable=SC2015
 set -uo pipefail
@@ -427,6 +439,15 @@ print("pydantic", pydantic.VERSION, "from", pydantic.__file__, "blake3", blake3.
 }
 criu_setup
 
+# results_of FILE: the `RESULT STATUS NAME[: DETAIL]` lines of a harness's output as results
+# (a NAME holds no ": ")
+results_of() {
+  local st rest
+  while read -r _ st rest; do
+    if [[ $rest == *": "* ]]; then result "$st" "${rest%%: *}" "${rest#*: }"; else result "$st" "$rest"; fi
+  done < <(grep '^RESULT ' "$1")
+}
+
 # ---------------------------------------------------------------- part C: the product's way ----
 partC() {
   local rc args=()
@@ -440,14 +461,34 @@ partC() {
   [ "${GPU_CHECK_REMAP:-1}" = 0 ] && args+=(--no-remap)
   PYTHONPATH="$C_PY_PATH${PYTHONPATH:+:$PYTHONPATH}" tmo 200 "$PY" -W ignore "$REPO/scripts/gpu_check_tree.py" \
     --criu "$CRIU_BIN" --user "$ENGINE_USER" --out "$OUT" --mib "$MIB" "${args[@]+"${args[@]}"}" >"$OUT/partC.txt" 2>&1; rc=$?
-  while read -r _ st rest; do
-    if [[ $rest == *": "* ]]; then result "$st" "${rest%%: *}" "${rest#*: }"; else result "$st" "$rest"; fi
-  done < <(grep '^RESULT ' "$OUT/partC.txt")
+  results_of "$OUT/partC.txt"
   [ $rc -eq 0 ] || result FAIL "C product invocation" "exit $rc (see partC.txt: $(grep -v '^RESULT ' "$OUT/partC.txt" | tail -n 3 | tr '\n' ' ' | tail -c 400))"
 }
 partC
 
-# part A after part C: the verdict rests on C, so C gets the budget first; A (our helper alone
+# ---------------------------------------------------------------- part D: the product's create/restore --
+partD() {
+  local rc args=() fc=${FAKE_CUDA_DIR:-}
+  [ "$CRIU_OK" -eq 1 ] || return
+  # not yet what the verdict rests on (part C is): too little time is no reason to say NOT RUN
+  if [ "$(remaining)" -lt 90 ]; then
+    result INFO "D ops.create/ops.restore" "not run: $(remaining) s of the budget left (needs 90 s; GPU_CHECK_BUDGET_S=360 gives it time)"
+    return
+  fi
+  log "== part D: ops.create + ops.restore + ops.stop_engines of a protocol-speaking engine (vllm_snapshot.dev.gpu_engine)"
+  if [ "$FAKE" = 1 ]; then args+=(--fake); fc=$FAKE_CUDA_DIR/partD; mkdir -p "$fc"; fi  # the fake driver's log: D's own
+  PYTHONPATH="$C_PY_PATH${PYTHONPATH:+:$PYTHONPATH}" FAKE_CUDA_DIR=$fc tmo 200 "$PY" -W ignore "$REPO/scripts/gpu_check_ops.py" \
+    --criu "$CRIU_BIN" --user "$ENGINE_USER" --out "$OUT" --mib "$MIB" "${args[@]+"${args[@]}"}" >"$OUT/partD.txt" 2>&1; rc=$?
+  results_of "$OUT/partD.txt"
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then  # the budget ran out under it: said, not counted against the verdict
+    result INFO "D product create/restore" "stopped by the budget (exit $rc; GPU_CHECK_BUDGET_S=360 gives it time): see partD.txt"
+  elif [ $rc -ne 0 ]; then
+    result FAIL "D product create/restore" "exit $rc (see partD.txt: $(grep -v '^RESULT ' "$OUT/partD.txt" | tail -n 3 | tr '\n' ' ' | tail -c 400))"
+  fi
+}
+partD
+
+# part A after parts C and D: the verdict rests on C, so C gets the budget first; A (our helper alone
 # against the driver) tells why C failed when it did, and runs when time is left
 if [ "$FAKE" != 1 ]; then
   if [ "$(remaining)" -lt 60 ]; then

@@ -33,7 +33,8 @@ def test_encoders_refuse_unknown_names():
 
 def test_every_event_the_engine_emits_is_declared():
     emitted = set()
-    for f in (ROOT / "vllm_snapshot" / "entrypoints" / "engine_root.py", ROOT / "tests" / "fake_engine.py"):
+    for f in (ROOT / "vllm_snapshot" / "entrypoints" / "engine_root.py", ROOT / "tests" / "fake_engine.py",
+              ROOT / "vllm_snapshot" / "dev" / "gpu_engine.py"):
         emitted |= set(re.findall(r'emit\("([a-z-]+)"', f.read_text()))
     assert emitted and emitted <= set(protocol.EVENTS)
 
@@ -72,7 +73,8 @@ def emit_calls(path: Path) -> list[tuple[int, str, set[str] | None]]:
     return out
 
 
-@pytest.mark.parametrize("path", ["vllm_snapshot/entrypoints/engine_root.py", "tests/fake_engine.py"])
+@pytest.mark.parametrize("path", ["vllm_snapshot/entrypoints/engine_root.py", "tests/fake_engine.py",
+                                  "vllm_snapshot/dev/gpu_engine.py"])
 def test_the_engine_and_the_fake_engine_send_each_events_fields(path):
     # read from the source, so the fake engine's payloads are checked without running it
     calls = emit_calls(ROOT / path)

@@ -9,13 +9,16 @@ error; the diagnostics come back as two files; the script says NOT RUN -- never 
 cannot run (no GPU, a gVisor kernel); the carry holds CRIU, ``ip``, pycriu and python3.12 wheels
 of what the harness imports, under the 64 MiB limit; and a dry run of the whole script with the
 fake driver (tests/fakecuda) installs the carried wheels, exports the carried ``ip`` to CRIU,
-and runs part C through real CRIU, so a harness bug is found here and not with the GPU's
-scarce minutes.
+and runs parts C and D through real CRIU, so a harness bug is found here and not with the GPU's
+scarce minutes. Part D (scripts/gpu_check_ops.py: ``ops.create``/``ops.restore`` of
+vllm_snapshot/dev/gpu_engine.py) passes through real CRIU with the fake driver and fails when
+the restored engine's wake does not bring its weights back.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import shutil
 import subprocess
@@ -32,6 +35,7 @@ CHECK = ROOT / "scripts" / "gpu_check.sh"
 LIB = ROOT / "scripts" / "gpu_check_lib.sh"
 CARRY = ROOT / "scripts" / "gpu_carry.sh"
 TREE = ROOT / "scripts" / "gpu_check_tree.py"
+OPS = ROOT / "scripts" / "gpu_check_ops.py"
 VENV_PY = Path(os.environ.get("VLLM_SNAPSHOT_CACHE", "/var/cache/vllm-snapshot")) / "venv" / "bin" / "python"
 
 #: part C's steps whose PASS the verdict requires (names as gpu_check_tree.py prints them)
@@ -40,6 +44,10 @@ REMAP_STEP = "C restore with the identity device map (the remap path)"
 FAKE_GPU = "GPU-00000000-0000-4000-8000-00000000fa4e"  # gpu_check_tree.FAKE_GPU
 C_REQUIRED = ["C criu dump (product's LocalCheckpointTools.dump)", "C criu restore (product's LocalCheckpointTools.restore_tree)",
               "C wake (create + map at the same VA)", "C same output after restore + wake"]
+#: part D's steps (names as gpu_check_ops.py prints them)
+D_STEPS = ["D create (ops.create)", "D create's sleep rehearsal, then prepare-dump",
+           "D the plugin checkpointed the CUDA child, not the root", "D restore (ops.restore with wake, oracle, canary)",
+           "D same output after restore + wake", "D stop (ops.stop_engines)", "D the fake driver's checkpoint calls"]
 
 
 @pytest.mark.parametrize("script", [CHECK, LIB, CARRY])
@@ -219,6 +227,10 @@ def _harness_third_party() -> set[str]:
             "from vllm_snapshot.host.procs import tree\n"
             "from vllm_snapshot.effects.tools import local_tools\n"
             "from vllm_snapshot.errors import SnapshotError\n"
+            # part D's harness (gpu_check_ops.py): the operations and every role of the seam
+            "from vllm_snapshot import ops; from vllm_snapshot.effects import http; "
+            "from vllm_snapshot.dev import gpu_engine, fakegpu; from vllm_snapshot.report.progress import Reporter\n"
+            "local_tools()\n"
             "tops = {n.split('.')[0] for n in set(sys.modules) - before} - set(sys.stdlib_module_names) - {'vllm_snapshot'}\n"
             "dists = m.packages_distributions()\n"
             "print(' '.join(sorted({d.lower().replace('_', '-') for t in tops for d in dists.get(t, [])})))\n")
@@ -314,6 +326,13 @@ def test_dry_run_of_the_whole_check_with_the_fake_driver(tmp_path):
                  "C sleep (unmap + release, VA kept)", "C inventory + external mounts (create's checks)", *C_REQUIRED,
                  "C restored tree runs as the engine user", REMAP_STEP):
         assert step in names, (step, names)
+    for step in D_STEPS:
+        assert step in names, (step, names)
+    assert "partD.txt" in files and "D the plugin checkpointed" in files["partD.txt"]
+    # part D's fake driver has a log of its own: create's dump, restore's restore
+    d_calls = [c.split()[0] for c in (fc / "partD" / "calls.log").read_text().splitlines()
+               if not c.startswith("get-restore-tid")]
+    assert d_calls == ["lock", "checkpoint", "restore", "unlock"]
     imported = dict((r[1], r[2]) for r in results)["C product modules import"]
     assert "/site/pydantic/__init__.py" in imported  # the carried wheel, not the venv's pydantic
     assert "as uid " in dict((r[1], r[2]) for r in results)["C tree started"]
@@ -367,6 +386,107 @@ def test_part_c_harness_through_real_criu_with_the_fake_driver(tmp_path):
     assert set(Path("/var/lib/vllm-snapshot-gpu-check").glob("tree.*")) == before  # its work dir is gone
     for log in ("partC-dump.log", "partC-restore.log"):
         assert "cuda_plugin: initialized" in (tmp_path / "out" / log).read_text()
+
+
+def test_part_d_engine_child_sleeps_wakes_and_answers_on_the_fake_driver(tmp_path):
+    """Part D's CUDA child alone (vllm_snapshot/dev/gpu_engine.py --cuda-child) on the fake
+    driver: the checksum of the weights at start; asleep, nothing to read (the range is
+    unmapped); a wake maps at the same VA and reloads the same checksum; a wake without the
+    reload (fresh memory) or without the mapping answers something else."""
+    from vllm_snapshot.dev import gpu_engine
+
+    model = gpu_engine.write_model(tmp_path / "model", 4)
+    script = "sleep\nanswer\nwake\nanswer\nsleep\nwake no-reload\nanswer\nsleep\nwake no-remap\nanswer\n"
+    cp = subprocess.run([sys.executable, "-m", "vllm_snapshot.dev.gpu_engine", "--cuda-child", str(model)], input=script,
+                        capture_output=True, text=True, timeout=60, cwd=ROOT,
+                        env={**os.environ, "PYTHONPATH": f"{ROOT / 'tests' / 'fakecuda'}:{ROOT}",
+                             "FAKE_CUDA_DIR": str(tmp_path)})
+    got = [json.loads(ln) for ln in cp.stdout.splitlines()]  # one reply when ready, then one per command
+    assert cp.returncode == 0 and len(got) == 11, cp.stdout + cp.stderr
+    ready, slept, asleep_answer, woken, answer, _, woken_fresh, fresh, _, woken_unmapped, unmapped = got
+    assert ready["ok"] and ready["bytes"] == 4 << 20 and ready["checksum"].startswith("sum=")
+    assert slept == {"ok": True, "va": ready["va"]}
+    assert asleep_answer["ok"] is False and "cuMemcpyDtoH: CUDA_ERROR_INVALID_VALUE" in asleep_answer["error"]
+    assert woken == {"ok": True, "va": ready["va"]} and answer == {"ok": True, "checksum": ready["checksum"]}
+    assert woken_fresh == woken and fresh["ok"] and fresh["checksum"].startswith("sum=0 ")
+    assert woken_unmapped == woken
+    assert unmapped["ok"] is False and "cuMemcpyDtoH: CUDA_ERROR_INVALID_VALUE" in unmapped["error"]
+
+
+def _part_d(tmp_path, *extra: str) -> tuple[subprocess.CompletedProcess, list[str], set[Path]]:
+    """Run scripts/gpu_check_ops.py --fake as gpu_check.sh's dry run does; (its run, its RESULT
+    lines, the work dirs it left)."""
+    from vllm_snapshot.checkpoint import criu
+
+    fc = tmp_path / "fakecuda"
+    fc.mkdir()
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'tests' / 'fakecuda'}:{ROOT}", "FAKE_CUDA_DIR": str(fc),
+           "CRIU_FAULT": "138"}
+    before = set(Path("/var/lib/vllm-snapshot-gpu-check").glob("ops.*"))
+    cp = subprocess.run([sys.executable, str(OPS), "--criu", criu.find_criu(), "--user", "vllm-snapshot",
+                         "--out", str(tmp_path / "out"), "--mib", "4", "--fake", *extra],
+                        capture_output=True, text=True, env=env, timeout=300)
+    left = set(Path("/var/lib/vllm-snapshot-gpu-check").glob("ops.*")) - before
+    return cp, [ln for ln in cp.stdout.splitlines() if ln.startswith("RESULT ")], left
+
+
+def _engines_of(work_dirs: set[str]) -> list[str]:
+    """Command lines of live processes of gpu_engine runs whose model lies in one of ``work_dirs``
+    (names of ops.* directories)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "vllm_snapshot.dev.gpu_engine" in cmd and any(f"/{d}/" in cmd for d in work_dirs):
+            found.append(cmd)
+    return found
+
+
+@pytest.mark.integration
+def test_part_d_create_and_restore_through_the_ops_with_the_fake_driver(tmp_path):
+    """Part D on this CPU host: ops.create, ops.restore and ops.stop_engines of the
+    protocol-speaking VMM engine (vllm_snapshot/dev/gpu_engine.py) through real CRIU with the
+    fake driver: create's rehearsal and dump, the plugin on the CUDA child only, the restored
+    engine's wake re-maps and reloads (its checksum oracle matches, in the engine and over HTTP),
+    stop drains it; the work dir is gone."""
+    cp, results, left = _part_d(tmp_path)
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    assert results and all(r.startswith("RESULT PASS") for r in results), results
+    names = " | ".join(results)
+    for step in D_STEPS:
+        assert f"RESULT PASS {step}: " in names, step
+    create = next(r for r in results if r.startswith("RESULT PASS D create (ops.create)"))
+    assert "engine cuda, sleep level 2" in create and "oracle 'sum=" in create
+    recorded = create.split("oracle ", 1)[1]
+    same = next(r for r in results if "D same output after restore + wake" in r)
+    assert same.split(": ", 1)[1].startswith(f"{recorded} vs {recorded}")
+    assert left == set()
+    out = tmp_path / "out"
+    assert "cuda_plugin: initialized" in (out / "partD-criu-dump.log").read_text()
+    assert "CALL prepare-dump" in (out / "partD-engine-create.log").read_text()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("broken, says", [
+    ("no-reload", "the restored engine's oracle differs; refusing to serve: text: expected 'sum="),
+    ("no-remap", "cuMemcpyDtoH: CUDA_ERROR_INVALID_VALUE"),  # the range stayed unmapped
+])
+def test_part_d_fails_when_the_restored_wake_does_not_bring_the_weights_back(tmp_path, broken, says):
+    """A restored engine whose wake maps fresh memory without reloading the weights, or does not
+    map at all: part D fails at the restore (its oracle check), serves nothing, leaves no
+    process and no work dir."""
+    cp, results, left = _part_d(tmp_path, "--break-restored-wake", broken)
+    assert cp.returncode == 1, cp.stdout + cp.stderr
+    assert any(r.startswith("RESULT PASS D create (ops.create)") for r in results), results  # create's wake is not broken
+    fail = [r for r in results if r.startswith("RESULT FAIL")]
+    assert len(fail) == 1 and fail[0].startswith("RESULT FAIL D restore (ops.restore with wake, oracle, canary): "), results
+    assert says in fail[0], fail[0]
+    assert not any("same output" in r or "D stop" in r for r in results), results
+    assert left == set()
+    work = {ln.split("/var/lib/vllm-snapshot-gpu-check/", 1)[1].split("/", 1)[0]
+            for ln in cp.stdout.splitlines() if "/var/lib/vllm-snapshot-gpu-check/ops." in ln}
+    assert work and _engines_of(work) == []
 
 
 # ---------------------------------------------------------------- the fake VMM (M3's stand-in)
@@ -439,7 +559,9 @@ fake = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(fake)
 sys.path.insert(0, sys.argv[2])
 import gpu_check_tree
-used = sorted(set(re.findall(r"\bcu\.(\w+)", gpu_check_tree.CHILD)))
+source = open(sys.argv[3]).read() if len(sys.argv) > 3 else gpu_check_tree.CHILD
+# the driver's calls, types and enums (the fake's own knobs, e.g. RESTORE_THREAD, are not the driver's)
+used = sorted({n for n in re.findall(r"\bcu\.(\w+)", source) if n.lower().startswith("cu")})
 problems = []
 for name in used:
     for mod, what in ((real, "cuda-bindings"), (fake, "the fake")):
@@ -452,9 +574,11 @@ for name in used:
         if want != got:
             problems.append(f"{name}: cuda-bindings takes {want}, the fake {got}")
 import ast
-for node in ast.walk(ast.parse(gpu_check_tree.CHILD)):
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
-            and node.func.value.id == "cu" and node.func.attr.startswith("cu")):
+def is_cu(v):  # `cu` or `self.cu`
+    return isinstance(v, ast.Name) and v.id == "cu" or isinstance(v, ast.Attribute) and v.attr == "cu"
+for node in ast.walk(ast.parse(source)):
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and is_cu(node.func.value)
+            and node.func.attr.startswith("cu")):
         doc = (getattr(real, node.func.attr).__doc__ or "").split("\n")[0]
         n = len([p for p in doc[doc.index("(") + 1: doc.rindex(")")].split(",") if p.strip()])
         if len(node.args) + len(node.keywords) != n:
@@ -477,10 +601,13 @@ sys.exit(1 if problems else 0)
 """
 
 
-def test_the_childs_driver_calls_match_cuda_bindings_and_the_fake():
-    """What part C's child calls exists in the real cuda-bindings (a dev extra; its import needs
-    no GPU) with the fake's parameter names, so the dry run exercises the calls the GPU run
-    makes."""
+@pytest.mark.parametrize("child", [None, ROOT / "vllm_snapshot" / "dev" / "gpu_engine.py"], ids=["part C", "part D"])
+def test_the_childs_driver_calls_match_cuda_bindings_and_the_fake(child):
+    """What part C's child and part D's engine (vllm_snapshot/dev/gpu_engine.py) call exists in
+    the real cuda-bindings (a dev extra; its import needs no GPU) with the fake's parameter
+    names, so the dry run exercises the calls the GPU run makes."""
     cp = subprocess.run([str(VENV_PY), "-c", CONTRACT, str(ROOT / "tests" / "fakecuda" / "cuda" / "bindings" / "driver.py"),
-                         str(ROOT / "scripts")], capture_output=True, text=True, timeout=120)
+                         str(ROOT / "scripts"), *([str(child)] if child else [])], capture_output=True, text=True,
+                        timeout=120)
     assert cp.returncode == 0, cp.stdout + cp.stderr
+    assert int(cp.stdout.split()[0]) >= 15, cp.stdout  # the calls were found: reserve, create, map, ...

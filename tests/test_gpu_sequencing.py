@@ -25,8 +25,7 @@ from vllm_snapshot.errors import CriuError, EnvironmentProblem, OracleMismatchEr
 from vllm_snapshot.report.progress import Reporter
 import dataclasses
 
-from vllm_snapshot.effects.checkpoint import LocalCheckpointTools
-from vllm_snapshot.effects.host import LocalHostTools
+from vllm_snapshot.dev.fakegpu import FAKE_GPU, FakeGpuCheckpoint, FakeGpuHost
 from vllm_snapshot.effects.tools import local_tools
 
 from conftest import TINY
@@ -36,43 +35,7 @@ pytestmark = pytest.mark.integration
 FAKE_ENGINE = (sys.executable, str(Path(__file__).resolve().parent / "fake_engine.py"))
 
 
-class FakeGpuCheckpoint(LocalCheckpointTools):
-    """This host's real CRIU side, except the GPU evidence: the fake CUDA engine holds no
-    /dev/nvidia* device (there is none here), so every process of the tree is asked, through
-    the real helper and the fake driver, whether it has a CUDA context (the real gpu_used asks
-    the /dev/nvidia* holders), and the GPU it "uses" is declared."""
-
-    def gpu_used(self, inv):
-        from vllm_snapshot.checkpoint import gpu
-        from vllm_snapshot.host.procs import ns_pid
-
-        cuda, _ = gpu.cuda_processes(inv.pids, self.criu.helper(self.criu.runner("cuda").env))
-        return gpu.GpuUse(FAKE_GPU, tuple(sorted(ns_pid(p) for p in cuda)), 0, "Fake GPU")
-
-    def check_dump_room(self, inv, gpu_uuid, work_dir):  # no nvidia-smi here: the fake holds no GPU memory
-        pass
-
-    def check_gpu_capacity(self, m, uuid):  # no nvidia-smi here
-        pass
-
-
-class FakeGpuHost(LocalHostTools):
-    """This host, with the one GPU the fake CUDA engine "uses" (``uuid``: another GPU of the
-    same model at the same minor, as on another node of the class)."""
-
-    uuid = "GPU-0c4a1b2e-0000-4000-8000-000000000000"
-
-    def gpu_uuids(self):
-        return [self.uuid]
-
-    def gpu_slots(self):
-        from vllm_snapshot.checkpoint.gpu import GpuSlot
-
-        return [GpuSlot(self.uuid, "Fake GPU", 0)]
-
-
 FAKECUDA = Path(__file__).resolve().parent / "fakecuda"
-FAKE_GPU = FakeGpuHost.uuid
 
 
 @pytest.fixture()

@@ -25,6 +25,8 @@ LAYERS = {
     "vllm_snapshot.effects": 7,
     "vllm_snapshot.ops": 8,
     "vllm_snapshot.dev.bench": 8,  # the benchmarks' helpers: drive the product from above the seam; only cli/demo imports them
+    "vllm_snapshot.dev.fakegpu": 8,  # the GPU checks of this host's tools, for the fake driver (tests, the device check's dry run)
+    "vllm_snapshot.dev.gpu_engine": 10,  # a program run as a process of its own (the device check's engine root); nothing imports it
     "vllm_snapshot.cli": 9, "vllm_snapshot.__main__": 10,
     "vllm_snapshot.entrypoints": 10,  # programs run as processes of their own (the engine root); nothing imports them
 }

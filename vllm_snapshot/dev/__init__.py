@@ -1,7 +1,10 @@
 """Development aids that ship with the package: the tiny test model (:mod:`.tiny_model`), a real
 registry on loopback (:mod:`.registry_server`), the benchmarks' helpers (:mod:`.bench`) and the
-pure half of their target tables (:mod:`.bench_targets`). Apart from :mod:`.bench` (which drives
-the product from above the seam, like the command line), they import only the base modules."""
+pure half of their target tables (:mod:`.bench_targets`), the GPU checks of the local tools for
+runs with the fake CUDA driver (:mod:`.fakegpu`), and the GPU device check's engine program
+(:mod:`.gpu_engine`, run as a process of its own). Apart from :mod:`.bench` and :mod:`.fakegpu`
+(above the seam, like the command line) and :mod:`.gpu_engine` (a program, like the engine
+root), they import only the base modules."""
 
 from __future__ import annotations
 

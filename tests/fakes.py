@@ -239,7 +239,7 @@ class FakeWeightsChannel(WeightsChannel):
 
 
 class FakeChecking(StagedImages):
-    """The checksum verdict of uncompressed staged images (:class:`vllm_snapshot.store.archive.Checking`)."""
+    """The checksum verdict of uncompressed staged images (:class:`vllm_snapshot.store.checksums.Checking`)."""
 
     def __init__(self, w: FakeWorld) -> None:
         self.w = w

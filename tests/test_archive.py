@@ -9,7 +9,7 @@ from pathlib import Path
 import blake3
 import pytest
 
-from vllm_snapshot.store import archive, staging
+from vllm_snapshot.store import archive, checksums, staging
 from vllm_snapshot.store.archive import Compression
 from vllm_snapshot.errors import CorruptSnapshotError, UsageError
 
@@ -111,7 +111,7 @@ def test_pack_then_unpack_round_trip(tmp_path, kind):
         pages = next(i for i in images if i.name == PAGES)
         assert pages.stored_bytes < pages.raw_bytes  # the zero run compresses
     archive.check_layout(snap, images)
-    archive.verify(snap, images)
+    checksums.verify(snap, images)
     parent = _stage_parent(tmp_path)
     stage = archive.unpack(snap, images, parent)
     try:
@@ -191,7 +191,7 @@ def test_one_flipped_byte_in_pages_image_is_refused(tmp_path, kind, where):
     assert p.stat().st_size == img.stored_bytes
     archive.check_layout(snap, images)  # same size: the cheap check cannot see it
     with pytest.raises(CorruptSnapshotError, match=str(p)):
-        archive.verify(snap, images)
+        checksums.verify(snap, images)
     parent = _stage_parent(tmp_path)
     with pytest.raises(CorruptSnapshotError, match=str(p)):
         archive.unpack(snap, images, parent)
@@ -211,7 +211,7 @@ def test_missing_inventory_is_refused(tmp_path, kind):
         archive.unpack(snap, images, parent)
     assert os.listdir(parent) == []
     with pytest.raises(CorruptSnapshotError, match="inventory.img"):
-        archive.verify(snap, images)
+        checksums.verify(snap, images)
 
 
 @pytest.mark.parametrize("kind", ["none", *ZSTD_KINDS])
@@ -256,7 +256,7 @@ def test_same_size_replacement_of_a_zstd_frame_is_refused(tmp_path):
     os.replace(other_dir / archive.stored_name(other), snap / archive.stored_name(img))
     archive.check_layout(snap, images)
     with pytest.raises(CorruptSnapshotError, match="core-1.img"):
-        archive.verify(snap, images)
+        checksums.verify(snap, images)
     with pytest.raises(CorruptSnapshotError, match="core-1.img"):
         archive.unpack(snap, images, _stage_parent(tmp_path))
 
@@ -290,8 +290,8 @@ def test_background_verification_hashes_at_the_lowest_priority(tmp_path, monkeyp
 
     monkeypatch.setattr(archive.blake3, "blake3", hasher)
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    archive.verify(src, images)
-    archive.Checking(src, images).wait()
+    checksums.verify(src, images)
+    checksums.Checking(src, images).wait()
     assert seen == [mine, 19]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
 
@@ -346,7 +346,7 @@ def test_a_corrupted_frame_is_refused_before_the_pages_image_exists(tmp_path, fr
         archive.unpack(snap, images, parent)
     assert os.listdir(parent) == []
     with pytest.raises(CorruptSnapshotError, match=str(p)):
-        archive.verify(snap, images)
+        checksums.verify(snap, images)
 
 
 def test_a_corrupted_small_image_is_refused_by_the_constructor(tmp_path):
@@ -428,15 +428,15 @@ def test_staging_order_and_ram_only_when_memory_holds_staging_and_tree(tmp_path,
     assert archive.staging_parent(10 * gib, tmp_path, zst) == tmp_path
 
 
-@pytest.mark.parametrize("off", [archive.VERIFY_BUF - 1, archive.VERIFY_BUF, 2 * archive.VERIFY_BUF + 100])
+@pytest.mark.parametrize("off", [checksums.VERIFY_BUF - 1, checksums.VERIFY_BUF, 2 * checksums.VERIFY_BUF + 100])
 def test_an_uncompressed_image_of_several_reads_is_checked_whole(tmp_path, off):
     """The checksum pass reads an uncompressed image into one buffer refilled in place: every
     read counts, the first, one across a read's boundary and the last short one."""
     d = tmp_path / "images"
     d.mkdir()
-    (d / PAGES).write_bytes(os.urandom(2 * archive.VERIFY_BUF + 12345))
+    (d / PAGES).write_bytes(os.urandom(2 * checksums.VERIFY_BUF + 12345))
     images = archive.pack(d, Compression.parse("none"))
-    archive.verify(d, images)
+    checksums.verify(d, images)
     p = d / PAGES
     with open(p, "r+b") as f:
         f.seek(off)
@@ -444,4 +444,4 @@ def test_an_uncompressed_image_of_several_reads_is_checked_whole(tmp_path, off):
         f.seek(off)
         f.write(bytes([b[0] ^ 0x01]))
     with pytest.raises(CorruptSnapshotError, match=str(p)):
-        archive.verify(d, images)
+        checksums.verify(d, images)

@@ -299,13 +299,13 @@ def test_on_blob_names_each_layer_once_its_bytes_are_written_and_checked(tmp_pat
 
 
 def _assembling_files(tmp_path: Path, data: bytes, name: str = "pages-1.img"):
-    from vllm_snapshot.store import archive
+    from vllm_snapshot.store import checksums
 
     d = tmp_path / "images"
     d.mkdir(mode=0o700, exist_ok=True)
     path = d / name
     img = manifest.ImageFile(name=name, raw_bytes=len(data), stored_bytes=len(data), blake3=_b3(data))
-    return archive, path, img
+    return checksums, path, img
 
 
 def test_assembling_hashes_a_file_whose_parts_are_written_in_any_order(tmp_path):
@@ -313,10 +313,10 @@ def test_assembling_hashes_a_file_whose_parts_are_written_in_any_order(tmp_path)
     before finish(); finish() hashes the rest (regions never announced: a resumed pull's reused
     layers) and accepts the file."""
     data = os.urandom(10 * 300_000 + 123)
-    archive, path, img = _assembling_files(tmp_path, data)
+    checksums, path, img = _assembling_files(tmp_path, data)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     os.ftruncate(fd, len(data))
-    a = archive.Assembling({path: img})
+    a = checksums.Assembling({path: img})
     size = 300_000
     regions = [(off, min(size, len(data) - off)) for off in range(0, len(data), size)]
     for off, n in [regions[2], regions[0], regions[1], regions[4]]:  # regions[3] never announced
@@ -335,32 +335,32 @@ def test_assembling_hashes_a_file_whose_parts_are_written_in_any_order(tmp_path)
 def test_assembling_refuses_a_part_at_the_wrong_offset_or_a_file_of_another_size(tmp_path):
     """The bytes are read back from the file, not taken from the stream: a part written where it
     does not belong fails the file's checksum, as a file longer than recorded does."""
-    from vllm_snapshot.store import archive
+    from vllm_snapshot.store import checksums
 
     data = os.urandom(100_000)
     _, path, img = _assembling_files(tmp_path, data)
     swapped = data[50_000:] + data[:50_000]  # each half's bytes sound, at the other's offset
     path.write_bytes(swapped)
-    a = archive.Assembling({path: img})
+    a = checksums.Assembling({path: img})
     a.ready(path, 0, 50_000)
     a.ready(path, 50_000, 50_000)
     with pytest.raises(CorruptSnapshotError, match=rf"image {path} fails its checksum"):
         a.finish()
     path.write_bytes(data + b"x")
-    a = archive.Assembling({path: img})
+    a = checksums.Assembling({path: img})
     a.ready(path, 0, 100_000)
     with pytest.raises(CorruptSnapshotError, match="BLAKE3 of 100001 raw bytes differs"):
         a.finish()
 
 
 def test_assembling_says_a_missing_file_is_missing_and_cancel_stops_it(tmp_path):
-    from vllm_snapshot.store import archive
+    from vllm_snapshot.store import checksums
 
     _, path, img = _assembling_files(tmp_path, b"abc")
     with pytest.raises(CorruptSnapshotError, match=rf"image file {path} is missing"):
-        archive.Assembling({path: img}).finish()
+        checksums.Assembling({path: img}).finish()
     path.write_bytes(b"abc")
-    a = archive.Assembling({path: img})
+    a = checksums.Assembling({path: img})
     a.cancel()
     a.ready(path, 0, 3)  # after cancel: ignored
     assert a.early_bytes == 0

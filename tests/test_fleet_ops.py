@@ -133,9 +133,9 @@ class _Files(LocalSnapshotFiles):
         return manifest.read(p)
 
     def verify_images(self, p, m):
-        from vllm_snapshot.store import archive
+        from vllm_snapshot.store import checksums
 
-        archive.verify(p / "images", m.images)
+        checksums.verify(p / "images", m.images)
 
     def discard(self, tmp):
         shutil.rmtree(tmp, ignore_errors=True)

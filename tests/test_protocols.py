@@ -14,7 +14,7 @@ from vllm_snapshot.cli import doctor
 from vllm_snapshot.effects import checkpoint, engine, files, host, model, protocols, runtime, store, tools
 from vllm_snapshot.effects.fleet import LocalFleetTools
 from vllm_snapshot.effects.protocols import FleetTools
-from vllm_snapshot.store import archive
+from vllm_snapshot.store import archive, checksums
 from vllm_snapshot.supervise import supervisor
 
 import fakes
@@ -51,7 +51,7 @@ PAIRS = [
     (protocols.RuntimeTools, runtime.LocalRuntimeTools, fakes.FakeRuntimeTools),
     (protocols.Clock, runtime.LocalClock, fakes.FakeClock),
     (FleetTools, LocalFleetTools, fakes.FakeFleetTools),
-    (protocols.StagedImages, archive.Checking, fakes.FakeChecking),
+    (protocols.StagedImages, checksums.Checking, fakes.FakeChecking),
     (protocols.UnpackingImages, archive.Unpacking, fakes.FakeUnpacking),
     (protocols.Engine, supervisor.EngineHandle, fakes.FakeEngine),
     (protocols.EngineChannel, supervisor.Channel, fakes.FakeChannel),

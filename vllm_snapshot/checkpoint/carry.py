@@ -329,14 +329,14 @@ def refusal(p: Plan) -> IncompatibleHostError | BusyError | None:
 def verify(c: Carried, blobs_dir: Path) -> None:
     """Every stored copy's BLAKE3 (decompressed as needed). Raises CorruptSnapshotError
     naming the host path(s) whose copy fails. Writes nothing."""
-    from ..store import archive
+    from ..store import archive, checksums
 
     by_blob: dict[str, list[str]] = {}
     for f in c.files:
         by_blob.setdefault(f.blake3, []).append(f.path)
     for b in c.blobs:
         try:
-            archive.verify(blobs_dir, (b,))
+            checksums.verify(blobs_dir, (b,))
         except CorruptSnapshotError as e:
             raise CorruptSnapshotError(
                 f"the snapshot's copy of {', '.join(by_blob.get(b.name, ['?']))} ({blobs_dir.name}/"
@@ -381,7 +381,7 @@ def put_back(c: Carried, blobs_dir: Path, todo: Iterable[CarriedFile]) -> list[s
     CorruptSnapshotError."""
     import zstandard
 
-    from ..store import archive
+    from ..store import checksums
 
     blobs = {b.name: b for b in c.blobs}
     dirs = {d.path: d for d in c.dirs}
@@ -396,7 +396,7 @@ def put_back(c: Carried, blobs_dir: Path, todo: Iterable[CarriedFile]) -> list[s
                 h = blake3.blake3()
                 n = 0
                 try:
-                    with archive.open_raw(blobs_dir, blobs[f.blake3]) as src:
+                    with checksums.open_raw(blobs_dir, blobs[f.blake3]) as src:
                         while chunk := src.read(CHUNK):
                             h.update(chunk)
                             n += len(chunk)

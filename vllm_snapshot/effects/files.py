@@ -52,11 +52,11 @@ class LocalSnapshotFiles(SnapshotFiles):
         return read_pulled(snapshot)
 
     def verify_images(self, snapshot: Path, m: Manifest) -> None:
-        from ..store import archive, layout
+        from ..store import checksums, layout
 
         sd = layout.SnapshotDir(snapshot)
-        archive.verify(sd.images, m.images)
-        archive.verify(sd.files, m.extra_files)
+        checksums.verify(sd.images, m.images)
+        checksums.verify(sd.files, m.extra_files)
         if m.carried is not None:
             from ..checkpoint import carry
 
@@ -115,17 +115,17 @@ class LocalSnapshotFiles(SnapshotFiles):
         return archive.pack(directory, archive.Compression.parse(compression))
 
     def stage_checking(self, snapshot: Path, m: Manifest) -> tuple[Path, StagedImages]:
-        from ..store import archive, layout
+        from ..store import archive, checksums, layout
 
         sd = layout.SnapshotDir(snapshot)
         raw = sum(i.raw_bytes for i in m.images)
         parent = archive.staging_parent(raw, snapshot.parent, m.images)
-        archive.verify(sd.files, m.extra_files)
+        checksums.verify(sd.files, m.extra_files)
         if any(i.compression != "none" for i in m.images):
             return archive.start_unpack(sd.images, m.images, parent)
         stage = archive.link_stage(sd.images, m.images, parent)
         try:
-            return stage, archive.Checking(sd.images, m.images)
+            return stage, checksums.Checking(sd.images, m.images)
         except BaseException:
             archive.remove_staging(stage)
             raise

@@ -42,7 +42,7 @@ class LocalFleetTools(FleetTools):
     def check_pulled(self, staging: Path, m, assembled=None) -> None:
         import blake3
 
-        from ..store import archive, layout
+        from ..store import archive, checksums, layout
 
         sd = layout.SnapshotDir(staging)
         archive.check_layout(sd.images, m.images)
@@ -54,10 +54,10 @@ class LocalFleetTools(FleetTools):
         def rest(d: Path, images):
             return tuple(i for i in images if d / archive.stored_name(i) not in done)
 
-        archive.verify(sd.images, rest(sd.images, m.images))
-        archive.verify(sd.files, rest(sd.files, m.extra_files))
+        checksums.verify(sd.images, rest(sd.images, m.images))
+        checksums.verify(sd.files, rest(sd.files, m.extra_files))
         if m.carried is not None:
-            archive.verify(sd.carried, rest(sd.carried, m.carried.blobs))
+            checksums.verify(sd.carried, rest(sd.carried, m.carried.blobs))
         if m.code is not None:
             try:
                 table = (staging / layout.CODE_TABLE).read_bytes()

@@ -78,7 +78,7 @@ class WeightsChannel(Protocol):
 
 
 class StagedImages(Protocol):
-    """A restore's staged images and their checksum verdict (:class:`vllm_snapshot.store.archive.Checking`:
+    """A restore's staged images and their checksum verdict (:class:`vllm_snapshot.store.checksums.Checking`:
     uncompressed images hard-linked, verified in the background while CRIU restores)."""
 
     def wait(self) -> None:
@@ -587,8 +587,8 @@ class FleetTools(Protocol):
     def check_pulled(self, staging: Path, m, assembled=None) -> None:
         """The snapshot's own checks over a downloaded staging dir: member layout (stat),
         every image and saved file's BLAKE3, the code table's digest. ``assembled``: an
-        :class:`~vllm_snapshot.store.archive.Assembling` that hashed some of those files while
-        they were downloaded; its decision (:meth:`~vllm_snapshot.store.archive.Assembling.finish`,
+        :class:`~vllm_snapshot.store.checksums.Assembling` that hashed some of those files while
+        they were downloaded; its decision (:meth:`~vllm_snapshot.store.checksums.Assembling.finish`,
         after the layout check) stands for them, the others are hashed here. Raises
         CorruptSnapshotError naming the file."""
 

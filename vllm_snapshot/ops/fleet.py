@@ -258,7 +258,7 @@ def pull(req: PullRequest, rep, t: Tools) -> Pulled:
     -> now),
     IncompatibleHostError, ModelChangedError, UntrustedArtifactError (``--verify-key``),
     CorruptSnapshotError, EnvironmentProblem, BusyError; publishes nothing on any of them."""
-    from ..store import archive, manifest, store
+    from ..store import checksums, manifest, store
     from ..store.snapkey import model_part
 
     ref = reference.parse(req.image)
@@ -321,7 +321,7 @@ def pull(req: PullRequest, rep, t: Tools) -> Pulled:
                                            hint="push the snapshot again with `vllm-snapshot push`")
             # the snapshot's BLAKE3 pass over its uncompressed files runs while they are written:
             # each file hashed from disk in order, as far as its verified layers reach
-            assembled = archive.Assembling(_plain_members(staging, m))
+            assembled = checksums.Assembling(_plain_members(staging, m))
             stack.callback(assembled.cancel)
             with rep.phase("download", f"downloading {(art.blob_bytes - art.weights_bytes) / 1e6:.0f} MB"):
                 got = transfer.download(target, art, staging, resumable=st.resumable,

@@ -1,4 +1,5 @@
-"""Image payload: per-file BLAKE3 checksums, zstd pack at create, verified unpack at restore.
+"""Image payload: per-file BLAKE3 checksums, zstd pack at create, verified unpack at restore
+(checking stored files without unpacking them: :mod:`vllm_snapshot.store.checksums`).
 
 Pack reads each CRIU image once, hashing the raw bytes and (with zstd) compressing them in the
 same pass. With zstd each image is cut into independent zstd frames of :data:`FRAME_BYTES` raw
@@ -13,7 +14,7 @@ until every pages image is staged and verified. Snapshots made before frames (on
 per file, ``zstd``) still unpack, each file on one core.
 
 With ``none`` the staged entries are hard links to the snapshot's files (staged beside the
-snapshot), verified in the background while CRIU restores (:class:`Checking`), so nothing is
+snapshot), verified in the background while CRIU restores (:class:`~vllm_snapshot.store.checksums.Checking`), so nothing is
 copied and the snapshot is never written to (CRIU writes its log and stats into the staging dir
 instead).
 """
@@ -26,11 +27,9 @@ import shutil
 import threading
 import time
 from collections import deque
-from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import blake3
 import zstandard
@@ -88,7 +87,8 @@ class Compression:
         return "none" if self.kind == "none" else f"zstd:{self.level}"
 
 
-def _workers() -> int:
+def workers() -> int:
+    """Threads for packing, unpacking and checking images: the CPUs, at least 1, at most 4."""
     return max(1, min(4, os.cpu_count() or 1))
 
 
@@ -103,7 +103,7 @@ def _pack_one(src: Path, comp: Compression) -> ImageFile:
         os.chmod(src, 0o600)
         return ImageFile(name=src.name, raw_bytes=raw, stored_bytes=raw, blake3=h.hexdigest())
     dst = src.with_name(src.name + ".zst")
-    cctx = zstandard.ZstdCompressor(level=comp.level, threads=_workers(), write_checksum=True)
+    cctx = zstandard.ZstdCompressor(level=comp.level, threads=workers(), write_checksum=True)
     fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with open(src, "rb") as f, os.fdopen(fd, "wb") as out:
         with cctx.stream_writer(out, closefd=False) as w:
@@ -144,7 +144,7 @@ def _pack_frames(src: Path, comp: Compression, ex: ThreadPoolExecutor) -> ImageF
             first = False
             h.update(chunk)
             pending.append((len(chunk), ex.submit(_compress_frame, chunk, params)))
-            if len(pending) >= 2 * _workers():
+            if len(pending) >= 2 * workers():
                 drain()
         while pending:
             drain()
@@ -164,7 +164,7 @@ def pack(images_dir: Path, comp: Compression, exclude: frozenset[str] = frozense
     files = sorted(p for p in images_dir.iterdir() if p.is_file() and p.name not in exclude)
     # largest first so the big pages image starts at once
     files.sort(key=lambda p: -p.stat().st_size)
-    with ThreadPoolExecutor(_workers()) as ex:
+    with ThreadPoolExecutor(workers()) as ex:
         if comp.kind == "zstd" and comp.frame_bytes > 0:
             out = [_pack_frames(p, comp, ex) for p in files]
         else:
@@ -297,7 +297,7 @@ class Unpacking:
     """Stage a compressed snapshot's images into ``stage`` (an empty private dir): images not
     named like :data:`MEMORY_PAGES` are unpacked and verified in the constructor (CRIU reads
     them first); the memory pages images are unpacked in the background, every frame verified
-    before it is written, on :func:`_workers` threads, each into ``NAME.part`` renamed to
+    before it is written, on :func:`workers` threads, each into ``NAME.part`` renamed to
     ``NAME`` once the whole image is staged (a CRIU that opened one early would fail on the
     missing file, never read a partial one).
 
@@ -351,7 +351,7 @@ class Unpacking:
                 if not self._cancel.is_set():
                     _unpack_one(src_dir, stage, img, img.name + PART_SUFFIX)
 
-            with ThreadPoolExecutor(_workers()) as ex:
+            with ThreadPoolExecutor(workers()) as ex:
                 futs = [ex.submit(one, i) for i in whole] + [ex.submit(frame, j) for j in jobs]
                 for f in futs:
                     try:
@@ -408,235 +408,10 @@ def start_unpack(src_dir: Path, images: tuple[ImageFile, ...], parent: Path) -> 
         raise
 
 
-def _lowest_priority() -> None:
-    """Give the calling thread nice 19 (Linux: a thread's own priority, ``setpriority`` on its
-    TID). Never raises (a kernel that refuses leaves the priority as it was)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except OSError:
-        pass
-
-
-@contextmanager
-def open_raw(src_dir: Path, img: ImageFile) -> Iterator:
-    """A binary reader (``read(n)``) of ``img``'s raw bytes from its stored file in ``src_dir``,
-    decompressed on the fly whatever its compression. Raises FileNotFoundError; reading raises
-    zstandard.ZstdError on a damaged stream."""
-    with open(src_dir / stored_name(img), "rb") as f:
-        yield f if img.compression == "none" else zstandard.ZstdDecompressor().stream_reader(
-            f, read_size=CHUNK, read_across_frames=True)
-
-
-#: bytes per read of an uncompressed image's checksum: one buffer refilled in place, hashed
-#: while still in the CPU's cache (the demo model's 1.6 GB of pages, page cache warm: 0.53
-#: CPU-s against 0.7 with 4 MiB reads into new buffers, one thread; 0.43 against 0.45 in the
-#: pull's parallel pass -- docs/benchmarks.md, "Fleet: a lighter download")
-VERIFY_BUF = 256 << 10
-
-
-def _raw_chunks(reader, plain: bool) -> Iterator:
-    """The raw bytes ``reader`` (:func:`open_raw`) gives: from an uncompressed file, memoryviews
-    of one :data:`VERIFY_BUF` buffer refilled by ``readinto`` (each valid until the next is
-    asked for); from a zstd stream, its decompressed chunks."""
-    if not plain:
-        while chunk := reader.read(CHUNK):
-            yield chunk
-        return
-    buf = memoryview(bytearray(VERIFY_BUF))
-    while n := reader.readinto(buf):
-        yield buf[:n]
-
-
-def verify(src_dir: Path, images: tuple[ImageFile, ...], cancel: threading.Event | None = None,
-           background: bool = False) -> None:
-    """Check every image's checksum without writing anything (files in parallel, largest
-    first). ``cancel`` (set by another thread) stops the check early, raising
-    CorruptSnapshotError("cancelled"). ``background``: the hashing threads run at nice 19, so
-    that CRIU, restoring at the same time, gets the CPUs first (measured on 2 CPUs, 4 restores
-    each, docs/history.md: CRIU's phase 1.22 -> 1.15 s, restore 1.39 -> 1.30 s median; the
-    hashing is still done before the verdict). Raises CorruptSnapshotError."""
-    def one(img: ImageFile) -> None:
-        src = src_dir / stored_name(img)
-        h = blake3.blake3()
-        raw = 0
-        try:
-            with open_raw(src_dir, img) as reader:
-                for chunk in _raw_chunks(reader, img.compression == "none"):
-                    if cancel is not None and cancel.is_set():
-                        raise CorruptSnapshotError(f"checksum verification of {src} cancelled")
-                    h.update(chunk)
-                    raw += len(chunk)
-        except zstandard.ZstdError as e:
-            raise CorruptSnapshotError(f"image {src} cannot be decompressed: {e}") from e
-        except FileNotFoundError as e:
-            raise CorruptSnapshotError(f"image file {src} is missing") from e
-        if raw != img.raw_bytes or h.hexdigest() != img.blake3:
-            raise CorruptSnapshotError(f"image {src} fails its checksum (BLAKE3 of {raw} raw bytes differs)")
-
-    with ThreadPoolExecutor(_workers(), initializer=_lowest_priority if background else None) as ex:
-        list(ex.map(one, sorted(images, key=lambda i: -i.raw_bytes)))
-
-
-class Checking:
-    """The checksums of a snapshot's uncompressed images, verified in a background thread
-    while CRIU restores from their hard links (:func:`link_stage`). :meth:`wait` is the
-    decision: it blocks until every checksum was verified and raises CorruptSnapshotError on
-    a mismatch; restore calls it before the HTTP port is bound, so nothing unverified is
-    served. :meth:`cancel` stops the thread early (a failed restore) and waits for it."""
-
-    def __init__(self, src_dir: Path, images: tuple[ImageFile, ...]) -> None:
-        self._cancel = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(src_dir, images), daemon=True,
-                                        name="vllm-snapshot-checksums")
-        self._thread.start()
-
-    def _run(self, src_dir: Path, images: tuple[ImageFile, ...]) -> None:
-        try:
-            verify(src_dir, images, self._cancel, background=True)
-        except BaseException as e:  # noqa: BLE001 - handed to wait()
-            self._error = e
-
-    def wait(self) -> None:
-        """Block until done. Raises CorruptSnapshotError (a mismatch, or cancelled)."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-
-    def cancel(self) -> None:
-        """Stop the verification and wait for its thread (at most one chunk per worker)."""
-        self._cancel.set()
-        self._thread.join()
-
-
-class Assembling:
-    """The BLAKE3 checksums of uncompressed files being assembled from parts that are written
-    in any order (a pull's layers, :func:`vllm_snapshot.fleet.transfer.download`), computed
-    while they are written instead of in a pass after. ``files`` maps each file's path to its
-    :class:`ImageFile` (``compression`` ``none``: the stored bytes are the raw bytes).
-
-    :meth:`ready` says that a region of a file is written and will not be written again (the
-    caller's promise: a pull calls it once a layer's bytes matched its digest, and the layers
-    tile each file, checked when the manifest was read). Each file is hashed in order, from
-    disk (the page cache: read back, not the bytes that were handed to ``pwrite``, so a part
-    placed at a wrong offset or in a wrong file fails as in :func:`verify`), as far as its
-    ready regions reach without a gap, on :func:`_workers` threads (one file on one thread at a
-    time). :meth:`finish` is the decision: every file is hashed on from where it got to, to its
-    end, as :func:`verify` reads it, and compared with its size and BLAKE3. Raises
-    CorruptSnapshotError naming the file (a mismatch, a missing file); :meth:`cancel` stops
-    early (a failed pull) and waits for the threads."""
-
-    def __init__(self, files: dict[Path, ImageFile]) -> None:
-        self._files = dict(files)
-        self._lock = threading.Lock()
-        self._cancel = threading.Event()
-        self._at = {f: 0 for f in self._files}  # bytes hashed so far
-        self._ready: dict[Path, dict[int, int]] = {f: {} for f in self._files}  # offset -> end, not yet hashed
-        self._h = {f: blake3.blake3() for f in self._files}
-        self._fd: dict[Path, int] = {}
-        self._busy: set[Path] = set()
-        self._all = False  # finish(): every file to its end
-        self._errors: list[BaseException] = []
-        self._ex = ThreadPoolExecutor(_workers(), thread_name_prefix="vllm-snapshot-assembled")
-        self._futs: list[Future] = []
-        #: bytes hashed before finish() was called (how much of the pass the writing hid)
-        self.early_bytes = 0
-
-    def ready(self, path: Path, offset: int, size: int) -> None:
-        """Bytes ``[offset, offset + size)`` of ``path`` are written for good. A path not in
-        ``files`` is ignored."""
-        with self._lock:
-            if path not in self._files or self._cancel.is_set():
-                return
-            self._ready[path][offset] = offset + size
-            self._kick(path)
-
-    def _kick(self, path: Path) -> None:
-        """(lock held) Start hashing ``path`` unless a thread is on it already."""
-        if path not in self._busy and (self._all or self._at[path] in self._ready[path]):
-            self._busy.add(path)
-            self._futs.append(self._ex.submit(self._run, path))
-
-    def _run(self, path: Path) -> None:
-        try:
-            while True:
-                with self._lock:
-                    start = self._at[path]
-                    end = self._ready[path].pop(start, None)
-                    if end is None and not self._all:
-                        self._busy.discard(path)
-                        return
-                    tail = end is None  # finish(): on to the end of the file
-                n = self._hash(path, start, end)
-                with self._lock:
-                    self._at[path] = start + n
-                    if not self._all:
-                        self.early_bytes += n
-                    if tail:
-                        self._busy.discard(path)
-                        return
-        except BaseException as e:  # noqa: BLE001 - handed to finish()
-            with self._lock:
-                self._errors.append(e)
-                self._busy.discard(path)
-                self._cancel.set()
-
-    def _hash(self, path: Path, start: int, end: int | None) -> int:
-        """Hash ``path`` from ``start`` to ``end`` (None: to its end) into its hasher; the
-        bytes hashed."""
-        fd = self._fd.get(path)
-        if fd is None:
-            try:
-                fd = self._fd[path] = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except FileNotFoundError as e:
-                raise CorruptSnapshotError(f"image file {path} is missing") from e
-        buf = memoryview(bytearray(VERIFY_BUF))
-        h, at = self._h[path], start
-        while end is None or at < end:
-            if self._cancel.is_set():
-                raise CorruptSnapshotError(f"checksum verification of {path} cancelled")
-            want = VERIFY_BUF if end is None else min(VERIFY_BUF, end - at)
-            n = os.preadv(fd, [buf[:want]], at)
-            if n == 0:
-                break
-            h.update(buf[:n])
-            at += n
-        return at - start
-
-    def finish(self) -> set[Path]:
-        """Hash every file on to its end and compare it with its size and BLAKE3; returns the
-        paths checked (every one of ``files``). Raises CorruptSnapshotError."""
-        try:
-            with self._lock:
-                self._all = True  # a thread on a file now goes on to its end; an idle file gets one
-                for path in self._files:
-                    self._kick(path)
-                futs = list(self._futs)
-            for f in futs:
-                f.result()
-            if self._errors:
-                raise self._errors[0]
-            for path, img in self._files.items():
-                if self._at[path] != img.raw_bytes or self._h[path].hexdigest() != img.blake3:
-                    raise CorruptSnapshotError(
-                        f"image {path} fails its checksum (BLAKE3 of {self._at[path]} raw bytes differs)")
-            return set(self._files)
-        finally:
-            self.cancel()
-
-    def cancel(self) -> None:
-        """Stop hashing and wait for the threads (at most one buffer each); close the files."""
-        self._cancel.set()
-        self._ex.shutdown(wait=True, cancel_futures=True)
-        for fd in self._fd.values():
-            os.close(fd)
-        self._fd.clear()
-
-
 def link_stage(src_dir: Path, images: tuple[ImageFile, ...], parent: Path) -> Path:
     """Stage uncompressed images as hard links (copies across file systems) in a new private
     dir under ``parent``, WITHOUT verifying them: the caller verifies concurrently
-    (:class:`Checking`) and must decide before serving. Returns the staging dir. Raises
+    (:class:`~vllm_snapshot.store.checksums.Checking`) and must decide before serving. Returns the staging dir. Raises
     ValueError for a compressed image, CorruptSnapshotError for a missing one (staging
     removed)."""
     if any(i.compression != "none" for i in images):
@@ -667,7 +442,7 @@ def unpack(src_dir: Path, images: tuple[ImageFile, ...], parent: Path) -> Path:
         if any(i.compression == "zstd-frames" for i in images):
             Unpacking(src_dir, images, stage, background=lambda i: i.compression != "none").ready()
         else:
-            with ThreadPoolExecutor(_workers()) as ex:
+            with ThreadPoolExecutor(workers()) as ex:
                 list(ex.map(lambda i: _unpack_one(src_dir, stage, i), sorted(images, key=lambda i: -i.raw_bytes)))
     except BaseException:
         remove_staging(stage)

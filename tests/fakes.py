@@ -28,20 +28,16 @@ from vllm_snapshot.host.privilege import Creds, User
 from vllm_snapshot.store.registry import Entry, StopReport
 from vllm_snapshot.host.resources import Offer
 from vllm_snapshot.effects.protocols import (
-    WeightsChannel,
     CheckpointTools,
     Clock,
-    Engine,
-    EngineChannel,
     EngineTools,
     HostTools,
     ModelTools,
     RuntimeTools,
     SnapshotFiles,
-    StagedImages,
     StoreTools,
-    UnpackingImages,
 )
+from vllm_snapshot.effects.handles import Engine, EngineChannel, StagedImages, UnpackingImages, WeightsChannel
 from vllm_snapshot.effects.tools import Tools
 from vllm_snapshot.fleet import reference
 from vllm_snapshot.effects.protocols import FleetTools

@@ -11,7 +11,7 @@ import pytest
 
 from vllm_snapshot.checkpoint import cuda_checkpoint
 from vllm_snapshot.cli import doctor
-from vllm_snapshot.effects import checkpoint, engine, files, host, model, protocols, runtime, store, tools
+from vllm_snapshot.effects import checkpoint, engine, files, handles, host, model, protocols, runtime, store, tools
 from vllm_snapshot.effects.fleet import LocalFleetTools
 from vllm_snapshot.effects.protocols import FleetTools
 from vllm_snapshot.store import archive, checksums
@@ -51,10 +51,10 @@ PAIRS = [
     (protocols.RuntimeTools, runtime.LocalRuntimeTools, fakes.FakeRuntimeTools),
     (protocols.Clock, runtime.LocalClock, fakes.FakeClock),
     (FleetTools, LocalFleetTools, fakes.FakeFleetTools),
-    (protocols.StagedImages, checksums.Checking, fakes.FakeChecking),
-    (protocols.UnpackingImages, archive.Unpacking, fakes.FakeUnpacking),
-    (protocols.Engine, supervisor.EngineHandle, fakes.FakeEngine),
-    (protocols.EngineChannel, supervisor.Channel, fakes.FakeChannel),
+    (handles.StagedImages, checksums.Checking, fakes.FakeChecking),
+    (handles.UnpackingImages, archive.Unpacking, fakes.FakeUnpacking),
+    (handles.Engine, supervisor.EngineHandle, fakes.FakeEngine),
+    (handles.EngineChannel, supervisor.Channel, fakes.FakeChannel),
     (doctor.Probes, doctor.RealProbes, FakeProbes),
     (cuda_checkpoint.Driver, cuda_checkpoint.CudaDriver, FakeDriver),
 ]
@@ -81,10 +81,10 @@ def test_fakes_declare_their_protocol(proto, fake):
 
 
 def test_the_staged_images_data_member_is_on_both_sides():
-    """restore reads ``waited_s`` of an :class:`~vllm_snapshot.effects.protocols.UnpackingImages`."""
-    assert "waited_s" in protocols.UnpackingImages.__annotations__
-    assert isinstance(fakes.FakeUnpacking(fakes.FakeWorld()), protocols.UnpackingImages)
-    assert not isinstance(fakes.FakeChecking(fakes.FakeWorld()), protocols.UnpackingImages)
+    """restore reads ``waited_s`` of an :class:`~vllm_snapshot.effects.handles.UnpackingImages`."""
+    assert "waited_s" in handles.UnpackingImages.__annotations__
+    assert isinstance(fakes.FakeUnpacking(fakes.FakeWorld()), handles.UnpackingImages)
+    assert not isinstance(fakes.FakeChecking(fakes.FakeWorld()), handles.UnpackingImages)
     assert "self.waited_s" in inspect.getsource(archive.Unpacking.__init__)
 
 

@@ -12,7 +12,8 @@ from typing import Callable
 from .. import paths
 from ..engine.spec import EngineSpec
 from ..store.manifest import Manifest, WeightsFile
-from .protocols import Engine, EngineChannel, EngineTools, WeightsChannel
+from .protocols import EngineTools
+from .handles import Engine, EngineChannel, WeightsChannel
 
 
 class LocalWeightsChannel(WeightsChannel):

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from ..checkpoint.carry import Plan as CarryPlan
 from ..store.manifest import CodeIdentity, ImageFile, Manifest
-from .protocols import SnapshotFiles, StagedImages
+from .protocols import SnapshotFiles
+from .handles import StagedImages
 
 
 class LocalSnapshotFiles(SnapshotFiles):

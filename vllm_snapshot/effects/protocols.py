@@ -1,6 +1,6 @@
 """The seam's contracts: one Protocol per role (:class:`Tools` in :mod:`.tools` bundles one
-implementation of each), the engine handle and channel they return, and the staged images a
-restore waits on.
+implementation of each); the handles the roles return (the engine, its channels, the staged
+images a restore waits on) are :mod:`.handles`'.
 
 Each role has one local implementation in a module of its own (:mod:`.host`, :mod:`.model`,
 :mod:`.files`, :mod:`.checkpoint`, :mod:`.engine`, :mod:`.store`, :mod:`.runtime`, :mod:`.fleet`) and one
@@ -14,7 +14,7 @@ from __future__ import annotations
 import socket
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Callable, Protocol, runtime_checkable
+from typing import Callable, Protocol
 
 from ..checkpoint.criu import DumpOptions, RestoreOptions
 from ..checkpoint.gpu import GpuSlot, GpuUse
@@ -25,79 +25,12 @@ from ..host.privilege import Creds, User
 from ..host.resources import Offer
 from ..checkpoint.carry import Plan as CarryPlan
 from ..store.manifest import (CarriedDir, CarriedFile, CodeIdentity, EngineUser, ExternalMount, ImageFile, Manifest,
-                              ModelFile, WeightsFile)
+                              ModelFile)
 from ..store.model_digest import ModelCheck
 from ..store.registry import Entry, StopReport
 from ..fleet import reference
 from ..fleet.transport import Target
-
-
-class Engine(Protocol):
-    """A running engine tree we supervise (:class:`vllm_snapshot.supervise.supervisor.EngineHandle`)."""
-
-    root_pid: int
-
-    def send(self, cmd: str, **kw) -> None:
-        """Send one command (:mod:`vllm_snapshot.engine.protocol`). Raises EngineError."""
-
-    def wait_event(self, name: str, timeout: float) -> dict:
-        """The next event ``name``. Raises EngineError (error event, exit, timeout)."""
-
-    def alive(self) -> bool: ...
-
-    def kill(self, grace: float = 0.0) -> None:
-        """SIGTERM, ``grace`` seconds, SIGKILL; wait until every process is gone."""
-
-    def close(self) -> None:
-        """Close our ends of the channel."""
-
-    def reap(self, block: bool = True) -> int | None:
-        """The root's exit code when it is our child and has exited."""
-
-    def log_tail(self, n: int = 20) -> str: ...
-
-    def drain_log(self, timeout_s: float = 5.0) -> None: ...
-
-
-class EngineChannel(Protocol):
-    """Fresh pipes for a restored engine (:class:`vllm_snapshot.supervise.supervisor.Channel`)."""
-
-    def inherit_fds(self, keys: dict[str, str]) -> tuple[tuple[str, int], ...]: ...
-
-    def close(self) -> None: ...
-
-
-class WeightsChannel(Protocol):
-    """Create's end of an engine's weights channel (:class:`vllm_snapshot.store.weights.WeightsServer`)."""
-
-    def result(self) -> WeightsFile | None:
-        """The weights file the engine's worker wrote and mapped (None: no worker used the
-        channel). Raises EngineError naming what failed."""
-
-    def close(self) -> None: ...
-
-
-class StagedImages(Protocol):
-    """A restore's staged images and their checksum verdict (:class:`vllm_snapshot.store.checksums.Checking`:
-    uncompressed images hard-linked, verified in the background while CRIU restores)."""
-
-    def wait(self) -> None:
-        """Block until every checksum was verified. Raises CorruptSnapshotError (a mismatch)."""
-
-    def cancel(self) -> None:
-        """Stop the verification and wait for it."""
-
-
-@runtime_checkable
-class UnpackingImages(StagedImages, Protocol):
-    """Staged images of a compressed snapshot whose memory pages are still being unpacked
-    (:class:`vllm_snapshot.store.archive.Unpacking`): :meth:`ready` must return before CRIU reads
-    a pages image."""
-
-    waited_s: float  # seconds ready() blocked
-
-    def ready(self) -> None:
-        """Block until every image is staged. Raises CorruptSnapshotError."""
+from .handles import Engine, EngineChannel, StagedImages, WeightsChannel
 
 
 class HostTools(Protocol):

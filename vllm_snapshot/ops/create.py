@@ -45,7 +45,8 @@ from ..checkpoint.inventory import Inventory
 from ..report.progress import Reporter
 from ..report.results import Created
 from ..host.envpolicy import redact_args, scrubbed_env
-from ..effects.protocols import Engine, EngineTools
+from ..effects.protocols import EngineTools
+from ..effects.handles import Engine
 from ..effects.tools import Tools, local_tools
 from .cleanup import report_reclaimed, run_cleanups
 

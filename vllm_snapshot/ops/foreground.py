@@ -10,7 +10,8 @@ from typing import Callable
 from ..errors import EngineError
 from ..store.registry import TEARDOWN_S
 from ..report.results import Restored
-from ..effects.protocols import Clock, Engine, RuntimeTools
+from ..effects.protocols import Clock, RuntimeTools
+from ..effects.handles import Engine
 from ..effects.tools import Tools, local_tools
 
 

@@ -74,16 +74,13 @@ from ..report.results import Restored
 from ..effects.protocols import (
     CheckpointTools,
     Clock,
-    Engine,
-    EngineChannel,
     EngineTools,
     HostTools,
     ModelTools,
     RuntimeTools,
     SnapshotFiles,
-    StagedImages,
-    UnpackingImages,
 )
+from ..effects.handles import Engine, EngineChannel, StagedImages, UnpackingImages
 from ..effects.tools import Tools, local_tools
 from .cleanup import report_reclaimed, run_cleanups
 from .create import wake_timeout_s

@@ -64,7 +64,8 @@ from ..report.results import NotMatching, Refused, Served
 from ..host.privilege import DEFAULT_USER
 from ..store.registry import DRAIN_S
 from ..host.envpolicy import scrubbed_env
-from ..effects.protocols import Engine, HostTools, ModelTools, SnapshotFiles, StoreTools
+from ..effects.protocols import HostTools, ModelTools, SnapshotFiles, StoreTools
+from ..effects.handles import Engine
 from ..effects.tools import Tools, local_tools
 from ..engine.args import arg_value, check_engine_args, memoizable
 from .create import weights_mode, CreateRequest, check_cpu_kv_cache, check_keep_env, create

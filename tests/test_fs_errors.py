@@ -116,6 +116,8 @@ def test_prune_goes_past_a_snapshot_it_cannot_delete_and_exits_with_its_code(tmp
     # the other old snapshots stayed and no leftover was reclaimed; `rm a b` goes on past `a`
     from helpers import make_manifest
 
+    from vllm_snapshot.report import results as R
+
     monkeypatch.setenv("VLLM_SNAPSHOT_STATE_DIR", str(tmp_path / "state"))
     monkeypatch.setenv("VLLM_SNAPSHOT_RUN_DIR", str(tmp_path / "run"))
     monkeypatch.setenv("VLLM_SNAPSHOT_ROOT", str(tmp_path / "store"))
@@ -134,6 +136,7 @@ def test_prune_goes_past_a_snapshot_it_cannot_delete_and_exits_with_its_code(tmp
     got = json.loads(capsys.readouterr().out)
     assert sorted(Path(p).name for p in got["deleted"]) == ["b", "c"]
     [nd] = got["not_deleted"]
+    assert set(nd) == set(R.NotDeleted.__annotations__)  # the row is its declaration
     assert nd["path"] == str(tmp_path / "store" / "a") and nd["error"] == "environment" and nd["exit_code"] == 11
     assert "mounted in it" in nd["message"] and "umount" in nd["hint"]
     assert (tmp_path / "store" / "a" / layout.MANIFEST).is_file()  # left whole

@@ -11,7 +11,7 @@ from ..host import identity
 from ..store import layout
 from ..errors import BusyError, CorruptSnapshotError, SnapshotError, UsageError, first_lines, from_os_error
 from ..store.registry import Entry
-from ..report.results import Deleted, EngineRow, Engines, Listed, Pruned, SnapshotRow, Stopped, StoppedRow
+from ..report.results import Deleted, EngineRow, Engines, Listed, NotDeleted, Pruned, SnapshotRow, Stopped, StoppedRow
 from ..effects.protocols import RuntimeTools, StoreTools
 from ..effects.tools import Tools, local_tools
 
@@ -169,8 +169,8 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
                 err = e if isinstance(e, SnapshotError) else from_os_error(e)
                 if err is None:
                     raise
-                failed.append({"path": str(p), "error": err.code, "exit_code": err.exit_code, "message": str(err),
-                               "hint": err.hint})
+                failed.append(NotDeleted(path=str(p), error=err.code, exit_code=err.exit_code, message=err.message,
+                                         hint=err.hint))
                 continue
         deleted.append(str(p))
     temps = t.store.reclaim(root, dry_run=True) if dry_run else [str(x) for x in t.store.clean_stale_temps(root)] + t.store.reclaim(root)

@@ -2,7 +2,7 @@
 into a table/lines for humans or a versioned JSON object; ``to_json()`` is the JSON body.
 
 The rows inside a result (``list``'s snapshots, ``status``'s engines, ``stop``'s engines,
-``serve``'s refused and not-matching snapshots) are TypedDicts, not dataclasses: a row *is* the
+``serve``'s refused and not-matching snapshots, ``prune``'s not deleted ones) are TypedDicts, not dataclasses: a row *is* the
 JSON object ``--json`` prints (and an error's ``details`` carries), read by key in
 :mod:`vllm_snapshot.cli.render`, so the type costs no conversion at the JSON edge and cannot
 change a byte of the output; ``tests/test_result_shapes.py`` pins each row's keys against its
@@ -97,6 +97,18 @@ class Refused(TypedDict):
     snapshot: str
     code: str
     reason: str
+
+
+class NotDeleted(TypedDict):
+    """A snapshot ``prune`` could not delete, left whole: ``path``, ``error`` (the error's code,
+    e.g. ``environment``), ``exit_code``, ``message`` (what failed), ``hint`` (what to do, or
+    None)."""
+
+    path: str
+    error: str
+    exit_code: int
+    message: str
+    hint: str | None
 
 
 class NotMatching(TypedDict):
@@ -258,7 +270,7 @@ class Pruned:
     partial_pulls: list[dict] = field(default_factory=list)
     #: snapshots that could not be deleted, each left whole: ``path``, ``error`` (the error
     #: code), ``exit_code``, ``message``, ``hint``; the command exits with the first one's code
-    not_deleted: list[dict] = field(default_factory=list)
+    not_deleted: list[NotDeleted] = field(default_factory=list)
 
     @property
     def exit_code(self) -> int:

@@ -25,6 +25,7 @@ from vllm_snapshot.store.manifest import (CarriedDir, CarriedFile, CodeIdentity,
                                          ModelFile, WeightsFile)
 from vllm_snapshot.store.model_digest import ModelCheck
 from vllm_snapshot.host.privilege import Creds, User
+from vllm_snapshot.report.results import PartialPull
 from vllm_snapshot.store.registry import Entry, StopReport
 from vllm_snapshot.host.resources import Offer
 from vllm_snapshot.effects.protocols import (
@@ -851,7 +852,7 @@ class FakeFleetTools(_Role, FleetTools):
     def check_pulled(self, staging: Path, m, assembled=None) -> None:
         self.w._call("check_pulled")
 
-    def partial_pulls(self, root: Path) -> list[dict]:
+    def partial_pulls(self, root: Path) -> list[PartialPull]:
         return list(getattr(self.w, "partial_pulls", []))
 
     def pull_staging(self, dest: Path, digest: str) -> AbstractContextManager:

@@ -20,6 +20,7 @@ from vllm_snapshot.host import privilege
 from vllm_snapshot.cli.doctor import Check
 from vllm_snapshot.errors import EnvironmentProblem
 from vllm_snapshot.checkpoint.gpu import GpuInfo
+from vllm_snapshot.report.results import PartialPull
 
 ROOT = Path(__file__).resolve().parent.parent
 CRIU = "/opt/criu/criu/criu"
@@ -148,7 +149,7 @@ class FakeProbes(doctor.Probes):
     def leftovers(self, snapshot_root: str) -> list[str]:
         return list(self.left)
 
-    def partial_pulls(self, snapshot_root: str) -> list[dict]:
+    def partial_pulls(self, snapshot_root: str) -> list[PartialPull]:
         return list(self.partials)
 
     def engine_user(self, name: str):

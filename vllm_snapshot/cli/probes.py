@@ -17,6 +17,7 @@ from typing import Literal, Protocol
 from ..checkpoint import criu as criu_mod
 from .. import paths
 from ..errors import EnvironmentProblem
+from ..report.results import PartialPull
 
 Severity = Literal["error", "warning", "info"]
 
@@ -134,7 +135,7 @@ class Probes(Protocol):
         ``snapshot_root``, /dev/shm and the staging dir, orphaned engine trees, engine cgroups
         left empty (what ``prune`` would remove)."""
 
-    def partial_pulls(self, snapshot_root: str) -> list[dict]:
+    def partial_pulls(self, snapshot_root: str) -> list[PartialPull]:
         """The partial dirs interrupted pulls left under ``snapshot_root`` for resuming
         (:func:`vllm_snapshot.fleet.partial.kept`, as dicts): not leftovers, prune keeps them."""
 
@@ -247,12 +248,12 @@ class RealProbes(Probes):
         out += [f"temp dir {x.path} of a killed create (disk)" for x in found if x.kind == "temp"]
         return out + empty_cgroups([str(x.path) for x in found if x.kind == "cgroup"])
 
-    def partial_pulls(self, snapshot_root: str) -> list[dict]:
+    def partial_pulls(self, snapshot_root: str) -> list[PartialPull]:
         import dataclasses
 
         from ..fleet import partial
 
-        return [dataclasses.asdict(x) for x in partial.kept(Path(snapshot_root))]
+        return [PartialPull(**dataclasses.asdict(x)) for x in partial.kept(Path(snapshot_root))]
 
 
     def engine_user(self, name: str):

@@ -13,6 +13,7 @@ from ..errors import CorruptSnapshotError
 from ..fleet import reference
 from ..fleet.tools import PULLED
 from ..fleet.transport import Target
+from ..report.results import PartialPull
 from .protocols import FleetTools
 
 
@@ -66,12 +67,12 @@ class LocalFleetTools(FleetTools):
             if blake3.blake3(table).hexdigest() != m.code.table_digest:
                 raise CorruptSnapshotError(f"the artifact's {layout.CODE_TABLE} does not match its digest in the manifest")
 
-    def partial_pulls(self, root: Path) -> list[dict]:
+    def partial_pulls(self, root: Path) -> list[PartialPull]:
         import dataclasses
 
         from ..fleet import partial
 
-        return [dataclasses.asdict(x) for x in partial.kept(root)]
+        return [PartialPull(**dataclasses.asdict(x)) for x in partial.kept(root)]
 
     def pull_staging(self, dest: Path, digest: str) -> AbstractContextManager:
         import contextlib

@@ -27,6 +27,7 @@ from ..checkpoint.carry import Plan as CarryPlan
 from ..store.manifest import (CarriedDir, CarriedFile, CodeIdentity, EngineUser, ExternalMount, ImageFile, Manifest,
                               ModelFile)
 from ..store.model_digest import ModelCheck
+from ..report.results import PartialPull
 from ..store.registry import Entry, StopReport
 from ..fleet import reference
 from ..fleet.transport import Target
@@ -525,9 +526,9 @@ class FleetTools(Protocol):
         after the layout check) stands for them, the others are hashed here. Raises
         CorruptSnapshotError naming the file."""
 
-    def partial_pulls(self, root: Path) -> list[dict]:
+    def partial_pulls(self, root: Path) -> list[PartialPull]:
         """The partial dirs of pulls under the store ``root`` (:func:`.partial.kept`: kept for
-        resuming, or a running pull's), each ``{"path", "bytes", "age_s", "live"}``. Reads only."""
+        resuming, or a running pull's). Reads only."""
 
     def pull_staging(self, dest: Path, digest: str) -> AbstractContextManager:
         """Where a pull of the artifact ``digest`` (``sha256:HEX``) to be published as ``dest``

@@ -2,7 +2,7 @@
 into a table/lines for humans or a versioned JSON object; ``to_json()`` is the JSON body.
 
 The rows inside a result (``list``'s snapshots, ``status``'s engines, ``stop``'s engines,
-``serve``'s refused and not-matching snapshots, ``prune``'s not deleted ones) are TypedDicts, not dataclasses: a row *is* the
+``serve``'s refused and not-matching snapshots, ``prune``'s not deleted ones and partial pulls) are TypedDicts, not dataclasses: a row *is* the
 JSON object ``--json`` prints (and an error's ``details`` carries), read by key in
 :mod:`vllm_snapshot.cli.render`, so the type costs no conversion at the JSON edge and cannot
 change a byte of the output; ``tests/test_result_shapes.py`` pins each row's keys against its
@@ -97,6 +97,16 @@ class Refused(TypedDict):
     snapshot: str
     code: str
     reason: str
+
+
+class PartialPull(TypedDict):
+    """The partial dir an interrupted pull left for resuming (:class:`vllm_snapshot.fleet.partial.Partial`):
+    ``path``, ``bytes`` of disk, ``age_s`` since it last changed, ``live`` (a pull holds it now)."""
+
+    path: str
+    bytes: int
+    age_s: float
+    live: bool
 
 
 class NotDeleted(TypedDict):
@@ -265,9 +275,8 @@ class Pruned:
     weights_removed: list[str] = field(default_factory=list)
     #: snapshot dirs whose unreadable manifest kept unused weights files (it might name them)
     weights_kept_for: list[str] = field(default_factory=list)
-    #: partial pulls kept for resuming (never removed by prune): ``path``, ``bytes`` of disk,
-    #: ``age_s`` since it last changed, ``live`` (a pull holds it now)
-    partial_pulls: list[dict] = field(default_factory=list)
+    #: partial pulls kept for resuming (never removed by prune)
+    partial_pulls: list[PartialPull] = field(default_factory=list)
     #: snapshots that could not be deleted, each left whole: ``path``, ``error`` (the error
     #: code), ``exit_code``, ``message``, ``hint``; the command exits with the first one's code
     not_deleted: list[NotDeleted] = field(default_factory=list)

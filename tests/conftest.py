@@ -144,6 +144,21 @@ def _environ_restored():
         os.environ.update(saved)
 
 
+@pytest.fixture(autouse=True)
+def _signals_released():
+    """Forget signal holds after every test, as every command starts clean
+    (:func:`vllm_snapshot.host.interrupts.reset`): a detached restore run in this process
+    (tests/test_gpu_sequencing.py and others, through the real runtime) holds SIGINT/SIGTERM/SIGHUP
+    for good -- its command would exit right after -- and a later test in the same xdist worker
+    then saw its own signal deferred, or its check that nothing is held fail (CI: depth 6, after
+    six such restores on one worker)."""
+    yield
+    from vllm_snapshot.host import interrupts
+
+    if interrupts._state["depth"] or interrupts._state["pending"] is not None:
+        interrupts.reset()
+
+
 # ----------------------------------------------------------------------------- this run's own state
 #
 # Each test run has its own VLLM_SNAPSHOT_RUN_DIR (engine registry, locks), STATE_DIR, LOG_DIR and

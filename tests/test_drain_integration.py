@@ -96,6 +96,9 @@ def test_stop_with_a_request_in_flight_lets_it_finish(clone_snapshot, tmp_path):
         stopping = started(subprocess.Popen([sys.executable, "-m", "vllm_snapshot", "stop", "--port", str(port), "--json"],
                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=engine_env(),
                                             cwd=ROOT))
+        stop_ended: list[float] = []  # when the stop returned (the prune below may outlast it)
+        waiter = threading.Thread(target=lambda: (stopping.wait(), stop_ended.append(time.monotonic())), daemon=True)
+        waiter.start()
         # while it drains (listening socket closed, the request in flight) a prune of another
         # run dir must not take it for a killed restore's leftover (CI: the other xdist
         # worker's reclaim killed it so, the request cut)
@@ -107,7 +110,8 @@ def test_stop_with_a_request_in_flight_lets_it_finish(clone_snapshot, tmp_path):
         pr = cli("prune", "--json", env={**engine_env(), "VLLM_SNAPSHOT_RUN_DIR": str(other)}, timeout=60)
         out, err = stopping.communicate(timeout=120)
         p = subprocess.CompletedProcess(stopping.args, stopping.returncode, out, err)
-        t1 = time.monotonic()
+        waiter.join(10)
+        t1 = stop_ended[0]
         req.join(60)
     finally:
         _cleanup(port)

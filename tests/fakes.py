@@ -25,7 +25,7 @@ from vllm_snapshot.store.manifest import (CarriedDir, CarriedFile, CodeIdentity,
                                          ModelFile, WeightsFile)
 from vllm_snapshot.store.model_digest import ModelCheck
 from vllm_snapshot.host.privilege import Creds, User
-from vllm_snapshot.report.results import PartialPull
+from vllm_snapshot.report.results import ExitedRow, PartialPull
 from vllm_snapshot.store.registry import Entry, StopReport
 from vllm_snapshot.host.resources import Offer
 from vllm_snapshot.effects.protocols import (
@@ -756,6 +756,16 @@ class FakeRuntimeTools(_Role, RuntimeTools):
 
     def orphan_pids(self) -> list[int]:
         return list(getattr(self.w, "orphans", []))
+
+    def exited_engines(self) -> list[ExitedRow]:
+        return list(getattr(self.w, "exited", []))
+
+    def forget_exited_engines(self, dry_run: bool = False) -> list[str]:
+        gone = [f"the record of engine PID {r['pid']}, which exited or was killed without a stop"
+                for r in getattr(self.w, "exited", [])]
+        if not dry_run:
+            self.w.exited = []
+        return gone
 
     def empty_engine_cgroups(self) -> list[str]:
         return list(getattr(self.w, "empty_cgroups", []))

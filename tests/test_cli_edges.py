@@ -648,7 +648,7 @@ def test_status_names_engine_trees_nobody_owns(capsys):
     t = FakeWorld()
     t.orphans = [26423]
     r = status(tools=t.tools)
-    assert r.to_json() == {"engines": [], "orphans": [26423], "empty_cgroups": []}
+    assert r.to_json() == {"engines": [], "orphans": [26423], "empty_cgroups": [], "exited": []}
     render.show(r, False, False)
     out = capsys.readouterr()
     assert "root PID 26423" in out.out + out.err and "prune" in out.out + out.err

@@ -50,7 +50,7 @@ def test_status_rows_have_the_engine_row_keys():
             "cgroup", "auth", "drain_s", "frontend_args", "log_file", "url", "merge_pages", "ksm_merged_pages"]
     assert set(row) == _keys(R.EngineRow) == set(want)
     assert "frontend" not in row  # the fingerprint is the registry's, never shown
-    assert sorted(res.to_json()) == ["empty_cgroups", "engines", "orphans"]
+    assert sorted(res.to_json()) == ["empty_cgroups", "engines", "exited", "orphans"]
 
 
 def test_stop_rows_have_the_stopped_row_keys():

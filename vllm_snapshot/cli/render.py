@@ -8,6 +8,7 @@ a whole process within 0.3 s, docs/benchmarks.md target 5)."""
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import os
 import sys
@@ -256,6 +257,12 @@ def _engines(r: R.Engines, quiet: bool) -> None:
         _line(f"{len(r.orphans)} engine tree(s) nobody owns (what a killed restore left: frozen or "
               f"half-restored, not serving): root PID {', '.join(map(str, r.orphans))}; "
               "`vllm-snapshot prune` removes them")
+    for x in r.exited:
+        when = _dt.datetime.fromtimestamp(x["noticed_at"]).strftime("%Y-%m-%d %H:%M:%S")
+        _line(f"engine PID {x['pid']} ({x['snapshot']}, port {x['port']}) is gone: it exited or was killed "
+              f"without a `vllm-snapshot stop` (found gone at {when}); "
+              + (f"its log: {x['log_file']}" if x["log_file"] else "its output went to the command that restored it")
+              + "; `vllm-snapshot prune` forgets it")
     if r.empty_cgroups:  # one leaf per hierarchy: named once, by the engine's leaf name
         names = sorted({c.rstrip("/").rsplit("/", 1)[-1] for c in r.empty_cgroups})
         _line(f"{len(names)} engine cgroup(s) left empty by engines that exited or were killed: "

@@ -27,7 +27,7 @@ from ..checkpoint.carry import Plan as CarryPlan
 from ..store.manifest import (CarriedDir, CarriedFile, CodeIdentity, EngineUser, ExternalMount, ImageFile, Manifest,
                               ModelFile)
 from ..store.model_digest import ModelCheck
-from ..report.results import PartialPull
+from ..report.results import ExitedRow, PartialPull
 from ..store.registry import Entry, StopReport
 from ..fleet import reference
 from ..fleet.transport import Target
@@ -447,6 +447,13 @@ class RuntimeTools(Protocol):
     def orphan_pids(self) -> list[int]:
         """Root PIDs of engine trees nobody owns (what a SIGKILLed restore leaves: see
         :func:`vllm_snapshot.store.registry.orphans`); ``reclaim`` (every prune) kills them."""
+
+    def exited_engines(self) -> list[ExitedRow]:
+        """Engines found gone without a ``stop`` -- exited or killed on their own -- since the
+        last ``prune`` (:func:`vllm_snapshot.store.registry.exited`), oldest first."""
+
+    def forget_exited_engines(self, dry_run: bool = False) -> list[str]:
+        """Forget the records :meth:`exited_engines` lists (``prune``); one line each."""
 
     def empty_engine_cgroups(self) -> list[str]:
         """Paths of engine cgroups no process is in any more (an engine that exited or was

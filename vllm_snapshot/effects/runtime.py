@@ -11,6 +11,7 @@ from typing import Callable, Iterator
 
 from ..host.cgroups import Placement
 from ..store.registry import Entry, StopReport
+from ..report.results import ExitedRow
 from .protocols import Clock, RuntimeTools
 
 #: What a foreground engine's supervisor forwards: SIGHUP too (a closed terminal; it went to the
@@ -31,6 +32,16 @@ class LocalRuntimeTools(RuntimeTools):
         from ..store import registry
 
         return [p.pid for p in registry.orphans()]
+
+    def exited_engines(self) -> list[ExitedRow]:
+        from ..store import registry
+
+        return [ExitedRow(**r) for r in registry.exited()]
+
+    def forget_exited_engines(self, dry_run: bool = False) -> list[str]:
+        from ..store import registry
+
+        return registry.forget_exited(dry_run)
 
     def empty_engine_cgroups(self) -> list[str]:
         from ..host import cgroups

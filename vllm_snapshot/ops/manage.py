@@ -174,6 +174,7 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
                 continue
         deleted.append(str(p))
     temps = t.store.reclaim(root, dry_run=True) if dry_run else [str(x) for x in t.store.clean_stale_temps(root)] + t.store.reclaim(root)
+    temps += t.runtime.forget_exited_engines(dry_run)  # what `status` said died on its own: said, now forgotten
     weights_gone = [str(p) for p in t.store.remove_unused_weights(root, dry_run=dry_run)]
     return Pruned(deleted, kept, temps, dry_run, weights_gone, t.store.weights_blocked(root), t.fleet.partial_pulls(root),
                   failed)
@@ -182,15 +183,16 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
 def status(tools: Tools | None = None) -> Engines:
     """``status``: the registry's live engines, each with its URL and the cgroup it runs in
     now (read from /proc: detached engines have one of their own), the root PIDs of engine
-    trees nobody owns (a killed restore's) and the engine cgroups no process is in any more (an
-    engine that exited or was killed): ``prune`` removes both."""
+    trees nobody owns (a killed restore's), the engine cgroups no process is in any more (an
+    engine that exited or was killed) and the engines found gone without a stop since the last
+    prune: ``prune`` removes the first two and forgets the last."""
     t = tools or local_tools()
     rows: list[EngineRow] = []
     for e in t.runtime.engines():
         marked, merged = t.runtime.merge_of(e.pid)
         rows.append({**{k: v for k, v in e.__dict__.items() if k != "frontend"}, "url": e.url,
                      "cgroup": t.runtime.cgroup_of(e.pid), "merge_pages": marked, "ksm_merged_pages": merged})
-    return Engines(rows, t.runtime.orphan_pids(), t.runtime.empty_engine_cgroups())
+    return Engines(rows, t.runtime.orphan_pids(), t.runtime.empty_engine_cgroups(), t.runtime.exited_engines())
 
 
 def stop_engines(snapshot: Path | None, port: int | None, tools: Tools | None = None,

@@ -99,6 +99,23 @@ class Refused(TypedDict):
     reason: str
 
 
+class ExitedRow(TypedDict):
+    """An engine found gone without a ``stop`` (it exited or was killed on its own), as
+    ``status`` shows it until ``prune``: root ``pid``, ``snapshot`` (path), ``host``, ``port``,
+    ``mode`` (``foreground``/``detached``), ``started_at`` and ``noticed_at`` (Unix seconds: its
+    restore, and the first command that found it gone), ``log_file`` ("" when its output went to
+    the command that restored it)."""
+
+    pid: int
+    snapshot: str
+    host: str
+    port: int
+    mode: str
+    started_at: float
+    log_file: str
+    noticed_at: float
+
+
 class PartialPull(TypedDict):
     """The partial dir an interrupted pull left for resuming (:class:`vllm_snapshot.fleet.partial.Partial`):
     ``path``, ``bytes`` of disk, ``age_s`` since it last changed, ``live`` (a pull holds it now)."""
@@ -295,15 +312,18 @@ class Pruned:
 @dataclass(frozen=True)
 class Engines:
     """``status``: restored engines on this host (:class:`EngineRow`), the root PIDs of
-    engine trees nobody owns (``orphans``) and the paths of engine cgroups left empty
-    (``empty_cgroups``)."""
+    engine trees nobody owns (``orphans``), the paths of engine cgroups left empty
+    (``empty_cgroups``) and the engines that exited or were killed without a stop (``exited``)."""
 
     engines: list[EngineRow]
     orphans: list[int] = field(default_factory=list)
     empty_cgroups: list[str] = field(default_factory=list)
+    #: engines found gone without a stop since the last ``prune`` (:class:`ExitedRow`)
+    exited: list[ExitedRow] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return {"engines": self.engines, "orphans": self.orphans, "empty_cgroups": self.empty_cgroups}
+        return {"engines": self.engines, "orphans": self.orphans, "empty_cgroups": self.empty_cgroups,
+                "exited": self.exited}
 
 
 @dataclass(frozen=True)

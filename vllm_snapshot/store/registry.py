@@ -1,7 +1,10 @@
 """Runtime registry of engines restored on this host (for status/stop/switch/delete).
 
 One JSON file per engine in ``RUN_DIR/engines/PID.json`` (``paths.run_dir()``, ``/run/vllm-snapshot``) (tmpfs: gone at reboot,
-like the engines). Entries whose engine PID is dead are removed whenever the registry is read.
+like the engines). Entries whose engine PID is dead are removed whenever the registry is read;
+an engine found dead that no ``stop`` was stopping (it exited or was killed on its own) leaves a
+record in ``engines/exited/`` (:func:`exited`), which ``status`` shows until ``prune`` forgets it
+(:func:`forget_exited`), as ``systemctl`` shows a failed unit until ``reset-failed``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,14 @@ TEARDOWN_S = 10.0
 
 def _dir() -> Path:
     return paths.ensure_private_dir(paths.run_dir() / "engines")
+
+
+def _exited_dir() -> Path:
+    return paths.ensure_private_dir(_dir() / "exited")
+
+
+#: Fields of an exited engine's record (:func:`exited`).
+EXITED_FIELDS = ("pid", "snapshot", "host", "port", "mode", "started_at", "log_file", "noticed_at")
 
 
 @dataclass(frozen=True)
@@ -108,6 +119,7 @@ def register(e: Entry) -> Path:
 
 
 def unregister(pid: int) -> None:
+    (_dir() / f"{pid}.stopping").unlink(missing_ok=True)
     (_dir() / f"{pid}.json").unlink(missing_ok=True)
     (_dir() / f"{pid}.drain").unlink(missing_ok=True)
     (_dir() / f"{pid}.frontend").unlink(missing_ok=True)
@@ -168,11 +180,51 @@ def entries() -> list[Entry]:
         if _alive(e):
             out.append(e)
         else:
+            if not f.with_suffix(".stopping").exists():  # gone on its own: said by `status` until `prune`
+                _note_exited(e)
             unregister(e.pid)
-    for f in [*d.glob("*.drain"), *d.glob("*.frontend"), *d.glob("*.log")]:  # an entry removed by a vllm-snapshot
+    for f in [*d.glob("*.drain"), *d.glob("*.frontend"), *d.glob("*.log"), *d.glob("*.stopping")]:  # an entry removed by a vllm-snapshot
         if not f.with_suffix(".json").exists():                # that knew no such file
             f.unlink(missing_ok=True)
     return sorted(out, key=lambda e: (e.port, e.pid))
+
+
+def _note_exited(e: Entry) -> None:
+    """Record that the engine of ``e`` was found gone with no ``stop`` stopping it. Best effort
+    (an unwritable run dir loses the record, never the command)."""
+    rec = {k: getattr(e, k) for k in EXITED_FIELDS if k != "noticed_at"} | {"noticed_at": time.time()}
+    try:
+        _write(_exited_dir() / f"{e.pid}-{int(e.create_time)}.json", json.dumps(rec))
+    except OSError:
+        pass
+
+
+def exited() -> list[dict]:
+    """Engines found gone without a ``stop`` (exited or killed on their own) since the last
+    :func:`forget_exited`, oldest first: dicts of :data:`EXITED_FIELDS` (``noticed_at``: Unix
+    seconds when a command first found it gone, an upper bound of when it died). Reads the
+    registry first (:func:`entries`), so an engine that died since is among them. Unreadable
+    records are skipped."""
+    entries()
+    out = []
+    for f in _exited_dir().glob("*.json"):
+        try:
+            raw = json.loads(f.read_text())
+            out.append({k: raw[k] for k in EXITED_FIELDS})
+        except (OSError, ValueError, TypeError, KeyError):
+            continue
+    return sorted(out, key=lambda r: (r["noticed_at"], r["pid"]))
+
+
+def forget_exited(dry_run: bool = False) -> list[str]:
+    """Remove the records :func:`exited` lists (``prune``); returns one line per record."""
+    gone = []
+    for f in sorted(_exited_dir().glob("*.json")):
+        pid = f.stem.split("-", 1)[0]
+        if not dry_run:
+            f.unlink(missing_ok=True)
+        gone.append(f"the record of engine PID {pid}, which exited or was killed without a stop")
+    return gone
 
 
 def drain_timeout(given: float | None = None, environ: dict | None = None) -> float:
@@ -270,6 +322,10 @@ def stop(e: Entry, drain_s: float | None = None, teardown_s: float = TEARDOWN_S,
     if not procs:
         unregister(e.pid)
         return StopReport(0.0)
+    try:  # a command reading the registry while it goes must not take it for one that died on its own
+        _write(_dir() / f"{e.pid}.stopping", "")
+    except OSError:
+        pass
     foreground = bool(e.supervisor_pid and psutil.pid_exists(e.supervisor_pid))
     target = e.supervisor_pid if foreground else e.pid
     _signal(target, signal.SIGTERM)

@@ -116,6 +116,8 @@ def test_switch_without_rollback_says_the_port_is_dark():
         ops.switch(SNAP, None, 8101, None, Reporter(), rollback=False, tools=t.tools)
     assert "nothing serves on port 8101 now" in ei.value.message
     assert ei.value.details["serving"] is None and t.calls.count("restore_tree") == 1
+    # the way back, ready to paste (a trial: an interrupted switch left the port dark, no hint)
+    assert "`vllm-snapshot restore /snaps/old --port 8101 --detach`" in ei.value.hint
 
 
 def test_switch_json_names_what_serves():

@@ -460,4 +460,10 @@ def _explain_switch_failure(err: SnapshotError, port: int, stopped: list[OldEngi
         what += f" (no hand-over: {why})"
     err.message = f"{err.message}\nswitch: {what}"
     err.args = (err.message,)
+    if stopped and serving is None:  # the port is dark: the way back, ready to paste
+        import shlex
+
+        back = f"vllm-snapshot restore {shlex.quote(stopped[0]['snapshot'])} --port {port} --detach"
+        err.hint = (f"to serve the old snapshot again: `{back}` (with the front-end options it had)"
+                    + (f"; {err.hint}" if err.hint else ""))
     err.details = {"cause": err.details, "stopped": stopped, "serving": serving}

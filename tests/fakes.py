@@ -696,6 +696,9 @@ class FakeStoreTools(_Role, StoreTools):
     def root_problem(self, root: Path) -> str | None:
         return getattr(self.w, "root_problem", None)
 
+    def without_manifest(self, root: Path) -> list[Path]:
+        return [p for p in getattr(self.w, "manifestless", []) if p.parent == root]
+
     def list_snapshots(self, root: Path) -> list[Path]:
         self.w._call("list_snapshots")
         if self.w.snapshots is not None:

@@ -187,3 +187,28 @@ def test_a_read_only_log_directory_refuses_a_detached_restore_before_it_starts(t
     assert "VLLM_SNAPSHOT_LOG_DIR" in e.value.hint and "--log-file" in e.value.hint
     monkeypatch.setattr(os, "open", real)
     assert LocalEngineTools().default_log_file(Path("/srv/snaps/tiny"), 8000) == logs / "tiny-8000.log"
+
+
+def test_list_names_a_snapshot_whose_manifest_was_lost(tmp_path, monkeypatch, capsys):
+    # a trial: `rm store/tiny1m/manifest.json` made 1.3 GiB invisible to list, prune and doctor
+    from helpers import make_manifest
+
+    monkeypatch.setenv("VLLM_SNAPSHOT_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("VLLM_SNAPSHOT_ROOT", str(tmp_path / "store"))
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    good = tmp_path / "store" / "good"
+    write_snapshot_dir(good, make_manifest(images=()))
+    for sub in ("images", "files"):
+        (good / sub).mkdir(mode=0o700)
+    lost = tmp_path / "store" / "tiny copy"
+    (lost / layout.IMAGES).mkdir(parents=True, mode=0o700)
+    (lost / layout.IMAGES / "pages-1.img").write_bytes(b"x" * 100)
+    (tmp_path / "store" / "not-a-snapshot").mkdir(mode=0o700)  # no images/: somebody else's dir, not named
+    os.chmod(tmp_path / "store", 0o700)
+    assert cli.main(["list", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in got["snapshots"]] == ["good"]
+    (w,) = got["warnings"]
+    assert f"{lost} holds images/ but no manifest.json" in w and f"`rm -r '{lost}'`" in w
+    assert cli.main(["list"]) == 0
+    assert f"{lost} holds images/ but no manifest.json" in capsys.readouterr().err

@@ -395,6 +395,10 @@ class StoreTools(Protocol):
 
     def list_snapshots(self, root: Path) -> list[Path]: ...
 
+    def without_manifest(self, root: Path) -> list[Path]:
+        """Directories under ``root`` with ``images/`` but no manifest (a lost manifest:
+        :func:`vllm_snapshot.store.store.without_manifest`), which ``list`` cannot list."""
+
     def root_problem(self, root: Path) -> str | None:
         """Why create and restore would refuse snapshots under ``root`` (it or a directory
         above it writable by group/others, owned by another user, an unsafe symlink:

@@ -39,6 +39,11 @@ class LocalStoreTools(StoreTools):
 
         return store.list_snapshots(root)
 
+    def without_manifest(self, root: Path) -> list[Path]:
+        from ..store import store
+
+        return store.without_manifest(root)
+
     def root_problem(self, root: Path) -> str | None:
         from ..errors import EnvironmentProblem
         from ..store import layout

@@ -58,13 +58,19 @@ def describe(snapshot: Path, tools: Tools | None = None) -> SnapshotRow:
 def list_snapshots(root: Path, tools: Tools | None = None) -> Listed:
     """``list``: a :func:`describe` row per published snapshot under ``root``; ``warnings``
     says why create and restore would refuse snapshots there (a root writable by
-    group/others, ...), in create's words."""
+    group/others, ...), in create's words, and names each directory there whose manifest was
+    lost (``images/`` and no manifest: not a row, nothing says what it is)."""
     t = tools or local_tools()
     if t.host.path_exists(root) and not Path(root).is_dir():
         raise UsageError(f"the snapshot root {root} is not a directory", hint="check --root / VLLM_SNAPSHOT_ROOT")
+    import shlex
+
     problem = t.store.root_problem(root)
+    lost = [f"{d} holds {layout.IMAGES}/ but no {layout.MANIFEST}: a snapshot whose manifest was lost, which "
+            f"cannot be listed or restored; `vllm-snapshot inspect {shlex.quote(str(d))}` shows what is left, "
+            f"`rm -r {shlex.quote(str(d))}` removes it" for d in t.store.without_manifest(Path(root))]
     return Listed(str(root), [describe(p, t) for p in t.store.list_snapshots(root)], t.host.path_exists(root),
-                  (f"{problem}; create and restore refuse snapshots below it",) if problem else ())
+                  ((f"{problem}; create and restore refuse snapshots below it",) if problem else ()) + tuple(lost))
 
 
 def _engines_of(store: StoreTools, rt: RuntimeTools, snapshot: Path, entries: list[Entry] | None = None) -> list[Entry]:

@@ -259,6 +259,18 @@ def list_snapshots(root: Path) -> list[Path]:
                   and (p / MANIFEST).is_file())
 
 
+def without_manifest(root: Path) -> list[Path]:
+    """Directories directly under ``root`` (not hidden) that hold an ``images/`` directory but
+    no manifest: snapshots whose manifest was lost (removed, or a copy that stopped half-way).
+    :func:`list_snapshots` cannot list them (nothing says what they are), yet they hold the
+    images' disk. Sorted; empty when ``root`` cannot be read."""
+    try:
+        return sorted(p for p in root.iterdir() if not p.name.startswith(".") and p.is_dir() and not p.is_symlink()
+                      and (p / IMAGES).is_dir() and not (p / MANIFEST).exists())
+    except OSError:
+        return []
+
+
 def mounts_within(path: Path, mountinfo: str) -> list[str]:
     """The mount points at or below ``path`` (absolute, canonical) in ``mountinfo`` (the text of
     ``/proc/self/mountinfo``), in file order, each once. Pure."""

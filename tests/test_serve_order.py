@@ -160,6 +160,20 @@ def test_refused_snapshot_is_recorded_and_a_new_one_built():
     assert row["compatible"] is False and row["why"].startswith("refused by serve:")
 
 
+def test_an_unsafe_root_refuses_before_the_key_or_a_cold_start():
+    # a trial: with the root at 0777 serve passed its valid snapshot over without a word, cold
+    # started a build and only then refused to publish it (exit 11)
+    from vllm_snapshot.errors import EnvironmentProblem
+
+    t = FakeWorld()
+    t.root_problem = "the snapshot root /snaps is writable by group or others (mode 0777) (fix: chmod 0700 /snaps)"
+    with pytest.raises(EnvironmentProblem) as e:
+        _serve(t)
+    assert "mode 0777" in e.value.message and "serve neither restores nor builds" in e.value.message
+    assert "chmod 0700 /snaps" in e.value.message
+    assert not {"launch_engine", "restore_tree", "list_snapshots"} & set(t.calls)
+
+
 def test_no_build_without_a_snapshot_refuses_before_any_engine_starts():
     t = _tools()
     with pytest.raises(UsageError, match="no snapshot under /snaps matches"):

@@ -49,6 +49,7 @@ from ..errors import (
     CorruptSnapshotError,
     CriuError,
     EngineError,
+    EnvironmentProblem,
     IncompatibleHostError,
     ModelChangedError,
     OracleMismatchError,
@@ -265,6 +266,9 @@ def _prepare(t: Tools, req: ServeRequest, rep: Reporter, check_port: bool):
     check_cpu_kv_cache(req.engine_args, t.host.environ(), t.host.engine_device())
     if check_port:
         t.host.port_free(req.host, req.port)
+    problem = t.store.root_problem(req.root)
+    if problem:  # a trial: its valid snapshot passed over in silence, then a cold start refused at publishing
+        raise EnvironmentProblem(f"{problem}; serve neither restores nor builds a snapshot below it")
     with rep.phase("key", "computing the snapshot key (model digest, engine args, host)"):
         snaps = _published(t.host, t.store, t.files, req.root)
         key, files, host = compute_key(t, req, model_dir, snaps, rev is not None)

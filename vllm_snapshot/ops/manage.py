@@ -64,7 +64,12 @@ def list_snapshots(root: Path, tools: Tools | None = None) -> Listed:
         raise UsageError(f"the snapshot root {root} is not a directory", hint="check --root / VLLM_SNAPSHOT_ROOT")
     problem = t.store.root_problem(root)
     return Listed(str(root), [describe(p, t) for p in t.store.list_snapshots(root)], t.host.path_exists(root),
-                  (f"{problem}; create and restore refuse snapshots below it",) if problem else ())
+                  (f"{_in_words(problem)}; create and restore refuse snapshots below it",) if problem else ())
+
+
+def _in_words(e: SnapshotError) -> str:
+    """``e``'s message with its hint, on one line: ``MESSAGE (fix: HINT)``."""
+    return e.message + (f" (fix: {e.hint})" if e.hint else "")
 
 
 def _engines_of(store: StoreTools, rt: RuntimeTools, snapshot: Path, entries: list[Entry] | None = None) -> list[Entry]:

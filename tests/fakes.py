@@ -25,6 +25,7 @@ from vllm_snapshot.store.manifest import (CarriedDir, CarriedFile, CodeIdentity,
                                          ModelFile, WeightsFile)
 from vllm_snapshot.store.model_digest import ModelCheck
 from vllm_snapshot.host.privilege import Creds, User
+from vllm_snapshot.errors import SnapshotError
 from vllm_snapshot.report.results import ExitedRow, PartialPull
 from vllm_snapshot.store.registry import Entry, StopReport
 from vllm_snapshot.host.resources import Offer
@@ -693,7 +694,7 @@ class FakeStoreTools(_Role, StoreTools):
         self.w._call("port_lock")
         return nullcontext()
 
-    def root_problem(self, root: Path) -> str | None:
+    def root_problem(self, root: Path) -> SnapshotError | None:
         return getattr(self.w, "root_problem", None)
 
     def without_manifest(self, root: Path) -> list[Path]:
@@ -711,6 +712,9 @@ class FakeStoreTools(_Role, StoreTools):
 
     def delete_snapshot(self, snapshot: Path) -> None:
         self.w._call("delete_snapshot")
+
+    def delete_refusal(self, snapshot: Path) -> SnapshotError | None:
+        return None
 
     def remove_unused_weights(self, root: Path, dry_run: bool = False) -> list[Path]:
         self.w._call("remove_unused_weights")

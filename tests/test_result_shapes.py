@@ -1,5 +1,5 @@
 """The keys of the rows the commands return and ``--json`` prints (``list``, ``status``,
-``stop``, ``serve``, a failed ``switch``'s details): each row built by the operation (through
+``stop``, ``serve``, ``prune``, a failed ``switch``'s details): each row built by the operation (through
 the recording FakeWorld) has exactly the keys of its TypedDict in vllm_snapshot/report/results.py
 (or ops/switch.py), and those keys, with the result's own top-level keys, are pinned here: a key
 renamed, added or dropped changes what scripts reading ``--json`` see, and must change this
@@ -14,7 +14,7 @@ import pytest
 
 from fakes import FakeWorld
 from vllm_snapshot import ops
-from vllm_snapshot.errors import CriuError, OracleMismatchError
+from vllm_snapshot.errors import CriuError, ModelChangedError, OracleMismatchError
 from vllm_snapshot.ops.switch import OldEngine
 from vllm_snapshot.report import results as R
 from vllm_snapshot.report.progress import Reporter
@@ -62,6 +62,19 @@ def test_stop_rows_have_the_stopped_row_keys():
     assert set(row) == _keys(R.StoppedRow) == set(want)
     assert sorted(res.to_json()) == ["stopped"]
     assert sorted(ops.stop_engines(None, 9999, tools=t.tools).to_json()) == ["nothing", "stopped"]
+
+
+def test_prune_kept_unusable_rows_have_their_keys():
+    t = FakeWorld(fail={"verify_model:quick": ModelChangedError("the model directory /models/tiny does not exist",
+                                                          details={"changed": [], "missing": ["a"], "added": []})})
+    t.snapshots = {ROOT / "away": t.manifest}
+    res = ops.prune(ROOT, None, None, True, tools=t.tools, unusable=True)
+    (row,) = res.kept_unusable
+    assert res.deleted == [] and "delete_snapshot" not in t.calls
+    assert set(row) == _keys(R.KeptUnusable) == {"path", "error", "message", "hint"}
+    assert row["path"] == str(ROOT / "away") and row["error"] == "model-changed"
+    assert sorted(res.to_json()) == ["deleted", "dry_run", "kept_running", "kept_unusable", "not_deleted",
+                                     "partial_pulls", "temp_removed", "weights_kept_for", "weights_removed"]
 
 
 def _serve(t: FakeWorld, args: list[str]):

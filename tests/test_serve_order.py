@@ -166,11 +166,12 @@ def test_an_unsafe_root_refuses_before_the_key_or_a_cold_start():
     from vllm_snapshot.errors import EnvironmentProblem
 
     t = FakeWorld()
-    t.root_problem = "the snapshot root /snaps is writable by group or others (mode 0777) (fix: chmod 0700 /snaps)"
+    t.root_problem = EnvironmentProblem("the snapshot root /snaps is writable by group or others (mode 0777)",
+                                        hint="chmod 0700 /snaps")
     with pytest.raises(EnvironmentProblem) as e:
         _serve(t)
     assert "mode 0777" in e.value.message and "serve neither restores nor builds" in e.value.message
-    assert "chmod 0700 /snaps" in e.value.message
+    assert e.value.hint == "chmod 0700 /snaps"
     assert not {"launch_engine", "restore_tree", "list_snapshots"} & set(t.calls)
 
 

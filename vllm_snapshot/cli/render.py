@@ -224,6 +224,8 @@ def _pruned(r: R.Pruned, quiet: bool) -> None:
         _line(f"kept {p} (an engine restored from it is running)")
     for f in r.not_deleted:
         _line(f"could not delete {f['path']}: {f['message']}" + (f"; {f['hint']}" if f.get("hint") else ""))
+    for f in r.kept_unusable:
+        _line(f"kept {f['path']}, not deleted: {f['message']}" + (f"; {f['hint']}" if f.get("hint") else ""))
     for p in r.temp_removed:
         _line(f"{'would remove' if r.dry_run else 'removed'} leftover {p}")
     for p in r.weights_removed:
@@ -231,7 +233,8 @@ def _pruned(r: R.Pruned, quiet: bool) -> None:
     _weights_kept(r.weights_kept_for)
     for p in r.partial_pulls:
         _line(partial_pull_line(p))
-    if not (r.deleted or r.kept_running or r.not_deleted or r.temp_removed or r.weights_removed or r.weights_kept_for):
+    if not (r.deleted or r.kept_running or r.not_deleted or r.kept_unusable or r.temp_removed or r.weights_removed
+            or r.weights_kept_for):
         _line("nothing to prune")
 
 
@@ -567,7 +570,9 @@ def snapshot_list(rows: list[R.SnapshotRow], root: str) -> None:
         c.print(f"✗ {name}: {why}", markup=False, highlight=False, soft_wrap=True)
     if refused:  # what to do next: a trial read the ✗ lines and did not know which command says more
         note("✗: `vllm-snapshot verify NAME` runs every check and says what to fix (`inspect NAME` shows what is "
-             "left of a damaged one); `vllm-snapshot prune --unusable` deletes every ✗ snapshot")
+             "left of a damaged one); `vllm-snapshot prune --unusable` deletes those that can never be restored here as "
+             "they are (a refusal recorded, another host's identity, changed model or weights content) and keeps, "
+             "naming why, those a chmod, a mount or a file put back fixes")
 
 
 def engine_list(rows: list[R.EngineRow]) -> None:

@@ -27,6 +27,7 @@ from ..checkpoint.carry import Plan as CarryPlan
 from ..store.manifest import (CarriedDir, CarriedFile, CodeIdentity, EngineUser, ExternalMount, ImageFile, Manifest,
                               ModelFile)
 from ..store.model_digest import ModelCheck
+from ..errors import SnapshotError
 from ..report.results import ExitedRow, PartialPull
 from ..store.registry import Entry, StopReport
 from ..fleet import reference
@@ -399,17 +400,22 @@ class StoreTools(Protocol):
         """Directories under ``root`` with ``images/`` but no manifest (a lost manifest:
         :func:`vllm_snapshot.store.store.without_manifest`), which ``list`` cannot list."""
 
-    def root_problem(self, root: Path) -> str | None:
-        """Why create and restore would refuse snapshots under ``root`` (it or a directory
-        above it writable by group/others, owned by another user, an unsafe symlink:
-        :func:`vllm_snapshot.store.layout.check_parents`), with what to do; None when safe or
-        absent."""
+    def root_problem(self, root: Path) -> SnapshotError | None:
+        """The EnvironmentProblem for which create and restore would refuse snapshots under
+        ``root`` (it or a directory above it writable by group/others, owned by another user, an
+        unsafe symlink: :func:`vllm_snapshot.store.layout.check_parents`), its hint saying what to
+        do; None when safe or absent."""
 
     def disk_room(self, target: Path, model_dir: Path) -> tuple[tuple[str, int] | None, int]:
         """(``(path, raw image bytes)`` of the newest readable snapshot of ``model_dir`` beside
         ``target`` or None, bytes free on the filesystem that will hold ``target``)."""
 
     def delete_snapshot(self, snapshot: Path) -> None: ...
+
+    def delete_refusal(self, snapshot: Path) -> SnapshotError | None:
+        """Why ``delete_snapshot`` would refuse ``snapshot`` as not surely a snapshot (a symlink,
+        a damaged manifest: :func:`vllm_snapshot.store.store.delete_refusal`), touching nothing;
+        None when it would go on."""
 
     def weights_blocked(self, root: Path) -> list[str]:
         """Snapshot dirs under ``root`` whose unreadable manifest keeps weights files no other

@@ -8,6 +8,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Callable
 
+from ..errors import SnapshotError
 from .protocols import StoreTools
 
 
@@ -44,7 +45,7 @@ class LocalStoreTools(StoreTools):
 
         return store.without_manifest(root)
 
-    def root_problem(self, root: Path) -> str | None:
+    def root_problem(self, root: Path) -> SnapshotError | None:
         from ..errors import EnvironmentProblem
         from ..store import layout
 
@@ -53,7 +54,7 @@ class LocalStoreTools(StoreTools):
         try:
             layout.check_parents(root / "x")  # root itself is a parent of what it holds
         except EnvironmentProblem as e:
-            return e.message + (f" (fix: {e.hint})" if e.hint else "")
+            return e
         except OSError:
             return None
         return None
@@ -83,6 +84,11 @@ class LocalStoreTools(StoreTools):
 
         store.delete(snapshot)
         locks.remove_lock_file(snapshot)  # the caller holds it exclusively
+
+    def delete_refusal(self, snapshot: Path) -> SnapshotError | None:
+        from ..store import store
+
+        return store.delete_refusal(snapshot)
 
     def weights_blocked(self, root: Path) -> list[str]:
         from ..store import weights

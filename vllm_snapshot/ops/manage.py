@@ -9,9 +9,11 @@ from pathlib import Path
 
 from ..host import identity
 from ..store import layout
-from ..errors import BusyError, CorruptSnapshotError, SnapshotError, UsageError, first_lines, from_os_error
+from ..errors import (BusyError, CorruptSnapshotError, IncompatibleHostError, ModelChangedError, SnapshotError, UsageError,
+                      first_lines, from_os_error)
 from ..store.registry import Entry
-from ..report.results import Deleted, EngineRow, Engines, Listed, NotDeleted, Pruned, SnapshotRow, Stopped, StoppedRow
+from ..report.results import (Deleted, EngineRow, Engines, KeptUnusable, Listed, NotDeleted, Pruned, SnapshotRow, Stopped,
+                              StoppedRow)
 from ..effects.protocols import RuntimeTools, StoreTools
 from ..effects.tools import Tools, local_tools
 
@@ -26,33 +28,66 @@ def describe(snapshot: Path, tools: Tools | None = None) -> SnapshotRow:
     Cheap by design (a ``list`` of many snapshots stays fast): trust checks, manifest, layout
     (stat), host identity (probed once per command, not per row) and the model's stat; image
     checksums, mapped-file hashes and the port are left to ``verify``/``restore``."""
-    t = tools or local_tools()
+    return _judge(snapshot, tools or local_tools())[0]
+
+
+def lost_for_good(e: BaseException) -> bool:
+    """The one judgement of ``prune --unusable``: True when the failed check ``e`` (one of
+    :func:`describe`'s) means the snapshot can never be restored here as it is -- a host
+    identity that is not this host's (IncompatibleHostError), model or weights files whose
+    *content* differs (a ModelChangedError whose ``details["changed"]`` names files); False for
+    what an operator can fix (modes, owners, trust of the root or the snapshot, a missing or
+    unreadable model directory, model file or weights file, a file added to the model, an
+    unreadable manifest, anything else). A refusal recorded by restore/serve/verify is judged
+    by :func:`_judge`. Pure."""
+    if isinstance(e, IncompatibleHostError):
+        return True
+    if isinstance(e, ModelChangedError):
+        d = e.details if isinstance(e.details, dict) else {}
+        return bool(d.get("changed"))
+    return False
+
+
+def _judge(snapshot: Path, t: Tools) -> tuple[SnapshotRow, SnapshotError | None, bool]:
+    """:func:`describe`'s row, the error of the first fixable problem found (None: none), and
+    whether the snapshot can never be restored here as it is (:func:`lost_for_good`, or a
+    refusal a restore/serve/verify recorded; never while a fixable problem is found: it may be
+    what the refusal met). Every check runs also for a refused snapshot (a stat each)."""
     row: dict = {"name": snapshot.name, "path": str(snapshot), "last_restore": t.store.last_restore(snapshot)}
     try:
         m = t.files.open_snapshot(snapshot)
     except Exception as e:  # noqa: BLE001 - a broken snapshot is still listed, as incompatible
-        return {**row, "model": None, "key": None, "created": None, "kind": None, "sleep_level": None,
-                "raw_bytes": None, "stored_bytes": None, "weights": None, "weights_bytes": None,
-                "compatible": False, "why": first_lines(e)}
+        row.update(model=None, key=None, created=None, kind=None, sleep_level=None, raw_bytes=None, stored_bytes=None,
+                   weights=None, weights_bytes=None, compatible=False, why=first_lines(e))
+        return row, _as_error(e), False  # type: ignore[return-value]
     row.update(model=m.model.requested, created=m.created_at, kind=m.engine.kind, sleep_level=m.engine.sleep_level,
                raw_bytes=m.sizes["raw"], stored_bytes=m.sizes["stored"], key=m.key.value if m.key else None,
-               weights=m.weights.path if m.weights else None, weights_bytes=m.weights.size if m.weights else None)
-    refused = t.store.refusal(snapshot)
-    if refused is not None:  # `serve` restored it and it failed (oracle, CRIU, ...): say so
-        row.update(compatible=False, why=f"refused by {refused.get('by', 'serve')}: {refused['reason']}")
-        return row
+               weights=m.weights.path if m.weights else None, weights_bytes=m.weights.size if m.weights else None,
+               compatible=True, why="")
+    found: Exception | None = None
     try:
         hard = [d for d in identity.compare(m.host, t.host.host_identity(m.engine.kind),
                                             machine=t.files.pulled_from(snapshot) is None) if not d.overridden]
         if hard:
-            row.update(compatible=False, why="this host differs: " + "; ".join(map(str, hard)))
-            return row
+            raise IncompatibleHostError("this host differs: " + "; ".join(map(str, hard)))
         t.model.verify_model(Path(m.model.path), m.model.files, "quick")
         t.files.check_weights(m)  # by stat (re-hashed only when it changed)
-        row.update(compatible=True, why="")
     except Exception as e:  # noqa: BLE001
+        found = e
         row.update(compatible=False, why=first_lines(e))
-    return row
+    refused = t.store.refusal(snapshot)
+    if refused is not None:  # `serve` restored it and it failed (oracle, CRIU, ...): say so
+        row.update(compatible=False, why=f"refused by {refused.get('by', 'serve')}: {refused['reason']}")
+    if found is not None and not lost_for_good(found):
+        return row, _as_error(found), False  # type: ignore[return-value]
+    return row, None, found is not None or refused is not None  # type: ignore[return-value]
+
+
+def _as_error(e: BaseException) -> SnapshotError:
+    """``e`` as a SnapshotError (an OSError as :func:`~vllm_snapshot.errors.from_os_error` words it)."""
+    if isinstance(e, SnapshotError):
+        return e
+    return (from_os_error(e) if isinstance(e, OSError) else None) or SnapshotError(first_lines(e))
 
 
 def list_snapshots(root: Path, tools: Tools | None = None) -> Listed:
@@ -70,7 +105,13 @@ def list_snapshots(root: Path, tools: Tools | None = None) -> Listed:
             f"cannot be listed or restored; `vllm-snapshot inspect {shlex.quote(str(d))}` shows what is left, "
             f"`rm -r {shlex.quote(str(d))}` removes it" for d in t.store.without_manifest(Path(root))]
     return Listed(str(root), [describe(p, t) for p in t.store.list_snapshots(root)], t.host.path_exists(root),
-                  ((f"{problem}; create and restore refuse snapshots below it",) if problem else ()) + tuple(lost))
+                  ((f"{_in_words(problem)}; create and restore refuse snapshots below it",) if problem else ())
+                  + tuple(lost))
+
+
+def _in_words(e: SnapshotError) -> str:
+    """``e``'s message with its hint, on one line: ``MESSAGE (fix: HINT)``."""
+    return e.message + (f" (fix: {e.hint})" if e.hint else "")
 
 
 def _engines_of(store: StoreTools, rt: RuntimeTools, snapshot: Path, entries: list[Entry] | None = None) -> list[Entry]:
@@ -125,16 +166,29 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
     ``serve`` refused here count after the others; ties go to the last restored), or older than
     ``older_than_s`` seconds (with both: beyond the ``keep`` newest *and* older: ``--keep`` always
     keeps the newest, as restic's ``--keep-last`` with ``--keep-within`` does), and/or
-    (``unusable``) those this host cannot restore (a refusal ``serve`` recorded, host identity,
-    model files, an unreadable manifest: ``list``'s ✗); delete them unless ``dry_run``; skip
-    those with running engines. A snapshot that cannot be deleted (a mount point in it, busy,
-    read-only, denied: :func:`vllm_snapshot.store.store.delete`'s EnvironmentProblem, or such
-    an OSError) is left whole and listed in ``not_deleted`` with why; the others still go.
-    Always removes what killed commands left (temp dirs of crashed creates, staging dirs of
-    killed restores, stale lock files); without ``keep``/``older_than_s`` only that. Lists, and
-    keeps, the partial dirs interrupted pulls left for resuming (``.pull-*``: the next pull
-    removes stale ones)."""
+    (``unusable``) those that can never be restored here as they are (a refusal a restore,
+    ``serve`` or ``verify`` recorded, another host's identity, model or weights files whose
+    content changed: :func:`lost_for_good`); delete them unless ``dry_run``; skip those with
+    running engines. A ✗ of ``list`` an operator can fix (modes, owners, trust, a missing model
+    directory or weights file, an unreadable manifest, ...) is kept and listed in
+    ``kept_unusable`` with why and what to do, as is any selected directory ``delete`` would
+    refuse as not surely a snapshot (a symlink, never followed; a damaged manifest: in
+    ``delete``'s words), in a dry run as in a real one. A snapshot that cannot be deleted (a
+    mount point in it, busy, read-only, denied: :func:`vllm_snapshot.store.store.delete`'s
+    EnvironmentProblem, or such an OSError) is left whole and listed in ``not_deleted`` with
+    why; the others still go. Always removes what killed commands left (temp dirs of crashed
+    creates, staging dirs of killed restores, stale lock files); without
+    ``keep``/``older_than_s``/``unusable`` only that. Lists, and keeps, the partial dirs
+    interrupted pulls left for resuming (``.pull-*``: the next pull removes stale ones).
+
+    Raises the root's EnvironmentProblem (exit 11), deleting nothing at all, when create and
+    restore would refuse snapshots under ``root`` (writable by group/others, another owner:
+    ``StoreTools.root_problem``)."""
     t = tools or local_tools()
+    problem = t.store.root_problem(root)
+    if problem is not None:  # what lies below an unsafe root may have been swapped: touch none of it
+        raise type(problem)(f"refusing to prune {root}: {problem.message}; nothing was deleted", hint=problem.hint,
+                            details=problem.details)
     rows = []
     for p in t.store.list_snapshots(root) if (keep is not None or older_than_s is not None) else []:
         try:
@@ -143,8 +197,6 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
         except (SnapshotError, OSError, ValueError):  # unreadable snapshots are left to `delete`
             continue
     victims: set[Path] = set()
-    if unusable:
-        victims |= {p for p in t.store.list_snapshots(root) if not describe(p, t)["compatible"]}
     aged: set[Path] = {p for _, _, p in rows}
     if keep is not None:
         # kept first: those not refused here, then the newest, then the last restored (a trial:
@@ -159,8 +211,25 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
         aged &= {p for _, created, p in rows if now - created > older_than_s}
     if keep is not None or older_than_s is not None:
         victims |= aged
-    deleted, kept, failed = [], [], []
-    for p in sorted(victims):
+    held: dict[Path, SnapshotError] = {}  # ✗ only for what an operator can fix: kept, with why
+    for p in t.store.list_snapshots(root) if unusable else []:
+        if p in victims:
+            continue
+        _row, fixable, lost = _judge(p, t)
+        if fixable is not None:
+            held[p] = fixable
+        elif lost:
+            victims.add(p)
+    deleted, kept, failed, kept_unusable = [], [], [], []
+
+    def keep_for(p: Path, err: SnapshotError) -> None:
+        kept_unusable.append(KeptUnusable(path=str(p), error=err.code, message=err.message, hint=err.hint))
+
+    for p in sorted(victims | set(held)):
+        refused = t.store.delete_refusal(p)  # asked in a dry run too: both say the same
+        if refused is not None or p in held:
+            keep_for(p, refused or held[p])
+            continue
         if _engines_of(t.store, t.runtime, p):
             kept.append(str(p))
             continue
@@ -168,8 +237,8 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
             try:
                 with t.store.snapshot_lock(p, shared=False):
                     t.store.delete_snapshot(p)
-            except CorruptSnapshotError:  # not a snapshot at all (another tool's manifest.json): never removed
-                kept.append(str(p))
+            except CorruptSnapshotError as e:  # no longer surely a snapshot (changed since asked): never removed
+                keep_for(p, e)
                 continue
             except (SnapshotError, OSError) as e:  # one that cannot go (mounted, busy, read-only): the rest still go
                 err = e if isinstance(e, SnapshotError) else from_os_error(e)
@@ -183,7 +252,7 @@ def prune(root: Path, keep: int | None, older_than_s: float | None, dry_run: boo
     temps += t.runtime.forget_exited_engines(dry_run)  # what `status` said died on its own: said, now forgotten
     weights_gone = [str(p) for p in t.store.remove_unused_weights(root, dry_run=dry_run)]
     return Pruned(deleted, kept, temps, dry_run, weights_gone, t.store.weights_blocked(root), t.fleet.partial_pulls(root),
-                  failed)
+                  failed, kept_unusable)
 
 
 def status(tools: Tools | None = None) -> Engines:

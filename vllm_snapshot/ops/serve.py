@@ -267,8 +267,9 @@ def _prepare(t: Tools, req: ServeRequest, rep: Reporter, check_port: bool):
     if check_port:
         t.host.port_free(req.host, req.port)
     problem = t.store.root_problem(req.root)
-    if problem:  # a trial: its valid snapshot passed over in silence, then a cold start refused at publishing
-        raise EnvironmentProblem(f"{problem}; serve neither restores nor builds a snapshot below it")
+    if problem is not None:  # a trial: its valid snapshot passed over in silence, then a cold start refused at publishing
+        raise EnvironmentProblem(f"{problem.message}; serve neither restores nor builds a snapshot below it",
+                                 hint=problem.hint)
     with rep.phase("key", "computing the snapshot key (model digest, engine args, host)"):
         snaps = _published(t.host, t.store, t.files, req.root)
         key, files, host = compute_key(t, req, model_dir, snaps, rev is not None)

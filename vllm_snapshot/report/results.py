@@ -2,7 +2,7 @@
 into a table/lines for humans or a versioned JSON object; ``to_json()`` is the JSON body.
 
 The rows inside a result (``list``'s snapshots, ``status``'s engines, ``stop``'s engines,
-``serve``'s refused and not-matching snapshots, ``prune``'s not deleted ones and partial pulls) are TypedDicts, not dataclasses: a row *is* the
+``serve``'s refused and not-matching snapshots, ``prune``'s not deleted and kept ones and partial pulls) are TypedDicts, not dataclasses: a row *is* the
 JSON object ``--json`` prints (and an error's ``details`` carries), read by key in
 :mod:`vllm_snapshot.cli.render`, so the type costs no conversion at the JSON edge and cannot
 change a byte of the output; ``tests/test_result_shapes.py`` pins each row's keys against its
@@ -134,6 +134,19 @@ class NotDeleted(TypedDict):
     path: str
     error: str
     exit_code: int
+    message: str
+    hint: str | None
+
+
+class KeptUnusable(TypedDict):
+    """A snapshot ``prune`` selected (a ✗ of ``list`` with ``--unusable``, or by age) and kept,
+    whole: what stops it can be fixed by an operator (a mode, an owner, a missing model directory
+    or weights file, ...), or ``delete`` cannot tell it is a snapshot (a symlink, a damaged
+    manifest). ``path``, ``error`` (the error's code, e.g. ``corrupt-snapshot``), ``message``
+    (why), ``hint`` (what to do, or None)."""
+
+    path: str
+    error: str
     message: str
     hint: str | None
 
@@ -297,6 +310,9 @@ class Pruned:
     #: snapshots that could not be deleted, each left whole: ``path``, ``error`` (the error
     #: code), ``exit_code``, ``message``, ``hint``; the command exits with the first one's code
     not_deleted: list[NotDeleted] = field(default_factory=list)
+    #: snapshots selected and kept on purpose (:class:`KeptUnusable`): fixable, or not surely a
+    #: snapshot; they leave the exit code alone
+    kept_unusable: list[KeptUnusable] = field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
@@ -306,7 +322,8 @@ class Pruned:
     def to_json(self) -> dict:
         return {"deleted": self.deleted, "kept_running": self.kept_running, "temp_removed": self.temp_removed,
                 "dry_run": self.dry_run, "weights_removed": self.weights_removed, "weights_kept_for": self.weights_kept_for,
-                "partial_pulls": self.partial_pulls, "not_deleted": self.not_deleted}
+                "partial_pulls": self.partial_pulls, "not_deleted": self.not_deleted,
+                "kept_unusable": self.kept_unusable}
 
 
 @dataclass(frozen=True)

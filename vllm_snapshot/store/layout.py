@@ -260,7 +260,7 @@ def check_parents(path: Path) -> None:
     never spends minutes on a snapshot restore would refuse): a symlink among them only when
     root owns it, each owned by us or root, none writable by group/others unless sticky and
     root-owned (like /tmp). Raises EnvironmentProblem (exit 11) naming the directory: the
-    snapshot itself is intact (not exit 5, which ``prune --unusable`` would count against it);
+    snapshot itself is intact (not exit 5: nothing of its own is at fault);
     the store's directories need fixing, whichever of --root, $VLLM_SNAPSHOT_ROOT, the default
     root or a --snapshot-dir path named them."""
     uid = os.geteuid()

@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..errors import UsageError
+from ..errors import CorruptSnapshotError, UsageError
 
 from .layout import CARRIED, FILES, IMAGES, MANIFEST, OWNER_PID
 from .. import paths
@@ -293,31 +293,41 @@ def _mountinfo() -> str:
         return ""
 
 
-def delete(snapshot: Path) -> None:
-    """Remove a snapshot: first renamed to a hidden temp name (so it vanishes from listings
-    atomically), then removed. Raises CorruptSnapshotError (not a snapshot), EnvironmentProblem
-    (a mount point at or below it, a read-only filesystem, denied: nothing was deleted; a
-    failure half-way: what is left, hidden)."""
-    from ..errors import CorruptSnapshotError
-
+def delete_refusal(snapshot: Path) -> CorruptSnapshotError | None:
+    """Why :func:`delete` would refuse ``snapshot`` before touching it because it cannot tell it
+    is a snapshot (a symlink, never followed; a directory :func:`vllm_snapshot.store.layout.not_a_snapshot`
+    rejects, e.g. a manifest that is not JSON): the CorruptSnapshotError it raises, with its hint;
+    None when it is surely a snapshot. ``prune`` asks this first, so a dry run and a real run
+    say the same. Reads only the directory entries and the manifest."""
     if snapshot.is_symlink():
-        raise CorruptSnapshotError(f"{snapshot} is a symlink, not a snapshot; nothing was deleted",
-                                   hint=f"remove the link itself with `rm {snapshot}`, or delete the snapshot it names")
+        return CorruptSnapshotError(f"{snapshot} is a symlink, not a snapshot; nothing was deleted",
+                                    hint=f"remove the link itself with `rm {snapshot}`, or delete the snapshot it names")
     from .layout import not_a_snapshot
 
     why = not_a_snapshot(snapshot)
-    if why:
-        from .layout import IMAGES, MANIFEST
+    if not why:
+        return None
+    from .layout import IMAGES, MANIFEST
 
-        damaged = why.startswith(f"its {MANIFEST}") and (snapshot / IMAGES).is_dir()
-        raise CorruptSnapshotError(
-            f"{snapshot} is not a vllm-snapshot snapshot: {why}; nothing was deleted",
-            hint=(f"it looks like a snapshot whose manifest is damaged (`vllm-snapshot inspect {snapshot}` shows what "
-                  f"is left); delete removes only what is surely a snapshot: remove it with `rm -r {snapshot}`")
-            if damaged else
-            ("if it is a snapshot with files put into it by hand, move them out and run delete again; otherwise "
-             "remove the directory with rm, not vllm-snapshot") if why.startswith("it holds ") and (snapshot / IMAGES).is_dir()
-            else "check the path; remove other directories with rm, not vllm-snapshot")
+    damaged = why.startswith(f"its {MANIFEST}") and (snapshot / IMAGES).is_dir()
+    return CorruptSnapshotError(
+        f"{snapshot} is not a vllm-snapshot snapshot: {why}; nothing was deleted",
+        hint=(f"it looks like a snapshot whose manifest is damaged (`vllm-snapshot inspect {snapshot}` shows what "
+              f"is left); delete removes only what is surely a snapshot: remove it with `rm -r {snapshot}`")
+        if damaged else
+        ("if it is a snapshot with files put into it by hand, move them out and run delete again; otherwise "
+         "remove the directory with rm, not vllm-snapshot") if why.startswith("it holds ") and (snapshot / IMAGES).is_dir()
+        else "check the path; remove other directories with rm, not vllm-snapshot")
+
+
+def delete(snapshot: Path) -> None:
+    """Remove a snapshot: first renamed to a hidden temp name (so it vanishes from listings
+    atomically), then removed. Raises CorruptSnapshotError (not a snapshot: :func:`delete_refusal`),
+    EnvironmentProblem (a mount point at or below it, a read-only filesystem, denied: nothing was
+    deleted; a failure half-way: what is left, hidden)."""
+    refused = delete_refusal(snapshot)
+    if refused is not None:
+        raise refused
     mounted = mounts_within(snapshot, _mountinfo())
     if mounted:  # rmtree would empty a mounted filesystem (another one's files) before failing with EBUSY
         from ..errors import EnvironmentProblem

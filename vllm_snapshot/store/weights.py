@@ -177,33 +177,41 @@ def check(rec: WeightsFile, full: bool = False) -> str | None:
     """Why the weights file of ``rec`` cannot serve (None when it can): missing, not a regular
     file, another size, or -- when its stat changed since create, or ``full`` -- bytes whose
     BLAKE3 is not the recorded one. An unchanged stat is trusted (``quick``), as for model files."""
+    found = problem(rec, full)
+    return None if found is None else found[0]
+
+
+def problem(rec: WeightsFile, full: bool = False) -> tuple[str, bool] | None:
+    """:func:`check`'s reason, and whether it is the file's content (another size, other bytes:
+    True -- no fix here brings the recorded bytes back) rather than something an operator fixes
+    (missing, unreadable, not a regular file, its mode or owner: False); None when it can serve."""
     p = Path(rec.path)
     try:
         st = os.stat(p, follow_symlinks=False)
     except FileNotFoundError:
-        return f"the weights file {p} is missing"
+        return f"the weights file {p} is missing", False
     except OSError as e:
-        return f"the weights file {p} cannot be read: {e.strerror}"
+        return f"the weights file {p} cannot be read: {e.strerror}", False
     import stat as _stat
 
     if not _stat.S_ISREG(st.st_mode):
-        return f"the weights file {p} is not a regular file"
+        return f"the weights file {p} is not a regular file", False
     if _stat.S_IMODE(st.st_mode) != 0o600 or st.st_uid != 0:
         # CRIU re-opens a mapped file only with the mode it had at the dump ("bad mode"), and a
         # file another user owns could have been rewritten by that user
         return (f"the weights file {p} has mode {_stat.S_IMODE(st.st_mode):04o} and owner uid {st.st_uid}, not 0600 "
-                f"and root (fix: chattr -i {p}; chown root:root {p} && chmod 0600 {p}; chattr +i {p})")
+                f"and root (fix: chattr -i {p}; chown root:root {p} && chmod 0600 {p}; chattr +i {p})"), False
     if st.st_size != rec.size:
-        return f"the weights file {p} has {st.st_size} bytes, not the {rec.size} it had at create"
+        return f"the weights file {p} has {st.st_size} bytes, not the {rec.size} it had at create", True
     pinned = stat_unchanged(st, rec) or pin_matches(p, st, rec.blake3)
     if pinned and not full:
         return None
     try:
         got = hash_file(p)
     except OSError as e:
-        return f"the weights file {p} cannot be read: {e.strerror}"
+        return f"the weights file {p} cannot be read: {e.strerror}", False
     if got != rec.blake3:
-        return f"the weights file {p} changed since create (BLAKE3 {got[:12]}…, recorded {rec.blake3[:12]}…)"
+        return f"the weights file {p} changed since create (BLAKE3 {got[:12]}…, recorded {rec.blake3[:12]}…)", True
     write_pin(p, got, st)  # hashed whole and right: the next check on this node trusts this stat
     return None
 
@@ -257,13 +265,16 @@ def pin_matches(path: Path, st: os.stat_result, blake3: str) -> bool:
 
 def refuse(rec: WeightsFile, full: bool = False) -> None:
     """Raise ModelChangedError (exit 4, before CRIU) when :func:`check` finds a problem: a
-    restored engine would compute with other weights, or CRIU could not map them."""
-    why = check(rec, full)
-    if why is not None:
+    restored engine would compute with other weights, or CRIU could not map them. ``details``:
+    ``{"weights": path, "changed": [path] when its content differs (:func:`problem`), else []}``,
+    the shape of a model check's ``changed``."""
+    found = problem(rec, full)
+    if found is not None:
+        why, content = found
         raise ModelChangedError(why + "; the snapshot's engine maps its weights from that file",
                                 hint="`vllm-snapshot serve` builds a new snapshot (and weights file); or delete this "
                                      "snapshot and create it again",
-                                details={"weights": rec.path})
+                                details={"weights": rec.path, "changed": [rec.path] if content else []})
 
 
 def referenced(root: Path) -> tuple[set[str], list[str]]:

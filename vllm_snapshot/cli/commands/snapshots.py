@@ -183,13 +183,16 @@ def delete(
 def prune(
     keep: Optional[int] = typer.Option(None, "--keep", min=0, help="Keep the N newest snapshots per model."),
     older_than: Optional[str] = typer.Option(None, "--older-than", help="Delete snapshots older than this (e.g. 7d, 12h, 30m)."),
-    unusable: bool = typer.Option(False, "--unusable", help="Delete snapshots this host cannot restore (list's ✗)."),
+    unusable: bool = typer.Option(False, "--unusable", help="Delete snapshots that can never be restored here as they "
+                                  "are (list's ✗ for a recorded refusal, another host, changed model content); a ✗ "
+                                  "an operator can fix is kept and named."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only print what would be deleted."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Delete snapshots under the root (never ones with a running engine): beyond --keep N
     newest per model, --older-than a duration, and/or --unusable ones; always remove what killed commands left (temp dirs of crashed creates,
-    staging dirs of killed restores, stale lock files)."""
+    staging dirs of killed restores, stale lock files). Deletes nothing under a root create and restore refuse
+    (writable by group/others, another owner)."""
     from ... import ops
     from .. import render
 

@@ -30,13 +30,13 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import CorruptSnapshotError, IncompatibleHostError
+from ..errors import CorruptSnapshotError, IncompatibleHostError, q
 from . import partial
 
 
 def _problem_hint(path: Path) -> str:
     d = path.parent
-    return (f"make {d} a real directory this user owns and can write (`install -d -m 0700 {d}` as root, "
+    return (f"make {d} a real directory this user owns and can write (`install -d -m 0700 {q(d)}` as root, "
             f"after moving away whatever is in the way), then pull again; or pull on a node where {d} can be made")
 
 

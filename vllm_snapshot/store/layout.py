@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import paths
-from ..errors import CorruptSnapshotError, EnvironmentProblem, UsageError
+from ..errors import CorruptSnapshotError, EnvironmentProblem, UsageError, q
 
 MANIFEST = "manifest.json"
 IMAGES = "images"
@@ -93,7 +93,7 @@ def judge(path: Path) -> UsageError | CorruptSnapshotError | None:
     if not paths.lexists(path / IMAGES):
         return UsageError(f"{path} is not a snapshot (no {MANIFEST}, no {IMAGES}/)", hint=NOT_OURS_HINT)
     return CorruptSnapshotError(f"{path} is an incomplete snapshot (no {MANIFEST})",
-                                hint=f"remove the directory (`rm -r {path}`: `vllm-snapshot delete` deletes only "
+                                hint=f"remove the directory (`rm -r {q(path)}`: `vllm-snapshot delete` deletes only "
                                      "snapshots with a manifest) and create it again")
 
 
@@ -104,8 +104,8 @@ def damaged_hint(snapshot: Path) -> str:
         why = not_a_snapshot(snapshot) if paths.lexists(snapshot) else None
     except Exception:  # noqa: BLE001 - a hint never fails the error it decorates
         why = None
-    remove = (f"delete it (`vllm-snapshot delete {snapshot}`)" if why is None else
-              f"remove it (`rm -r {snapshot}`: `vllm-snapshot delete` removes only what is surely a snapshot, and "
+    remove = (f"delete it (`vllm-snapshot delete {q(snapshot)}`)" if why is None else
+              f"remove it (`rm -r {q(snapshot)}`: `vllm-snapshot delete` removes only what is surely a snapshot, and "
               f"{why})")
     return (f"its files are damaged: {remove} and re-create it "
             "(`create`; `serve` builds it again by itself), or pull it again (`vllm-snapshot pull IMAGE`)")
@@ -113,7 +113,7 @@ def damaged_hint(snapshot: Path) -> str:
 
 def missing_hint(path: Path) -> str:
     """The hint of a snapshot reference that names nothing: where to see the snapshots."""
-    return f"`vllm-snapshot --root {path.parent} list` shows the snapshots there (a name means ROOT/NAME)"
+    return f"`vllm-snapshot --root {q(path.parent)} list` shows the snapshots there (a name means ROOT/NAME)"
 
 
 def not_a_snapshot(path: Path) -> str | None:
@@ -227,7 +227,7 @@ def check_dir_safety(path: Path) -> None:
     if stat.S_IMODE(st.st_mode) & 0o077:
         raise CorruptSnapshotError(
             f"{path} has mode {stat.S_IMODE(st.st_mode):04o}; a snapshot holds process memory and must be 0700",
-            hint=f"chmod -R go-rwx {path}",
+            hint=f"chmod -R go-rwx {q(path)}",
         )
     check_parents(path)
 
@@ -251,7 +251,7 @@ def check_parent_symlinks(path: Path, stop_at_missing: bool = False) -> None:
         if stat.S_ISLNK(lst.st_mode) and lst.st_uid != 0:
             raise EnvironmentProblem(f"parent {probe} is a symlink owned by uid {lst.st_uid}; refusing to follow it "
                                      "(its owner could point it elsewhere)",
-                                     hint=f"make root own it (chown -h root {probe}) or name the real directory")
+                                     hint=f"make root own it (chown -h root {q(probe)}) or name the real directory")
 
 
 def check_parents(path: Path) -> None:
@@ -270,13 +270,13 @@ def check_parents(path: Path) -> None:
         if pst.st_uid not in (0, uid):
             raise EnvironmentProblem(f"parent directory {parent} is owned by uid {pst.st_uid}, not by root or us "
                                      f"(uid {uid}): its owner could swap the snapshots below it",
-                                     hint=f"chown root {parent}" if uid == 0 else f"chown {uid} {parent} (as root)")
+                                     hint=f"chown root {q(parent)}" if uid == 0 else f"chown {uid} {q(parent)} (as root)")
         writable = stat.S_IMODE(pst.st_mode) & 0o022
         sticky_root = pst.st_mode & stat.S_ISVTX and pst.st_uid == 0
         if writable and not sticky_root:
             raise EnvironmentProblem(f"parent directory {parent} (mode {stat.S_IMODE(pst.st_mode):04o}) is writable by "
                                      "group/others: they could swap the snapshots below it",
-                                     hint=f"chmod 0700 {parent} (or 0755 to let other users list it)")
+                                     hint=f"chmod 0700 {q(parent)} (or 0755 to let other users list it)")
 
 
 def check_file_modes(path: Path) -> None:
@@ -291,11 +291,11 @@ def check_file_modes(path: Path) -> None:
                 raise CorruptSnapshotError(f"{p} is a symlink; snapshots hold none")
             if st.st_uid != uid:
                 raise CorruptSnapshotError(f"{p} is owned by uid {st.st_uid}, not by us (uid {uid}); refusing to trust it",
-                                           hint=f"chown -R {uid} {path} if you trust its origin")
+                                           hint=f"chown -R {uid} {q(path)} if you trust its origin")
             if stat.S_IMODE(st.st_mode) & 0o077:
                 raise CorruptSnapshotError(
                     f"{p} has mode {stat.S_IMODE(st.st_mode):04o}; snapshot files must be private (0600/0700)",
-                    hint=f"chmod -R go-rwx {path}",
+                    hint=f"chmod -R go-rwx {q(path)}",
                 )
 
 

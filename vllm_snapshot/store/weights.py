@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..errors import CorruptSnapshotError, ModelChangedError, SnapshotError
+from ..errors import CorruptSnapshotError, ModelChangedError, SnapshotError, q
 from .layout import MANIFEST
 from .manifest import WeightsFile, parse
 from .model_digest import hash_file, stat_unchanged  # one BLAKE3 of a file and one stat pin, as for model files
@@ -192,7 +192,7 @@ def check(rec: WeightsFile, full: bool = False) -> str | None:
         # CRIU re-opens a mapped file only with the mode it had at the dump ("bad mode"), and a
         # file another user owns could have been rewritten by that user
         return (f"the weights file {p} has mode {_stat.S_IMODE(st.st_mode):04o} and owner uid {st.st_uid}, not 0600 "
-                f"and root (fix: chattr -i {p}; chown root:root {p} && chmod 0600 {p}; chattr +i {p})")
+                f"and root (fix: chattr -i {q(p)}; chown root:root {q(p)} && chmod 0600 {q(p)}; chattr +i {q(p)})")
     if st.st_size != rec.size:
         return f"the weights file {p} has {st.st_size} bytes, not the {rec.size} it had at create"
     pinned = stat_unchanged(st, rec) or pin_matches(p, st, rec.blake3)

@@ -178,6 +178,8 @@ def create(req: CreateRequest, rep: Reporter, tools: Tools | None = None) -> Cre
     # the engine maps its weights file from ROOT/.weights: its namespace must keep that mount
     store = (str(target.parent),) if weights_mode(req.weights, t.host.engine_device()) == "file" else ()
     t.host.check_mounts(model_dir, scrubbed_env(t.host.environ(), req.keep_env, user), also=store)
+    if store:  # a ROOT/.weights another user owns or may write is refused now, not adopted after the cold start
+        t.files.check_weights_dir(target.parent)
     inside = next((p for p in target.parents if t.host.path_exists(p / layout.MANIFEST)), None)
     if inside is not None:
         raise UsageError(f"{target} is inside the snapshot {inside}; a snapshot cannot hold another",

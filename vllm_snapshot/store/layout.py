@@ -202,6 +202,29 @@ def open_trusted(path: Path) -> SnapshotDir:
     return SnapshotDir(path)
 
 
+#: What :func:`private_dir_fault` finds wrong with a directory that holds private files.
+LINK, NOT_DIR, OWNER, MODE = "symlink", "not a directory", "owner", "mode"
+
+
+def private_dir_fault(st: os.stat_result, owner: int) -> str | None:
+    """The one judgement of a directory that holds private files -- a snapshot directory (owned by
+    this user: :func:`check_dir_safety`), the store's ``.weights`` directory (owned by root:
+    :func:`vllm_snapshot.store.weights.dir_problem`) -- from its ``lstat`` ``st``, in this order:
+    :data:`LINK` (a symlink: it could be re-pointed between the check and the use), :data:`NOT_DIR`,
+    :data:`OWNER` (``st_uid`` is not ``owner``: that user could swap or rewrite what it holds),
+    :data:`MODE` (a group or other permission bit: such a directory is 0700); None when none.
+    Pure; the caller words the refusal."""
+    if stat.S_ISLNK(st.st_mode):
+        return LINK
+    if not stat.S_ISDIR(st.st_mode):
+        return NOT_DIR
+    if st.st_uid != owner:
+        return OWNER
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        return MODE
+    return None
+
+
 def check_dir_safety(path: Path) -> None:
     """Refuse a snapshot dir we should not trust.
 
@@ -217,14 +240,15 @@ def check_dir_safety(path: Path) -> None:
         raise UsageError(f"{path} does not exist", hint=missing_hint(path)) from e
     except PermissionError as e:
         raise paths.not_allowed(path) from e
-    if stat.S_ISLNK(st.st_mode):  # a link could be re-pointed between the checks and CRIU: not followed
+    fault = private_dir_fault(st, uid)
+    if fault == LINK:  # a link could be re-pointed between the checks and CRIU: not followed
         raise UsageError(f"{path} is a symlink; snapshots are opened by their own path, not through a link",
                          hint=f"use the path it points to: {os.path.realpath(path)}")
-    if not stat.S_ISDIR(st.st_mode):
+    if fault == NOT_DIR:
         raise CorruptSnapshotError(f"{path} is not a directory")
-    if st.st_uid != uid:
+    if fault == OWNER:
         raise CorruptSnapshotError(f"{path} is owned by uid {st.st_uid}, not by us (uid {uid})")
-    if stat.S_IMODE(st.st_mode) & 0o077:
+    if fault == MODE:
         raise CorruptSnapshotError(
             f"{path} has mode {stat.S_IMODE(st.st_mode):04o}; a snapshot holds process memory and must be 0700",
             hint=f"chmod -R go-rwx {q(path)}",

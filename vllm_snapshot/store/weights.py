@@ -27,8 +27,8 @@ import threading
 import time
 from pathlib import Path
 
-from ..errors import CorruptSnapshotError, ModelChangedError, SnapshotError, q
-from .layout import MANIFEST
+from ..errors import EnvironmentProblem, ModelChangedError, SnapshotError, q
+from .layout import LINK, MANIFEST, MODE, NOT_DIR, OWNER, private_dir_fault
 from .manifest import WeightsFile, parse
 from .model_digest import hash_file, stat_unchanged  # one BLAKE3 of a file and one stat pin, as for model files
 
@@ -54,16 +54,47 @@ def path_of(root: Path, digest: str) -> Path:
     return directory(root) / f"{digest}{SUFFIX}"
 
 
+def dir_problem(d: Path) -> EnvironmentProblem | None:
+    """The refusal (exit 11, a fault of the store's directories: the snapshots themselves are
+    intact) of the weights directory ``d`` when it exists but is not what docs/weights.md
+    promises -- a real directory, root-owned, 0700 -- judged by the snapshot directories' own
+    rule (:func:`vllm_snapshot.store.layout.private_dir_fault`, owner root): its owner or anyone a
+    group/other bit lets in could replace the files (and pins) every engine restored from these
+    snapshots maps. None when it is such a directory, or missing. Reads one ``lstat``."""
+    try:
+        st = os.lstat(d)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return EnvironmentProblem(f"the weights directory {d} cannot be read: {e.strerror}")
+    fault = private_dir_fault(st, 0)
+    if fault is None:
+        return None
+    rebuild = "create makes it itself; snapshots whose weights file it held must be created again"
+    if fault in (LINK, NOT_DIR):
+        what = f"a symlink (to {os.path.realpath(d)})" if fault == LINK else "not a directory"
+        return EnvironmentProblem(f"the weights directory {d} is {what}: the snapshots' weights files are kept in "
+                                  "a real root-owned 0700 directory only",
+                                  hint=f"move it away (`mv {q(d)} {q(str(d) + '.moved')}`); {rebuild}")
+    why = (f"is owned by uid {st.st_uid}, not root" if fault == OWNER
+           else f"has mode {st.st_mode & 0o7777:04o}, not 0700")
+    return EnvironmentProblem(f"the weights directory {d} {why}: other users could replace the weights files (and "
+                              "their pins) the snapshots' engines map", details={"weights_dir": str(d)},
+                              hint=f"if you trust what is in it, `chown root:root {q(d)} && chmod 0700 {q(d)}` "
+                                   f"(each file in it is checked again); else remove it (`chattr -R -i {q(d)} && "
+                                   f"rm -r {q(d)}`): {rebuild}")
+
+
 def ensure_dir(root: Path) -> Path:
-    """Create ``root/.weights`` (0700) if missing and return it; an existing one is made 0700.
-    Raises OSError; SnapshotError when it is not a directory."""
+    """Create ``root/.weights`` (0700, root's) if missing and return it. Raises OSError;
+    EnvironmentProblem when one exists that :func:`dir_problem` refuses (it is never adopted)."""
     d = directory(root)
     try:
         d.mkdir(mode=0o700)
     except FileExistsError:
-        if not d.is_dir() or d.is_symlink():
-            raise CorruptSnapshotError(f"{d} is not a directory; it holds the snapshots' weights files",
-                                       hint=f"move it away; create makes {d} itself") from None
+        problem = dir_problem(d)
+        if problem is not None:
+            raise problem from None
     os.chmod(d, 0o700)
     return d
 
@@ -257,7 +288,12 @@ def pin_matches(path: Path, st: os.stat_result, blake3: str) -> bool:
 
 def refuse(rec: WeightsFile, full: bool = False) -> None:
     """Raise ModelChangedError (exit 4, before CRIU) when :func:`check` finds a problem: a
-    restored engine would compute with other weights, or CRIU could not map them."""
+    restored engine would compute with other weights, or CRIU could not map them; first
+    EnvironmentProblem (exit 11) when the file's directory is not a root-owned 0700 one
+    (:func:`dir_problem`): whatever it holds now is not vouched for."""
+    problem = dir_problem(Path(rec.path).parent)
+    if problem is not None:
+        raise problem
     why = check(rec, full)
     if why is not None:
         raise ModelChangedError(why + "; the snapshot's engine maps its weights from that file",

@@ -388,3 +388,26 @@ def test_a_weights_dir_that_is_not_root_owned_0700_is_refused_not_adopted(tmp_pa
         LocalSnapshotFiles().check_weights_dir(root)
     with pytest.raises(EnvironmentProblem, match="is a symlink"):
         sw.ensure_dir(root)
+
+
+def test_prune_removes_nothing_through_an_untrusted_weights_dir(tmp_path):
+    # a symlinked ROOT/.weights would point delete/prune at another directory's *.weights files
+    from vllm_snapshot.effects.store import LocalStoreTools
+
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    other = tmp_path / "other"
+    other.mkdir(mode=0o700)
+    theirs = other / ("a" * 64 + sw.SUFFIX)
+    theirs.write_bytes(b"not ours")
+    (other / f"{sw.TMP_PREFIX}999999999-x").write_bytes(b"")
+    sw.directory(root).symlink_to(other)
+    assert sw.unreferenced(root) == [] and sw.stale_temps(root) == [] and sw.blocked(root) == []
+    assert LocalStoreTools().remove_unused_weights(root) == [] and theirs.exists()
+    sw.directory(root).unlink()
+    os.rename(other, sw.directory(root))
+    d = sw.directory(root)
+    os.chown(d, 65534, 65534)  # another user's: not removed from either
+    assert sw.unreferenced(root) == [] and sw.remove_orphan_pins(root) == []
+    os.chown(d, 0, 0)
+    assert sw.unreferenced(root) == [d / theirs.name]  # root's 0700: it is the store's again

@@ -330,9 +330,10 @@ def referenced(root: Path) -> tuple[set[str], list[str]]:
 
 def unreferenced(root: Path) -> list[Path]:
     """Weights files in ``root/.weights`` no snapshot under ``root`` names (none when a manifest
-    there cannot be read: it might name any). Temp files of creates are not listed."""
+    there cannot be read: it might name any; none in a ``.weights`` :func:`dir_problem` refuses: a symlink
+    would point ``delete`` at another directory's files). Temp files of creates are not listed."""
     d = directory(root)
-    if not d.is_dir():
+    if not d.is_dir() or dir_problem(d) is not None:
         return []
     used, unreadable = referenced(root)
     if unreadable:
@@ -346,7 +347,7 @@ def blocked(root: Path) -> list[str]:
     no readable manifest names (:func:`unreferenced` lists none while such a manifest exists: it
     might name any); empty when nothing is kept that way. Never raises."""
     d = directory(root)
-    if not d.is_dir():
+    if not d.is_dir() or dir_problem(d) is not None:
         return []
     used, unreadable = referenced(root)
     if not unreadable:
@@ -371,7 +372,7 @@ def remove_orphan_pins(root: Path) -> list[Path]:
     before pins went with their file); return them. Raises OSError."""
     d = directory(root)
     gone = []
-    if d.is_dir():
+    if d.is_dir() and dir_problem(d) is None:
         for pin in d.iterdir():
             if (pin.name.endswith(SUFFIX + PIN_SUFFIX) and not pin.name.startswith(".")
                     and not pin.with_name(pin.name[:-len(PIN_SUFFIX)]).exists()):
@@ -395,7 +396,7 @@ def stale_temps(root: Path, older_than_s: float = 24 * 3600, now: float | None =
     """Temp files of creates in ``root/.weights`` (``.incoming-PID-...``) whose create is gone
     (the PID does not exist) or that are older than ``older_than_s`` seconds."""
     d = directory(root)
-    if not d.is_dir():
+    if not d.is_dir() or dir_problem(d) is not None:
         return []
     now = time.time() if now is None else now
     out = []

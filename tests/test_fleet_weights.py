@@ -343,3 +343,15 @@ def fleet_verify(snap: Path):
     from vllm_snapshot import ops
 
     return ops.verify(snap, tools=Tools())
+
+
+def test_a_weights_dir_others_may_enter_refuses_the_pull_before_any_blob(source, tmp_path):
+    rec = source["rec"]
+    _away(rec, tmp_path)
+    d = Path(rec.path).parent
+    d.mkdir(mode=0o700)
+    os.chmod(d, 0o777)  # what a restore would refuse (store/weights.py dir_problem): refused first
+    root_b = _root_b(tmp_path)
+    with pytest.raises(IncompatibleHostError, match=f"{d} has mode 0777, not 0700"):
+        fleet.pull(fleet.PullRequest(image=source["image"], root=root_b), Reporter(), Tools(NODE_B))
+    assert CountingLayout.gets == [] and os.listdir(root_b) == []

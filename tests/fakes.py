@@ -468,6 +468,9 @@ class FakeSnapshotFiles(_Role, SnapshotFiles):
 
             raise ModelChangedError(self.w.weights_problems[m.weights.path], details={"weights": m.weights.path})
 
+    def check_weights_dir(self, root: Path) -> None:
+        self.w._call("check_weights_dir")
+
     def check_tree_files(self, m: Manifest) -> list[str]:
         self.w._call("check_tree_files")
         return []

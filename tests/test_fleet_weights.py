@@ -313,3 +313,45 @@ def test_present_hashes_a_file_once_then_trusts_this_nodes_pin_until_its_stat_ch
     with open(final, "r+b") as f:  # same size, one byte changed: the stat (mtime, ctime) changes
         f.write(b"\x00" if data[:1] != b"\x00" else b"\x01")
     assert not fw.present(final, b3, len(data)) and len(hashed) == 3
+
+
+def test_a_weights_dir_another_user_owns_or_may_write_fails_verify_and_list(source):
+    # a trial: a /tmp/.weights made by nobody (mode 0777) was adopted; nobody then replaced the
+    # pin with garbage, and verify and list still said OK
+    from vllm_snapshot.ops import manage
+
+    snap, rec = source["snaps"]["tiny"], source["rec"]
+    d = Path(rec.path).parent
+    assert manage.describe(snap, Tools())["compatible"]
+    for owner, mode in ((65534, 0o700), (0, 0o777), (0, 0o750)):
+        os.chown(d, owner, owner)
+        os.chmod(d, mode)
+        try:
+            sw.pin_path(Path(rec.path)).write_text("garbage")
+            row = manage.describe(snap, Tools())
+            assert not row["compatible"] and f"the weights directory {d}" in row["why"], row
+            with pytest.raises(EnvironmentProblem, match="weights directory") as ei:
+                fleet_verify(snap)
+            assert ei.value.exit_code == 11 and f"chmod 0700 {d}" in ei.value.hint
+        finally:
+            os.chown(d, 0, 0)
+            os.chmod(d, 0o700)
+    assert manage.describe(snap, Tools())["compatible"]  # put right, it is trusted again
+
+
+def fleet_verify(snap: Path):
+    from vllm_snapshot import ops
+
+    return ops.verify(snap, tools=Tools())
+
+
+def test_a_weights_dir_others_may_enter_refuses_the_pull_before_any_blob(source, tmp_path):
+    rec = source["rec"]
+    _away(rec, tmp_path)
+    d = Path(rec.path).parent
+    d.mkdir(mode=0o700)
+    os.chmod(d, 0o777)  # what a restore would refuse (store/weights.py dir_problem): refused first
+    root_b = _root_b(tmp_path)
+    with pytest.raises(IncompatibleHostError, match=f"{d} has mode 0777, not 0700"):
+        fleet.pull(fleet.PullRequest(image=source["image"], root=root_b), Reporter(), Tools(NODE_B))
+    assert CountingLayout.gets == [] and os.listdir(root_b) == []

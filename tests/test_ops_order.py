@@ -1078,3 +1078,17 @@ def test_a_passing_verify_clears_a_refusal_it_rechecked_and_keeps_one_it_cannot(
     t.tools.store.record_refusal(SNAP, "oracle-mismatch", "the restored engine answered another token")
     assert ops.verify(SNAP, tools=t.tools).cleared is None
     assert ops.describe(SNAP, t.tools)["why"] == "refused by serve: the restored engine answered another token"
+
+
+def test_create_refuses_an_untrusted_weights_dir_before_the_engine_starts():
+    # a trial: a symlinked ROOT/.weights was refused only once the engine (15 s) handed its weights
+    # over, as a corrupt snapshot (exit 5); one owned by another user was adopted
+    from vllm_snapshot.errors import EnvironmentProblem
+
+    t = FakeWorld(fail={"check_weights_dir": EnvironmentProblem("the weights directory /snaps/.weights is a symlink")})
+    with pytest.raises(EnvironmentProblem, match="weights directory"):
+        _create(t)
+    assert "launch_engine" not in t.calls and "prepare_target" not in t.calls
+    t = FakeWorld()
+    _create(t, weights="in-image")  # no weights file: the directory is not used, nor judged
+    assert "check_weights_dir" not in t.calls

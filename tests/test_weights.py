@@ -15,6 +15,7 @@ import pytest
 from vllm_snapshot.engine import weights as ew
 from vllm_snapshot.errors import ModelChangedError
 from vllm_snapshot.store import weights as sw
+from vllm_snapshot.store import weights_channel
 
 from helpers import make_manifest, write_snapshot_dir
 
@@ -312,10 +313,10 @@ def test_unreferenced_counts_from_the_manifests(tmp_path):
 ])
 def test_the_table_a_worker_sends_is_checked(msg, why):
     if why is None:
-        assert sw.check_table(msg) == 8192
+        assert weights_channel.check_table(msg) == 8192
     else:
         with pytest.raises(ValueError, match=why):
-            sw.check_table(msg)
+            weights_channel.check_table(msg)
 
 
 def test_stale_temps_are_those_of_gone_creates_or_old(tmp_path):
@@ -350,3 +351,64 @@ def test_prune_says_which_unreadable_manifest_keeps_unused_weights_files(tmp_pat
     assert cli.main(["--root", str(root), "prune", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["weights_kept_for"] == [str(root / "s1")]
     sw.unprotect(a)
+
+
+def test_a_weights_dir_that_is_not_root_owned_0700_is_refused_not_adopted(tmp_path):
+    # a trial: `runuser -u nobody -- mkdir -m 0777 /tmp/.weights` before a create beside /tmp:
+    # the create adopted it (chmod 0700, still nobody's), who could then replace its files
+    import shlex
+
+    from vllm_snapshot.effects.files import LocalSnapshotFiles
+    from vllm_snapshot.errors import EnvironmentProblem
+
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    d = sw.directory(root)
+    d.mkdir(mode=0o777)
+    os.chmod(d, 0o777)
+    os.chown(d, 65534, 65534)
+    for refuse in (sw.ensure_dir, LocalSnapshotFiles().check_weights_dir):
+        with pytest.raises(EnvironmentProblem, match=f"the weights directory {d} is owned by uid 65534") as ei:
+            refuse(root)
+        assert ei.value.exit_code == 11
+        assert shlex.split(ei.value.hint.split("`")[1]) == ["chown", "root:root", str(d), "&&", "chmod", "0700", str(d)]
+    st = d.stat()
+    assert (st.st_uid, st.st_mode & 0o777) == (65534, 0o777)  # nothing adopted
+    os.chown(d, 0, 0)
+    with pytest.raises(EnvironmentProblem, match="has mode 0777, not 0700"):
+        sw.ensure_dir(root)
+    os.chmod(d, 0o700)
+    assert sw.ensure_dir(root) == d and sw.dir_problem(d) is None
+    os.rmdir(d)
+    assert sw.dir_problem(d) is None and sw.ensure_dir(root) == d  # missing: made root's 0700
+    assert d.stat().st_mode & 0o777 == 0o700
+    os.rmdir(d)
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    d.symlink_to(tmp_path / "elsewhere")  # a link is not followed, even to a good directory
+    with pytest.raises(EnvironmentProblem, match="is a symlink"):
+        LocalSnapshotFiles().check_weights_dir(root)
+    with pytest.raises(EnvironmentProblem, match="is a symlink"):
+        sw.ensure_dir(root)
+
+
+def test_prune_removes_nothing_through_an_untrusted_weights_dir(tmp_path):
+    # a symlinked ROOT/.weights would point delete/prune at another directory's *.weights files
+    from vllm_snapshot.effects.store import LocalStoreTools
+
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    other = tmp_path / "other"
+    other.mkdir(mode=0o700)
+    theirs = other / ("a" * 64 + sw.SUFFIX)
+    theirs.write_bytes(b"not ours")
+    (other / f"{sw.TMP_PREFIX}999999999-x").write_bytes(b"")
+    sw.directory(root).symlink_to(other)
+    assert sw.unreferenced(root) == [] and sw.stale_temps(root) == [] and sw.blocked(root) == []
+    assert LocalStoreTools().remove_unused_weights(root) == [] and theirs.exists()
+    sw.directory(root).unlink()
+    os.rename(other, sw.directory(root))
+    d = sw.directory(root)
+    os.chown(d, 65534, 65534)  # another user's: not removed from either
+    assert sw.unreferenced(root) == [] and sw.remove_orphan_pins(root) == []
+    os.chown(d, 0, 0)
+    assert sw.unreferenced(root) == [d / theirs.name]  # root's 0700: it is the store's again

@@ -30,6 +30,17 @@ exit code                     meaning
 from __future__ import annotations
 
 import errno as _errno
+import shlex as _shlex
+
+
+def q(word: object) -> str:
+    """``word`` (a path, a user name, an image reference: anything ``str`` takes) as one shell
+    word, for every command a message or hint tells an operator to paste (``rm -r``, ``chmod``,
+    ``setfacl``, ``umount``, ``vllm-snapshot ...``): :func:`shlex.quote`, which leaves an ordinary
+    path (letters, digits and ``@%+=:,./-_``) unchanged and single-quotes any other --
+    ``/srv/my snaps`` -> ``'/srv/my snaps'``, so a pasted ``rm -r`` removes that directory, not
+    ``/srv/my`` and ``./snaps``. Pure."""
+    return _shlex.quote(str(word))
 
 
 class SnapshotError(Exception):
@@ -179,7 +190,7 @@ def from_os_error(e: OSError) -> SnapshotError | None:
     if e.errno == _errno.EBUSY:
         return EnvironmentProblem(f"{path if path is not None else 'a path'} is busy{where}: a mount point, or "
                                   "in use by another process",
-                                  hint=f"unmount it (`umount {path}`) or stop what uses it (`fuser -vm {path}`), "
+                                  hint=f"unmount it (`umount {q(path)}`) or stop what uses it (`fuser -vm {q(path)}`), "
                                        "then run the command again" if path is not None else
                                   "unmount it or stop what uses it, then run the command again", details=details)
     return EnvironmentProblem(f"permission denied:{at or ' ' + (e.strerror or str(e))}{where}",

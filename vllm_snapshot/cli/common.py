@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import UsageError
+from ..errors import UsageError, q
 
 app = typer.Typer(
     name="vllm-snapshot",
@@ -104,7 +104,7 @@ def resolve(ref: str) -> Path:
     note = system_root_note()
     if note is not None:
         raise EnvironmentProblem(f"snapshot {ref!r} does not exist in your own store {root}; {note}",
-                                 hint=f"run it with sudo (sudo vllm-snapshot ... {ref})")
+                                 hint=f"run it with sudo (sudo vllm-snapshot ... {q(ref)})")
     hint = suggest.did_you_mean(ref, [p.name for p in snaps])
     raise UsageError(f"snapshot {ref!r} does not exist under {root}",
                      hint=hint or layout.missing_hint(root / ref))

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ..checkpoint import criu as criu_mod
 from .. import paths
-from ..errors import EnvironmentProblem
+from ..errors import EnvironmentProblem, q
 from .probes import (CAPS_RECOMMENDED, CAPS_REQUIRED, CRIU_CHECK_TIMEOUT_S, CRIU_FEATURES, DEFAULT_SNAPSHOT_ROOT,
                      DEV_SHM, IO_URING_SYSCTL, MIN_FREE_DEV_SHM, MIN_FREE_SNAPSHOT_ROOT, MIN_GPU_DRIVER, PROC_GPUS,
                      SUPPORTED_VLLM, Check, Probes, RealProbes, Severity, empty_cgroups)  # noqa: F401 (re-exported)
@@ -119,7 +119,7 @@ def _check_criu(p: Probes) -> tuple[list[Check], str | None]:
     rc, out = p.run([binary, "--version"], 10)
     v = criu_mod.parse_version(out)
     if rc != 0 or v is None:
-        return [Check("criu", False, "error", f"cannot read `{binary} --version`: {_last_line(out)}",
+        return [Check("criu", False, "error", f"cannot read `{q(binary)} --version`: {_last_line(out)}",
                       "reinstall CRIU (scripts/setup.sh)")], binary
     if not criu_mod.version_ok(v):
         return [Check("criu", False, "error", f"CRIU {v} at {binary} is older than 4.2 (4.1 fails on kernels >= 6.16)",
@@ -146,7 +146,7 @@ def _check_criu_kernel(p: Probes, binary: str) -> list[Check]:
         out.append(Check("criu-check", True, "error", f"`criu check`: {_last_line(text)}"))
     else:
         out.append(Check("criu-check", False, "error", f"`criu check` exited {rc}: {_last_line(text)}",
-                         f"run `{binary} check` as root and fix what it reports (kernel config, capabilities)"))
+                         f"run `{q(binary)} check` as root and fix what it reports (kernel config, capabilities)"))
     for feat, sev, why in CRIU_FEATURES:
         rc, text = p.run([binary, "check", "--feature", feat], CRIU_CHECK_TIMEOUT_S)
         name = f"criu-feature:{feat}"
@@ -221,17 +221,17 @@ def _check_snapshot_root(p: Probes, root: str) -> list[Check]:
     out = []
     if st is None:
         out.append(Check("snapshot-root", False, "warning", f"{root} does not exist (the default snapshot location)",
-                         f"install -d -m 0700 {root}"))
+                         f"install -d -m 0700 {q(root)}"))
     elif stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         out.append(Check("snapshot-root", False, "error",
                          f"{root} is {'a symlink' if stat.S_ISLNK(st.st_mode) else 'not a directory'}; "
                          "restore refuses snapshots below it", "replace it with a real directory (mode 0700)"))
     elif st.st_uid not in (0, euid):
         out.append(Check("snapshot-root", False, "error", f"{root} is owned by uid {st.st_uid}; restore refuses "
-                         "snapshots below it", f"chown root:root {root}"))
+                         "snapshots below it", f"chown root:root {q(root)}"))
     elif stat.S_IMODE(st.st_mode) & 0o022:
         out.append(Check("snapshot-root", False, "error", f"{root} has mode {stat.S_IMODE(st.st_mode):04o} "
-                         "(group/world-writable); restore refuses snapshots below it", f"chmod 0700 {root}"))
+                         "(group/world-writable); restore refuses snapshots below it", f"chmod 0700 {q(root)}"))
     elif (why := _unsafe_parent(p, root, euid)) is not None:
         out.append(Check("snapshot-root", False, "error", f"{why}; restore refuses snapshots below {root}",
                          "fix the ownership/mode of that directory"))
@@ -507,12 +507,12 @@ def _check_engine_user(p: Probes) -> list[Check]:
     probs = p.user_access(u, write=[u.home])
     out.append(Check("engine-user:home", not probs, "error",
                      "; ".join(probs) if probs else f"{u.home} is writable (vLLM's compile cache)",
-                     "" if not probs else f"install -d -o {name} -g {u.gid} -m 0700 {u.home}"))
+                     "" if not probs else f"install -d -o {q(name)} -g {u.gid} -m 0700 {q(u.home)}"))
     if p.is_dir(store):
         probs = p.user_access(u, read=[store])
         out.append(Check("engine-user:models", not probs, "warning",
                          "; ".join(probs[:3]) if probs else f"can read every model under {store}",
-                         "" if not probs else f"chmod -R a+rX {store}, or setfacl -R -m u:{name}:rX {store}"))
+                         "" if not probs else f"chmod -R a+rX {q(store)}, or setfacl -R -m u:{q(name)}:rX {q(store)}"))
     return out
 
 

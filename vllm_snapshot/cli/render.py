@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..errors import q
 from ..units import human_bytes
 
 if TYPE_CHECKING:
@@ -246,7 +247,7 @@ def partial_pull_line(p: dict) -> str:
     age = p["age_s"]
     ago = f"{age / 3600:.1f} h" if age >= 3600 else f"{age / 60:.0f} min"
     return (f"kept the partial pull {p['path']} ({human_bytes(p['bytes'])}, last written {ago} ago) for resuming: the "
-            f"same pull resumes from it; `rm -r {p['path']}` removes it (the next pull of another image into this "
+            f"same pull resumes from it; `rm -r {q(p['path'])}` removes it (the next pull of another image into this "
             "store, or any pull a day later, removes it too)")
 
 

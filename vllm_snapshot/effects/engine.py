@@ -17,10 +17,10 @@ from .handles import Engine, EngineChannel, WeightsChannel
 
 
 class LocalWeightsChannel(WeightsChannel):
-    """:class:`vllm_snapshot.store.weights.WeightsServer` whose result is the manifest's record."""
+    """:class:`vllm_snapshot.store.weights_channel.WeightsServer` whose result is the manifest's record."""
 
     def __init__(self, root_pid: int, root: Path, uid: int) -> None:
-        from ..store.weights import WeightsServer
+        from ..store.weights_channel import WeightsServer
 
         self.server = WeightsServer(root_pid, root, uid)
 

@@ -69,6 +69,13 @@ class LocalSnapshotFiles(SnapshotFiles):
         if m.weights is not None:
             weights.refuse(m.weights, full)
 
+    def check_weights_dir(self, root: Path) -> None:
+        from ..store import weights
+
+        problem = weights.dir_problem(weights.directory(root))
+        if problem is not None:
+            raise problem
+
     def check_tree_files(self, m: Manifest) -> list[str]:
         from ..checkpoint import inventory
 

@@ -46,7 +46,7 @@ class EngineChannel(Protocol):
 
 
 class WeightsChannel(Protocol):
-    """Create's end of an engine's weights channel (:class:`vllm_snapshot.store.weights.WeightsServer`)."""
+    """Create's end of an engine's weights channel (:class:`vllm_snapshot.store.weights_channel.WeightsServer`)."""
 
     def result(self) -> WeightsFile | None:
         """The weights file the engine's worker wrote and mapped (None: no worker used the

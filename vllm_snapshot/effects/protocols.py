@@ -185,6 +185,11 @@ class SnapshotFiles(Protocol):
         (:func:`vllm_snapshot.store.weights.refuse`; ``full``: re-hash it even when its stat is
         unchanged). Nothing for a snapshot without one."""
 
+    def check_weights_dir(self, root: Path) -> None:
+        """Raise EnvironmentProblem when ``root/.weights`` exists but is not a real root-owned
+        0700 directory (:func:`vllm_snapshot.store.weights.dir_problem`): create checks it before
+        the engine starts. Nothing when it is one, or missing (create makes it)."""
+
     def check_tree_files(self, m: Manifest) -> list[str]:
         """Problems with the files the tree had open or mapped (empty = unchanged), those the
         snapshot carries left out (:meth:`plan_carried` decides about them)."""

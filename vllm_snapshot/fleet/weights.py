@@ -8,7 +8,7 @@ into (docs/oci-format.md, "The weights file").
 
 * :func:`destination_problem` (before any blob): the path's directories exist as real
   directories (no symlink on the way) or can be created, and its ``.weights`` directory is this
-  user's.
+  user's and 0700 (what a restore trusts).
 * :func:`present`: a regular file at the path whose bytes hash to the recorded BLAKE3 -- then
   nothing is downloaded for the weights layers.
 * :func:`staging`: otherwise the layers are downloaded into ``DIR/.pull-BLAKE3/BLAKE3.weights`` (DIR the
@@ -30,13 +30,13 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import CorruptSnapshotError, IncompatibleHostError
+from ..errors import CorruptSnapshotError, IncompatibleHostError, q
 from . import partial
 
 
 def _problem_hint(path: Path) -> str:
     d = path.parent
-    return (f"make {d} a real directory this user owns and can write (`install -d -m 0700 {d}` as root, "
+    return (f"make {d} a real directory this user owns and can write (`install -d -m 0700 {q(d)}` as root, "
             f"after moving away whatever is in the way), then pull again; or pull on a node where {d} can be made")
 
 
@@ -44,7 +44,7 @@ def destination_problem(path: Path) -> str | None:
     """Why the weights file cannot be placed at ``path`` (absolute, ``.../.weights/NAME``) on
     this node, None when it can: a component on the way that is a symlink or not a directory,
     a missing directory whose parent this user cannot write or is read-only, a ``.weights``
-    directory of another owner or not writable. Reads only (lstat, access, statvfs)."""
+    directory of another owner, with group/other permissions, or not writable. Reads only (lstat, access, statvfs)."""
     probe = Path("/")
     for comp in path.parts[1:-1]:
         parent, probe = probe, probe / comp
@@ -66,6 +66,8 @@ def destination_problem(path: Path) -> str | None:
     st = os.lstat(d)
     if st.st_uid != os.geteuid():
         return f"{d} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
+    if stat.S_IMODE(st.st_mode) & 0o077:  # as the restore would refuse it (store/weights.py dir_problem)
+        return f"{d} has mode {stat.S_IMODE(st.st_mode):04o}, not 0700 (others could replace the file)"
     if not os.access(d, os.W_OK | os.X_OK) or os.statvfs(d).f_flag & os.ST_RDONLY:
         return f"{d} is not writable here"
     with contextlib.suppress(FileNotFoundError):

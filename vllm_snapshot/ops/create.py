@@ -40,7 +40,7 @@ from ..engine.args import arg_value, check_engine_args, has_flag
 from ..engine.mounts import PRIVATE as PRIVATE_MOUNTS
 from ..engine.spec import EngineSpec, RunAs
 from ..store.archive import DEFAULT_COMPRESSION, Compression
-from ..errors import CriuError, EngineError, EnvironmentProblem, OracleMismatchError, UnsnapshottableError, UsageError
+from ..errors import CriuError, EngineError, EnvironmentProblem, OracleMismatchError, UnsnapshottableError, UsageError, q
 from ..checkpoint.inventory import Inventory
 from ..report.progress import Reporter
 from ..report.results import Created
@@ -178,6 +178,8 @@ def create(req: CreateRequest, rep: Reporter, tools: Tools | None = None) -> Cre
     # the engine maps its weights file from ROOT/.weights: its namespace must keep that mount
     store = (str(target.parent),) if weights_mode(req.weights, t.host.engine_device()) == "file" else ()
     t.host.check_mounts(model_dir, scrubbed_env(t.host.environ(), req.keep_env, user), also=store)
+    if store:  # a ROOT/.weights another user owns or may write is refused now, not adopted after the cold start
+        t.files.check_weights_dir(target.parent)
     inside = next((p for p in target.parents if t.host.path_exists(p / layout.MANIFEST)), None)
     if inside is not None:
         raise UsageError(f"{target} is inside the snapshot {inside}; a snapshot cannot hold another",
@@ -226,8 +228,8 @@ def check_access(user: privilege.User, model_dir: Path, problems: dict[str, list
         raise UsageError(
             f"the engine runs as {user.name} (uid {user.uid}), which cannot read the model at {model_dir}:\n  "
             + "\n  ".join(problems["model"][:5]),
-            hint=f"make it readable to that user, e.g. `setfacl -R -m u:{user.name}:rX {model_dir}` plus "
-                 f"`setfacl -m u:{user.name}:x` on each parent directory (or chmod -R o+rX), or move the model to "
+            hint=f"make it readable to that user, e.g. `setfacl -R -m u:{q(user.name)}:rX {q(model_dir)}` plus "
+                 f"`setfacl -m u:{q(user.name)}:x` on each parent directory (or chmod -R o+rX), or move the model to "
                  "a readable place such as /var/cache/vllm-snapshot/models")
     if problems.get("code"):
         raise EnvironmentProblem(
@@ -239,7 +241,7 @@ def check_access(user: privilege.User, model_dir: Path, problems: dict[str, list
         raise EnvironmentProblem(
             f"the engine user {user.name} needs a writable HOME for vLLM's compile cache:\n  "
             + "\n  ".join(problems["home"]),
-            hint=f"run scripts/setup.sh, or: install -d -o {user.name} -g {user.gid} -m 0700 {user.home}")
+            hint=f"run scripts/setup.sh, or: install -d -o {q(user.name)} -g {user.gid} -m 0700 {q(user.home)}")
 
 
 def engine_user_record(user: privilege.User) -> manifest.EngineUser:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import (CorruptSnapshotError, EnvironmentProblem, IncompatibleHostError, ModelChangedError, UsageError,
-                      Interrupted, from_os_error)
+                      Interrupted, from_os_error, q)
 from .. import units
 from ..fleet import oci, partial, reference, sign, transfer
 from ..fleet.transport import Net, NotFound, Target
@@ -186,7 +186,7 @@ def compatibility(f: oci.Facts, t: Tools, where: str) -> None:
         raise ModelChangedError(f"{where} needs other model bytes at {path} than this node holds there "
                                 "(nothing was downloaded)",
                                 hint=f"put the model the snapshot was made from at {path} (`vllm-snapshot inspect "
-                                     f"{where}` shows its digest), then pull again")
+                                     f"{q(where)}` shows its digest), then pull again")
     if f.weights_path is not None:
         wp = Path(f.weights_path)
         why = t.fleet.weights_problem(wp)
@@ -233,7 +233,7 @@ def _taken(dest: Path, name: str, ref: reference.Ref, digest: str, t: Tools) -> 
         rec = t.files.pulled_from(dest)
     except SnapshotError:
         rec = None
-    ways = f"pull it under another name (--name NAME), or delete {name} (`vllm-snapshot delete {name}`) and pull again"
+    ways = f"pull it under another name (--name NAME), or delete {name} (`vllm-snapshot delete {q(name)}`) and pull again"
     if rec is not None and rec.get("digest") == digest:
         why = (t.store.refusal(dest) or {}).get("reason", "see `vllm-snapshot list`")
         return UsageError(f"{dest} holds this artifact ({digest}) but a restore refused it ({why}); nothing was "
@@ -369,7 +369,7 @@ def repair_hint(ref: reference.Ref, digest: str, missing: bool, plain_http: bool
     snapshot it was pushed from, on the node that holds it."""
     image = str(ref.with_tag(ref.tag or "TAG"))
     flags = " --plain-http" if plain_http and isinstance(ref, reference.RegistryRef) else ""
-    push = f"`vllm-snapshot push SNAPSHOT {image}{flags}`"
+    push = f"`vllm-snapshot push SNAPSHOT {q(image)}{flags}`"
     if missing:
         return (f"on the node that holds the snapshot, {push} uploads the missing blob (SNAPSHOT: the snapshot it was "
                 "pushed from), then pull again")
@@ -402,7 +402,7 @@ def _explained(req: PullRequest, ref: reference.Ref, name: str, st):
         raise Interrupted(
             f"{e.message}, except the partial pull {st.path} ({units.human_bytes(size)}: the layers verified so far), "
             "kept on purpose so that the same pull resumes from it",
-            hint=f"`{resume_command(req, name)}` resumes the pull; `rm -r {st.path}` removes it (the next pull of "
+            hint=f"`{resume_command(req, name)}` resumes the pull; `rm -r {q(st.path)}` removes it (the next pull of "
                  f"another image into this store, or any pull after {partial.MAX_AGE_S / 3600:g} h, removes it too)",
             details={**(e.details if isinstance(e.details, dict) else {}), "kept": str(st.path), "kept_bytes": size}) from e
     except EnvironmentProblem as e:

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..host import identity
 from ..store import layout
 from ..errors import (BusyError, CorruptSnapshotError, IncompatibleHostError, ModelChangedError, SnapshotError, UsageError,
-                      first_lines, from_os_error)
+                      first_lines, from_os_error, q)
 from ..store.registry import Entry
 from ..report.results import (Deleted, EngineRow, Engines, KeptUnusable, Listed, NotDeleted, Pruned, SnapshotRow, Stopped,
                               StoppedRow)
@@ -98,12 +98,10 @@ def list_snapshots(root: Path, tools: Tools | None = None) -> Listed:
     t = tools or local_tools()
     if t.host.path_exists(root) and not Path(root).is_dir():
         raise UsageError(f"the snapshot root {root} is not a directory", hint="check --root / VLLM_SNAPSHOT_ROOT")
-    import shlex
-
     problem = t.store.root_problem(root)
     lost = [f"{d} holds {layout.IMAGES}/ but no {layout.MANIFEST}: a snapshot whose manifest was lost, which "
-            f"cannot be listed or restored; `vllm-snapshot inspect {shlex.quote(str(d))}` shows what is left, "
-            f"`rm -r {shlex.quote(str(d))}` removes it" for d in t.store.without_manifest(Path(root))]
+            f"cannot be listed or restored; `vllm-snapshot inspect {q(d)}` shows what is left, "
+            f"`rm -r {q(d)}` removes it" for d in t.store.without_manifest(Path(root))]
     return Listed(str(root), [describe(p, t) for p in t.store.list_snapshots(root)], t.host.path_exists(root),
                   ((f"{_in_words(problem)}; create and restore refuse snapshots below it",) if problem else ())
                   + tuple(lost))

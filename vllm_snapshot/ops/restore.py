@@ -65,6 +65,7 @@ from ..errors import (
     Interrupted,
     OracleMismatchError,
     UsageError,
+    q,
 )
 from ..store.manifest import Manifest
 from ..report.progress import Reporter
@@ -275,8 +276,8 @@ def _validate_request(t: Tools, req: RestoreRequest, snapshot: Path):
         if unreadable:
             u = m.engine.user.name
             raise UsageError(f"the engine runs as {u}, which cannot read the TLS files:\n  " + "\n  ".join(unreadable),
-                             hint=f"make them readable to {u} only, e.g. `chgrp {u} FILE && chmod 0640 FILE`, and "
-                                  f"every directory above them searchable to it (e.g. `setfacl -m u:{u}:x DIR`)")
+                             hint=f"make them readable to {u} only, e.g. `chgrp {q(u)} FILE && chmod 0640 FILE`, and "
+                                  f"every directory above them searchable to it (e.g. `setfacl -m u:{q(u)}:x DIR`)")
     short = resources.check(m.sizes["raw"], t.host.memory_offer(req.detach))
     if short:
         raise InsufficientResources(short, hint="free memory (stop other engines: vllm-snapshot status / stop), "

@@ -461,9 +461,8 @@ def _explain_switch_failure(err: SnapshotError, port: int, stopped: list[OldEngi
     err.message = f"{err.message}\nswitch: {what}"
     err.args = (err.message,)
     if stopped and serving is None:  # the port is dark: the way back, ready to paste
-        import shlex
+        from ..errors import q
 
-        back = f"vllm-snapshot restore {shlex.quote(stopped[0]['snapshot'])} --port {port} --detach"
-        err.hint = (f"to serve the old snapshot again: `{back}` (with the front-end options it had)"
-                    + (f"; {err.hint}" if err.hint else ""))
+        err.hint = (f"to serve the old snapshot again: `vllm-snapshot restore {q(stopped[0]['snapshot'])} --port {port} "
+                    "--detach` (with the front-end options it had)" + (f"; {err.hint}" if err.hint else ""))
     err.details = {"cause": err.details, "stopped": stopped, "serving": serving}

@@ -12,7 +12,7 @@ from ..checkpoint import carry, criu
 from ..host import identity, privilege
 from ..store import layout
 from ..errors import (BusyError, CorruptSnapshotError, EnvironmentProblem, IncompatibleHostError, ModelChangedError,
-                      SnapshotError, UsageError, combined)
+                      SnapshotError, UsageError, combined, q)
 from ..store.manifest import Manifest
 from ..report.results import Verified
 from ..effects.protocols import HostTools, ModelTools, SnapshotFiles
@@ -112,7 +112,7 @@ def validate_roles(host: HostTools, model: ModelTools, files: SnapshotFiles, sna
                 f"the snapshot's engine runs as {u.name} (uid {u.uid}, gid {u.gid}), which is not the same user "
                 "on this host:\n  " + "\n  ".join(who),
                 hint=f"give {u.name} uid {u.uid} and gid {u.gid} again (e.g. useradd --system --uid {u.uid} "
-                     f"--gid {u.gid} {u.name}), or re-create the snapshot on this host",
+                     f"--gid {u.gid} {q(u.name)}), or re-create the snapshot on this host",
                 details={"engine_user": who}))
     mount_problems = host.check_external_mounts(m.criu.external_mounts)
     if mount_problems:

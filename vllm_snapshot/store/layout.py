@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import paths
-from ..errors import CorruptSnapshotError, EnvironmentProblem, UsageError
+from ..errors import CorruptSnapshotError, EnvironmentProblem, UsageError, q
 
 MANIFEST = "manifest.json"
 IMAGES = "images"
@@ -93,7 +93,7 @@ def judge(path: Path) -> UsageError | CorruptSnapshotError | None:
     if not paths.lexists(path / IMAGES):
         return UsageError(f"{path} is not a snapshot (no {MANIFEST}, no {IMAGES}/)", hint=NOT_OURS_HINT)
     return CorruptSnapshotError(f"{path} is an incomplete snapshot (no {MANIFEST})",
-                                hint=f"remove the directory (`rm -r {path}`: `vllm-snapshot delete` deletes only "
+                                hint=f"remove the directory (`rm -r {q(path)}`: `vllm-snapshot delete` deletes only "
                                      "snapshots with a manifest) and create it again")
 
 
@@ -104,8 +104,8 @@ def damaged_hint(snapshot: Path) -> str:
         why = not_a_snapshot(snapshot) if paths.lexists(snapshot) else None
     except Exception:  # noqa: BLE001 - a hint never fails the error it decorates
         why = None
-    remove = (f"delete it (`vllm-snapshot delete {snapshot}`)" if why is None else
-              f"remove it (`rm -r {snapshot}`: `vllm-snapshot delete` removes only what is surely a snapshot, and "
+    remove = (f"delete it (`vllm-snapshot delete {q(snapshot)}`)" if why is None else
+              f"remove it (`rm -r {q(snapshot)}`: `vllm-snapshot delete` removes only what is surely a snapshot, and "
               f"{why})")
     return (f"its files are damaged: {remove} and re-create it "
             "(`create`; `serve` builds it again by itself), or pull it again (`vllm-snapshot pull IMAGE`)")
@@ -113,7 +113,7 @@ def damaged_hint(snapshot: Path) -> str:
 
 def missing_hint(path: Path) -> str:
     """The hint of a snapshot reference that names nothing: where to see the snapshots."""
-    return f"`vllm-snapshot --root {path.parent} list` shows the snapshots there (a name means ROOT/NAME)"
+    return f"`vllm-snapshot --root {q(path.parent)} list` shows the snapshots there (a name means ROOT/NAME)"
 
 
 def not_a_snapshot(path: Path) -> str | None:
@@ -202,6 +202,29 @@ def open_trusted(path: Path) -> SnapshotDir:
     return SnapshotDir(path)
 
 
+#: What :func:`private_dir_fault` finds wrong with a directory that holds private files.
+LINK, NOT_DIR, OWNER, MODE = "symlink", "not a directory", "owner", "mode"
+
+
+def private_dir_fault(st: os.stat_result, owner: int) -> str | None:
+    """The one judgement of a directory that holds private files -- a snapshot directory (owned by
+    this user: :func:`check_dir_safety`), the store's ``.weights`` directory (owned by root:
+    :func:`vllm_snapshot.store.weights.dir_problem`) -- from its ``lstat`` ``st``, in this order:
+    :data:`LINK` (a symlink: it could be re-pointed between the check and the use), :data:`NOT_DIR`,
+    :data:`OWNER` (``st_uid`` is not ``owner``: that user could swap or rewrite what it holds),
+    :data:`MODE` (a group or other permission bit: such a directory is 0700); None when none.
+    Pure; the caller words the refusal."""
+    if stat.S_ISLNK(st.st_mode):
+        return LINK
+    if not stat.S_ISDIR(st.st_mode):
+        return NOT_DIR
+    if st.st_uid != owner:
+        return OWNER
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        return MODE
+    return None
+
+
 def check_dir_safety(path: Path) -> None:
     """Refuse a snapshot dir we should not trust.
 
@@ -217,17 +240,18 @@ def check_dir_safety(path: Path) -> None:
         raise UsageError(f"{path} does not exist", hint=missing_hint(path)) from e
     except PermissionError as e:
         raise paths.not_allowed(path) from e
-    if stat.S_ISLNK(st.st_mode):  # a link could be re-pointed between the checks and CRIU: not followed
+    fault = private_dir_fault(st, uid)
+    if fault == LINK:  # a link could be re-pointed between the checks and CRIU: not followed
         raise UsageError(f"{path} is a symlink; snapshots are opened by their own path, not through a link",
                          hint=f"use the path it points to: {os.path.realpath(path)}")
-    if not stat.S_ISDIR(st.st_mode):
+    if fault == NOT_DIR:
         raise CorruptSnapshotError(f"{path} is not a directory")
-    if st.st_uid != uid:
+    if fault == OWNER:
         raise CorruptSnapshotError(f"{path} is owned by uid {st.st_uid}, not by us (uid {uid})")
-    if stat.S_IMODE(st.st_mode) & 0o077:
+    if fault == MODE:
         raise CorruptSnapshotError(
             f"{path} has mode {stat.S_IMODE(st.st_mode):04o}; a snapshot holds process memory and must be 0700",
-            hint=f"chmod -R go-rwx {path}",
+            hint=f"chmod -R go-rwx {q(path)}",
         )
     check_parents(path)
 
@@ -251,7 +275,7 @@ def check_parent_symlinks(path: Path, stop_at_missing: bool = False) -> None:
         if stat.S_ISLNK(lst.st_mode) and lst.st_uid != 0:
             raise EnvironmentProblem(f"parent {probe} is a symlink owned by uid {lst.st_uid}; refusing to follow it "
                                      "(its owner could point it elsewhere)",
-                                     hint=f"make root own it (chown -h root {probe}) or name the real directory")
+                                     hint=f"make root own it (chown -h root {q(probe)}) or name the real directory")
 
 
 def check_parents(path: Path) -> None:
@@ -270,13 +294,13 @@ def check_parents(path: Path) -> None:
         if pst.st_uid not in (0, uid):
             raise EnvironmentProblem(f"parent directory {parent} is owned by uid {pst.st_uid}, not by root or us "
                                      f"(uid {uid}): its owner could swap the snapshots below it",
-                                     hint=f"chown root {parent}" if uid == 0 else f"chown {uid} {parent} (as root)")
+                                     hint=f"chown root {q(parent)}" if uid == 0 else f"chown {uid} {q(parent)} (as root)")
         writable = stat.S_IMODE(pst.st_mode) & 0o022
         sticky_root = pst.st_mode & stat.S_ISVTX and pst.st_uid == 0
         if writable and not sticky_root:
             raise EnvironmentProblem(f"parent directory {parent} (mode {stat.S_IMODE(pst.st_mode):04o}) is writable by "
                                      "group/others: they could swap the snapshots below it",
-                                     hint=f"chmod 0700 {parent} (or 0755 to let other users list it)")
+                                     hint=f"chmod 0700 {q(parent)} (or 0755 to let other users list it)")
 
 
 def check_file_modes(path: Path) -> None:
@@ -291,11 +315,11 @@ def check_file_modes(path: Path) -> None:
                 raise CorruptSnapshotError(f"{p} is a symlink; snapshots hold none")
             if st.st_uid != uid:
                 raise CorruptSnapshotError(f"{p} is owned by uid {st.st_uid}, not by us (uid {uid}); refusing to trust it",
-                                           hint=f"chown -R {uid} {path} if you trust its origin")
+                                           hint=f"chown -R {uid} {q(path)} if you trust its origin")
             if stat.S_IMODE(st.st_mode) & 0o077:
                 raise CorruptSnapshotError(
                     f"{p} has mode {stat.S_IMODE(st.st_mode):04o}; snapshot files must be private (0600/0700)",
-                    hint=f"chmod -R go-rwx {path}",
+                    hint=f"chmod -R go-rwx {q(path)}",
                 )
 
 

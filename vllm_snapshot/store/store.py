@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..errors import CorruptSnapshotError, UsageError
+from ..errors import CorruptSnapshotError, UsageError, q
 
 from .layout import CARRIED, FILES, IMAGES, MANIFEST, OWNER_PID
 from .. import paths
@@ -301,7 +301,7 @@ def delete_refusal(snapshot: Path) -> CorruptSnapshotError | None:
     say the same. Reads only the directory entries and the manifest."""
     if snapshot.is_symlink():
         return CorruptSnapshotError(f"{snapshot} is a symlink, not a snapshot; nothing was deleted",
-                                    hint=f"remove the link itself with `rm {snapshot}`, or delete the snapshot it names")
+                                    hint=f"remove the link itself with `rm {q(snapshot)}`, or delete the snapshot it names")
     from .layout import not_a_snapshot
 
     why = not_a_snapshot(snapshot)
@@ -312,8 +312,8 @@ def delete_refusal(snapshot: Path) -> CorruptSnapshotError | None:
     damaged = why.startswith(f"its {MANIFEST}") and (snapshot / IMAGES).is_dir()
     return CorruptSnapshotError(
         f"{snapshot} is not a vllm-snapshot snapshot: {why}; nothing was deleted",
-        hint=(f"it looks like a snapshot whose manifest is damaged (`vllm-snapshot inspect {snapshot}` shows what "
-              f"is left); delete removes only what is surely a snapshot: remove it with `rm -r {snapshot}`")
+        hint=(f"it looks like a snapshot whose manifest is damaged (`vllm-snapshot inspect {q(snapshot)}` shows what "
+              f"is left); delete removes only what is surely a snapshot: remove it with `rm -r {q(snapshot)}`")
         if damaged else
         ("if it is a snapshot with files put into it by hand, move them out and run delete again; otherwise "
          "remove the directory with rm, not vllm-snapshot") if why.startswith("it holds ") and (snapshot / IMAGES).is_dir()
@@ -336,7 +336,7 @@ def delete(snapshot: Path) -> None:
             f"{snapshot} is a mount point or has filesystems mounted in it ({', '.join(mounted)}); nothing was deleted "
             "(deleting would remove the files of the mounted filesystem too)",
             hint="unmount " + ("it" if len(mounted) == 1 else "them") + " (`umount "
-                 + " ".join(reversed(mounted)) + "`), then delete again", details={"mounts": mounted})
+                 + " ".join(q(m) for m in reversed(mounted)) + "`), then delete again", details={"mounts": mounted})
     tmp = snapshot.parent / f".{snapshot.name}{TMP_MARK}deleting-{os.getpid()}"
     try:
         os.rename(snapshot, tmp)
@@ -350,7 +350,7 @@ def delete(snapshot: Path) -> None:
                                      hint=f"remount {snapshot.parent} read-write, then delete again") from e
         if e.errno == errno.EBUSY:
             raise EnvironmentProblem(f"{snapshot} is busy (a mount point, or in use); nothing was deleted",
-                                     hint=f"unmount it (`umount {snapshot}`; `findmnt {snapshot}` shows the mount), "
+                                     hint=f"unmount it (`umount {q(snapshot)}`; `findmnt {q(snapshot)}` shows the mount), "
                                           "then delete again") from e
         if e.errno in (errno.EACCES, errno.EPERM):
             raise EnvironmentProblem(f"{snapshot} cannot be renamed out of {snapshot.parent} ({e.strerror}); "
@@ -367,7 +367,7 @@ def delete(snapshot: Path) -> None:
             raise
         raise EnvironmentProblem(f"{snapshot} was only partly deleted: {e.strerror} ({e.filename}); what is left is "
                                  f"{tmp}, hidden from list",
-                                 hint=f"fix that, then `rm -r {tmp}` (`vllm-snapshot prune` removes it a minute "
+                                 hint=f"fix that, then `rm -r {q(tmp)}` (`vllm-snapshot prune` removes it a minute "
                                       "from now)") from e
     forget(snapshot)
 

@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import struct
 import threading
 import time
 from pathlib import Path
 
-from ..errors import CorruptSnapshotError, ModelChangedError, SnapshotError
-from .layout import MANIFEST
+from ..errors import EnvironmentProblem, ModelChangedError, SnapshotError, q
+from .layout import LINK, MANIFEST, NOT_DIR, OWNER, private_dir_fault
 from .manifest import WeightsFile, parse
 from .model_digest import hash_file, stat_unchanged  # one BLAKE3 of a file and one stat pin, as for model files
 
@@ -54,16 +52,47 @@ def path_of(root: Path, digest: str) -> Path:
     return directory(root) / f"{digest}{SUFFIX}"
 
 
+def dir_problem(d: Path) -> EnvironmentProblem | None:
+    """The refusal (exit 11, a fault of the store's directories: the snapshots themselves are
+    intact) of the weights directory ``d`` when it exists but is not what docs/weights.md
+    promises -- a real directory, root-owned, 0700 -- judged by the snapshot directories' own
+    rule (:func:`vllm_snapshot.store.layout.private_dir_fault`, owner root): its owner or anyone a
+    group/other bit lets in could replace the files (and pins) every engine restored from these
+    snapshots maps. None when it is such a directory, or missing. Reads one ``lstat``."""
+    try:
+        st = os.lstat(d)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return EnvironmentProblem(f"the weights directory {d} cannot be read: {e.strerror}")
+    fault = private_dir_fault(st, 0)
+    if fault is None:
+        return None
+    rebuild = "create makes it itself; snapshots whose weights file it held must be created again"
+    if fault in (LINK, NOT_DIR):
+        what = f"a symlink (to {os.path.realpath(d)})" if fault == LINK else "not a directory"
+        return EnvironmentProblem(f"the weights directory {d} is {what}: the snapshots' weights files are kept in "
+                                  "a real root-owned 0700 directory only",
+                                  hint=f"move it away (`mv {q(d)} {q(str(d) + '.moved')}`); {rebuild}")
+    why = (f"is owned by uid {st.st_uid}, not root" if fault == OWNER
+           else f"has mode {st.st_mode & 0o7777:04o}, not 0700")
+    return EnvironmentProblem(f"the weights directory {d} {why}: other users could replace the weights files (and "
+                              "their pins) the snapshots' engines map", details={"weights_dir": str(d)},
+                              hint=f"if you trust what is in it, `chown root:root {q(d)} && chmod 0700 {q(d)}` "
+                                   f"(each file in it is checked again); else remove it (`chattr -R -i {q(d)} && "
+                                   f"rm -r {q(d)}`): {rebuild}")
+
+
 def ensure_dir(root: Path) -> Path:
-    """Create ``root/.weights`` (0700) if missing and return it; an existing one is made 0700.
-    Raises OSError; SnapshotError when it is not a directory."""
+    """Create ``root/.weights`` (0700, root's) if missing and return it. Raises OSError;
+    EnvironmentProblem when one exists that :func:`dir_problem` refuses (it is never adopted)."""
     d = directory(root)
     try:
         d.mkdir(mode=0o700)
     except FileExistsError:
-        if not d.is_dir() or d.is_symlink():
-            raise CorruptSnapshotError(f"{d} is not a directory; it holds the snapshots' weights files",
-                                       hint=f"move it away; create makes {d} itself") from None
+        problem = dir_problem(d)
+        if problem is not None:
+            raise problem from None
     os.chmod(d, 0o700)
     return d
 
@@ -200,7 +229,7 @@ def problem(rec: WeightsFile, full: bool = False) -> tuple[str, bool] | None:
         # CRIU re-opens a mapped file only with the mode it had at the dump ("bad mode"), and a
         # file another user owns could have been rewritten by that user
         return (f"the weights file {p} has mode {_stat.S_IMODE(st.st_mode):04o} and owner uid {st.st_uid}, not 0600 "
-                f"and root (fix: chattr -i {p}; chown root:root {p} && chmod 0600 {p}; chattr +i {p})"), False
+                f"and root (fix: chattr -i {q(p)}; chown root:root {q(p)} && chmod 0600 {q(p)}; chattr +i {q(p)})"), False
     if st.st_size != rec.size:
         return f"the weights file {p} has {st.st_size} bytes, not the {rec.size} it had at create", True
     pinned = stat_unchanged(st, rec) or pin_matches(p, st, rec.blake3)
@@ -267,7 +296,12 @@ def refuse(rec: WeightsFile, full: bool = False) -> None:
     """Raise ModelChangedError (exit 4, before CRIU) when :func:`check` finds a problem: a
     restored engine would compute with other weights, or CRIU could not map them. ``details``:
     ``{"weights": path, "changed": [path] when its content differs (:func:`problem`), else []}``,
-    the shape of a model check's ``changed``."""
+    the shape of a model check's ``changed``. First EnvironmentProblem (exit 11) when the file's
+    directory is not a root-owned 0700 one (:func:`dir_problem`): whatever it holds now is not
+    vouched for."""
+    bad_dir = dir_problem(Path(rec.path).parent)
+    if bad_dir is not None:
+        raise bad_dir
     found = problem(rec, full)
     if found is not None:
         why, content = found
@@ -305,9 +339,10 @@ def referenced(root: Path) -> tuple[set[str], list[str]]:
 
 def unreferenced(root: Path) -> list[Path]:
     """Weights files in ``root/.weights`` no snapshot under ``root`` names (none when a manifest
-    there cannot be read: it might name any). Temp files of creates are not listed."""
+    there cannot be read: it might name any; none in a ``.weights`` :func:`dir_problem` refuses: a symlink
+    would point ``delete`` at another directory's files). Temp files of creates are not listed."""
     d = directory(root)
-    if not d.is_dir():
+    if not d.is_dir() or dir_problem(d) is not None:
         return []
     used, unreadable = referenced(root)
     if unreadable:
@@ -321,7 +356,7 @@ def blocked(root: Path) -> list[str]:
     no readable manifest names (:func:`unreferenced` lists none while such a manifest exists: it
     might name any); empty when nothing is kept that way. Never raises."""
     d = directory(root)
-    if not d.is_dir():
+    if not d.is_dir() or dir_problem(d) is not None:
         return []
     used, unreadable = referenced(root)
     if not unreadable:
@@ -346,7 +381,7 @@ def remove_orphan_pins(root: Path) -> list[Path]:
     before pins went with their file); return them. Raises OSError."""
     d = directory(root)
     gone = []
-    if d.is_dir():
+    if d.is_dir() and dir_problem(d) is None:
         for pin in d.iterdir():
             if (pin.name.endswith(SUFFIX + PIN_SUFFIX) and not pin.name.startswith(".")
                     and not pin.with_name(pin.name[:-len(PIN_SUFFIX)]).exists()):
@@ -370,7 +405,7 @@ def stale_temps(root: Path, older_than_s: float = 24 * 3600, now: float | None =
     """Temp files of creates in ``root/.weights`` (``.incoming-PID-...``) whose create is gone
     (the PID does not exist) or that are older than ``older_than_s`` seconds."""
     d = directory(root)
-    if not d.is_dir():
+    if not d.is_dir() or dir_problem(d) is not None:
         return []
     now = time.time() if now is None else now
     out = []
@@ -386,186 +421,3 @@ def stale_temps(root: Path, older_than_s: float = 24 * 3600, now: float | None =
         if not alive or old:
             out.append(p)
     return sorted(out)
-
-
-# ---------------------------------------------------------------- create's side of the channel
-
-
-def _send(sock: socket.socket, obj: dict, fd: int | None = None) -> None:
-    from ..engine.weights import send_msg
-
-    send_msg(sock, obj, fd)
-
-
-def _recv(sock: socket.socket) -> tuple[dict, int | None]:
-    from ..engine.weights import recv_msg
-
-    msg, fd = recv_msg(sock)
-    if fd is not None:  # create never expects an fd from the worker
-        os.close(fd)
-    return msg, None
-
-
-def check_table(msg: dict) -> int:
-    """The size (bytes) of the weights file the worker's ``table`` message describes. Raises
-    ValueError when the table is not a sane one: entries in order, aligned, inside the size, at
-    most :data:`MAX_BYTES`. Pure."""
-    from ..engine.weights import ALIGN
-
-    if msg.get("op") != "table":
-        raise ValueError(f"expected the table, got {msg.get('op')!r}")
-    size = msg.get("size")
-    entries = msg.get("entries")
-    if type(size) is not int or not 0 <= size <= MAX_BYTES or not isinstance(entries, list):
-        raise ValueError(f"a weights file of {size!r} bytes")
-    end = 0
-    for e in entries:
-        off, n = e.get("offset"), e.get("nbytes")
-        if type(off) is not int or type(n) is not int or off % ALIGN or off < end or n <= 0 or off + n > size:
-            raise ValueError(f"a table entry out of place: {json.dumps(e)[:200]}")
-        end = off + n
-    if end != size:
-        raise ValueError(f"the table ends at {end}, the file at {size}")
-    return size
-
-
-class WeightsServer:
-    """Create's end of the weights channel of the engine tree rooted at ``root_pid``: an
-    abstract unix socket (:data:`vllm_snapshot.engine.weights.SOCKET_NAME`) in the tree's network
-    namespace, served by a daemon thread. One worker of the tree (uid ``engine_uid``) may connect
-    once: it sends its table, gets a writable fd of ``ROOT/.weights/.incoming-PID-RAND`` (0600),
-    writes, and gets a read-only fd of the published file, which it maps. :meth:`result` gives
-    what was published. Raises OSError when the socket cannot be made."""
-
-    def __init__(self, root_pid: int, root: Path, engine_uid: int) -> None:
-        from ..engine.weights import SOCKET_NAME
-        from ..host.procs import run_in_namespace
-
-        self.root = root
-        self.root_pid = root_pid
-        self.engine_uid = engine_uid
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-        self.published: tuple[Path, str, bool] | None = None
-        self.mapped: dict | None = None
-        self._tmp: Path | None = None
-        self._closed = False
-        deadline = time.monotonic() + 10.0
-        ours = os.readlink("/proc/thread-self/ns/net")
-        while os.readlink(f"/proc/{root_pid}/ns/net") == ours:  # unshare --net not done yet
-            if time.monotonic() > deadline:
-                raise OSError(f"the engine root {root_pid} is not in a network namespace of its own")
-            time.sleep(0.01)
-
-        def make() -> socket.socket:
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-            s.bind("\0" + SOCKET_NAME)
-            s.listen(1)
-            return s
-
-        self.sock = run_in_namespace(root_pid, "net", make)
-        self.sock.settimeout(0.25)
-        self._thread = threading.Thread(target=self._serve, name="weights-channel", daemon=True)
-        self._thread.start()
-
-    def _peer_ok(self, conn: socket.socket) -> str | None:
-        import psutil
-
-        pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-        if uid != self.engine_uid:
-            return f"PID {pid} (uid {uid}) connected to the weights channel, not the engine user (uid {self.engine_uid})"
-        try:
-            tree = {p.pid for p in psutil.Process(self.root_pid).children(recursive=True)}
-        except psutil.Error:
-            tree = set()
-        if pid not in tree:
-            return f"PID {pid} connected to the weights channel, not a process of the engine tree {self.root_pid}"
-        return None
-
-    def _serve(self) -> None:
-        conn = None
-        try:
-            while not self._closed:
-                try:
-                    conn, _ = self.sock.accept()
-                    break
-                except socket.timeout:
-                    continue
-                except OSError:
-                    if self._closed:  # closed before any worker came (the engine failed first)
-                        return
-                    raise
-            if conn is None:
-                return
-            conn.settimeout(900.0)
-            bad = self._peer_ok(conn)
-            if bad:
-                raise PermissionError(bad)
-            msg, _ = _recv(conn)
-            try:
-                size = check_table(msg)
-            except ValueError as e:
-                _send(conn, {"op": "refused", "error": str(e)})
-                raise
-            d = ensure_dir(self.root)
-            self._tmp = d / f"{TMP_PREFIX}{os.getpid()}-{os.urandom(6).hex()}"
-            fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            try:
-                os.ftruncate(fd, size)
-                _send(conn, {"op": "write"}, fd)
-            finally:
-                os.close(fd)
-            msg, _ = _recv(conn)
-            if msg.get("op") != "written":
-                raise ValueError(f"expected 'written', got {msg.get('op')!r}")
-            final, digest, reused = publish(self._tmp, self.root)
-            self._tmp = None
-            self.published = (final, digest, reused)
-            # opened through the engine root's /proc/PID/root: the fd's mount is then one of the
-            # tree's own mount namespace, which CRIU's dump can name (an fd of one of the host's
-            # mounts fails it: "Can't lookup mount=N")
-            rfd = os.open(f"/proc/{self.root_pid}/root{final}", os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                _send(conn, {"op": "map", "digest": digest}, rfd)
-            finally:
-                os.close(rfd)
-            msg, _ = _recv(conn)
-            if msg.get("op") != "mapped":
-                raise ValueError(f"expected 'mapped', got {msg.get('op')!r}")
-            self.mapped = msg
-        except BaseException as e:  # noqa: BLE001 - handed to the caller by result()
-            self.error = e
-            if conn is not None:
-                try:
-                    _send(conn, {"op": "refused", "error": f"{type(e).__name__}: {e}"})
-                except OSError:
-                    pass
-        finally:
-            if conn is not None:
-                conn.close()
-            if self._tmp is not None:
-                self._tmp.unlink(missing_ok=True)
-                self._tmp = None
-            self.done.set()
-
-    def result(self) -> tuple[Path, str, bool, dict] | None:
-        """(path, digest, reused, what the worker mapped) of the published weights file; None
-        when no worker used the channel. Raises SnapshotError (EngineError) naming what failed."""
-        from ..errors import EngineError
-
-        if self.error is not None:
-            e = self.error
-            if isinstance(e, SnapshotError):
-                raise e
-            raise EngineError(f"the engine's weights file could not be written: {type(e).__name__}: {e}",
-                              hint="check the free space and the permissions of the snapshot root's .weights "
-                                   "directory; or create with --weights in-image") from e
-        if self.published is None or self.mapped is None:
-            return None
-        return (*self.published, self.mapped)
-
-    def close(self) -> None:
-        """Stop listening (an unfinished exchange is ended, its temp file removed)."""
-        self._closed = True
-        self.sock.close()
-        self._thread.join(timeout=5.0)

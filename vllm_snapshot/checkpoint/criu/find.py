@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 from ... import paths
-from ...errors import EnvironmentProblem
+from ...errors import EnvironmentProblem, q
 
 #: The oldest CRIU used (4.1.1 fails on kernels >= 6.16: docs/operations.md, "Distro CRIU").
 MIN_VERSION = (4, 2)
@@ -42,7 +42,7 @@ def criu_version(binary: str) -> str:
         raise EnvironmentProblem(f"cannot run {binary}: {e}") from e
     v = parse_version(out)
     if v is None:
-        raise EnvironmentProblem(f"cannot parse `{binary} --version` output: {out!r}")
+        raise EnvironmentProblem(f"cannot parse `{q(binary)} --version` output: {out!r}")
     return v
 
 

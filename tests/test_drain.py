@@ -429,3 +429,18 @@ def test_install_drain_drains_when_its_log_line_cannot_be_written(monkeypatch):
             request.cancel()
 
     assert asyncio.run(scenario()) == (True, True)
+
+
+def test_stop_kills_a_drained_engine_at_once_only_after_polls_in_a_row_saw_it_idle(busy_server, stop_events,
+                                                                                    monkeypatch):
+    # CI: one read of /proc/net/tcp missed the connection of a request in flight; stop took the
+    # engine for drained, SIGKILLed it and the request was cut. One idle poll among busy ones
+    # is no longer enough.
+    e, _client = busy_server(hold=1.0)
+    seen = iter([(False, 0), (False, 1), (False, 0), (False, 0), (False, 1)])
+    real = registry._port_sockets
+    monkeypatch.setattr(registry, "_port_sockets", lambda procs, port: next(seen, None) or real(procs, port))
+    r = registry.stop(e, drain_s=20)
+    assert r.drained and r.cut == 0 and not r.killed
+    assert r.seconds > 0.9  # it waited for the request (held 1 s), never killed on a lone idle read
+    assert _signals(stop_events) == [signal.SIGTERM]

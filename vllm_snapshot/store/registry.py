@@ -287,6 +287,12 @@ def _port_sockets(procs: list[psutil.Process], port: int) -> tuple[bool, int] | 
     return listening, established
 
 
+#: Polls in a row that must see a draining engine with neither its listener nor a connection
+#: before ``stop`` kills it at once: /proc/net/tcp is read in pieces while the host's sockets
+#: change, and a read can miss a line -- once, in CI, a request in flight was cut so.
+IDLE_POLLS = 3
+
+
 def _client_connections(procs: list[psutil.Process], port: int) -> int:
     """Established TCP connections of the tree on its served ``port`` (requests in flight);
     0 when they cannot be counted."""
@@ -309,7 +315,8 @@ def stop(e: Entry, drain_s: float | None = None, teardown_s: float = TEARDOWN_S,
     engine's code: 0 for systemd) or to the root of a detached one. The engine then drains
     (``entrypoints/engine_root.install_drain``): it closes its listening socket at once (no new
     connection), lets requests in flight finish, and exits. A detached engine that no longer
-    listens and has no client connection left is SIGKILLed at once (vLLM's own teardown of
+    listens and has no client connection left (seen in :data:`IDLE_POLLS` polls in a row) is
+    SIGKILLed at once (vLLM's own teardown of
     EngineCore and workers takes 1-2 s and frees nothing the kernel does not free at once).
     When ``drain_s`` seconds (default: the engine's own, ``e.drain_s``) pass first, the requests still in
     flight are counted as cut and a second SIGTERM makes the engine cancel them and exit; after
@@ -331,12 +338,14 @@ def stop(e: Entry, drain_s: float | None = None, teardown_s: float = TEARDOWN_S,
     _signal(target, signal.SIGTERM)
     deadline = t0 + drain_s
     drained, cut, killed = True, 0, False
+    idle = 0  # polls in a row that saw neither the listener nor a connection
     while True:
         alive_pids = set(wait_gone(procs, poll_s))
         alive = [p for p in procs if p.pid in alive_pids]
         if not alive:
             break
-        if not foreground and _port_sockets(alive, e.port) == (False, 0):
+        idle = idle + 1 if not foreground and _port_sockets(alive, e.port) == (False, 0) else 0
+        if idle >= IDLE_POLLS:
             break  # drained: nothing left to lose
         if time.monotonic() >= deadline:
             cut = _client_connections(alive, e.port)

@@ -28,8 +28,10 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import blake3
 import zstandard
@@ -204,19 +206,49 @@ def check_layout(images_dir: Path, images: tuple[ImageFile, ...]) -> None:
             )
 
 
+def check_digest(src: Path, img: ImageFile, raw: int, hexdigest: str) -> None:
+    """The verdict on a stored file ``src``: ``raw`` bytes read with BLAKE3 ``hexdigest`` must
+    be ``img``'s. Raises CorruptSnapshotError naming the file."""
+    if raw != img.raw_bytes or hexdigest != img.blake3:
+        raise CorruptSnapshotError(f"image {src} fails its checksum (BLAKE3 of {raw} raw bytes differs)")
+
+
+class _Hashed:
+    """BLAKE3 and count of the bytes given to :meth:`update`."""
+
+    def __init__(self) -> None:
+        self.h, self.raw = blake3.blake3(), 0
+
+    def update(self, chunk) -> None:
+        self.h.update(chunk)
+        self.raw += len(chunk)
+
+
+@contextmanager
+def hashed(src: Path, img: ImageFile) -> Iterator[_Hashed]:
+    """Hash ``img``'s raw bytes, read from its stored file ``src`` in the block, into the object
+    yielded (``update(chunk)``); leaving the block is the verdict (:func:`check_digest`). A
+    damaged zstd stream or a missing file in the block is a CorruptSnapshotError naming ``src``."""
+    got = _Hashed()
+    try:
+        yield got
+    except zstandard.ZstdError as e:
+        raise CorruptSnapshotError(f"image {src} cannot be decompressed: {e}") from e
+    except FileNotFoundError as e:
+        raise CorruptSnapshotError(f"image file {src} is missing") from e
+    check_digest(src, img, got.raw, got.h.hexdigest())
+
+
 def _unpack_one(src_dir: Path, dst_dir: Path, img: ImageFile, dst_name: str | None = None) -> None:
     if img.compression == "zstd-frames":
         _unpack_frames(src_dir, dst_dir, img, dst_name)
         return
     src = src_dir / stored_name(img)
-    h = blake3.blake3()
-    raw = 0
-    try:
+    with hashed(src, img) as got:
         if img.compression == "none":
             with open(src, "rb") as f:
                 while chunk := f.read(CHUNK):
-                    h.update(chunk)
-                    raw += len(chunk)
+                    got.update(chunk)
             # CRIU does not follow symlinked images: hard-link (same filesystem; staging for
             # uncompressed snapshots is made beside the snapshot), else copy.
             try:
@@ -229,15 +261,8 @@ def _unpack_one(src_dir: Path, dst_dir: Path, img: ImageFile, dst_name: str | No
             with open(src, "rb") as f, os.fdopen(fd, "wb") as out:
                 reader = dctx.stream_reader(f, read_size=CHUNK)
                 while chunk := reader.read(CHUNK):
-                    h.update(chunk)
-                    raw += len(chunk)
+                    got.update(chunk)
                     out.write(chunk)
-    except zstandard.ZstdError as e:
-        raise CorruptSnapshotError(f"image {src} cannot be decompressed: {e}") from e
-    except FileNotFoundError as e:
-        raise CorruptSnapshotError(f"image file {src} is missing") from e
-    if raw != img.raw_bytes or h.hexdigest() != img.blake3:
-        raise CorruptSnapshotError(f"image {src} fails its checksum (BLAKE3 of {raw} raw bytes differs)")
 
 
 def _frame_jobs(src_fd: int, src: Path, img: ImageFile, dst_fd: int) -> list[tuple]:

@@ -19,7 +19,7 @@ import blake3
 import zstandard
 
 from ..errors import CorruptSnapshotError
-from .archive import CHUNK, workers, stored_name
+from .archive import CHUNK, check_digest, hashed, stored_name, workers
 from .manifest import ImageFile
 
 
@@ -72,21 +72,11 @@ def verify(src_dir: Path, images: tuple[ImageFile, ...], cancel: threading.Event
     hashing is still done before the verdict). Raises CorruptSnapshotError."""
     def one(img: ImageFile) -> None:
         src = src_dir / stored_name(img)
-        h = blake3.blake3()
-        raw = 0
-        try:
-            with open_raw(src_dir, img) as reader:
-                for chunk in _raw_chunks(reader, img.compression == "none"):
-                    if cancel is not None and cancel.is_set():
-                        raise CorruptSnapshotError(f"checksum verification of {src} cancelled")
-                    h.update(chunk)
-                    raw += len(chunk)
-        except zstandard.ZstdError as e:
-            raise CorruptSnapshotError(f"image {src} cannot be decompressed: {e}") from e
-        except FileNotFoundError as e:
-            raise CorruptSnapshotError(f"image file {src} is missing") from e
-        if raw != img.raw_bytes or h.hexdigest() != img.blake3:
-            raise CorruptSnapshotError(f"image {src} fails its checksum (BLAKE3 of {raw} raw bytes differs)")
+        with hashed(src, img) as got, open_raw(src_dir, img) as reader:
+            for chunk in _raw_chunks(reader, img.compression == "none"):
+                if cancel is not None and cancel.is_set():
+                    raise CorruptSnapshotError(f"checksum verification of {src} cancelled")
+                got.update(chunk)
 
     with ThreadPoolExecutor(workers(), initializer=_lowest_priority if background else None) as ex:
         list(ex.map(one, sorted(images, key=lambda i: -i.raw_bytes)))
@@ -232,9 +222,7 @@ class Assembling:
             if self._errors:
                 raise self._errors[0]
             for path, img in self._files.items():
-                if self._at[path] != img.raw_bytes or self._h[path].hexdigest() != img.blake3:
-                    raise CorruptSnapshotError(
-                        f"image {path} fails its checksum (BLAKE3 of {self._at[path]} raw bytes differs)")
+                check_digest(path, img, self._at[path], self._h[path].hexdigest())
             return set(self._files)
         finally:
             self.cancel()

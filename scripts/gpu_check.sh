@@ -43,7 +43,13 @@
 #     canary all run as for vLLM; then one more completion must give the recorded checksum.
 #     Its FAIL fails the verdict; the verdict does not yet rest on it (part C can go once D
 #     passed on a GPU). A budget that leaves D its time: GPU_CHECK_BUDGET_S=360 (timeout_s 480).
-#   part A (after C and D, when 60 s are left): a torch CUDA worker allocates a deterministic tensor
+#   part E (after D, when 30 s are left; not with the fake driver): the weights file's GPU half
+#     with the product's functions (scripts/gpu_check_weights.py, vllm_snapshot/engine/weights.py):
+#     a model's parameters on the GPU written into a file through bounded host copies (what a GPU
+#     create with --weights file does), emptied as a level-2 sleep leaves them, filled back from
+#     the file into the same storages (what its wake does instead of reloading the model files);
+#     same output, same data_ptrs, the GB/s of both. Its FAIL fails the verdict.
+#   part A (after C, D and E, when 60 s are left): a torch CUDA worker allocates a deterministic tensor
 #     (GPU_CHECK_MIB MiB, default 256) and prints its checksum when sent SIGUSR1. Then, via our
 #     helper, each call timed (one run = one driver attach; CRIU's freeze timeout is sized from
 #     it): get-restore-tid of a non-CUDA PID (must fail, exit 1) -> get-state running ->
@@ -488,7 +494,21 @@ partD() {
 }
 partD
 
-# part A after parts C and D: the verdict rests on C, so C gets the budget first; A (our helper alone
+# ---------------------------------------------------------------- part E: the weights file on the GPU --
+partE() {
+  [ "$FAKE" != 1 ] || return  # torch on the fake driver has no device
+  if [ "$(remaining)" -lt 30 ]; then
+    result INFO "E weights file on the GPU" "not run: $(remaining) s of the budget left (needs 30 s)"; return
+  fi
+  log "== part E: the weights file's write from the GPU and the wake's fill back into the same storages"
+  tmo 60 "$PY" -W ignore "$REPO/scripts/gpu_check_weights.py" --out "$WORK" --mib "$MIB" >"$OUT/partE.txt" 2>&1
+  local rc=$?
+  results_of "$OUT/partE.txt"
+  [ $rc -eq 0 ] || result FAIL "E weights file on the GPU" "exit $rc (see partE.txt: $(tail -n 3 "$OUT/partE.txt" | tr '\n' ' ' | tail -c 400))"
+}
+partE
+
+# part A after parts C, D and E: the verdict rests on C, so C gets the budget first; A (our helper alone
 # against the driver) tells why C failed when it did, and runs when time is left
 if [ "$FAKE" != 1 ]; then
   if [ "$(remaining)" -lt 60 ]; then

@@ -611,3 +611,21 @@ def test_the_childs_driver_calls_match_cuda_bindings_and_the_fake(child):
                         timeout=120)
     assert cp.returncode == 0, cp.stdout + cp.stderr
     assert int(cp.stdout.split()[0]) >= 15, cp.stdout  # the calls were found: reserve, create, map, ...
+
+
+def test_part_e_writes_and_fills_the_weights_file_with_the_products_functions(tmp_path):
+    # the same steps as on the GPU, on CPU tensors: the script's own logic (on the GPU its
+    # results are the device copies'); a fill that does not bring the bytes back must FAIL
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check_weights.py"), "--out", str(tmp_path),
+                          "--mib", "16", "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    assert out.returncode == 0 and len(lines) == 2, out.stdout + out.stderr
+    assert lines[0].startswith("RESULT PASS E weights file written from the device: 16 storages, 16 MiB")
+    assert lines[1].startswith("RESULT PASS E wake filled from the weights file: 16 MiB") and "same output: True" in lines[1]
+    assert list(tmp_path.iterdir()) == []  # its file removed
+    broken = tmp_path / "sitecustomize.py"  # a fill that copies nothing
+    broken.write_text("from vllm_snapshot.engine import weights as ew\new.fill_in_place = lambda m, e, fd: 0\n")
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check_weights.py"), "--out", str(tmp_path),
+                          "--mib", "16", "--device", "cpu"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"})
+    assert "RESULT FAIL E wake filled from the weights file" in out.stdout, out.stdout + out.stderr

@@ -365,6 +365,39 @@ def test_no_recheck_when_the_wake_reads_nothing_from_disk(level):
     assert "recheck_model" not in t.calls and "engine.serve" in t.calls
 
 
+def test_a_level2_wake_from_the_weights_file_rechecks_no_model_file():
+    # the wake copied the weights from the weights file (checked before CRIU, written once),
+    # not from the model directory: nothing there to re-check; the weights file's check came first
+    m = _cuda_manifest(2)
+    w = FakeWorld().weights_file.model_copy(update={"use": "wake"})
+    t = FakeWorld(manifest=m.model_copy(update={"weights": w}))
+    _restore(t)
+    c = t.calls
+    assert "recheck_model" not in c and _before(c, "check_weights", "restore_tree")
+    assert _before(c, "engine.wake", "engine.oracle") and "engine.serve" in c
+
+
+def test_a_gpu_create_with_a_weights_file_serves_the_channel_and_records_the_wake_source():
+    t = FakeWorld(kind="cuda")
+    t.device = "cuda"
+    m = _create(t, weights="file").manifest
+    assert _before(t.calls, "weights_channel", "engine.sleep") and m.weights is not None and m.weights.use == "wake"
+    auto = _cuda_world()
+    a = _create(auto).manifest
+    assert a.weights is None and "weights_channel" not in auto.calls  # auto: in-image on a GPU
+    assert a.key.parts["engine"] != m.key.parts["engine"]  # part of the key: a build with the default never reuses it
+    level1 = _cuda_world()
+    with pytest.raises(UsageError, match="source of the level-2 wake; with --sleep-level 1"):
+        _create(level1, weights="file", sleep_level=1)
+    assert "launch_engine" not in level1.calls and "prepare_target" not in level1.calls
+
+
+def _cuda_world() -> FakeWorld:
+    t = FakeWorld(kind="cuda")
+    t.device = "cuda"
+    return t
+
+
 def test_model_changed_at_the_wake_refuses_before_anything_serves():
     from vllm_snapshot.errors import ModelChangedError
 

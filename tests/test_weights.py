@@ -412,3 +412,110 @@ def test_prune_removes_nothing_through_an_untrusted_weights_dir(tmp_path):
     assert sw.unreferenced(root) == [] and sw.remove_orphan_pins(root) == []
     os.chown(d, 0, 0)
     assert sw.unreferenced(root) == [d / theirs.name]  # root's 0700: it is the store's again
+
+
+# -- a GPU engine's level-2 wake from the weights file -------------------------------------------
+
+WAKE_WORKER = r'''
+import json, os, sys, types
+import torch
+sys.path.insert(0, os.environ["TESTS_DIR"])
+from test_weights import Tiny
+from vllm_snapshot.engine import weights as ew
+
+m = Tiny()
+x = torch.randn(4, 128, generator=torch.Generator().manual_seed(1))
+want = m(x).detach()
+ptrs = {n: p.data_ptr() for n, p in m.named_parameters()}
+out = ew.hold_for_wake(m, device="cpu")
+held = os.readlink(f"/proc/self/fd/{ew._HELD['fd']}")
+with torch.no_grad():  # what a level-2 sleep leaves: every parameter's storage, not its bytes
+    for p in m.parameters():
+        p.fill_(float("nan"))
+assert torch.isnan(m(x)).all()
+# through the worker extension vLLM mixes into its worker class (self.model_runner.get_model())
+worker = type("Worker", (ew.WakeFromWeightsFile,), {})()
+worker.model_runner = types.SimpleNamespace(get_model=lambda: m)
+filled = worker.vllm_snapshot_fill_weights()
+print(json.dumps({"out": out, "held": held, "filled": filled, "same": bool(torch.equal(m(x), want)),
+                  "ptrs_kept": {n: p.data_ptr() for n, p in m.named_parameters()} == ptrs,
+                  "buffer_in_file": any("buffer:" in n for e in ew._HELD["entries"] for n in e["names"])}))
+'''
+
+
+def test_a_gpu_engines_worker_writes_its_parameters_through_the_channel_keeps_the_file_and_wakes_from_it(tmp_path):
+    # the real channel (create's WeightsServer in the tree's own network namespace, the peer
+    # checks, publish) and the worker's side of a GPU engine (MODE_WAKE) with CPU tensors: the
+    # parameters go into the file, the fd stays open (CRIU re-opens it at restore), and the
+    # wake -- called as vLLM's collective_rpc calls a worker extension's method -- fills the
+    # very storages from it. Only a GPU proves the device copies (scripts/gpu_check_weights.py).
+    import subprocess
+    import sys
+
+    from conftest import remove_tree
+
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    script = tmp_path / "worker.py"
+    script.write_text(WAKE_WORKER)
+    env = {**os.environ, "TESTS_DIR": str(Path(__file__).parent),
+           "PYTHONPATH": f"{Path(__file__).parent.parent}:{os.environ.get('PYTHONPATH', '')}"}
+    # the engine root: a shell in a network namespace of its own; the worker: its child
+    tree = subprocess.Popen(["unshare", "--net", "sh", "-c", f'{sys.executable} {script}; exit $?'],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    try:
+        server = weights_channel.WeightsServer(tree.pid, root, os.getuid())
+        try:
+            stdout, stderr = tree.communicate(timeout=120)
+            assert tree.returncode == 0, stderr[-2000:]
+            server.done.wait(10)
+            path, digest, reused, mapped = server.result()
+        finally:
+            server.close()
+        got = json.loads(stdout.strip().splitlines()[-1])
+        params = Tiny().named_parameters()
+        want_bytes = sum(p.numel() * 4 for n, p in params if n != "tied.weight")  # the tied weight once
+        assert got["out"]["digest"] == digest and path == root / ".weights" / f"{digest}.weights" and not reused
+        assert got["out"]["bytes"] == want_bytes == mapped["bytes"] and got["filled"] == want_bytes
+        assert got["held"] == str(path)  # the worker keeps the published file open: CRIU dumps the fd
+        assert got["same"] and got["ptrs_kept"] and not got["buffer_in_file"]  # vLLM saves the buffers itself
+        assert os.stat(path).st_mode & 0o777 == 0o600
+    finally:
+        if tree.poll() is None:
+            tree.kill()
+        remove_tree(root)
+
+
+def test_the_wake_refuses_a_model_whose_parameter_the_file_cannot_hold():
+    m = Tiny()
+    m.up.weight = torch.nn.Parameter(torch.randn(512, 128)[256:])  # a slice of a larger storage
+    with pytest.raises(RuntimeError, match="1 parameters cannot be restored from a weights file.*up.weight"):
+        ew.wake_plan(m, device="cpu")
+    entries, stays, _ = ew.wake_plan(Tiny(), device="cpu")
+    names = [n for e in entries for n in e["names"]]
+    assert "param:norm.weight" in names and "param:norm.bias" in names  # no size floor: all of them are discarded
+    assert not any(n.startswith("buffer:") for n in names) and stays == []
+
+
+def test_fill_held_without_a_held_file_says_so(monkeypatch):
+    monkeypatch.setattr(ew, "_HELD", {})
+    with pytest.raises(RuntimeError, match="holds no weights file"):
+        ew.fill_held(Tiny())
+
+
+def test_a_wake_fills_from_the_file_only_for_a_gpu_engine_made_with_one():
+    from vllm_snapshot.entrypoints.engine_root import wake_rpc
+
+    assert wake_rpc(True, "cuda") == ew.FILL_RPC == "vllm_snapshot_fill_weights"
+    assert wake_rpc(False, "cuda") == wake_rpc(True, "cpu") == "reload_weights"
+    assert ew.EXTENSION == f"{ew.WakeFromWeightsFile.__module__}.{ew.WakeFromWeightsFile.__qualname__}"
+    assert hasattr(ew.WakeFromWeightsFile, ew.FILL_RPC)
+
+
+@pytest.mark.parametrize("requested,device,mode", [
+    ("auto", "cpu", "file"), ("auto", "cuda", "in-image"), ("file", "cpu", "file"), ("file", "cuda", "file"),
+    ("in-image", "cpu", "in-image"), ("in-image", "cuda", "in-image")])
+def test_weights_mode(requested, device, mode):
+    from vllm_snapshot.ops.create import weights_mode
+
+    assert weights_mode(requested, device) == mode

@@ -61,10 +61,8 @@ def show(result, as_json: bool = False, quiet: bool = False) -> None:
     """Print a result: ``{"schema_version": 1, ...result.to_json()}`` with ``as_json``, else
     its human form (nothing with ``quiet``, except for commands whose output is the point)."""
     if as_json:
-        emit_json(result.to_json())
-        return
-    fn = _HUMAN.get(type(result).__name__)
-    if fn is None:  # pragma: no cover - every result type has a renderer (tested)
+        return emit_json(result.to_json())
+    if (fn := _HUMAN.get(type(result).__name__)) is None:  # pragma: no cover - every result type has one (tested)
         raise TypeError(f"no renderer for {type(result).__name__}")
     fn(result, quiet)
 
@@ -79,16 +77,20 @@ def _token_text(text: str) -> str:
     return repr(text) if text else "'' (part of a UTF-8 character)"
 
 
+_WEIGHTS_USE = {"map": "mapped from", "wake": "written to"}  # WeightsFile.use, in words
+
+
 def _created(r: R.Created, quiet: bool) -> None:
     if quiet:
         return
-    m = r.manifest
+    m, w = r.manifest, r.manifest.weights
     _line(f"snapshot {r.snapshot} created: oracle {_token_text(m.oracle.text)} (token {m.oracle.token_id}), "
           f"images {human_bytes(m.sizes['raw'])} raw, {human_bytes(m.sizes['stored'])} stored, "
           f"{sum(m.timings.values()):.1f} s")
-    if m.weights is not None:
-        _line(f"weights: {human_bytes(m.weights.mapped_bytes)} mapped from {m.weights.path} "
-              f"({m.weights.tensors} tensors; not in the images, shared with every snapshot of the same weights)")
+    if w is not None:
+        _line(f"weights: {human_bytes(w.mapped_bytes)} {_WEIGHTS_USE[w.use]} {w.path} ({w.tensors} tensors; "
+              + ("the level-2 wake copies them back from it instead of reloading the model files)" if w.use == "wake"
+                 else "not in the images, shared with every snapshot of the same weights)"))
 
 
 def _inspected(r: R.Inspected, quiet: bool) -> None:
@@ -435,9 +437,10 @@ def manifest_table(m: Manifest, path: str) -> None:
     t.add_row("compression", ", ".join(sorted({i.compression for i in m.images})) or "none")
     w = m.weights
     if w is not None:
-        t.add_row("weights", f"{human_bytes(w.mapped_bytes)} in {w.tensors} tensors mapped from {w.path} "
-                  f"[dim]({human_bytes(w.size)}, BLAKE3 {w.blake3[:16]}…; not in the images; shared by every snapshot "
-                  "of the same weights; checked before CRIU)[/]")
+        t.add_row("weights", f"{human_bytes(w.mapped_bytes)} in {w.tensors} tensors {_WEIGHTS_USE[w.use]} {w.path} "
+                  f"[dim]({human_bytes(w.size)}, BLAKE3 {w.blake3[:16]}…; "
+                  + ("the level-2 wake's source instead of the model files" if w.use == "wake" else "not in the images")
+                  + "; shared by every snapshot of the same weights; checked before CRIU)[/]")
     elif m.engine.kind == "cpu":
         t.add_row("weights", "[dim]in the images (made with --weights in-image, or before weights files)[/]")
     if m.carried is not None:
@@ -530,8 +533,7 @@ def snapshot_list(rows: list[R.SnapshotRow], root: str) -> None:
     if not rows:
         c.print(f"no snapshots under {root}")
         return
-    refused = []
-    cells = []
+    refused, cells = [], []
     for r in rows:
         if not r["compatible"]:
             refused.append((r["name"], r["why"]))
@@ -562,8 +564,8 @@ def snapshot_list(rows: list[R.SnapshotRow], root: str) -> None:
         note("here: ✓ = this host's identity and the model files fit (a stat of each model file, re-hashed when it "
              "changed); image checksums are read by `verify` and by every restore before it serves")
     if "weights" in cols and any(r.get("weights") for r in rows):
-        note("weights: the weights file the engine maps (digest prefix, size), outside the images; snapshots of the "
-             "same weights share one")
+        note("weights: the weights file the engine maps (or, on a GPU, wakes from; digest prefix, size), outside the "
+             "images; snapshots of the same weights share one")
     left_out = [col for col in _TABLE_ORDER if col not in cols]
     if left_out:
         note(f"left out at this width ({c.width} columns): {', '.join(left_out)}; a wider terminal or --json shows them")
@@ -595,5 +597,4 @@ def engine_list(rows: list[R.EngineRow]) -> None:
         c.print(f"{r['pid']}: {r['snapshot']}  cgroup {r.get('cgroup') or '?'}"
                 + (f"  log {r['log_file']}" if r.get("log_file") else "")
                 + (f"  merge-pages ({r.get('ksm_merged_pages', 0)} pages merged by KSM)" if r.get("merge_pages") else ""),
-                markup=False, highlight=False,
-                soft_wrap=True)
+                markup=False, highlight=False, soft_wrap=True)

@@ -22,6 +22,14 @@ linear layer's weight into a oneDNN (or sgl-kernel) prepacked buffer that only t
 knows and then drops the torch tensor (``dispatch_cpu_unquantized_gemm``): nothing can map those
 buffers from a file, so with a weights file the linear layers compute with
 ``torch.nn.functional.linear`` on the mapped weight instead (:func:`_keep_weights_gemm`).
+
+A GPU engine (``--weights file`` on CUDA, :data:`MODE_WAKE`) writes its parameters the same way,
+through bounded host copies, but keeps them on the device and keeps the read-only fd open
+instead of mapping it: at sleep level 2 vLLM discards the weights and the wake, instead of
+reloading and post-processing the model files (``reload_weights``), copies the file's
+post-processed bytes back into the very storages (:func:`fill_held`, called through
+:data:`FILL_RPC` on :class:`WakeFromWeightsFile`, a vLLM worker extension). CRIU re-opens the
+fd at restore, as root, for an engine user who cannot open the file by name.
 """
 
 from __future__ import annotations
@@ -35,9 +43,18 @@ import time
 
 #: The abstract unix socket name (per network namespace) create listens on.
 SOCKET_NAME = "vllm-snapshot-weights"
-#: Set (to ``1``) in the environment of vLLM's children by the engine root when create asked
-#: for a weights file: the child hook then patches vLLM's loader (:func:`install`).
+#: Set in the environment of vLLM's children by the engine root when create asked for a
+#: weights file: the child hook then patches vLLM's loader (:func:`install`); its value is the mode.
 ENV = "VLLM_SNAPSHOT_WEIGHTS"
+#: :data:`ENV` of a CPU engine: its worker computes with a private mapping of the file.
+MODE_MAP = "1"
+#: :data:`ENV` of a GPU engine: its worker keeps the file open as the source of a level-2 wake.
+MODE_WAKE = "wake"
+#: The worker method (vLLM ``collective_rpc``) a GPU engine's wake calls instead of
+#: ``reload_weights`` (:meth:`WakeFromWeightsFile.vllm_snapshot_fill_weights`).
+FILL_RPC = "vllm_snapshot_fill_weights"
+#: vLLM's ``--worker-extension-cls`` that adds :data:`FILL_RPC` to the worker.
+EXTENSION = "vllm_snapshot.engine.weights.WakeFromWeightsFile"
 #: Tensors smaller than this (bytes) stay in the process (norms, small biases).
 MIN_BYTES = 1 << 16
 #: File offsets of tensors are multiples of this (bytes): a page, and a cache-line multiple.
@@ -46,8 +63,13 @@ ALIGN = 1 << 12
 CONNECT_TIMEOUT_S = 60.0
 ANSWER_TIMEOUT_S = 900.0
 
+#: Why a tensor that is a slice of a larger storage stays out of the file.
+NOT_DENSE = "not the whole of a dense storage"
 #: The mapping of the weights file (kept alive for the life of the process).
 _MAPPED: list = []
+#: A GPU worker's wake source: ``{"fd", "entries", "digest"}`` (the fd open for the life of
+#: the process, so CRIU dumps it and re-opens the file at restore).
+_HELD: dict = {}
 
 
 def align(n: int) -> int:
@@ -97,14 +119,15 @@ def recv_msg(sock: socket.socket, max_bytes: int = 64 << 20) -> tuple[dict, int 
     return json.loads(body), (fds[0] if fds else None)
 
 
-def plan(named: list[tuple[str, object]], device: str = "cpu") -> tuple[list[dict], list[dict], list]:
+def plan(named: list[tuple[str, object]], device: str = "cpu",
+         min_bytes: int = MIN_BYTES) -> tuple[list[dict], list[dict], list]:
     """The weights file's table for ``named`` (name, tensor) pairs (parameters and buffers):
     one entry per distinct storage, in name order, each at an :data:`ALIGN`-ed offset:
     ``{"names", "offset", "nbytes", "dtype"}``; the tensors that stay in the process with the
     reason: ``{"name", "nbytes", "why"}``; and the storages (tensors), parallel to the table.
     Tied weights (one storage, two names) are written once. ``device``: the device type whose
     tensors go into the file (``cpu``: mapped in place; ``cuda``: the source of a level-2 wake,
-    :func:`fill_in_place`). Pure over the tensors."""
+    :func:`fill_in_place`). Tensors under ``min_bytes`` stay. Pure over the tensors."""
     import torch
 
     entries: list[dict] = []
@@ -119,8 +142,8 @@ def plan(named: list[tuple[str, object]], device: str = "cpu") -> tuple[list[dic
         if t.device.type != device:
             stays.append({"name": name, "nbytes": nbytes, "why": f"on {t.device.type}"})
             continue
-        if nbytes < MIN_BYTES:
-            stays.append({"name": name, "nbytes": nbytes, "why": f"under {MIN_BYTES >> 10} KiB"})
+        if nbytes < min_bytes or nbytes == 0:
+            stays.append({"name": name, "nbytes": nbytes, "why": f"under {min_bytes >> 10} KiB" if nbytes else "empty"})
             continue
         st = t.untyped_storage()
         key = st.data_ptr()
@@ -128,7 +151,7 @@ def plan(named: list[tuple[str, object]], device: str = "cpu") -> tuple[list[dic
             entries[seen[key]]["names"].append(name)
             continue
         if not t.is_contiguous() or t.storage_offset() != 0 or st.nbytes() != nbytes:
-            stays.append({"name": name, "nbytes": nbytes, "why": "not the whole of a dense storage"})
+            stays.append({"name": name, "nbytes": nbytes, "why": NOT_DENSE})
             continue
         seen[key] = len(entries)
         entries.append({"names": [name], "offset": offset, "nbytes": nbytes, "dtype": str(t.dtype)})
@@ -248,12 +271,13 @@ def _repoint(model, entries: list[dict], mm: mmap.mmap) -> tuple[int, list[str]]
     return moved, held
 
 
-def map_model(model, socket_name: str = SOCKET_NAME) -> dict:
-    """Hand the large CPU tensors of ``model`` to create and re-point them at a private mapping
-    of the published weights file. Returns ``{"digest", "tensors", "bytes", "stays"}``.
-    Raises OSError/ConnectionError (the channel), RuntimeError (create refused, or the file's
-    bytes differ from the tensors')."""
-    entries, stays, storages = plan(_named_tensors(model))
+def _hand_over(entries: list[dict], stays: list[dict], storages: list, socket_name: str, use) -> dict:
+    """The worker's side of the weights channel: connect to create's socket, send the table,
+    write the storages into the fd create gives, receive a read-only fd of the published file,
+    call ``use(rfd, size, digest)`` (which returns ``(bytes used, names that stay)``; it owns
+    ``rfd``) and report what was used. ``storages`` is emptied once written (the caller's list:
+    no reference to the loaded copies is left for :func:`_repoint`'s zeroing to count).
+    Returns ``{"digest", "tensors", "bytes", "stays", "stays_bytes"}``. Raises OSError/ConnectionError (the channel), RuntimeError (create refused, or ``use``)."""
     size = entries[-1]["offset"] + entries[-1]["nbytes"] if entries else 0
     deadline = time.monotonic() + CONNECT_TIMEOUT_S
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -282,24 +306,107 @@ def map_model(model, socket_name: str = SOCKET_NAME) -> dict:
         try:
             if os.fstat(rfd).st_size != size:
                 raise RuntimeError(f"the weights file has {os.fstat(rfd).st_size} bytes, not {size}")
-            # MAP_PRIVATE, readable and writable: a write stays in this process (copy-on-write)
-            mm = mmap.mmap(rfd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE) if size else None
-        finally:
+        except BaseException:
             os.close(rfd)
-        del storages
-        moved, held = _repoint(model, entries, mm) if mm is not None else (0, [])
-        stays += [{"name": n, "nbytes": 0, "why": "its loaded copy is still referenced elsewhere"} for n in held]
-        if mm is not None:
-            _MAPPED.append(mm)
+            raise
+        storages.clear()
+        used, held = use(rfd, size, answer.get("digest"))
+        stays = stays + [{"name": n, "nbytes": 0, "why": "its loaded copy is still referenced elsewhere"} for n in held]
         import gc
 
         gc.collect()
-        out = {"digest": answer.get("digest"), "tensors": sum(len(e["names"]) for e in entries), "bytes": moved,
+        out = {"digest": answer.get("digest"), "tensors": sum(len(e["names"]) for e in entries), "bytes": used,
                "stays": len(stays), "stays_bytes": sum(x["nbytes"] for x in stays)}
         send_msg(s, {"op": "mapped", **out})
         return out
     finally:
         s.close()
+
+
+def map_model(model, socket_name: str = SOCKET_NAME) -> dict:
+    """Hand the large CPU tensors of ``model`` to create and re-point them at a private mapping
+    of the published weights file. Returns ``{"digest", "tensors", "bytes", "stays"}``.
+    Raises OSError/ConnectionError (the channel), RuntimeError (create refused, or the file's
+    bytes differ from the tensors')."""
+    entries, stays, storages = plan(_named_tensors(model))
+
+    def use(rfd: int, size: int, digest: str | None) -> tuple[int, list[str]]:
+        try:
+            # MAP_PRIVATE, readable and writable: a write stays in this process (copy-on-write)
+            mm = mmap.mmap(rfd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE) if size else None
+        finally:
+            os.close(rfd)
+        if mm is None:
+            return 0, []
+        out = _repoint(model, entries, mm)
+        _MAPPED.append(mm)
+        return out
+
+    return _hand_over(entries, stays, storages, socket_name, use)
+
+
+def wake_plan(model, device: str = "cuda") -> tuple[list[dict], list[dict], list]:
+    """:func:`plan` for the wake of a model whose parameters live on ``device``: every
+    parameter (no size floor: at sleep level 2 all of them are discarded) -- not the buffers,
+    which vLLM saves and restores itself across a level-2 sleep (and which may change after
+    loading). Raises RuntimeError naming the parameters on ``device`` the file cannot hold (a
+    slice of a larger storage): a wake from the file would leave them undefined."""
+    named = [(f"param:{n}", p) for n, p in model.named_parameters(remove_duplicate=False)]
+    entries, stays, storages = plan(named, device=device, min_bytes=0)
+    lost = [x["name"] for x in stays if x["why"] == NOT_DENSE]
+    if lost:
+        raise RuntimeError(f"{len(lost)} parameters cannot be restored from a weights file at the wake "
+                           f"(not the whole of a dense storage): {', '.join(lost[:5])}; create with --weights in-image")
+    return entries, stays, storages
+
+
+def hold_for_wake(model, socket_name: str = SOCKET_NAME, device: str = "cuda") -> dict:
+    """Write every parameter of ``model`` on ``device`` into a weights file through create
+    (:func:`wake_plan`; device tensors through bounded host copies) and keep the file's
+    read-only fd open as the source of the level-2 wake (:func:`fill_held`); the tensors stay
+    where they are. Returns what :func:`map_model` returns (``bytes``: bytes written). Raises
+    what :func:`_hand_over` and :func:`wake_plan` raise."""
+    entries, stays, storages = wake_plan(model, device)
+
+    def use(rfd: int, size: int, digest: str | None) -> tuple[int, list[str]]:
+        old = _HELD.get("fd")
+        _HELD.update(fd=rfd, entries=entries, digest=digest)
+        if old is not None:  # a second load (not seen in vLLM): the newest model's file
+            os.close(old)
+        return sum(e["nbytes"] for e in entries), []
+
+    return _hand_over(entries, stays, storages, socket_name, use)
+
+
+def fill_held(model) -> int:
+    """The level-2 wake's weights: copy the held weights file's bytes into ``model``'s
+    parameters, in place (:func:`fill_in_place`), then wait for the device. Returns the bytes
+    copied. Raises RuntimeError when this process holds no weights file (the engine was made
+    without one) or the model is not the file's; OSError (the file)."""
+    if not _HELD:
+        raise RuntimeError("this worker holds no weights file to wake from (the snapshot was made without one)")
+    n = fill_in_place(model, _HELD["entries"], _HELD["fd"])
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return n
+
+
+class WakeFromWeightsFile:
+    """vLLM worker extension (``--worker-extension-cls``, set by the engine root of a GPU engine
+    made with a weights file): adds :data:`FILL_RPC`, which the engine root's wake calls with
+    ``collective_rpc`` after ``wake_up(tags=["weights"])`` instead of ``reload_weights``."""
+
+    def vllm_snapshot_fill_weights(self) -> int:
+        """Fill the woken weights from the held weights file (:func:`fill_held`) into the
+        model of this worker (``self.model_runner``). Returns the bytes copied; raises what
+        :func:`fill_held` raises."""
+        t0 = time.monotonic()
+        n = fill_held(self.model_runner.get_model())
+        print(f"vllm-snapshot: woke {n} bytes of weights from the weights file {_HELD.get('digest')} "
+              f"in {time.monotonic() - t0:.2f} s", flush=True)
+        return n
 
 
 def _keep_weights_gemm(original):
@@ -317,23 +424,30 @@ def _keep_weights_gemm(original):
     return dispatch
 
 
-def install() -> None:
-    """Patch vLLM in this (spawned child) process: linear layers keep their weights as tensors,
-    and every model loaded by a vLLM model loader is handed to :func:`map_model` once loaded
-    and post-processed. A failure there fails the engine's start (create reports it)."""
-    from vllm.model_executor.layers import utils
+def install(mode: str = MODE_MAP) -> None:
+    """Patch vLLM in this (spawned child) process: every model loaded by a vLLM model loader
+    is handed, once loaded and post-processed, to :func:`map_model` (``mode`` :data:`MODE_MAP`;
+    linear layers then keep their weights as tensors) or to :func:`hold_for_wake`
+    (:data:`MODE_WAKE`). A failure there fails the engine's start (create reports it). Raises
+    ValueError for another mode."""
+    if mode not in (MODE_MAP, MODE_WAKE):
+        raise ValueError(f"{ENV}={mode!r}: not a weights-file mode")
     from vllm.model_executor.model_loader import base_loader
 
-    utils.dispatch_cpu_unquantized_gemm = _keep_weights_gemm(utils.dispatch_cpu_unquantized_gemm)
     load = base_loader.BaseModelLoader.load_model
     if getattr(load, "_vllm_snapshot", False):
         return
+    if mode == MODE_MAP:
+        from vllm.model_executor.layers import utils
+
+        utils.dispatch_cpu_unquantized_gemm = _keep_weights_gemm(utils.dispatch_cpu_unquantized_gemm)
 
     def load_model(self, *args, **kwargs):
         model = load(self, *args, **kwargs)
         t0 = time.monotonic()
-        out = map_model(model)
-        print(f"vllm-snapshot: weights file {out['digest']}: {out['tensors']} tensors, {out['bytes']} bytes mapped "
+        out = map_model(model) if mode == MODE_MAP else hold_for_wake(model)
+        what = "mapped" if mode == MODE_MAP else "written, held open as the level-2 wake's source"
+        print(f"vllm-snapshot: weights file {out['digest']}: {out['tensors']} tensors, {out['bytes']} bytes {what} "
               f"({out['stays']} small or special tensors stay in memory) in {time.monotonic() - t0:.2f} s",
               flush=True)
         return model

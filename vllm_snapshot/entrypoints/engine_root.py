@@ -129,6 +129,17 @@ def _device_kind() -> str:
                        "vllm-snapshot supports CPU and NVIDIA CUDA engines only")
 
 
+def wake_rpc(weights_file: bool, kind: str) -> str:
+    """The worker method a level-2 wake calls to put the weights back: the weights file's
+    fill (:data:`vllm_snapshot.engine.weights.FILL_RPC`) for a GPU engine made with one, else
+    vLLM's ``reload_weights`` (from the model files, post-processed again). Pure."""
+    if weights_file and kind == "cuda":
+        from ..engine.weights import FILL_RPC
+
+        return FILL_RPC
+    return "reload_weights"
+
+
 async def prepare_app(engine, args):
     """Build the OpenAI FastAPI app and its state before the dump, so that a restore only has
     to bind the socket and start uvicorn. Same calls as vLLM's ``build_and_serve``."""
@@ -304,10 +315,26 @@ async def run(spec: EngineSpec) -> int:
         emit("error", kind="usage", message=str(e))
         return 2
     sleep_level = spec.sleep_level if kind == "cuda" else 0
-    if spec.weights_file and kind == "cpu":
-        from ..engine.weights import ENV as WEIGHTS_ENV
+    if spec.weights_file:
+        from ..engine import weights as ew
 
-        os.environ[WEIGHTS_ENV] = "1"  # vLLM's children (spawned after this) map their weights
+        if kind == "cpu":
+            os.environ[ew.ENV] = ew.MODE_MAP  # vLLM's children (spawned after this) map their weights
+        else:
+            # the worker writes its parameters into the weights file and keeps it open; the
+            # level-2 wake copies them back from it (ew.FILL_RPC) instead of reloading the model
+            if getattr(args, "worker_extension_cls", ""):
+                emit("error", kind="usage", message="--worker-extension-cls cannot be combined with a weights file "
+                     "on a GPU (the weights file's wake is a worker extension of its own); create with --weights in-image")
+                return 2
+            if sleep_level < 2:
+                emit("error", kind="usage", message=f"a weights file on a GPU is the source of a level-2 wake; "
+                     f"with --sleep-level {sleep_level} the weights are never discarded: create with --weights in-image "
+                     "or --sleep-level 2")
+                return 2
+            os.environ[ew.ENV] = ew.MODE_WAKE
+            args.worker_extension_cls = ew.EXTENSION
+            ew.install(ew.MODE_WAKE)  # an EngineCore forked from here inherits it; a spawned one installs it itself
     if sleep_level:
         args.enable_sleep_mode = True
 
@@ -348,11 +375,12 @@ async def run(spec: EngineSpec) -> int:
                     await engine.sleep(level=int(cmd.get("level", sleep_level)))
                     emit("slept")
                 elif name == "wake":
-                    # Level 2 discards weights: wake the weights, reload them from the model
-                    # path, then the KV cache, and drop prefix-cache entries computed before.
+                    # Level 2 discards weights: wake the weights, reload them (from the weights
+                    # file, else from the model path), then the KV cache, and drop prefix-cache
+                    # entries computed before.
                     await engine.wake_up(tags=["weights"])
                     if sleep_level >= 2:
-                        await engine.collective_rpc("reload_weights")
+                        await engine.collective_rpc(wake_rpc(spec.weights_file, kind))
                     await engine.wake_up(tags=["kv_cache"])
                     await engine.reset_prefix_cache()
                     emit("woken")
@@ -476,10 +504,10 @@ if __name__ == "__mp_main__":
     from vllm_snapshot.engine.prep import install_child_hook
 
     install_child_hook()
-    if os.environ.get("VLLM_SNAPSHOT_WEIGHTS") == "1":  # create asked for a weights file (CPU engine)
+    if os.environ.get("VLLM_SNAPSHOT_WEIGHTS"):  # create asked for a weights file (its value: the mode)
         from vllm_snapshot.engine.weights import install as _install_weights
 
-        _install_weights()
+        _install_weights(os.environ["VLLM_SNAPSHOT_WEIGHTS"])
 
 if __name__ == "__main__":
     code = main()

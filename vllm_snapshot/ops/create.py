@@ -74,22 +74,27 @@ class CreateRequest:
     #: the unprivileged user the engine tree runs as (vllm_snapshot/host/privilege.py)
     user: str = privilege.DEFAULT_USER
     #: ``file``: a CPU engine maps its weights from a weights file of the store instead of
-    #: holding them in the images (:mod:`vllm_snapshot.store.weights`); ``in-image``: as before
-    weights: str = "file"
+    #: holding them in the images (:mod:`vllm_snapshot.store.weights`), a GPU engine's level-2
+    #: wake copies them back from it; ``in-image``: as before; ``auto``: :func:`weights_mode`
+    weights: str = "auto"
 
 
 #: The values of ``--weights``.
-WEIGHTS_MODES = ("file", "in-image")
+WEIGHTS_MODES = ("auto", "file", "in-image")
 
 
 def weights_mode(requested: str, device: str) -> str:
-    """What an engine on ``device`` does with ``requested`` (``file``/``in-image``): a weights
-    file is for CPU engines (a GPU engine's weights leave the device at sleep level 2 and are
-    not in its images), so anything else is ``in-image``. Raises UsageError for an unknown
-    mode. Pure."""
+    """What an engine on ``device`` does with ``requested`` (``auto``/``file``/``in-image``):
+    ``file`` or ``in-image``. ``auto`` is ``file`` on CPU and ``in-image`` on a GPU (a GPU
+    engine's weights leave the device at sleep level 2 and are not in its images; its wake
+    reloads them from the model files); ``file`` on a GPU makes the weights file the level-2
+    wake's source instead (not yet proven on a GPU: docs/weights.md). Raises UsageError for an
+    unknown mode. Pure."""
     if requested not in WEIGHTS_MODES:
         raise UsageError(f"--weights {requested!r}: choose one of {', '.join(WEIGHTS_MODES)}")
-    return requested if device == "cpu" else "in-image"
+    if requested == "auto":
+        return "file" if device == "cpu" else "in-image"
+    return requested
 
 
 def check_cpu_kv_cache(engine_args: list[str], env: dict[str, str], device: str) -> None:
@@ -196,6 +201,10 @@ def create(req: CreateRequest, rep: Reporter, tools: Tools | None = None) -> Cre
     check_cpu_kv_cache(req.engine_args, t.host.environ(), device)
     check_access(user, model_dir, t.host.engine_access(user, model_dir))
     if device == "cuda":
+        if weights_mode(req.weights, device) == "file" and req.sleep_level < 2:
+            raise UsageError(f"--weights file on a GPU makes the weights file the source of the level-2 wake; with "
+                             f"--sleep-level {req.sleep_level} the weights never leave the GPU",
+                             hint="create with --sleep-level 2, or without --weights file")
         t.host.check_cuda_ready()  # CRIU's plugin + our helper reach the driver, before minutes of engine start
     with t.store.snapshot_lock(target, shared=False, must_exist=False):
         return _create_locked(t, req, rep, target, model_dir, revision, criu_ver, user)
@@ -422,10 +431,13 @@ def _create_locked(t: Tools, req: CreateRequest, rep: Reporter, target: Path, mo
             engine, init, weights = _start_engine(t.engine, req, spec, env, tmp, model_dir,
                                                   target.parent if mode == "file" else None, who.uid)
         info = init["info"]
-        if mode == "file" and info["kind"] == "cpu" and weights is None:
+        # the device vLLM chose decides (engine_device() is a prediction): auto on a GPU is in-image
+        if mode == "file" and weights_mode(req.weights, info["kind"]) == "file" and weights is None:
             raise EngineError("the engine did not hand its weights over for a weights file (its vLLM model loader "
                               "was not the one patched: another vLLM version?)",
                               hint="create with --weights in-image (the weights then stay in the images)")
+        if weights is not None and info["kind"] == "cuda":  # kept open as the level-2 wake's source, not mapped
+            weights = weights.model_copy(update={"use": "wake"})
         recorded = oracle.Oracle.model_validate(init["oracle"])
         check_cpu_kv_cache(req.engine_args, t.host.environ(), info["kind"])  # the device vLLM actually chose
         host = t.host.host_identity(info["kind"])

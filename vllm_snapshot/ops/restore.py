@@ -403,11 +403,13 @@ def _adopt_and_verify(et: EngineTools, cp: CheckpointTools, files: SnapshotFiles
     except OSError as e:
         rep.info(f"could not remove link-remap files put back for CRIU: {e}")
     if m.engine.sleep_level:
-        with rep.phase("wake", "waking engine (reload weights, reset prefix cache)"):
+        from_file = m.weights is not None and m.weights.use == "wake"  # checked before CRIU; written once, never changed
+        with rep.phase("wake", "waking engine (weights from the weights file, reset prefix cache)" if from_file
+                       else "waking engine (reload weights, reset prefix cache)"):
             reload_since_ns = int(clock.now() * 1e9)
             engine.send("wake")
             engine.wait_event("woken", wake_timeout_s(m))
-            if m.engine.sleep_level >= 2:  # it read the weights from disk: still the checked ones?
+            if m.engine.sleep_level >= 2 and not from_file:  # it read the weights from disk: still the checked ones?
                 model.recheck_model(Path(m.model.path), tuple(pins), reload_since_ns,
                                     during="since restore checked them (the wake reloaded the weights from them)",
                                     hint="nothing serves; keep the model directory unchanged while restoring and "

@@ -112,9 +112,10 @@ class ServeRequest:
     #: with no usable local snapshot of the key, pull it when the repository has it and this
     #: node fits; a snapshot restored or built here is pushed when the repository lacks it
     registry: object | None = None
-    #: where a build's CPU engine keeps its weights: ``file`` (a weights file it maps,
-    #: :mod:`vllm_snapshot.store.weights`) or ``in-image`` (in the CRIU images)
-    weights: str = "file"
+    #: where a build's engine keeps its weights: ``file`` (a weights file a CPU engine maps and
+    #: a GPU engine's level-2 wake reads, :mod:`vllm_snapshot.store.weights`), ``in-image`` (in
+    #: the CRIU images, or reloaded from the model files on a GPU) or ``auto`` (``file`` on CPU)
+    weights: str = "auto"
     #: restore KSM-mergeable (:attr:`RestoreRequest.merge_pages`; not part of the key, never
     #: given to a build; `switch` does not take it yet)
     merge_pages: bool = False

@@ -254,7 +254,10 @@ class WeightsFile(_Strict):
     (:mod:`vllm_snapshot.store.weights`): absolute ``path`` (``ROOT/.weights/BLAKE3.weights``),
     ``size`` (bytes), the BLAKE3 of its full content (hex), the stat fields that let a restore
     skip re-hashing an unchanged file (as for model files), and what the engine mapped of it:
-    ``tensors`` (parameters and buffers re-pointed) and ``mapped_bytes``."""
+    ``tensors`` (parameters and buffers re-pointed) and ``mapped_bytes``. ``use``: ``map`` (a CPU
+    engine computes with a private mapping of it) or ``wake`` (a GPU engine keeps it open and its
+    level-2 wake copies the weights back from it instead of reloading the model files;
+    ``tensors``/``mapped_bytes`` then count what it wrote)."""
 
     path: str = Field(pattern=r"^/")
     size: int = Field(ge=0)
@@ -265,6 +268,7 @@ class WeightsFile(_Strict):
     device: int
     tensors: int = Field(ge=0)
     mapped_bytes: int = Field(ge=0)
+    use: Literal["map", "wake"] = "map"
 
 
 class SnapshotKey(_Strict):

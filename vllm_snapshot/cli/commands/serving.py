@@ -326,7 +326,7 @@ def serve(
     oracle_prompt: str = typer.Option(None, "--oracle-prompt", help="Prompt of the one-token oracle (part of the key)."),
     sleep_level: int = typer.Option(2, "--sleep-level", min=0, max=2, help="GPU: sleep level before the dump."),
     compress: str = typer.Option("none", "--compress", help="Compression of a snapshot built now."),
-    weights: str = typer.Option("file", "--weights", help="CPU: file (a build's engine maps its weights from a weights file shared by snapshots of the same weights) | in-image (part of the key)"),
+    weights: str = typer.Option("auto", "--weights", help="auto (file on CPU, in-image on GPU) | file (a build's weights in a weights file shared by snapshots of the same weights: mapped on CPU, the level-2 wake's source on a GPU) | in-image (part of the key)"),
     keep_env: List[str] = typer.Option([], "--keep-env", help="Pass this (otherwise scrubbed) variable to the engine."),
     user: str = typer.Option("vllm-snapshot", "--user", help="Unprivileged user a build's engine tree runs as (its HOME is part of the key)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Stream the engine log of a build to stderr."),

@@ -22,7 +22,7 @@ def create(
     oracle_prompt: str = typer.Option(None, "--oracle-prompt", help="Prompt of the one-token oracle."),
     sleep_level: int = typer.Option(2, "--sleep-level", min=0, max=2, help="GPU: sleep level before the dump (CPU engines are captured whole)."),
     compress: str = typer.Option("none", "--compress", help="none (default: fastest restore) | zstd | zstd:LEVEL (~5x smaller, restore decompresses)"),
-    weights: str = typer.Option("file", "--weights", help="CPU: file (the weights in a weights file the engine maps, shared by snapshots of the same weights; not in the images) | in-image"),
+    weights: str = typer.Option("auto", "--weights", help="auto (file on CPU, in-image on GPU) | file (a weights file shared by snapshots of the same weights: on CPU the engine maps it and the images do not hold the weights; on a GPU the level-2 wake copies the weights back from it instead of reloading the model files) | in-image"),
     keep_env: List[str] = typer.Option([], "--keep-env", help="Pass this (otherwise scrubbed) variable to the engine."),
     user: str = typer.Option("vllm-snapshot", "--user", help="Unprivileged user the engine tree runs as (no capabilities; made by setup)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Stream the engine log to stderr."),

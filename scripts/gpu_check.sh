@@ -37,7 +37,8 @@
 #     vllm_snapshot/dev/gpu_engine.py, an engine speaking the engine protocol: a non-CUDA root and
 #     a CUDA child holding a VMM range (reserved, mapped, the model's weights.bin copied in;
 #     released at sleep with the reservation kept; re-mapped at the same VA and reloaded at
-#     wake) whose oracle is a checksum computed on that GPU memory. So create's preconditions,
+#     wake -- from the weights file create wrote from that memory, held open by the child: --weights
+#     file) whose oracle is a checksum computed on that GPU memory. So create's preconditions,
 #     sleep rehearsal, inventory, GPU evidence, dump, pack and publish, and restore's
 #     validation, CRIU restore, wake, oracle (matching: the wake's proof), bind, /health and HTTP
 #     canary all run as for vLLM; then one more completion must give the recorded checksum.

@@ -6,8 +6,10 @@ re-sequencing of their CRIU calls. Once this passes on a GPU, part C can go.
 The engine is :mod:`vllm_snapshot.dev.gpu_engine` (vLLM does not fit the 64 MiB carry): it speaks
 the engine protocol, is a non-CUDA root with one CUDA child that holds a VMM range as vLLM's
 level-2 sleep leaves it (reserved, physical memory released at ``sleep``; created and mapped at
-the same VA and the weights copied back from the model directory at ``wake``), and its oracle
-is a checksum computed on that GPU memory. So everything create and restore do runs as for
+the same VA and the weights copied back at ``wake`` -- from the weights file create wrote from
+the GPU memory and the child keeps open, as a GPU vLLM engine made with ``--weights file`` does,
+or with ``--weights in-image`` from the model directory), and its oracle is a checksum computed
+on that GPU memory. So everything create and restore do runs as for
 vLLM: the preconditions, the engine start through the supervisor (PID + mount + network
 namespace, scrubbed environment, mount policy, the engine user), the sleep rehearsal (sleep,
 wake, oracle, sleep), prepare-dump, the inventory and the GPU evidence, the CRIU dump with the
@@ -57,6 +59,8 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=256, help="the model's weights (the VMM range), MiB")
     ap.add_argument("--fake", action="store_true", help="no torch/GPU: see the module docstring")
     ap.add_argument("--break-restored-wake", choices=("no-reload", "no-remap"), help="tests: a broken wake")
+    ap.add_argument("--weights", choices=("file", "in-image"), default="file",
+                    help="the wake's source: the weights file (default) or the model directory")
     a = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # gpu_check.sh's timeout: still clean up
 
@@ -136,7 +140,7 @@ def run(a, out: Path, work: Path) -> int:
     t0 = time.monotonic()
     try:
         m = ops.create(ops.CreateRequest(
-            model=str(model), target=snap, sleep_level=2, user=a.user,
+            model=str(model), target=snap, sleep_level=2, user=a.user, weights=a.weights,
             engine_args=["--break-restored-wake", a.break_restored_wake] if a.break_restored_wake else []),
             lines(), tools=tools).manifest
     except Exception as e:  # noqa: BLE001 - SnapshotError with its hint; anything else is a finding too
@@ -164,6 +168,12 @@ def run(a, out: Path, work: Path) -> int:
     result("PASS" if plugin_ok else "FAIL", "D the plugin checkpointed the CUDA child, not the root",
            f"tree {list(m.criu.tree_pids)}, CUDA holders (namespace PIDs) {cuda_ns}; see partD-{layout.DUMP_LOG}")
 
+    if a.weights == "file":
+        w = m.weights
+        result("PASS" if w is not None and w.use == "wake" and w.mapped_bytes == a.mib << 20 else "FAIL",
+               "D create wrote the weights file from the GPU memory (the wake's source)",
+               f"{w.path}, {w.mapped_bytes} bytes, use {w.use}" if w is not None else "no weights file in the manifest")
+
     print("== restore", flush=True)
     port = free_port()
     t0 = time.monotonic()
@@ -176,6 +186,13 @@ def run(a, out: Path, work: Path) -> int:
         result("PASS", "D restore (ops.restore with wake, oracle, canary)",
                f"{time.monotonic() - t0:.1f} s, root {r.pid}, {r.url}, {r.gpu or 'no GPU recorded'}, phases "
                + ", ".join(f"{k} {v:.2f} s" for k, v in r.timings.items()))
+        if a.weights == "file" and m.weights is not None:  # CRIU re-opened it for the engine user
+            import psutil
+
+            held = {p.pid: [f.path for f in p.open_files()] for p in psutil.Process(r.pid).children(recursive=True)}
+            ok = any(m.weights.path in paths for paths in held.values())
+            result("PASS" if ok else "FAIL", "D the restored CUDA child holds the weights file open",
+                   f"open files of the tree's children: {held}")
         try:  # one more completion, computed on the GPU memory now
             status, body = http.http_json(f"{r.url}/v1/completions", http.canary_request(m), timeout=120)
             got = body["choices"][0]["text"] if status == 200 and isinstance(body, dict) else f"HTTP {status}: {body}"

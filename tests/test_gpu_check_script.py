@@ -48,6 +48,9 @@ C_REQUIRED = ["C criu dump (product's LocalCheckpointTools.dump)", "C criu resto
 D_STEPS = ["D create (ops.create)", "D create's sleep rehearsal, then prepare-dump",
            "D the plugin checkpointed the CUDA child, not the root", "D restore (ops.restore with wake, oracle, canary)",
            "D same output after restore + wake", "D stop (ops.stop_engines)", "D the fake driver's checkpoint calls"]
+#: part D's steps of its default, a wake from the weights file (``--weights file``)
+D_FILE_STEPS = ["D create wrote the weights file from the GPU memory (the wake's source)",
+                "D the restored CUDA child holds the weights file open"]
 
 
 @pytest.mark.parametrize("script", [CHECK, LIB, CARRY])
@@ -326,7 +329,7 @@ def test_dry_run_of_the_whole_check_with_the_fake_driver(tmp_path):
                  "C sleep (unmap + release, VA kept)", "C inventory + external mounts (create's checks)", *C_REQUIRED,
                  "C restored tree runs as the engine user", REMAP_STEP):
         assert step in names, (step, names)
-    for step in D_STEPS:
+    for step in D_STEPS + D_FILE_STEPS:  # the dry run: part D wakes from the weights file
         assert step in names, (step, names)
     assert "partD.txt" in files and "D the plugin checkpointed" in files["partD.txt"]
     # part D's fake driver has a log of its own: create's dump, restore's restore
@@ -444,18 +447,22 @@ def _engines_of(work_dirs: set[str]) -> list[str]:
 
 
 @pytest.mark.integration
-def test_part_d_create_and_restore_through_the_ops_with_the_fake_driver(tmp_path):
+@pytest.mark.parametrize("weights", ["file", "in-image"])
+def test_part_d_create_and_restore_through_the_ops_with_the_fake_driver(tmp_path, weights):
     """Part D on this CPU host: ops.create, ops.restore and ops.stop_engines of the
     protocol-speaking VMM engine (vllm_snapshot/dev/gpu_engine.py) through real CRIU with the
     fake driver: create's rehearsal and dump, the plugin on the CUDA child only, the restored
     engine's wake re-maps and reloads (its checksum oracle matches, in the engine and over HTTP),
-    stop drains it; the work dir is gone."""
-    cp, results, left = _part_d(tmp_path)
+    stop drains it; the work dir is gone. ``file``: create wrote the GPU memory into a weights
+    file through the weights channel, the CUDA child (the engine user) kept it open, CRIU
+    re-opened the root-only file for it at restore, and the wake read the weights from it."""
+    cp, results, left = _part_d(tmp_path, "--weights", weights)
     assert cp.returncode == 0, cp.stdout + cp.stderr
     assert results and all(r.startswith("RESULT PASS") for r in results), results
     names = " | ".join(results)
-    for step in D_STEPS:
+    for step in D_STEPS + (D_FILE_STEPS if weights == "file" else []):
         assert f"RESULT PASS {step}: " in names, step
+    assert (weights == "file") == any(step in names for step in D_FILE_STEPS)
     create = next(r for r in results if r.startswith("RESULT PASS D create (ops.create)"))
     assert "engine cuda, sleep level 2" in create and "oracle 'sum=" in create
     recorded = create.split("oracle ", 1)[1]

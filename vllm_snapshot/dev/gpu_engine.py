@@ -16,7 +16,12 @@ through a pipe from the root to the child:
 
 * ``sleep`` (level 2): ``cuMemUnmap`` + ``cuMemRelease``; the **reservation stays**.
 * ``wake``: ``cuMemCreate`` + ``cuMemMap`` again **at the same VA** and copy ``weights.bin``
-  from the model directory again (the reload).
+  from the model directory again (the reload) -- or, made with a weights file (``create
+  --weights file``: the spec's ``weights_file``), from the weights file: at start the child
+  copies its GPU memory into it through create's weights channel
+  (:func:`vllm_snapshot.engine.weights._hand_over`, the vLLM worker's own path) and keeps the
+  published file's read-only fd open, which CRIU dumps and re-opens at restore; the wake reads
+  the fd (a GPU vLLM engine's ``--weights file`` wake, :data:`vllm_snapshot.engine.weights.FILL_RPC`).
 * ``oracle`` (and every ``POST /v1/completions`` once serving): a checksum computed on the
   GPU memory -- a kernel's int64 sum over the range (torch over ``__cuda_array_interface__``)
   and the sha256 of a device-to-host copy of every byte -- as the oracle's ``text``. A restored
@@ -76,11 +81,12 @@ def write_model(path: Path, mib: int) -> Path:
 
 # ---------------------------------------------------------------- the CUDA child
 
-def child_main(model_dir: str) -> int:
+def child_main(model_dir: str, weights_file: bool = False) -> int:
     """The CUDA child (see the module doc): one JSON line on the reply channel when ready
     (``{"ok": true, "va", "bytes", "checksum", "torch"}``) and one per command read from stdin
     (``sleep``, ``wake``, ``wake no-reload``, ``wake no-remap``, ``answer``); a failure is
-    ``{"ok": false, "error"}``. Returns 0 at EOF."""
+    ``{"ok": false, "error"}``. ``weights_file``: the weights go into a weights file at start
+    and every wake reads them from it (the module doc). Returns 0 at EOF."""
     reply = os.fdopen(os.dup(1), "w", buffering=1)  # the root reads this; anything printed goes to the log
     os.dup2(2, 1)
 
@@ -89,7 +95,10 @@ def child_main(model_dir: str) -> int:
 
     try:
         st = _VmmState(Path(model_dir))
-        say(ok=True, va=st.va, bytes=st.size, checksum=st.checksum(), torch=st.torch_version)
+        if weights_file:
+            st.hold_weights_file()
+        say(ok=True, va=st.va, bytes=st.size, checksum=st.checksum(), torch=st.torch_version,
+            weights_file=st.held is not None)
     except Exception as e:  # noqa: BLE001 - the root reports it as the engine's start error
         say(ok=False, error=f"start: {type(e).__name__}: {e}")
         return 1
@@ -121,6 +130,7 @@ class _VmmState:
         from cuda.bindings import driver as cu
 
         self.cu, self.weights = cu, model_dir / WEIGHTS
+        self.held: int | None = None  # the weights file's fd (hold_weights_file): the wake's source
         self.fake = hasattr(cu, "RESTORE_THREAD")  # tests/fakecuda: no GPU, no torch
         self.torch = None
         self.torch_version = "none (the fake driver)"
@@ -153,7 +163,7 @@ class _VmmState:
         self.prop = prop
         gran = self._ok(cu.cuMemGetAllocationGranularity(
             prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM), "cuMemGetAllocationGranularity")
-        n = self.weights.stat().st_size
+        n = self.nbytes = self.weights.stat().st_size
         self.size = max(1, -(-n // gran)) * gran
         self.va = int(self._ok(cu.cuMemAddressReserve(self.size, 0, 0, 0), "cuMemAddressReserve"))  # kept for good
         self.handle = self._create_and_map()
@@ -177,11 +187,40 @@ class _VmmState:
         self._ok(cu.cuMemSetAccess(self.va, self.size, [acc], 1), "cuMemSetAccess")
         return h
 
-    def _load(self) -> None:  # the weights from the model directory, host -> device
-        data = self.weights.read_bytes()
+    def _load(self) -> None:  # the weights from the weights file or the model directory, host -> device
+        if self.held is not None:
+            data = os.pread(self.held, self.nbytes, 0)
+            if len(data) != self.nbytes:
+                raise RuntimeError(f"the weights file ended at {len(data)} of {self.nbytes} bytes")
+        else:
+            data = self.weights.read_bytes()
         data += bytes(self.size - len(data))
         self._ok(self.cu.cuMemcpyHtoD(self.va, data, self.size), "cuMemcpyHtoD")
         self._ok(self.cu.cuCtxSynchronize(), "cuCtxSynchronize")
+
+    def hold_weights_file(self) -> None:
+        """Copy the weights from the GPU memory into a weights file through create's weights
+        channel (one entry: the weights' bytes) and keep the published file's fd: from now on
+        the wake reads the weights from it. Raises what :func:`vllm_snapshot.engine.weights._hand_over`
+        raises."""
+        from ..engine import weights as ew
+
+        entry = {"names": ["param:weights"], "offset": 0, "nbytes": self.nbytes, "dtype": "torch.uint8"}
+
+        def write(fd: int) -> None:  # device -> host -> file, as the vLLM worker's bounded copies
+            host = bytearray(self.size)
+            self._ok(self.cu.cuMemcpyDtoH(host, self.va, self.size), "cuMemcpyDtoH")
+            view, done = memoryview(host)[:self.nbytes], 0
+            while done < self.nbytes:
+                done += os.pwrite(fd, view[done:], done)
+
+        def use(rfd: int, size: int, digest: str | None) -> tuple[int, list[str]]:
+            self.held = rfd
+            return size, []
+
+        out = ew._hand_over([entry], [], [], ew.SOCKET_NAME, use, write=write)
+        print(f"gpu_engine: weights file {out['digest']}: {self.nbytes} bytes written, held open as fd {self.held}",
+              flush=True)
 
     def sleep(self) -> None:
         """Level 2 (csrc/cumem_allocator.cpp unmap_and_release()): the VA stays reserved."""
@@ -228,8 +267,9 @@ class _VmmState:
 class _Child:
     """The root's end of the CUDA child: one command line, one JSON reply, one at a time."""
 
-    def __init__(self, model_dir: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "vllm_snapshot.dev.gpu_engine", "--cuda-child", model_dir],
+    def __init__(self, model_dir: str, weights_file: bool = False) -> None:
+        argv = [sys.executable, "-m", "vllm_snapshot.dev.gpu_engine", "--cuda-child", model_dir]
+        self.proc = subprocess.Popen(argv + (["--weights-file"] if weights_file else []),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, text=True)
         self.lock = threading.Lock()
         self.ready = self._read()
@@ -349,7 +389,7 @@ def root_main(spec_json: str) -> int:
         if os.getpid() == 1:
             link_inductor_cache()
     try:
-        child = _Child(spec.model)
+        child = _Child(spec.model, spec.weights_file)
     except (OSError, RuntimeError, ValueError) as e:
         emit("error", kind="engine", message=f"the CUDA child did not start: {e}")
         return 1
@@ -405,10 +445,11 @@ def root_main(spec_json: str) -> int:
 
 def main(argv: list[str]) -> int:
     """``--cuda-child MODEL_DIR``: the child; else ``SPEC_JSON``: the engine root."""
-    if argv[:1] == ["--cuda-child"] and len(argv) == 2:
-        return child_main(argv[1])
+    if argv[:1] == ["--cuda-child"] and len(argv) in (2, 3) and argv[2:] in ([], ["--weights-file"]):
+        return child_main(argv[1], argv[2:] == ["--weights-file"])
     if len(argv) != 1:
-        print("usage: python -m vllm_snapshot.dev.gpu_engine SPEC_JSON | --cuda-child MODEL_DIR", file=sys.stderr)
+        print("usage: python -m vllm_snapshot.dev.gpu_engine SPEC_JSON | --cuda-child MODEL_DIR [--weights-file]",
+              file=sys.stderr)
         return 2
     return root_main(argv[0])
 

@@ -271,9 +271,10 @@ def _repoint(model, entries: list[dict], mm: mmap.mmap) -> tuple[int, list[str]]
     return moved, held
 
 
-def _hand_over(entries: list[dict], stays: list[dict], storages: list, socket_name: str, use) -> dict:
+def _hand_over(entries: list[dict], stays: list[dict], storages: list, socket_name: str, use, write=None) -> dict:
     """The worker's side of the weights channel: connect to create's socket, send the table,
-    write the storages into the fd create gives, receive a read-only fd of the published file,
+    write the storages into the fd create gives (``write(fd)`` instead, when given: a writer of
+    its own, e.g. :mod:`vllm_snapshot.dev.gpu_engine`'s device copies without torch), receive a read-only fd of the published file,
     call ``use(rfd, size, digest)`` (which returns ``(bytes used, names that stay)``; it owns
     ``rfd``) and report what was used. ``storages`` is emptied once written (the caller's list:
     no reference to the loaded copies is left for :func:`_repoint`'s zeroing to count).
@@ -296,7 +297,10 @@ def _hand_over(entries: list[dict], stays: list[dict], storages: list, socket_na
         if answer.get("op") != "write" or wfd is None:
             raise RuntimeError(f"create refused the weights file: {answer.get('error') or answer}")
         try:
-            _write_all(wfd, entries, storages)
+            if write is not None:
+                write(wfd)
+            else:
+                _write_all(wfd, entries, storages)
         finally:
             os.close(wfd)
         send_msg(s, {"op": "written"})

@@ -45,6 +45,18 @@ def test_a_mistyped_snapshot_name_gets_did_you_mean(tmp_path, capsys):
     assert "did you mean trial-model-a711061d712f?" in err, err
 
 
+def test_a_name_that_names_nothing_hints_the_list_of_the_root_in_use(tmp_path, capsys, monkeypatch):
+    # a root set in the environment is the one plain `list` shows; one given as --root is not
+    root = tmp_path / "my root"
+    root.mkdir()
+    monkeypatch.setenv("VLLM_SNAPSHOT_ROOT", str(root))
+    assert cli.main(["inspect", "nosuch"]) == 2
+    assert "hint: `vllm-snapshot list` shows the snapshots there" in capsys.readouterr().err
+    monkeypatch.delenv("VLLM_SNAPSHOT_ROOT")
+    assert cli.main(["--root", str(root), "inspect", "nosuch"]) == 2
+    assert f"hint: `vllm-snapshot --root '{root}' list` shows the snapshots there" in capsys.readouterr().err
+
+
 def test_a_model_path_or_name_selects_its_only_snapshot(tmp_path, capsys):
     root = tmp_path / "root"
     model = tmp_path / "models" / "trial-model"

@@ -108,6 +108,7 @@ def test_the_trust_checks_hint_chmod_and_chown_commands_that_parse(tmp_path):
 UNQUOTED_OK = {
     ("cli/app.py", "cmd_name"): "click's command path: fixed subcommand names",
     ("cli/common.py", "ctx.command.name"): "a subcommand's name",
+    ("cli/common.py", "lister"): "a command built with q() of its root",
     ("cli/doctor.py", "name"): "a program name from doctor's fixed table",
     ("cli/doctor.py", "feat"): "a CRIU feature name from a fixed table",
     ("engine/args.py", "command"): "a subcommand's name",

@@ -106,8 +106,12 @@ def resolve(ref: str) -> Path:
         raise EnvironmentProblem(f"snapshot {ref!r} does not exist in your own store {root}; {note}",
                                  hint=f"run it with sudo (sudo vllm-snapshot ... {q(ref)})")
     hint = suggest.did_you_mean(ref, [p.name for p in snaps])
+    # plain `list` shows the root of $VLLM_SNAPSHOT_ROOT or the default; one given as --root, not
+    from .. import paths
+
+    lister = "vllm-snapshot list" if paths.snapshot_root(None) == root else f"vllm-snapshot --root {q(root)} list"
     raise UsageError(f"snapshot {ref!r} does not exist under {root}",
-                     hint=hint or layout.missing_hint(root / ref))
+                     hint=hint or f"`{lister}` shows the snapshots there (a name means ROOT/NAME)")
 
 
 def root_only(what: str) -> None:

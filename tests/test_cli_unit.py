@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import make_manifest, write_snapshot_dir
+from helpers import make_canary, make_manifest, write_snapshot_dir
 
 from vllm_snapshot.cli import app as cli
 from vllm_snapshot import errors
@@ -120,6 +121,11 @@ def test_inspect_table_of_a_valid_snapshot(tmp_path, capsys):
     code, out, err = _run_main(capsys, "inspect", str(tmp_path / "snap"))
     assert code == 0, err
     assert m.criu.version in out and m.model.served_name in out and repr(m.oracle.prompt) in out
+    # a snapshot made before canary records: its canary asks the oracle's prompt, and says so
+    assert re.search(r"canary +│ 'Once upon a time' → token 11 ',' \(the oracle's\)", out), out
+    write_snapshot_dir(tmp_path / "new", make_manifest(canary=make_canary()))
+    code, out, err = _run_main(capsys, "inspect", str(tmp_path / "new"))
+    assert code == 0 and re.search(r"canary +│ 'Hi' → token 17 ' there' +│", out), out
 
 
 def test_inspect_of_a_hand_edited_manifest_exits_5(tmp_path, capsys):

@@ -85,11 +85,12 @@ OPTIONAL_FIELDS: dict[str, tuple[str, ...]] = {"initialized": ("canary",)}
 #: The prompt of the HTTP canary (``initialized``'s ``canary``), a constant. The in-engine oracle
 #: already proves the engine computes what create recorded; the canary proves the HTTP path
 #: (server, OpenAI serving layer, handed-over socket, tokenizer both ways) answers it, which
-#: any prompt does, and a restore pays its prefill: on CPU prefill is compute-bound (a 3.1 GiB
-#: float32 model: 0.48 s for 11 tokens, 0.17 s for 3), so the shortest plain one. "Hi" is one
-#: ASCII word every tokenizer encodes (1-2 tokens, plus BOS), never empty after templating or
-#: stripping. Not part of the snapshot key: the engine behaves the same whatever the prompt;
-#: changing it changes only what later creates record.
+#: any prompt does, and a restore pays its prefill: on CPU prefill is compute-bound (the large
+#: test model, 2 GiB of float32 weights: 0.48-0.50 s for the 11 tokens of "Once upon a time",
+#: 0.16-0.19 s for the 2 of "Hi"), so a short plain one. "Hi" is one ASCII word: a token or two
+#: in any tokenizer, nothing a server strips or rejects (an empty prompt is refused). Not part
+#: of the snapshot key: the engine behaves the same whatever the prompt; changing it changes
+#: only what later creates record.
 CANARY_PROMPT = "Hi"
 #: The fields of ``initialized``'s ``info``.
 INFO_FIELDS = ("kind", "vllm", "torch", "served_model_name", "normalized_args")

@@ -3,8 +3,9 @@
 ``--weights in-image`` and against the fastest cold start a user could choose.
 
 For each mode: a create (its page images, raw bytes), ``--restores`` restores -> first validated
-completion (restore returns after the oracle matched and the HTTP canary passed; then one more
-completion is timed on the port). Then, for the ``file`` snapshot, ``--clones`` restores side by
+completion (restore returns after the oracle matched and the HTTP canary passed; then the
+completion a cold start's timing ends at -- one token of "Hello", ``bench.first_completion``
+-- is timed on the port too, so both sides end at the same request). Then, for the ``file`` snapshot, ``--clones`` restores side by
 side and the total PSS of their process trees against one engine's (shared weights pages are
 divided among their sharers). Then the cold starts after the creates (warm compile cache): the
 given engine args and, when they compile, with ``--enforce-eager``; the ratio is against the
@@ -26,7 +27,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -40,12 +40,12 @@ ARGS = [*tiny_model.ENGINE_ARGS, "--enforce-eager"]
 
 
 def complete(port: int) -> float:
-    """Seconds of one greedy 8-token completion on ``port``."""
-    body = json.dumps({"model": tiny_model.SERVED_NAME, "prompt": "Hello", "max_tokens": 8, "temperature": 0}).encode()
+    """Seconds of the cold start's own last request (:func:`bench.first_completion`: one token of
+    "Hello") on ``port``. Raises RuntimeError for an answer other than HTTP 200."""
     t0 = time.monotonic()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        r.read()
+    status, body = bench.first_completion(port, tiny_model.SERVED_NAME, timeout=300)
+    if status != 200:
+        raise RuntimeError(f"completion on port {port}: HTTP {status}: {str(body)[:200]}")
     return time.monotonic() - t0
 
 

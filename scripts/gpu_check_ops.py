@@ -12,7 +12,7 @@ or with ``--weights in-image`` from the model directory), and its oracle is a ch
 on that GPU memory. So everything create and restore do runs as for
 vLLM: the preconditions, the engine start through the supervisor (PID + mount + network
 namespace, scrubbed environment, mount policy, the engine user), the sleep rehearsal (sleep,
-wake, oracle, sleep), prepare-dump, the inventory and the GPU evidence, the CRIU dump with the
+wake, oracle, canary record, sleep), prepare-dump, the inventory and the GPU evidence, the CRIU dump with the
 CUDA plugin and our helper, packing and publishing; then validation, staging, the CRIU restore,
 ``attach``, the wake, the oracle (which must match: the wake's proof), the image and code
 checks, the bind, ``/health`` and the HTTP canary; then ``stop``. Afterwards one more
@@ -48,7 +48,8 @@ from pathlib import Path
 from gpu_check_tree import RESULTS, WORK_PARENT, copy_package, result  # part C's (this script's directory)
 
 #: The engine calls create's sleep rehearsal makes, then the dump's (the engine's log, ``CALL``).
-REHEARSAL = ["sleep", "wake", "oracle", "sleep", "prepare-dump"]
+#: (``oracle`` twice: the oracle, then the HTTP canary's record asked with its prompt)
+REHEARSAL = ["sleep", "wake", "oracle", "oracle", "sleep", "prepare-dump"]
 
 
 def main() -> int:

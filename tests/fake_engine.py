@@ -1,9 +1,11 @@
 """A fake engine root (run as a script: ``local_tools(engine_argv=(python, THIS_FILE))``) that speaks vllm-snapshot's engine protocol and claims to be a CUDA
 engine, so the GPU create/restore sequencing (sleep rehearsal, wake before the oracle) runs
 through real CRIU on a machine without a GPU. It prints ``CALL <cmd>`` for every command and
-serves ``/health``, ``/calls`` (commands seen since the last restore-visible reset) and
-``/v1/completions`` (the oracle) after ``serve``, on the listening socket the supervisor hands
-over (like the real engine, it lives in a network namespace of its own). ``VLLM_FAKE_ORACLE_SHIFT`` (env) changes the logprob at every wake (a reload that produced
+serves ``/health``, ``/calls`` (commands seen since the last restore-visible reset),
+``/prompts`` (the prompts of the completions it answered) and ``/v1/completions`` (the oracle of
+the prompt asked: another token for the canary's prompt) after ``serve``, on the listening
+socket the supervisor hands over (like the real engine, it lives in a network namespace of its
+own). It records the canary at ``initialized`` as the real engine root does. ``VLLM_FAKE_ORACLE_SHIFT`` (env) changes the logprob at every wake (a reload that produced
 other weights). ``VLLM_FAKE_CUDA_CHILD=1`` (env) starts a child, like vLLM's EngineCore under
 its non-CUDA API root, with a thread named ``fakecuda-rst``: the CUDA process of
 tests/fakecuda's fake driver. ``VLLM_FAKE_START_S`` (env, seconds) delays ``initialized``, as a
@@ -24,17 +26,20 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from vllm_snapshot.entrypoints.engine_root import emit
 from vllm_snapshot.engine.mounts import make_private
 from vllm_snapshot.engine.net import loopback_up, receive_listener
-from vllm_snapshot.engine.protocol import decode
+from vllm_snapshot.engine.protocol import CANARY_PROMPT, decode
 from vllm_snapshot.engine.spec import EngineSpec
 from vllm_snapshot.host.procs import mark_served, set_parent_death_signal
 
 CALLS: list[str] = []
+PROMPTS: list[str] = []
 STATE = {"logprob": -1.25, "awake": True}
 
 
 def oracle(prompt: str) -> dict:
-    return {"prompt": prompt, "token_id": 42, "text": " fake", "logprob": STATE["logprob"],
-            "top_logprobs": [{"token_id": 42, "logprob": STATE["logprob"]}, {"token_id": 7, "logprob": -3.5}]}
+    # the canary's prompt gets another token: a canary that asked the wrong prompt differs
+    tok, text = (43, " there") if prompt == CANARY_PROMPT else (42, " fake")
+    return {"prompt": prompt, "token_id": tok, "text": text, "logprob": STATE["logprob"],
+            "top_logprobs": [{"token_id": tok, "logprob": STATE["logprob"]}, {"token_id": 7, "logprob": -3.5}]}
 
 
 def serve(spec: EngineSpec, sock, host: str, port: int) -> None:
@@ -55,12 +60,15 @@ def serve(spec: EngineSpec, sock, host: str, port: int) -> None:
                 self._send(200, {})
             elif self.path == "/calls":
                 self._send(200, {"calls": CALLS})
+            elif self.path == "/prompts":
+                self._send(200, {"prompts": PROMPTS})
             else:
                 self._send(404, {})
 
         def do_POST(self):
             n = int(self.headers.get("Content-Length", 0))
             req = json.loads(self.rfile.read(n) or b"{}")
+            PROMPTS.append(req.get("prompt", ""))
             o = oracle(req.get("prompt", ""))
             self._send(200, {"choices": [{"text": o["text"], "token_ids": [o["token_id"]],
                                           "logprobs": {"token_logprobs": [o["logprob"]]}}]})
@@ -121,9 +129,9 @@ def main() -> int:
     ballast = bytearray(b"\x5a") * (int(os.environ.get("VLLM_FAKE_BALLAST_MB", "0")) << 20)  # noqa: F841 - held
     time.sleep(float(os.environ.get("VLLM_FAKE_START_S", "0")))
     prompt = spec.oracle_prompt
-    emit("initialized", oracle=oracle(prompt), info={"kind": "cuda", "vllm": "fake", "torch": "fake",
-                                                      "served_model_name": "fake",
-                                                      "normalized_args": {"raw": json.dumps(list(spec.engine_args))}})
+    emit("initialized", oracle=oracle(prompt), canary=oracle(CANARY_PROMPT),
+         info={"kind": "cuda", "vllm": "fake", "torch": "fake", "served_model_name": "fake",
+               "normalized_args": {"raw": json.dumps(list(spec.engine_args))}})
     for line in sys.stdin:
         cmd = decode(line)
         if cmd is None:
@@ -132,7 +140,7 @@ def main() -> int:
         CALLS.append(name)
         print(f"CALL {name}", flush=True)
         if name == "oracle":
-            emit("oracle", oracle=oracle(prompt))
+            emit("oracle", oracle=oracle(cmd.get("prompt") or prompt))
         elif name == "sleep":
             STATE["awake"] = False
             emit("slept")

@@ -47,18 +47,22 @@ from vllm_snapshot.fleet.transport import Target
 from vllm_snapshot.engine.protocol import decode, encode_event
 from vllm_snapshot.engine.spec import EngineSpec
 
-from helpers import ENGINE_USER, make_manifest, make_oracle
+from helpers import ENGINE_USER, make_canary, make_manifest, make_oracle
 
 HOST = {"vllm": "0.32.0", "torch": "2.13.0+cpu", "kernel": "6.18.0", "machine_id": "abc"}
 
 
 class FakeEngine(Engine):
     """Answers commands with the events the real engine sends; ``oracle`` answers with
-    ``oracles`` in turn (the last repeats)."""
+    ``oracles`` in turn (the last repeats), or with ``canary`` when asked with a prompt (create's
+    rehearsal of the canary record); ``initialized`` carries ``canary`` (None: an engine that
+    records none)."""
 
     def __init__(self, calls: list[str], kind: str = "cpu", oracles: list | None = None, pid: int = 4242,
-                 engine_args: list[str] | None = None) -> None:
+                 engine_args: list[str] | None = None, canary=make_canary()) -> None:
         self.root_pid = pid
+        self.canary = canary
+        self._asked: str | None = None  # the prompt of the last oracle command (None: the oracle's)
         self.engine_args = list(engine_args or [])
         self.calls = calls
         self.kind = kind
@@ -76,16 +80,20 @@ class FakeEngine(Engine):
     def send(self, cmd: str, **kw) -> None:
         self.sent.append(cmd)
         self.calls.append(f"engine.{cmd}")
+        if cmd == "oracle":
+            self._asked = kw.get("prompt")
 
     def wait_event(self, name: str, timeout: float) -> dict:
         self.timeouts[name] = timeout
         fields: dict = {}
         if name == "initialized":
             fields = {"oracle": self._next_oracle(),
+                      **({"canary": self.canary.model_dump()} if self.canary is not None else {}),
                       "info": {"kind": self.kind, "vllm": "x", "torch": "y", "served_model_name": "tiny",
                                "normalized_args": {"args": " ".join(self.engine_args)}}}
         elif name == "oracle":
-            fields = {"oracle": self._next_oracle()}
+            fields = {"oracle": self.canary.model_dump() if self._asked is not None and self.canary is not None
+                      else self._next_oracle()}
         elif name == "dump-ready":
             fields = {"modules": ["vllm", "torch"], "sys_path": ["/site-packages"]}
         elif name == "binding":
@@ -140,6 +148,8 @@ class FakeWorld:
         self.host = dict(host or HOST)
         self.kind = kind
         self.oracles = oracles
+        #: the canary record a launched engine sends (and answers a rehearsal with); None: none
+        self.canary = make_canary()
         self.fail = dict(fail or {})
         self.health_after = health_after
         self.canary_diffs = list(canary_diffs or [])
@@ -623,7 +633,8 @@ class FakeEngineTools(_Role, EngineTools):
         self.w._call("launch_engine")
         self.w.launch_env = env
         self.w.launch_spec = spec
-        self.w.engine = FakeEngine(self.w.calls, self.w.kind, self.w.oracles, engine_args=list(spec.engine_args))
+        self.w.engine = FakeEngine(self.w.calls, self.w.kind, self.w.oracles, engine_args=list(spec.engine_args),
+                                   canary=self.w.canary)
         return self.w.engine
 
     def new_channel(self, log_file: Path | None) -> EngineChannel:

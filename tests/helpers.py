@@ -34,6 +34,16 @@ def make_oracle(**over) -> Oracle:
     return Oracle(**base)
 
 
+def make_canary(**over) -> Oracle:
+    """An HTTP canary's record (the canary prompt, another token than :func:`make_oracle`'s)."""
+    from vllm_snapshot.engine.protocol import CANARY_PROMPT
+
+    base = dict(prompt=CANARY_PROMPT, token_id=17, text=" there", logprob=-0.5,
+                top_logprobs=(TopLogprob(token_id=17, logprob=-0.5), TopLogprob(token_id=11, logprob=-2.25)))
+    base.update(over)
+    return Oracle(**base)
+
+
 #: The engine user of fake manifests and FakeWorld (uid/gid of a typical system user).
 ENGINE_USER = manifest.EngineUser(name="vllm-snapshot", uid=990, gid=990, groups=(990,),
                                   home="/var/lib/vllm-snapshot-engine")

@@ -415,6 +415,43 @@ def test_demo_cold_start_uses_its_own_temp_dir_and_removes_it(monkeypatch):
     assert not os.path.exists(seen["tmp"])
 
 
+def test_the_weights_benchmark_times_after_a_restore_the_request_a_cold_start_ends_at(monkeypatch):
+    """scripts/bench_weights.py compares restore -> first completion with a cold start: both
+    must end at the same request (it once timed 8 tokens after a restore against the cold
+    start's 1-token "Hello")."""
+    import importlib.util
+    import subprocess
+
+    from vllm_snapshot.dev import bench
+
+    sent = []
+    monkeypatch.setattr(bench, "http_json", lambda url, body, timeout: (sent.append((url, body)), (200, {}))[1])
+    spec = importlib.util.spec_from_file_location(
+        "bench_weights", Path(__file__).resolve().parent.parent / "scripts" / "bench_weights.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.complete(8123)
+
+    class Serving:  # a cold-start server that is up at once
+        pid = 0
+        returncode = None
+
+        def __init__(self, argv, env, **kw):
+            pass
+
+        def poll(self):
+            return None
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", Serving)
+    monkeypatch.setattr(os, "killpg", lambda pid, sig: None)
+    bench.cold_start(Path("/m"), 8123, ["--served-model-name", script.tiny_model.SERVED_NAME])
+    assert len(sent) == 2 and sent[0] == sent[1]
+    assert sent[0][1] == {"model": script.tiny_model.SERVED_NAME, "prompt": "Hello", "max_tokens": 1}
+
+
 def test_unrestorable_engine_settings_are_named():
     from argparse import Namespace
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import make_manifest, write_snapshot_dir
+from helpers import make_canary, make_manifest, write_snapshot_dir
 
 from vllm_snapshot.cli import app as cli
 from vllm_snapshot import errors
@@ -120,6 +121,11 @@ def test_inspect_table_of_a_valid_snapshot(tmp_path, capsys):
     code, out, err = _run_main(capsys, "inspect", str(tmp_path / "snap"))
     assert code == 0, err
     assert m.criu.version in out and m.model.served_name in out and repr(m.oracle.prompt) in out
+    # a snapshot made before canary records: its canary asks the oracle's prompt, and says so
+    assert re.search(r"canary +│ 'Once upon a time' → token 11 ',' \(the oracle's\)", out), out
+    write_snapshot_dir(tmp_path / "new", make_manifest(canary=make_canary()))
+    code, out, err = _run_main(capsys, "inspect", str(tmp_path / "new"))
+    assert code == 0 and re.search(r"canary +│ 'Hi' → token 17 ' there' +│", out), out
 
 
 def test_inspect_of_a_hand_edited_manifest_exits_5(tmp_path, capsys):
@@ -146,15 +152,16 @@ def _damaged(tmp_path: Path, text: str) -> Path:
 def test_inspect_of_a_truncated_manifest_says_so_shows_what_is_left_and_exits_5(tmp_path, capsys):
     # a trial: inspect of a damaged snapshot showed one JSON error and nothing of the directory
     whole = (write_snapshot_dir(tmp_path / "whole") and (tmp_path / "whole" / layout.MANIFEST).read_text())
-    snap = _damaged(tmp_path, whole[:300])
+    cut = whole.rindex(",\n", 0, 300) + 2  # ~300 bytes, between two members (not inside a string)
+    snap = _damaged(tmp_path, whole[:cut])
     code, out, err = _run_main(capsys, "inspect", str(snap))
     assert code == 5, err
     assert f"{snap / layout.MANIFEST} is not valid JSON" in err and "line " in err and "column " in err, err
-    assert "the file ends there, after 300 bytes: it was cut short (truncated)" in err, err
+    assert f"the file ends there, after {cut} bytes: it was cut short (truncated)" in err, err
     assert "`vllm-snapshot verify` and `restore` refuse it the same way" in err and "rm -r" in err, err
     assert out.startswith(f"snapshot {snap}: its manifest is damaged; what can still be read:"), out
     lines = {ln.split()[0]: ln for ln in out.splitlines()[1:]}
-    assert "4.0 KiB (1 file)" in lines["images/"] and "300 B" in lines["manifest.json"], out
+    assert "4.0 KiB (1 file)" in lines["images/"] and f"{cut} B" in lines["manifest.json"], out
 
 
 def test_inspect_json_of_a_manifest_of_the_wrong_schema_names_the_field_and_lists_the_members(tmp_path, capsys):

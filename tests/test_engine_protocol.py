@@ -54,6 +54,13 @@ def test_the_encoder_enforces_each_events_fields():
         protocol.encode_event("binding", address="http://x", extra=1)
     with pytest.raises(ValueError, match="info"):
         protocol.encode_event("initialized", oracle={}, info={"kind": "cpu"})
+    info = dict.fromkeys(protocol.INFO_FIELDS, "x")
+    assert protocol.decode(protocol.encode_event("initialized", oracle={}, info=info))["info"] == info
+    assert protocol.decode(protocol.encode_event("initialized", oracle={}, canary={"p": 1}, info=info))["canary"] == {"p": 1}
+    with pytest.raises(ValueError, match="optional: \\['canary'\\]"):
+        protocol.encode_event("initialized", info=info, canary={})  # an optional field replaces no required one
+    with pytest.raises(ValueError):
+        protocol.encode_event("oracle", oracle={}, canary={})  # optional only where the table says
     line = protocol.encode_event("dump-ready", modules=["vllm"], sys_path=["/s"])
     assert protocol.missing_fields(protocol.decode(line)) == []
     assert protocol.missing_fields({"event": "dump-ready", "modules": []}) == ["sys_path"]
@@ -80,8 +87,11 @@ def test_the_engine_and_the_fake_engine_send_each_events_fields(path):
     calls = emit_calls(ROOT / path)
     assert calls
     wrong = [(line, ev, sorted(kws)) for line, ev, kws in calls
-             if kws is not None and kws != set(protocol.EVENT_FIELDS[ev])]
+             if kws is not None and not set(protocol.EVENT_FIELDS[ev]) <= kws
+             <= set(protocol.EVENT_FIELDS[ev]) | set(protocol.OPTIONAL_FIELDS.get(ev, ()))]
     assert wrong == []
+    # each records the HTTP canary's expectation (optional only for the supervisor's sake)
+    assert [kws for _, ev, kws in calls if ev == "initialized"] == [{"oracle", "canary", "info"}]
 
 
 def test_the_supervisor_refuses_an_event_without_its_fields(tmp_path):

@@ -27,6 +27,7 @@ import dataclasses
 
 from vllm_snapshot.dev.fakegpu import FAKE_GPU, FakeGpuCheckpoint, FakeGpuHost
 from vllm_snapshot.effects.tools import local_tools
+from vllm_snapshot.engine.protocol import CANARY_PROMPT
 
 from conftest import TINY
 from test_integration import engine_pids, free_port
@@ -89,6 +90,12 @@ def calls(fake_cuda: Path) -> list[str]:
             if not ln.startswith("get-restore-tid")]
 
 
+def prompts(port: int) -> list[str]:
+    """The prompts of the completions the fake engine serving ``port`` answered."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/prompts", timeout=10) as resp:
+        return json.loads(resp.read())["prompts"]
+
+
 def calls_in_log(snap) -> list[str]:
     return [line.split()[1] for line in (snap / "engine-create.log").read_text().splitlines() if line.startswith("CALL ")]
 
@@ -98,8 +105,10 @@ def test_gpu_create_rehearses_then_sleeps_and_restore_wakes_before_oracle(tmp_pa
     m = ops.create(ops.CreateRequest(model=str(TINY), target=snap, sleep_level=2), Reporter(), tools=fake_tools).manifest
     assert m == mf.read(snap)
     assert m.engine.kind == "cuda" and m.engine.sleep_level == 2 and not m.engine.full_state_captured
-    # rehearsal: sleep -> wake (reload) -> oracle must match -> sleep again, then the dump
-    assert calls_in_log(snap) == ["sleep", "wake", "oracle", "sleep", "prepare-dump"]
+    # rehearsal: sleep -> wake (reload) -> oracle, then the canary record, must match -> sleep
+    # again, then the dump
+    assert calls_in_log(snap) == ["sleep", "wake", "oracle", "oracle", "sleep", "prepare-dump"]
+    assert m.canary is not None and m.canary.prompt == CANARY_PROMPT and m.canary.token_id != m.oracle.token_id
     assert m.host["cuda_checkpoint_helper"] == "vllm-snapshot protocol 2"
     assert m.host["gpu_uuid_used"] == FAKE_GPU and m.host["cuda_plugin"].startswith("sha256:")
     log = (snap / "criu-dump.log").read_text()
@@ -119,6 +128,7 @@ def test_gpu_create_rehearses_then_sleeps_and_restore_wakes_before_oracle(tmp_pa
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/calls", timeout=10) as resp:
             seen = json.loads(resp.read())["calls"]
         assert seen == ["attach", "wake", "oracle", "serve"]  # wake + reload before the oracle, bind last
+        assert prompts(port) == [CANARY_PROMPT]  # the HTTP canary asked the recorded canary's prompt
         # CRIU's RESUME_DEVICES_LATE ran restore + unlock through the helper; the state is running
         assert calls(fake_cuda)[2:] == ["restore CUDA_SUCCESS", "unlock CUDA_SUCCESS"]
         assert (fake_cuda / "state").read_text() == "0"
@@ -192,6 +202,28 @@ def test_gpu_rehearsal_mismatch_refuses_create(tmp_path, fake_tools, monkeypatch
     assert "logprob" in ei.value.message
     assert not snap.exists() and not list(tmp_path.glob(".bad.tmp-*"))
     assert engine_pids(10, before) - before == set()
+
+
+def test_a_snapshot_without_a_canary_record_restores_with_the_oracles_prompt_as_canary(tmp_path, fake_tools):
+    """A snapshot made before canary records (its manifest has no ``canary`` key, the digest
+    over that text): the restore's HTTP canary sends the oracle's prompt and expects the oracle."""
+    import blake3
+
+    snap = tmp_path / "old"
+    ops.create(ops.CreateRequest(model=str(TINY), target=snap, sleep_level=0), Reporter(), tools=fake_tools)
+    doc = json.loads((snap / mf.MANIFEST).read_text())
+    assert doc.pop("canary")["prompt"] == CANARY_PROMPT
+    doc["digest"] = blake3.blake3(mf._canonical(doc)).hexdigest()
+    (snap / mf.MANIFEST).write_text(json.dumps(doc))
+    assert mf.read(snap).canary is None
+    port = free_port()
+    r, engine = ops.restore(ops.RestoreRequest(snapshot=snap, port=port, detach=True), Reporter(), tools=fake_tools)
+    try:
+        assert prompts(port) == [mf.read(snap).oracle.prompt]
+    finally:
+        engine.kill(grace=5)
+        engine.close()
+        fake_tools.runtime.unregister(r.pid)
 
 
 def test_gpu_sleep_level_0_captures_everything(tmp_path, fake_tools):

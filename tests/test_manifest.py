@@ -7,7 +7,7 @@ import os
 import stat
 
 import pytest
-from helpers import make_manifest, manifest_fields
+from helpers import make_canary, make_manifest, manifest_fields
 from pydantic import ValidationError
 
 from vllm_snapshot.store import layout, manifest
@@ -246,6 +246,25 @@ def test_network_defaults_to_host_for_older_snapshots():
     doc["digest"] = __import__("blake3").blake3(manifest._canonical(doc)).hexdigest()
     m = manifest.parse(json.dumps(doc))
     assert m.engine.network == "host"
+
+
+def test_the_canary_record_round_trips_and_an_older_manifest_without_it_reads_as_none(tmp_path):
+    m = make_manifest(canary=make_canary())
+    manifest.write_atomic(m, tmp_path)
+    assert manifest.read(tmp_path).canary == make_canary() and _doc(m)["canary"]["prompt"] == make_canary().prompt
+    # a snapshot made before canary records: no key at all (the digest covers the stored text)
+    doc = _doc(make_manifest())
+    del doc["canary"]
+    doc["digest"] = __import__("blake3").blake3(manifest._canonical(doc)).hexdigest()
+    old = manifest.parse(json.dumps(doc))
+    assert old.canary is None and old.oracle == make_manifest().oracle
+    # the record is checked like the oracle's; an edit of it is refused by the digest
+    bad = _doc(m)
+    bad["canary"]["token_id"] = "17"
+    assert "$.canary.token_id" in _parse_err(bad)
+    edited = _doc(m)
+    edited["canary"]["logprob"] = -0.4
+    assert "digest" in _parse_err(edited)
 
 
 def test_network_isolated_round_trips_and_unknown_values_are_refused(tmp_path):

@@ -21,8 +21,8 @@ from vllm_snapshot.errors import (
 )
 from vllm_snapshot.report.progress import Reporter
 
-from fakes import HOST, FakeEngineTools, FakeModelTools, FakeWorld, isolated_manifest, manifest_with
-from helpers import make_manifest, make_oracle
+from fakes import HOST, FakeEngine, FakeEngineTools, FakeModelTools, FakeWorld, isolated_manifest, manifest_with
+from helpers import make_canary, make_manifest, make_oracle
 
 SNAP = Path("/snaps/tiny")
 
@@ -461,6 +461,36 @@ def test_rehearsal_mismatch_publishes_nothing_and_kills_the_engine():
     assert t.engine.killed and t.discarded == [SNAP.parent / ".tiny.tmp-x"]
 
 
+def test_create_records_the_canary_beside_the_oracle_not_in_the_key():
+    res = _create(FakeWorld())
+    assert res.manifest.canary == make_canary() and res.manifest.oracle == make_oracle()
+    none = FakeWorld()
+    none.canary = None  # an engine root that records no canary: restores ask the oracle's prompt
+    plain = _create(none).manifest
+    assert plain.canary is None and plain.key == res.manifest.key
+
+
+def test_rehearsal_asks_the_canary_with_its_prompt_and_refuses_a_changed_one(monkeypatch):
+    t = FakeWorld(kind="cuda")
+    assert _create(t).manifest.canary == make_canary()
+    assert [c for c in t.calls if c.startswith("engine.")][:5] == [
+        "engine.sleep", "engine.wake", "engine.oracle", "engine.oracle", "engine.sleep"]
+    real = FakeEngine.wait_event
+
+    def woken_changes_the_canary(self, name, timeout):  # the reload moved the canary's logprob only
+        ev = real(self, name, timeout)
+        if name == "woken":
+            self.canary = make_canary(logprob=-0.75)
+        return ev
+
+    monkeypatch.setattr(FakeEngine, "wait_event", woken_changes_the_canary)
+    changed = FakeWorld(kind="cuda")
+    with pytest.raises(OracleMismatchError, match="rehearsal changed the canary") as ei:
+        _create(changed)
+    assert "logprob" in ei.value.message and ei.value.exit_code == 6
+    assert "publish" not in changed.calls and changed.engine.killed
+
+
 def test_failed_dump_removes_the_temp_dir_and_keeps_the_criu_log():
     err = CriuError("CRIU dump failed; log excerpt:\nError (criu/mount.c): FS mnt ./mnt/x unsupported",
                     hint="full log: /var/log/vllm-snapshot/criu-dump-x.log")
@@ -702,6 +732,83 @@ def test_http_canary_sends_the_oracles_request_and_treats_garbage_as_a_mismatch(
         assert any("logprob" in d for d in t.http_canary(url, m))  # NaN: a mismatch
     finally:
         srv.shutdown()
+
+
+class _Completions:
+    """A loopback ``/v1/completions`` answering each prompt with the oracle ``answers`` holds
+    for it (another prompt: 404); ``prompts``: the prompts asked, in order."""
+
+    def __init__(self, *answers):
+        import json as _json
+        import threading
+        from http.server import BaseHTTPRequestHandler, HTTPServer
+
+        by_prompt = {o.prompt: o for o in answers}
+        prompts = self.prompts = []
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                prompt = _json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompt"]
+                prompts.append(prompt)
+                o = by_prompt.get(prompt)
+                data = _json.dumps({"choices": [{"text": o.text, "token_ids": [o.token_id],
+                                                 "logprobs": {"token_logprobs": [o.logprob]}}]} if o else {}).encode()
+                self.send_response(200 if o else 404)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.srv = HTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.srv.server_address[1]}"
+        threading.Thread(target=self.srv.serve_forever, daemon=True).start()
+
+    def wire(self, t: FakeWorld) -> None:
+        """Make ``t``'s restore run the real HTTP canary against this server."""
+        from vllm_snapshot.effects import http
+
+        t.tools.engine.http_canary = lambda url, m, api_key=None: http.canary(self.url, m, api_key)
+
+
+def test_canary_request_asks_the_recorded_canary_else_the_oracles_prompt():
+    from vllm_snapshot.effects.http import canary_expected, canary_request
+
+    new, old = manifest_with(canary=make_canary()), manifest_with()
+    assert canary_expected(new) == make_canary() and canary_request(new)["prompt"] == make_canary().prompt
+    assert canary_expected(old) == old.oracle and canary_request(old)["prompt"] == old.oracle.prompt
+    # the same request otherwise: greedy, one token, seeded, neutral sampling values
+    assert {**canary_request(new), "prompt": None} == {**canary_request(old), "prompt": None}
+
+
+@pytest.mark.parametrize("recorded", [make_canary(), None])
+def test_restore_sends_the_recorded_canary_or_for_an_older_snapshot_the_oracles_prompt(recorded):
+    srv = _Completions(make_oracle(), make_canary())
+    try:
+        t = FakeWorld(manifest=manifest_with(canary=recorded))
+        srv.wire(t)
+        r, engine = _restore(t)
+        assert "register" in t.calls and not engine.killed
+        assert srv.prompts == [make_canary().prompt if recorded else make_oracle().prompt]
+    finally:
+        srv.srv.shutdown()
+
+
+def test_a_wrong_recorded_canary_refuses_as_a_canary_mismatch():
+    srv = _Completions(make_oracle(), make_canary())
+    try:
+        t = FakeWorld(manifest=manifest_with(canary=make_canary(token_id=18, text=" here")))
+        srv.wire(t)
+        with pytest.raises(OracleMismatchError) as ei:
+            _restore(t)
+    finally:
+        srv.srv.shutdown()
+    e = ei.value
+    assert e.exit_code == 6 and e.code == "oracle-mismatch"
+    assert e.message.startswith("the HTTP canary differs from the oracle; stopped the engine:\n  ")
+    assert "canary token_id: expected 18, got 17" in e.message and "canary text: expected ' here'" in e.message
+    assert srv.prompts == [make_canary().prompt] and t.engine.killed and "register" not in t.calls
 
 
 def test_not_enough_memory_refuses_before_staging_or_criu():

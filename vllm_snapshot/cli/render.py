@@ -72,8 +72,7 @@ def _line(text: str) -> None:
 
 
 def _token_text(text: str) -> str:
-    """The oracle's token text, readable: an empty text is a partial UTF-8 character (byte
-    tokens), not a missing oracle."""
+    """The oracle's token text, readable: empty is a partial UTF-8 character, not a missing oracle."""
     return repr(text) if text else "'' (part of a UTF-8 character)"
 
 
@@ -430,8 +429,9 @@ def manifest_table(m: Manifest, path: str) -> None:
                   f" [dim]({main}; `inspect --json` lists all)[/]")
     else:
         t.add_row("code", "[dim](not pinned: made before code identity; only the files the tree had open are checked)[/]")
-    o = m.oracle
+    o, k = m.oracle, m.canary or m.oracle  # the HTTP canary's record; older snapshots: the oracle's prompt
     t.add_row("oracle", f"{o.prompt!r} → token {o.token_id} {_token_text(o.text)}, logprob {o.logprob:.6f}")
+    t.add_row("canary", f"{k.prompt!r} → token {k.token_id} {_token_text(k.text)}" + ("" if m.canary else " [dim](the oracle's)[/]"))
     t.add_row("images", f"{len(m.images)} files, raw {human_bytes(m.sizes['raw'])}, stored {human_bytes(m.sizes['stored'])}"
               + (f" ({100 * m.sizes['stored'] / max(1, m.sizes['raw']):.1f}%)" if m.sizes['raw'] else ""))
     t.add_row("compression", ", ".join(sorted({i.compression for i in m.images})) or "none")

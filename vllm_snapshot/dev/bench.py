@@ -48,9 +48,20 @@ def tree_memory(pid: int) -> dict:
     return {"rss": rss, "pss": pss, "processes": len(procs)}
 
 
+#: The benchmarks' "first completion": a cold start's timing ends at the first one that
+#: succeeds, a restore's at one right after the restore returned, so both sides do the same work.
+FIRST_COMPLETION = {"prompt": "Hello", "max_tokens": 1}
+
+
+def first_completion(port: int, served: str, timeout: float = 5) -> tuple[int, dict | str]:
+    """POST :data:`FIRST_COMPLETION` (one token of "Hello") for the model served as ``served``
+    to ``http://127.0.0.1:port``; (HTTP status, parsed body). Raises URLError/OSError."""
+    return http_json(f"http://127.0.0.1:{port}/v1/completions", {"model": served, **FIRST_COMPLETION}, timeout=timeout)
+
+
 def cold_start(model: Path, port: int, engine_args: list[str] | None = None, memory: dict | None = None) -> float:
     """Seconds from launching ``vllm.entrypoints.openai.api_server`` (``engine_args``, default
-    the demo's) to its first successful completion; the server is stopped afterwards. With
+    the demo's) to its first successful completion (:func:`first_completion`); the server is stopped afterwards. With
     ``memory`` (a dict), :func:`tree_memory` of the server's tree after that completion is put
     into it. Raises EngineError."""
     import getpass
@@ -80,8 +91,7 @@ def cold_start(model: Path, port: int, engine_args: list[str] | None = None, mem
             if time.monotonic() - t0 > COLD_TIMEOUT_S:
                 raise EngineError("cold-start server did not answer in time")
             try:
-                status, _ = http_json(f"http://127.0.0.1:{port}/v1/completions", {
-                    "model": served, "prompt": "Hello", "max_tokens": 1}, timeout=5)
+                status, _ = first_completion(port, served)
                 if status == 200:
                     took = time.monotonic() - t0
                     if memory is not None:

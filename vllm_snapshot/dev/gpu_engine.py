@@ -22,9 +22,10 @@ through a pipe from the root to the child:
   (:func:`vllm_snapshot.engine.weights._hand_over`, the vLLM worker's own path) and keeps the
   published file's read-only fd open, which CRIU dumps and re-opens at restore; the wake reads
   the fd (a GPU vLLM engine's ``--weights file`` wake, :data:`vllm_snapshot.engine.weights.FILL_RPC`).
-* ``oracle`` (and every ``POST /v1/completions`` once serving): a checksum computed on the
-  GPU memory -- a kernel's int64 sum over the range (torch over ``__cuda_array_interface__``)
-  and the sha256 of a device-to-host copy of every byte -- as the oracle's ``text``. A restored
+* ``oracle`` (the canary's record too, and every ``POST /v1/completions`` once serving): a
+  checksum computed on the GPU memory -- a kernel's int64 sum over the range (torch over
+  ``__cuda_array_interface__``) and the sha256 of a device-to-host copy of every byte -- as the
+  oracle's ``text``, whatever the prompt. A restored
   engine whose wake did not bring the weights back answers another text (or an error), so the
   oracle check of ``restore`` proves the wake.
 
@@ -357,7 +358,7 @@ def _serve(sock, host: str, port: int, answer) -> None:
 
 def root_main(spec_json: str) -> int:
     """The engine root (see the module doc). Returns its exit status."""
-    from ..engine.protocol import decode
+    from ..engine.protocol import CANARY_PROMPT, decode
     from ..engine.spec import EngineSpec
     from ..host.procs import mark_served, set_parent_death_signal
 
@@ -395,7 +396,9 @@ def root_main(spec_json: str) -> int:
         return 1
     prompt = spec.oracle_prompt
     print(f"gpu_engine: CUDA child {child.proc.pid}: {json.dumps(child.ready)}", flush=True)
+    # the HTTP canary's record too, as the real engine root (its answer does not depend on the prompt)
     emit("initialized", oracle=_oracle(prompt, child.ready["checksum"]),
+         canary=_oracle(CANARY_PROMPT, child.ready["checksum"]),
          info={"kind": "cuda", "vllm": "none (vllm_snapshot.dev.gpu_engine)", "torch": child.ready["torch"],
                "served_model_name": spec.served_model_name or MODEL_TYPE,
                "normalized_args": {"raw": json.dumps(list(spec.engine_args))}})
@@ -408,7 +411,7 @@ def root_main(spec_json: str) -> int:
         print(f"CALL {name}", flush=True)
         try:
             if name == "oracle":
-                emit("oracle", oracle=_oracle(prompt, child.ask("answer")["checksum"]))
+                emit("oracle", oracle=_oracle(cmd.get("prompt") or prompt, child.ask("answer")["checksum"]))
             elif name == "sleep":
                 child.ask("sleep")
                 emit("slept")

@@ -1,5 +1,6 @@
 """HTTP to the engine this process just bound: the JSON request helper, ``/health``, and the
-canary (one completion of the oracle prompt compared with the oracle,
+canary (one completion of the prompt create recorded for it -- the manifest's ``canary``, else,
+in snapshots made before that, the oracle's -- compared with that record,
 :func:`vllm_snapshot.store.oracle.compare_http`)."""
 
 from __future__ import annotations
@@ -9,15 +10,23 @@ import urllib.error
 import urllib.request
 
 from ..store.manifest import Manifest
+from ..store.oracle import Oracle
+
+
+def canary_expected(m: Manifest) -> Oracle:
+    """What the HTTP canary of ``m`` asks and expects: the manifest's ``canary`` (a short prompt
+    create recorded with the oracle's request, so the restore's second forward pass is cheap),
+    else the oracle itself (a snapshot made before canaries were recorded). Pure."""
+    return m.canary if m.canary is not None else m.oracle
 
 
 def canary_request(m: Manifest) -> dict:
-    """The HTTP canary's body: the oracle's own request -- greedy, exactly one token
-    (``min_tokens`` masks EOS as the in-engine oracle does), seeded, token ids returned -- with
-    neutral sampling values sent explicitly, so defaults from the model's
-    ``generation_config.json`` (which vLLM's server applies to requests, not to the engine's own
-    oracle) cannot change it. Pure."""
-    return {"model": m.model.served_name, "prompt": m.oracle.prompt, "max_tokens": 1, "min_tokens": 1,
+    """The HTTP canary's body for the prompt of :func:`canary_expected`: the oracle's own
+    request -- greedy, exactly one token (``min_tokens`` masks EOS as the in-engine oracle
+    does), seeded, token ids returned -- with neutral sampling values sent explicitly, so
+    defaults from the model's ``generation_config.json`` (which vLLM's server applies to
+    requests, not to the engine's own oracle) cannot change it. Pure."""
+    return {"model": m.model.served_name, "prompt": canary_expected(m).prompt, "max_tokens": 1, "min_tokens": 1,
             "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
             "presence_penalty": 0.0, "frequency_penalty": 0.0, "seed": 0, "logprobs": 5,
             "return_token_ids": True}
@@ -62,8 +71,8 @@ def health(url: str) -> bool:
 
 
 def canary(url: str, m: Manifest, api_key: str | None = None) -> list[str]:
-    """Differences between an HTTP completion of the oracle prompt (:func:`canary_request`)
-    and the oracle of ``m``; a failed or malformed answer is one difference."""
+    """Differences between an HTTP completion (:func:`canary_request`) and what create recorded
+    for it (:func:`canary_expected`); a failed or malformed answer is one difference."""
     from ..store import oracle
 
     try:
@@ -76,6 +85,6 @@ def canary(url: str, m: Manifest, api_key: str | None = None) -> list[str]:
         choice = body["choices"][0]
         lps = (choice.get("logprobs") or {}).get("token_logprobs") or [None]
         ids = choice.get("token_ids") or [None]
-        return oracle.compare_http(m.oracle, choice.get("text"), lps[0], ids[0])
+        return oracle.compare_http(canary_expected(m), choice.get("text"), lps[0], ids[0])
     except (KeyError, IndexError, TypeError, AttributeError) as e:
         return [f"canary response is malformed ({type(e).__name__}: {e}): {str(body)[:200]}"]

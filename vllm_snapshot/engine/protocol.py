@@ -11,7 +11,8 @@ dump their identities (``pipe:[inode]``) are recorded per role in the manifest:
 
 Commands (``{"cmd": NAME, ...}``):
 
-* ``oracle`` -- replay the oracle; answered by ``oracle``.
+* ``oracle`` ``[{prompt}]`` -- replay the oracle (with ``prompt``: the same request on that
+  prompt, create's rehearsal of the canary record); answered by ``oracle``.
 * ``sleep`` ``{level}`` -- reset the prefix cache and sleep; answered by ``slept``.
 * ``wake`` -- wake up, reload weights (level 2), reset the prefix cache; answered by ``woken``.
 * ``prepare-dump`` -- build the HTTP app, clear the parent-death signal; answered by ``dump-ready``.
@@ -30,9 +31,12 @@ Commands (``{"cmd": NAME, ...}``):
 * ``exit`` -- exit cleanly.
 
 Events (``{"event": NAME, ...}``; each event's fields are :data:`EVENT_FIELDS`, which the
-encoder enforces and the supervisor checks on receipt):
+encoder enforces and the supervisor checks on receipt, plus those of :data:`OPTIONAL_FIELDS`):
 
-* ``initialized`` ``{oracle, info}`` -- the engine is up; ``info``: kind, vllm, torch, served_model_name.
+* ``initialized`` ``{oracle, info[, canary]}`` -- the engine is up; ``info``: kind, vllm, torch,
+  served_model_name; ``canary``: the same one-token result for :data:`CANARY_PROMPT`, what the
+  HTTP canary of every restore expects (optional: an engine root that does not record it leaves
+  the restores' canary on the oracle's prompt).
 * ``oracle`` ``{oracle}``, ``slept``, ``woken``, ``attached``.
 * ``dump-ready`` ``{modules, sys_path}``: the top-level names of the engine root's
   ``sys.modules`` and its ``sys.path`` (what :mod:`vllm_snapshot.host.codeid` pins).
@@ -75,6 +79,19 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "binding": ("address",),
     "error": ("kind", "message"),
 }
+#: event -> the payload fields it may carry besides its :data:`EVENT_FIELDS` (the encoder accepts
+#: them, nobody requires them).
+OPTIONAL_FIELDS: dict[str, tuple[str, ...]] = {"initialized": ("canary",)}
+#: The prompt of the HTTP canary (``initialized``'s ``canary``), a constant. The in-engine oracle
+#: already proves the engine computes what create recorded; the canary proves the HTTP path
+#: (server, OpenAI serving layer, handed-over socket, tokenizer both ways) answers it, which
+#: any prompt does, and a restore pays its prefill: on CPU prefill is compute-bound (the large
+#: test model, 2 GiB of float32 weights: 0.48-0.50 s for the 11 tokens of "Once upon a time",
+#: 0.16-0.19 s for the 2 of "Hi"), so a short plain one. "Hi" is one ASCII word: a token or two
+#: in any tokenizer, nothing a server strips or rejects (an empty prompt is refused). Not part
+#: of the snapshot key: the engine behaves the same whatever the prompt; changing it changes
+#: only what later creates record.
+CANARY_PROMPT = "Hi"
 #: The fields of ``initialized``'s ``info``.
 INFO_FIELDS = ("kind", "vllm", "torch", "served_model_name", "normalized_args")
 EVENTS = tuple(EVENT_FIELDS)
@@ -89,12 +106,14 @@ def encode_command(name: str, **kw) -> str:
 
 def encode_event(name: str, **kw) -> str:
     """One event line (with ``\\n``). Raises ValueError for a name not in :data:`EVENTS`, or
-    fields other than its :data:`EVENT_FIELDS` (``initialized``: its ``info`` other than
-    :data:`INFO_FIELDS`)."""
+    fields other than its :data:`EVENT_FIELDS` (all of them) and :data:`OPTIONAL_FIELDS`
+    (``initialized``: its ``info`` other than :data:`INFO_FIELDS`)."""
     if name not in EVENTS:
         raise ValueError(f"unknown engine event {name!r}")
-    if set(kw) != set(EVENT_FIELDS[name]):
-        raise ValueError(f"engine event {name!r} takes the fields {list(EVENT_FIELDS[name])}, not {sorted(kw)}")
+    required, optional = set(EVENT_FIELDS[name]), set(OPTIONAL_FIELDS.get(name, ()))
+    if not required <= set(kw) <= required | optional:
+        raise ValueError(f"engine event {name!r} takes the fields {list(EVENT_FIELDS[name])}"
+                         + (f" (optional: {sorted(optional)})" if optional else "") + f", not {sorted(kw)}")
     if name == "initialized" and (not isinstance(kw["info"], dict) or set(kw["info"]) != set(INFO_FIELDS)):
         raise ValueError(f"the info of engine event 'initialized' takes the fields {list(INFO_FIELDS)}")
     return json.dumps({"event": name, **kw}) + "\n"

@@ -4,7 +4,8 @@ its own mount namespace and a loopback-only network namespace, see
 
 ``python -m vllm_snapshot.entrypoints.engine_root SPEC_JSON``; SPEC is ``{"model", "engine_args",
 "oracle_prompt", "sleep_level"}``. It builds a vLLM engine client (AsyncLLM: this process is the
-API process, EngineCore and workers are its children), records the oracle, then obeys commands
+API process, EngineCore and workers are its children), records the oracle (and the HTTP canary's
+expectation), then obeys commands
 on fd 0 and reports events on fd 3 (see :mod:`vllm_snapshot.engine.protocol`). The engine never
 binds the HTTP port itself: on ``serve``, which the supervisor sends after a restored oracle
 matched, it receives the listening socket the supervisor bound in the host's network namespace.
@@ -23,7 +24,7 @@ import traceback
 
 from ..engine import args as engine_args_rules
 from ..engine.args import PARALLEL_SIZES, argparse_reason, normalize_args, stray_error, unrestorable
-from ..engine.protocol import FD_EVENTS, cut_line, decode, drain_line, encode_event
+from ..engine.protocol import CANARY_PROMPT, FD_EVENTS, cut_line, decode, drain_line, encode_event
 from ..engine.spec import EngineSpec
 from ..host.procs import set_parent_death_signal
 
@@ -353,10 +354,13 @@ async def run(spec: EngineSpec) -> int:
             emit("error", kind="usage", message=f"invalid engine arguments: {reason}")
             return 2
         oracle = await run_oracle(engine, spec.oracle_prompt)
+        # what the HTTP canary of every restore expects: the same request on a short prompt
+        # (engine/protocol.py CANARY_PROMPT), so the restore's second forward pass is cheap
+        canary = await run_oracle(engine, CANARY_PROMPT)
         import torch
         import vllm
 
-        emit("initialized", oracle=oracle, info={
+        emit("initialized", oracle=oracle, canary=canary, info={
             "kind": kind, "vllm": vllm.__version__, "torch": torch.__version__,
             "served_model_name": (args.served_model_name or [args.model])[0],
             "normalized_args": normalized,
@@ -369,7 +373,7 @@ async def run(spec: EngineSpec) -> int:
             name = cmd.get("cmd")
             try:
                 if name == "oracle":
-                    emit("oracle", oracle=await run_oracle(engine, spec.oracle_prompt))
+                    emit("oracle", oracle=await run_oracle(engine, cmd.get("prompt") or spec.oracle_prompt))
                 elif name == "sleep":
                     await engine.reset_prefix_cache()
                     await engine.sleep(level=int(cmd.get("level", sleep_level)))

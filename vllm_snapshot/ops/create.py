@@ -5,8 +5,9 @@
    model, the Python environment and HOME usable by the engine user -- all before the engine
    starts;
 2. per-snapshot lock, private temp dir beside the target;
-3. model digest; scrubbed environment; engine start (PID + mount namespace) -> oracle;
-4. CUDA: sleep rehearsal (sleep, wake, reload, oracle must match, sleep again);
+3. model digest; scrubbed environment; engine start (PID + mount namespace) -> oracle and the
+   HTTP canary's record;
+4. CUDA: sleep rehearsal (sleep, wake, reload, oracle and canary record must match, sleep again);
 5. prepare-dump (app prebuilt, parent-death signal cleared, GC heap frozen, children prepared:
    gc, malloc_trim, all-zero KV-cache pages given back -- see engine/prep.py);
 6. inventory (refuse what CRIU cannot restore, and a tree not running as the engine user
@@ -332,20 +333,25 @@ def start_failure(e: EngineError, kept: Path | None, model_dir: Path) -> EngineE
                        details={**ev, "log": str(kept) if kept is not None else None})
 
 
-def _rehearse_sleep(engine: Engine, level: int, recorded: oracle.Oracle, clock: Callable[[], float]) -> float:
-    """sleep -> wake (reload) -> oracle must match -> sleep again. Returns the seconds the wake
-    took (``clock``: monotonic seconds). Raises OracleMismatchError, EngineError."""
+def _rehearse_sleep(engine: Engine, level: int, recorded: oracle.Oracle, clock: Callable[[], float],
+                    canary: oracle.Oracle | None = None) -> float:
+    """sleep -> wake (reload) -> oracle must match (and the recorded ``canary``, asked with its
+    prompt: every restore's HTTP canary compares with it after a wake too) -> sleep again.
+    Returns the seconds the wake took (``clock``: monotonic seconds). Raises
+    OracleMismatchError, EngineError."""
     engine.send("sleep", level=level)
     engine.wait_event("slept", SLEEP_TIMEOUT_S)
     t0 = clock()
     engine.send("wake")
     engine.wait_event("woken", WAKE_TIMEOUT_S)
     woke_s = clock() - t0
-    engine.send("oracle")
-    again = oracle.Oracle.model_validate(engine.wait_event("oracle", SLEEP_TIMEOUT_S)["oracle"])
-    diffs = oracle.compare(recorded, again)
-    if diffs:
-        raise OracleMismatchError("sleep/wake rehearsal changed the oracle: " + "; ".join(diffs))
+    checks = [("oracle", recorded, {})] + ([("canary", canary, {"prompt": canary.prompt})] if canary is not None else [])
+    for what, expected, kw in checks:
+        engine.send("oracle", **kw)
+        again = oracle.Oracle.model_validate(engine.wait_event("oracle", SLEEP_TIMEOUT_S)["oracle"])
+        diffs = oracle.compare(expected, again)
+        if diffs:
+            raise OracleMismatchError(f"sleep/wake rehearsal changed the {what}: " + "; ".join(diffs))
     engine.send("sleep", level=level)
     engine.wait_event("slept", SLEEP_TIMEOUT_S)
     return woke_s
@@ -360,6 +366,7 @@ def wake_timeout_s(m: manifest.Manifest) -> float:
 
 def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, revision: str | None, files: tuple, info: dict,
                    recorded: oracle.Oracle, sleep_level: int, env: dict[str, str], criu_ver: str,
+                   canary: oracle.Oracle | None = None,
                    host: dict[str, str], inv: Inventory, inherit: dict[str, str], dump_opts: criu.DumpOptions,
                    externals: tuple, images: tuple, extra: tuple, timings: dict[str, float],
                    carried: manifest.Carried | None = None,
@@ -369,8 +376,9 @@ def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, revisio
                    rehearsal_wake_s: float | None = None, cuda_pids: tuple[int, ...] = (),
                    env_scrubbed: bool | None = None,
                    weights: manifest.WeightsFile | None = None) -> manifest.Manifest:
-    """The manifest of a finished dump (unsealed). ``env_scrubbed``: the engine's environment
-    ``env`` is what the scrubber gives without ``--keep-env`` (push requires it). Pure."""
+    """The manifest of a finished dump (unsealed). ``canary``: the HTTP canary's record (None:
+    the engine sent none, restores use the oracle's prompt). ``env_scrubbed``: the engine's
+    environment ``env`` is what the scrubber gives without ``--keep-env`` (push requires it). Pure."""
     return manifest.Manifest(
         schema_version=manifest.SCHEMA_VERSION,
         tool_version=__version__,
@@ -384,6 +392,7 @@ def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, revisio
             requested=req.model, path=str(model_dir), served_name=info["served_model_name"],
             files=files, total_bytes=sum(f.size for f in files), revision=revision),
         oracle=recorded,
+        canary=canary,
         criu=manifest.CriuInfo(
             version=criu_ver, flags=dump_opts.flags, inherit=inherit, pid_namespace=True,
             root_pid=dump_opts.pid, tree_pids=inv.pids, tree_commands=inv.commands,
@@ -439,6 +448,9 @@ def _create_locked(t: Tools, req: CreateRequest, rep: Reporter, target: Path, mo
         if weights is not None and info["kind"] == "cuda":  # kept open as the level-2 wake's source, not mapped
             weights = weights.model_copy(update={"use": "wake"})
         recorded = oracle.Oracle.model_validate(init["oracle"])
+        # the HTTP canary's record (engine/protocol.py CANARY_PROMPT): not part of the key below,
+        # it changes nothing the engine does; an engine that sent none leaves the oracle's prompt
+        canary = oracle.Oracle.model_validate(init["canary"]) if init.get("canary") is not None else None
         check_cpu_kv_cache(req.engine_args, t.host.environ(), info["kind"])  # the device vLLM actually chose
         host = t.host.host_identity(info["kind"])
         key = snapkey.build(requested_model=req.model, engine_args=req.engine_args, keep_env=req.keep_env,
@@ -450,7 +462,7 @@ def _create_locked(t: Tools, req: CreateRequest, rep: Reporter, target: Path, mo
         woke_s = None
         if sleep_level:
             with rep.phase("sleep", f"sleep level {sleep_level} (rehearsal: wake, reload, oracle)"):
-                woke_s = round(_rehearse_sleep(engine, sleep_level, recorded, t.clock.monotonic), 3)
+                woke_s = round(_rehearse_sleep(engine, sleep_level, recorded, t.clock.monotonic, canary), 3)
         engine.send("prepare-dump")
         ready = engine.wait_event("dump-ready", DUMP_READY_TIMEOUT_S)
         with rep.phase("inventory", "checking the tree for what CRIU cannot restore"):
@@ -511,6 +523,7 @@ def _create_locked(t: Tools, req: CreateRequest, rep: Reporter, target: Path, mo
         remaps = []
         m = build_manifest(
             req=req, target=target, model_dir=model_dir, revision=revision, files=files, info=info, recorded=recorded,
+            canary=canary,
             sleep_level=sleep_level, env=env, criu_ver=criu_ver, host={**host, **gpu_id},
             inv=inv, inherit=inherit, dump_opts=dump_opts, externals=externals, images=images, extra=extra,
             carried=carry.carried(carried_files, carried_dirs, blobs),

@@ -309,6 +309,11 @@ class Manifest(_Strict):
     engine: EngineInfo
     model: ModelIdentity
     oracle: Oracle
+    #: what the HTTP canary of a restore expects: the oracle's request on a short fixed prompt
+    #: (engine/protocol.py CANARY_PROMPT), recorded at create right after the oracle; not part
+    #: of the key (the engine behaves the same). Absent in snapshots made before it: their
+    #: canary sends the oracle's prompt and expects the oracle.
+    canary: Oracle | None = None
     criu: CriuInfo
     images: tuple[ImageFile, ...]
     extra_files: tuple[ImageFile, ...] = ()

@@ -101,7 +101,7 @@ PANEL_OF = {
 #: (``--port PORT``), instead of the implementation's types (``<int range>``); others: NAME.upper()
 METAVARS = {
     "drain_timeout": "SECONDS", "sleep_level": "0|1|2", "verify_model": "quick|full", "compress": "none|zstd[:LEVEL]",
-    "weights": "file|in-image", "keep_env": "VAR", "allow_mismatch": "FIELD", "older_than": "AGE", "keep": "N",
+    "weights": "auto|file|in-image", "keep_env": "VAR", "allow_mismatch": "FIELD", "older_than": "AGE", "keep": "N",
     "log_file": "FILE", "snapshot_dir": "DIR", "root": "DIR", "sign_key": "PEM", "verify_key": "PEM",
     "oracle_prompt": "TEXT", "registry": "HOST[:PORT]/REPO", "chunk_size": "SIZE",
 }

@@ -181,8 +181,10 @@ def create(req: CreateRequest, rep: Reporter, tools: Tools | None = None) -> Cre
     t.model.check_model_config(model_dir, req.engine_args)  # a bad config.json: seconds, not a cold start
     check_visible({"model": model_dir, **t.host.code_paths()}, [Path(p) for p in PRIVATE_MOUNTS])
     user = t.host.engine_user(req.user)
+    device = t.host.engine_device()  # vLLM's platform as predicted here: the engine reports the one it chose
+    mode = weights_mode(req.weights, device)
     # the engine maps its weights file from ROOT/.weights: its namespace must keep that mount
-    store = (str(target.parent),) if weights_mode(req.weights, t.host.engine_device()) == "file" else ()
+    store = (str(target.parent),) if mode == "file" else ()
     t.host.check_mounts(model_dir, scrubbed_env(t.host.environ(), req.keep_env, user), also=store)
     if store:  # a ROOT/.weights another user owns or may write is refused now, not adopted after the cold start
         t.files.check_weights_dir(target.parent)
@@ -198,17 +200,16 @@ def create(req: CreateRequest, rep: Reporter, tools: Tools | None = None) -> Cre
                          "refusing to overwrite it",
                          hint="choose another --snapshot-dir/--name (a path where nothing is yet)")
     check_disk_room(target, *t.store.disk_room(target, model_dir))  # not after minutes of cold start
-    device = t.host.engine_device()
     check_cpu_kv_cache(req.engine_args, t.host.environ(), device)
     check_access(user, model_dir, t.host.engine_access(user, model_dir))
     if device == "cuda":
-        if weights_mode(req.weights, device) == "file" and req.sleep_level < 2:
+        if mode == "file" and req.sleep_level < 2:
             raise UsageError(f"--weights file on a GPU makes the weights file the source of the level-2 wake; with "
                              f"--sleep-level {req.sleep_level} the weights never leave the GPU",
                              hint="create with --sleep-level 2, or without --weights file")
         t.host.check_cuda_ready()  # CRIU's plugin + our helper reach the driver, before minutes of engine start
     with t.store.snapshot_lock(target, shared=False, must_exist=False):
-        return _create_locked(t, req, rep, target, model_dir, revision, criu_ver, user)
+        return _create_locked(t, req, rep, target, model_dir, revision, criu_ver, user, mode)
 
 
 def check_disk_room(target: Path, previous: tuple[str, int] | None, free: int) -> None:
@@ -414,7 +415,8 @@ def build_manifest(*, req: CreateRequest, target: Path, model_dir: Path, revisio
 
 
 def _create_locked(t: Tools, req: CreateRequest, rep: Reporter, target: Path, model_dir: Path,
-                   revision: str | None, criu_ver: str, user: privilege.User) -> Created:
+                   revision: str | None, criu_ver: str, user: privilege.User, mode: str) -> Created:
+    """:func:`create` under the snapshot's lock; ``mode``: :func:`weights_mode` on the predicted device."""
     report_reclaimed(rep, t.store.reclaim(target.parent))
     tmp = t.files.prepare_target(target)
     engine: Engine | None = None
@@ -426,7 +428,6 @@ def _create_locked(t: Tools, req: CreateRequest, rep: Reporter, target: Path, mo
         env = scrubbed_env(t.host.environ(), req.keep_env, user)
         env_scrubbed = env == scrubbed_env(t.host.environ(), (), user)  # --keep-env added nothing the scrubber drops
         who = engine_user_record(user)
-        mode = weights_mode(req.weights, t.host.engine_device())
         spec = EngineSpec(
             model=str(model_dir), engine_args=tuple(req.engine_args), oracle_prompt=req.oracle_prompt,
             sleep_level=req.sleep_level,

@@ -443,7 +443,8 @@ print(json.dumps({"out": out, "held": held, "filled": filled, "same": bool(torch
 '''
 
 
-def test_a_gpu_engines_worker_writes_its_parameters_through_the_channel_keeps_the_file_and_wakes_from_it(tmp_path):
+def test_a_gpu_engines_worker_writes_its_parameters_through_the_channel_keeps_the_file_and_wakes_from_it(
+        tmp_path, monkeypatch):
     # the real channel (create's WeightsServer in the tree's own network namespace, the peer
     # checks, publish) and the worker's side of a GPU engine (MODE_WAKE) with CPU tensors: the
     # parameters go into the file, the fd stays open (CRIU re-opens it at restore), and the
@@ -463,13 +464,23 @@ def test_a_gpu_engines_worker_writes_its_parameters_through_the_channel_keeps_th
     # the engine root: a shell in a network namespace of its own; the worker: its child
     tree = subprocess.Popen(["unshare", "--net", "sh", "-c", f'{sys.executable} {script}; exit $?'],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    # create's end reads the worker's last message late (a loaded box): the engine may report
+    # itself started before that; result() must still give what the worker mapped
+    recv = weights_channel._recv
+
+    def late_recv(sock):
+        msg, fd = recv(sock)
+        if msg.get("op") == "mapped":
+            time.sleep(1.0)
+        return msg, fd
+
+    monkeypatch.setattr(weights_channel, "_recv", late_recv)
     try:
         server = weights_channel.WeightsServer(tree.pid, root, os.getuid())
         try:
             stdout, stderr = tree.communicate(timeout=120)
             assert tree.returncode == 0, stderr[-2000:]
-            server.done.wait(10)
-            path, digest, reused, mapped = server.result()
+            path, digest, reused, mapped = server.result()  # not waited for by the test
         finally:
             server.close()
         got = json.loads(stdout.strip().splitlines()[-1])

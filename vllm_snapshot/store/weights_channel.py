@@ -57,6 +57,10 @@ def check_table(msg: dict) -> int:
     return size
 
 
+#: Seconds :meth:`WeightsServer.result` waits for an exchange a worker began.
+RESULT_WAIT_S = 30.0
+
+
 class WeightsServer:
     """Create's end of the weights channel of the engine tree rooted at ``root_pid``: an
     abstract unix socket (:data:`vllm_snapshot.engine.weights.SOCKET_NAME`) in the tree's network
@@ -73,6 +77,8 @@ class WeightsServer:
         self.root_pid = root_pid
         self.engine_uid = engine_uid
         self.done = threading.Event()
+        #: set once a worker connected: its exchange is then awaited by :meth:`result`
+        self.accepted = threading.Event()
         self.error: BaseException | None = None
         self.published: tuple[Path, str, bool] | None = None
         self.mapped: dict | None = None
@@ -116,6 +122,7 @@ class WeightsServer:
             while not self._closed:
                 try:
                     conn, _ = self.sock.accept()
+                    self.accepted.set()
                     break
                 except socket.timeout:
                     continue
@@ -178,8 +185,14 @@ class WeightsServer:
 
     def result(self) -> tuple[Path, str, bool, dict] | None:
         """(path, digest, reused, what the worker mapped) of the published weights file; None
-        when no worker used the channel. Raises SnapshotError (EngineError) naming what failed."""
+        when no worker used the channel. A worker that connected is waited for (at most
+        :data:`RESULT_WAIT_S`): it may have sent its last message, and the engine gone on to
+        report itself started, before this end read it. Raises SnapshotError (EngineError)
+        naming what failed."""
         from ..errors import EngineError
+
+        if self.accepted.is_set():
+            self.done.wait(RESULT_WAIT_S)
 
         if self.error is not None:
             e = self.error
